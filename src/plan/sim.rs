@@ -1,0 +1,1 @@
+//! Deterministic simulator for compiled schedules (see the module docs of [`crate::plan`]).

@@ -1,0 +1,1 @@
+//! CPU reduction kernels (placeholder; see the reduce work item).
