@@ -3,10 +3,17 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod bootstrap;
+pub mod comm;
+pub mod config;
+pub mod engine;
 pub mod error;
 pub mod plan;
 pub mod reduce;
+pub mod transport;
 pub mod types;
 
+pub use comm::{CommInfo, Communicator};
+pub use config::Config;
 pub use error::{Error, Result};
 pub use types::{DataType, Element, ReduceOp};

@@ -1,0 +1,404 @@
+//! The communicator: the public API.
+
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::bootstrap;
+use crate::config::{Config, TransportChoice};
+use crate::engine::{Call, Engine, EngineOptions};
+use crate::error::{Error, Result};
+use crate::plan::{Algorithm, Collective};
+use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::transport::{Transport, TransportKind};
+use crate::types::{Element, ReduceOp};
+
+/// Facts about one rank's connections, for bench headers and debugging.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommInfo {
+    /// Transport in use.
+    pub transport: TransportKind,
+    /// The transport's own description (addresses, device, options).
+    pub transport_detail: String,
+    /// Why the transport is not the fastest one available, if it is not.
+    pub transport_reason: Option<String>,
+    /// Host name of every rank.
+    pub hosts: Vec<String>,
+    /// Ranks on this host.
+    pub local_ranks: usize,
+    /// Busy-poll time before blocking.
+    pub spin: Duration,
+    /// Pipeline segment size.
+    pub segment_bytes: usize,
+    /// Deadline of blocking calls.
+    pub timeout: Duration,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Every rank must call the same collectives in the same order with matching arguments (count,
+/// type, operator, root); ranks that disagree get [`Error::Mismatch`] instead of corrupted data.
+/// Every call has a deadline ([`Config::timeout`]); a dead or silent peer becomes an error on
+/// every surviving rank within it. The first such error *poisons* the communicator: later
+/// calls return it at once. Argument errors ([`Error::InvalidArgument`]) do not.
+///
+/// Methods take `&self` and serialise on an internal lock; calling collectives on one
+/// communicator from several threads at once is safe but their order across ranks is then
+/// up to chance, which is a mismatch waiting to happen.
+///
+/// # Example
+///
+/// ```no_run
+/// use dspark::{Communicator, ReduceOp};
+///
+/// # fn main() -> dspark::Result<()> {
+/// // Rank and world size from DSPARK_RANK / RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID ...,
+/// // the rendezvous from DSPARK_ROOT_ADDR or MASTER_ADDR + MASTER_PORT.
+/// let comm = Communicator::from_env()?;
+/// let mut grads = vec![1.0f32; 1 << 20];
+/// comm.all_reduce(&mut grads, ReduceOp::Avg)?;
+///
+/// let mine = vec![comm.rank() as u32; 4];
+/// let mut everyone = vec![0u32; 4 * comm.world_size()];
+/// comm.all_gather(&mine, &mut everyone)?;
+/// comm.barrier()?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Communicator {
+    rank: usize,
+    world: usize,
+    info: CommInfo,
+    engine: Mutex<Engine>,
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("transport", &self.info.transport)
+            .finish()
+    }
+}
+
+/// Spin time when ranks do not outnumber cores / when they do.
+const SPIN: Duration = Duration::from_micros(50);
+const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(5);
+
+fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
+    EngineOptions {
+        timeout: cfg.timeout,
+        segment_bytes: cfg.segment_bytes,
+        spin: cfg.spin.unwrap_or(if oversubscribed { SPIN_OVERSUBSCRIBED } else { SPIN }),
+        yield_while_spinning: oversubscribed,
+        force_algo: cfg.algo,
+        ..EngineOptions::default()
+    }
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (see [`crate::config`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for bad or missing variables; the errors of [`Communicator::init`].
+    pub fn from_env() -> Result<Self> {
+        Self::init(Config::from_env()?)
+    }
+
+    /// Joins the job described by `config`: rendezvous with the other ranks, connect to every
+    /// one of them, agree on the transport.
+    ///
+    /// # Errors
+    /// [`Error::Config`] (inconsistent settings, rendezvous port in use), [`Error::Timeout`]
+    /// (rank 0 unreachable, ranks missing by the deadline), [`Error::Mismatch`] (ranks of
+    /// another world size, job or version), [`Error::Unavailable`] (`DSPARK_TRANSPORT=verbs`
+    /// that cannot be honoured).
+    pub fn init(config: Config) -> Result<Self> {
+        config.validate()?;
+        if config.transport == TransportChoice::Verbs {
+            return Err(Error::unavailable(
+                "the verbs transport (DSPARK_TRANSPORT=verbs)",
+                "this build has no RDMA verbs transport yet; use DSPARK_TRANSPORT=tcp or auto",
+            ));
+        }
+        let (boot, streams) = bootstrap::rendezvous(&config)?;
+        let local = boot.local_ranks();
+        let oversubscribed = local > cores();
+        let tcp = TcpTransport::new(
+            config.rank,
+            config.world_size,
+            streams,
+            TcpOptions { socket_buffer: config.socket_buffer },
+        )?;
+        let reason = (config.transport == TransportChoice::Auto && config.world_size > 1)
+            .then(|| "no RDMA verbs transport in this build".to_string());
+        let opts = engine_options(&config, oversubscribed);
+        let hosts = boot.peers.iter().map(|p| p.host.clone()).collect();
+        drop(boot);
+        Ok(Self::assemble(config.rank, config.world_size, Box::new(tcp), opts, hosts, local, reason))
+    }
+
+    /// A communicator over an already connected transport (for example
+    /// [`crate::transport::mem`] in tests). `config` supplies the deadline, segment size,
+    /// spin time and algorithm; its rendezvous fields are ignored.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `rank`/`world` are inconsistent.
+    pub fn from_transport(
+        rank: usize,
+        world: usize,
+        transport: Box<dyn Transport>,
+        config: &Config,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(Error::config("rank", format!("rank {rank} of world size {world}")));
+        }
+        let opts = engine_options(config, false);
+        Ok(Self::assemble(rank, world, transport, opts, vec![String::new(); world], world, None))
+    }
+
+    fn assemble(
+        rank: usize,
+        world: usize,
+        transport: Box<dyn Transport>,
+        opts: EngineOptions,
+        hosts: Vec<String>,
+        local_ranks: usize,
+        transport_reason: Option<String>,
+    ) -> Self {
+        let info = CommInfo {
+            transport: transport.kind(),
+            transport_detail: transport.describe(),
+            transport_reason,
+            hosts,
+            local_ranks,
+            spin: opts.spin,
+            segment_bytes: opts.segment_bytes,
+            timeout: opts.timeout,
+        };
+        let engine = Engine::new(rank, world, transport, opts);
+        Communicator { rank, world, info, engine: Mutex::new(engine) }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Transport, addresses and settings.
+    pub fn info(&self) -> &CommInfo {
+        &self.info
+    }
+
+    /// The algorithm `coll` would use for a buffer of `bytes` bytes (the threshold is visible
+    /// here and in the bench header; `DSPARK_ALGO` forces one).
+    pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
+        self.lock().algorithm(coll, bytes)
+    }
+
+    /// The error that poisoned this communicator, if any.
+    pub fn poisoned(&self) -> Option<Error> {
+        self.lock().poisoned().cloned()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Engine> {
+        // A panic while holding the lock cannot leave the engine inconsistent in a way that
+        // matters more than the panic itself; keep serving (the engine is poisoned on error).
+        self.engine.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn invalid(&self, op: Collective, what: String) -> Error {
+        Error::invalid(Some(self.rank), op.name(), what)
+    }
+
+    fn check_rank(&self, op: Collective, what: &str, r: usize) -> Result<()> {
+        if r >= self.world {
+            return Err(self.invalid(op, format!("{what} {r} is not a rank (world size {})", self.world)));
+        }
+        Ok(())
+    }
+
+    fn run<T: Element>(
+        &self,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        root: usize,
+        is_send: bool,
+        src: &[T],
+        dst: &mut [T],
+    ) -> Result<()> {
+        let call = Call { coll, dtype: T::DATA_TYPE, op, count, root, is_send };
+        let span = tracing::trace_span!("collective", coll = coll.name(), count, rank = self.rank);
+        let _g = span.enter();
+        self.lock().run(&call, bytemuck::cast_slice(src), bytemuck::cast_slice_mut(dst))
+    }
+
+    /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
+    /// same result.
+    ///
+    /// # Errors
+    /// See [`Communicator`]: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, transport errors.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        if buf.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::AllReduce, Some(op), buf.len(), 0, false, &[], buf)
+    }
+
+    /// Gathers every rank's `send` into `recv` in rank order (`recv.len() == send.len() ×
+    /// world`).
+    ///
+    /// # Errors
+    /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if recv.len() != send.len().saturating_mul(self.world) {
+            return Err(self.invalid(
+                Collective::AllGather,
+                format!(
+                    "recv has {} elements, expected send ({}) × world ({}) = {}",
+                    recv.len(),
+                    send.len(),
+                    self.world,
+                    send.len() * self.world
+                ),
+            ));
+        }
+        if send.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::AllGather, None, send.len(), 0, false, send, recv)
+    }
+
+    /// Reduces `send` (world blocks of `recv.len()`) over all ranks; rank r receives block r
+    /// in `recv`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        if send.len() != recv.len().saturating_mul(self.world) {
+            return Err(self.invalid(
+                Collective::ReduceScatter,
+                format!(
+                    "send has {} elements, expected recv ({}) × world ({}) = {}",
+                    send.len(),
+                    recv.len(),
+                    self.world,
+                    recv.len() * self.world
+                ),
+            ));
+        }
+        if recv.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::ReduceScatter, Some(op), recv.len(), 0, false, send, recv)
+    }
+
+    /// Block j of `send` goes to rank j; block j of `recv` comes from rank j (both have world
+    /// blocks of equal length).
+    ///
+    /// # Errors
+    /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if send.len() != recv.len() || send.len() % self.world != 0 {
+            return Err(self.invalid(
+                Collective::AllToAll,
+                format!(
+                    "send ({}) and recv ({}) must have the same length, a multiple of the \
+                     world size ({})",
+                    send.len(),
+                    recv.len(),
+                    self.world
+                ),
+            ));
+        }
+        if send.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::AllToAll, None, send.len() / self.world, 0, false, send, recv)
+    }
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_rank(Collective::Broadcast, "root", root)?;
+        if buf.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::Broadcast, None, buf.len(), root, false, &[], buf)
+    }
+
+    /// Reduces `buf` over all ranks into `root`'s `buf`. Other ranks' buffers are unspecified
+    /// afterwards (they hold partial results).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_rank(Collective::Reduce, "root", root)?;
+        if buf.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::Reduce, Some(op), buf.len(), root, false, &[], buf)
+    }
+
+    /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length.
+    /// Returns when the data is handed to the transport (it may still be in flight).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `peer` is not another rank; otherwise as
+    /// [`Communicator::all_reduce`].
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.check_rank(Collective::SendRecv, "peer", peer)?;
+        if peer == self.rank {
+            return Err(self.invalid(Collective::SendRecv, "cannot send to this rank itself".into()));
+        }
+        if buf.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run(Collective::SendRecv, None, buf.len(), peer, true, buf, &mut [])
+    }
+
+    /// Receives `buf.len()` elements from `peer`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `peer` is not another rank; `Mismatch` when the sender sent
+    /// another length or type; otherwise as [`Communicator::all_reduce`].
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.check_rank(Collective::SendRecv, "peer", peer)?;
+        if peer == self.rank {
+            return Err(self.invalid(Collective::SendRecv, "cannot receive from this rank itself".into()));
+        }
+        if buf.is_empty() {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        self.run::<T>(Collective::SendRecv, None, buf.len(), peer, false, &[], buf)
+    }
+
+    /// Returns once every rank has entered the barrier.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    pub fn barrier(&self) -> Result<()> {
+        self.run::<u8>(Collective::Barrier, None, 0, 0, false, &[], &mut [])
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.lock().close();
+    }
+}

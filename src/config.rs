@@ -1,0 +1,481 @@
+//! Configuration, from the environment or built by hand.
+//!
+//! A user of torchrun, Slurm or mpirun needs nothing new: rank and world size fall back to
+//! the launchers' own variables, and the rendezvous address to torchrun's `MASTER_ADDR` /
+//! `MASTER_PORT`. Every error names the variable that is wrong and how to fix it.
+//!
+//! | variable | meaning | fallbacks |
+//! | --- | --- | --- |
+//! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` |
+//! | `DSPARK_ROOT_ADDR` | `host:port` where rank 0 listens for the rendezvous | `MASTER_ADDR` + `MASTER_PORT` |
+//! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
+//! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs` | `auto` |
+//! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
+//! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
+//! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
+//! | `DSPARK_ALGO` | force an algorithm (`ring`, `recursive_doubling`, `chain`, `binomial_tree`) | by size |
+//! | `DSPARK_CHUNK_BYTES` | pipeline segment size | 512 KiB |
+//! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs | 50 (5 when ranks outnumber cores) |
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::plan::Algorithm;
+
+/// Which transport to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Verbs where every rank has a usable RDMA port, else TCP (with a warning naming why).
+    #[default]
+    Auto,
+    /// TCP.
+    Tcp,
+    /// RDMA verbs; an error at init when it cannot be had.
+    Verbs,
+}
+
+impl TransportChoice {
+    /// Parses `auto`, `tcp`, `verbs` (`ib`, `rdma` also accepted).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(TransportChoice::Auto),
+            "tcp" | "socket" => Some(TransportChoice::Tcp),
+            "verbs" | "ib" | "rdma" => Some(TransportChoice::Verbs),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Verbs => "verbs",
+        })
+    }
+}
+
+/// Everything a communicator needs to start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// This process's rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// `host:port` where rank 0 listens for the rendezvous (unused when `world_size` is 1).
+    pub root_addr: String,
+    /// Deadline of every blocking operation (rendezvous, each collective).
+    pub timeout: Duration,
+    /// Transport choice.
+    pub transport: TransportChoice,
+    /// Network interface for TCP connections.
+    pub socket_ifname: Option<String>,
+    /// Verbs device, optionally with `:port`.
+    pub ib_device: Option<String>,
+    /// Verbs GID index.
+    pub ib_gid_index: Option<u32>,
+    /// Shared secret: ranks with a different token are refused.
+    pub job_token: Option<String>,
+    /// Launcher job identity (`SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`) checked in the handshake.
+    pub job_id: Option<String>,
+    /// Force an algorithm.
+    pub algo: Option<Algorithm>,
+    /// Pipeline segment size in bytes.
+    pub segment_bytes: usize,
+    /// TCP socket buffer size in bytes (0 leaves the kernel's autotuning).
+    pub socket_buffer: usize,
+    /// Busy-poll time before blocking; `None` picks by core count.
+    pub spin: Option<Duration>,
+    /// Where each setting came from, for messages (`rank from RANK`, ...).
+    pub sources: Vec<(String, String)>,
+}
+
+/// Default deadline.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl Config {
+    /// A configuration for `rank` of `world_size` that meets at `root_addr`, with defaults
+    /// for everything else.
+    pub fn new(rank: usize, world_size: usize, root_addr: impl Into<String>) -> Self {
+        Config {
+            rank,
+            world_size,
+            root_addr: root_addr.into(),
+            timeout: DEFAULT_TIMEOUT,
+            transport: TransportChoice::Auto,
+            socket_ifname: None,
+            ib_device: None,
+            ib_gid_index: None,
+            job_token: None,
+            job_id: None,
+            algo: None,
+            segment_bytes: 512 * 1024,
+            socket_buffer: 4 << 20,
+            spin: None,
+            sources: Vec::new(),
+        }
+    }
+
+    /// Reads the configuration from the process environment (see the module docs).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable that is missing, unparsable or inconsistent.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the configuration through `get` (a testable stand-in for the environment).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let pick = |names: &[&'static str]| -> Option<(&'static str, String)> {
+            names.iter().find_map(|n| get(n).filter(|v| !v.trim().is_empty()).map(|v| (*n, v)))
+        };
+        let parse_usize = |name: &str, v: &str| -> Result<usize> {
+            v.trim().parse::<usize>().map_err(|_| {
+                Error::config(name, format!("{v:?} is not a non-negative integer"))
+            })
+        };
+        const RANK_VARS: [&str; 5] =
+            ["DSPARK_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+        const SIZE_VARS: [&str; 5] = [
+            "DSPARK_WORLD_SIZE",
+            "WORLD_SIZE",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE",
+            "SLURM_NTASKS",
+        ];
+        let mut sources = Vec::new();
+        let (rank_var, rank_s) = pick(&RANK_VARS).ok_or_else(|| {
+            Error::config(
+                "DSPARK_RANK",
+                "no rank given: set DSPARK_RANK (or run under torchrun, mpirun or srun, which \
+                 set RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID)",
+            )
+        })?;
+        let (size_var, size_s) = pick(&SIZE_VARS).ok_or_else(|| {
+            Error::config(
+                "DSPARK_WORLD_SIZE",
+                "no world size given: set DSPARK_WORLD_SIZE (or WORLD_SIZE, \
+                 OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS)",
+            )
+        })?;
+        let rank = parse_usize(rank_var, &rank_s)?;
+        let world_size = parse_usize(size_var, &size_s)?;
+        sources.push(("rank".to_string(), rank_var.to_string()));
+        sources.push(("world size".to_string(), size_var.to_string()));
+
+        let root_addr = match pick(&["DSPARK_ROOT_ADDR"]) {
+            Some((_, v)) => {
+                sources.push(("root address".into(), "DSPARK_ROOT_ADDR".into()));
+                v.trim().to_string()
+            }
+            None => match (get("MASTER_ADDR"), get("MASTER_PORT")) {
+                (Some(a), Some(p)) => {
+                    let port = p.trim().parse::<u16>().map_err(|_| {
+                        Error::config("MASTER_PORT", format!("{p:?} is not a port number"))
+                    })?;
+                    sources.push(("root address".into(), "MASTER_ADDR:MASTER_PORT".into()));
+                    join_host_port(a.trim(), port)
+                }
+                (Some(_), None) => {
+                    return Err(Error::config(
+                        "MASTER_PORT",
+                        "MASTER_ADDR is set but MASTER_PORT is not (or set DSPARK_ROOT_ADDR=host:port)",
+                    ))
+                }
+                _ if world_size <= 1 => String::new(),
+                _ => {
+                    return Err(Error::config(
+                        "DSPARK_ROOT_ADDR",
+                        "no rendezvous address: set DSPARK_ROOT_ADDR=host:port of rank 0 (or \
+                         MASTER_ADDR and MASTER_PORT as torchrun does)",
+                    ))
+                }
+            },
+        };
+
+        let mut c = Config::new(rank, world_size, root_addr);
+        c.sources = sources;
+        if let Some((n, v)) = pick(&["DSPARK_TIMEOUT"]) {
+            let secs: f64 = v.trim().parse().map_err(|_| {
+                Error::config(n, format!("{v:?} is not a number of seconds"))
+            })?;
+            if !(secs > 0.0 && secs.is_finite() && secs < 1e9) {
+                return Err(Error::config(n, format!("{v:?}: the timeout must be > 0 seconds")));
+            }
+            c.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some((n, v)) = pick(&["DSPARK_TRANSPORT"]) {
+            c.transport = TransportChoice::parse(&v).ok_or_else(|| {
+                Error::config(n, format!("{v:?}: expected auto, tcp or verbs"))
+            })?;
+        }
+        c.socket_ifname = pick(&["DSPARK_SOCKET_IFNAME"]).map(|(_, v)| v.trim().to_string());
+        c.ib_device = pick(&["DSPARK_IB_DEVICE"]).map(|(_, v)| v.trim().to_string());
+        if let Some((n, v)) = pick(&["DSPARK_IB_GID_INDEX"]) {
+            c.ib_gid_index = Some(v.trim().parse().map_err(|_| {
+                Error::config(n, format!("{v:?} is not a GID index"))
+            })?);
+        }
+        c.job_token = get("DSPARK_JOB_TOKEN").filter(|t| !t.is_empty());
+        c.job_id = pick(&["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v);
+        if let Some((n, v)) = pick(&["DSPARK_ALGO"]) {
+            c.algo = Some(Algorithm::from_name(&v).ok_or_else(|| {
+                Error::config(
+                    n,
+                    format!(
+                        "{v:?}: expected ring, recursive_doubling, chain, binomial_tree, \
+                         pairwise or dissemination"
+                    ),
+                )
+            })?);
+        }
+        if let Some((n, v)) = pick(&["DSPARK_CHUNK_BYTES"]) {
+            let b = parse_size(&v).ok_or_else(|| {
+                Error::config(n, format!("{v:?} is not a size (e.g. 524288, 512K, 1M)"))
+            })?;
+            if !(64..=(1 << 30)).contains(&b) {
+                return Err(Error::config(n, format!("{v}: must be between 64 B and 1 GiB")));
+            }
+            c.segment_bytes = b;
+        }
+        if let Some((n, v)) = pick(&["DSPARK_SOCKET_BUFFER"]) {
+            c.socket_buffer = parse_size(&v)
+                .ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
+        }
+        if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
+            let us = parse_usize(n, &v)?;
+            c.spin = Some(Duration::from_micros(us as u64));
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks internal consistency (rank < world size, world size ≥ 1, root address shape).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable.
+    pub fn validate(&self) -> Result<()> {
+        let src = |what: &str, default: &str| {
+            self.sources
+                .iter()
+                .find(|(k, _)| k == what)
+                .map_or(default.to_string(), |(_, v)| v.clone())
+        };
+        if self.world_size == 0 {
+            return Err(Error::config(
+                src("world size", "DSPARK_WORLD_SIZE"),
+                "world size is 0: it must be at least 1",
+            ));
+        }
+        if self.rank >= self.world_size {
+            return Err(Error::config(
+                src("rank", "DSPARK_RANK"),
+                format!(
+                    "rank {} is not below the world size {} (ranks are 0..{})",
+                    self.rank,
+                    self.world_size,
+                    self.world_size - 1
+                ),
+            ));
+        }
+        if self.world_size > 1 {
+            split_host_port(&self.root_addr)
+                .map_err(|what| Error::config(src("root address", "DSPARK_ROOT_ADDR"), what))?;
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::config("DSPARK_TIMEOUT", "the timeout must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// A 64-bit identity of the job for the handshake: FNV-1a of the token and the launcher's
+    /// job id (0 when neither is set). Not a cryptographic protection: it keeps ranks of
+    /// different jobs from joining each other by accident.
+    pub fn job_hash(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        if let Some(t) = &self.job_token {
+            eat(b"token:");
+            eat(t.as_bytes());
+        }
+        if let Some(j) = &self.job_id {
+            eat(b"job:");
+            eat(j.as_bytes());
+        }
+        if self.job_token.is_none() && self.job_id.is_none() {
+            0
+        } else {
+            h
+        }
+    }
+}
+
+/// `host:port`, bracketing IPv6 literals.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Splits `host:port` (IPv6 as `[addr]:port`).
+pub fn split_host_port(s: &str) -> std::result::Result<(String, u16), String> {
+    let s = s.trim();
+    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+        let (h, p) = rest
+            .split_once("]:")
+            .ok_or_else(|| format!("{s:?} is not [ipv6]:port"))?;
+        (h, p)
+    } else {
+        s.rsplit_once(':').ok_or_else(|| format!("{s:?} is not host:port (no port)"))?
+    };
+    if host.is_empty() {
+        return Err(format!("{s:?} has no host"));
+    }
+    let port: u16 = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
+    if port == 0 {
+        return Err(format!("{s:?}: port 0 is not a rendezvous port"));
+    }
+    Ok((host.to_string(), port))
+}
+
+/// Parses `1234`, `64K`, `16M`, `1G` (binary multiples; `KiB`/`MB` spellings accepted).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let t = s.trim().to_ascii_uppercase();
+    let t = t.trim_end_matches('B').trim_end_matches('I');
+    let (num, mult) = match t.chars().last()? {
+        'K' => (&t[..t.len() - 1], 1usize << 10),
+        'M' => (&t[..t.len() - 1], 1 << 20),
+        'G' => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: usize = num.trim().parse().ok()?;
+    n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    fn err_of(vars: &[(&str, &str)]) -> String {
+        Config::from_lookup(env(vars)).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn dspark_variables_win_over_launcher_variables() {
+        let c = Config::from_lookup(env(&[
+            ("DSPARK_RANK", "1"),
+            ("RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "3"),
+            ("WORLD_SIZE", "8"),
+            ("DSPARK_ROOT_ADDR", "10.0.0.1:29500"),
+            ("MASTER_ADDR", "x"),
+            ("MASTER_PORT", "1"),
+        ]))
+        .unwrap();
+        assert_eq!((c.rank, c.world_size, c.root_addr.as_str()), (1, 3, "10.0.0.1:29500"));
+    }
+
+    #[test]
+    fn torchrun_slurm_and_mpirun_variables_are_understood() {
+        let c = Config::from_lookup(env(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "node7"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap();
+        assert_eq!((c.rank, c.world_size, c.root_addr.as_str()), (2, 4, "node7:29500"));
+        let c = Config::from_lookup(env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_JOB_ID", "4242"),
+            ("DSPARK_ROOT_ADDR", "n0:1"),
+        ]))
+        .unwrap();
+        assert_eq!((c.rank, c.world_size), (5, 6));
+        assert_ne!(c.job_hash(), 0);
+        let c = Config::from_lookup(env(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "[::1]:7000"),
+        ]))
+        .unwrap();
+        assert_eq!(split_host_port(&c.root_addr).unwrap(), ("::1".to_string(), 7000));
+        let c = Config::from_lookup(env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("DSPARK_ROOT_ADDR", "h:9")]))
+            .unwrap();
+        assert_eq!((c.rank, c.world_size), (1, 2));
+    }
+
+    #[test]
+    fn bad_configuration_names_the_variable() {
+        let e = err_of(&[("DSPARK_RANK", "4"), ("DSPARK_WORLD_SIZE", "4"), ("DSPARK_ROOT_ADDR", "h:1")]);
+        assert!(e.contains("DSPARK_RANK") && e.contains("rank 4"), "{e}");
+        let e = err_of(&[("RANK", "4"), ("WORLD_SIZE", "4"), ("DSPARK_ROOT_ADDR", "h:1")]);
+        assert!(e.contains("in RANK"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "0")]);
+        assert!(e.contains("DSPARK_WORLD_SIZE") && e.contains("at least 1"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "x"), ("DSPARK_WORLD_SIZE", "2")]);
+        assert!(e.contains("DSPARK_RANK"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2")]);
+        assert!(e.contains("DSPARK_ROOT_ADDR"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2"), ("DSPARK_ROOT_ADDR", "nohost")]);
+        assert!(e.contains("DSPARK_ROOT_ADDR") && e.contains("port"), "{e}");
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "h:99999"),
+        ]);
+        assert!(e.contains("port"), "{e}");
+        let e = err_of(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]);
+        assert!(e.contains("MASTER_PORT"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_TIMEOUT", "0")]);
+        assert!(e.contains("DSPARK_TIMEOUT"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_TRANSPORT", "udp")]);
+        assert!(e.contains("DSPARK_TRANSPORT"), "{e}");
+        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_ALGO", "magic")]);
+        assert!(e.contains("DSPARK_ALGO"), "{e}");
+        let e = err_of(&[]);
+        assert!(e.contains("DSPARK_RANK"), "{e}");
+    }
+
+    #[test]
+    fn world_of_one_needs_no_rendezvous_address() {
+        let c = Config::from_lookup(env(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1")])).unwrap();
+        assert_eq!(c.world_size, 1);
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("512K"), Some(512 * 1024));
+        assert_eq!(parse_size("1M"), Some(1 << 20));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("64"), Some(64));
+        assert_eq!(parse_size("lots"), None);
+    }
+
+    #[test]
+    fn job_hash_depends_on_token() {
+        let mut a = Config::new(0, 2, "h:1");
+        let mut b = a.clone();
+        assert_eq!(a.job_hash(), b.job_hash());
+        a.job_token = Some("s3cret".into());
+        b.job_token = Some("other".into());
+        assert_ne!(a.job_hash(), b.job_hash());
+    }
+}

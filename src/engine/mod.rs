@@ -1,0 +1,722 @@
+//! Executes compiled schedules over a transport.
+//!
+//! The engine turns a call into a [`plan::Request`], compiles it (cached) into a
+//! [`plan::Program`] of segments with dependencies, and drives the segments through the
+//! [`Transport`] from the caller's thread: every segment whose dependencies are complete and
+//! that is at the head of its per-peer queue makes as much progress as the transport allows
+//! without blocking. When nothing moves it spins briefly (yielding the CPU when ranks
+//! outnumber cores), then blocks in [`Transport::wait`] — never past the call's deadline.
+//!
+//! Receiving segment k overlaps reducing segment k−1 and sending: the transport hands
+//! reducing receives to the [`reduce`](crate::reduce) kernels straight out of its receive
+//! buffer, and the kernel keeps receiving meanwhile. The engine allocates nothing per byte:
+//! its extra memory per collective is the transports' per-peer buffers, never a copy of the
+//! message.
+//!
+//! The engine does not know which transport it drives.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::plan::{self, Algorithm, Buf, Collective, Loc, Op, Program, Request, Thresholds};
+use crate::reduce;
+use crate::transport::{
+    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
+    TransportKind, NO_OP,
+};
+use crate::types::{DataType, ReduceOp};
+
+/// How the engine runs.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Deadline of every blocking call.
+    pub timeout: Duration,
+    /// Pipeline segment size in bytes.
+    pub segment_bytes: usize,
+    /// How long to poll without progress before blocking in the transport.
+    pub spin: Duration,
+    /// Yield the CPU while spinning (when ranks outnumber cores).
+    pub yield_while_spinning: bool,
+    /// Size thresholds of the default algorithm choice.
+    pub thresholds: Thresholds,
+    /// Force one algorithm for every collective it supports (`DSPARK_ALGO`).
+    pub force_algo: Option<Algorithm>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            timeout: Duration::from_secs(300),
+            segment_bytes: 512 * 1024,
+            spin: Duration::from_micros(50),
+            yield_while_spinning: false,
+            thresholds: Thresholds::default(),
+            force_algo: None,
+        }
+    }
+}
+
+/// One call, as the engine sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// The collective.
+    pub coll: Collective,
+    /// Element type.
+    pub dtype: DataType,
+    /// Reduction operator, for reducing collectives.
+    pub op: Option<ReduceOp>,
+    /// Element count (see [`plan::Request::count`]).
+    pub count: usize,
+    /// Root of broadcast/reduce; peer of send/recv.
+    pub root: usize,
+    /// For send/recv: the sending side.
+    pub is_send: bool,
+}
+
+/// The descriptor every frame of a call carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Desc {
+    coll: Collective,
+    seq: u64,
+    dtype: DataType,
+    op: u8,
+    count: u64,
+    root: u32,
+}
+
+impl Desc {
+    fn header(&self, len: usize) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data,
+            coll: self.coll.code(),
+            dtype: self.dtype.code(),
+            op: self.op,
+            root: self.root,
+            len: len as u32,
+            seq: self.seq,
+            count: self.count,
+        }
+    }
+
+    /// "all_reduce #7 (count 10, float, sum)".
+    fn describe(coll: u8, seq: u64, dtype: u8, op: u8, count: u64, root: u32) -> String {
+        let coll_s = Collective::from_code(coll).map_or(format!("collective #{coll}"), |c| {
+            c.name().to_string()
+        });
+        let dtype_s = DataType::from_code(dtype).map_or(format!("type #{dtype}"), |d| d.to_string());
+        let mut s = format!("{coll_s} #{seq} (count {count}, {dtype_s}");
+        if op != NO_OP {
+            s += &ReduceOp::from_code(op).map_or(format!(", op #{op}"), |o| format!(", {o}"));
+        }
+        if Collective::from_code(coll).is_some_and(Collective::rooted) {
+            s += &format!(", root {root}");
+        }
+        s + ")"
+    }
+
+    fn describe_self(&self) -> String {
+        Self::describe(self.coll.code(), self.seq, self.dtype.code(), self.op, self.count, self.root)
+    }
+}
+
+/// Where a reducing receive takes its other operand from.
+enum Acc<'a> {
+    /// Copying receive.
+    None,
+    /// `dst = dst ⊕ received`.
+    InPlace,
+    /// `dst = acc ⊕ received`.
+    From(&'a [u8]),
+}
+
+struct Sink<'a> {
+    rank: usize,
+    peer: usize,
+    desc: &'a Desc,
+    len: usize,
+    dst: &'a mut [u8],
+    acc: Acc<'a>,
+    op: ReduceOp,
+    esz: usize,
+    done: usize,
+}
+
+impl RecvSink for Sink<'_> {
+    fn on_header(&mut self, h: &FrameHeader) -> Result<usize> {
+        let d = self.desc;
+        let same = h.coll == d.coll.code()
+            && h.seq == d.seq
+            && h.dtype == d.dtype.code()
+            && h.op == d.op
+            && h.count == d.count
+            && h.root == d.root;
+        if !same {
+            return Err(Error::Mismatch {
+                rank: Some(self.rank),
+                peer: Some(self.peer),
+                op: d.coll.name().into(),
+                what: format!(
+                    "rank {} called {} but rank {} called {}",
+                    self.rank,
+                    d.describe_self(),
+                    self.peer,
+                    Desc::describe(h.coll, h.seq, h.dtype, h.op, h.count, h.root)
+                ),
+            });
+        }
+        if h.len as usize != self.len {
+            return Err(Error::Mismatch {
+                rank: Some(self.rank),
+                peer: Some(self.peer),
+                op: d.coll.name().into(),
+                what: format!(
+                    "rank {} sent a {}-byte frame of {} where rank {} expected {} bytes: a \
+                     frame was lost or the ranks cut messages into different segments",
+                    self.peer,
+                    h.len,
+                    d.describe_self(),
+                    self.rank,
+                    self.len
+                ),
+            });
+        }
+        Ok(self.len)
+    }
+
+    fn direct(&mut self) -> Option<&mut [u8]> {
+        match self.acc {
+            Acc::None => Some(&mut *self.dst),
+            _ => None,
+        }
+    }
+
+    fn granule(&self) -> usize {
+        self.esz
+    }
+
+    fn consume(&mut self, bytes: &[u8]) -> Result<()> {
+        let a = self.done;
+        let b = a + bytes.len();
+        let dtype = self.desc.dtype;
+        match &self.acc {
+            Acc::None => self.dst[a..b].copy_from_slice(bytes),
+            Acc::InPlace => reduce::reduce_inplace(dtype, self.op, &mut self.dst[a..b], bytes),
+            Acc::From(acc) => {
+                reduce::reduce_into(dtype, self.op, &mut self.dst[a..b], &acc[a..b], bytes)
+            }
+        }
+        self.done = b;
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ProgramKey {
+    req: ReqKey,
+    seg_elems: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ReqKey {
+    coll: Collective,
+    algo: Algorithm,
+    count: usize,
+    root: usize,
+    is_send: bool,
+    finalize: bool,
+}
+
+const CACHE_SLOTS: usize = 16;
+
+/// Reusable per-call bookkeeping, kept to avoid allocating on every call.
+#[derive(Debug, Default)]
+struct Scratch {
+    done: Vec<bool>,
+    sendq: Vec<VecDeque<u32>>,
+    recvq: Vec<VecDeque<u32>>,
+    local: Vec<u32>,
+    active: Vec<usize>,
+    send_prog: Vec<SendProgress>,
+    recv_prog: Vec<RecvProgress>,
+    interest: Vec<Interest>,
+}
+
+/// Executes collectives for one rank over one transport.
+#[derive(Debug)]
+pub struct Engine {
+    rank: usize,
+    world: usize,
+    transport: Box<dyn Transport>,
+    opts: EngineOptions,
+    poison: Option<Error>,
+    seq: u64,
+    p2p_sent: Vec<u64>,
+    p2p_received: Vec<u64>,
+    cache: Vec<(ProgramKey, Arc<Program>)>,
+    cache_next: usize,
+    scratch: Scratch,
+}
+
+fn byte_range(loc: &Loc, esz: usize) -> std::ops::Range<usize> {
+    loc.start * esz..(loc.start + loc.len) * esz
+}
+
+impl Engine {
+    /// An engine for `rank` of `world` over `transport`.
+    pub fn new(rank: usize, world: usize, transport: Box<dyn Transport>, opts: EngineOptions) -> Self {
+        Engine {
+            rank,
+            world,
+            transport,
+            opts,
+            poison: None,
+            seq: 0,
+            p2p_sent: vec![0; world],
+            p2p_received: vec![0; world],
+            cache: Vec::new(),
+            cache_next: 0,
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The transport's kind.
+    pub fn transport_kind(&self) -> TransportKind {
+        self.transport.kind()
+    }
+
+    /// The transport's description.
+    pub fn transport_description(&self) -> String {
+        self.transport.describe()
+    }
+
+    /// The options.
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    /// The error that poisoned this engine, if any.
+    pub fn poisoned(&self) -> Option<&Error> {
+        self.poison.as_ref()
+    }
+
+    /// The algorithm `call` runs with.
+    pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
+        match self.opts.force_algo {
+            Some(a) if a.supports(coll) => a,
+            _ => plan::choose(coll, bytes, self.world, &self.opts.thresholds),
+        }
+    }
+
+    /// Runs one call. `src` is the input of out-of-place collectives and of `send` (empty
+    /// otherwise); `dst` the output (in place: input and output).
+    ///
+    /// The first fatal error poisons the engine: it tells every peer (so that they fail
+    /// promptly too) and every later call returns the same error.
+    pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        let esz = call.dtype.size();
+        let bytes = call.count.saturating_mul(esz);
+        let algo = self.algorithm(call.coll, bytes);
+        let seq = match call.coll {
+            Collective::SendRecv => {
+                let ctr = if call.is_send {
+                    &mut self.p2p_sent[call.root]
+                } else {
+                    &mut self.p2p_received[call.root]
+                };
+                *ctr += 1;
+                *ctr
+            }
+            _ => {
+                self.seq += 1;
+                self.seq
+            }
+        };
+        let req = Request {
+            coll: call.coll,
+            algo,
+            world: self.world,
+            rank: self.rank,
+            count: call.count,
+            root: call.root,
+            is_send: call.is_send,
+            finalize: call.op == Some(ReduceOp::Avg),
+        };
+        let desc = Desc {
+            coll: call.coll,
+            seq,
+            dtype: call.dtype,
+            op: call.op.map_or(NO_OP, ReduceOp::code),
+            count: call.count as u64,
+            root: if call.coll.rooted() { call.root as u32 } else { 0 },
+        };
+        let prog = self.program(&req, esz)?;
+        let op = call.op.unwrap_or(ReduceOp::Sum).step_op();
+        let result = self.execute(&prog, &desc, call.op.unwrap_or(ReduceOp::Sum), op, src, dst);
+        if let Err(e) = &result {
+            if e.is_fatal() {
+                self.fail(e.clone());
+            }
+        }
+        result
+    }
+
+    /// Poisons the engine with `e` and tells every peer.
+    pub fn fail(&mut self, e: Error) {
+        if self.poison.is_some() {
+            return;
+        }
+        let origin = match &e {
+            Error::Aborted { by, .. } => *by,
+            Error::Mismatch { .. } => self.rank,
+            _ => self.rank,
+        };
+        let (class, text) = AbortClass::of(&e);
+        tracing::debug!(rank = self.rank, error = %e, "communicator failed; telling peers");
+        self.transport.abort(origin, class, &text);
+        self.poison = Some(e);
+    }
+
+    /// Closes the transport cleanly (goodbye to every peer).
+    pub fn close(&mut self) {
+        if self.poison.is_none() {
+            self.transport.close();
+        }
+    }
+
+    fn program(&mut self, req: &Request, esz: usize) -> Result<Arc<Program>> {
+        let seg_elems = (self.opts.segment_bytes / esz).max(1);
+        let key = ProgramKey {
+            req: ReqKey {
+                coll: req.coll,
+                algo: req.algo,
+                count: req.count,
+                root: req.root,
+                is_send: req.is_send,
+                finalize: req.finalize,
+            },
+            seg_elems,
+        };
+        if let Some((_, p)) = self.cache.iter().find(|(k, _)| *k == key) {
+            return Ok(Arc::clone(p));
+        }
+        let sched = plan::schedule(req).ok_or_else(|| {
+            Error::invalid(
+                Some(self.rank),
+                req.coll.name(),
+                format!("algorithm {} does not implement {}", req.algo, req.coll),
+            )
+        })?;
+        let prog = Arc::new(plan::compile(&sched, seg_elems));
+        if self.cache.len() < CACHE_SLOTS {
+            self.cache.push((key, Arc::clone(&prog)));
+        } else {
+            self.cache[self.cache_next] = (key, Arc::clone(&prog));
+            self.cache_next = (self.cache_next + 1) % CACHE_SLOTS;
+        }
+        Ok(prog)
+    }
+
+    fn execute(
+        &mut self,
+        prog: &Program,
+        desc: &Desc,
+        full_op: ReduceOp,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let n = prog.steps.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let esz = desc.dtype.size();
+        let start = Instant::now();
+        let deadline = start + self.opts.timeout;
+        let mut s = std::mem::take(&mut self.scratch);
+        s.prepare(self.world, prog);
+        let res = self.drive(prog, desc, full_op, op, src, dst, esz, start, deadline, &mut s);
+        self.scratch = s;
+        res
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn drive(
+        &mut self,
+        prog: &Program,
+        desc: &Desc,
+        full_op: ReduceOp,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        esz: usize,
+        start: Instant,
+        deadline: Instant,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let mut remaining = prog.steps.len();
+        let mut idle_since: Option<Instant> = None;
+        let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
+        loop {
+            let mut moved = false;
+
+            // Local steps: copies and the final division of Avg.
+            let mut k = 0;
+            while k < s.local.len() {
+                let i = s.local[k];
+                if ready(&s.done, i) {
+                    run_local(&prog.steps[i as usize].op, desc.dtype, full_op, self.world, esz, src, dst);
+                    s.done[i as usize] = true;
+                    remaining -= 1;
+                    moved = true;
+                    s.local.swap_remove(k);
+                } else {
+                    k += 1;
+                }
+            }
+
+            for ai in 0..s.active.len() {
+                let p = s.active[ai];
+                // Sends to p, in order.
+                while let Some(&i) = s.sendq[p].front() {
+                    if !ready(&s.done, i) {
+                        break;
+                    }
+                    let Op::Send { src: loc, .. } = prog.steps[i as usize].op else {
+                        return Err(internal("non-send step in a send queue"));
+                    };
+                    let r = byte_range(&loc, esz);
+                    let data = match loc.buf {
+                        Buf::Src => &src[r],
+                        Buf::Dst => &dst[r],
+                    };
+                    let hdr = desc.header(data.len());
+                    let before = s.send_prog[p].written;
+                    let fin = self.transport.send(p, &hdr, data, &mut s.send_prog[p])?;
+                    moved |= s.send_prog[p].written != before;
+                    if !fin {
+                        break;
+                    }
+                    s.send_prog[p] = SendProgress::default();
+                    s.sendq[p].pop_front();
+                    s.done[i as usize] = true;
+                    remaining -= 1;
+                    moved = true;
+                }
+                // Receives from p, in order.
+                while let Some(&i) = s.recvq[p].front() {
+                    if !ready(&s.done, i) {
+                        break;
+                    }
+                    let Op::Recv { dst: dloc, acc, .. } = prog.steps[i as usize].op else {
+                        return Err(internal("non-receive step in a receive queue"));
+                    };
+                    let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
+                    let done_bytes = s.recv_prog[p].got;
+                    let dr = byte_range(&dloc, esz);
+                    let len = dr.len();
+                    let fin = {
+                        let (dseg, acc) = match acc {
+                            None => (&mut dst[dr], Acc::None),
+                            Some(a) if a == dloc => (&mut dst[dr], Acc::InPlace),
+                            Some(a) if a.buf == Buf::Src => {
+                                (&mut dst[dr], Acc::From(&src[byte_range(&a, esz)]))
+                            }
+                            Some(a) => {
+                                let (d, a) = split_disjoint(dst, dr, byte_range(&a, esz))
+                                    .ok_or_else(|| internal("overlapping accumulator"))?;
+                                (d, Acc::From(a))
+                            }
+                        };
+                        let mut sink = Sink {
+                            rank: self.rank,
+                            peer: p,
+                            desc,
+                            len,
+                            dst: dseg,
+                            acc,
+                            op,
+                            esz,
+                            done: done_bytes,
+                        };
+                        self.transport.recv(p, &mut s.recv_prog[p], &mut sink)?
+                    };
+                    moved |= (s.recv_prog[p].header.is_some(), s.recv_prog[p].got) != before;
+                    if !fin {
+                        break;
+                    }
+                    s.recv_prog[p] = RecvProgress::default();
+                    s.recvq[p].pop_front();
+                    s.done[i as usize] = true;
+                    remaining -= 1;
+                    moved = true;
+                }
+            }
+
+            if remaining == 0 {
+                return Ok(());
+            }
+            if moved {
+                idle_since = None;
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timeout_error(prog, desc, s, now - start));
+            }
+            let idle = *idle_since.get_or_insert(now);
+            if now - idle < self.opts.spin {
+                if self.opts.yield_while_spinning {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            s.interest.clear();
+            for &p in &s.active {
+                let send = s.sendq[p].front().is_some_and(|&i| ready(&s.done, i));
+                let recv = s.recvq[p].front().is_some_and(|&i| ready(&s.done, i));
+                if send || recv {
+                    s.interest.push(Interest { peer: p, send, recv });
+                }
+            }
+            self.transport.wait(&s.interest, deadline)?;
+        }
+    }
+
+    fn timeout_error(&self, prog: &Program, desc: &Desc, s: &Scratch, waited: Duration) -> Error {
+        let ready = |i: u32| prog.deps(i as usize).iter().all(|&d| s.done[d as usize]);
+        let total = prog.steps.len();
+        let done = s.done.iter().filter(|&&d| d).count();
+        let mut peer = None;
+        let mut detail = String::new();
+        for &p in &s.active {
+            if let Some(&i) = s.recvq[p].front().filter(|&&i| ready(i)) {
+                peer = Some(p);
+                let got = s.recv_prog[p].got;
+                detail = format!(
+                    "waiting to receive from rank {p} (step {} of {total}, {got} of {} bytes \
+                     received; {done} steps done)",
+                    i + 1,
+                    prog.steps[i as usize].op.len() * desc.dtype.size(),
+                );
+                break;
+            }
+        }
+        if peer.is_none() {
+            for &p in &s.active {
+                if let Some(&i) = s.sendq[p].front().filter(|&&i| ready(i)) {
+                    peer = Some(p);
+                    detail = format!(
+                        "waiting to send to rank {p} (step {} of {total}): it is not reading",
+                        i + 1
+                    );
+                    break;
+                }
+            }
+        }
+        if peer.is_none() {
+            detail = format!("schedule stalled with {done} of {total} steps done (internal error)");
+        }
+        Error::Timeout {
+            rank: self.rank,
+            peer,
+            op: format!("{} #{}", desc.coll.name(), desc.seq),
+            waited,
+            detail,
+        }
+    }
+}
+
+impl Scratch {
+    fn prepare(&mut self, world: usize, prog: &Program) {
+        let n = prog.steps.len();
+        self.done.clear();
+        self.done.resize(n, false);
+        if self.sendq.len() != world {
+            self.sendq = (0..world).map(|_| VecDeque::new()).collect();
+            self.recvq = (0..world).map(|_| VecDeque::new()).collect();
+            self.send_prog = vec![SendProgress::default(); world];
+            self.recv_prog = vec![RecvProgress::default(); world];
+        }
+        for q in self.sendq.iter_mut().chain(self.recvq.iter_mut()) {
+            q.clear();
+        }
+        self.send_prog.fill(SendProgress::default());
+        self.recv_prog.fill(RecvProgress::default());
+        self.local.clear();
+        self.active.clear();
+        for (i, st) in prog.steps.iter().enumerate() {
+            match st.op {
+                Op::Send { peer, .. } => self.sendq[peer].push_back(i as u32),
+                Op::Recv { peer, .. } => self.recvq[peer].push_back(i as u32),
+                _ => self.local.push(i as u32),
+            }
+        }
+        for p in 0..world {
+            if !self.sendq[p].is_empty() || !self.recvq[p].is_empty() {
+                self.active.push(p);
+            }
+        }
+    }
+}
+
+fn internal(what: &str) -> Error {
+    Error::Transport { rank: None, peer: None, op: "engine".into(), what: format!("internal error: {what}") }
+}
+
+/// Mutable `a` and shared `b` from one buffer, if the ranges are disjoint.
+fn split_disjoint(
+    buf: &mut [u8],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> Option<(&mut [u8], &[u8])> {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        Some((&mut lo[a], &hi[..b.len()]))
+    } else if b.end <= a.start {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        Some((&mut hi[..a.len()], &lo[b]))
+    } else {
+        None
+    }
+}
+
+fn run_local(
+    op: &Op,
+    dtype: DataType,
+    full_op: ReduceOp,
+    world: usize,
+    esz: usize,
+    src: &[u8],
+    dst: &mut [u8],
+) {
+    match *op {
+        Op::Copy { src: s, dst: d } => {
+            let dr = byte_range(&d, esz);
+            match s.buf {
+                Buf::Src => dst[dr].copy_from_slice(&src[byte_range(&s, esz)]),
+                Buf::Dst => dst.copy_within(byte_range(&s, esz), dr.start),
+            }
+        }
+        Op::Finalize { loc } => reduce::finalize(dtype, full_op, &mut dst[byte_range(&loc, esz)], world),
+        Op::Send { .. } | Op::Recv { .. } => {}
+    }
+}

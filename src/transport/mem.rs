@@ -1,0 +1,340 @@
+//! In-process transport: ranks are threads, links are bounded frame queues. For tests of the
+//! engine and the collectives, with fault injection (dropped, delayed and reordered-away
+//! frames, killed ranks). A silent rank needs no support here: its thread just stops calling.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{
+    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
+    TransportKind,
+};
+use crate::error::{Error, Result};
+
+/// A fault to inject into a [`MemFabric`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Silently drop the `nth` (0-based) data frame sent from `from` to `to`.
+    Drop {
+        /// Sender.
+        from: usize,
+        /// Receiver.
+        to: usize,
+        /// Which frame.
+        nth: u64,
+    },
+    /// Deliver every frame from `from` to `to` only `by` after it was sent.
+    Delay {
+        /// Sender.
+        from: usize,
+        /// Receiver.
+        to: usize,
+        /// Delay.
+        by: Duration,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum RankState {
+    Alive,
+    Closed,
+    Dead,
+    Aborted { by: usize, class: AbortClass, reason: String },
+}
+
+#[derive(Debug)]
+struct Frame {
+    hdr: FrameHeader,
+    payload: Vec<u8>,
+    visible_at: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct State {
+    world: usize,
+    capacity: usize,
+    links: Vec<VecDeque<Frame>>,
+    sent: Vec<u64>,
+    ranks: Vec<RankState>,
+    faults: Vec<Fault>,
+}
+
+impl State {
+    fn link(&mut self, from: usize, to: usize) -> &mut VecDeque<Frame> {
+        &mut self.links[from * self.world + to]
+    }
+}
+
+/// The shared "network" of a set of [`MemTransport`]s.
+#[derive(Clone, Debug)]
+pub struct MemFabric {
+    inner: Arc<(Mutex<State>, Condvar)>,
+}
+
+impl MemFabric {
+    /// A fabric for `world` ranks whose links hold at most `capacity` frames (≥ 1).
+    pub fn new(world: usize, capacity: usize) -> Self {
+        let state = State {
+            world,
+            capacity: capacity.max(1),
+            links: (0..world * world).map(|_| VecDeque::new()).collect(),
+            sent: vec![0; world * world],
+            ranks: vec![RankState::Alive; world],
+            faults: Vec::new(),
+        };
+        MemFabric { inner: Arc::new((Mutex::new(state), Condvar::new())) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking test thread must not wedge the others: ignore poisoning.
+        self.inner.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The transport endpoint of `rank`.
+    pub fn transport(&self, rank: usize) -> MemTransport {
+        MemTransport { rank, fabric: self.clone(), rx: Vec::new(), done_abort: false }
+    }
+
+    /// Adds a fault.
+    pub fn inject(&self, fault: Fault) {
+        self.lock().faults.push(fault);
+        self.inner.1.notify_all();
+    }
+
+    /// Kills `rank`: its peers see a lost connection, as if its process died.
+    pub fn kill(&self, rank: usize) {
+        self.lock().ranks[rank] = RankState::Dead;
+        self.inner.1.notify_all();
+    }
+}
+
+/// One rank's endpoint on a [`MemFabric`].
+#[derive(Debug)]
+pub struct MemTransport {
+    rank: usize,
+    fabric: MemFabric,
+    /// Frame being delivered from each peer (taken off the link once its header is accepted).
+    rx: Vec<Option<Frame>>,
+    done_abort: bool,
+}
+
+impl MemTransport {
+    fn peer_error(&self, st: &State, peer: usize, op: &str) -> Option<Error> {
+        match &st.ranks[peer] {
+            RankState::Alive => None,
+            RankState::Closed => Some(Error::PeerLost {
+                rank: self.rank,
+                peer,
+                op: op.into(),
+                detail: "peer closed its communicator".into(),
+            }),
+            RankState::Dead => Some(Error::PeerLost {
+                rank: self.rank,
+                peer,
+                op: op.into(),
+                detail: "connection lost (rank killed)".into(),
+            }),
+            RankState::Aborted { by, class, reason } => {
+                Some(AbortClass::error(*class as u8, self.rank, *by, op, reason.clone()))
+            }
+        }
+    }
+}
+
+impl Transport for MemTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Mem
+    }
+
+    fn describe(&self) -> String {
+        "mem (in-process queues)".into()
+    }
+
+    fn send(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        data: &[u8],
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        let fabric = self.fabric.clone();
+        let mut st = fabric.lock();
+        if peer >= st.world || peer == self.rank {
+            return Err(Error::invalid(Some(self.rank), "send", format!("no link to rank {peer}")));
+        }
+        if let Some(e) = self.peer_error(&st, peer, "send") {
+            if !matches!(st.ranks[peer], RankState::Closed) {
+                return Err(e);
+            }
+        }
+        let cap = st.capacity;
+        if st.link(self.rank, peer).len() >= cap {
+            return Ok(false);
+        }
+        let idx = self.rank * st.world + peer;
+        let nth = st.sent[idx];
+        st.sent[idx] += 1;
+        let dropped = st.faults.iter().any(
+            |f| matches!(*f, Fault::Drop { from, to, nth: k } if from == self.rank && to == peer && k == nth),
+        );
+        let delay = st.faults.iter().find_map(|f| match *f {
+            Fault::Delay { from, to, by } if from == self.rank && to == peer => Some(by),
+            _ => None,
+        });
+        if !dropped {
+            let frame = Frame {
+                hdr: *hdr,
+                payload: data.to_vec(),
+                visible_at: delay.map(|d| Instant::now() + d),
+            };
+            let me = self.rank;
+            st.link(me, peer).push_back(frame);
+        }
+        progress.written = super::HEADER_LEN + data.len();
+        drop(st);
+        fabric.inner.1.notify_all();
+        Ok(true)
+    }
+
+    fn recv(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<bool> {
+        if self.rx.is_empty() {
+            let world = self.fabric.lock().world;
+            self.rx = (0..world).map(|_| None).collect();
+        }
+        if progress.header.is_none() {
+            let fabric = self.fabric.clone();
+            let mut st = fabric.lock();
+            let me = self.rank;
+            let now = Instant::now();
+            let front_ready = st
+                .link(peer, me)
+                .front()
+                .map(|f| f.visible_at.is_none_or(|t| t <= now));
+            match front_ready {
+                Some(true) => {}
+                Some(false) => return Ok(false),
+                None => {
+                    return match self.peer_error(&st, peer, "receive") {
+                        Some(e) => Err(e),
+                        None => Ok(false),
+                    };
+                }
+            }
+            let frame = st.link(peer, me).pop_front().expect("front exists");
+            drop(st);
+            fabric.inner.1.notify_all();
+            match frame.hdr.kind {
+                FrameKind::Data => {}
+                FrameKind::Abort => {
+                    return Err(AbortClass::error(
+                        frame.hdr.coll,
+                        self.rank,
+                        frame.hdr.root as usize,
+                        "receive",
+                        String::from_utf8_lossy(&frame.payload).into_owned(),
+                    ));
+                }
+                FrameKind::Bye => {
+                    return Err(Error::PeerLost {
+                        rank: self.rank,
+                        peer,
+                        op: "receive".into(),
+                        detail: "peer closed its communicator".into(),
+                    });
+                }
+            }
+            let expected = sink.on_header(&frame.hdr)?;
+            if expected != frame.payload.len() {
+                return Err(Error::Transport {
+                    rank: Some(self.rank),
+                    peer: Some(peer),
+                    op: "receive".into(),
+                    what: format!(
+                        "frame header says {} bytes but carries {}",
+                        expected,
+                        frame.payload.len()
+                    ),
+                });
+            }
+            progress.header = Some(frame.hdr);
+            progress.expected = expected;
+            progress.got = 0;
+            self.rx[peer] = Some(frame);
+        }
+        let Some(frame) = self.rx[peer].take() else {
+            return Ok(false);
+        };
+        let n = frame.payload.len();
+        if n > 0 {
+            match sink.direct() {
+                Some(dst) => dst[..n].copy_from_slice(&frame.payload),
+                None => sink.consume(&frame.payload)?,
+            }
+        }
+        progress.got = n;
+        progress.header = None;
+        Ok(true)
+    }
+
+    fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(());
+        }
+        // Delayed frames become visible without a notification: wake up periodically.
+        let dur = (deadline - now).min(Duration::from_millis(5));
+        let st = self.fabric.lock();
+        let _ = self.fabric.inner.1.wait_timeout(st, dur);
+        Ok(())
+    }
+
+    fn check_peers(&mut self) -> Result<()> {
+        let st = self.fabric.lock();
+        for p in 0..st.world {
+            if p == self.rank {
+                continue;
+            }
+            if let Some(e) = self.peer_error(&st, p, "communicator") {
+                if !matches!(st.ranks[p], RankState::Closed) {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        if self.done_abort {
+            return;
+        }
+        self.done_abort = true;
+        let mut st = self.fabric.lock();
+        if st.ranks[self.rank] == RankState::Alive {
+            st.ranks[self.rank] =
+                RankState::Aborted { by: origin, class, reason: reason.to_string() };
+        }
+        drop(st);
+        self.fabric.inner.1.notify_all();
+    }
+
+    fn close(&mut self) {
+        if self.done_abort {
+            return;
+        }
+        self.done_abort = true;
+        let mut st = self.fabric.lock();
+        if st.ranks[self.rank] == RankState::Alive {
+            st.ranks[self.rank] = RankState::Closed;
+        }
+        drop(st);
+        self.fabric.inner.1.notify_all();
+    }
+}

@@ -1,0 +1,329 @@
+//! Transports: how frames move between ranks.
+//!
+//! The [`Transport`] trait is modelled on NCCL's net plugin interface: non-blocking, progress
+//! driven by the caller, completion polled, a blocking [`Transport::wait`] with a deadline.
+//! Transports know nothing about collectives: they move *frames* — a 32-byte [`FrameHeader`]
+//! followed by a payload — over one FIFO stream per ordered pair of ranks. The engine
+//! ([`crate::engine`]) decides which frame goes where and when.
+//!
+//! Implementations: [`mem`] (threads in one process, with fault injection, for tests),
+//! [`tcp`] (the universal fallback and the CI path), and `verbs` (RDMA).
+//!
+//! # The progress contract
+//!
+//! * [`Transport::send`] is called repeatedly for one frame, with the same header and the same
+//!   data each time, until it returns `Ok(true)`. The transport may keep a reference to the
+//!   data's *address* between calls (zero-copy transports do), so the caller must neither
+//!   modify nor free the data until the frame completes or the transport is
+//!   [aborted](Transport::abort).
+//! * [`Transport::recv`] is called repeatedly for the next frame from a peer until it returns
+//!   `Ok(true)`. It hands the header to [`RecvSink::on_header`] (which validates it and says how
+//!   many payload bytes to expect), then delivers the payload either straight into
+//!   [`RecvSink::direct`] or, for reducing receives, in whole-element pieces to
+//!   [`RecvSink::consume`], which reduces straight out of the transport's receive buffer.
+//! * Frames from one peer arrive in the order that peer sent them.
+
+use std::fmt;
+use std::time::Instant;
+
+use crate::error::Result;
+
+pub mod mem;
+pub mod tcp;
+
+/// Size of a frame header on the wire.
+pub const HEADER_LEN: usize = 32;
+
+/// Magic number in every frame header ("DSPK"), to catch a desynchronised stream.
+pub const FRAME_MAGIC: u32 = 0x4453_504b;
+
+/// Which transport moves the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// In-process (tests).
+    Mem,
+    /// TCP sockets.
+    Tcp,
+    /// RDMA verbs (InfiniBand / RoCE).
+    Verbs,
+}
+
+impl TransportKind {
+    /// Short name (`mem`, `tcp`, `verbs`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportKind::Mem => "mem",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Verbs => "verbs",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Collective or point-to-point payload (possibly empty).
+    Data = 1,
+    /// The sender failed; the payload is its error message. `root` holds the failing rank.
+    Abort = 2,
+    /// The sender closed its communicator cleanly.
+    Bye = 3,
+}
+
+/// The 32-byte header in front of every frame. Besides its length, it carries the full
+/// descriptor of the call it belongs to, so ranks that disagree about a call find out from the
+/// first frame they exchange.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Frame kind.
+    pub kind: FrameKind,
+    /// [`crate::plan::Collective`] wire code.
+    pub coll: u8,
+    /// [`crate::DataType`] wire code.
+    pub dtype: u8,
+    /// [`crate::ReduceOp`] wire code, or [`NO_OP`].
+    pub op: u8,
+    /// Root of the collective (0 when it has none); for `Abort`, the failing rank.
+    pub root: u32,
+    /// Payload length in bytes.
+    pub len: u32,
+    /// Call sequence number: the communicator's collective counter, or the per-pair counter
+    /// for send/recv.
+    pub seq: u64,
+    /// Element count of the call.
+    pub count: u64,
+}
+
+/// `op` value of collectives that do not reduce.
+pub const NO_OP: u8 = 0xff;
+
+impl FrameHeader {
+    /// Serialises to little-endian bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.kind as u8;
+        b[1] = self.coll;
+        b[2] = self.dtype;
+        b[3] = self.op;
+        b[4..8].copy_from_slice(&self.root.to_le_bytes());
+        b[8..12].copy_from_slice(&self.len.to_le_bytes());
+        b[12..16].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        b[24..32].copy_from_slice(&self.count.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; `Err` names what is wrong (bad magic or kind), which means the stream
+    /// is corrupt or the peer is not a dspark rank of this version.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> std::result::Result<Self, String> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let magic = u32_at(12);
+        if magic != FRAME_MAGIC {
+            return Err(format!(
+                "frame header has magic {magic:#010x}, expected {FRAME_MAGIC:#010x} \
+                 (corrupt stream or not a dspark peer)"
+            ));
+        }
+        let kind = match b[0] {
+            1 => FrameKind::Data,
+            2 => FrameKind::Abort,
+            3 => FrameKind::Bye,
+            k => return Err(format!("unknown frame kind {k}")),
+        };
+        Ok(FrameHeader {
+            kind,
+            coll: b[1],
+            dtype: b[2],
+            op: b[3],
+            root: u32_at(4),
+            len: u32_at(8),
+            seq: u64_at(16),
+            count: u64_at(24),
+        })
+    }
+
+    /// An abort frame header announcing that `rank` failed with an error of class `class`
+    /// ([`AbortClass`]), followed by a `len`-byte message.
+    pub fn abort(rank: usize, len: usize, class: AbortClass) -> Self {
+        FrameHeader {
+            kind: FrameKind::Abort,
+            coll: class as u8,
+            dtype: 0,
+            op: NO_OP,
+            root: rank as u32,
+            len: len as u32,
+            seq: 0,
+            count: 0,
+        }
+    }
+
+    /// A goodbye frame header.
+    pub fn bye() -> Self {
+        FrameHeader { kind: FrameKind::Bye, ..Self::abort(0, 0, AbortClass::Other) }
+    }
+}
+
+/// What kind of failure an abort frame announces, so that survivors report the same kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AbortClass {
+    /// Anything else: survivors report [`Error::Aborted`](crate::Error::Aborted).
+    Other = 0,
+    /// Ranks disagree about a call: survivors report [`Error::Mismatch`](crate::Error::Mismatch)
+    /// with the same description.
+    Mismatch = 1,
+}
+
+impl AbortClass {
+    /// The class of an error, and the text to send with it.
+    pub fn of(e: &crate::Error) -> (Self, String) {
+        match e {
+            crate::Error::Mismatch { what, .. } => (AbortClass::Mismatch, what.clone()),
+            crate::Error::Aborted { reason, .. } => (AbortClass::Other, reason.clone()),
+            e => (AbortClass::Other, e.to_string()),
+        }
+    }
+
+    /// The error a survivor (`rank`, in operation `op`) reports for an abort frame from
+    /// `origin` of class `code` with message `reason`.
+    pub fn error(code: u8, rank: usize, origin: usize, op: &str, reason: String) -> crate::Error {
+        if code == AbortClass::Mismatch as u8 {
+            crate::Error::Mismatch { rank: Some(rank), peer: Some(origin), op: op.into(), what: reason }
+        } else {
+            crate::Error::Aborted { rank, by: origin, op: op.into(), reason }
+        }
+    }
+}
+
+/// Receives one frame's payload on behalf of the engine.
+pub trait RecvSink {
+    /// Called once per frame with its header (of kind `Data`). Returns the payload length the
+    /// receiver expects, or the error (usually `Mismatch`) that ends the receive.
+    fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize>;
+
+    /// The destination to place payload bytes into directly (copying receives), or `None`
+    /// when the payload must be handed to [`RecvSink::consume`].
+    fn direct(&mut self) -> Option<&mut [u8]>;
+
+    /// Size of one element: `consume` always gets a multiple of it.
+    fn granule(&self) -> usize;
+
+    /// Takes the next payload bytes (a whole number of elements, in order).
+    fn consume(&mut self, bytes: &[u8]) -> Result<()>;
+}
+
+/// What the engine is waiting for on one peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Interest {
+    /// The peer.
+    pub peer: usize,
+    /// Waiting to receive from it.
+    pub recv: bool,
+    /// Waiting to send to it.
+    pub send: bool,
+}
+
+/// Progress of one frame being sent: bytes of header and payload already handed over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendProgress {
+    /// Bytes of header + payload written so far.
+    pub written: usize,
+    /// Transport-private token (e.g. a posted work request).
+    pub token: u64,
+}
+
+/// Progress of the frame being received from one peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecvProgress {
+    /// Header of the frame being received, once read and accepted.
+    pub header: Option<FrameHeader>,
+    /// Payload bytes expected.
+    pub expected: usize,
+    /// Payload bytes delivered so far.
+    pub got: usize,
+}
+
+/// A way to move frames between the ranks of one communicator.
+pub trait Transport: Send + fmt::Debug {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
+
+    /// One line for logs and the bench header: device, addresses, options.
+    fn describe(&self) -> String;
+
+    /// Pushes the frame `hdr` + `data` to `peer` as far as possible without blocking.
+    /// Returns `Ok(true)` once the whole frame is handed over. See the module docs for the
+    /// contract on `data`.
+    fn send(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        data: &[u8],
+        progress: &mut SendProgress,
+    ) -> Result<bool>;
+
+    /// Receives the next frame from `peer` as far as possible without blocking. Returns
+    /// `Ok(true)` once its payload is fully delivered to `sink`.
+    fn recv(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<bool>;
+
+    /// Blocks until one of `interest` may make progress, some other peer sent something
+    /// unexpected (an abort, a closed connection), or `deadline` passes (then returns `Ok`;
+    /// the caller checks the clock). Spurious wake-ups are allowed.
+    fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()>;
+
+    /// Checks, without blocking, every peer for an abort or a lost connection; returns the
+    /// error if one is found.
+    fn check_peers(&mut self) -> Result<()>;
+
+    /// Best effort: tells every peer that rank `origin` (this rank, or the rank whose abort
+    /// this rank is passing on) failed with an error of class `class` described by `reason`,
+    /// and stops all transfers. After this no transfer touches caller memory again.
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str);
+
+    /// Best effort: tells every peer this rank is leaving cleanly.
+    fn close(&mut self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_and_rejects_bad_magic() {
+        let h = FrameHeader {
+            kind: FrameKind::Data,
+            coll: 3,
+            dtype: 8,
+            op: 2,
+            root: 7,
+            len: 1 << 20,
+            seq: u64::MAX - 1,
+            count: 123_456_789_012,
+        };
+        let b = h.encode();
+        assert_eq!(FrameHeader::decode(&b).unwrap(), h);
+        let mut bad = b;
+        bad[13] ^= 0x40;
+        assert!(FrameHeader::decode(&bad).unwrap_err().contains("magic"));
+        let mut bad = b;
+        bad[0] = 9;
+        assert!(FrameHeader::decode(&bad).unwrap_err().contains("kind"));
+    }
+}

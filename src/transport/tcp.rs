@@ -1,0 +1,596 @@
+//! The TCP transport: one non-blocking stream per peer, driven from the caller's thread.
+//!
+//! * Sends use `sendmsg` with the header and payload as two I/O vectors (`MSG_NOSIGNAL`, so a
+//!   dead peer is an error, never a `SIGPIPE`).
+//! * Receives read into a per-peer buffer, as much as the socket has, so a small frame costs
+//!   one system call; large copying receives bypass the buffer and land in the caller's
+//!   memory directly; reducing receives are reduced straight out of the buffer while the kernel
+//!   keeps receiving the next bytes.
+//! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] at once; one
+//!   that sent an abort frame fails every survivor with [`Error::Aborted`].
+//!
+//! No `unsafe` here: sockets come from `std`, `poll` and `sendmsg` from `nix`.
+
+#![forbid(unsafe_code)]
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, AsRawFd};
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::socket::{sendmsg, MsgFlags, SockaddrStorage};
+
+use super::{
+    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
+    TransportKind, HEADER_LEN,
+};
+use crate::error::{Error, Result};
+
+/// `POLLRDHUP` (peer shut down its sending side), which nix does not name.
+fn rdhup() -> PollFlags {
+    PollFlags::from_bits_retain(libc::POLLRDHUP)
+}
+
+/// Per-peer receive buffer size.
+const RX_CAP: usize = 256 * 1024;
+/// Copying receives of at least this many remaining bytes read straight into the destination.
+const DIRECT_MIN: usize = 32 * 1024;
+
+/// Socket options for the data connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// `SO_SNDBUF` / `SO_RCVBUF` in bytes (0: leave the kernel's autotuning alone).
+    pub socket_buffer: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions { socket_buffer: 4 << 20 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PeerState {
+    Open,
+    /// The peer said goodbye.
+    Closed,
+    /// The connection failed.
+    Lost(String),
+}
+
+#[derive(Debug)]
+struct Peer {
+    stream: TcpStream,
+    rx: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// A frame's header has been taken and its payload is not complete.
+    rx_in_frame: bool,
+    /// A frame is partly written.
+    tx_in_frame: bool,
+    state: PeerState,
+    /// The peer shut down its sending side and everything readable has been examined.
+    eof_seen: bool,
+}
+
+enum Fill {
+    Data,
+    WouldBlock,
+    Eof,
+}
+
+impl Peer {
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn take(&mut self, n: usize) -> std::ops::Range<usize> {
+        let r = self.start..self.start + n;
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        r
+    }
+
+    /// Reads what the socket has into the buffer, keeping unconsumed bytes.
+    fn fill(&mut self) -> io::Result<Fill> {
+        if self.end == self.rx.len() {
+            if self.start == 0 {
+                return Ok(Fill::Data); // full: the caller consumes first
+            }
+            self.rx.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        loop {
+            match self.stream.read(&mut self.rx[self.end..]) {
+                Ok(0) => return Ok(Fill::Eof),
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(Fill::Data);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Fill::WouldBlock),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn peek_header(&self) -> Option<&[u8; HEADER_LEN]> {
+        if self.buffered() < HEADER_LEN {
+            return None;
+        }
+        self.rx[self.start..self.start + HEADER_LEN].try_into().ok()
+    }
+}
+
+/// The TCP transport.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    world: usize,
+    peers: Vec<Option<Peer>>,
+    desc: String,
+    aborted: bool,
+}
+
+fn lost_detail(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset => "connection reset by peer (process died?)".into(),
+        io::ErrorKind::BrokenPipe => "broken pipe (peer closed the connection)".into(),
+        _ => e.to_string(),
+    }
+}
+
+fn is_disconnect(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+impl TcpTransport {
+    /// Wraps connected streams (`streams[p]` is the connection to rank `p`; `None` for this
+    /// rank) and configures them: non-blocking, `TCP_NODELAY`, socket buffers.
+    pub fn new(
+        rank: usize,
+        world: usize,
+        streams: Vec<Option<TcpStream>>,
+        opts: TcpOptions,
+    ) -> Result<Self> {
+        let mut peers = Vec::with_capacity(world);
+        let mut local = None;
+        for (p, s) in streams.into_iter().enumerate() {
+            let Some(stream) = s else {
+                peers.push(None);
+                continue;
+            };
+            let io_err = |e| Error::io(Some(rank), Some(p), "configuring TCP connection", e);
+            stream.set_nodelay(true).map_err(io_err)?;
+            if opts.socket_buffer > 0 {
+                use nix::sys::socket::{setsockopt, sockopt};
+                let b = opts.socket_buffer;
+                // Best effort: the kernel clamps to net.core.{w,r}mem_max.
+                let _ = setsockopt(&stream, sockopt::SndBuf, &b);
+                let _ = setsockopt(&stream, sockopt::RcvBuf, &b);
+            }
+            stream.set_nonblocking(true).map_err(io_err)?;
+            if local.is_none() {
+                local = stream.local_addr().ok();
+            }
+            peers.push(Some(Peer {
+                stream,
+                rx: vec![0u8; RX_CAP].into_boxed_slice(),
+                start: 0,
+                end: 0,
+                rx_in_frame: false,
+                tx_in_frame: false,
+                state: PeerState::Open,
+                eof_seen: false,
+            }));
+        }
+        let desc = match local {
+            Some(a) => format!(
+                "tcp {} (TCP_NODELAY, socket buffers {} KiB, one stream per peer)",
+                a.ip(),
+                opts.socket_buffer / 1024
+            ),
+            None => "tcp (no peers)".to_string(),
+        };
+        Ok(TcpTransport { rank, world, peers, desc, aborted: false })
+    }
+
+    fn peer_mut(&mut self, p: usize, op: &str) -> Result<&mut Peer> {
+        let rank = self.rank;
+        match self.peers.get_mut(p).and_then(Option::as_mut) {
+            Some(peer) => Ok(peer),
+            None => Err(Error::invalid(Some(rank), op, format!("no connection to rank {p}"))),
+        }
+    }
+
+    fn lost(&self, peer: usize, op: &str, detail: impl Into<String>) -> Error {
+        Error::PeerLost { rank: self.rank, peer, op: op.into(), detail: detail.into() }
+    }
+
+    /// Reads and returns the abort message at the front of `peer`'s buffer if the whole frame
+    /// is buffered.
+    fn abort_error(&self, peer: usize, hdr: &FrameHeader, op: &str) -> Option<Error> {
+        let p = self.peers[peer].as_ref()?;
+        let need = HEADER_LEN + hdr.len as usize;
+        let msg = if p.buffered() >= need {
+            String::from_utf8_lossy(&p.rx[p.start + HEADER_LEN..p.start + need]).into_owned()
+        } else if p.buffered() > HEADER_LEN {
+            String::from_utf8_lossy(&p.rx[p.start + HEADER_LEN..p.end]).into_owned() + "…"
+        } else {
+            "(no reason given)".to_string()
+        };
+        Some(AbortClass::error(hdr.coll, self.rank, hdr.root as usize, op, msg))
+    }
+
+    /// Examines `peer`'s connection between frames: returns an error for an abort or a lost
+    /// connection, records a goodbye.
+    fn examine(&mut self, peer: usize) -> Result<()> {
+        let rank = self.rank;
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        if p.state != PeerState::Open || p.eof_seen {
+            return Ok(());
+        }
+        let fill = p.fill();
+        let eof = match fill {
+            Ok(Fill::Eof) => true,
+            Ok(_) => false,
+            Err(e) => {
+                let d = lost_detail(&e);
+                p.state = PeerState::Lost(d.clone());
+                return Err(Error::PeerLost { rank, peer, op: "communicator".into(), detail: d });
+            }
+        };
+        if !p.rx_in_frame {
+            if let Some(b) = p.peek_header() {
+                if let Ok(h) = FrameHeader::decode(b) {
+                    match h.kind {
+                        FrameKind::Abort => {
+                            let e = self.abort_error(peer, &h, "communicator");
+                            return Err(e.expect("peer exists"));
+                        }
+                        FrameKind::Bye => {
+                            p.take(HEADER_LEN);
+                            p.state = PeerState::Closed;
+                            return Ok(());
+                        }
+                        FrameKind::Data => {}
+                    }
+                }
+            }
+        }
+        if eof {
+            if p.buffered() == 0 && !p.rx_in_frame {
+                let d = "connection closed without goodbye (process died?)".to_string();
+                p.state = PeerState::Lost(d.clone());
+                return Err(Error::PeerLost { rank, peer, op: "communicator".into(), detail: d });
+            }
+            // Data is still buffered for later receives: remember and stop polling it.
+            p.eof_seen = true;
+        }
+        Ok(())
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+
+    fn send(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        data: &[u8],
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        const OP: &str = "send";
+        let rank = self.rank;
+        let p = self.peer_mut(peer, OP)?;
+        match &p.state {
+            PeerState::Open => {}
+            PeerState::Closed => {
+                return Err(self.lost(peer, OP, "peer closed its communicator"));
+            }
+            PeerState::Lost(d) => {
+                let d = d.clone();
+                return Err(self.lost(peer, OP, d));
+            }
+        }
+        let head = hdr.encode();
+        let total = HEADER_LEN + data.len();
+        while progress.written < total {
+            let w = progress.written;
+            let res = if w < HEADER_LEN {
+                let iov = [IoSlice::new(&head[w..]), IoSlice::new(data)];
+                sendmsg::<SockaddrStorage>(
+                    p.stream.as_raw_fd(),
+                    &iov,
+                    &[],
+                    MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                    None,
+                )
+            } else {
+                let iov = [IoSlice::new(&data[w - HEADER_LEN..])];
+                sendmsg::<SockaddrStorage>(
+                    p.stream.as_raw_fd(),
+                    &iov,
+                    &[],
+                    MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                    None,
+                )
+            };
+            match res {
+                Ok(n) => {
+                    progress.written += n;
+                    p.tx_in_frame = progress.written < total;
+                }
+                Err(nix::errno::Errno::EAGAIN) => return Ok(false),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => {
+                    let e = io::Error::from(e);
+                    let d = lost_detail(&e);
+                    if is_disconnect(&e) {
+                        p.state = PeerState::Lost(d.clone());
+                        return Err(Error::PeerLost { rank, peer, op: OP.into(), detail: d });
+                    }
+                    return Err(Error::io(Some(rank), Some(peer), OP, e));
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn recv(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<bool> {
+        const OP: &str = "receive";
+        let rank = self.rank;
+        loop {
+            let p = self.peer_mut(peer, OP)?;
+            if progress.header.is_none() {
+                if let PeerState::Lost(d) = &p.state {
+                    let d = d.clone();
+                    return Err(self.lost(peer, OP, d));
+                }
+                let Some(b) = p.peek_header() else {
+                    if p.state == PeerState::Closed {
+                        return Err(self.lost(peer, OP, "peer closed its communicator"));
+                    }
+                    match p.fill() {
+                        Ok(Fill::Data) => continue,
+                        Ok(Fill::WouldBlock) => return Ok(false),
+                        Ok(Fill::Eof) => {
+                            let d = if p.buffered() > 0 {
+                                "connection closed in the middle of a frame header"
+                            } else {
+                                "connection closed (process died or closed its communicator)"
+                            };
+                            p.state = PeerState::Lost(d.into());
+                            return Err(self.lost(peer, OP, d));
+                        }
+                        Err(e) => {
+                            let d = lost_detail(&e);
+                            p.state = PeerState::Lost(d.clone());
+                            return Err(self.lost(peer, OP, d));
+                        }
+                    }
+                };
+                let hdr = FrameHeader::decode(b).map_err(|what| Error::Transport {
+                    rank: Some(rank),
+                    peer: Some(peer),
+                    op: "receive frame header".into(),
+                    what,
+                })?;
+                match hdr.kind {
+                    FrameKind::Data => {}
+                    FrameKind::Abort => {
+                        // Wait until the message is buffered (it is short), then report it.
+                        let need = HEADER_LEN + hdr.len as usize;
+                        if p.buffered() < need && need <= RX_CAP {
+                            match p.fill() {
+                                Ok(Fill::Data) => continue,
+                                Ok(Fill::WouldBlock) => return Ok(false),
+                                _ => {}
+                            }
+                        }
+                        return Err(self.abort_error(peer, &hdr, OP).expect("peer exists"));
+                    }
+                    FrameKind::Bye => {
+                        p.take(HEADER_LEN);
+                        p.state = PeerState::Closed;
+                        return Err(self.lost(peer, OP, "peer closed its communicator"));
+                    }
+                }
+                let expected = sink.on_header(&hdr)?;
+                let p = self.peer_mut(peer, OP)?;
+                p.take(HEADER_LEN);
+                p.rx_in_frame = expected > 0;
+                progress.header = Some(hdr);
+                progress.expected = expected;
+                progress.got = 0;
+            }
+            let p = self.peer_mut(peer, OP)?;
+            let want = progress.expected - progress.got;
+            if want == 0 {
+                p.rx_in_frame = false;
+                progress.header = None;
+                return Ok(true);
+            }
+            let avail = p.buffered();
+            if avail > 0 {
+                if let Some(dst) = sink.direct() {
+                    let n = want.min(avail);
+                    let r = p.take(n);
+                    let got = progress.got;
+                    dst[got..got + n].copy_from_slice(&p.rx[r]);
+                    progress.got += n;
+                    continue;
+                }
+                let g = sink.granule().max(1);
+                let mut n = want.min(avail);
+                n -= n % g;
+                if n > 0 {
+                    let r = p.take(n);
+                    sink.consume(&p.rx[r])?;
+                    progress.got += n;
+                    continue;
+                }
+                // Less than one element buffered: read more below.
+            }
+            let p = self.peer_mut(peer, OP)?;
+            let res = if avail == 0 && want >= DIRECT_MIN {
+                match sink.direct() {
+                    Some(dst) => {
+                        let got = progress.got;
+                        match p.stream.read(&mut dst[got..got + want]) {
+                            Ok(0) => Ok(Fill::Eof),
+                            Ok(n) => {
+                                progress.got += n;
+                                Ok(Fill::Data)
+                            }
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Fill::Data),
+                            Err(e) => Err(e),
+                        }
+                    }
+                    None => p.fill(),
+                }
+            } else {
+                p.fill()
+            };
+            match res {
+                Ok(Fill::Data) => continue,
+                Ok(Fill::WouldBlock) => return Ok(false),
+                Ok(Fill::Eof) => {
+                    let d = "connection closed in the middle of a frame";
+                    p.state = PeerState::Lost(d.into());
+                    return Err(self.lost(peer, OP, d));
+                }
+                Err(e) => {
+                    let d = lost_detail(&e);
+                    p.state = PeerState::Lost(d.clone());
+                    return Err(self.lost(peer, OP, d));
+                }
+            }
+        }
+    }
+
+    fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(());
+        }
+        // Round up so that a sub-millisecond remainder does not turn into a busy loop.
+        let ms = (deadline - now).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        let mut which = Vec::with_capacity(self.world);
+        let mut fds = Vec::with_capacity(self.world);
+        for (i, p) in self.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let mut ev = PollFlags::empty();
+            if let Some(it) = interest.iter().find(|it| it.peer == i) {
+                if it.recv {
+                    ev |= PollFlags::POLLIN;
+                }
+                if it.send {
+                    ev |= PollFlags::POLLOUT;
+                }
+            }
+            if p.state == PeerState::Open && !p.eof_seen {
+                ev |= rdhup();
+            } else if ev.is_empty() {
+                continue;
+            }
+            which.push(i);
+            fds.push(PollFd::new(p.stream.as_fd(), ev));
+        }
+        let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
+        match nix::poll::poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => {
+                return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e)));
+            }
+        }
+        let flagged: Vec<usize> = fds
+            .iter()
+            .zip(&which)
+            .filter(|(fd, _)| {
+                fd.revents().is_some_and(|r| {
+                    r.intersects(rdhup() | PollFlags::POLLHUP | PollFlags::POLLERR)
+                })
+            })
+            .map(|(_, &i)| i)
+            .collect();
+        drop(fds);
+        for i in flagged {
+            self.examine(i)?;
+        }
+        Ok(())
+    }
+
+    fn check_peers(&mut self) -> Result<()> {
+        for i in 0..self.peers.len() {
+            self.examine(i)?;
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
+        let msg = reason.as_bytes();
+        let msg = &msg[..msg.len().min(16 * 1024)];
+        let head = FrameHeader::abort(origin, msg.len(), class).encode();
+        for p in self.peers.iter_mut().flatten() {
+            if p.state == PeerState::Open && !p.tx_in_frame {
+                let _ = p.stream.set_nonblocking(false);
+                let _ = p.stream.set_write_timeout(Some(Duration::from_millis(200)));
+                let mut frame = head.to_vec();
+                frame.extend_from_slice(msg);
+                let _ = Write::write_all(&mut p.stream, &frame);
+                let _ = p.stream.shutdown(Shutdown::Write);
+            } else {
+                let _ = p.stream.shutdown(Shutdown::Both);
+            }
+            p.state = PeerState::Lost("this rank aborted".into());
+        }
+    }
+
+    fn close(&mut self) {
+        if self.aborted {
+            return;
+        }
+        let head = FrameHeader::bye().encode();
+        for p in self.peers.iter_mut().flatten() {
+            if p.state == PeerState::Open && !p.tx_in_frame {
+                let _ = p.stream.set_nonblocking(false);
+                let _ = p.stream.set_write_timeout(Some(Duration::from_millis(200)));
+                let _ = Write::write_all(&mut p.stream, &head);
+            }
+            let _ = p.stream.shutdown(Shutdown::Write);
+        }
+        self.aborted = true;
+    }
+}

@@ -1,0 +1,281 @@
+//! Many ranks as threads over the in-process `mem` transport: every collective, type and
+//! operator against an independent reference, and fault injection (killed, silent, dropped,
+//! delayed, mismatched).
+
+mod common;
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use dspark::transport::mem::{Fault, MemFabric};
+use dspark::{Communicator, Config, Error, ReduceOp};
+
+fn config(timeout: Duration, segment_bytes: usize) -> Config {
+    let mut c = Config::new(0, 1, "");
+    c.timeout = timeout;
+    c.segment_bytes = segment_bytes;
+    c
+}
+
+/// Runs `f` on `world` ranks (threads) over one fabric and returns each rank's result.
+fn run_ranks<R: Send>(
+    fabric: &MemFabric,
+    world: usize,
+    cfg: &Config,
+    f: impl Fn(&Communicator) -> R + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let f = &f;
+                let t = fabric.transport(r);
+                s.spawn(move || {
+                    let comm = Communicator::from_transport(r, world, Box::new(t), cfg).unwrap();
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+#[test]
+fn every_collective_type_and_op_matches_the_reference_on_worlds_1_to_5() {
+    // Small segments so that multi-segment pipelining is exercised at small counts.
+    let counts = [0, 1, 2, 3, 5, 7, 13, 64, 257];
+    for world in 1..=5 {
+        for (seg, cap) in [(24, 1), (4096, 3)] {
+            let fabric = MemFabric::new(world, cap);
+            let cfg = config(Duration::from_secs(30), seg);
+            let res = run_ranks(&fabric, world, &cfg, |c| common::run_matrix(c, &counts, 7));
+            for (r, x) in res.into_iter().enumerate() {
+                if let Err(e) = x {
+                    panic!("world {world} segment {seg} rank {r}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn forced_algorithms_give_the_same_results() {
+    for algo in ["ring", "recursive_doubling", "chain", "binomial_tree"] {
+        for world in [2, 3, 5] {
+            let fabric = MemFabric::new(world, 1);
+            let mut cfg = config(Duration::from_secs(30), 40);
+            cfg.algo = dspark::plan::Algorithm::from_name(algo);
+            let res = run_ranks(&fabric, world, &cfg, |c| common::run_matrix(c, &[1, 6, 31], 11));
+            for (r, x) in res.into_iter().enumerate() {
+                if let Err(e) = x {
+                    panic!("{algo} world {world} rank {r}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn killed_rank_makes_every_survivor_fail_fast_instead_of_hanging() {
+    let world = 4;
+    let fabric = MemFabric::new(world, 2);
+    let cfg = config(Duration::from_secs(20), 1024);
+    let gate = Barrier::new(world);
+    let t0 = Instant::now();
+    let res = run_ranks(&fabric, world, &cfg, |c| {
+        let mut buf = vec![1.0f32; 100_000];
+        c.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        gate.wait();
+        if c.rank() == 2 {
+            fabric.kill(2);
+            return Ok(());
+        }
+        c.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    let elapsed = t0.elapsed();
+    for (r, x) in res.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        match x {
+            Err(Error::PeerLost { peer: 2, .. }) => {}
+            Err(Error::Aborted { by: 2, .. }) => {}
+            Err(Error::Aborted { .. }) | Err(Error::PeerLost { .. }) => {}
+            other => panic!("rank {r}: expected PeerLost/Aborted, got {other:?}"),
+        }
+    }
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}, deadline is 20 s");
+}
+
+#[test]
+fn silent_peer_times_out_instead_of_hanging() {
+    let world = 3;
+    let fabric = MemFabric::new(world, 1);
+    let cfg = config(Duration::from_millis(800), 1024);
+    let t0 = Instant::now();
+    let res = run_ranks(&fabric, world, &cfg, |c| {
+        if c.rank() == 1 {
+            // Silent: alive, connected, never calls.
+            std::thread::sleep(Duration::from_millis(2500));
+            return Ok(());
+        }
+        let mut buf = vec![3u32; 1000];
+        c.all_reduce(&mut buf, ReduceOp::Max)
+    });
+    let elapsed = t0.elapsed();
+    for r in [0, 2] {
+        match &res[r] {
+            Err(e @ Error::Timeout { .. }) => {
+                let s = e.to_string();
+                assert!(s.contains(&format!("rank {r}")) && s.contains("all_reduce"), "{s}");
+            }
+            // A survivor may hear of the other survivor's timeout first.
+            Err(Error::Aborted { .. }) => {}
+            other => panic!("rank {r}: expected Timeout, got {other:?}"),
+        }
+    }
+    assert!(res.iter().any(|x| matches!(x, Err(Error::Timeout { peer: Some(1), .. }))), "{res:?}");
+    assert!(elapsed < Duration::from_millis(2800), "took {elapsed:?}");
+}
+
+#[test]
+fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
+    // 100 i64 in 8-element segments: 13 frames per direction, the last one 4 elements.
+    for (nth, timeout_expected) in [(12, true), (0, false)] {
+        let world = 2;
+        let fabric = MemFabric::new(world, 4);
+        fabric.inject(Fault::Drop { from: 1, to: 0, nth });
+        let cfg = config(Duration::from_millis(500), 64);
+        let res = run_ranks(&fabric, world, &cfg, |c| {
+            let mut buf = vec![1i64; 100];
+            c.all_reduce(&mut buf, ReduceOp::Sum)
+        });
+        if timeout_expected {
+            // The last frame never comes.
+            assert!(matches!(res[0], Err(Error::Timeout { peer: Some(1), .. })), "{:?}", res[0]);
+        } else {
+            // A later, shorter frame arrives where a full segment was due.
+            let e = res[0].as_ref().unwrap_err();
+            assert!(matches!(e, Error::Mismatch { .. }) && e.to_string().contains("lost"), "{e}");
+        }
+        assert!(res[1].is_err(), "rank 1 must hear that rank 0 failed: {:?}", res[1]);
+    }
+}
+
+#[test]
+fn delayed_frames_still_give_exact_results() {
+    let world = 3;
+    let fabric = MemFabric::new(world, 1);
+    fabric.inject(Fault::Delay { from: 0, to: 1, by: Duration::from_millis(3) });
+    fabric.inject(Fault::Delay { from: 2, to: 0, by: Duration::from_millis(2) });
+    let cfg = config(Duration::from_secs(30), 256);
+    let res = run_ranks(&fabric, world, &cfg, |c| common::run_matrix(c, &[5, 300], 3));
+    for (r, x) in res.into_iter().enumerate() {
+        x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+fn expect_mismatch_everywhere(res: &[dspark::Result<()>], needle: &str) {
+    for (r, x) in res.iter().enumerate() {
+        match x {
+            Err(e @ Error::Mismatch { .. }) => {
+                assert!(e.to_string().contains(needle), "rank {r}: {e} lacks {needle:?}")
+            }
+            other => panic!("rank {r}: expected Mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mismatched_counts_are_reported_on_every_rank() {
+    let fabric = MemFabric::new(3, 1);
+    let cfg = config(Duration::from_secs(5), 1024);
+    let res = run_ranks(&fabric, 3, &cfg, |c| {
+        let mut buf = vec![1.0f32; if c.rank() == 1 { 12 } else { 10 }];
+        c.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    expect_mismatch_everywhere(&res, "count");
+}
+
+#[test]
+fn mismatched_types_ops_roots_and_collectives_are_reported() {
+    let cfg = config(Duration::from_secs(5), 1024);
+    // Type.
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+        if c.rank() == 0 {
+            c.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum)
+        } else {
+            c.all_reduce(&mut [1i32; 8], ReduceOp::Sum)
+        }
+    });
+    expect_mismatch_everywhere(&res, "int32");
+    // Operator.
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+        let op = if c.rank() == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+        c.all_reduce(&mut [1.0f64; 8], op)
+    });
+    expect_mismatch_everywhere(&res, "max");
+    // Root: both ranks believe they are the root (data flows only one way).
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| c.broadcast(&mut [7u8; 8], c.rank()));
+    expect_mismatch_everywhere(&res, "root");
+    // Root: neither is.
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| c.reduce(&mut [7u8; 8], ReduceOp::Sum, 1 - c.rank()));
+    expect_mismatch_everywhere(&res, "root");
+    // Collective.
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+        if c.rank() == 0 {
+            c.all_reduce(&mut [1u64; 8], ReduceOp::Sum)
+        } else {
+            c.broadcast(&mut [1u64; 8], 0)
+        }
+    });
+    expect_mismatch_everywhere(&res, "broadcast");
+}
+
+#[test]
+fn the_first_error_poisons_and_argument_errors_do_not() {
+    let fabric = MemFabric::new(2, 1);
+    let cfg = config(Duration::from_millis(300), 1024);
+    let done = Barrier::new(2);
+    let res = run_ranks(&fabric, 2, &cfg, |c| {
+        // An argument error is local and harmless.
+        let e = c.all_gather(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let e = c.broadcast(&mut [0u8; 3], 9).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let mut ok = [c.rank() as u32 + 1; 4];
+        c.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+        assert_eq!(ok, [3; 4]);
+        if c.rank() == 1 {
+            // Alive but silent until rank 0 is done.
+            done.wait();
+            return (None, None);
+        }
+        // Rank 1 stopped participating: rank 0 times out, then stays failed.
+        let first = c.all_reduce(&mut ok, ReduceOp::Sum).unwrap_err();
+        let t = Instant::now();
+        let second = c.barrier().unwrap_err();
+        assert!(t.elapsed() < Duration::from_millis(50), "poisoned call waited");
+        done.wait();
+        (Some(first), Some(second))
+    });
+    let (first, second) = &res[0];
+    let (first, second) = (first.as_ref().unwrap(), second.as_ref().unwrap());
+    assert!(matches!(first, Error::Timeout { .. }), "{first}");
+    assert_eq!(first.to_string(), second.to_string());
+}
+
+#[test]
+fn zero_counts_return_at_once_and_world_of_one_works() {
+    let fabric = MemFabric::new(1, 1);
+    let cfg = config(Duration::from_secs(1), 1024);
+    run_ranks(&fabric, 1, &cfg, |c| {
+        let mut v = [5i32, -7, 9];
+        c.all_reduce(&mut v, ReduceOp::Avg).unwrap();
+        assert_eq!(v, [5, -7, 9]);
+        c.all_reduce::<f32>(&mut [], ReduceOp::Sum).unwrap();
+        c.barrier().unwrap();
+        let mut out = [0i32; 3];
+        c.all_gather(&v, &mut out).unwrap();
+        assert_eq!(out, v);
+    });
+}

@@ -1,0 +1,363 @@
+//! Multi-process tests over real TCP: this test binary re-executes itself as N rank
+//! processes (`rank_process` is the entry point of a rank; it does nothing in a normal test
+//! run). Covers every collective, type and operator on worlds 1..=5, large messages, a killed
+//! rank, a stopped (SIGSTOP) rank, mismatched calls, and two ranks in separate network
+//! namespaces joined by a veth pair (root only; skipped with a reason elsewhere).
+
+mod common;
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dspark::{Communicator, Error, ReduceOp};
+
+const SCENARIO: &str = "DSPARK_TEST_SCENARIO";
+
+/// Exit codes of rank processes.
+const OK: i32 = 0;
+const FAILED_AS_EXPECTED: i32 = 3;
+const WRONG: i32 = 1;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Ranks {
+    children: Vec<Child>,
+}
+
+fn spawn(world: usize, scenario: &str, env: &[(&str, String)], wrap: Option<&dyn Fn(usize) -> Vec<String>>) -> Ranks {
+    let port = free_port();
+    let exe = std::env::current_exe().unwrap();
+    let children = (0..world)
+        .map(|r| {
+            let mut argv: Vec<String> = wrap.map(|w| w(r)).unwrap_or_default();
+            argv.push(exe.display().to_string());
+            argv.extend(["--exact", "rank_process", "--nocapture", "--test-threads", "1"].map(String::from));
+            let mut cmd = Command::new(&argv[0]);
+            cmd.args(&argv[1..])
+                .env(SCENARIO, scenario)
+                .env("DSPARK_RANK", r.to_string())
+                .env("DSPARK_WORLD_SIZE", world.to_string())
+                .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
+                .env_remove("RUST_LOG")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            cmd.spawn().expect("spawn rank process")
+        })
+        .collect();
+    Ranks { children }
+}
+
+struct Outcome {
+    code: Option<i32>,
+    out: String,
+    elapsed: Duration,
+}
+
+impl Ranks {
+    /// Waits for every rank, killing all of them after `limit`.
+    fn wait(mut self, limit: Duration) -> Vec<Outcome> {
+        let t0 = Instant::now();
+        let mut done: Vec<Option<(Option<i32>, Duration)>> = vec![None; self.children.len()];
+        while done.iter().any(Option::is_none) {
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if done[i].is_none() {
+                    if let Ok(Some(st)) = c.try_wait() {
+                        done[i] = Some((st.code(), t0.elapsed()));
+                    }
+                }
+            }
+            if t0.elapsed() > limit {
+                for (i, c) in self.children.iter_mut().enumerate() {
+                    if done[i].is_none() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        done[i] = Some((None, t0.elapsed()));
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.children
+            .iter_mut()
+            .zip(done)
+            .map(|(c, d)| {
+                let mut out = String::new();
+                if let Some(mut o) = c.stdout.take() {
+                    let _ = o.read_to_string(&mut out);
+                }
+                if let Some(mut e) = c.stderr.take() {
+                    let _ = e.read_to_string(&mut out);
+                }
+                let (code, elapsed) = d.unwrap();
+                Outcome { code, out, elapsed }
+            })
+            .collect()
+    }
+}
+
+fn assert_all_ok(outs: &[Outcome], what: &str) {
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(OK), "{what}: rank {r} failed (exit {:?}):\n{}", o.code, o.out);
+        // Guard against a rank process that ran no scenario at all.
+        assert!(o.out.contains("EXIT 0"), "{what}: rank {r} did not run its scenario:\n{}", o.out);
+    }
+}
+
+/// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
+#[test]
+fn rank_process() {
+    let Ok(scenario) = std::env::var(SCENARIO) else { return };
+    let code = match run_scenario(&scenario) {
+        Ok(code) => {
+            say(&format!("SCENARIO {scenario} EXIT {code}"));
+            code
+        }
+        Err(e) => {
+            println!("RANK ERROR: {e}");
+            WRONG
+        }
+    };
+    std::process::exit(code);
+}
+
+fn say(msg: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout();
+    let _ = writeln!(o, "{msg}");
+    let _ = o.flush();
+}
+
+fn run_scenario(s: &str) -> Result<i32, String> {
+    let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    let r = comm.rank();
+    match s {
+        "matrix" => {
+            common::run_matrix(&comm, &[0, 1, 2, 3, 7, 13, 100, 1023], 0x5eed)?;
+            Ok(OK)
+        }
+        "large" => {
+            // 12 MiB of f32: several segments per block, direct placement and partial reads.
+            let n = 3 * 1024 * 1024 + 17;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let mut buf = common::inputs::<f32>(op, 9, r, n);
+                comm.all_reduce(&mut buf, op).map_err(|e| e.to_string())?;
+                common::check("large all_reduce", &buf, &common::reduced::<f32>(op, 9, comm.world_size(), n))?;
+            }
+            let mut b = if r == 1 { common::inputs::<u8>(ReduceOp::Sum, 4, 1, n) } else { vec![0u8; n] };
+            comm.broadcast(&mut b, 1).map_err(|e| e.to_string())?;
+            common::check("large broadcast", &b, &common::inputs::<u8>(ReduceOp::Sum, 4, 1, n))?;
+            let mine = common::inputs::<i32>(ReduceOp::Sum, 5, r, n / 4);
+            let mut all = vec![0i32; n / 4 * comm.world_size()];
+            comm.all_gather(&mine, &mut all).map_err(|e| e.to_string())?;
+            let want: Vec<i32> = (0..comm.world_size())
+                .flat_map(|q| common::inputs::<i32>(ReduceOp::Sum, 5, q, n / 4))
+                .collect();
+            common::check("large all_gather", &all, &want)?;
+            Ok(OK)
+        }
+        "loop" => {
+            // Collectives until something fails; report how.
+            let mut buf = vec![1.0f32; 256 * 1024];
+            comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            say("READY");
+            loop {
+                if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                    say(&format!("FAILED: {e}"));
+                    let expected = matches!(
+                        e,
+                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
+                    );
+                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                }
+            }
+        }
+        "mismatch" => {
+            let mut buf = vec![1u16 as f32; 10 + r];
+            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e @ Error::Mismatch { .. }) => {
+                    say(&format!("FAILED: {e}"));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected Mismatch, got {other:?}")),
+            }
+        }
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+#[test]
+fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
+    for world in 1..=5 {
+        let outs = spawn(world, "matrix", &[("DSPARK_CHUNK_BYTES", "4096".into()), ("DSPARK_TIMEOUT", "60".into())], None)
+            .wait(Duration::from_secs(240));
+        assert_all_ok(&outs, &format!("world {world}"));
+    }
+}
+
+#[test]
+fn large_messages_are_exact_across_processes() {
+    for world in [2, 3] {
+        let outs = spawn(world, "large", &[("DSPARK_TIMEOUT", "60".into())], None).wait(Duration::from_secs(120));
+        assert_all_ok(&outs, &format!("large, world {world}"));
+    }
+}
+
+fn wait_ready(ranks: &mut Ranks, n: usize) {
+    // Each rank prints READY after its first collective; read byte by byte to not block on EOF.
+    for c in ranks.children.iter_mut().take(n) {
+        let out = c.stdout.as_mut().unwrap();
+        let mut seen = Vec::new();
+        let mut b = [0u8; 1];
+        let t0 = Instant::now();
+        while !String::from_utf8_lossy(&seen).contains("READY") {
+            assert!(t0.elapsed() < Duration::from_secs(60), "rank never got ready");
+            match out.read(&mut b) {
+                Ok(1) => seen.push(b[0]),
+                _ => panic!("rank exited before READY: {}", String::from_utf8_lossy(&seen)),
+            }
+        }
+    }
+}
+
+#[test]
+fn killed_rank_makes_every_survivor_fail_within_the_deadline() {
+    let world = 4;
+    let mut ranks = spawn(world, "loop", &[("DSPARK_TIMEOUT", "30".into())], None);
+    wait_ready(&mut ranks, world);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
+    let outs = ranks.wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        // A dead peer is noticed at once, long before the 30 s deadline.
+        assert!(o.elapsed < Duration::from_secs(10), "rank {r} took {:?}", o.elapsed);
+        assert!(o.out.contains("rank 2") || o.out.contains("aborted"), "rank {r}: {}", o.out);
+    }
+}
+
+#[test]
+fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
+    let world = 3;
+    let mut ranks = spawn(world, "loop", &[("DSPARK_TIMEOUT", "2".into())], None);
+    wait_ready(&mut ranks, world);
+    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let t0 = Instant::now();
+    // Survivors must finish on their own; the stopped rank is killed afterwards.
+    let mut survivors_done = false;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let done = [0, 2].iter().all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
+        if done {
+            survivors_done = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waited = t0.elapsed();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    let outs = ranks.wait(Duration::from_secs(5));
+    assert!(survivors_done, "survivors still running after {waited:?}");
+    assert!(waited < Duration::from_secs(8), "deadline 2 s, took {waited:?}");
+    for r in [0, 2] {
+        assert_eq!(outs[r].code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", outs[r].out);
+    }
+    let all = format!("{}{}", outs[0].out, outs[2].out);
+    assert!(all.contains("timed out") && all.contains("rank 1"), "{all}");
+}
+
+#[test]
+fn mismatched_counts_fail_every_process_with_mismatch() {
+    let outs = spawn(3, "mismatch", &[("DSPARK_TIMEOUT", "20".into())], None).wait(Duration::from_secs(30));
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(o.out.contains("count"), "rank {r}: {}", o.out);
+        assert!(o.elapsed < Duration::from_secs(10), "rank {r} took {:?}", o.elapsed);
+    }
+}
+
+/// Runs `cmd`, returning its stderr on failure.
+fn sh(cmd: &[&str]) -> Result<(), String> {
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().map_err(|e| format!("{}: {e}", cmd[0]))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{}: {}", cmd.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+struct Netns(Vec<String>);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = sh(&["ip", "netns", "del", ns]);
+        }
+    }
+}
+
+#[test]
+fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
+    let tag = std::process::id() % 100_000;
+    let (a, b) = (format!("dspk{tag}a"), format!("dspk{tag}b"));
+    let setup = || -> Result<Netns, String> {
+        let mut guard = Netns(Vec::new());
+        sh(&["ip", "netns", "add", &a])?;
+        guard.0.push(a.clone());
+        sh(&["ip", "netns", "add", &b])?;
+        guard.0.push(b.clone());
+        let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
+        sh(&["ip", "link", "add", &va, "netns", &a, "type", "veth", "peer", "name", &vb, "netns", &b])?;
+        sh(&["ip", "-n", &a, "addr", "add", "10.231.0.1/24", "dev", &va])?;
+        sh(&["ip", "-n", &b, "addr", "add", "10.231.0.2/24", "dev", &vb])?;
+        for (ns, dev) in [(&a, &va), (&b, &vb)] {
+            sh(&["ip", "-n", ns, "link", "set", dev, "up"])?;
+            sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        }
+        // Some latency on the wire, where netem exists.
+        if let Err(e) = sh(&["ip", "netns", "exec", &a, "tc", "qdisc", "add", "dev", &va, "root", "netem", "delay", "1ms"]) {
+            eprintln!("note: no netem delay ({e}); running without added latency");
+        }
+        Ok(guard)
+    };
+    let _guard = match setup() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED two_ranks_in_separate_network_namespaces_joined_by_veth: cannot create network namespaces here ({e}); run as root on Linux with iproute2");
+            return;
+        }
+    };
+    let port = free_port();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<Child> = [&a, &b]
+        .iter()
+        .enumerate()
+        .map(|(r, ns)| {
+            Command::new("ip")
+                .args(["netns", "exec", ns.as_str()])
+                .arg(&exe)
+                .args(["--exact", "rank_process", "--nocapture", "--test-threads", "1"])
+                .env(SCENARIO, "matrix")
+                .env("DSPARK_RANK", r.to_string())
+                .env("DSPARK_WORLD_SIZE", "2")
+                .env("DSPARK_ROOT_ADDR", format!("10.231.0.1:{port}"))
+                .env("DSPARK_TIMEOUT", "60")
+                .env("DSPARK_CHUNK_BYTES", "4096")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs = Ranks { children }.wait(Duration::from_secs(240));
+    assert_all_ok(&outs, "network namespaces");
+}
