@@ -8,6 +8,8 @@ pub mod comm;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod gpu;
+pub mod path;
 pub mod plan;
 pub mod reduce;
 pub mod transport;

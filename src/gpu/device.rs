@@ -1,0 +1,474 @@
+//! **GPU-only code**: contexts, reduction kernel launches on a caller's stream, dma-buf export,
+//! GPUDirect write flush.
+//!
+//! Nothing in this file can run on a machine without an NVIDIA GPU, so none of it is exercised
+//! by `cargo test` there. It is kept small, every driver call is checked for presence before use
+//! (cudarc panics on missing symbols), and `tests/gpu_device.rs` driven by `tests/gpu/run_all.sh`
+//! tests it on a machine with a GPU (kernels against a CPU reference, bandwidth, dma-buf export).
+//!
+//! Stream ordering: every launch goes on the stream the caller passes. Work already queued there
+//! runs first and work queued after it sees the result; buffers last used on other streams are
+//! waited for through cudarc's per-buffer events. No device-wide synchronisation.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::kernels::{self, KernelBuild, KernelKind, BLOCK_THREADS};
+use super::nvrtc::{self, DiskCache, GpuArch, ImageKind};
+use super::probe::{cu_check, cu_error_text, require_driver_symbols};
+use crate::error::{Error, Result};
+use crate::types::{DataType, Element, ReduceOp};
+
+/// Driver functions cudarc calls for a context, a module, streams, events and launches.
+const CONTEXT_SYMBOLS: [&str; 22] = [
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuCtxSynchronize",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventDestroy_v2",
+    "cuEventSynchronize",
+    "cuGetErrorString",
+];
+
+fn driver_err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Cuda {
+        op: op.to_string(),
+        what: cu_error_text(e.0),
+    }
+}
+
+/// Opens (retains) the primary context of GPU `ordinal`, checking first that the driver and the
+/// device exist: [`Error::Unavailable`] instead of cudarc's panic.
+pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    require_driver_symbols(&CONTEXT_SYMBOLS)?;
+    // SAFETY: the symbol exists (checked above); cuInit(0) may be called any number of times.
+    let r = unsafe { sys::cuInit(0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::unavailable(
+            "CUDA device",
+            format!("cuInit failed: {}", cu_error_text(r)),
+        ));
+    }
+    let mut count: c_int = 0;
+    // SAFETY: the driver is initialised; writes one int.
+    cu_check("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::unavailable(
+            format!("CUDA device {ordinal}"),
+            format!("the driver reports {count} device(s) (check CUDA_VISIBLE_DEVICES)"),
+        ));
+    }
+    CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))
+}
+
+/// The reduction kernels loaded on one GPU, ready to launch on any stream of its context.
+#[derive(Debug)]
+pub struct GpuReducer {
+    ctx: Arc<CudaContext>,
+    functions: HashMap<String, CudaFunction>,
+    sm_count: u32,
+    build: KernelBuild,
+}
+
+impl GpuReducer {
+    /// Compiles (or fetches from the cache) every kernel for the context's GPU and loads them.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        Self::with_cache(ctx, &DiskCache::FromEnv)
+    }
+
+    /// [`GpuReducer::new`] with an explicit disk cache choice.
+    pub fn with_cache(ctx: &Arc<CudaContext>, disk: &DiskCache) -> Result<Self> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("cuDeviceGetAttribute"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_err("cuDeviceGetAttribute"))?;
+        let arch = kernels::choose_arch(
+            (major.max(0) as u32, minor.max(0) as u32),
+            &nvrtc::supported_archs()?,
+        )?;
+        let build = kernels::compile_all(arch, disk)?;
+        for f in build.compiled.spilling() {
+            tracing::warn!(
+                kernel = %f.name, stores = f.spill_store_bytes, loads = f.spill_load_bytes,
+                "reduction kernel spills registers on {arch}"
+            );
+        }
+        let image = build.compiled.image.to_vec();
+        let module = ctx
+            .load_module(Ptx::from_binary(image))
+            .map_err(driver_err("cuModuleLoadData"))?;
+        let mut functions = HashMap::new();
+        for (_, _, _, name) in kernels::all_kernels() {
+            let f = module
+                .load_function(&name)
+                .map_err(driver_err("cuModuleGetFunction"))?;
+            functions.insert(name, f);
+        }
+        Ok(GpuReducer {
+            ctx: ctx.clone(),
+            functions,
+            sm_count: sm_count.max(1) as u32,
+            build,
+        })
+    }
+
+    /// The architecture the kernels were compiled for (`sm_90`, or `compute_XX` PTX).
+    pub fn arch(&self) -> GpuArch {
+        self.build.compiled.arch
+    }
+
+    /// The compile result (log, per-kernel registers and spills, cache origin).
+    pub fn build(&self) -> &KernelBuild {
+        &self.build
+    }
+
+    /// Whether the module was loaded from a CUBIN (else PTX JIT-compiled by the driver).
+    pub fn is_cubin(&self) -> bool {
+        self.build.compiled.kind == ImageKind::Cubin
+    }
+
+    fn function(&self, kind: KernelKind, dtype: DataType, op: ReduceOp) -> Result<&CudaFunction> {
+        let name = kernels::kernel_name(kind, dtype, op);
+        self.functions.get(&name).ok_or_else(|| Error::Cuda {
+            op: "cuModuleGetFunction".into(),
+            what: format!("{name} not loaded"),
+        })
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().as_ref() != self.ctx.as_ref() {
+            return Err(Error::invalid(
+                None,
+                "gpu reduce",
+                "the stream belongs to another CUDA context",
+            ));
+        }
+        Ok(())
+    }
+
+    fn config(&self, n: usize, dtype: DataType) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                kernels::grid_size(n as u64, dtype.size(), self.sm_count),
+                1,
+                1,
+            ),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn check_aligned(ptrs: &[u64], dtype: DataType) -> Result<()> {
+        if ptrs.iter().any(|p| p % dtype.size() as u64 != 0) {
+            return Err(Error::invalid(
+                None,
+                "gpu reduce",
+                format!(
+                    "device pointer not aligned to the {}-byte element size of {dtype}",
+                    dtype.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `dst[i] = dst[i] ⊕ src[i]` for `n` elements of `dtype`, queued on `stream`. `Avg` reduces
+    /// as `Sum` (finish with [`GpuReducer::finalize_raw`]).
+    ///
+    /// # Safety
+    /// `dst` and `src` must be device pointers of this context valid for `n` elements of
+    /// `dtype` until the launch completes, and must not partially overlap.
+    pub unsafe fn reduce_inplace_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: u64,
+        src: u64,
+        n: usize,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        Self::check_aligned(&[dst, src], dtype)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(KernelKind::ReduceInplace, dtype, op)?;
+        let n64 = n as u64;
+        let mut b = stream.launch_builder(f);
+        b.arg(&dst).arg(&src).arg(&n64);
+        // SAFETY: the kernel takes (T*, const T*, unsigned long long) and T matches `dtype`
+        // (the function was chosen by it); the caller guarantees both ranges are valid for `n`
+        // elements on this context; the arguments live until `launch` returns.
+        unsafe { b.launch(self.config(n, dtype)) }.map_err(driver_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// `dst[i] = a[i] ⊕ b[i]`, queued on `stream`.
+    ///
+    /// # Safety
+    /// As [`GpuReducer::reduce_inplace_raw`], for all three pointers (`dst` may equal `a`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_into_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: u64,
+        a: u64,
+        b: u64,
+        n: usize,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        Self::check_aligned(&[dst, a, b], dtype)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(KernelKind::ReduceInto, dtype, op)?;
+        let n64 = n as u64;
+        let mut l = stream.launch_builder(f);
+        l.arg(&dst).arg(&a).arg(&b).arg(&n64);
+        // SAFETY: kernel signature (T*, const T*, const T*, unsigned long long) with T = dtype;
+        // validity of the ranges is the caller's contract; arguments outlive the call.
+        unsafe { l.launch(self.config(n, dtype)) }.map_err(driver_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// `dst[i] = dst[i] / world` (Avg's final step; integers truncate toward zero), on `stream`.
+    ///
+    /// # Safety
+    /// `dst` must be a device pointer of this context valid for `n` elements of `dtype` until
+    /// the launch completes.
+    pub unsafe fn finalize_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DataType,
+        dst: u64,
+        n: usize,
+        world: usize,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        Self::check_aligned(&[dst], dtype)?;
+        if world == 0 {
+            return Err(Error::invalid(None, "gpu finalize", "world size 0"));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(KernelKind::Finalize, dtype, ReduceOp::Avg)?;
+        let (n64, w64) = (n as u64, world as u64);
+        let mut l = stream.launch_builder(f);
+        l.arg(&dst).arg(&n64).arg(&w64);
+        // SAFETY: kernel signature (T*, unsigned long long, unsigned long long) with T = dtype;
+        // validity of the range is the caller's contract.
+        unsafe { l.launch(self.config(n, dtype)) }.map_err(driver_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Typed, safe `dst ⊕= src` on cudarc buffers or views (equal lengths), queued on `stream`.
+    pub fn reduce_inplace<T, D, S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut D,
+        src: &S,
+        op: ReduceOp,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        D: DevicePtrMut<T>,
+        S: DevicePtr<T>,
+    {
+        if dst.len() != src.len() {
+            return Err(Error::invalid(
+                None,
+                "gpu reduce",
+                format!("lengths differ: dst {} src {}", dst.len(), src.len()),
+            ));
+        }
+        let n = dst.len();
+        let (s, _sg) = src.device_ptr(stream);
+        let (d, _dg) = dst.device_ptr_mut(stream);
+        // SAFETY: both pointers come from live cudarc allocations of `n` elements of T, borrowed
+        // for this call (one mutably, so they cannot be the same buffer); the guards record the
+        // launch on the buffers' events when dropped after it.
+        unsafe { self.reduce_inplace_raw(stream, T::DATA_TYPE, op, d, s, n) }
+    }
+
+    /// Typed, safe `dst = a ⊕ b` (equal lengths), queued on `stream`.
+    pub fn reduce_into<T, D, A, B>(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut D,
+        a: &A,
+        b: &B,
+        op: ReduceOp,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        D: DevicePtrMut<T>,
+        A: DevicePtr<T>,
+        B: DevicePtr<T>,
+    {
+        if dst.len() != a.len() || dst.len() != b.len() {
+            return Err(Error::invalid(
+                None,
+                "gpu reduce",
+                format!(
+                    "lengths differ: dst {} a {} b {}",
+                    dst.len(),
+                    a.len(),
+                    b.len()
+                ),
+            ));
+        }
+        let n = dst.len();
+        let (pa, _ga) = a.device_ptr(stream);
+        let (pb, _gb) = b.device_ptr(stream);
+        let (pd, _gd) = dst.device_ptr_mut(stream);
+        // SAFETY: as in `reduce_inplace`: live allocations of `n` elements, dst exclusively
+        // borrowed.
+        unsafe { self.reduce_into_raw(stream, T::DATA_TYPE, op, pd, pa, pb, n) }
+    }
+
+    /// Typed, safe `dst /= world` (Avg's final division), queued on `stream`.
+    pub fn finalize<T, D>(&self, stream: &Arc<CudaStream>, dst: &mut D, world: usize) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        D: DevicePtrMut<T>,
+    {
+        let n = dst.len();
+        let (pd, _gd) = dst.device_ptr_mut(stream);
+        // SAFETY: a live allocation of `n` elements, exclusively borrowed.
+        unsafe { self.finalize_raw(stream, T::DATA_TYPE, pd, n, world) }
+    }
+}
+
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map(|v| v as u64)
+        .unwrap_or(4096)
+}
+
+/// Exports `[ptr, ptr+len)` of device memory as a dma-buf file descriptor
+/// (`cuMemGetHandleForAddressRange`, `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`), to be registered
+/// with the NIC through `ibv_reg_dmabuf_mr`. `ptr` and `len` must be multiples of the host page
+/// size. [`Error::Unavailable`] when the driver or the GPU does not support dma-buf.
+///
+/// # Safety
+/// `ptr..ptr+len` must be device memory allocated in `ctx` (cuMemAlloc / cudarc) that stays
+/// allocated while the returned descriptor is in use.
+pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Result<OwnedFd> {
+    require_driver_symbols(&["cuMemGetHandleForAddressRange"])?;
+    let page = page_size();
+    if ptr % page != 0 || len as u64 % page != 0 || len == 0 {
+        return Err(Error::invalid(
+            None,
+            "dma-buf export",
+            format!(
+                "range {ptr:#x}+{len} is not a non-empty multiple of the {page}-byte page size"
+            ),
+        ));
+    }
+    ctx.bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let mut fd: c_int = -1;
+    // SAFETY: the symbol exists; `fd` is a valid int for the driver to write the descriptor to
+    // (the handle type DMA_BUF_FD returns an int); the range is device memory of the current
+    // context by the caller's contract; flags must be 0.
+    let r = unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut c_int).cast::<c_void>(),
+            ptr,
+            len,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    };
+    match r {
+        sys::CUresult::CUDA_SUCCESS if fd >= 0 => {
+            // SAFETY: the driver returned a new descriptor that nothing else owns.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        }
+        sys::CUresult::CUDA_SUCCESS => {
+            Err(Error::Cuda { op: "cuMemGetHandleForAddressRange".into(), what: format!("returned fd {fd}") })
+        }
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => Err(Error::unavailable(
+            "dma-buf export of device memory",
+            format!(
+                "cuMemGetHandleForAddressRange: {} (needs an open-kernel-module NVIDIA driver >= 515, \
+                 Turing or newer, and a Linux kernel with dma-buf support)",
+                cu_error_text(r)
+            ),
+        )),
+        other => Err(Error::Cuda { op: "cuMemGetHandleForAddressRange".into(), what: cu_error_text(other) }),
+    }
+}
+
+/// Makes GPUDirect RDMA writes that the NIC has completed visible to work launched afterwards
+/// in the current context (`cuFlushGPUDirectRDMAWrites`, to the owner). Call before a kernel
+/// reads data a peer wrote into this GPU's memory, unless the transport flushes by other means
+/// (an RDMA READ on a loop-back QP, as NCCL does).
+pub fn flush_gpudirect_writes(ctx: &Arc<CudaContext>) -> Result<()> {
+    require_driver_symbols(&["cuFlushGPUDirectRDMAWrites"])?;
+    ctx.bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    // SAFETY: the symbol exists and a context is current; the call takes two enum values.
+    cu_check("cuFlushGPUDirectRDMAWrites", unsafe {
+        sys::cuFlushGPUDirectRDMAWrites(
+            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+            sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opening_a_context_without_a_driver_is_unavailable_not_a_panic() {
+        if super::super::probe::libcuda_present() {
+            eprintln!("skipped: libcuda is present (tests/gpu/run_all.sh covers this machine)");
+            return;
+        }
+        let e = open_context(0).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+        assert!(e.to_string().contains("libcuda"), "{e}");
+        assert!(flush_gpudirect_writes_without_ctx_is_unavailable());
+    }
+
+    fn flush_gpudirect_writes_without_ctx_is_unavailable() -> bool {
+        matches!(
+            require_driver_symbols(&["cuFlushGPUDirectRDMAWrites"]),
+            Err(Error::Unavailable { .. })
+        )
+    }
+}

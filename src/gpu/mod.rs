@@ -1,0 +1,27 @@
+//! GPU memory support through cudarc: NVRTC reduction kernels, device probes, GPUDirect RDMA
+//! facts.
+//!
+//! CUDA is loaded at run time (cudarc's `dynamic-loading`): the crate builds without a CUDA
+//! toolkit and everything that does not touch a GPU works without one. cudarc panics when it is
+//! asked to use a library that is missing, so every entry point here checks first
+//! ([`libcuda_present`], [`nvrtc::libnvrtc_present`]) and reports absence as
+//! [`Error::Unavailable`](crate::Error::Unavailable).
+//!
+//! - [`kernels`]: the CUDA C reduction kernels, their names, options and launch geometry (no GPU).
+//! - [`nvrtc`]: run-time compilation with a process and disk cache (needs libnvrtc only).
+//! - [`sysfs`]: nvidia-peermem detection, GPU↔NIC PCIe distance, RDMA port facts, read from
+//!   sysfs under an injectable root (no CUDA at all).
+//! - [`probe`]: the CUDA driver probe (driver version, devices, GPUDirect attributes).
+//! - [`device`]: **GPU-only code**: kernel launches on a stream, dma-buf export. It cannot be
+//!   exercised without a GPU; `tests/gpu/run_all.sh` runs it where one is present.
+//!
+//! `unsafe` in this module is FFI; every block carries a `// SAFETY:` comment.
+
+pub mod device;
+pub mod kernels;
+pub mod nvrtc;
+pub mod probe;
+pub mod sysfs;
+
+pub use nvrtc::libnvrtc_present;
+pub use probe::libcuda_present;
