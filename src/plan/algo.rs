@@ -34,11 +34,18 @@ fn dst_block(c: usize, n: usize, i: usize) -> Loc {
 /// Descriptor-only frame to `peer` (rooted collectives send one against the direction of the
 /// data so that every rank sees every neighbour's view of the call).
 fn empty_send(s: &mut Schedule, peer: Rank) {
-    s.push(Op::Send { peer, src: Loc::new(Buf::Dst, 0, 0) });
+    s.push(Op::Send {
+        peer,
+        src: Loc::new(Buf::Dst, 0, 0),
+    });
 }
 
 fn empty_recv(s: &mut Schedule, peer: Rank) {
-    s.push(Op::Recv { peer, dst: Loc::new(Buf::Dst, 0, 0), acc: None });
+    s.push(Op::Recv {
+        peer,
+        dst: Loc::new(Buf::Dst, 0, 0),
+        acc: None,
+    });
 }
 
 /// Ring allreduce = ring reduce-scatter + ring all-gather, in place.
@@ -78,7 +85,11 @@ fn ring_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
 fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
     let mut s = Schedule::new();
     let all = Loc::dst(0..c);
-    let p = if n.is_power_of_two() { n } else { n.next_power_of_two() / 2 };
+    let p = if n.is_power_of_two() {
+        n
+    } else {
+        n.next_power_of_two() / 2
+    };
     let extra = n - p;
     if r >= p {
         s.round().send(r - p, all);
@@ -114,10 +125,19 @@ fn ring_all_gather(n: usize, r: Rank, c: usize) -> Schedule {
     let right = (r + 1) % n;
     let left = (r + n - 1) % n;
     let b = |i: usize| Loc::dst((i % n) * c..(i % n) * c + c);
-    s.round().push(Op::Copy { src: Loc::src(0..c), dst: b(r) });
+    s.round().push(Op::Copy {
+        src: Loc::src(0..c),
+        dst: b(r),
+    });
     for step in 0..n - 1 {
-        let send = if step == 0 { Loc::src(0..c) } else { b(r + n - step) };
-        s.round().send(right, send).recv_copy(left, b(r + 2 * n - step - 1));
+        let send = if step == 0 {
+            Loc::src(0..c)
+        } else {
+            b(r + n - step)
+        };
+        s.round()
+            .send(right, send)
+            .recv_copy(left, b(r + 2 * n - step - 1));
     }
     s
 }
@@ -137,11 +157,16 @@ fn ring_reduce_scatter(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
     let src_block = |i: usize| Loc::src((i % n) * c..(i % n) * c + c);
     let dst = Loc::dst(0..c);
     if n == 1 {
-        s.round().push(Op::Copy { src: src_block(0), dst });
+        s.round().push(Op::Copy {
+            src: src_block(0),
+            dst,
+        });
     }
     for step in 0..n.saturating_sub(1) {
         let send = if step == 0 { src_block(r + n - 1) } else { dst };
-        s.round().send(right, send).recv_reduce(left, dst, src_block(r + 2 * n - step - 2));
+        s.round()
+            .send(right, send)
+            .recv_reduce(left, dst, src_block(r + 2 * n - step - 2));
     }
     if fin {
         s.round().push(Op::Finalize { loc: dst });
@@ -280,11 +305,16 @@ fn tree_reduce(n: usize, r: Rank, c: usize, root: Rank, fin: bool) -> Schedule {
 fn pairwise_all_to_all(n: usize, r: Rank, c: usize) -> Schedule {
     let mut s = Schedule::new();
     let blk = |i: usize| i * c..i * c + c;
-    s.round().push(Op::Copy { src: Loc::src(blk(r)), dst: Loc::dst(blk(r)) });
+    s.round().push(Op::Copy {
+        src: Loc::src(blk(r)),
+        dst: Loc::dst(blk(r)),
+    });
     for step in 1..n {
         let to = (r + step) % n;
         let from = (r + n - step) % n;
-        s.round().send(to, Loc::src(blk(to))).recv_copy(from, Loc::dst(blk(from)));
+        s.round()
+            .send(to, Loc::src(blk(to)))
+            .recv_copy(from, Loc::dst(blk(from)));
     }
     s
 }

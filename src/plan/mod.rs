@@ -71,12 +71,20 @@ impl Loc {
 
     /// A range of `Dst`.
     pub const fn dst(range: Range<usize>) -> Self {
-        Loc { buf: Buf::Dst, start: range.start, len: range.end - range.start }
+        Loc {
+            buf: Buf::Dst,
+            start: range.start,
+            len: range.end - range.start,
+        }
     }
 
     /// A range of `Src`.
     pub const fn src(range: Range<usize>) -> Self {
-        Loc { buf: Buf::Src, start: range.start, len: range.end - range.start }
+        Loc {
+            buf: Buf::Src,
+            start: range.start,
+            len: range.end - range.start,
+        }
     }
 
     /// The element range.
@@ -86,7 +94,11 @@ impl Loc {
 
     /// The sub-range `[off, off + len)` of this location.
     pub const fn sub(&self, off: usize, len: usize) -> Loc {
-        Loc { buf: self.buf, start: self.start + off, len }
+        Loc {
+            buf: self.buf,
+            start: self.start + off,
+            len,
+        }
     }
 }
 
@@ -153,12 +165,22 @@ impl Op {
     /// The same op restricted to elements `[off, off + len)` of it.
     pub fn sub(&self, off: usize, len: usize) -> Op {
         match *self {
-            Op::Send { peer, src } => Op::Send { peer, src: src.sub(off, len) },
-            Op::Recv { peer, dst, acc } => {
-                Op::Recv { peer, dst: dst.sub(off, len), acc: acc.map(|a| a.sub(off, len)) }
-            }
-            Op::Copy { src, dst } => Op::Copy { src: src.sub(off, len), dst: dst.sub(off, len) },
-            Op::Finalize { loc } => Op::Finalize { loc: loc.sub(off, len) },
+            Op::Send { peer, src } => Op::Send {
+                peer,
+                src: src.sub(off, len),
+            },
+            Op::Recv { peer, dst, acc } => Op::Recv {
+                peer,
+                dst: dst.sub(off, len),
+                acc: acc.map(|a| a.sub(off, len)),
+            },
+            Op::Copy { src, dst } => Op::Copy {
+                src: src.sub(off, len),
+                dst: dst.sub(off, len),
+            },
+            Op::Finalize { loc } => Op::Finalize {
+                loc: loc.sub(off, len),
+            },
         }
     }
 }
@@ -212,7 +234,11 @@ impl Schedule {
     /// Copying `Recv` from `peer`, skipped when `dst` is empty.
     pub fn recv_copy(&mut self, peer: Rank, dst: Loc) -> &mut Self {
         if dst.len > 0 {
-            self.push(Op::Recv { peer, dst, acc: None });
+            self.push(Op::Recv {
+                peer,
+                dst,
+                acc: None,
+            });
         }
         self
     }
@@ -220,20 +246,41 @@ impl Schedule {
     /// Reducing `Recv` from `peer` (`dst = acc ⊕ received`), skipped when `dst` is empty.
     pub fn recv_reduce(&mut self, peer: Rank, dst: Loc, acc: Loc) -> &mut Self {
         if dst.len > 0 {
-            self.push(Op::Recv { peer, dst, acc: Some(acc) });
+            self.push(Op::Recv {
+                peer,
+                dst,
+                acc: Some(acc),
+            });
         }
         self
     }
 
     /// The ops grouped by round.
     pub fn rounds(&self) -> impl Iterator<Item = &[Op]> + '_ {
-        let ends = self.round_starts.iter().skip(1).copied().chain(std::iter::once(self.ops.len()));
-        self.round_starts.iter().zip(ends).map(move |(&s, e)| &self.ops[s..e])
+        let ends = self
+            .round_starts
+            .iter()
+            .skip(1)
+            .copied()
+            .chain(std::iter::once(self.ops.len()));
+        self.round_starts
+            .iter()
+            .zip(ends)
+            .map(move |(&s, e)| &self.ops[s..e])
     }
 
     /// Payload elements this rank sends.
     pub fn elems_sent(&self) -> usize {
-        self.ops.iter().map(|op| if let Op::Send { src, .. } = op { src.len } else { 0 }).sum()
+        self.ops
+            .iter()
+            .map(|op| {
+                if let Op::Send { src, .. } = op {
+                    src.len
+                } else {
+                    0
+                }
+            })
+            .sum()
     }
 }
 
@@ -297,7 +344,10 @@ impl Collective {
 
     /// Whether the collective reduces (uses a [`crate::ReduceOp`]).
     pub const fn reduces(self) -> bool {
-        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce)
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
     }
 
     /// Whether the collective has a root.
@@ -353,9 +403,13 @@ impl Algorithm {
     pub fn from_name(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "ring" => Some(Algorithm::Ring),
-            "recursive_doubling" | "rd" | "recursive-doubling" => Some(Algorithm::RecursiveDoubling),
+            "recursive_doubling" | "rd" | "recursive-doubling" => {
+                Some(Algorithm::RecursiveDoubling)
+            }
             "chain" | "pipeline" => Some(Algorithm::Chain),
-            "binomial_tree" | "tree" | "binomial" | "binomial-tree" => Some(Algorithm::BinomialTree),
+            "binomial_tree" | "tree" | "binomial" | "binomial-tree" => {
+                Some(Algorithm::BinomialTree)
+            }
             "pairwise" => Some(Algorithm::Pairwise),
             "dissemination" => Some(Algorithm::Dissemination),
             "direct" => Some(Algorithm::Direct),
@@ -396,7 +450,10 @@ pub struct Thresholds {
 
 impl Default for Thresholds {
     fn default() -> Self {
-        Thresholds { allreduce_ring_bytes: 64 * 1024, chain_bytes: 64 * 1024 }
+        Thresholds {
+            allreduce_ring_bytes: 64 * 1024,
+            chain_bytes: 64 * 1024,
+        }
     }
 }
 
@@ -507,7 +564,10 @@ pub fn compile(s: &Schedule, seg_elems: usize) -> Program {
     let mut steps = Vec::new();
     for (r, round) in s.rounds().enumerate() {
         let base = s.round_starts[r];
-        let nsegs: Vec<usize> = round.iter().map(|op| op.len().div_ceil(seg).max(1)).collect();
+        let nsegs: Vec<usize> = round
+            .iter()
+            .map(|op| op.len().div_ceil(seg).max(1))
+            .collect();
         let most = nsegs.iter().copied().max().unwrap_or(0);
         for k in 0..most {
             for (j, op) in round.iter().enumerate() {
@@ -617,16 +677,29 @@ impl Hazards {
         Self::split(map, b);
         // Fill gaps with fresh intervals so the whole range is covered.
         let mut cur = a;
-        let existing: Vec<(usize, usize)> =
-            map.range(a..b).map(|(&s, iv)| (s, iv.end)).collect();
+        let existing: Vec<(usize, usize)> = map.range(a..b).map(|(&s, iv)| (s, iv.end)).collect();
         for (s, e) in existing {
             if s > cur {
-                map.insert(cur, Interval { end: s, writer: None, readers: Vec::new() });
+                map.insert(
+                    cur,
+                    Interval {
+                        end: s,
+                        writer: None,
+                        readers: Vec::new(),
+                    },
+                );
             }
             cur = e;
         }
         if cur < b {
-            map.insert(cur, Interval { end: b, writer: None, readers: Vec::new() });
+            map.insert(
+                cur,
+                Interval {
+                    end: b,
+                    writer: None,
+                    readers: Vec::new(),
+                },
+            );
         }
         for (_, iv) in map.range_mut(a..b) {
             if write {
@@ -666,15 +739,29 @@ mod tests {
     #[test]
     fn compile_interleaves_segments_of_a_round() {
         let mut s = Schedule::new();
-        s.round().send(1, Loc::dst(0..10)).recv_reduce(1, Loc::dst(10..20), Loc::dst(10..20));
+        s.round()
+            .send(1, Loc::dst(0..10))
+            .recv_reduce(1, Loc::dst(10..20), Loc::dst(10..20));
         let p = compile(&s, 4);
         let kinds: Vec<char> = p
             .steps
             .iter()
-            .map(|st| if matches!(st.op, Op::Send { .. }) { 'S' } else { 'R' })
+            .map(|st| {
+                if matches!(st.op, Op::Send { .. }) {
+                    'S'
+                } else {
+                    'R'
+                }
+            })
             .collect();
         assert_eq!(kinds.iter().collect::<String>(), "SRSRSR");
-        assert_eq!(p.steps[4].op, Op::Send { peer: 1, src: Loc::dst(8..10) });
+        assert_eq!(
+            p.steps[4].op,
+            Op::Send {
+                peer: 1,
+                src: Loc::dst(8..10)
+            }
+        );
         // Disjoint ranges: no dependencies at all.
         assert!((0..p.steps.len()).all(|i| p.deps(i).is_empty()));
     }
@@ -694,7 +781,9 @@ mod tests {
     fn a_receive_waits_for_earlier_sends_reading_its_destination() {
         // Recursive-doubling shape: send the buffer, then reduce the peer's copy into it.
         let mut s = Schedule::new();
-        s.round().send(1, Loc::dst(0..6)).recv_reduce(1, Loc::dst(0..6), Loc::dst(0..6));
+        s.round()
+            .send(1, Loc::dst(0..6))
+            .recv_reduce(1, Loc::dst(0..6), Loc::dst(0..6));
         let p = compile(&s, 3);
         // steps: S[0..3], R[0..3], S[3..6], R[3..6]
         assert_eq!(p.deps(1), &[0]);
@@ -706,7 +795,10 @@ mod tests {
         let mut s = Schedule::new();
         s.round().recv_copy(1, Loc::dst(0..10));
         s.round().send(2, Loc::dst(3..7));
-        s.round().push(Op::Copy { src: Loc::src(0..5), dst: Loc::dst(5..10) });
+        s.round().push(Op::Copy {
+            src: Loc::src(0..5),
+            dst: Loc::dst(5..10),
+        });
         let p = compile(&s, 4);
         // R[0..4], R[4..8], R[8..10], S[3..7], C[5..9]<-src[0..4], C[9..10]<-src[4..5]
         assert_eq!(p.deps(3), &[0, 1]);
@@ -718,7 +810,10 @@ mod tests {
     #[test]
     fn empty_sends_make_one_descriptor_only_step() {
         let mut s = Schedule::new();
-        s.round().push(Op::Send { peer: 1, src: Loc::dst(0..0) });
+        s.round().push(Op::Send {
+            peer: 1,
+            src: Loc::dst(0..0),
+        });
         let p = compile(&s, 16);
         assert_eq!(p.steps.len(), 1);
         assert_eq!(p.steps[0].op.len(), 0);
