@@ -26,10 +26,13 @@
 //! steps it depends on ([`Program::deps`]): read-after-write, write-after-read and
 //! write-after-write on overlapping element ranges. Steps that talk to the same peer in the same
 //! direction complete in program order (one FIFO stream per ordered pair of ranks); a send
-//! step's frame is matched by the *k*-th receive step from that peer on the other rank. A
-//! step may start once all its dependencies are complete. Links buffer at least one frame,
-//! so a send may complete before the matching receive starts. Every frame, even an empty
-//! one, carries the collective's descriptor so that ranks which disagree about a call detect it.
+//! step's frame is matched by the *k*-th receive step from that peer on the other rank.
+//! Descriptor-only (empty) steps touch no elements but are ordered all the same: an empty
+//! receive depends on the previous empty receive, and an empty send on the last empty receive
+//! before it — that is what makes a barrier wait for its earlier rounds. A step may start
+//! once all its dependencies are complete. Links buffer at least one frame, so a send may
+//! complete before the matching receive starts. Every frame, even an empty one, carries the
+//! collective's descriptor so that ranks which disagree about a call detect it.
 
 #![forbid(unsafe_code)]
 
@@ -556,7 +559,9 @@ impl Program {
 /// Cuts each op of `s` into segments of at most `seg_elems` elements (≥ 1), interleaves the
 /// segments of each round (segment 0 of every op of the round, then segment 1, ...), and
 /// computes every step's dependencies on earlier steps (read-after-write, write-after-read,
-/// write-after-write on overlapping ranges of the same buffer).
+/// write-after-write on overlapping ranges of the same buffer). Empty `Send`/`Recv` steps
+/// (descriptor-only frames) are chained as if they read and wrote one token: an empty receive
+/// depends on the previous empty receive, an empty send on the last empty receive before it.
 ///
 /// Both ends of a link cut an op of the same length the same way, so frames match.
 pub fn compile(s: &Schedule, seg_elems: usize) -> Program {
@@ -587,9 +592,18 @@ pub fn compile(s: &Schedule, seg_elems: usize) -> Program {
     let mut tracker = Hazards::default();
     let mut dep_list = Vec::new();
     let mut scratch = Vec::new();
+    // The last empty (descriptor-only) receive: empty steps carry no data, so without this
+    // token a barrier round could signal before it has heard from the previous round.
+    let mut last_empty_recv: Option<u32> = None;
     for (i, step) in steps.iter_mut().enumerate() {
         let (reads, writes) = accesses(&step.op);
         scratch.clear();
+        if step.op.is_empty() && step.op.peer().is_some() {
+            scratch.extend(last_empty_recv);
+            if matches!(step.op, Op::Recv { .. }) {
+                last_empty_recv = Some(i as u32);
+            }
+        }
         for loc in reads.iter().flatten() {
             tracker.collect(*loc, false, &mut scratch);
         }
@@ -805,6 +819,40 @@ mod tests {
         // The copy writes dst 5..9: after receive 4..8 and 8..10 (WAW) and the send 3..7 (WAR).
         assert_eq!(p.deps(4), &[1, 2, 3]);
         assert_eq!(p.deps(5), &[2]);
+    }
+
+    #[test]
+    fn an_empty_send_waits_for_every_earlier_empty_receive() {
+        // Barrier shape: signal, wait, signal, wait, signal.
+        let mut s = Schedule::new();
+        let empty = Loc::dst(0..0);
+        s.round().push(Op::Send {
+            peer: 1,
+            src: empty,
+        });
+        s.push(Op::Recv {
+            peer: 3,
+            dst: empty,
+            acc: None,
+        });
+        s.round().push(Op::Send {
+            peer: 2,
+            src: empty,
+        });
+        s.push(Op::Recv {
+            peer: 2,
+            dst: empty,
+            acc: None,
+        });
+        s.round().push(Op::Send {
+            peer: 3,
+            src: empty,
+        });
+        let p = compile(&s, 4);
+        assert!(p.deps(0).is_empty() && p.deps(1).is_empty());
+        assert_eq!(p.deps(2), &[1]);
+        assert_eq!(p.deps(3), &[1]);
+        assert_eq!(p.deps(4), &[3]);
     }
 
     #[test]
