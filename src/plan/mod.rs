@@ -672,7 +672,14 @@ impl Hazards {
     /// Adds to `out` the steps an access to `loc` must wait for.
     fn collect(&mut self, loc: Loc, write: bool, out: &mut Vec<u32>) {
         let map = self.map(loc.buf);
-        for (_, iv) in map.range(..loc.start + loc.len) {
+        // Intervals are disjoint: only the last one starting at or before `loc.start` can
+        // reach into `loc` from the left, so start there instead of at the buffer's start
+        // (scanning from 0 made compile quadratic in the number of segments).
+        let first = map
+            .range(..=loc.start)
+            .next_back()
+            .map_or(loc.start, |(&s, _)| s);
+        for (_, iv) in map.range(first..loc.start + loc.len) {
             if iv.end <= loc.start {
                 continue;
             }
