@@ -1,0 +1,651 @@
+//! Exhaustive simulation of every schedule: every world of 1..=9 ranks, every collective and
+//! every algorithm that implements it, every root, awkward counts (0, 1, primes, counts smaller
+//! than the world), several segment sizes and link capacities, several scheduling seeds.
+//!
+//! Results are compared with `Call::expected`, which computes each collective from its
+//! definition (sums, concatenations, transpositions of the inputs) without looking at any
+//! schedule; byte volumes are compared with the closed forms of each algorithm.
+
+use std::collections::BTreeSet;
+
+use dspark::plan::sim::{
+    self, BlockReason, Buffers, Call, SimConfig, SimError, SimOutcome, FINALIZE_FACTOR,
+};
+use dspark::plan::{compile, schedule, Algorithm, Collective, Loc, Op, Schedule};
+
+const MAX_WORLD: usize = 9;
+const SEGS: [usize; 4] = [1, 3, 64, usize::MAX];
+const CAPS: [usize; 2] = [1, 4];
+/// Scheduling seeds per (world, count, segment, capacity) point; rooted collectives and
+/// send/recv spread their roots (pairs) over at least this many runs.
+const SEEDS: usize = 5;
+/// Points whose run sends more frames than this get one seed (plus one run per root/pair and
+/// finalize variant) instead of `SEEDS`, to keep the file fast in debug builds; they still
+/// run with every segment size and capacity, each with a different seed.
+const HEAVY_FRAMES: usize = 1500;
+
+/// Every algorithm (the match makes adding a variant a compile error here).
+fn all_algorithms() -> Vec<Algorithm> {
+    let all = [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Chain,
+        Algorithm::BinomialTree,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+        Algorithm::Direct,
+    ];
+    for a in all {
+        match a {
+            Algorithm::Ring
+            | Algorithm::RecursiveDoubling
+            | Algorithm::Chain
+            | Algorithm::BinomialTree
+            | Algorithm::Pairwise
+            | Algorithm::Dissemination
+            | Algorithm::Direct => {}
+        }
+    }
+    all.to_vec()
+}
+
+/// The counts every world is tried with: tiny, around the world size, primes, larger.
+fn counts(n: usize) -> Vec<usize> {
+    let set: BTreeSet<usize> = [
+        0,
+        1,
+        2,
+        3,
+        n.saturating_sub(1),
+        n,
+        n + 1,
+        7,
+        13,
+        31,
+        97,
+        100,
+    ]
+    .into_iter()
+    .collect();
+    set.into_iter().collect()
+}
+
+/// The variants of a call that differ only in root (pair) and finalize.
+fn variants(coll: Collective, algo: Algorithm, n: usize, count: usize) -> Vec<Call> {
+    let base = Call::new(coll, algo, n, count);
+    let mut out = Vec::new();
+    match coll {
+        Collective::SendRecv => {
+            for s in 0..n {
+                for r in (0..n).filter(|&r| r != s) {
+                    out.push(Call::send_recv(n, count, s, r));
+                }
+            }
+        }
+        _ if coll.rooted() => out.extend((0..n).map(|root| base.with_root(root))),
+        _ => out.push(base),
+    }
+    if coll.reduces() {
+        let fin: Vec<Call> = out.iter().map(|c| c.with_finalize(true)).collect();
+        out.extend(fin);
+    }
+    out
+}
+
+/// Runs `call` and compares every rank's output with the independent reference.
+fn run_and_check(call: &Call, cfg: &SimConfig, input_seed: u64) -> SimOutcome {
+    let inputs = call.random_inputs(input_seed);
+    let out = match call.run(inputs.clone(), cfg) {
+        Ok(out) => out,
+        Err(e) => panic!("{call:?} {cfg:?}: {e}"),
+    };
+    let want = call.expected(&inputs);
+    for (rank, want) in want.iter().enumerate() {
+        let got = &out.buffers[rank];
+        assert_eq!(
+            got.src, inputs[rank].src,
+            "{call:?} {cfg:?}: rank {rank} changed Src"
+        );
+        let Some(want) = want else { continue };
+        assert_eq!(
+            got.dst.len(),
+            want.len(),
+            "{call:?} {cfg:?}: rank {rank} Dst length"
+        );
+        if let Some(e) = (0..want.len()).find(|&e| got.dst[e] != want[e]) {
+            panic!(
+                "{call:?} {cfg:?}: rank {rank} element {e} is {:#x}, expected {:#x}",
+                got.dst[e], want[e]
+            );
+        }
+    }
+    out
+}
+
+/// Sweeps one (collective, algorithm) pair over every world, count, segment size and link
+/// capacity; every root (pair) and finalize variant runs, seeds rotate through them.
+fn sweep(coll: Collective, algo: Algorithm) {
+    assert!(algo.supports(coll), "{algo} does not implement {coll}");
+    let mut runs = 0usize;
+    for n in 1..=MAX_WORLD {
+        if coll == Collective::SendRecv && n < 2 {
+            continue;
+        }
+        let counts = if coll == Collective::Barrier {
+            vec![0]
+        } else {
+            counts(n)
+        };
+        for &count in &counts {
+            let vs = variants(coll, algo, n, count);
+            for &seg in &SEGS {
+                for &cap in &CAPS {
+                    let mut frames = 0;
+                    for k in 0..vs.len().max(SEEDS) {
+                        if k >= vs.len() && frames > HEAVY_FRAMES {
+                            break;
+                        }
+                        let seed = (n * 1_000_003 + count * 1009 + seg % 997 * 31 + cap + k) as u64;
+                        let cfg = SimConfig {
+                            seed,
+                            seg_elems: seg,
+                            link_capacity: cap,
+                        };
+                        let call = vs[k % vs.len()];
+                        let out = run_and_check(&call, &cfg, seed ^ 0xABCD);
+                        frames = out.frames_sent();
+                        if coll == Collective::Barrier {
+                            for (r, h) in out.heard_from.iter().enumerate() {
+                                assert!(
+                                    h.iter().all(|&x| x),
+                                    "{call:?} {cfg:?}: rank {r} left the barrier having heard \
+                                     only from {h:?}"
+                                );
+                            }
+                        }
+                        runs += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(runs > 0);
+}
+
+#[test]
+fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
+    let swept: BTreeSet<(Collective, &str)> = [
+        (Collective::AllReduce, Algorithm::Ring),
+        (Collective::AllReduce, Algorithm::RecursiveDoubling),
+        (Collective::AllGather, Algorithm::Ring),
+        (Collective::ReduceScatter, Algorithm::Ring),
+        (Collective::Broadcast, Algorithm::Chain),
+        (Collective::Broadcast, Algorithm::BinomialTree),
+        (Collective::Reduce, Algorithm::Chain),
+        (Collective::Reduce, Algorithm::BinomialTree),
+        (Collective::AllToAll, Algorithm::Pairwise),
+        (Collective::SendRecv, Algorithm::Direct),
+        (Collective::Barrier, Algorithm::Dissemination),
+    ]
+    .into_iter()
+    .map(|(c, a)| (c, a.name()))
+    .collect();
+    let supported: BTreeSet<(Collective, &str)> = Collective::ALL
+        .into_iter()
+        .flat_map(|c| {
+            all_algorithms()
+                .into_iter()
+                .filter(move |a| a.supports(c))
+                .map(move |a| (c, a.name()))
+        })
+        .collect();
+    assert_eq!(swept, supported);
+}
+
+#[test]
+fn ring_all_reduce_gives_every_rank_the_sum_of_all_inputs() {
+    sweep(Collective::AllReduce, Algorithm::Ring);
+}
+
+#[test]
+fn recursive_doubling_all_reduce_gives_every_rank_the_sum_of_all_inputs() {
+    sweep(Collective::AllReduce, Algorithm::RecursiveDoubling);
+}
+
+#[test]
+fn ring_all_gather_concatenates_every_rank_block_in_rank_order() {
+    sweep(Collective::AllGather, Algorithm::Ring);
+}
+
+#[test]
+fn ring_reduce_scatter_leaves_block_r_of_the_sum_on_rank_r() {
+    sweep(Collective::ReduceScatter, Algorithm::Ring);
+}
+
+#[test]
+fn chain_broadcast_copies_the_root_buffer_to_every_rank_from_every_root() {
+    sweep(Collective::Broadcast, Algorithm::Chain);
+}
+
+#[test]
+fn binomial_tree_broadcast_copies_the_root_buffer_to_every_rank_from_every_root() {
+    sweep(Collective::Broadcast, Algorithm::BinomialTree);
+}
+
+#[test]
+fn chain_reduce_leaves_the_sum_at_every_root() {
+    sweep(Collective::Reduce, Algorithm::Chain);
+}
+
+#[test]
+fn binomial_tree_reduce_leaves_the_sum_at_every_root() {
+    sweep(Collective::Reduce, Algorithm::BinomialTree);
+}
+
+#[test]
+fn pairwise_all_to_all_moves_block_j_of_rank_i_to_block_i_of_rank_j() {
+    sweep(Collective::AllToAll, Algorithm::Pairwise);
+}
+
+#[test]
+fn direct_send_recv_delivers_the_message_between_every_pair_of_ranks() {
+    sweep(Collective::SendRecv, Algorithm::Direct);
+}
+
+#[test]
+fn dissemination_barrier_lets_no_rank_finish_before_hearing_from_every_rank() {
+    sweep(Collective::Barrier, Algorithm::Dissemination);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Byte volumes.
+
+/// One run with unit-free settings: volumes depend on neither seed nor segment size.
+fn volumes(call: Call) -> SimOutcome {
+    let cfg = SimConfig {
+        seed: 11,
+        seg_elems: 5,
+        link_capacity: 1,
+    };
+    run_and_check(&call, &cfg, 5)
+}
+
+#[test]
+fn ring_allreduce_moves_exactly_two_n_minus_one_over_n_of_the_buffer() {
+    for n in 1..=MAX_WORLD {
+        for count in counts(n).into_iter().chain([n * 12, n * 37]) {
+            let out = volumes(Call::new(Collective::AllReduce, Algorithm::Ring, n, count));
+            assert_eq!(
+                out.elems_sent(),
+                2 * (n - 1) * count,
+                "n={n} count={count}: total"
+            );
+            if count % n == 0 {
+                for (r, s) in out.stats.iter().enumerate() {
+                    assert_eq!(
+                        s.elems_sent,
+                        2 * (n - 1) * count / n,
+                        "n={n} count={count} rank {r}"
+                    );
+                    assert_eq!(
+                        s.elems_received,
+                        2 * (n - 1) * count / n,
+                        "n={n} count={count} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_all_gather_and_reduce_scatter_send_n_minus_one_blocks_per_rank() {
+    for n in 1..=MAX_WORLD {
+        for count in counts(n) {
+            for coll in [Collective::AllGather, Collective::ReduceScatter] {
+                let out = volumes(Call::new(coll, Algorithm::Ring, n, count));
+                for (r, s) in out.stats.iter().enumerate() {
+                    assert_eq!(
+                        s.elems_sent,
+                        (n - 1) * count,
+                        "{coll} n={n} count={count} rank {r}"
+                    );
+                    assert_eq!(
+                        s.elems_received,
+                        (n - 1) * count,
+                        "{coll} n={n} count={count} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn recursive_doubling_sends_log2_n_buffers_per_rank_for_powers_of_two() {
+    for n in [1usize, 2, 4, 8] {
+        for count in counts(n) {
+            let out = volumes(Call::new(
+                Collective::AllReduce,
+                Algorithm::RecursiveDoubling,
+                n,
+                count,
+            ));
+            let log2 = n.trailing_zeros() as usize;
+            for (r, s) in out.stats.iter().enumerate() {
+                assert_eq!(s.elems_sent, log2 * count, "n={n} count={count} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn recursive_doubling_folds_extra_ranks_in_with_two_more_buffer_transfers_each() {
+    // Non-powers of two: p = largest power of two ≤ n; each of the n − p extra ranks costs one
+    // buffer in and one buffer out on top of the p·log2(p) exchanges.
+    for n in [3usize, 5, 6, 7, 9] {
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let log2p = p.trailing_zeros() as usize;
+        for count in [1, 13, 100] {
+            let out = volumes(Call::new(
+                Collective::AllReduce,
+                Algorithm::RecursiveDoubling,
+                n,
+                count,
+            ));
+            assert_eq!(
+                out.elems_sent(),
+                (p * log2p + 2 * (n - p)) * count,
+                "n={n} count={count}"
+            );
+        }
+    }
+}
+
+#[test]
+fn pairwise_all_to_all_sends_n_minus_one_blocks_per_rank() {
+    for n in 1..=MAX_WORLD {
+        for count in counts(n) {
+            let out = volumes(Call::new(
+                Collective::AllToAll,
+                Algorithm::Pairwise,
+                n,
+                count,
+            ));
+            for (r, s) in out.stats.iter().enumerate() {
+                assert_eq!(
+                    s.elems_sent,
+                    (n - 1) * count,
+                    "n={n} count={count} rank {r}"
+                );
+                assert_eq!(
+                    s.elems_received,
+                    (n - 1) * count,
+                    "n={n} count={count} rank {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn chain_broadcast_sends_the_buffer_once_from_every_rank_but_the_last() {
+    for n in 1..=MAX_WORLD {
+        for root in 0..n {
+            for count in [0, 1, 7, 100] {
+                let call =
+                    Call::new(Collective::Broadcast, Algorithm::Chain, n, count).with_root(root);
+                let out = volumes(call);
+                let last = (root + n - 1) % n;
+                for (r, s) in out.stats.iter().enumerate() {
+                    let want = if r == last { 0 } else { count };
+                    assert_eq!(
+                        s.elems_sent, want,
+                        "n={n} root={root} count={count} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rooted_collectives_move_the_buffer_exactly_once_into_every_non_root_rank() {
+    // Broadcast: every non-root receives the buffer once; reduce: every non-root sends once.
+    for n in 1..=MAX_WORLD {
+        for root in 0..n {
+            for algo in [Algorithm::Chain, Algorithm::BinomialTree] {
+                for count in [1, 13] {
+                    let b =
+                        volumes(Call::new(Collective::Broadcast, algo, n, count).with_root(root));
+                    let red =
+                        volumes(Call::new(Collective::Reduce, algo, n, count).with_root(root));
+                    for r in 0..n {
+                        let want = if r == root { 0 } else { count };
+                        let ctx = format!("{algo} n={n} root={root} count={count} rank {r}");
+                        assert_eq!(b.stats[r].elems_received, want, "broadcast {ctx}");
+                        assert_eq!(red.stats[r].elems_sent, want, "reduce {ctx}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programs the simulator must reject.
+
+fn empty_inputs(n: usize, dst: usize) -> Vec<Buffers> {
+    (0..n)
+        .map(|r| Buffers {
+            src: vec![],
+            dst: (0..dst as u64).map(|e| e + 10 * r as u64).collect(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_pair_of_schedules_that_both_receive_first_is_reported_as_a_deadlock() {
+    // Each rank waits for the other's data before forwarding its own buffer.
+    let sched = |peer| {
+        let mut s = Schedule::new();
+        s.round().recv_copy(peer, Loc::dst(0..4));
+        s.round().send(peer, Loc::dst(0..4));
+        s
+    };
+    let progs = vec![compile(&sched(1), 64), compile(&sched(0), 64)];
+    for cap in CAPS {
+        let cfg = SimConfig {
+            seed: 1,
+            seg_elems: 64,
+            link_capacity: cap,
+        };
+        let err = sim::run_programs(&progs, empty_inputs(2, 4), &cfg).unwrap_err();
+        let SimError::Deadlock { stuck } = &err else {
+            panic!("expected a deadlock, got {err}")
+        };
+        assert_eq!(stuck.iter().map(|s| s.rank).collect::<Vec<_>>(), vec![0, 1]);
+        for s in stuck {
+            assert_eq!((s.done, s.total), (0, 2));
+            assert_eq!(s.blocked[0].step, 0);
+            assert_eq!(s.blocked[0].reason, BlockReason::NoFrame);
+            assert_eq!(s.blocked[1].step, 1);
+            assert_eq!(s.blocked[1].reason, BlockReason::Dependencies(vec![0]));
+        }
+        let msg = err.to_string();
+        assert!(
+            msg.contains("deadlock") && msg.contains("rank 0") && msg.contains("rank 1"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn mismatched_send_and_receive_lengths_are_reported_with_both_steps() {
+    let mut s0 = Schedule::new();
+    s0.round().send(1, Loc::dst(0..3));
+    let mut s1 = Schedule::new();
+    s1.round().recv_copy(0, Loc::dst(0..2));
+    let progs = vec![compile(&s0, 64), compile(&s1, 64)];
+    let err = sim::run_programs(&progs, empty_inputs(2, 3), &SimConfig::default()).unwrap_err();
+    assert_eq!(
+        err,
+        SimError::LengthMismatch {
+            sender: 0,
+            send_step: 0,
+            receiver: 1,
+            recv_step: 0,
+            sent: 3,
+            expected: 2
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rank 1 step 0") && msg.contains("rank 0"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn requests_for_an_algorithm_that_does_not_implement_the_collective_are_refused() {
+    let call = Call::new(Collective::AllGather, Algorithm::Chain, 3, 4);
+    assert!(matches!(
+        call.run(call.random_inputs(0), &SimConfig::default()),
+        Err(SimError::BadSetup(_))
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference catches broken schedules (the checks above can fail).
+
+/// Rebuilds `s` round by round, passing each op through `f` (which may drop or add ops).
+fn mutate(s: &Schedule, mut f: impl FnMut(&Op, &mut Schedule)) -> Schedule {
+    let mut out = Schedule::new();
+    for round in s.rounds() {
+        out.round();
+        for op in round {
+            f(op, &mut out);
+        }
+    }
+    out
+}
+
+/// Runs per-rank schedules on `call`'s inputs; true when the outcome matches the reference.
+fn matches_reference(call: &Call, scheds: &[Schedule], seed: u64) -> bool {
+    let progs: Vec<_> = scheds.iter().map(|s| compile(s, 3)).collect();
+    let inputs = call.random_inputs(seed);
+    let cfg = SimConfig {
+        seed,
+        seg_elems: 3,
+        link_capacity: 1,
+    };
+    let Ok(out) = sim::run_programs(&progs, inputs.clone(), &cfg) else {
+        return false;
+    };
+    call.expected(&inputs)
+        .iter()
+        .zip(&out.buffers)
+        .all(|(w, b)| w.as_ref().is_none_or(|w| *w == b.dst))
+}
+
+fn schedules(call: &Call) -> Vec<Schedule> {
+    call.requests()
+        .unwrap()
+        .iter()
+        .map(|r| schedule(r.as_ref().unwrap()).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_ring_that_reduces_where_it_should_copy_is_caught_by_the_reference() {
+    let call = Call::new(Collective::AllReduce, Algorithm::Ring, 4, 10);
+    let good = schedules(&call);
+    assert!(matches_reference(&call, &good, 1));
+    let mut bad = good.clone();
+    bad[2] = mutate(&good[2], |op, s| match *op {
+        Op::Recv {
+            peer,
+            dst,
+            acc: None,
+        } => {
+            s.push(Op::Recv {
+                peer,
+                dst,
+                acc: Some(dst),
+            });
+        }
+        _ => {
+            s.push(*op);
+        }
+    });
+    assert!(!matches_reference(&call, &bad, 1));
+}
+
+#[test]
+fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
+    for algo in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+        let call = Call::new(Collective::AllReduce, algo, 5, 11).with_finalize(true);
+        let good = schedules(&call);
+        assert!(matches_reference(&call, &good, 2), "{algo}");
+        let dropped: Vec<_> = good
+            .iter()
+            .map(|s| {
+                mutate(s, |op, s| {
+                    if !matches!(op, Op::Finalize { .. }) {
+                        s.push(*op);
+                    }
+                })
+            })
+            .collect();
+        assert!(
+            !matches_reference(&call, &dropped, 2),
+            "{algo} without finalize"
+        );
+        let doubled: Vec<_> = good
+            .iter()
+            .map(|s| {
+                mutate(s, |op, s| {
+                    s.push(*op);
+                    if matches!(op, Op::Finalize { .. }) {
+                        s.push(*op);
+                    }
+                })
+            })
+            .collect();
+        assert!(
+            !matches_reference(&call, &doubled, 2),
+            "{algo} finalizing twice"
+        );
+    }
+    // The factor really is odd (invertible), so K·x = x only for x = 0.
+    assert_eq!(FINALIZE_FACTOR % 2, 1);
+}
+
+#[test]
+fn a_compiled_ring_without_its_dependencies_is_caught_by_some_seed() {
+    let call = Call::new(Collective::AllReduce, Algorithm::Ring, 3, 9);
+    let mut progs = call.programs(3).unwrap();
+    for p in &mut progs {
+        for st in &mut p.steps {
+            st.deps = (0, 0);
+        }
+    }
+    let inputs = call.random_inputs(9);
+    let want = call.expected(&inputs);
+    let caught = (0..20).any(|seed| {
+        let cfg = SimConfig {
+            seed,
+            seg_elems: 3,
+            link_capacity: 1,
+        };
+        match sim::run_programs(&progs, inputs.clone(), &cfg) {
+            Ok(out) => out
+                .buffers
+                .iter()
+                .zip(&want)
+                .any(|(b, w)| Some(&b.dst) != w.as_ref()),
+            Err(_) => true,
+        }
+    });
+    assert!(caught, "no seed exposed the missing dependencies");
+}
