@@ -1,0 +1,891 @@
+//! `dspark-bench`: nccl-tests-style benchmarks of dspark's collectives.
+//!
+//! ```text
+//! dspark-bench                                   # all_reduce, 2 local ranks over TCP, 8 B..256 MiB
+//! dspark-bench all_gather -b 1K -e 64M -f 4 -d half --ranks 4
+//! torchrun --nproc-per-node 8 ... dspark-bench all_reduce -b 1M -e 256M   # one rank per process
+//! ```
+//!
+//! Columns follow nccl-tests (size, count, type, redop, root, time, algbw, busbw, #wrong) plus
+//! the transport and the data path, so a slow path is visible in every row. `--csv` prints
+//! `collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path`.
+
+use std::io::{IsTerminal, Write};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use dspark::config::{parse_size, TransportChoice};
+use dspark::plan::Collective;
+use dspark::{Communicator, Config, DataType, Element, ReduceOp};
+use half::{bf16, f16};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+enum Coll {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+    AllToAll,
+    SendRecv,
+}
+
+impl Coll {
+    fn collective(self) -> Collective {
+        match self {
+            Coll::AllReduce => Collective::AllReduce,
+            Coll::AllGather => Collective::AllGather,
+            Coll::ReduceScatter => Collective::ReduceScatter,
+            Coll::Broadcast => Collective::Broadcast,
+            Coll::Reduce => Collective::Reduce,
+            Coll::AllToAll => Collective::AllToAll,
+            Coll::SendRecv => Collective::SendRecv,
+        }
+    }
+
+    /// nccl-tests' bus bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
+        }
+    }
+
+    fn reduces(self) -> bool {
+        self.collective().reduces()
+    }
+}
+
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    parse_size(s).ok_or_else(|| format!("{s:?} is not a size (e.g. 8, 64K, 16M, 1G)"))
+}
+
+/// nccl-tests-style collective benchmark over dspark.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "dspark-bench", version, about, long_about = None)]
+struct Args {
+    /// Collective to run.
+    #[arg(value_enum, default_value = "all_reduce")]
+    collective: Coll,
+    /// Smallest size in bytes (K/M/G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_bytes)]
+    min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = parse_bytes)]
+    max_bytes: usize,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
+    step_factor: usize,
+    /// Data type: float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    dtype: DataType,
+    /// Reduction: sum, prod, min, max, avg.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    op: ReduceOp,
+    /// Root of broadcast / reduce.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Check results (1) or not (0).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    check: u8,
+    /// Spawn this many local ranks on 127.0.0.1. Without it, run as one rank of a launcher
+    /// (torchrun, srun, mpirun) when its variables are set, else 2 local ranks.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Transport: auto, tcp, verbs.
+    #[arg(long, default_value = "auto")]
+    transport: String,
+    /// Machine-readable output.
+    #[arg(long)]
+    csv: bool,
+    /// Print rows in the format of ../shared/peers (allreduce timing method of the peer
+    /// benchmarks: median of samples of K back-to-back calls), labelled with this peer name.
+    #[arg(long, value_name = "NAME")]
+    peer_rows: Option<String>,
+    /// Explicit size list for --peer-rows (comma-separated bytes).
+    #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+    sizes: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    bytes: usize,
+    count: usize,
+    time_us: f64,
+    wrong: u64,
+}
+
+fn launcher_present() -> bool {
+    [
+        "DSPARK_RANK",
+        "RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+const CHILD: &str = "DSPARK_BENCH_CHILD";
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    if TransportChoice::parse(&args.transport).is_none() {
+        eprintln!(
+            "dspark-bench: --transport {:?}: expected auto, tcp or verbs",
+            args.transport
+        );
+        return ExitCode::from(2);
+    }
+    let is_child = std::env::var_os(CHILD).is_some();
+    if !is_child && (args.ranks.is_some() || !launcher_present()) {
+        return spawn_local(&args, args.ranks.unwrap_or(2));
+    }
+    match run_rank(&args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dspark-bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Spawns `n` copies of this program as ranks on 127.0.0.1; rank 0's output is the table.
+fn spawn_local(args: &Args, n: usize) -> ExitCode {
+    if n == 0 {
+        eprintln!("dspark-bench: --ranks must be at least 1");
+        return ExitCode::from(2);
+    }
+    let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("dspark-bench: cannot find a free port: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("dspark-bench: cannot find my own executable: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&argv)
+            .env(CHILD, "1")
+            .env("DSPARK_RANK", r.to_string())
+            .env("DSPARK_WORLD_SIZE", n.to_string())
+            .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
+            .env("DSPARK_TRANSPORT", &args.transport)
+            .stdin(Stdio::null())
+            .stdout(if r == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .stderr(Stdio::inherit());
+        for v in [
+            "RANK",
+            "WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_RANK",
+            "PMI_SIZE",
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+        ] {
+            cmd.env_remove(v);
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                eprintln!("dspark-bench: cannot start rank {r}: {e}");
+                for mut c in children {
+                    let _ = c.kill();
+                }
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let mut worst = 0u8;
+    for (r, mut c) in children.into_iter().enumerate() {
+        match c.wait() {
+            Ok(st) if st.success() => {}
+            Ok(st) => {
+                let code = st.code().unwrap_or(1).clamp(1, 255) as u8;
+                if code != 2 {
+                    eprintln!("dspark-bench: rank {r} exited with {st}");
+                }
+                worst = worst.max(code);
+            }
+            Err(e) => {
+                eprintln!("dspark-bench: waiting for rank {r}: {e}");
+                worst = worst.max(1);
+            }
+        }
+    }
+    ExitCode::from(worst)
+}
+
+fn sizes(args: &Args) -> Vec<usize> {
+    if !args.sizes.is_empty() {
+        return args.sizes.clone();
+    }
+    let mut v = Vec::new();
+    let mut s = args.min_bytes.max(1);
+    let f = args.step_factor.max(2);
+    while s <= args.max_bytes {
+        v.push(s);
+        s = match s.checked_mul(f) {
+            Some(x) => x,
+            None => break,
+        };
+    }
+    if v.last() != Some(&args.max_bytes) && args.max_bytes >= args.min_bytes {
+        v.push(args.max_bytes);
+    }
+    v
+}
+
+fn human(b: usize) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn run_rank(args: &Args) -> Result<ExitCode, String> {
+    let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
+    if let Some(t) = TransportChoice::parse(&args.transport) {
+        if std::env::var_os("DSPARK_TRANSPORT").is_none() {
+            cfg.transport = t;
+        }
+    }
+    let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
+    if args.root >= comm.world_size() {
+        return Err(format!(
+            "--root {} is not a rank (world size {})",
+            args.root,
+            comm.world_size()
+        ));
+    }
+    if let Some(peer) = &args.peer_rows {
+        peer_rows(args, &comm, peer)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    macro_rules! go {
+        ($t:ty) => {
+            bench::<$t>(args, &comm)
+        };
+    }
+    let rows = match args.dtype {
+        DataType::F32 => go!(f32),
+        DataType::F64 => go!(f64),
+        DataType::F16 => go!(f16),
+        DataType::BF16 => go!(bf16),
+        DataType::I8 => go!(i8),
+        DataType::U8 => go!(u8),
+        DataType::I32 => go!(i32),
+        DataType::U32 => go!(u32),
+        DataType::I64 => go!(i64),
+        DataType::U64 => go!(u64),
+    }?;
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    Ok(if wrong > 0 {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Values chosen so every result is exact in every type (nccl-tests' "verifiable" idea).
+trait BenchElem: Element + Copy {
+    fn from_i64(v: i64) -> Self;
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    fn div(a: Self, n: usize) -> Self;
+}
+
+macro_rules! bench_int {
+    ($($t:ty),*) => {$(
+        impl BenchElem for $t {
+            fn from_i64(v: i64) -> Self { v as $t }
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }
+            }
+            fn div(a: Self, n: usize) -> Self { a / (n as $t) }
+        }
+    )*};
+}
+bench_int!(i8, u8, i32, u32, i64, u64);
+
+macro_rules! bench_float {
+    ($t:ty, $to:expr, $from:expr) => {
+        impl BenchElem for $t {
+            fn from_i64(v: i64) -> Self {
+                $from(v as f64)
+            }
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                let (x, y): (f64, f64) = ($to(a), $to(b));
+                $from(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    ReduceOp::Prod => x * y,
+                    ReduceOp::Min => x.min(y),
+                    ReduceOp::Max => x.max(y),
+                })
+            }
+            fn div(a: Self, n: usize) -> Self {
+                <$t>::div_by(a, n)
+            }
+        }
+    };
+}
+
+trait DivBy {
+    fn div_by(a: Self, n: usize) -> Self;
+}
+impl DivBy for f32 {
+    fn div_by(a: Self, n: usize) -> Self {
+        a / n as f32
+    }
+}
+impl DivBy for f64 {
+    fn div_by(a: Self, n: usize) -> Self {
+        a / n as f64
+    }
+}
+impl DivBy for f16 {
+    fn div_by(a: Self, n: usize) -> Self {
+        f16::from_f32(a.to_f32() / n as f32)
+    }
+}
+impl DivBy for bf16 {
+    fn div_by(a: Self, n: usize) -> Self {
+        bf16::from_f32(a.to_f32() / n as f32)
+    }
+}
+bench_float!(f32, |v: f32| v as f64, |v: f64| v as f32);
+bench_float!(f64, |v: f64| v, |v: f64| v);
+bench_float!(f16, |v: f16| v.to_f64(), f16::from_f64);
+bench_float!(bf16, |v: bf16| v.to_f64(), bf16::from_f64);
+
+/// Input of rank `r` at element `i` for `op`: small integers (sums of up to hundreds of ranks
+/// stay exact in bf16's 8 bits only for few ranks; products use ±1).
+fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
+    let k = (r * 7 + i * 13) as i64;
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => k % 5 - 2,
+        ReduceOp::Prod => {
+            if (r + i) % 3 == 0 {
+                -1
+            } else {
+                1
+            }
+        }
+        ReduceOp::Min | ReduceOp::Max => (k % 101) - 50,
+    }
+}
+
+fn fill<T: BenchElem>(buf: &mut [T], op: ReduceOp, r: usize, offset: usize) {
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = T::from_i64(input_value(op, r, offset + i));
+    }
+}
+
+fn expected<T: BenchElem>(op: ReduceOp, n: usize, i: usize) -> T {
+    let mut acc = T::from_i64(input_value(op, 0, i));
+    for r in 1..n {
+        acc = T::combine(op, acc, T::from_i64(input_value(op, r, i)));
+    }
+    if op == ReduceOp::Avg {
+        acc = T::div(acc, n);
+    }
+    acc
+}
+
+fn count_wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
+    got.iter()
+        .enumerate()
+        .filter(|(i, g)| bytemuck::bytes_of(*g) != bytemuck::bytes_of(&want(*i)))
+        .count() as u64
+}
+
+/// Buffers for one size of one collective.
+struct Bufs<T> {
+    send: Vec<T>,
+    recv: Vec<T>,
+}
+
+fn run_once<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> dspark::Result<()> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    match args.collective {
+        Coll::AllReduce => comm.all_reduce(&mut b.recv, args.op),
+        Coll::AllGather => comm.all_gather(&b.send, &mut b.recv),
+        Coll::ReduceScatter => comm.reduce_scatter(&b.send, &mut b.recv, args.op),
+        Coll::Broadcast => comm.broadcast(&mut b.recv, args.root),
+        Coll::Reduce => comm.reduce(&mut b.recv, args.op, args.root),
+        Coll::AllToAll => comm.all_to_all(&b.send, &mut b.recv),
+        Coll::SendRecv => {
+            // Pairs 0→1, 2→3, ...; with an odd world the last rank idles.
+            if r % 2 == 0 && r + 1 < n {
+                comm.send(&b.send, r + 1)
+            } else if r % 2 == 1 {
+                comm.recv(&mut b.recv, r - 1)
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Per-rank element counts for a size: (send, recv, total count shown in the table).
+fn counts(c: Coll, bytes: usize, esz: usize, n: usize) -> (usize, usize, usize) {
+    let total = bytes / esz;
+    match c {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => (0, total, total),
+        Coll::SendRecv => (total, total, total),
+        Coll::AllGather => {
+            let per = total / n;
+            (per, per * n, per * n)
+        }
+        Coll::ReduceScatter => {
+            let per = total / n;
+            (per * n, per, per * n)
+        }
+        Coll::AllToAll => {
+            let per = total / n;
+            (per * n, per * n, per * n)
+        }
+    }
+}
+
+fn prepare<T: BenchElem>(args: &Args, comm: &Communicator, send: usize, recv: usize) -> Bufs<T> {
+    let r = comm.rank();
+    let mut b = Bufs {
+        send: vec![T::default(); send],
+        recv: vec![T::default(); recv],
+    };
+    match args.collective {
+        Coll::AllReduce | Coll::Reduce => fill(&mut b.recv, args.op, r, 0),
+        Coll::Broadcast => {
+            if r == args.root {
+                fill(&mut b.recv, args.op, r, 0)
+            }
+        }
+        _ => fill(&mut b.send, args.op, r, 0),
+    }
+    b
+}
+
+fn verify<T: BenchElem>(args: &Args, comm: &Communicator, b: &Bufs<T>) -> u64 {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let op = args.op;
+    match args.collective {
+        Coll::AllReduce => count_wrong(&b.recv, |i| expected::<T>(op, n, i)),
+        Coll::Reduce if r == args.root => count_wrong(&b.recv, |i| expected::<T>(op, n, i)),
+        Coll::Reduce => 0,
+        Coll::Broadcast => count_wrong(&b.recv, |i| T::from_i64(input_value(op, args.root, i))),
+        Coll::AllGather => {
+            let per = b.send.len();
+            count_wrong(&b.recv, |i| {
+                T::from_i64(input_value(op, i / per.max(1), i % per.max(1)))
+            })
+        }
+        Coll::ReduceScatter => {
+            let per = b.recv.len();
+            count_wrong(&b.recv, |i| expected::<T>(op, n, r * per + i))
+        }
+        Coll::AllToAll => {
+            let per = b.recv.len() / n;
+            count_wrong(&b.recv, |i| {
+                let (j, k) = (i / per.max(1), i % per.max(1));
+                T::from_i64(input_value(op, j, r * per + k))
+            })
+        }
+        Coll::SendRecv if r % 2 == 1 => {
+            count_wrong(&b.recv, |i| T::from_i64(input_value(op, r - 1, i)))
+        }
+        Coll::SendRecv => 0,
+    }
+}
+
+fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
+    let mut x = [v];
+    comm.all_reduce(&mut x, ReduceOp::Max)?;
+    Ok(x[0])
+}
+
+fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64> {
+    let mut x = [v];
+    comm.all_reduce(&mut x, ReduceOp::Sum)?;
+    Ok(x[0])
+}
+
+fn header(args: &Args, comm: &Communicator, esz: usize) {
+    let info = comm.info();
+    let n = comm.world_size();
+    let c = args.collective.collective();
+    println!(
+        "# dspark-bench {}: {} ranks, {} {}{}, {} iterations ({} warm-up), check {}",
+        c,
+        n,
+        args.dtype,
+        if args.collective.reduces() {
+            args.op.name()
+        } else {
+            ""
+        },
+        if c.rooted() {
+            format!(", root {}", args.root)
+        } else {
+            String::new()
+        },
+        args.iters,
+        args.warmup,
+        if args.check != 0 { "on" } else { "off" },
+    );
+    println!(
+        "# transport : {} — {}",
+        info.transport, info.transport_detail
+    );
+    if let Some(why) = &info.transport_reason {
+        println!("#   (not RDMA: {why})");
+    }
+    println!("# data path : host memory (buffers in RAM; no GPU involved)");
+    let hosts: Vec<&str> = info.hosts.iter().map(String::as_str).collect();
+    let mut uniq = hosts.clone();
+    uniq.sort_unstable();
+    uniq.dedup();
+    println!(
+        "# ranks     : {n} on {} host(s) [{}]; {} on this host; spin {} µs then block; segment {}; timeout {:?}",
+        uniq.len(),
+        uniq.join(", "),
+        info.local_ranks,
+        info.spin.as_micros(),
+        human(info.segment_bytes),
+        info.timeout,
+    );
+    // Per connection: every pair uses the same transport and path on host memory.
+    let shown = n.min(8);
+    for r in 0..shown {
+        let peers: Vec<String> = (0..n)
+            .filter(|&p| p != r)
+            .take(7)
+            .map(|p| p.to_string())
+            .collect();
+        if peers.is_empty() {
+            continue;
+        }
+        println!(
+            "#   rank {r} ({}) -> ranks {}{}: {} both ways, path host",
+            info.hosts.get(r).map_or("?", String::as_str),
+            peers.join(","),
+            if n - 1 > 7 { ",…" } else { "" },
+            info.transport,
+        );
+    }
+    if n > shown {
+        println!("#   ... ranks {shown}..{} alike", n - 1);
+    }
+    let mut algos: Vec<String> = Vec::new();
+    for b in sizes(args) {
+        let (_, recv, total) = counts(args.collective, b, esz, n);
+        let bytes = if c == Collective::AllGather {
+            total * esz
+        } else {
+            recv.max(total) * esz
+        };
+        let a = comm.algorithm(c, bytes).name().to_string();
+        if algos
+            .last()
+            .map(|x| x.split(' ').next() != Some(a.as_str()))
+            .unwrap_or(true)
+        {
+            algos.push(format!("{a} from {}", human(b)));
+        }
+    }
+    println!(
+        "# algorithm : {} (DSPARK_ALGO forces one)",
+        algos.join(", ")
+    );
+    println!("#");
+    println!(
+        "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} {}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "algorithm",
+        "transport",
+        "path"
+    );
+    println!(
+        "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+    );
+}
+
+fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, String> {
+    let n = comm.world_size();
+    let esz = T::DATA_TYPE.size();
+    let coll = args.collective;
+    let rank0 = comm.rank() == 0;
+    let list = sizes(args);
+    let tty = std::io::stderr().is_terminal();
+    if rank0 {
+        if args.csv {
+            println!("collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path");
+        } else {
+            header(args, comm, esz);
+        }
+    }
+    let mut rows = Vec::new();
+    let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
+    for (k, &bytes) in list.iter().enumerate() {
+        let (send, recv, total) = counts(coll, bytes, esz, n);
+        let shown_bytes = total * esz;
+        if rank0 && (tty || bytes >= 64 << 20) {
+            eprint!(
+                "{}[{}/{}] {} ...{}",
+                if tty { "\r" } else { "" },
+                k + 1,
+                list.len(),
+                human(bytes),
+                if tty { "" } else { "\n" }
+            );
+            let _ = std::io::stderr().flush();
+        }
+        let mut b = prepare::<T>(args, comm, send, recv);
+        // Check first, on fresh inputs.
+        let mut wrong = 0;
+        if args.check != 0 {
+            run_once(args, comm, &mut b).map_err(|x| e("check", x))?;
+            wrong = verify(args, comm, &b);
+            b = prepare::<T>(args, comm, send, recv);
+        }
+        for _ in 0..args.warmup {
+            run_once(args, comm, &mut b).map_err(|x| e("warm-up", x))?;
+        }
+        comm.barrier().map_err(|x| e("barrier", x))?;
+        let t0 = Instant::now();
+        for _ in 0..args.iters.max(1) {
+            run_once(args, comm, &mut b).map_err(|x| e("timed run", x))?;
+        }
+        let mine = t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64;
+        let time_us = max_over_ranks(comm, mine).map_err(|x| e("timing", x))?;
+        let wrong = if args.check != 0 {
+            sum_over_ranks(comm, wrong).map_err(|x| e("check", x))?
+        } else {
+            0
+        };
+        let algbw = if time_us > 0.0 {
+            shown_bytes as f64 / time_us / 1e3
+        } else {
+            0.0
+        };
+        let busbw = algbw * coll.bus_factor(n);
+        let row = Row {
+            bytes: shown_bytes,
+            count: total,
+            time_us,
+            wrong,
+        };
+        if rank0 {
+            if tty {
+                eprint!("\r\x1b[K");
+            }
+            let info = comm.info();
+            let op = if coll.reduces() {
+                args.op.name()
+            } else {
+                "none"
+            };
+            let root: i64 = if coll.collective().rooted() {
+                args.root as i64
+            } else {
+                -1
+            };
+            if args.csv {
+                println!(
+                    "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
+                    coll.collective().name(),
+                    args.dtype.name(),
+                    op,
+                    n,
+                    row.bytes,
+                    row.count,
+                    row.time_us,
+                    algbw,
+                    busbw,
+                    if args.check != 0 {
+                        row.wrong.to_string()
+                    } else {
+                        "N/A".into()
+                    },
+                    info.transport,
+                    "host"
+                );
+            } else {
+                let algo = comm.algorithm(coll.collective(), row.bytes);
+                println!(
+                    "  {:>12} {:>12} {:>9} {:>6} {:>5} {:>11.2} {:>8.3} {:>8.3} {:>7}  {:<18} {:<9} {}",
+                    row.bytes,
+                    row.count,
+                    args.dtype.name(),
+                    op,
+                    root,
+                    row.time_us,
+                    algbw,
+                    busbw,
+                    if args.check != 0 { row.wrong.to_string() } else { "N/A".into() },
+                    algo.name(),
+                    info.transport,
+                    "host"
+                );
+            }
+            let _ = std::io::stdout().flush();
+        }
+        rows.push(row);
+    }
+    if rank0 && !args.csv {
+        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+        let avg_bus = if rows.is_empty() {
+            0.0
+        } else {
+            rows.iter()
+                .map(|r| {
+                    if r.time_us > 0.0 {
+                        r.bytes as f64 / r.time_us / 1e3 * coll.bus_factor(n)
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>()
+                / rows.len() as f64
+        };
+        println!(
+            "# Out of bounds values : {} {}",
+            wrong,
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {avg_bus:.4} GB/s");
+    }
+    Ok(rows)
+}
+
+/// The peer benchmarks' method (../shared/peers/README.md): allreduce f32 sum, rank r's input
+/// (r+1)*(i%97+1); per size 2 verified warm-up batches, then S samples (50 up to 64 KiB, 30 at
+/// 1 MiB, 20 at 16 MiB, 10 above); a sample = barrier, K back-to-back allreduces
+/// (K = clamp(4 MiB / bytes, 1, 50)), time / K, max over ranks; time = median of samples.
+fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<(), String> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let list = if args.sizes.is_empty() {
+        vec![8, 1024, 65536, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    } else {
+        args.sizes.clone()
+    };
+    let e = |err: dspark::Error| err.to_string();
+    for &bytes in &list {
+        let count = (bytes / 4).max(1);
+        let fill = |buf: &mut Vec<f32>| {
+            for (i, x) in buf.iter_mut().enumerate() {
+                *x = ((r + 1) * (i % 97 + 1)) as f32;
+            }
+        };
+        let mut buf = vec![0f32; count];
+        let scale = (n * (n + 1) / 2) as f32;
+        for _ in 0..2 {
+            fill(&mut buf);
+            comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(e)?;
+            let bad = buf
+                .iter()
+                .enumerate()
+                .filter(|(i, &v)| v != scale * (i % 97 + 1) as f32)
+                .count();
+            let bad = sum_over_ranks(comm, bad as u64).map_err(e)?;
+            if bad > 0 {
+                if r == 0 {
+                    println!("{peer},{n},{bytes},0,0,0,0,0,0,0,WRONG");
+                }
+                return Err(format!("{bad} wrong elements at {bytes} bytes"));
+            }
+        }
+        let samples = if bytes <= 65536 {
+            50
+        } else if bytes <= 1 << 20 {
+            30
+        } else if bytes <= 16 << 20 {
+            20
+        } else {
+            10
+        };
+        let k = ((4 << 20) / bytes).clamp(1, 50);
+        let mut times = Vec::with_capacity(samples);
+        for _ in 0..samples {
+            comm.barrier().map_err(e)?;
+            let t0 = Instant::now();
+            for _ in 0..k {
+                comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(e)?;
+            }
+            let t = t0.elapsed().as_secs_f64() * 1e6 / k as f64;
+            times.push(max_over_ranks(comm, t).map_err(e)?);
+        }
+        times.sort_by(f64::total_cmp);
+        let med = if samples % 2 == 1 {
+            times[samples / 2]
+        } else {
+            (times[samples / 2 - 1] + times[samples / 2]) / 2.0
+        };
+        let algbw = bytes as f64 / med / 1e3;
+        let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
+        if r == 0 {
+            println!(
+                "{peer},{n},{bytes},{samples},{k},{med:.2},{:.2},{:.2},{algbw:.4},{busbw:.4}",
+                times[0],
+                times[samples - 1]
+            );
+            let _ = std::io::stdout().flush();
+        }
+    }
+    Ok(())
+}
