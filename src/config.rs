@@ -129,15 +129,22 @@ impl Config {
     /// Reads the configuration through `get` (a testable stand-in for the environment).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let pick = |names: &[&'static str]| -> Option<(&'static str, String)> {
-            names.iter().find_map(|n| get(n).filter(|v| !v.trim().is_empty()).map(|v| (*n, v)))
+            names
+                .iter()
+                .find_map(|n| get(n).filter(|v| !v.trim().is_empty()).map(|v| (*n, v)))
         };
         let parse_usize = |name: &str, v: &str| -> Result<usize> {
-            v.trim().parse::<usize>().map_err(|_| {
-                Error::config(name, format!("{v:?} is not a non-negative integer"))
-            })
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::config(name, format!("{v:?} is not a non-negative integer")))
         };
-        const RANK_VARS: [&str; 5] =
-            ["DSPARK_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+        const RANK_VARS: [&str; 5] = [
+            "DSPARK_RANK",
+            "RANK",
+            "OMPI_COMM_WORLD_RANK",
+            "PMI_RANK",
+            "SLURM_PROCID",
+        ];
         const SIZE_VARS: [&str; 5] = [
             "DSPARK_WORLD_SIZE",
             "WORLD_SIZE",
@@ -164,6 +171,12 @@ impl Config {
         let world_size = parse_usize(size_var, &size_s)?;
         sources.push(("rank".to_string(), rank_var.to_string()));
         sources.push(("world size".to_string(), size_var.to_string()));
+        // Rank and world size first: they are the most common mistake.
+        if world_size == 0 || rank >= world_size {
+            let mut early = Config::new(rank, world_size, "unused:1");
+            early.sources = sources.clone();
+            early.validate()?;
+        }
 
         let root_addr = match pick(&["DSPARK_ROOT_ADDR"]) {
             Some((_, v)) => {
@@ -178,12 +191,10 @@ impl Config {
                     sources.push(("root address".into(), "MASTER_ADDR:MASTER_PORT".into()));
                     join_host_port(a.trim(), port)
                 }
-                (Some(_), None) => {
-                    return Err(Error::config(
-                        "MASTER_PORT",
-                        "MASTER_ADDR is set but MASTER_PORT is not (or set DSPARK_ROOT_ADDR=host:port)",
-                    ))
-                }
+                (Some(_), None) => return Err(Error::config(
+                    "MASTER_PORT",
+                    "MASTER_ADDR is set but MASTER_PORT is not (or set DSPARK_ROOT_ADDR=host:port)",
+                )),
                 _ if world_size <= 1 => String::new(),
                 _ => {
                     return Err(Error::config(
@@ -198,25 +209,30 @@ impl Config {
         let mut c = Config::new(rank, world_size, root_addr);
         c.sources = sources;
         if let Some((n, v)) = pick(&["DSPARK_TIMEOUT"]) {
-            let secs: f64 = v.trim().parse().map_err(|_| {
-                Error::config(n, format!("{v:?} is not a number of seconds"))
-            })?;
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::config(n, format!("{v:?} is not a number of seconds")))?;
             if !(secs > 0.0 && secs.is_finite() && secs < 1e9) {
-                return Err(Error::config(n, format!("{v:?}: the timeout must be > 0 seconds")));
+                return Err(Error::config(
+                    n,
+                    format!("{v:?}: the timeout must be > 0 seconds"),
+                ));
             }
             c.timeout = Duration::from_secs_f64(secs);
         }
         if let Some((n, v)) = pick(&["DSPARK_TRANSPORT"]) {
-            c.transport = TransportChoice::parse(&v).ok_or_else(|| {
-                Error::config(n, format!("{v:?}: expected auto, tcp or verbs"))
-            })?;
+            c.transport = TransportChoice::parse(&v)
+                .ok_or_else(|| Error::config(n, format!("{v:?}: expected auto, tcp or verbs")))?;
         }
         c.socket_ifname = pick(&["DSPARK_SOCKET_IFNAME"]).map(|(_, v)| v.trim().to_string());
         c.ib_device = pick(&["DSPARK_IB_DEVICE"]).map(|(_, v)| v.trim().to_string());
         if let Some((n, v)) = pick(&["DSPARK_IB_GID_INDEX"]) {
-            c.ib_gid_index = Some(v.trim().parse().map_err(|_| {
-                Error::config(n, format!("{v:?} is not a GID index"))
-            })?);
+            c.ib_gid_index = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::config(n, format!("{v:?} is not a GID index")))?,
+            );
         }
         c.job_token = get("DSPARK_JOB_TOKEN").filter(|t| !t.is_empty());
         c.job_id = pick(&["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v);
@@ -236,13 +252,16 @@ impl Config {
                 Error::config(n, format!("{v:?} is not a size (e.g. 524288, 512K, 1M)"))
             })?;
             if !(64..=(1 << 30)).contains(&b) {
-                return Err(Error::config(n, format!("{v}: must be between 64 B and 1 GiB")));
+                return Err(Error::config(
+                    n,
+                    format!("{v}: must be between 64 B and 1 GiB"),
+                ));
             }
             c.segment_bytes = b;
         }
         if let Some((n, v)) = pick(&["DSPARK_SOCKET_BUFFER"]) {
-            c.socket_buffer = parse_size(&v)
-                .ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
+            c.socket_buffer =
+                parse_size(&v).ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
         }
         if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
             let us = parse_usize(n, &v)?;
@@ -335,12 +354,15 @@ pub fn split_host_port(s: &str) -> std::result::Result<(String, u16), String> {
             .ok_or_else(|| format!("{s:?} is not [ipv6]:port"))?;
         (h, p)
     } else {
-        s.rsplit_once(':').ok_or_else(|| format!("{s:?} is not host:port (no port)"))?
+        s.rsplit_once(':')
+            .ok_or_else(|| format!("{s:?} is not host:port (no port)"))?
     };
     if host.is_empty() {
         return Err(format!("{s:?} has no host"));
     }
-    let port: u16 = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
     if port == 0 {
         return Err(format!("{s:?}: port 0 is not a rendezvous port"));
     }
@@ -367,8 +389,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> =
-            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| m.get(k).cloned()
     }
 
@@ -388,7 +412,10 @@ mod tests {
             ("MASTER_PORT", "1"),
         ]))
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.root_addr.as_str()), (1, 3, "10.0.0.1:29500"));
+        assert_eq!(
+            (c.rank, c.world_size, c.root_addr.as_str()),
+            (1, 3, "10.0.0.1:29500")
+        );
     }
 
     #[test]
@@ -400,7 +427,10 @@ mod tests {
             ("MASTER_PORT", "29500"),
         ]))
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.root_addr.as_str()), (2, 4, "node7:29500"));
+        assert_eq!(
+            (c.rank, c.world_size, c.root_addr.as_str()),
+            (2, 4, "node7:29500")
+        );
         let c = Config::from_lookup(env(&[
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "6"),
@@ -416,25 +446,47 @@ mod tests {
             ("DSPARK_ROOT_ADDR", "[::1]:7000"),
         ]))
         .unwrap();
-        assert_eq!(split_host_port(&c.root_addr).unwrap(), ("::1".to_string(), 7000));
-        let c = Config::from_lookup(env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("DSPARK_ROOT_ADDR", "h:9")]))
-            .unwrap();
+        assert_eq!(
+            split_host_port(&c.root_addr).unwrap(),
+            ("::1".to_string(), 7000)
+        );
+        let c = Config::from_lookup(env(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "h:9"),
+        ]))
+        .unwrap();
         assert_eq!((c.rank, c.world_size), (1, 2));
     }
 
     #[test]
     fn bad_configuration_names_the_variable() {
-        let e = err_of(&[("DSPARK_RANK", "4"), ("DSPARK_WORLD_SIZE", "4"), ("DSPARK_ROOT_ADDR", "h:1")]);
+        let e = err_of(&[
+            ("DSPARK_RANK", "4"),
+            ("DSPARK_WORLD_SIZE", "4"),
+            ("DSPARK_ROOT_ADDR", "h:1"),
+        ]);
         assert!(e.contains("DSPARK_RANK") && e.contains("rank 4"), "{e}");
-        let e = err_of(&[("RANK", "4"), ("WORLD_SIZE", "4"), ("DSPARK_ROOT_ADDR", "h:1")]);
+        let e = err_of(&[
+            ("RANK", "4"),
+            ("WORLD_SIZE", "4"),
+            ("DSPARK_ROOT_ADDR", "h:1"),
+        ]);
         assert!(e.contains("in RANK"), "{e}");
         let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "0")]);
-        assert!(e.contains("DSPARK_WORLD_SIZE") && e.contains("at least 1"), "{e}");
+        assert!(
+            e.contains("DSPARK_WORLD_SIZE") && e.contains("at least 1"),
+            "{e}"
+        );
         let e = err_of(&[("DSPARK_RANK", "x"), ("DSPARK_WORLD_SIZE", "2")]);
         assert!(e.contains("DSPARK_RANK"), "{e}");
         let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2")]);
         assert!(e.contains("DSPARK_ROOT_ADDR"), "{e}");
-        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2"), ("DSPARK_ROOT_ADDR", "nohost")]);
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "nohost"),
+        ]);
         assert!(e.contains("DSPARK_ROOT_ADDR") && e.contains("port"), "{e}");
         let e = err_of(&[
             ("DSPARK_RANK", "0"),
@@ -444,11 +496,23 @@ mod tests {
         assert!(e.contains("port"), "{e}");
         let e = err_of(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]);
         assert!(e.contains("MASTER_PORT"), "{e}");
-        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_TIMEOUT", "0")]);
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "1"),
+            ("DSPARK_TIMEOUT", "0"),
+        ]);
         assert!(e.contains("DSPARK_TIMEOUT"), "{e}");
-        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_TRANSPORT", "udp")]);
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "1"),
+            ("DSPARK_TRANSPORT", "udp"),
+        ]);
         assert!(e.contains("DSPARK_TRANSPORT"), "{e}");
-        let e = err_of(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1"), ("DSPARK_ALGO", "magic")]);
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "1"),
+            ("DSPARK_ALGO", "magic"),
+        ]);
         assert!(e.contains("DSPARK_ALGO"), "{e}");
         let e = err_of(&[]);
         assert!(e.contains("DSPARK_RANK"), "{e}");
@@ -456,7 +520,8 @@ mod tests {
 
     #[test]
     fn world_of_one_needs_no_rendezvous_address() {
-        let c = Config::from_lookup(env(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1")])).unwrap();
+        let c =
+            Config::from_lookup(env(&[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1")])).unwrap();
         assert_eq!(c.world_size, 1);
     }
 
