@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use dspark::plan::sim::{
     self, BlockReason, Buffers, Call, SimConfig, SimError, SimOutcome, FINALIZE_FACTOR,
 };
-use dspark::plan::{compile, schedule, Algorithm, Collective, Loc, Op, Schedule};
+use dspark::plan::{compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule};
 
 const MAX_WORLD: usize = 9;
 const SEGS: [usize; 4] = [1, 3, 64, usize::MAX];
@@ -19,10 +19,6 @@ const CAPS: [usize; 2] = [1, 4];
 /// Scheduling seeds per (world, count, segment, capacity) point; rooted collectives and
 /// send/recv spread their roots (pairs) over at least this many runs.
 const SEEDS: usize = 5;
-/// Points whose run sends more frames than this get one seed (plus one run per root/pair and
-/// finalize variant) instead of `SEEDS`, to keep the file fast in debug builds; they still
-/// run with every segment size and capacity, each with a different seed.
-const HEAVY_FRAMES: usize = 1500;
 
 /// Every algorithm (the match makes adding a variant a compile error here).
 fn all_algorithms() -> Vec<Algorithm> {
@@ -94,8 +90,19 @@ fn variants(coll: Collective, algo: Algorithm, n: usize, count: usize) -> Vec<Ca
 
 /// Runs `call` and compares every rank's output with the independent reference.
 fn run_and_check(call: &Call, cfg: &SimConfig, input_seed: u64) -> SimOutcome {
+    let progs = call.programs(cfg.seg_elems).expect("valid call");
+    run_programs_and_check(call, &progs, cfg, input_seed)
+}
+
+/// [`run_and_check`] with `call`'s programs already compiled (with `cfg.seg_elems`).
+fn run_programs_and_check(
+    call: &Call,
+    progs: &[Program],
+    cfg: &SimConfig,
+    input_seed: u64,
+) -> SimOutcome {
     let inputs = call.random_inputs(input_seed);
-    let out = match call.run(inputs.clone(), cfg) {
+    let out = match sim::run_programs(progs, inputs.clone(), cfg) {
         Ok(out) => out,
         Err(e) => panic!("{call:?} {cfg:?}: {e}"),
     };
@@ -139,12 +146,10 @@ fn sweep(coll: Collective, algo: Algorithm) {
         for &count in &counts {
             let vs = variants(coll, algo, n, count);
             for &seg in &SEGS {
+                // Programs depend on neither seed nor capacity: compile each variant once.
+                let mut progs: Vec<Option<Vec<Program>>> = vec![None; vs.len()];
                 for &cap in &CAPS {
-                    let mut frames = 0;
                     for k in 0..vs.len().max(SEEDS) {
-                        if k >= vs.len() && frames > HEAVY_FRAMES {
-                            break;
-                        }
                         let seed = (n * 1_000_003 + count * 1009 + seg % 997 * 31 + cap + k) as u64;
                         let cfg = SimConfig {
                             seed,
@@ -152,8 +157,9 @@ fn sweep(coll: Collective, algo: Algorithm) {
                             link_capacity: cap,
                         };
                         let call = vs[k % vs.len()];
-                        let out = run_and_check(&call, &cfg, seed ^ 0xABCD);
-                        frames = out.frames_sent();
+                        let p = progs[k % vs.len()]
+                            .get_or_insert_with(|| call.programs(seg).expect("valid call"));
+                        let out = run_programs_and_check(&call, p, &cfg, seed ^ 0xABCD);
                         if coll == Collective::Barrier {
                             for (r, h) in out.heard_from.iter().enumerate() {
                                 assert!(
