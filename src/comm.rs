@@ -7,11 +7,12 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::bootstrap;
-use crate::config::{Config, TransportChoice};
+use crate::config::Config;
 use crate::engine::{Call, Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::transport::verbs;
 use crate::transport::{Transport, TransportKind};
 use crate::types::{Element, ReduceOp};
 
@@ -122,27 +123,24 @@ impl Communicator {
     /// that cannot be honoured).
     pub fn init(config: Config) -> Result<Self> {
         config.validate()?;
-        if config.transport == TransportChoice::Verbs {
-            return Err(Error::unavailable(
-                "the verbs transport (DSPARK_TRANSPORT=verbs)",
-                "this build has no RDMA verbs transport yet; use DSPARK_TRANSPORT=tcp or auto",
-            ));
-        }
-        let (boot, streams) = bootstrap::rendezvous(&config)?;
+        let (mut boot, streams) = bootstrap::rendezvous(&config)?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
-        let tcp = TcpTransport::new(
-            config.rank,
-            config.world_size,
-            streams,
-            TcpOptions { socket_buffer: config.socket_buffer },
-        )?;
-        let reason = (config.transport == TransportChoice::Auto && config.world_size > 1)
-            .then(|| "no RDMA verbs transport in this build".to_string());
+        // Every rank agrees on the transport through the bootstrap: verbs where every rank
+        // has a usable RDMA port, else TCP everywhere (or Unavailable where verbs was asked).
+        let (transport, reason): (Box<dyn Transport>, Option<String>) =
+            match verbs::select(&mut boot, &config, streams)? {
+                verbs::Selected::Verbs(t) => (t, None),
+                verbs::Selected::Tcp { streams, reason } => {
+                    let opts = TcpOptions { socket_buffer: config.socket_buffer };
+                    let tcp = TcpTransport::new(config.rank, config.world_size, streams, opts)?;
+                    (Box::new(tcp), reason)
+                }
+            };
         let opts = engine_options(&config, oversubscribed);
         let hosts = boot.peers.iter().map(|p| p.host.clone()).collect();
         drop(boot);
-        Ok(Self::assemble(config.rank, config.world_size, Box::new(tcp), opts, hosts, local, reason))
+        Ok(Self::assemble(config.rank, config.world_size, transport, opts, hosts, local, reason))
     }
 
     /// A communicator over an already connected transport (for example

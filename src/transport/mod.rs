@@ -30,6 +30,7 @@ use crate::error::Result;
 
 pub mod mem;
 pub mod tcp;
+pub mod verbs;
 
 /// Size of a frame header on the wire.
 pub const HEADER_LEN: usize = 32;
@@ -299,6 +300,26 @@ pub trait Transport: Send + fmt::Debug {
 
     /// Best effort: tells every peer this rank is leaving cleanly.
     fn close(&mut self);
+
+    /// Registers a caller buffer so that later sends from inside it can move zero-copy
+    /// (RDMA transports); returns an id for [`Transport::deregister`], or `None` when this
+    /// transport has no use for registrations (the default).
+    ///
+    /// The registration pins the buffer's pages *as they are now*. The caller must deregister
+    /// before freeing or reallocating the buffer: a new allocation that reuses the address
+    /// would otherwise be sent from the old, still pinned pages — silently wrong data.
+    ///
+    /// # Errors
+    /// [`crate::Error::Transport`] naming the failed registration (e.g. memlock limit).
+    fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
+        let _ = region;
+        Ok(None)
+    }
+
+    /// Releases a registration made by [`Transport::register_host`] (unknown ids are ignored).
+    fn deregister(&mut self, id: u64) {
+        let _ = id;
+    }
 }
 
 #[cfg(test)]
