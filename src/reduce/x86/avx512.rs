@@ -1,0 +1,355 @@
+//! The AVX-512 level (F + BW): 512-bit registers, mask-register fix-ups for float min/max.
+//!
+//! Every function here except the entry points is an `#[inline(always)]` helper that only runs
+//! inlined into [`run`] or [`run_divide`], which enable `avx512f,avx512bw`; their `unsafe`
+//! blocks rely on that (the intrinsics need those features) and on the pointer contracts of
+//! [`Codec`]. f16 conversion uses AVX-512F's own `vcvtph2ps`/`vcvtps2ph` on zmm registers.
+//! 64-bit multiplies are emulated so that AVX-512DQ is not required.
+//!
+//! The AVX-512 intrinsics are stable since Rust 1.89: this module needs that compiler even
+//! though the package still declares an older `rust-version`.
+
+use super::ops::*;
+use super::{BinOp, Codec, DivCodec, DivideFn};
+use crate::reduce::scalar::{QNAN_F32, QNAN_F64};
+use crate::types::DataType;
+use std::arch::x86_64::*;
+
+/// The features this level needs, in `is_x86_feature_detected!` terms.
+pub(crate) fn supported() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
+/// The binary entry point of this level.
+///
+/// # Safety
+/// The CPU supports AVX-512F and AVX-512BW ([`supported`]), and the pointers satisfy
+/// [`super::binary`].
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn run<C: Codec, O: BinOp<C::V>>(
+    dst: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    n: usize,
+) -> usize {
+    // SAFETY: forwarded contract; the features are enabled on this function.
+    unsafe { super::binary::<C, O>(dst, a, b, n) }
+}
+
+/// The `Avg` division entry point of this level.
+///
+/// # Safety
+/// The CPU supports AVX-512F and AVX-512BW, and `dst` satisfies [`super::divide`].
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn run_divide<C: DivCodec>(dst: *mut u8, n: usize, world: usize) -> usize {
+    // SAFETY: forwarded contract; the features are enabled on this function.
+    unsafe { super::divide::<C>(dst, n, world) }
+}
+
+super::binary_table!(run);
+
+/// The division kernel of this level for a float type; `None` for integers.
+pub(crate) fn divide_kernel(dtype: DataType) -> Option<DivideFn> {
+    match dtype {
+        DataType::F32 => Some(run_divide::<F32>),
+        DataType::F64 => Some(run_divide::<F64>),
+        DataType::F16 => Some(run_divide::<F16>),
+        DataType::BF16 => Some(run_divide::<Bf16>),
+        _ => None,
+    }
+}
+
+/// Integers of `N` bytes, 64 / `N` to a register.
+#[derive(Debug)]
+pub(crate) struct Int<const N: usize>;
+
+impl<const N: usize> Codec for Int<N> {
+    type V = __m512i;
+    const LANES: usize = 64 / N;
+    const ELEM: usize = N;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512i {
+        // SAFETY: 64 readable bytes at p (Codec contract); loadu takes any alignment.
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: __m512i) {
+        // SAFETY: 64 writable bytes at p (Codec contract); storeu takes any alignment.
+        unsafe { _mm512_storeu_si512(p.cast(), v) }
+    }
+}
+
+/// f32, 16 to a register.
+#[derive(Debug)]
+pub(crate) struct F32;
+
+impl Codec for F32 {
+    type V = __m512;
+    const LANES: usize = 16;
+    const ELEM: usize = 4;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512 {
+        // SAFETY: 64 readable bytes at p; unaligned load.
+        unsafe { _mm512_loadu_ps(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: __m512) {
+        // SAFETY: 64 writable bytes at p; unaligned store.
+        unsafe { _mm512_storeu_ps(p.cast(), v) }
+    }
+}
+
+/// f64, 8 to a register.
+#[derive(Debug)]
+pub(crate) struct F64;
+
+impl Codec for F64 {
+    type V = __m512d;
+    const LANES: usize = 8;
+    const ELEM: usize = 8;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512d {
+        // SAFETY: 64 readable bytes at p; unaligned load.
+        unsafe { _mm512_loadu_pd(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: __m512d) {
+        // SAFETY: 64 writable bytes at p; unaligned store.
+        unsafe { _mm512_storeu_pd(p.cast(), v) }
+    }
+}
+
+/// f16 widened to f32, 16 to a register; stores round to nearest even.
+#[derive(Debug)]
+pub(crate) struct F16;
+
+impl Codec for F16 {
+    type V = __m512;
+    const LANES: usize = 16;
+    const ELEM: usize = 2;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512 {
+        // SAFETY: 32 readable bytes at p; unaligned load.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: __m512) {
+        // SAFETY: 32 writable bytes at p; unaligned store. The immediate selects round to
+        // nearest even (whatever MXCSR says) without raising exceptions.
+        unsafe {
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            _mm256_storeu_si256(p.cast(), h)
+        }
+    }
+}
+
+/// bf16 widened to f32 by a shift, 16 to a register; stores round to nearest even in integer
+/// arithmetic and keep NaNs NaN, bit for bit like `half::bf16::from_f32`.
+#[derive(Debug)]
+pub(crate) struct Bf16;
+
+impl Codec for Bf16 {
+    type V = __m512;
+    const LANES: usize = 16;
+    const ELEM: usize = 2;
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512 {
+        // SAFETY: 32 readable bytes at p; unaligned load.
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut u8, v: __m512) {
+        // SAFETY: 32 writable bytes at p; unaligned store.
+        unsafe {
+            let x = _mm512_castps_si512(v);
+            let hi = _mm512_srli_epi32::<16>(x);
+            // Nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half. No
+            // non-NaN input can carry out of bit 31 (the largest is -inf, 0xFF80_0000).
+            let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+            let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
+            // NaN: keep the high half and set the quiet bit.
+            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+            let is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+            let nan = _mm512_or_si512(hi, _mm512_set1_epi32(0x0040));
+            let r = _mm512_mask_blend_epi32(is_nan, rounded, nan);
+            // Every lane is below 0x1_0000: the truncating narrow is exact.
+            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(r))
+        }
+    }
+}
+
+macro_rules! f32_div {
+    ($($t:ty),*) => {$(
+        impl DivCodec for $t {
+            #[inline(always)]
+            unsafe fn splat_world(world: usize) -> __m512 {
+                // SAFETY: AVX-512F enabled by the entry point.
+                unsafe { _mm512_set1_ps(world as f32) }
+            }
+            #[inline(always)]
+            unsafe fn div(v: __m512, w: __m512) -> __m512 {
+                // SAFETY: AVX-512F enabled by the entry point.
+                unsafe { _mm512_div_ps(v, w) }
+            }
+        }
+    )*};
+}
+f32_div!(F32, F16, Bf16);
+
+impl DivCodec for F64 {
+    #[inline(always)]
+    unsafe fn splat_world(world: usize) -> __m512d {
+        // SAFETY: AVX-512F enabled by the entry point.
+        unsafe { _mm512_set1_pd(world as f64) }
+    }
+    #[inline(always)]
+    unsafe fn div(v: __m512d, w: __m512d) -> __m512d {
+        // SAFETY: AVX-512F enabled by the entry point.
+        unsafe { _mm512_div_pd(v, w) }
+    }
+}
+
+/// Implements [`BinOp`] for a marker with a body over `a` and `b`.
+macro_rules! binop {
+    ($($op:ty, $v:ty, |$a:ident, $b:ident| $body:expr;)*) => {$(
+        impl BinOp<$v> for $op {
+            #[inline(always)]
+            unsafe fn apply($a: $v, $b: $v) -> $v {
+                // SAFETY: register-only intrinsics; AVX-512F/BW enabled by the entry point.
+                unsafe { $body }
+            }
+        }
+    )*};
+}
+
+binop! {
+    Add8, __m512i, |a, b| _mm512_add_epi8(a, b);
+    Mul8, __m512i, |a, b| mul8(a, b);
+    MinI8, __m512i, |a, b| _mm512_min_epi8(a, b);
+    MaxI8, __m512i, |a, b| _mm512_max_epi8(a, b);
+    MinU8, __m512i, |a, b| _mm512_min_epu8(a, b);
+    MaxU8, __m512i, |a, b| _mm512_max_epu8(a, b);
+    Add32, __m512i, |a, b| _mm512_add_epi32(a, b);
+    Mul32, __m512i, |a, b| _mm512_mullo_epi32(a, b);
+    MinI32, __m512i, |a, b| _mm512_min_epi32(a, b);
+    MaxI32, __m512i, |a, b| _mm512_max_epi32(a, b);
+    MinU32, __m512i, |a, b| _mm512_min_epu32(a, b);
+    MaxU32, __m512i, |a, b| _mm512_max_epu32(a, b);
+    Add64, __m512i, |a, b| _mm512_add_epi64(a, b);
+    Mul64, __m512i, |a, b| mul64(a, b);
+    MinI64, __m512i, |a, b| _mm512_min_epi64(a, b);
+    MaxI64, __m512i, |a, b| _mm512_max_epi64(a, b);
+    MinU64, __m512i, |a, b| _mm512_min_epu64(a, b);
+    MaxU64, __m512i, |a, b| _mm512_max_epu64(a, b);
+    AddF32, __m512, |a, b| _mm512_add_ps(a, b);
+    MulF32, __m512, |a, b| _mm512_mul_ps(a, b);
+    MinF32, __m512, |a, b| min_f32(a, b);
+    MaxF32, __m512, |a, b| max_f32(a, b);
+    AddF64, __m512d, |a, b| _mm512_add_pd(a, b);
+    MulF64, __m512d, |a, b| _mm512_mul_pd(a, b);
+    MinF64, __m512d, |a, b| min_f64(a, b);
+    MaxF64, __m512d, |a, b| max_f64(a, b);
+}
+
+/// Low 8 bits of the byte products: 16-bit multiplies of the even and the odd bytes.
+#[inline(always)]
+unsafe fn mul8(a: __m512i, b: __m512i) -> __m512i {
+    // SAFETY: register-only intrinsics; AVX-512BW enabled by the entry point.
+    unsafe {
+        // The low byte of a 16-bit product depends only on the low bytes of the operands.
+        let even = _mm512_mullo_epi16(a, b);
+        let odd = _mm512_mullo_epi16(_mm512_srli_epi16::<8>(a), _mm512_srli_epi16::<8>(b));
+        _mm512_or_si512(
+            _mm512_slli_epi16::<8>(odd),
+            _mm512_and_si512(even, _mm512_set1_epi16(0x00FF)),
+        )
+    }
+}
+
+/// Low 64 bits of the products: lo*lo + ((hi*lo + lo*hi) << 32) (no AVX-512DQ needed).
+#[inline(always)]
+unsafe fn mul64(a: __m512i, b: __m512i) -> __m512i {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let lo = _mm512_mul_epu32(a, b);
+        let cross = _mm512_add_epi64(
+            _mm512_mul_epu32(_mm512_srli_epi64::<32>(a), b),
+            _mm512_mul_epu32(a, _mm512_srli_epi64::<32>(b)),
+        );
+        _mm512_add_epi64(lo, _mm512_slli_epi64::<32>(cross))
+    }
+}
+
+/// Commutative minimum: `vminps` is right for ordered unequal lanes; equal lanes take the OR
+/// of the bits (-0 wins over +0), unordered lanes the canonical NaN.
+#[inline(always)]
+unsafe fn min_f32(a: __m512, b: __m512) -> __m512 {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let m = _mm512_min_ps(a, b);
+        let or = _mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b));
+        let m = _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, b),
+            m,
+            _mm512_castsi512_ps(or),
+        );
+        let nan = _mm512_castsi512_ps(_mm512_set1_epi32(QNAN_F32 as i32));
+        _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, b), m, nan)
+    }
+}
+
+/// Commutative maximum: equal lanes take the AND of the bits (+0 wins over -0).
+#[inline(always)]
+unsafe fn max_f32(a: __m512, b: __m512) -> __m512 {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let m = _mm512_max_ps(a, b);
+        let and = _mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b));
+        let m = _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, b),
+            m,
+            _mm512_castsi512_ps(and),
+        );
+        let nan = _mm512_castsi512_ps(_mm512_set1_epi32(QNAN_F32 as i32));
+        _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, b), m, nan)
+    }
+}
+
+/// f64 version of [`min_f32`].
+#[inline(always)]
+unsafe fn min_f64(a: __m512d, b: __m512d) -> __m512d {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let m = _mm512_min_pd(a, b);
+        let or = _mm512_or_si512(_mm512_castpd_si512(a), _mm512_castpd_si512(b));
+        let m = _mm512_mask_blend_pd(
+            _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(a, b),
+            m,
+            _mm512_castsi512_pd(or),
+        );
+        let nan = _mm512_castsi512_pd(_mm512_set1_epi64(QNAN_F64 as i64));
+        _mm512_mask_blend_pd(_mm512_cmp_pd_mask::<_CMP_UNORD_Q>(a, b), m, nan)
+    }
+}
+
+/// f64 version of [`max_f32`].
+#[inline(always)]
+unsafe fn max_f64(a: __m512d, b: __m512d) -> __m512d {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let m = _mm512_max_pd(a, b);
+        let and = _mm512_and_si512(_mm512_castpd_si512(a), _mm512_castpd_si512(b));
+        let m = _mm512_mask_blend_pd(
+            _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(a, b),
+            m,
+            _mm512_castsi512_pd(and),
+        );
+        let nan = _mm512_castsi512_pd(_mm512_set1_epi64(QNAN_F64 as i64));
+        _mm512_mask_blend_pd(_mm512_cmp_pd_mask::<_CMP_UNORD_Q>(a, b), m, nan)
+    }
+}
