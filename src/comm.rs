@@ -93,7 +93,11 @@ fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
     EngineOptions {
         timeout: cfg.timeout,
         segment_bytes: cfg.segment_bytes,
-        spin: cfg.spin.unwrap_or(if oversubscribed { SPIN_OVERSUBSCRIBED } else { SPIN }),
+        spin: cfg.spin.unwrap_or(if oversubscribed {
+            SPIN_OVERSUBSCRIBED
+        } else {
+            SPIN
+        }),
         yield_while_spinning: oversubscribed,
         force_algo: cfg.algo,
         ..EngineOptions::default()
@@ -132,7 +136,9 @@ impl Communicator {
             match verbs::select(&mut boot, &config, streams)? {
                 verbs::Selected::Verbs(t) => (t, None),
                 verbs::Selected::Tcp { streams, reason } => {
-                    let opts = TcpOptions { socket_buffer: config.socket_buffer };
+                    let opts = TcpOptions {
+                        socket_buffer: config.socket_buffer,
+                    };
                     let tcp = TcpTransport::new(config.rank, config.world_size, streams, opts)?;
                     (Box::new(tcp), reason)
                 }
@@ -140,7 +146,15 @@ impl Communicator {
         let opts = engine_options(&config, oversubscribed);
         let hosts = boot.peers.iter().map(|p| p.host.clone()).collect();
         drop(boot);
-        Ok(Self::assemble(config.rank, config.world_size, transport, opts, hosts, local, reason))
+        Ok(Self::assemble(
+            config.rank,
+            config.world_size,
+            transport,
+            opts,
+            hosts,
+            local,
+            reason,
+        ))
     }
 
     /// A communicator over an already connected transport (for example
@@ -156,10 +170,21 @@ impl Communicator {
         config: &Config,
     ) -> Result<Self> {
         if world == 0 || rank >= world {
-            return Err(Error::config("rank", format!("rank {rank} of world size {world}")));
+            return Err(Error::config(
+                "rank",
+                format!("rank {rank} of world size {world}"),
+            ));
         }
         let opts = engine_options(config, false);
-        Ok(Self::assemble(rank, world, transport, opts, vec![String::new(); world], world, None))
+        Ok(Self::assemble(
+            rank,
+            world,
+            transport,
+            opts,
+            vec![String::new(); world],
+            world,
+            None,
+        ))
     }
 
     fn assemble(
@@ -182,7 +207,12 @@ impl Communicator {
             timeout: opts.timeout,
         };
         let engine = Engine::new(rank, world, transport, opts);
-        Communicator { rank, world, info, engine: Mutex::new(engine) }
+        Communicator {
+            rank,
+            world,
+            info,
+            engine: Mutex::new(engine),
+        }
     }
 
     /// This process's rank.
@@ -223,25 +253,27 @@ impl Communicator {
 
     fn check_rank(&self, op: Collective, what: &str, r: usize) -> Result<()> {
         if r >= self.world {
-            return Err(self.invalid(op, format!("{what} {r} is not a rank (world size {})", self.world)));
+            return Err(self.invalid(
+                op,
+                format!("{what} {r} is not a rank (world size {})", self.world),
+            ));
         }
         Ok(())
     }
 
-    fn run<T: Element>(
-        &self,
-        coll: Collective,
-        op: Option<ReduceOp>,
-        count: usize,
-        root: usize,
-        is_send: bool,
-        src: &[T],
-        dst: &mut [T],
-    ) -> Result<()> {
-        let call = Call { coll, dtype: T::DATA_TYPE, op, count, root, is_send };
-        let span = tracing::trace_span!("collective", coll = coll.name(), count, rank = self.rank);
+    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`).
+    fn run<T: Element>(&self, call: Call, src: &[T], dst: &mut [T]) -> Result<()> {
+        let call = Call {
+            dtype: T::DATA_TYPE,
+            ..call
+        };
+        let span = tracing::trace_span!("collective", coll = call.coll.name(), count = call.count);
         let _g = span.enter();
-        self.lock().run(&call, bytemuck::cast_slice(src), bytemuck::cast_slice_mut(dst))
+        self.lock().run(
+            &call,
+            bytemuck::cast_slice(src),
+            bytemuck::cast_slice_mut(dst),
+        )
     }
 
     /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
@@ -253,7 +285,11 @@ impl Communicator {
         if buf.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::AllReduce, Some(op), buf.len(), 0, false, &[], buf)
+        self.run(
+            Call::new(Collective::AllReduce, Some(op), buf.len(), 0, false),
+            &[],
+            buf,
+        )
     }
 
     /// Gathers every rank's `send` into `recv` in rank order (`recv.len() == send.len() ×
@@ -277,7 +313,11 @@ impl Communicator {
         if send.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::AllGather, None, send.len(), 0, false, send, recv)
+        self.run(
+            Call::new(Collective::AllGather, None, send.len(), 0, false),
+            send,
+            recv,
+        )
     }
 
     /// Reduces `send` (world blocks of `recv.len()`) over all ranks; rank r receives block r
@@ -285,7 +325,12 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         if send.len() != recv.len().saturating_mul(self.world) {
             return Err(self.invalid(
                 Collective::ReduceScatter,
@@ -301,7 +346,11 @@ impl Communicator {
         if recv.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::ReduceScatter, Some(op), recv.len(), 0, false, send, recv)
+        self.run(
+            Call::new(Collective::ReduceScatter, Some(op), recv.len(), 0, false),
+            send,
+            recv,
+        )
     }
 
     /// Block j of `send` goes to rank j; block j of `recv` comes from rank j (both have world
@@ -325,7 +374,17 @@ impl Communicator {
         if send.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::AllToAll, None, send.len() / self.world, 0, false, send, recv)
+        self.run(
+            Call::new(
+                Collective::AllToAll,
+                None,
+                send.len() / self.world,
+                0,
+                false,
+            ),
+            send,
+            recv,
+        )
     }
 
     /// Copies `root`'s `buf` into every other rank's `buf`.
@@ -337,7 +396,11 @@ impl Communicator {
         if buf.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::Broadcast, None, buf.len(), root, false, &[], buf)
+        self.run(
+            Call::new(Collective::Broadcast, None, buf.len(), root, false),
+            &[],
+            buf,
+        )
     }
 
     /// Reduces `buf` over all ranks into `root`'s `buf`. Other ranks' buffers are unspecified
@@ -350,7 +413,11 @@ impl Communicator {
         if buf.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::Reduce, Some(op), buf.len(), root, false, &[], buf)
+        self.run(
+            Call::new(Collective::Reduce, Some(op), buf.len(), root, false),
+            &[],
+            buf,
+        )
     }
 
     /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length.
@@ -362,12 +429,19 @@ impl Communicator {
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.check_rank(Collective::SendRecv, "peer", peer)?;
         if peer == self.rank {
-            return Err(self.invalid(Collective::SendRecv, "cannot send to this rank itself".into()));
+            return Err(self.invalid(
+                Collective::SendRecv,
+                "cannot send to this rank itself".into(),
+            ));
         }
         if buf.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run(Collective::SendRecv, None, buf.len(), peer, true, buf, &mut [])
+        self.run(
+            Call::new(Collective::SendRecv, None, buf.len(), peer, true),
+            buf,
+            &mut [],
+        )
     }
 
     /// Receives `buf.len()` elements from `peer`.
@@ -378,12 +452,19 @@ impl Communicator {
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         self.check_rank(Collective::SendRecv, "peer", peer)?;
         if peer == self.rank {
-            return Err(self.invalid(Collective::SendRecv, "cannot receive from this rank itself".into()));
+            return Err(self.invalid(
+                Collective::SendRecv,
+                "cannot receive from this rank itself".into(),
+            ));
         }
         if buf.is_empty() {
             return self.poisoned().map_or(Ok(()), Err);
         }
-        self.run::<T>(Collective::SendRecv, None, buf.len(), peer, false, &[], buf)
+        self.run::<T>(
+            Call::new(Collective::SendRecv, None, buf.len(), peer, false),
+            &[],
+            buf,
+        )
     }
 
     /// Returns once every rank has entered the barrier.
@@ -391,7 +472,11 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce`].
     pub fn barrier(&self) -> Result<()> {
-        self.run::<u8>(Collective::Barrier, None, 0, 0, false, &[], &mut [])
+        self.run::<u8>(
+            Call::new(Collective::Barrier, None, 0, 0, false),
+            &[],
+            &mut [],
+        )
     }
 }
 

@@ -166,23 +166,43 @@ pub enum Error {
 
 impl Error {
     /// Builds an [`Error::Io`].
-    pub fn io(rank: Option<usize>, peer: Option<usize>, op: impl Into<String>, e: io::Error) -> Self {
-        Error::Io { rank, peer, op: op.into(), source: Arc::new(e) }
+    pub fn io(
+        rank: Option<usize>,
+        peer: Option<usize>,
+        op: impl Into<String>,
+        e: io::Error,
+    ) -> Self {
+        Error::Io {
+            rank,
+            peer,
+            op: op.into(),
+            source: Arc::new(e),
+        }
     }
 
     /// Builds an [`Error::Config`].
     pub fn config(var: impl Into<String>, what: impl Into<String>) -> Self {
-        Error::Config { var: var.into(), what: what.into() }
+        Error::Config {
+            var: var.into(),
+            what: what.into(),
+        }
     }
 
     /// Builds an [`Error::InvalidArgument`].
     pub fn invalid(rank: Option<usize>, op: impl Into<String>, what: impl Into<String>) -> Self {
-        Error::InvalidArgument { rank, op: op.into(), what: what.into() }
+        Error::InvalidArgument {
+            rank,
+            op: op.into(),
+            what: what.into(),
+        }
     }
 
     /// Builds an [`Error::Unavailable`].
     pub fn unavailable(what: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::Unavailable { what: what.into(), reason: reason.into() }
+        Error::Unavailable {
+            what: what.into(),
+            reason: reason.into(),
+        }
     }
 
     /// Whether this error leaves the communicator unusable (every later call fails with it).
@@ -219,11 +239,22 @@ mod tests {
             detail: String::new(),
         };
         let s = e.to_string();
-        assert!(s.contains("rank 2") && s.contains("rank 3") && s.contains("all_reduce"), "{s}");
+        assert!(
+            s.contains("rank 2") && s.contains("rank 3") && s.contains("all_reduce"),
+            "{s}"
+        );
 
-        let e = Error::PeerLost { rank: 0, peer: 1, op: "broadcast".into(), detail: "EOF".into() };
+        let e = Error::PeerLost {
+            rank: 0,
+            peer: 1,
+            op: "broadcast".into(),
+            detail: "EOF".into(),
+        };
         let s = e.to_string();
-        assert!(s.contains("rank 0") && s.contains("rank 1") && s.contains("broadcast"), "{s}");
+        assert!(
+            s.contains("rank 0") && s.contains("rank 1") && s.contains("broadcast"),
+            "{s}"
+        );
 
         let e = Error::Mismatch {
             rank: Some(1),
@@ -232,7 +263,10 @@ mod tests {
             what: "count 10 here, 12 at rank 0".into(),
         };
         let s = e.to_string();
-        assert!(s.contains("rank 1") && s.contains("peer rank 0") && s.contains("count"), "{s}");
+        assert!(
+            s.contains("rank 1") && s.contains("peer rank 0") && s.contains("count"),
+            "{s}"
+        );
     }
 
     #[test]

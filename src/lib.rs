@@ -18,4 +18,10 @@ pub mod types;
 pub use comm::{CommInfo, Communicator};
 pub use config::Config;
 pub use error::{Error, Result};
+pub use half::{bf16, f16};
 pub use types::{DataType, Element, ReduceOp};
+
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

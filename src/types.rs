@@ -59,7 +59,10 @@ impl DataType {
 
     /// Whether the type is a floating-point type.
     pub const fn is_float(self) -> bool {
-        matches!(self, DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64)
+        matches!(
+            self,
+            DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
+        )
     }
 
     /// The nccl-tests name of the type (`int8`, `uint8`, `int32`, `uint32`, `int64`, `uint64`,
@@ -125,7 +128,11 @@ pub struct ParseNameError {
 
 impl fmt::Display for ParseNameError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown {} {:?} (expected one of: {})", self.what, self.input, self.expected)
+        write!(
+            f,
+            "unknown {} {:?} (expected one of: {})",
+            self.what, self.input, self.expected
+        )
     }
 }
 
@@ -180,8 +187,13 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator, in wire-code order.
-    pub const ALL: [ReduceOp; 5] =
-        [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
 
     /// The nccl-tests name (`sum`, `prod`, `min`, `max`, `avg`).
     pub const fn name(self) -> &'static str {
@@ -225,11 +237,14 @@ impl FromStr for ReduceOp {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let t = s.trim().to_ascii_lowercase();
-        ReduceOp::ALL.into_iter().find(|o| o.name() == t).ok_or_else(|| ParseNameError {
-            what: "reduce op",
-            input: s.to_string(),
-            expected: "sum prod min max avg",
-        })
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name() == t)
+            .ok_or_else(|| ParseNameError {
+                what: "reduce op",
+                input: s.to_string(),
+                expected: "sum prod min max avg",
+            })
     }
 }
 
@@ -268,7 +283,7 @@ mod tests {
 
     #[test]
     fn sizes_match_rust_types() {
-        assert_eq!(<i8 as Element>::DATA_TYPE.size(), std::mem::size_of::<i8>());
+        assert_eq!(<i8 as Element>::DATA_TYPE.size(), size_of::<i8>());
         assert_eq!(<half::bf16 as Element>::DATA_TYPE.size(), 2);
         assert_eq!(<f64 as Element>::DATA_TYPE.size(), 8);
         assert_eq!(<u32 as Element>::DATA_TYPE.size(), 4);

@@ -35,7 +35,10 @@ fn run_ranks<R: Send>(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
     })
 }
 
@@ -64,7 +67,9 @@ fn forced_algorithms_give_the_same_results() {
             let fabric = MemFabric::new(world, 1);
             let mut cfg = config(Duration::from_secs(30), 40);
             cfg.algo = dspark::plan::Algorithm::from_name(algo);
-            let res = run_ranks(&fabric, world, &cfg, |c| common::run_matrix(c, &[1, 6, 31], 11));
+            let res = run_ranks(&fabric, world, &cfg, |c| {
+                common::run_matrix(c, &[1, 6, 31], 11)
+            });
             for (r, x) in res.into_iter().enumerate() {
                 if let Err(e) = x {
                     panic!("{algo} world {world} rank {r}: {e}");
@@ -103,7 +108,10 @@ fn killed_rank_makes_every_survivor_fail_fast_instead_of_hanging() {
             other => panic!("rank {r}: expected PeerLost/Aborted, got {other:?}"),
         }
     }
-    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}, deadline is 20 s");
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?}, deadline is 20 s"
+    );
 }
 
 #[test]
@@ -126,14 +134,21 @@ fn silent_peer_times_out_instead_of_hanging() {
         match &res[r] {
             Err(e @ Error::Timeout { .. }) => {
                 let s = e.to_string();
-                assert!(s.contains(&format!("rank {r}")) && s.contains("all_reduce"), "{s}");
+                assert!(
+                    s.contains(&format!("rank {r}")) && s.contains("all_reduce"),
+                    "{s}"
+                );
             }
             // A survivor may hear of the other survivor's timeout first.
             Err(Error::Aborted { .. }) => {}
             other => panic!("rank {r}: expected Timeout, got {other:?}"),
         }
     }
-    assert!(res.iter().any(|x| matches!(x, Err(Error::Timeout { peer: Some(1), .. }))), "{res:?}");
+    assert!(
+        res.iter()
+            .any(|x| matches!(x, Err(Error::Timeout { peer: Some(1), .. }))),
+        "{res:?}"
+    );
     assert!(elapsed < Duration::from_millis(2800), "took {elapsed:?}");
 }
 
@@ -145,19 +160,25 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
         let fabric = MemFabric::new(world, 4);
         fabric.inject(Fault::Drop { from: 1, to: 0, nth });
         let cfg = config(Duration::from_millis(500), 64);
+        let gate = Barrier::new(world);
         let res = run_ranks(&fabric, world, &cfg, |c| {
             let mut buf = vec![1i64; 100];
-            c.all_reduce(&mut buf, ReduceOp::Sum)
+            let first = c.all_reduce(&mut buf, ReduceOp::Sum);
+            // Keep both communicators open until both calls ended, then call again: a rank
+            // whose own call happened to complete must learn of its peer's failure now.
+            gate.wait();
+            let second = c.barrier();
+            (first, second)
         });
+        let e = res[0].0.as_ref().unwrap_err();
         if timeout_expected {
             // The last frame never comes.
-            assert!(matches!(res[0], Err(Error::Timeout { peer: Some(1), .. })), "{:?}", res[0]);
+            assert!(matches!(e, Error::Timeout { peer: Some(1), .. }), "{e}");
         } else {
             // A later, shorter frame arrives where a full segment was due.
-            let e = res[0].as_ref().unwrap_err();
             assert!(matches!(e, Error::Mismatch { .. }) && e.to_string().contains("lost"), "{e}");
         }
-        assert!(res[1].is_err(), "rank 1 must hear that rank 0 failed: {:?}", res[1]);
+        assert!(res[1].1.is_err(), "rank 1 must hear that rank 0 failed: {:?}", res[1]);
     }
 }
 
@@ -165,10 +186,20 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
 fn delayed_frames_still_give_exact_results() {
     let world = 3;
     let fabric = MemFabric::new(world, 1);
-    fabric.inject(Fault::Delay { from: 0, to: 1, by: Duration::from_millis(3) });
-    fabric.inject(Fault::Delay { from: 2, to: 0, by: Duration::from_millis(2) });
+    fabric.inject(Fault::Delay {
+        from: 0,
+        to: 1,
+        by: Duration::from_millis(3),
+    });
+    fabric.inject(Fault::Delay {
+        from: 2,
+        to: 0,
+        by: Duration::from_millis(2),
+    });
     let cfg = config(Duration::from_secs(30), 256);
-    let res = run_ranks(&fabric, world, &cfg, |c| common::run_matrix(c, &[5, 300], 3));
+    let res = run_ranks(&fabric, world, &cfg, |c| {
+        common::run_matrix(c, &[5, 300], 3)
+    });
     for (r, x) in res.into_iter().enumerate() {
         x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
@@ -178,7 +209,10 @@ fn expect_mismatch_everywhere(res: &[dspark::Result<()>], needle: &str) {
     for (r, x) in res.iter().enumerate() {
         match x {
             Err(e @ Error::Mismatch { .. }) => {
-                assert!(e.to_string().contains(needle), "rank {r}: {e} lacks {needle:?}")
+                assert!(
+                    e.to_string().contains(needle),
+                    "rank {r}: {e} lacks {needle:?}"
+                )
             }
             other => panic!("rank {r}: expected Mismatch, got {other:?}"),
         }
@@ -210,15 +244,23 @@ fn mismatched_types_ops_roots_and_collectives_are_reported() {
     expect_mismatch_everywhere(&res, "int32");
     // Operator.
     let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
-        let op = if c.rank() == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+        let op = if c.rank() == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
         c.all_reduce(&mut [1.0f64; 8], op)
     });
     expect_mismatch_everywhere(&res, "max");
     // Root: both ranks believe they are the root (data flows only one way).
-    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| c.broadcast(&mut [7u8; 8], c.rank()));
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+        c.broadcast(&mut [7u8; 8], c.rank())
+    });
     expect_mismatch_everywhere(&res, "root");
     // Root: neither is.
-    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| c.reduce(&mut [7u8; 8], ReduceOp::Sum, 1 - c.rank()));
+    let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+        c.reduce(&mut [7u8; 8], ReduceOp::Sum, 1 - c.rank())
+    });
     expect_mismatch_everywhere(&res, "root");
     // Collective.
     let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
@@ -254,7 +296,10 @@ fn the_first_error_poisons_and_argument_errors_do_not() {
         let first = c.all_reduce(&mut ok, ReduceOp::Sum).unwrap_err();
         let t = Instant::now();
         let second = c.barrier().unwrap_err();
-        assert!(t.elapsed() < Duration::from_millis(50), "poisoned call waited");
+        assert!(
+            t.elapsed() < Duration::from_millis(50),
+            "poisoned call waited"
+        );
         done.wait();
         (Some(first), Some(second))
     });

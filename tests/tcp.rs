@@ -21,21 +21,39 @@ const FAILED_AS_EXPECTED: i32 = 3;
 const WRONG: i32 = 1;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 struct Ranks {
     children: Vec<Child>,
 }
 
-fn spawn(world: usize, scenario: &str, env: &[(&str, String)], wrap: Option<&dyn Fn(usize) -> Vec<String>>) -> Ranks {
+fn spawn(
+    world: usize,
+    scenario: &str,
+    env: &[(&str, String)],
+    wrap: Option<&dyn Fn(usize) -> Vec<String>>,
+) -> Ranks {
     let port = free_port();
     let exe = std::env::current_exe().unwrap();
     let children = (0..world)
         .map(|r| {
             let mut argv: Vec<String> = wrap.map(|w| w(r)).unwrap_or_default();
             argv.push(exe.display().to_string());
-            argv.extend(["--exact", "rank_process", "--nocapture", "--test-threads", "1"].map(String::from));
+            argv.extend(
+                [
+                    "--exact",
+                    "rank_process",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ]
+                .map(String::from),
+            );
             let mut cmd = Command::new(&argv[0]);
             cmd.args(&argv[1..])
                 .env(SCENARIO, scenario)
@@ -104,16 +122,28 @@ impl Ranks {
 
 fn assert_all_ok(outs: &[Outcome], what: &str) {
     for (r, o) in outs.iter().enumerate() {
-        assert_eq!(o.code, Some(OK), "{what}: rank {r} failed (exit {:?}):\n{}", o.code, o.out);
+        assert_eq!(
+            o.code,
+            Some(OK),
+            "{what}: rank {r} failed (exit {:?}):\n{}",
+            o.code,
+            o.out
+        );
         // Guard against a rank process that ran no scenario at all.
-        assert!(o.out.contains("EXIT 0"), "{what}: rank {r} did not run its scenario:\n{}", o.out);
+        assert!(
+            o.out.contains("EXIT 0"),
+            "{what}: rank {r} did not run its scenario:\n{}",
+            o.out
+        );
     }
 }
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
 #[test]
 fn rank_process() {
-    let Ok(scenario) = std::env::var(SCENARIO) else { return };
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
     let code = match run_scenario(&scenario) {
         Ok(code) => {
             say(&format!("SCENARIO {scenario} EXIT {code}"));
@@ -148,14 +178,27 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 let mut buf = common::inputs::<f32>(op, 9, r, n);
                 comm.all_reduce(&mut buf, op).map_err(|e| e.to_string())?;
-                common::check("large all_reduce", &buf, &common::reduced::<f32>(op, 9, comm.world_size(), n))?;
+                common::check(
+                    "large all_reduce",
+                    &buf,
+                    &common::reduced::<f32>(op, 9, comm.world_size(), n),
+                )?;
             }
-            let mut b = if r == 1 { common::inputs::<u8>(ReduceOp::Sum, 4, 1, n) } else { vec![0u8; n] };
+            let mut b = if r == 1 {
+                common::inputs::<u8>(ReduceOp::Sum, 4, 1, n)
+            } else {
+                vec![0u8; n]
+            };
             comm.broadcast(&mut b, 1).map_err(|e| e.to_string())?;
-            common::check("large broadcast", &b, &common::inputs::<u8>(ReduceOp::Sum, 4, 1, n))?;
+            common::check(
+                "large broadcast",
+                &b,
+                &common::inputs::<u8>(ReduceOp::Sum, 4, 1, n),
+            )?;
             let mine = common::inputs::<i32>(ReduceOp::Sum, 5, r, n / 4);
             let mut all = vec![0i32; n / 4 * comm.world_size()];
-            comm.all_gather(&mine, &mut all).map_err(|e| e.to_string())?;
+            comm.all_gather(&mine, &mut all)
+                .map_err(|e| e.to_string())?;
             let want: Vec<i32> = (0..comm.world_size())
                 .flat_map(|q| common::inputs::<i32>(ReduceOp::Sum, 5, q, n / 4))
                 .collect();
@@ -165,7 +208,8 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "loop" => {
             // Collectives until something fails; report how.
             let mut buf = vec![1.0f32; 256 * 1024];
-            comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            comm.all_reduce(&mut buf, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
             say("READY");
             loop {
                 if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
@@ -179,7 +223,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             }
         }
         "mismatch" => {
-            let mut buf = vec![1u16 as f32; 10 + r];
+            let mut buf = vec![1.0f32; 10 + r];
             match comm.all_reduce(&mut buf, ReduceOp::Sum) {
                 Err(e @ Error::Mismatch { .. }) => {
                     say(&format!("FAILED: {e}"));
@@ -195,8 +239,16 @@ fn run_scenario(s: &str) -> Result<i32, String> {
 #[test]
 fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
     for world in 1..=5 {
-        let outs = spawn(world, "matrix", &[("DSPARK_CHUNK_BYTES", "4096".into()), ("DSPARK_TIMEOUT", "60".into())], None)
-            .wait(Duration::from_secs(240));
+        let outs = spawn(
+            world,
+            "matrix",
+            &[
+                ("DSPARK_CHUNK_BYTES", "4096".into()),
+                ("DSPARK_TIMEOUT", "60".into()),
+            ],
+            None,
+        )
+        .wait(Duration::from_secs(240));
         assert_all_ok(&outs, &format!("world {world}"));
     }
 }
@@ -204,7 +256,8 @@ fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
 #[test]
 fn large_messages_are_exact_across_processes() {
     for world in [2, 3] {
-        let outs = spawn(world, "large", &[("DSPARK_TIMEOUT", "60".into())], None).wait(Duration::from_secs(120));
+        let outs = spawn(world, "large", &[("DSPARK_TIMEOUT", "60".into())], None)
+            .wait(Duration::from_secs(120));
         assert_all_ok(&outs, &format!("large, world {world}"));
     }
 }
@@ -217,10 +270,16 @@ fn wait_ready(ranks: &mut Ranks, n: usize) {
         let mut b = [0u8; 1];
         let t0 = Instant::now();
         while !String::from_utf8_lossy(&seen).contains("READY") {
-            assert!(t0.elapsed() < Duration::from_secs(60), "rank never got ready");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "rank never got ready"
+            );
             match out.read(&mut b) {
                 Ok(1) => seen.push(b[0]),
-                _ => panic!("rank exited before READY: {}", String::from_utf8_lossy(&seen)),
+                _ => panic!(
+                    "rank exited before READY: {}",
+                    String::from_utf8_lossy(&seen)
+                ),
             }
         }
     }
@@ -240,8 +299,16 @@ fn killed_rank_makes_every_survivor_fail_within_the_deadline() {
         }
         assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
         // A dead peer is noticed at once, long before the 30 s deadline.
-        assert!(o.elapsed < Duration::from_secs(10), "rank {r} took {:?}", o.elapsed);
-        assert!(o.out.contains("rank 2") || o.out.contains("aborted"), "rank {r}: {}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+        assert!(
+            o.out.contains("rank 2") || o.out.contains("aborted"),
+            "rank {r}: {}",
+            o.out
+        );
     }
 }
 
@@ -256,7 +323,9 @@ fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
     // Survivors must finish on their own; the stopped rank is killed afterwards.
     let mut survivors_done = false;
     while t0.elapsed() < Duration::from_secs(20) {
-        let done = [0, 2].iter().all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
+        let done = [0, 2]
+            .iter()
+            .all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
         if done {
             survivors_done = true;
             break;
@@ -267,9 +336,17 @@ fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
     let outs = ranks.wait(Duration::from_secs(5));
     assert!(survivors_done, "survivors still running after {waited:?}");
-    assert!(waited < Duration::from_secs(8), "deadline 2 s, took {waited:?}");
+    assert!(
+        waited < Duration::from_secs(8),
+        "deadline 2 s, took {waited:?}"
+    );
     for r in [0, 2] {
-        assert_eq!(outs[r].code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", outs[r].out);
+        assert_eq!(
+            outs[r].code,
+            Some(FAILED_AS_EXPECTED),
+            "rank {r}:\n{}",
+            outs[r].out
+        );
     }
     let all = format!("{}{}", outs[0].out, outs[2].out);
     assert!(all.contains("timed out") && all.contains("rank 1"), "{all}");
@@ -277,21 +354,33 @@ fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
 
 #[test]
 fn mismatched_counts_fail_every_process_with_mismatch() {
-    let outs = spawn(3, "mismatch", &[("DSPARK_TIMEOUT", "20".into())], None).wait(Duration::from_secs(30));
+    let outs = spawn(3, "mismatch", &[("DSPARK_TIMEOUT", "20".into())], None)
+        .wait(Duration::from_secs(30));
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
         assert!(o.out.contains("count"), "rank {r}: {}", o.out);
-        assert!(o.elapsed < Duration::from_secs(10), "rank {r} took {:?}", o.elapsed);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
     }
 }
 
 /// Runs `cmd`, returning its stderr on failure.
 fn sh(cmd: &[&str]) -> Result<(), String> {
-    let out = Command::new(cmd[0]).args(&cmd[1..]).output().map_err(|e| format!("{}: {e}", cmd[0]))?;
+    let out = Command::new(cmd[0])
+        .args(&cmd[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", cmd[0]))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("{}: {}", cmd.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        Err(format!(
+            "{}: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
@@ -316,7 +405,9 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
         sh(&["ip", "netns", "add", &b])?;
         guard.0.push(b.clone());
         let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
-        sh(&["ip", "link", "add", &va, "netns", &a, "type", "veth", "peer", "name", &vb, "netns", &b])?;
+        sh(&[
+            "ip", "link", "add", &va, "netns", &a, "type", "veth", "peer", "name", &vb, "netns", &b,
+        ])?;
         sh(&["ip", "-n", &a, "addr", "add", "10.231.0.1/24", "dev", &va])?;
         sh(&["ip", "-n", &b, "addr", "add", "10.231.0.2/24", "dev", &vb])?;
         for (ns, dev) in [(&a, &va), (&b, &vb)] {
@@ -324,7 +415,10 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
         }
         // Some latency on the wire, where netem exists.
-        if let Err(e) = sh(&["ip", "netns", "exec", &a, "tc", "qdisc", "add", "dev", &va, "root", "netem", "delay", "1ms"]) {
+        if let Err(e) = sh(&[
+            "ip", "netns", "exec", &a, "tc", "qdisc", "add", "dev", &va, "root", "netem", "delay",
+            "1ms",
+        ]) {
             eprintln!("note: no netem delay ({e}); running without added latency");
         }
         Ok(guard)
@@ -345,7 +439,13 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
             Command::new("ip")
                 .args(["netns", "exec", ns.as_str()])
                 .arg(&exe)
-                .args(["--exact", "rank_process", "--nocapture", "--test-threads", "1"])
+                .args([
+                    "--exact",
+                    "rank_process",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
                 .env(SCENARIO, "matrix")
                 .env("DSPARK_RANK", r.to_string())
                 .env("DSPARK_WORLD_SIZE", "2")

@@ -644,7 +644,7 @@ fn header(args: &Args, comm: &Communicator, esz: usize) {
     );
     println!("#");
     println!(
-        "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} {}",
+        "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} path",
         "size",
         "count",
         "type",
@@ -656,7 +656,6 @@ fn header(args: &Args, comm: &Communicator, esz: usize) {
         "#wrong",
         "algorithm",
         "transport",
-        "path"
     );
     println!(
         "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}",
@@ -679,6 +678,8 @@ fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, Str
         }
     }
     let mut rows = Vec::new();
+    // Host buffers: every connection's data path is host memory.
+    let path = "host";
     let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
     for (k, &bytes) in list.iter().enumerate() {
         let (send, recv, total) = counts(coll, bytes, esz, n);
@@ -762,7 +763,7 @@ fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, Str
                         "N/A".into()
                     },
                     info.transport,
-                    "host"
+                    path,
                 );
             } else {
                 let algo = comm.algorithm(coll.collective(), row.bytes);
@@ -779,7 +780,7 @@ fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, Str
                     if args.check != 0 { row.wrong.to_string() } else { "N/A".into() },
                     algo.name(),
                     info.transport,
-                    "host"
+                    path,
                 );
             }
             let _ = std::io::stdout().flush();

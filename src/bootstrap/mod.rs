@@ -174,7 +174,10 @@ impl Ctx<'_> {
     }
 
     fn io(&self, peer: Option<usize>, what: &str, e: io::Error) -> Error {
-        if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
             return self.timeout(peer, what.to_string());
         }
         if matches!(
@@ -202,17 +205,24 @@ impl Ctx<'_> {
     }
 
     fn send(&self, s: &mut TcpStream, peer: Option<usize>, m: Msg) -> Result<()> {
-        let rem = self.remaining().ok_or_else(|| self.timeout(peer, "sending a bootstrap message"))?;
-        s.set_write_timeout(Some(rem)).map_err(|e| self.io(peer, "socket option", e))?;
+        let rem = self
+            .remaining()
+            .ok_or_else(|| self.timeout(peer, "sending a bootstrap message"))?;
+        s.set_write_timeout(Some(rem))
+            .map_err(|e| self.io(peer, "socket option", e))?;
         let mut buf = Vec::with_capacity(4 + m.0.len());
         buf.extend_from_slice(&(m.0.len() as u32).to_le_bytes());
         buf.extend_from_slice(&m.0);
-        s.write_all(&buf).map_err(|e| self.io(peer, "sending a bootstrap message", e))
+        s.write_all(&buf)
+            .map_err(|e| self.io(peer, "sending a bootstrap message", e))
     }
 
     fn recv(&self, s: &mut TcpStream, peer: Option<usize>, what: &str) -> Result<Vec<u8>> {
-        let rem = self.remaining().ok_or_else(|| self.timeout(peer, what.to_string()))?;
-        s.set_read_timeout(Some(rem)).map_err(|e| self.io(peer, "socket option", e))?;
+        let rem = self
+            .remaining()
+            .ok_or_else(|| self.timeout(peer, what.to_string()))?;
+        s.set_read_timeout(Some(rem))
+            .map_err(|e| self.io(peer, "socket option", e))?;
         let mut len = [0u8; 4];
         s.read_exact(&mut len).map_err(|e| self.io(peer, what, e))?;
         let n = u32::from_le_bytes(len) as usize;
@@ -230,7 +240,12 @@ impl Ctx<'_> {
     }
 
     fn bad(&self, peer: Option<usize>, what: String) -> Error {
-        Error::Transport { rank: Some(self.rank()), peer, op: "bootstrap".into(), what }
+        Error::Transport {
+            rank: Some(self.rank()),
+            peer,
+            op: "bootstrap".into(),
+            what,
+        }
     }
 }
 
@@ -243,8 +258,12 @@ fn hostname() -> String {
 
 /// The IPv4 address of interface `name`.
 fn interface_ip(name: &str) -> Result<IpAddr> {
-    let addrs = nix::ifaddrs::getifaddrs()
-        .map_err(|e| Error::config("DSPARK_SOCKET_IFNAME", format!("cannot list interfaces: {e}")))?;
+    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| {
+        Error::config(
+            "DSPARK_SOCKET_IFNAME",
+            format!("cannot list interfaces: {e}"),
+        )
+    })?;
     let mut names = Vec::new();
     for a in addrs {
         if !names.contains(&a.interface_name) {
@@ -259,7 +278,10 @@ fn interface_ip(name: &str) -> Result<IpAddr> {
     }
     Err(Error::config(
         "DSPARK_SOCKET_IFNAME",
-        format!("interface {name:?} has no IPv4 address (interfaces here: {})", names.join(", ")),
+        format!(
+            "interface {name:?} has no IPv4 address (interfaces here: {})",
+            names.join(", ")
+        ),
     ))
 }
 
@@ -281,7 +303,11 @@ fn is_local_ip(ip: IpAddr) -> bool {
 pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     cfg.validate()?;
     let start = Instant::now();
-    let ctx = Ctx { cfg, deadline: start + cfg.timeout, start };
+    let ctx = Ctx {
+        cfg,
+        deadline: start + cfg.timeout,
+        start,
+    };
     let host = hostname();
     if cfg.world_size == 1 {
         let peers = vec![PeerInfo {
@@ -290,14 +316,25 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
             addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
         }];
         return Ok((
-            Bootstrap { rank: 0, world: 1, timeout: cfg.timeout, star: vec![None], peers },
+            Bootstrap {
+                rank: 0,
+                world: 1,
+                timeout: cfg.timeout,
+                star: vec![None],
+                peers,
+            },
             vec![None],
         ));
     }
     let iface_ip = cfg.socket_ifname.as_deref().map(interface_ip).transpose()?;
     let data_bind = SocketAddr::new(iface_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)), 0);
     let data_listener = TcpListener::bind(data_bind).map_err(|e| {
-        Error::io(Some(cfg.rank), None, format!("bootstrap: binding the data listener on {data_bind}"), e)
+        Error::io(
+            Some(cfg.rank),
+            None,
+            format!("bootstrap: binding the data listener on {data_bind}"),
+            e,
+        )
     })?;
     let data_port = data_listener
         .local_addr()
@@ -310,7 +347,13 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     };
     let mesh = connect_mesh(&ctx, &data_listener, &peers)?;
     Ok((
-        Bootstrap { rank: cfg.rank, world: cfg.world_size, timeout: cfg.timeout, star, peers },
+        Bootstrap {
+            rank: cfg.rank,
+            world: cfg.world_size,
+            timeout: cfg.timeout,
+            star,
+            peers,
+        },
         mesh,
     ))
 }
@@ -324,10 +367,16 @@ fn source_of(cfg: &Config) -> String {
 
 type Star = (Vec<Option<TcpStream>>, Vec<PeerInfo>);
 
-fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAddr>) -> Result<Star> {
+fn root_rendezvous(
+    ctx: &Ctx<'_>,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+) -> Result<Star> {
     let cfg = ctx.cfg;
     let world = cfg.world_size;
-    let (rhost, port) = split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
+    let (rhost, port) =
+        split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
     let resolved = resolve(&rhost, port).unwrap_or_default();
     let bind_addr = resolved
         .iter()
@@ -344,10 +393,17 @@ fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
                 ),
             )
         } else {
-            Error::io(Some(0), None, format!("bootstrap: listening on {bind_addr}"), e)
+            Error::io(
+                Some(0),
+                None,
+                format!("bootstrap: listening on {bind_addr}"),
+                e,
+            )
         }
     })?;
-    listener.set_nonblocking(true).map_err(|e| ctx.io(None, "listener", e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ctx.io(None, "listener", e))?;
     tracing::debug!(%bind_addr, world, "rank 0 waiting for the other ranks");
 
     let mut star: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
@@ -358,8 +414,10 @@ fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
         let (mut s, from) = match accept_until(ctx, &listener) {
             Ok(x) => x,
             Err(Error::Timeout { .. }) => {
-                let missing: Vec<String> =
-                    (1..world).filter(|&r| star[r].is_none()).map(|r| r.to_string()).collect();
+                let missing: Vec<String> = (1..world)
+                    .filter(|&r| star[r].is_none())
+                    .map(|r| r.to_string())
+                    .collect();
                 let mut detail = format!(
                     "{joined} of {world} ranks joined at {bind_addr}; missing rank(s) {}",
                     missing.join(", ")
@@ -423,7 +481,12 @@ fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
             );
             reject(&mut s, REJECT_MISMATCH, "", &why);
             abort_all(ctx, &mut star, REJECT_MISMATCH, "", &why);
-            return Err(Error::Mismatch { rank: Some(0), peer: Some(r), op: "bootstrap".into(), what: why });
+            return Err(Error::Mismatch {
+                rank: Some(0),
+                peer: Some(r),
+                op: "bootstrap".into(),
+                what: why,
+            });
         }
         if h.segment != cfg.segment_bytes as u64 {
             let why = format!(
@@ -438,7 +501,9 @@ fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
         if r == 0 || r >= world || star[r].is_some() {
             let prev = info[r.min(world - 1)]
                 .as_ref()
-                .map_or("this process".to_string(), |(hn, _, ip)| format!("{hn} ({ip})"));
+                .map_or("this process".to_string(), |(hn, _, ip)| {
+                    format!("{hn} ({ip})")
+                });
             let why = format!(
                 "rank {r} joined twice: from {} ({from}) and earlier from {prev} — check \
                  DSPARK_RANK / RANK on each process",
@@ -455,21 +520,38 @@ fn root_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
     }
     // The table, as each peer should see it: rank 0's address is the one that peer reached.
     let mut peers = Vec::with_capacity(world);
-    for r in 0..world {
-        let (hn, port, ip) = if r == 0 {
-            (host.to_string(), data_port, iface.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
-        } else {
-            info[r].clone().expect("joined")
+    for (r, joined) in info.into_iter().enumerate() {
+        let (hn, port, ip) = match joined {
+            _ if r == 0 => (
+                host.to_string(),
+                data_port,
+                iface.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            ),
+            Some(x) => x,
+            None => return Err(ctx.bad(Some(r), "rank missing from the table".into())),
         };
-        peers.push(PeerInfo { rank: r, host: hn, addr: SocketAddr::new(ip, port) });
+        peers.push(PeerInfo {
+            rank: r,
+            host: hn,
+            addr: SocketAddr::new(ip, port),
+        });
     }
-    for r in 1..world {
-        let s = star[r].as_mut().expect("joined");
-        let my_ip = iface.unwrap_or_else(|| s.local_addr().map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip()));
+    for (r, slot) in star.iter_mut().enumerate().skip(1) {
+        let Some(s) = slot.as_mut() else {
+            return Err(ctx.bad(Some(r), "no connection to this rank".into()));
+        };
+        let my_ip = iface.unwrap_or_else(|| {
+            s.local_addr()
+                .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
+        });
         let mut m = Msg::new(MSG_WELCOME).u32(world as u32);
         for p in &peers {
             let ip = if p.rank == 0 { my_ip } else { p.addr.ip() };
-            m = m.u32(p.rank as u32).str(&ip.to_string()).u16(p.addr.port()).str(&p.host);
+            m = m
+                .u32(p.rank as u32)
+                .str(&ip.to_string())
+                .u16(p.addr.port())
+                .str(&p.host);
         }
         ctx.send(s, Some(r), m)?;
     }
@@ -514,17 +596,25 @@ fn accept_until(ctx: &Ctx<'_>, l: &TcpListener) -> Result<(TcpStream, SocketAddr
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(ctx.io(None, "accepting a connection", e)),
         }
-        let rem = ctx.remaining().ok_or_else(|| ctx.timeout(None, "waiting for connections"))?;
+        let rem = ctx
+            .remaining()
+            .ok_or_else(|| ctx.timeout(None, "waiting for connections"))?;
         let ms = rem.as_millis().clamp(1, 1000) as u16;
         let mut fds = [PollFd::new(l.as_fd(), PollFlags::POLLIN)];
         let _ = nix::poll::poll(&mut fds, PollTimeout::from(ms));
     }
 }
 
-fn leaf_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAddr>) -> Result<Star> {
+fn leaf_rendezvous(
+    ctx: &Ctx<'_>,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+) -> Result<Star> {
     let cfg = ctx.cfg;
     let world = cfg.world_size;
-    let (rhost, port) = split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
+    let (rhost, port) =
+        split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
     let mut last_err = String::from("no attempt made");
     let mut s = loop {
         match resolve(&rhost, port) {
@@ -583,14 +673,22 @@ fn leaf_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
             return Err(if class == REJECT_CONFIG {
                 Error::config(var, what)
             } else {
-                Error::Mismatch { rank: Some(cfg.rank), peer: Some(0), op: "bootstrap".into(), what }
+                Error::Mismatch {
+                    rank: Some(cfg.rank),
+                    peer: Some(0),
+                    op: "bootstrap".into(),
+                    what,
+                }
             });
         }
         k => return Err(ctx.bad(Some(0), format!("unexpected bootstrap message {k}"))),
     }
     let n = rd.u32().map_err(|w| ctx.bad(Some(0), w))? as usize;
     if n != world {
-        return Err(ctx.bad(Some(0), format!("rank table has {n} entries, world size is {world}")));
+        return Err(ctx.bad(
+            Some(0),
+            format!("rank table has {n} entries, world size is {world}"),
+        ));
     }
     let mut peers = Vec::with_capacity(world);
     for _ in 0..world {
@@ -602,7 +700,11 @@ fn leaf_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
             .map_err(|_| ctx.bad(Some(0), "bad address in rank table".into()))?;
         let port = rd.u16().map_err(|w| ctx.bad(Some(0), w))?;
         let hn = rd.str().map_err(|w| ctx.bad(Some(0), w))?;
-        peers.push(PeerInfo { rank: r, host: hn, addr: SocketAddr::new(ip, port) });
+        peers.push(PeerInfo {
+            rank: r,
+            host: hn,
+            addr: SocketAddr::new(ip, port),
+        });
     }
     // Our own entry: rank 0 recorded the address it saw us connect from.
     let me = cfg.rank;
@@ -614,7 +716,11 @@ fn leaf_rendezvous(ctx: &Ctx<'_>, host: &str, data_port: u16, iface: Option<IpAd
     Ok((star, peers))
 }
 
-fn connect_mesh(ctx: &Ctx<'_>, listener: &TcpListener, peers: &[PeerInfo]) -> Result<Vec<Option<TcpStream>>> {
+fn connect_mesh(
+    ctx: &Ctx<'_>,
+    listener: &TcpListener,
+    peers: &[PeerInfo],
+) -> Result<Vec<Option<TcpStream>>> {
     let cfg = ctx.cfg;
     let world = cfg.world_size;
     let me = cfg.rank;
@@ -632,7 +738,10 @@ fn connect_mesh(ctx: &Ctx<'_>, listener: &TcpListener, peers: &[PeerInfo]) -> Re
     for p in peers.iter().take(me) {
         let mut s = loop {
             let rem = ctx.remaining().ok_or_else(|| {
-                ctx.timeout(Some(p.rank), format!("connecting to rank {} at {}", p.rank, p.addr))
+                ctx.timeout(
+                    Some(p.rank),
+                    format!("connecting to rank {} at {}", p.rank, p.addr),
+                )
             })?;
             match TcpStream::connect_timeout(&p.addr, rem.min(Duration::from_secs(5))) {
                 Ok(s) => break s,
@@ -643,7 +752,10 @@ fn connect_mesh(ctx: &Ctx<'_>, listener: &TcpListener, peers: &[PeerInfo]) -> Re
                     return Err(Error::io(
                         Some(me),
                         Some(p.rank),
-                        format!("bootstrap: connecting to rank {} at {} ({})", p.rank, p.addr, p.host),
+                        format!(
+                            "bootstrap: connecting to rank {} at {} ({})",
+                            p.rank, p.addr, p.host
+                        ),
                         e,
                     ))
                 }
@@ -654,13 +766,17 @@ fn connect_mesh(ctx: &Ctx<'_>, listener: &TcpListener, peers: &[PeerInfo]) -> Re
         mesh[p.rank] = Some(s);
     }
     // 2. Accept every higher rank.
-    listener.set_nonblocking(true).map_err(|e| ctx.io(None, "listener", e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ctx.io(None, "listener", e))?;
     let mut pending = world - me - 1;
     while pending > 0 {
         let (mut s, from) = accept_until(ctx, listener).map_err(|e| match e {
             Error::Timeout { .. } => {
-                let missing: Vec<String> =
-                    (me + 1..world).filter(|&r| mesh[r].is_none()).map(|r| r.to_string()).collect();
+                let missing: Vec<String> = (me + 1..world)
+                    .filter(|&r| mesh[r].is_none())
+                    .map(|r| r.to_string())
+                    .collect();
                 ctx.timeout(
                     missing.first().and_then(|m| m.parse().ok()),
                     format!("waiting for rank(s) {} to connect", missing.join(", ")),
@@ -708,9 +824,15 @@ fn connect_mesh(ctx: &Ctx<'_>, listener: &TcpListener, peers: &[PeerInfo]) -> Re
         pending -= 1;
     }
     // 3. Read the acks of the lower ranks.
-    for r in 0..me {
-        let s = mesh[r].as_mut().expect("connected above");
-        let m = ctx.recv(s, Some(r), &format!("waiting for rank {r} to accept the connection"))?;
+    for (r, slot) in mesh.iter_mut().enumerate().take(me) {
+        let Some(s) = slot.as_mut() else {
+            return Err(ctx.bad(Some(r), "no connection to this rank".into()));
+        };
+        let m = ctx.recv(
+            s,
+            Some(r),
+            &format!("waiting for rank {r} to accept the connection"),
+        )?;
         if m.first() != Some(&MSG_PEER_ACK) {
             return Err(ctx.bad(Some(r), "peer did not acknowledge the connection".into()));
         }
@@ -750,11 +872,17 @@ impl Bootstrap {
         let start = Instant::now();
         // Only the deadline and rank are read from the config here.
         let cfg = Config::new(self.rank, self.world, String::new());
-        let ctx = Ctx { cfg: &cfg, deadline: start + self.timeout, start };
+        let ctx = Ctx {
+            cfg: &cfg,
+            deadline: start + self.timeout,
+            start,
+        };
         if self.rank == 0 {
             let mut all = vec![mine.to_vec()];
             for r in 1..self.world {
-                let s = self.star[r].as_mut().ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
+                let s = self.star[r]
+                    .as_mut()
+                    .ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
                 let m = ctx.recv(s, Some(r), "gathering init data")?;
                 let mut rd = Rd(&m);
                 if rd.u8().ok() != Some(MSG_BLOB) {
@@ -762,17 +890,21 @@ impl Bootstrap {
                 }
                 all.push(rd.bytes().map_err(|w| ctx.bad(Some(r), w))?);
             }
-            for r in 1..self.world {
+            for (r, slot) in self.star.iter_mut().enumerate().skip(1) {
                 let mut m = Msg::new(MSG_BLOB).u32(self.world as u32);
                 for b in &all {
                     m = m.bytes(b);
                 }
-                let s = self.star[r].as_mut().expect("checked above");
+                let s = slot
+                    .as_mut()
+                    .ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
                 ctx.send(s, Some(r), m)?;
             }
             Ok(all)
         } else {
-            let s = self.star[0].as_mut().ok_or_else(|| ctx.bad(Some(0), "no connection".into()))?;
+            let s = self.star[0]
+                .as_mut()
+                .ok_or_else(|| ctx.bad(Some(0), "no connection".into()))?;
             ctx.send(s, Some(0), Msg::new(MSG_BLOB).bytes(mine))?;
             let m = ctx.recv(s, Some(0), "waiting for everybody's init data")?;
             let mut rd = Rd(&m);
@@ -783,7 +915,9 @@ impl Bootstrap {
             if n != self.world {
                 return Err(ctx.bad(Some(0), format!("{n} blobs for {} ranks", self.world)));
             }
-            (0..n).map(|_| rd.bytes().map_err(|w| ctx.bad(Some(0), w))).collect()
+            (0..n)
+                .map(|_| rd.bytes().map_err(|w| ctx.bad(Some(0), w)))
+                .collect()
         }
     }
 }

@@ -77,6 +77,26 @@ pub struct Call {
     pub is_send: bool,
 }
 
+impl Call {
+    /// A call of `coll`; the element type is filled in by the communicator.
+    pub fn new(
+        coll: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        root: usize,
+        is_send: bool,
+    ) -> Self {
+        Call {
+            coll,
+            dtype: DataType::U8,
+            op,
+            count,
+            root,
+            is_send,
+        }
+    }
+}
+
 /// The descriptor every frame of a call carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Desc {
@@ -104,10 +124,10 @@ impl Desc {
 
     /// "all_reduce #7 (count 10, float, sum)".
     fn describe(coll: u8, seq: u64, dtype: u8, op: u8, count: u64, root: u32) -> String {
-        let coll_s = Collective::from_code(coll).map_or(format!("collective #{coll}"), |c| {
-            c.name().to_string()
-        });
-        let dtype_s = DataType::from_code(dtype).map_or(format!("type #{dtype}"), |d| d.to_string());
+        let coll_s = Collective::from_code(coll)
+            .map_or(format!("collective #{coll}"), |c| c.name().to_string());
+        let dtype_s =
+            DataType::from_code(dtype).map_or(format!("type #{dtype}"), |d| d.to_string());
         let mut s = format!("{coll_s} #{seq} (count {count}, {dtype_s}");
         if op != NO_OP {
             s += &ReduceOp::from_code(op).map_or(format!(", op #{op}"), |o| format!(", {o}"));
@@ -119,7 +139,14 @@ impl Desc {
     }
 
     fn describe_self(&self) -> String {
-        Self::describe(self.coll.code(), self.seq, self.dtype.code(), self.op, self.count, self.root)
+        Self::describe(
+            self.coll.code(),
+            self.seq,
+            self.dtype.code(),
+            self.op,
+            self.count,
+            self.root,
+        )
     }
 }
 
@@ -267,7 +294,12 @@ fn byte_range(loc: &Loc, esz: usize) -> std::ops::Range<usize> {
 
 impl Engine {
     /// An engine for `rank` of `world` over `transport`.
-    pub fn new(rank: usize, world: usize, transport: Box<dyn Transport>, opts: EngineOptions) -> Self {
+    pub fn new(
+        rank: usize,
+        world: usize,
+        transport: Box<dyn Transport>,
+        opts: EngineOptions,
+    ) -> Self {
         Engine {
             rank,
             world,
@@ -364,7 +396,11 @@ impl Engine {
             dtype: call.dtype,
             op: call.op.map_or(NO_OP, ReduceOp::code),
             count: call.count as u64,
-            root: if call.coll.rooted() { call.root as u32 } else { 0 },
+            root: if call.coll.rooted() {
+                call.root as u32
+            } else {
+                0
+            },
         };
         let prog = self.program(&req, esz)?;
         let op = call.op.unwrap_or(ReduceOp::Sum).step_op();
@@ -451,7 +487,9 @@ impl Engine {
         let deadline = start + self.opts.timeout;
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
-        let res = self.drive(prog, desc, full_op, op, src, dst, esz, start, deadline, &mut s);
+        let res = self.drive(
+            prog, desc, full_op, op, src, dst, esz, start, deadline, &mut s,
+        );
         self.scratch = s;
         res
     }
@@ -481,7 +519,15 @@ impl Engine {
             while k < s.local.len() {
                 let i = s.local[k];
                 if ready(&s.done, i) {
-                    run_local(&prog.steps[i as usize].op, desc.dtype, full_op, self.world, esz, src, dst);
+                    run_local(
+                        &prog.steps[i as usize].op,
+                        desc.dtype,
+                        full_op,
+                        self.world,
+                        esz,
+                        src,
+                        dst,
+                    );
                     s.done[i as usize] = true;
                     remaining -= 1;
                     moved = true;
@@ -594,7 +640,11 @@ impl Engine {
                 let send = s.sendq[p].front().is_some_and(|&i| ready(&s.done, i));
                 let recv = s.recvq[p].front().is_some_and(|&i| ready(&s.done, i));
                 if send || recv {
-                    s.interest.push(Interest { peer: p, send, recv });
+                    s.interest.push(Interest {
+                        peer: p,
+                        send,
+                        recv,
+                    });
                 }
             }
             self.transport.wait(&s.interest, deadline)?;
@@ -679,7 +729,12 @@ impl Scratch {
 }
 
 fn internal(what: &str) -> Error {
-    Error::Transport { rank: None, peer: None, op: "engine".into(), what: format!("internal error: {what}") }
+    Error::Transport {
+        rank: None,
+        peer: None,
+        op: "engine".into(),
+        what: format!("internal error: {what}"),
+    }
 }
 
 /// Mutable `a` and shared `b` from one buffer, if the ranges are disjoint.
@@ -716,7 +771,9 @@ fn run_local(
                 Buf::Dst => dst.copy_within(byte_range(&s, esz), dr.start),
             }
         }
-        Op::Finalize { loc } => reduce::finalize(dtype, full_op, &mut dst[byte_range(&loc, esz)], world),
+        Op::Finalize { loc } => {
+            reduce::finalize(dtype, full_op, &mut dst[byte_range(&loc, esz)], world)
+        }
         Op::Send { .. } | Op::Recv { .. } => {}
     }
 }

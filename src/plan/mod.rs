@@ -658,14 +658,14 @@ impl Hazards {
 
     /// Splits intervals so that `at` is a boundary (if it falls inside one).
     fn split(map: &mut BTreeMap<usize, Interval>, at: usize) {
-        let found = map.range(..at).next_back().map(|(&s, iv)| (s, iv.end));
-        if let Some((s, end)) = found {
-            if end > at {
-                let mut right = map[&s].clone();
-                map.get_mut(&s).expect("interval exists").end = at;
-                right.end = end;
-                map.insert(at, right);
-            }
+        let Some((_, left)) = map.range_mut(..at).next_back() else {
+            return;
+        };
+        if left.end > at {
+            let mut right = left.clone();
+            right.end = left.end;
+            left.end = at;
+            map.insert(at, right);
         }
     }
 

@@ -42,7 +42,11 @@ enum RankState {
     Alive,
     Closed,
     Dead,
-    Aborted { by: usize, class: AbortClass, reason: String },
+    Aborted {
+        by: usize,
+        class: AbortClass,
+        reason: String,
+    },
 }
 
 #[derive(Debug)]
@@ -85,7 +89,9 @@ impl MemFabric {
             ranks: vec![RankState::Alive; world],
             faults: Vec::new(),
         };
-        MemFabric { inner: Arc::new((Mutex::new(state), Condvar::new())) }
+        MemFabric {
+            inner: Arc::new((Mutex::new(state), Condvar::new())),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -95,7 +101,12 @@ impl MemFabric {
 
     /// The transport endpoint of `rank`.
     pub fn transport(&self, rank: usize) -> MemTransport {
-        MemTransport { rank, fabric: self.clone(), rx: Vec::new(), done_abort: false }
+        MemTransport {
+            rank,
+            fabric: self.clone(),
+            rx: Vec::new(),
+            done_abort: false,
+        }
     }
 
     /// Adds a fault.
@@ -137,9 +148,13 @@ impl MemTransport {
                 op: op.into(),
                 detail: "connection lost (rank killed)".into(),
             }),
-            RankState::Aborted { by, class, reason } => {
-                Some(AbortClass::error(*class as u8, self.rank, *by, op, reason.clone()))
-            }
+            RankState::Aborted { by, class, reason } => Some(AbortClass::error(
+                *class as u8,
+                self.rank,
+                *by,
+                op,
+                reason.clone(),
+            )),
         }
     }
 }
@@ -163,7 +178,11 @@ impl Transport for MemTransport {
         let fabric = self.fabric.clone();
         let mut st = fabric.lock();
         if peer >= st.world || peer == self.rank {
-            return Err(Error::invalid(Some(self.rank), "send", format!("no link to rank {peer}")));
+            return Err(Error::invalid(
+                Some(self.rank),
+                "send",
+                format!("no link to rank {peer}"),
+            ));
         }
         if let Some(e) = self.peer_error(&st, peer, "send") {
             if !matches!(st.ranks[peer], RankState::Closed) {
@@ -228,7 +247,9 @@ impl Transport for MemTransport {
                     };
                 }
             }
-            let frame = st.link(peer, me).pop_front().expect("front exists");
+            let Some(frame) = st.link(peer, me).pop_front() else {
+                return Ok(false);
+            };
             drop(st);
             fabric.inner.1.notify_all();
             match frame.hdr.kind {
@@ -318,8 +339,11 @@ impl Transport for MemTransport {
         self.done_abort = true;
         let mut st = self.fabric.lock();
         if st.ranks[self.rank] == RankState::Alive {
-            st.ranks[self.rank] =
-                RankState::Aborted { by: origin, class, reason: reason.to_string() };
+            st.ranks[self.rank] = RankState::Aborted {
+                by: origin,
+                class,
+                reason: reason.to_string(),
+            };
         }
         drop(st);
         self.fabric.inner.1.notify_all();

@@ -172,7 +172,10 @@ impl FrameHeader {
 
     /// A goodbye frame header.
     pub fn bye() -> Self {
-        FrameHeader { kind: FrameKind::Bye, ..Self::abort(0, 0, AbortClass::Other) }
+        FrameHeader {
+            kind: FrameKind::Bye,
+            ..Self::abort(0, 0, AbortClass::Other)
+        }
     }
 }
 
@@ -201,9 +204,19 @@ impl AbortClass {
     /// `origin` of class `code` with message `reason`.
     pub fn error(code: u8, rank: usize, origin: usize, op: &str, reason: String) -> crate::Error {
         if code == AbortClass::Mismatch as u8 {
-            crate::Error::Mismatch { rank: Some(rank), peer: Some(origin), op: op.into(), what: reason }
+            crate::Error::Mismatch {
+                rank: Some(rank),
+                peer: Some(origin),
+                op: op.into(),
+                what: reason,
+            }
         } else {
-            crate::Error::Aborted { rank, by: origin, op: op.into(), reason }
+            crate::Error::Aborted {
+                rank,
+                by: origin,
+                op: op.into(),
+                reason,
+            }
         }
     }
 }

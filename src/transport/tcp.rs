@@ -46,7 +46,9 @@ pub struct TcpOptions {
 
 impl Default for TcpOptions {
     fn default() -> Self {
-        TcpOptions { socket_buffer: 4 << 20 }
+        TcpOptions {
+            socket_buffer: 4 << 20,
+        }
     }
 }
 
@@ -204,25 +206,42 @@ impl TcpTransport {
             ),
             None => "tcp (no peers)".to_string(),
         };
-        Ok(TcpTransport { rank, world, peers, desc, aborted: false })
+        Ok(TcpTransport {
+            rank,
+            world,
+            peers,
+            desc,
+            aborted: false,
+        })
     }
 
     fn peer_mut(&mut self, p: usize, op: &str) -> Result<&mut Peer> {
         let rank = self.rank;
         match self.peers.get_mut(p).and_then(Option::as_mut) {
             Some(peer) => Ok(peer),
-            None => Err(Error::invalid(Some(rank), op, format!("no connection to rank {p}"))),
+            None => Err(Error::invalid(
+                Some(rank),
+                op,
+                format!("no connection to rank {p}"),
+            )),
         }
     }
 
     fn lost(&self, peer: usize, op: &str, detail: impl Into<String>) -> Error {
-        Error::PeerLost { rank: self.rank, peer, op: op.into(), detail: detail.into() }
+        Error::PeerLost {
+            rank: self.rank,
+            peer,
+            op: op.into(),
+            detail: detail.into(),
+        }
     }
 
     /// Reads and returns the abort message at the front of `peer`'s buffer if the whole frame
     /// is buffered.
-    fn abort_error(&self, peer: usize, hdr: &FrameHeader, op: &str) -> Option<Error> {
-        let p = self.peers[peer].as_ref()?;
+    fn abort_error(&self, peer: usize, hdr: &FrameHeader, op: &str) -> Error {
+        let Some(p) = self.peers.get(peer).and_then(Option::as_ref) else {
+            return AbortClass::error(hdr.coll, self.rank, hdr.root as usize, op, String::new());
+        };
         let need = HEADER_LEN + hdr.len as usize;
         let msg = if p.buffered() >= need {
             String::from_utf8_lossy(&p.rx[p.start + HEADER_LEN..p.start + need]).into_owned()
@@ -231,7 +250,7 @@ impl TcpTransport {
         } else {
             "(no reason given)".to_string()
         };
-        Some(AbortClass::error(hdr.coll, self.rank, hdr.root as usize, op, msg))
+        AbortClass::error(hdr.coll, self.rank, hdr.root as usize, op, msg)
     }
 
     /// Examines `peer`'s connection between frames: returns an error for an abort or a lost
@@ -251,17 +270,19 @@ impl TcpTransport {
             Err(e) => {
                 let d = lost_detail(&e);
                 p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost { rank, peer, op: "communicator".into(), detail: d });
+                return Err(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: "communicator".into(),
+                    detail: d,
+                });
             }
         };
         if !p.rx_in_frame {
             if let Some(b) = p.peek_header() {
                 if let Ok(h) = FrameHeader::decode(b) {
                     match h.kind {
-                        FrameKind::Abort => {
-                            let e = self.abort_error(peer, &h, "communicator");
-                            return Err(e.expect("peer exists"));
-                        }
+                        FrameKind::Abort => return Err(self.abort_error(peer, &h, "communicator")),
                         FrameKind::Bye => {
                             p.take(HEADER_LEN);
                             p.state = PeerState::Closed;
@@ -276,7 +297,12 @@ impl TcpTransport {
             if p.buffered() == 0 && !p.rx_in_frame {
                 let d = "connection closed without goodbye (process died?)".to_string();
                 p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost { rank, peer, op: "communicator".into(), detail: d });
+                return Err(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: "communicator".into(),
+                    detail: d,
+                });
             }
             // Data is still buffered for later receives: remember and stop polling it.
             p.eof_seen = true;
@@ -349,7 +375,12 @@ impl Transport for TcpTransport {
                     let d = lost_detail(&e);
                     if is_disconnect(&e) {
                         p.state = PeerState::Lost(d.clone());
-                        return Err(Error::PeerLost { rank, peer, op: OP.into(), detail: d });
+                        return Err(Error::PeerLost {
+                            rank,
+                            peer,
+                            op: OP.into(),
+                            detail: d,
+                        });
                     }
                     return Err(Error::io(Some(rank), Some(peer), OP, e));
                 }
@@ -414,7 +445,7 @@ impl Transport for TcpTransport {
                                 _ => {}
                             }
                         }
-                        return Err(self.abort_error(peer, &hdr, OP).expect("peer exists"));
+                        return Err(self.abort_error(peer, &hdr, OP));
                     }
                     FrameKind::Bye => {
                         p.take(HEADER_LEN);
@@ -502,7 +533,10 @@ impl Transport for TcpTransport {
             return Ok(());
         }
         // Round up so that a sub-millisecond remainder does not turn into a busy loop.
-        let ms = (deadline - now).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        let ms = (deadline - now)
+            .as_micros()
+            .div_ceil(1000)
+            .min(i32::MAX as u128) as i32;
         let mut which = Vec::with_capacity(self.world);
         let mut fds = Vec::with_capacity(self.world);
         for (i, p) in self.peers.iter().enumerate() {

@@ -192,7 +192,9 @@ pub fn check<T: TestElem>(what: &str, got: &[T], want: &[T]) -> Result<(), Strin
     if got.len() != want.len() {
         return Err(format!("{what}: length {} != {}", got.len(), want.len()));
     }
-    let wrong: Vec<usize> = (0..got.len()).filter(|&i| !T::same(got[i], want[i])).collect();
+    let wrong: Vec<usize> = (0..got.len())
+        .filter(|&i| !T::same(got[i], want[i]))
+        .collect();
     if let Some(&i) = wrong.first() {
         return Err(format!(
             "{what}: {} of {} elements wrong; first at {i}: got {:?}, want {:?}",
@@ -222,22 +224,37 @@ pub fn run_all_collectives<T: TestElem>(
 
     // all_reduce
     let mut buf = inputs::<T>(op, seed, r, count);
-    comm.all_reduce(&mut buf, op).map_err(e(&format!("all_reduce {ctx}")))?;
-    check(&format!("all_reduce {ctx}"), &buf, &reduced::<T>(op, seed, n, count))?;
+    comm.all_reduce(&mut buf, op)
+        .map_err(e(&format!("all_reduce {ctx}")))?;
+    check(
+        &format!("all_reduce {ctx}"),
+        &buf,
+        &reduced::<T>(op, seed, n, count),
+    )?;
 
     // reduce_scatter: every rank's send is count × n; rank r gets block r.
     let send = inputs::<T>(op, seed ^ 1, r, count * n);
     let mut recv = vec![T::default(); count];
-    comm.reduce_scatter(&send, &mut recv, op).map_err(e(&format!("reduce_scatter {ctx}")))?;
+    comm.reduce_scatter(&send, &mut recv, op)
+        .map_err(e(&format!("reduce_scatter {ctx}")))?;
     let full = reduced::<T>(op, seed ^ 1, n, count * n);
-    check(&format!("reduce_scatter {ctx}"), &recv, &full[r * count..(r + 1) * count])?;
+    check(
+        &format!("reduce_scatter {ctx}"),
+        &recv,
+        &full[r * count..(r + 1) * count],
+    )?;
 
     // reduce to every root in turn.
     for root in 0..n {
         let mut buf = inputs::<T>(op, seed ^ 2, r, count);
-        comm.reduce(&mut buf, op, root).map_err(e(&format!("reduce root {root} {ctx}")))?;
+        comm.reduce(&mut buf, op, root)
+            .map_err(e(&format!("reduce root {root} {ctx}")))?;
         if r == root {
-            check(&format!("reduce root {root} {ctx}"), &buf, &reduced::<T>(op, seed ^ 2, n, count))?;
+            check(
+                &format!("reduce root {root} {ctx}"),
+                &buf,
+                &reduced::<T>(op, seed ^ 2, n, count),
+            )?;
         }
     }
 
@@ -245,8 +262,11 @@ pub fn run_all_collectives<T: TestElem>(
         // Non-reducing collectives: once per type.
         let mine = inputs::<T>(op, seed ^ 3, r, count);
         let mut all = vec![T::default(); count * n];
-        comm.all_gather(&mine, &mut all).map_err(e(&format!("all_gather {ctx}")))?;
-        let want: Vec<T> = (0..n).flat_map(|q| inputs::<T>(op, seed ^ 3, q, count)).collect();
+        comm.all_gather(&mine, &mut all)
+            .map_err(e(&format!("all_gather {ctx}")))?;
+        let want: Vec<T> = (0..n)
+            .flat_map(|q| inputs::<T>(op, seed ^ 3, q, count))
+            .collect();
         check(&format!("all_gather {ctx}"), &all, &want)?;
 
         for root in 0..n {
@@ -255,15 +275,23 @@ pub fn run_all_collectives<T: TestElem>(
             } else {
                 vec![T::default(); count]
             };
-            comm.broadcast(&mut buf, root).map_err(e(&format!("broadcast root {root} {ctx}")))?;
-            check(&format!("broadcast root {root} {ctx}"), &buf, &inputs::<T>(op, seed ^ 4, root, count))?;
+            comm.broadcast(&mut buf, root)
+                .map_err(e(&format!("broadcast root {root} {ctx}")))?;
+            check(
+                &format!("broadcast root {root} {ctx}"),
+                &buf,
+                &inputs::<T>(op, seed ^ 4, root, count),
+            )?;
         }
 
         let send = inputs::<T>(op, seed ^ 5, r, count * n);
         let mut recv = vec![T::default(); count * n];
-        comm.all_to_all(&send, &mut recv).map_err(e(&format!("all_to_all {ctx}")))?;
+        comm.all_to_all(&send, &mut recv)
+            .map_err(e(&format!("all_to_all {ctx}")))?;
         let want: Vec<T> = (0..n)
-            .flat_map(|j| inputs::<T>(op, seed ^ 5, j, count * n)[r * count..(r + 1) * count].to_vec())
+            .flat_map(|j| {
+                inputs::<T>(op, seed ^ 5, j, count * n)[r * count..(r + 1) * count].to_vec()
+            })
             .collect();
         check(&format!("all_to_all {ctx}"), &recv, &want)?;
 
@@ -275,12 +303,18 @@ pub fn run_all_collectives<T: TestElem>(
             let mut got = vec![T::default(); count];
             if r % 2 == 0 {
                 comm.send(&mine, right).map_err(e(&format!("send {ctx}")))?;
-                comm.recv(&mut got, left).map_err(e(&format!("recv {ctx}")))?;
+                comm.recv(&mut got, left)
+                    .map_err(e(&format!("recv {ctx}")))?;
             } else {
-                comm.recv(&mut got, left).map_err(e(&format!("recv {ctx}")))?;
+                comm.recv(&mut got, left)
+                    .map_err(e(&format!("recv {ctx}")))?;
                 comm.send(&mine, right).map_err(e(&format!("send {ctx}")))?;
             }
-            check(&format!("send/recv {ctx}"), &got, &inputs::<T>(op, seed ^ 6, left, count))?;
+            check(
+                &format!("send/recv {ctx}"),
+                &got,
+                &inputs::<T>(op, seed ^ 6, left, count),
+            )?;
         }
         comm.barrier().map_err(e(&format!("barrier {ctx}")))?;
     }

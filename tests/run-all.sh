@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# tests/run-all.sh - the whole test suite, installing what it needs on a fresh Debian 12 /
+# Ubuntu machine. Run as root (apt, network namespaces, the Soft-RoCE VMs).
+#
+#   bash tests/run-all.sh            # everything
+#   SKIP_VM=1 bash tests/run-all.sh  # without the Soft-RoCE VM suite (it is not optional in CI)
+#
+# Stages: system packages -> NVRTC wheel (kernels compile without a GPU) -> cargo tests
+# (unit, simulator, threads over mem, multi-process TCP, network namespaces, NVRTC compile,
+# doctor, doc tests) -> Soft-RoCE VM suite (verbs on a real verbs stack in QEMU).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+log() { echo "[run-all $(date +%T)] $*" >&2; }
+T0=$SECONDS
+
+# ---------------------------------------------------------------- system packages
+need=()
+command -v ip >/dev/null || need+=(iproute2)
+command -v python3 >/dev/null || need+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        log "apt-get install ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+    else
+        log "missing ${need[*]} and cannot install them (not root or no apt-get)"
+        exit 1
+    fi
+fi
+
+# ---------------------------------------------------------------- NVRTC (no GPU needed)
+if [ -f tests/gpu/install_nvrtc.sh ]; then
+    log "installing the NVRTC wheel (nvidia-cuda-nvrtc-cu12) so every CUDA kernel compiles"
+    NVRTC_DIR=$(bash tests/gpu/install_nvrtc.sh | tail -n 1)
+    if [ -d "$NVRTC_DIR" ]; then
+        export LD_LIBRARY_PATH="$NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export DSPARK_REQUIRE_NVRTC=1   # the compile test fails instead of skipping
+        log "libnvrtc from $NVRTC_DIR"
+    else
+        log "NVRTC wheel not installed ($NVRTC_DIR): kernel compile tests will be skipped"
+    fi
+fi
+
+# ---------------------------------------------------------------- cargo tests
+log "cargo test (profile ci: optimised, with debug assertions)"
+cargo test --workspace --profile ci --all-targets
+log "doc tests"
+cargo test --workspace --doc
+
+# ---------------------------------------------------------------- Soft-RoCE VM suite
+if [ -n "${SKIP_VM:-}" ]; then
+    log "SKIP_VM set: not running the Soft-RoCE VM suite"
+elif [ -f tests/softroce/run-suite.sh ]; then
+    log "Soft-RoCE VM suite"
+    bash tests/softroce/run-suite.sh
+else
+    log "tests/softroce/run-suite.sh is missing"
+    exit 1
+fi
+log "all tests passed in $((SECONDS - T0)) s"
