@@ -76,7 +76,7 @@ fn every_kernel_compiles_for_sm_90_and_sm_80_with_no_register_spills() {
         );
         let (stores, loads) = build.spill_bytes();
         eprintln!(
-            "NVRTC {maj}.{min} {arch}: {}/{} kernels compiled, spill stores {stores} B, spill loads {loads} B, \
+            "SUMMARY: NVRTC {maj}.{min} {arch}: {}/{} kernels compiled, spill stores {stores} B, spill loads {loads} B, \
              max {} registers/thread, {} KiB CUBIN, {:.2?}",
             build.found,
             build.expected,
@@ -219,8 +219,24 @@ fn cxx() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
 }
 
+/// The repository root: `$DSPARK_REPO` (set by tests/gpu/run_all.sh when the test binary runs
+/// from another checkout than the one it was built in), else the build-time manifest directory.
+fn repo_root() -> PathBuf {
+    std::env::var_os("DSPARK_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 fn build_harness(dir: &Path) -> Option<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let manifest = repo_root();
+    let src = manifest.join("tests/gpu/host_harness.cpp");
+    if !src.exists() {
+        eprintln!(
+            "SKIPPED: {} not found (set DSPARK_REPO to the repository root)",
+            src.display()
+        );
+        return None;
+    }
     let exe = dir.join("dspark_host_harness");
     let out = Command::new(cxx())
         .args([
@@ -233,7 +249,7 @@ fn build_harness(dir: &Path) -> Option<PathBuf> {
             "-Wno-unknown-pragmas",
         ])
         .arg("-rdynamic")
-        .arg(manifest.join("tests/gpu/host_harness.cpp"))
+        .arg(&src)
         .arg("-o")
         .arg(&exe)
         .arg("-ldl")
@@ -449,7 +465,7 @@ fn kernel_source_run_on_the_cpu_matches_the_reference_bit_for_bit() {
     }
     assert_eq!(at, results.len());
     eprintln!(
-        "host emulation: {} cases over {} kernels, {} mismatches",
+        "SUMMARY: host emulation: {} cases over {} kernels, {} mismatches",
         cases.len(),
         per_kernel.len(),
         failures.len()

@@ -369,6 +369,68 @@ impl GpuReducer {
     }
 }
 
+/// Device memory from `cuMemAlloc` (not a stream-ordered pool allocation), its size rounded up
+/// to whole host pages: the kind of memory that dma-buf export and NIC registration accept.
+/// Freed on drop (errors ignored: `Drop` cannot report them, and a failed free only leaks).
+#[derive(Debug)]
+pub struct DeviceAllocation {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceAllocation {
+    /// Allocates at least `len` bytes (rounded up to the page size) on `ctx`'s GPU.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        require_driver_symbols(&["cuMemAlloc_v2", "cuMemFree_v2"])?;
+        let page = page_size() as usize;
+        let len = len.max(1).div_ceil(page) * page;
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the symbol exists and the context is current; the driver writes one pointer.
+        cu_check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, len)
+        })?;
+        Ok(DeviceAllocation {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The size in bytes (a multiple of the page size).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false (allocations have at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Exports the whole allocation as a dma-buf (see [`export_dmabuf`]).
+    pub fn export_dmabuf(&self) -> Result<OwnedFd> {
+        // SAFETY: the range is exactly this live cuMemAlloc allocation of `ctx`, which outlives
+        // the call; the descriptor keeps its own reference to the pages in the exporter.
+        unsafe { export_dmabuf(&self.ctx, self.ptr, self.len) }
+    }
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc_v2 in this context and is freed exactly once.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
 fn page_size() -> u64 {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()

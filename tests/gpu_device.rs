@@ -1,0 +1,398 @@
+//! GPU checks (need an NVIDIA GPU, its driver and libnvrtc): the reduction kernels against the
+//! independent CPU reference for every op × type, odd lengths and misaligned offsets, fresh
+//! random inputs and poisoned outputs; reduction bandwidth against a device-to-device copy
+//! measured in the same run; dma-buf export of device memory.
+//!
+//! Without a GPU each test prints why it is skipped and passes; `DSPARK_REQUIRE_GPU=1` (set by
+//! `tests/gpu/run_all.sh`) turns a skip into a failure. Lines starting with `SUMMARY:` are
+//! collected by `run_all.sh` into its table.
+//!
+//! Run everything with `bash tests/gpu/run_all.sh` (build and run here, or build here and run the
+//! prebuilt binaries on the GPU machine: see the script).
+
+#[path = "gpu/reference.rs"]
+mod reference;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
+use dspark::gpu::device::{self, DeviceAllocation, GpuReducer};
+use dspark::gpu::kernels::STEP_OPS;
+use dspark::gpu::{libcuda_present, libnvrtc_present, probe};
+use dspark::{DataType, Element, Error, ReduceOp};
+use half::{bf16, f16};
+use reference::SplitMix64;
+
+fn required() -> bool {
+    std::env::var("DSPARK_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+fn skip(test: &str, why: &str) {
+    let msg = format!("{test}: SKIPPED: {why}");
+    if required() {
+        panic!("{msg} (DSPARK_REQUIRE_GPU=1)");
+    }
+    eprintln!("{msg}");
+}
+
+/// The first GPU's context, or `None` after printing why there is none.
+fn gpu(test: &str) -> Option<Arc<CudaContext>> {
+    if !libcuda_present() {
+        skip(test, "libcuda.so not loadable (no NVIDIA driver)");
+        return None;
+    }
+    match device::open_context(0) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            skip(test, &e.to_string());
+            None
+        }
+    }
+}
+
+fn reducer(test: &str) -> Option<(Arc<CudaContext>, GpuReducer)> {
+    let ctx = gpu(test)?;
+    if !libnvrtc_present() {
+        skip(
+            test,
+            "libnvrtc.so not loadable (see tests/gpu/install_nvrtc.sh)",
+        );
+        return None;
+    }
+    let r =
+        GpuReducer::new(&ctx).unwrap_or_else(|e| panic!("{test}: loading the kernels failed: {e}"));
+    Some((ctx, r))
+}
+
+fn seed() -> u64 {
+    let s = std::env::var("DSPARK_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("seed {s} (rerun with DSPARK_SEED={s})");
+    s
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Inplace,
+    Into,
+    Finalize,
+}
+
+struct Outcome {
+    cases: usize,
+    failures: Vec<String>,
+}
+
+/// Runs `kind` for element type `T` on the GPU over `n` elements at element offsets `offs`
+/// (dst, a, b) with fresh random inputs and a poisoned destination, and compares the whole
+/// destination buffer (poison included) with the reference.
+#[allow(clippy::too_many_arguments)]
+fn run_case<T: Element + DeviceRepr>(
+    r: &GpuReducer,
+    stream: &Arc<CudaStream>,
+    rng: &mut SplitMix64,
+    kind: Kind,
+    op: ReduceOp,
+    n: usize,
+    offs: (usize, usize, usize),
+    world: u64,
+    out: &mut Outcome,
+) {
+    let dtype = T::DATA_TYPE;
+    let es = dtype.size();
+    let slack = 16 / es + 3;
+    let elems = |o: usize| o + n + slack;
+    let to_t =
+        |bytes: Vec<u8>| -> Vec<T> { bytes.chunks(es).map(bytemuck::pod_read_unaligned).collect() };
+    let dst0 = rng.elements(dtype, elems(offs.0)); // random contents double as poison
+    let a0 = rng.elements(dtype, elems(offs.1));
+    let b0 = rng.elements(dtype, elems(offs.2));
+    let mut dst = stream.clone_htod(&to_t(dst0.clone())).unwrap();
+    let a = stream.clone_htod(&to_t(a0.clone())).unwrap();
+    let b = stream.clone_htod(&to_t(b0.clone())).unwrap();
+    let res = {
+        let mut dv = dst.slice_mut(offs.0..offs.0 + n);
+        match kind {
+            Kind::Inplace => r.reduce_inplace(stream, &mut dv, &b.slice(offs.2..offs.2 + n), op),
+            Kind::Into => r.reduce_into(
+                stream,
+                &mut dv,
+                &a.slice(offs.1..offs.1 + n),
+                &b.slice(offs.2..offs.2 + n),
+                op,
+            ),
+            Kind::Finalize => r.finalize(stream, &mut dv, world as usize),
+        }
+    };
+    res.unwrap_or_else(|e| panic!("{kind:?} {dtype} {op}: launch failed: {e}"));
+    let got: Vec<T> = stream.clone_dtoh(&dst).unwrap();
+    let got: Vec<u8> = bytemuck::cast_slice(&got).to_vec();
+    let range = |o: usize| o * es..(o + n) * es;
+    let mut want = dst0.clone();
+    let result = match kind {
+        Kind::Inplace => reference::apply(dtype, op, &dst0[range(offs.0)], &b0[range(offs.2)]),
+        Kind::Into => reference::apply(dtype, op, &a0[range(offs.1)], &b0[range(offs.2)]),
+        Kind::Finalize => reference::finalize(dtype, &dst0[range(offs.0)], world),
+    };
+    want[range(offs.0)].copy_from_slice(&result);
+    let exact_nan = kind != Kind::Finalize && matches!(op, ReduceOp::Min | ReduceOp::Max);
+    out.cases += 1;
+    if let Some(i) = reference::first_mismatch(dtype, &got, &want, exact_nan) {
+        out.failures.push(format!(
+            "{kind:?} {dtype} {op} n={n} offs={offs:?} world={world}: element {i} (of the whole buffer; \
+             range starts at {}) got {:02x?} want {:02x?}",
+            offs.0,
+            &got[i * es..(i + 1) * es],
+            &want[i * es..(i + 1) * es]
+        ));
+    }
+}
+
+fn run_type<T: Element + DeviceRepr>(
+    r: &GpuReducer,
+    stream: &Arc<CudaStream>,
+    rng: &mut SplitMix64,
+    out: &mut Outcome,
+) {
+    let per_vec = 16 / T::DATA_TYPE.size();
+    let lengths = [1usize, 2, 3, 17, 255, 1001, 65_537, (1 << 20) + 3];
+    let offsets = [
+        (0, 0, 0),
+        (1, 1, 1),
+        (per_vec - 1, per_vec - 1, per_vec - 1),
+        (1, 0, 2),
+        (0, 3, 1),
+    ];
+    for (li, &n) in lengths.iter().enumerate() {
+        for (oi, &offs) in offsets.iter().enumerate() {
+            // The largest length only with two offset patterns, to bound the CPU reference time.
+            if n > 100_000 && oi > 1 {
+                continue;
+            }
+            for op in STEP_OPS {
+                run_case::<T>(r, stream, rng, Kind::Inplace, op, n, offs, 1, out);
+                run_case::<T>(r, stream, rng, Kind::Into, op, n, offs, 1, out);
+            }
+            let world = [1u64, 2, 3, 7, 300][(li + oi) % 5];
+            run_case::<T>(
+                r,
+                stream,
+                rng,
+                Kind::Finalize,
+                ReduceOp::Avg,
+                n,
+                offs,
+                world,
+                out,
+            );
+        }
+    }
+}
+
+#[test]
+fn kernels_match_the_cpu_reference_for_every_op_and_type_on_the_gpu() {
+    let Some((ctx, r)) =
+        reducer("kernels_match_the_cpu_reference_for_every_op_and_type_on_the_gpu")
+    else {
+        return;
+    };
+    reference::self_check();
+    let stream = ctx.new_stream().unwrap();
+    let mut rng = SplitMix64(seed());
+    let mut out = Outcome {
+        cases: 0,
+        failures: Vec::new(),
+    };
+    let start = Instant::now();
+    for dtype in DataType::ALL {
+        let before = (out.cases, out.failures.len());
+        match dtype {
+            DataType::I8 => run_type::<i8>(&r, &stream, &mut rng, &mut out),
+            DataType::U8 => run_type::<u8>(&r, &stream, &mut rng, &mut out),
+            DataType::I32 => run_type::<i32>(&r, &stream, &mut rng, &mut out),
+            DataType::U32 => run_type::<u32>(&r, &stream, &mut rng, &mut out),
+            DataType::I64 => run_type::<i64>(&r, &stream, &mut rng, &mut out),
+            DataType::U64 => run_type::<u64>(&r, &stream, &mut rng, &mut out),
+            DataType::F16 => run_type::<f16>(&r, &stream, &mut rng, &mut out),
+            DataType::BF16 => run_type::<bf16>(&r, &stream, &mut rng, &mut out),
+            DataType::F32 => run_type::<f32>(&r, &stream, &mut rng, &mut out),
+            DataType::F64 => run_type::<f64>(&r, &stream, &mut rng, &mut out),
+        }
+        eprintln!(
+            "SUMMARY: kernels {}: {} cases, {} wrong",
+            dtype.rust_name(),
+            out.cases - before.0,
+            out.failures.len() - before.1
+        );
+    }
+    let (s, l) = r.build().spill_bytes();
+    eprintln!(
+        "SUMMARY: kernels: {} cases over 10 types x (4 ops x 2 kinds + finalize), {} wrong, arch {} ({}), \
+         spills {s}/{l} B, {:.1} s",
+        out.cases,
+        out.failures.len(),
+        r.arch(),
+        if r.is_cubin() { "CUBIN" } else { "PTX JIT" },
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        out.failures.is_empty(),
+        "{} wrong:\n{}",
+        out.failures.len(),
+        out.failures[..out.failures.len().min(20)].join("\n")
+    );
+}
+
+fn gbps(bytes: f64, ms: f64) -> f64 {
+    bytes / (ms * 1e-3) / 1e9
+}
+
+/// Mean milliseconds per call of `f` over `iters` calls after `warm` warm-up calls, timed with
+/// CUDA events on `stream`.
+fn time_ms(stream: &Arc<CudaStream>, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..warm {
+        f();
+    }
+    let start = stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    let end = stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    f64::from(start.elapsed_ms(&end).unwrap()) / iters as f64
+}
+
+/// Bandwidth of `dst += src` and `dst = a + b` on `T` over `bytes`, and of a device-to-device
+/// copy of the same size, as bytes moved per second (copy: read + write; reductions: two reads
+/// and a write). Returns (copy, inplace, into) in GB/s.
+fn measure<T: Element + DeviceRepr>(
+    r: &GpuReducer,
+    stream: &Arc<CudaStream>,
+    bytes: usize,
+) -> (f64, f64, f64) {
+    let n = bytes / T::DATA_TYPE.size();
+    let zeros = vec![T::default(); n];
+    let a = stream.clone_htod(&zeros).unwrap();
+    let mut b = stream.clone_htod(&zeros).unwrap();
+    let mut c = stream.clone_htod(&zeros).unwrap();
+    drop(zeros);
+    let iters = ((4usize << 30) / bytes).clamp(5, 200);
+    let copy_ms = time_ms(stream, 3, iters, || stream.memcpy_dtod(&a, &mut b).unwrap());
+    let inplace_ms = time_ms(stream, 3, iters, || {
+        r.reduce_inplace(stream, &mut b, &a, ReduceOp::Sum).unwrap()
+    });
+    let into_ms = time_ms(stream, 3, iters, || {
+        r.reduce_into(stream, &mut c, &a, &b, ReduceOp::Sum)
+            .unwrap()
+    });
+    (
+        gbps(2.0 * bytes as f64, copy_ms),
+        gbps(3.0 * bytes as f64, inplace_ms),
+        gbps(3.0 * bytes as f64, into_ms),
+    )
+}
+
+#[test]
+fn reduction_bandwidth_reaches_85_percent_of_a_device_copy_at_64_mib_and_above() {
+    let Some((ctx, r)) =
+        reducer("reduction_bandwidth_reaches_85_percent_of_a_device_copy_at_64_mib_and_above")
+    else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let mut worst: f64 = f64::INFINITY;
+    eprintln!(
+        "{:>10} {:>5} {:>11} {:>14} {:>11} {:>6}",
+        "size", "type", "copy GB/s", "inplace GB/s", "into GB/s", "ratio"
+    );
+    for mib in [1usize, 16, 64, 256, 1024] {
+        let bytes = mib << 20;
+        for dtype in [DataType::F32, DataType::BF16] {
+            let (copy, inplace, into) = match dtype {
+                DataType::F32 => measure::<f32>(&r, &stream, bytes),
+                _ => measure::<bf16>(&r, &stream, bytes),
+            };
+            let ratio = inplace.min(into) / copy;
+            let name = dtype.rust_name();
+            eprintln!(
+                "{mib:>6} MiB {name:>5} {copy:>11.0} {inplace:>14.0} {into:>11.0} {:>5.0}%",
+                ratio * 100.0
+            );
+            eprintln!(
+                "SUMMARY: bandwidth {mib} MiB {name} sum: copy {copy:.0} GB/s, inplace {inplace:.0} GB/s, \
+                 into {into:.0} GB/s = {:.0}% of copy",
+                ratio * 100.0
+            );
+            if mib >= 64 {
+                worst = worst.min(ratio);
+            }
+        }
+    }
+    eprintln!(
+        "SUMMARY: bandwidth: worst at >= 64 MiB {:.0}% of a device copy (goal >= 85%)",
+        worst * 100.0
+    );
+    assert!(
+        worst >= 0.85,
+        "reduction bandwidth {:.0}% of a device copy at >= 64 MiB (goal 85%)",
+        worst * 100.0
+    );
+}
+
+#[test]
+fn device_memory_exports_as_a_dma_buf_of_the_right_size() {
+    let Some(ctx) = gpu("device_memory_exports_as_a_dma_buf_of_the_right_size") else {
+        return;
+    };
+    let cuda = probe::probe_cuda().unwrap();
+    let info = &cuda.devices[0];
+    let mem = DeviceAllocation::new(&ctx, 64 << 20).unwrap();
+    match mem.export_dmabuf() {
+        Ok(fd) => {
+            use std::os::fd::AsRawFd;
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            let size: i64 = nix::unistd::lseek(&fd, 0, nix::unistd::Whence::SeekEnd).unwrap_or(-1);
+            eprintln!(
+                "SUMMARY: dma-buf: exported {} MiB of device memory as fd {} ({link}), size by lseek {size} \
+                 (DMA_BUF_SUPPORTED={:?})",
+                mem.len() >> 20,
+                fd.as_raw_fd(),
+                info.dma_buf_supported
+            );
+            assert!(
+                link.contains("dmabuf"),
+                "the descriptor is a dma-buf: {link}"
+            );
+            assert_eq!(size, mem.len() as i64, "dma-buf size");
+        }
+        Err(e @ Error::Unavailable { .. }) => {
+            eprintln!(
+                "SUMMARY: dma-buf: UNAVAILABLE on this GPU/driver: {e} (DMA_BUF_SUPPORTED={:?})",
+                info.dma_buf_supported
+            );
+            assert_ne!(
+                info.dma_buf_supported,
+                Some(true),
+                "the attribute says dma-buf is supported, but export failed: {e}"
+            );
+        }
+        Err(e) => panic!("dma-buf export failed: {e}"),
+    }
+    let flush = device::flush_gpudirect_writes(&ctx);
+    eprintln!(
+        "SUMMARY: flush GPUDirect writes: {}",
+        flush.map_or_else(|e| format!("not available: {e}"), |_| "ok".into())
+    );
+}
