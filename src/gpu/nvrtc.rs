@@ -626,8 +626,9 @@ fn take_field(data: &[u8]) -> Option<(&str, &[u8], &[u8])> {
     let header = std::str::from_utf8(&data[..nl]).ok()?;
     let (tag, len) = header.split_once(' ')?;
     let len: usize = len.parse().ok()?;
-    let body = data.get(nl + 1..nl + 1 + len)?;
-    Some((tag, body, &data[nl + 1 + len..]))
+    let end = (nl + 1).checked_add(len)?;
+    let body = data.get(nl + 1..end)?;
+    Some((tag, body, data.get(end..)?))
 }
 
 fn decode_entry(data: &[u8], key: &CacheKey) -> Option<(ImageKind, Vec<u8>, String)> {
@@ -976,6 +977,12 @@ ptxas info    : Used 255 registers, 384 bytes cmem[0]
         longer.push(0);
         assert!(decode_entry(&longer, &key).is_none(), "trailing bytes");
         assert!(decode_entry(b"garbage", &key).is_none());
+        let mut huge = MAGIC.to_vec();
+        huge.extend_from_slice(format!("key {}\n", usize::MAX).as_bytes());
+        assert!(
+            decode_entry(&huge, &key).is_none(),
+            "a corrupt length is rejected, not a panic"
+        );
         assert_ne!(key.file_name("k"), other_arch.file_name("k"));
         assert_ne!(key.file_name("k"), other_src.file_name("k"));
     }
