@@ -857,6 +857,22 @@ impl VerbsTransport {
             .map(|m| m.mr.lkey)
     }
 
+    fn peer_ref(&self, peer: usize, op: &str) -> Result<&Peer> {
+        let rank = self.rank;
+        self.peers
+            .get(peer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::invalid(Some(rank), op, format!("no connection to rank {peer}")))
+    }
+
+    fn peer_mut(&mut self, peer: usize, op: &str) -> Result<&mut Peer> {
+        let rank = self.rank;
+        self.peers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::invalid(Some(rank), op, format!("no connection to rank {peer}")))
+    }
+
     fn peer_err(&self, peer: usize, op: &str) -> Option<Error> {
         let p = self.peers.get(peer).and_then(Option::as_ref);
         match p.map(|p| &p.state) {
@@ -1168,29 +1184,37 @@ impl VerbsTransport {
     /// Checks the liveness connection to `peer`: a closed connection without a goodbye means
     /// the process is gone.
     fn examine(&mut self, peer: usize) -> Result<()> {
-        let Some(p) = self.peers.get(peer).and_then(Option::as_ref) else {
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
             return Ok(());
         };
         if !p.is_open() {
             return Ok(());
         }
-        let Some(s) = &p.stream else { return Ok(()) };
-        let mut b = [0u8; 1];
-        let gone = match s.peek(&mut b) {
-            Ok(0) => Some("connection closed without goodbye (process died?)".to_string()),
-            Ok(_) => None,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                None
-            }
-            Err(e) => Some(format!("{e} (process died?)")),
+        let Some(s) = &mut p.stream else {
+            return Ok(());
         };
-        let Some(detail) = gone else { return Ok(()) };
+        // Nothing is ever sent on this connection in verbs mode: discard whatever is there
+        // (leftovers of the bootstrap) so that the end of the stream becomes visible.
+        let mut b = [0u8; 256];
+        let gone = loop {
+            match io::Read::read(s, &mut b) {
+                Ok(0) => {
+                    break Some("connection closed without goodbye (process died?)".to_string())
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break None,
+                Err(e) => break Some(format!("{e} (process died?)")),
+            }
+        };
+        let Some(detail) = gone else {
+            return Ok(());
+        };
         // A goodbye or abort written just before the process exited is in the CQ already.
         self.progress()?;
-        let p = self.peers[peer].as_mut().expect("checked above");
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return Ok(());
+        };
         if !p.is_open() {
             return Ok(());
         }
@@ -1293,7 +1317,7 @@ impl Transport for VerbsTransport {
         if progress.token != 0 {
             // A zero-copy write is in flight: done once its signalled completion retired it.
             self.progress()?;
-            let p = self.peers[peer].as_ref().expect("checked");
+            let p = self.peer_ref(peer, OP)?;
             if p.sq.retired >= progress.token {
                 progress.written = total;
                 progress.token = 0;
@@ -1306,7 +1330,7 @@ impl Transport for VerbsTransport {
         }
         let sb = self.opts.slot_bytes();
         {
-            let p = self.peers[peer].as_ref().expect("checked");
+            let p = self.peer_ref(peer, OP)?;
             if total > p.their_slot_bytes || total > sb {
                 return Err(Error::Transport {
                     rank: Some(self.rank),
@@ -1332,7 +1356,7 @@ impl Transport for VerbsTransport {
             None
         };
         let rank = self.rank;
-        let p = self.peers[peer].as_mut().expect("checked");
+        let p = self.peer_mut(peer, OP)?;
         let Some(seq) = p.send.next_credit() else {
             return Ok(false);
         };
@@ -1536,7 +1560,7 @@ impl Transport for VerbsTransport {
         progress.header = None;
         progress.expected = expected;
         progress.got += expected;
-        let p = self.peers[peer].as_mut().expect("checked");
+        let p = self.peer_mut(peer, OP)?;
         p.recv.consumed += 1;
         self.flush_cts(peer)?;
         Ok(true)
@@ -1573,7 +1597,7 @@ impl Transport for VerbsTransport {
         let ms = (deadline - now).as_micros().div_ceil(1000).min(100) as i32;
         let cq_fd = self.cq.fd();
         let mut watched = Vec::with_capacity(self.world);
-        let flagged: Vec<usize> = {
+        {
             // SAFETY: the channel's descriptor stays open while `self.cq` lives, which
             // outlives this poll.
             let cq_bfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(cq_fd) };
@@ -1593,16 +1617,12 @@ impl Transport for VerbsTransport {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e))),
             }
-            fds[1..]
-                .iter()
-                .zip(&watched)
-                .filter(|(f, _)| f.revents().is_some_and(|r| !r.is_empty()))
-                .map(|(_, &i)| i)
-                .collect()
-        };
+        }
         self.cq.drain_events();
         self.progress()?;
-        for i in flagged {
+        // Every open peer's liveness connection is checked (one read each): a closed one
+        // means its process is gone.
+        for i in watched {
             self.examine(i)?;
         }
         Ok(())
