@@ -87,6 +87,19 @@ fn every_kernel_compiles_for_sm_90_and_sm_80_with_no_register_spills() {
     }
 }
 
+#[test]
+fn the_bit_wise_f16_fallback_compiles_without_spills_too() {
+    if !nvrtc_or_skip("the_bit_wise_f16_fallback_compiles_without_spills_too") {
+        return;
+    }
+    let arch = GpuArch::sm(9, 0);
+    let mut opts = kernels::compile_options(arch);
+    opts.push("-DDSPARK_F16_BITWISE".to_string());
+    let c = nvrtc::compile(kernels::SOURCE, "bitwise.cu", arch, &opts, &DiskCache::Off).unwrap();
+    assert_eq!(c.functions.len(), kernels::all_kernels().len());
+    assert!(c.spilling().is_empty(), "{}", c.log);
+}
+
 /// The PTX of one `.entry` (from its line to the next entry).
 fn ptx_body<'a>(ptx: &'a str, name: &str) -> &'a str {
     let start = ptx

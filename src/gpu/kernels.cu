@@ -44,7 +44,7 @@ typedef long long ds_i64;
 // ---------------------------------------------------------------------------------------------
 // Bit-wise f16 / bf16 conversions (no cuda_fp16.h).
 
-DS_DEV float ds_f16_to_f32(unsigned short h) {
+DS_DEV float ds_f16_to_f32_bits(unsigned short h) {
     const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
     const unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
     const unsigned int man = (unsigned int)h & 0x3ffu;
@@ -60,7 +60,7 @@ DS_DEV float ds_f16_to_f32(unsigned short h) {
     return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
-DS_DEV unsigned short ds_f32_to_f16(float f) {
+DS_DEV unsigned short ds_f32_to_f16_bits(float f) {
     const unsigned int x = __float_as_uint(f);
     const unsigned int sign = (x >> 16) & 0x8000u;
     const unsigned int exp = (x >> 23) & 0xffu;
@@ -93,6 +93,27 @@ DS_DEV unsigned short ds_f32_to_f16(float f) {
     }
     return (unsigned short)h;
 }
+
+// On the GPU, f16 converts with the hardware's cvt instructions (exact widening; narrowing
+// rounds to nearest-even, keeps subnormals, overflows to infinity: the same results as the
+// bit-wise code above, which the host emulation runs, except NaN payloads -- which only Min/Max
+// pin down, and they never convert a NaN back: see DsF16). DSPARK_F16_BITWISE forces the
+// bit-wise code on the GPU too.
+#if defined(DSPARK_HOST_EMULATION) || defined(DSPARK_F16_BITWISE)
+DS_DEV float ds_f16_to_f32(unsigned short h) { return ds_f16_to_f32_bits(h); }
+DS_DEV unsigned short ds_f32_to_f16(float f) { return ds_f32_to_f16_bits(f); }
+#else
+DS_DEV float ds_f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+DS_DEV unsigned short ds_f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#endif
 
 DS_DEV float ds_bf16_to_f32(unsigned short h) {
     unsigned int b = (unsigned int)h;
@@ -178,14 +199,32 @@ struct DsF64 {
     static DS_DEV S fin(S x, ds_u64 world) { return x / (double)world; }
 };
 
+// Min/Max of 16-bit floats compare in f32 and return one operand's bits (exact, no rounding),
+// the canonical quiet NaN (QNAN) when either is NaN, and for equal operands -0 < +0.
+template <unsigned short QNAN>
+struct DsHalfMinMax {
+    static DS_DEV unsigned short min(float x, float y, unsigned short a, unsigned short b) {
+        if (x != x || y != y) return QNAN;
+        if (x < y) return a;
+        if (y < x) return b;
+        return (unsigned short)(a | b);  // equal: the same bits, or +0/-0 where -0 wins
+    }
+    static DS_DEV unsigned short max(float x, float y, unsigned short a, unsigned short b) {
+        if (x != x || y != y) return QNAN;
+        if (x > y) return a;
+        if (y > x) return b;
+        return (unsigned short)(a & b);  // equal: the same bits, or +0/-0 where +0 wins
+    }
+};
+
 struct DsF16 {
     typedef unsigned short S;
     static DS_DEV float up(S a) { return ds_f16_to_f32(a); }
     static DS_DEV S down(float f) { return ds_f32_to_f16(f); }
     static DS_DEV S sum(S a, S b) { return down(up(a) + up(b)); }
     static DS_DEV S prod(S a, S b) { return down(up(a) * up(b)); }
-    static DS_DEV S min(S a, S b) { return down(ds_min_f32(up(a), up(b))); }
-    static DS_DEV S max(S a, S b) { return down(ds_max_f32(up(a), up(b))); }
+    static DS_DEV S min(S a, S b) { return DsHalfMinMax<0x7e00>::min(up(a), up(b), a, b); }
+    static DS_DEV S max(S a, S b) { return DsHalfMinMax<0x7e00>::max(up(a), up(b), a, b); }
     static DS_DEV S fin(S x, ds_u64 world) { return down(up(x) / (float)world); }
 };
 
@@ -195,8 +234,8 @@ struct DsBF16 {
     static DS_DEV S down(float f) { return ds_f32_to_bf16(f); }
     static DS_DEV S sum(S a, S b) { return down(up(a) + up(b)); }
     static DS_DEV S prod(S a, S b) { return down(up(a) * up(b)); }
-    static DS_DEV S min(S a, S b) { return down(ds_min_f32(up(a), up(b))); }
-    static DS_DEV S max(S a, S b) { return down(ds_max_f32(up(a), up(b))); }
+    static DS_DEV S min(S a, S b) { return DsHalfMinMax<0x7fc0>::min(up(a), up(b), a, b); }
+    static DS_DEV S max(S a, S b) { return DsHalfMinMax<0x7fc0>::max(up(a), up(b), a, b); }
     static DS_DEV S fin(S x, ds_u64 world) { return down(up(x) / (float)world); }
 };
 
