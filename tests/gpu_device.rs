@@ -143,6 +143,33 @@ fn run_case<T: Element + DeviceRepr>(
     };
     want[range(offs.0)].copy_from_slice(&result);
     let exact_nan = kind != Kind::Finalize && matches!(op, ReduceOp::Min | ReduceOp::Max);
+    // The crate's CPU kernels on the same inputs: the GPU must agree with them too.
+    let mut cpu = dst0.clone();
+    match kind {
+        Kind::Inplace => {
+            dspark::reduce::reduce_inplace(dtype, op, &mut cpu[range(offs.0)], &b0[range(offs.2)])
+        }
+        Kind::Into => dspark::reduce::reduce_into(
+            dtype,
+            op,
+            &mut cpu[range(offs.0)],
+            &a0[range(offs.1)],
+            &b0[range(offs.2)],
+        ),
+        Kind::Finalize => dspark::reduce::finalize(
+            dtype,
+            ReduceOp::Avg,
+            &mut cpu[range(offs.0)],
+            world as usize,
+        ),
+    }
+    if let Some(i) = reference::first_mismatch(dtype, &got, &cpu, exact_nan) {
+        out.failures.push(format!(
+            "{kind:?} {dtype} {op} n={n} offs={offs:?} world={world}: element {i} GPU {:02x?} src/reduce {:02x?}",
+            &got[i * es..(i + 1) * es],
+            &cpu[i * es..(i + 1) * es]
+        ));
+    }
     out.cases += 1;
     if let Some(i) = reference::first_mismatch(dtype, &got, &want, exact_nan) {
         out.failures.push(format!(
@@ -317,10 +344,11 @@ fn reduction_bandwidth_reaches_85_percent_of_a_device_copy_at_64_mib_and_above()
     );
     for mib in [1usize, 16, 64, 256, 1024] {
         let bytes = mib << 20;
-        for dtype in [DataType::F32, DataType::BF16] {
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             let (copy, inplace, into) = match dtype {
                 DataType::F32 => measure::<f32>(&r, &stream, bytes),
-                _ => measure::<bf16>(&r, &stream, bytes),
+                DataType::BF16 => measure::<bf16>(&r, &stream, bytes),
+                _ => measure::<f16>(&r, &stream, bytes),
             };
             let ratio = inplace.min(into) / copy;
             let name = dtype.rust_name();

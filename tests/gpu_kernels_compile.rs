@@ -337,6 +337,37 @@ impl Case {
         out
     }
 
+    /// The same case through the crate's CPU kernels (src/reduce), which the GPU kernels must
+    /// match bit for bit (NaN payloads of Sum/Prod aside).
+    fn expected_by_cpu_kernels(&self) -> Vec<u8> {
+        let es = self.dtype.size();
+        let (od, oa, ob) = self.offs;
+        let range = |o: usize| o * es..(o + self.n) * es;
+        let mut out = self.dst.clone();
+        match self.kind {
+            0 | 3 => dspark::reduce::reduce_inplace(
+                self.dtype,
+                self.op.unwrap(),
+                &mut out[range(od)],
+                &self.b[range(ob)],
+            ),
+            1 => dspark::reduce::reduce_into(
+                self.dtype,
+                self.op.unwrap(),
+                &mut out[range(od)],
+                &self.a[range(oa)],
+                &self.b[range(ob)],
+            ),
+            _ => dspark::reduce::finalize(
+                self.dtype,
+                ReduceOp::Avg,
+                &mut out[range(od)],
+                self.world as usize,
+            ),
+        }
+        out
+    }
+
     fn encode(&self, w: &mut Vec<u8>) {
         let u = |w: &mut Vec<u8>, v: u64| w.extend_from_slice(&v.to_le_bytes());
         u(w, self.name.len() as u64);
@@ -450,6 +481,7 @@ fn kernel_source_run_on_the_cpu_matches_the_reference_bit_for_bit() {
     let results = std::fs::read(&outp).unwrap();
     let mut at = 0usize;
     let mut failures = Vec::new();
+    let mut cpu_failures: Vec<String> = Vec::new();
     let mut per_kernel = std::collections::BTreeSet::new();
     for c in &cases {
         let len = u64::from_le_bytes(results[at..at + 8].try_into().unwrap()) as usize;
@@ -457,6 +489,19 @@ fn kernel_source_run_on_the_cpu_matches_the_reference_bit_for_bit() {
         at += 8 + len;
         let want = c.expected();
         per_kernel.insert(c.name.clone());
+        let cpu = c.expected_by_cpu_kernels();
+        if let Some(i) = reference::first_mismatch(c.dtype, got, &cpu, reference::exact_nan(c.op)) {
+            let es = c.dtype.size();
+            cpu_failures.push(format!(
+                "{} kind {} n {} offs {:?}: element {i} kernel {:02x?} src/reduce {:02x?}",
+                c.name,
+                c.kind,
+                c.n,
+                c.offs,
+                &got[i * es..(i + 1) * es],
+                &cpu[i * es..(i + 1) * es]
+            ));
+        }
         if let Some(i) = reference::first_mismatch(c.dtype, got, &want, reference::exact_nan(c.op))
         {
             let es = c.dtype.size();
@@ -486,6 +531,16 @@ fn kernel_source_run_on_the_cpu_matches_the_reference_bit_for_bit() {
         per_kernel.len(),
         kernels::all_kernels().len(),
         "every kernel was run"
+    );
+    eprintln!(
+        "SUMMARY: host emulation vs src/reduce CPU kernels: {} mismatches",
+        cpu_failures.len()
+    );
+    assert!(
+        cpu_failures.is_empty(),
+        "the kernels and the CPU kernels (src/reduce) disagree in {} cases:\n{}",
+        cpu_failures.len(),
+        cpu_failures[..cpu_failures.len().min(20)].join("\n")
     );
     assert!(
         failures.is_empty(),

@@ -1,7 +1,8 @@
 // dspark reduction kernels.
 //
 // Compiled at run time by NVRTC for the GPU at hand (see src/gpu/nvrtc.rs). The source includes
-// nothing -- no cuda_fp16.h, no cuda_bf16.h, no standard headers -- so that libnvrtc alone is
+// nothing -- no cuda_fp16.h, no cuda_bf16.h, no standard headers; f16 conversion is two inline
+// PTX instructions and bf16 conversion is bit manipulation -- so that libnvrtc alone is
 // enough to compile it (the PyPI wheel nvidia-cuda-nvrtc-cu12 on a machine without a GPU).
 //
 // The same file is also compiled as plain host C++ by the test suite (DSPARK_HOST_EMULATION,
@@ -11,8 +12,9 @@
 //
 // Semantics (identical to the CPU kernels in src/reduce, see ReduceOp in src/types.rs):
 // - integers: Sum and Prod wrap (computed in the unsigned type of the same width);
-// - f16/bf16: converted bit-wise to f32, the op is done in f32, the result is rounded once to
-//   nearest-even (the same conversions as the `half` crate, NaN payloads included);
+// - f16/bf16: converted to f32, the op is done in f32, the result is rounded once to
+//   nearest-even (the `half` crate's results; bf16 bit-wise, f16 with the GPU's cvt
+//   instructions, bit-wise in host emulation; NaN payloads of Sum/Prod are unspecified);
 // - float Min/Max are commutative bit for bit: a NaN operand gives the canonical quiet NaN
 //   (positive, only the quiet bit set), otherwise -0.0 < +0.0;
 // - Avg reduces with Sum; dspark_finalize_<type> then divides once by the world size: integers
