@@ -276,6 +276,30 @@ impl Communicator {
         )
     }
 
+    /// Runs one call on device buffers through the host-staged path (`dev` holds the buffers
+    /// and performs the device-side copies and reductions; see
+    /// [`crate::engine::staged`]). This is the building block of the device-memory
+    /// collectives; `call.dtype` must be set. Peers see exactly the frames of the host call,
+    /// so host and device ranks can be mixed.
+    ///
+    /// # Errors
+    /// As the host collectives.
+    pub fn run_staged(
+        &self,
+        call: Call,
+        dev: &mut dyn crate::engine::staged::StagedDevice,
+    ) -> Result<()> {
+        if call.count == 0 && call.coll != Collective::Barrier {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
+        if call.coll.rooted() || call.coll == Collective::SendRecv {
+            self.check_rank(call.coll, "root/peer", call.root)?;
+        }
+        let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
+        let _g = span.enter();
+        self.lock().run_staged(&call, dev)
+    }
+
     /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
     /// same result.
     ///

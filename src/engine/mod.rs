@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Buf, Collective, Loc, Op, Program, Request, Thresholds};
 use crate::reduce;
+
+pub mod staged;
 use crate::transport::{
     AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
     TransportKind, NO_OP,
@@ -359,6 +361,19 @@ impl Engine {
     /// The first fatal error poisons the engine: it tells every peer (so that they fail
     /// promptly too) and every later call returns the same error.
     pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        self.guarded(call, |eng, prog, desc| {
+            let full = call.op.unwrap_or(ReduceOp::Sum);
+            eng.execute(&prog, &desc, full, full.step_op(), src, dst)
+        })
+    }
+
+    /// Sequences, compiles and describes `call`, runs `body`, and poisons the engine (telling
+    /// every peer) if `body` fails fatally.
+    fn guarded(
+        &mut self,
+        call: &Call,
+        body: impl FnOnce(&mut Self, Arc<Program>, Desc) -> Result<()>,
+    ) -> Result<()> {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
@@ -402,9 +417,10 @@ impl Engine {
                 0
             },
         };
-        let prog = self.program(&req, esz)?;
-        let op = call.op.unwrap_or(ReduceOp::Sum).step_op();
-        let result = self.execute(&prog, &desc, call.op.unwrap_or(ReduceOp::Sum), op, src, dst);
+        let result = match self.program(&req, esz) {
+            Ok(prog) => body(self, prog, desc),
+            Err(e) => Err(e),
+        };
         if let Err(e) = &result {
             if e.is_fatal() {
                 self.fail(e.clone());
