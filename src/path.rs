@@ -12,6 +12,29 @@
 //! and [`crate::gpu::sysfs`]) into the capability a rank announces.
 //!
 //! No I/O, no clock, no `unsafe` here.
+//!
+//! ```
+//! use dspark::path::{decide, BufferLocation, GpuDirectCapability, PathInputs, PathPolicy, TransportKind};
+//!
+//! // Rank 1 has no GPUDirect: `auto` stages the connection and says why, naming the rank.
+//! let caps = [GpuDirectCapability::DmaBuf, GpuDirectCapability::Unavailable("nvidia-peermem not loaded".into())];
+//! let auto = PathInputs {
+//!     policy: PathPolicy::Auto,
+//!     rank: 0,
+//!     peers: &[1],
+//!     transport: TransportKind::Verbs,
+//!     buffers: BufferLocation::Device,
+//!     capabilities: &caps,
+//! };
+//! let plan = decide(&auto).unwrap();
+//! assert_eq!(plan.column(), "verbs/staged");
+//! assert!(plan.warnings[0].contains("rank 1") && plan.warnings[0].contains("nvidia-peermem"));
+//! println!("{:#}", plan.connections[0]);
+//!
+//! // Asking for gpu-direct instead is an error at init, with the same facts.
+//! let err = decide(&PathInputs { policy: PathPolicy::GpuDirect, ..auto }).unwrap_err();
+//! assert!(err.to_string().contains("rank 1: nvidia-peermem not loaded"));
+//! ```
 
 use std::fmt;
 use std::str::FromStr;
