@@ -134,44 +134,72 @@ impl Codec for F16 {
     }
 }
 
-/// bf16 widened to f32 by a shift, 8 to a register; stores round to nearest even in integer
+/// bf16 widened to f32, 16 to a pair of registers; stores round to nearest even in integer
 /// arithmetic and keep NaNs NaN, bit for bit like `half::bf16::from_f32`.
+///
+/// Widening interleaves each 16-bit value with a zero below it (`vpunpck[lh]wd`), which puts
+/// the bf16 bits in the high half of an f32 lane; narrowing takes the high halves back with
+/// `vpackusdw`. Both work within 128-bit lanes and are exact inverses, so the element order in
+/// the registers is permuted but every result lands where its operands came from.
 #[derive(Debug)]
 pub(crate) struct Bf16;
 
 impl Codec for Bf16 {
-    type V = __m256;
-    const LANES: usize = 8;
+    type V = (__m256, __m256);
+    const LANES: usize = 16;
     const ELEM: usize = 2;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> __m256 {
-        // SAFETY: 16 readable bytes at p; unaligned load.
+    unsafe fn load(p: *const u8) -> (__m256, __m256) {
+        // SAFETY: 32 readable bytes at p; unaligned load.
         unsafe {
-            let h = _mm_loadu_si128(p.cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            let h = _mm256_loadu_si256(p.cast());
+            let z = _mm256_setzero_si256();
+            (
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h)),
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h)),
+            )
         }
     }
     #[inline(always)]
-    unsafe fn store(p: *mut u8, v: __m256) {
-        // SAFETY: 16 writable bytes at p; unaligned store; AVX2 enabled by the entry point.
+    unsafe fn store(p: *mut u8, v: (__m256, __m256)) {
+        // SAFETY: 32 writable bytes at p; unaligned store.
         unsafe {
-            let x = _mm256_castps_si256(v);
-            let hi = _mm256_srli_epi32::<16>(x);
-            // Nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half. No
-            // non-NaN input can carry out of bit 31 (the largest is -inf, 0xFF80_0000).
-            let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-            let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
-            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
-            // NaN: keep the high half and set the quiet bit.
-            let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-            let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
-            let nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
-            let r = _mm256_blendv_epi8(rounded, nan, is_nan);
-            // Every lane is below 0x1_0000, so the unsigned saturating pack is exact.
-            let packed =
-                _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
-            _mm_storeu_si128(p.cast(), packed)
+            let packed = _mm256_packus_epi32(bf16_round(v.0), bf16_round(v.1));
+            _mm256_storeu_si256(p.cast(), packed)
         }
+    }
+}
+
+/// f32 lanes to bf16 bits in the low half of each lane (the high half is zero).
+#[inline(always)]
+unsafe fn bf16_round(v: __m256) -> __m256i {
+    // SAFETY: register-only intrinsics; AVX2 enabled by the entry point.
+    unsafe {
+        let x = _mm256_castps_si256(v);
+        let hi = _mm256_srli_epi32::<16>(x);
+        // Nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half. No
+        // non-NaN input can carry out of bit 31 (the largest is -inf, 0xFF80_0000).
+        let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        let t = _mm256_add_epi32(_mm256_add_epi32(x, lsb), _mm256_set1_epi32(0x7FFF));
+        let rounded = _mm256_srli_epi32::<16>(t);
+        // NaN: keep the high half and set the quiet bit.
+        let nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+        let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        _mm256_blendv_epi8(rounded, nan, is_nan)
+    }
+}
+
+impl DivCodec for Bf16 {
+    #[inline(always)]
+    unsafe fn splat_world(world: usize) -> (__m256, __m256) {
+        // SAFETY: AVX enabled by the entry point.
+        let w = unsafe { _mm256_set1_ps(world as f32) };
+        (w, w)
+    }
+    #[inline(always)]
+    unsafe fn div(v: (__m256, __m256), w: (__m256, __m256)) -> (__m256, __m256) {
+        // SAFETY: AVX enabled by the entry point.
+        unsafe { (_mm256_div_ps(v.0, w.0), _mm256_div_ps(v.1, w.1)) }
     }
 }
 
@@ -191,7 +219,7 @@ macro_rules! f32_div {
         }
     )*};
 }
-f32_div!(F32, F16, Bf16);
+f32_div!(F32, F16);
 
 impl DivCodec for F64 {
     #[inline(always)]

@@ -144,42 +144,71 @@ impl Codec for F16 {
     }
 }
 
-/// bf16 widened to f32 by a shift, 16 to a register; stores round to nearest even in integer
+/// bf16 widened to f32, 32 to a pair of registers; stores round to nearest even in integer
 /// arithmetic and keep NaNs NaN, bit for bit like `half::bf16::from_f32`.
+///
+/// Widening interleaves each 16-bit value with a zero below it (`vpunpck[lh]wd`), which puts
+/// the bf16 bits in the high half of an f32 lane; narrowing takes the high halves back with
+/// `vpackusdw`. Both work within 128-bit lanes and are exact inverses, so the element order in
+/// the registers is permuted but every result lands where its operands came from.
 #[derive(Debug)]
 pub(crate) struct Bf16;
 
 impl Codec for Bf16 {
-    type V = __m512;
-    const LANES: usize = 16;
+    type V = (__m512, __m512);
+    const LANES: usize = 32;
     const ELEM: usize = 2;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> __m512 {
-        // SAFETY: 32 readable bytes at p; unaligned load.
+    unsafe fn load(p: *const u8) -> (__m512, __m512) {
+        // SAFETY: 64 readable bytes at p; unaligned load.
         unsafe {
-            let h = _mm256_loadu_si256(p.cast());
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            let h = _mm512_loadu_si512(p.cast());
+            let z = _mm512_setzero_si512();
+            (
+                _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h)),
+                _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h)),
+            )
         }
     }
     #[inline(always)]
-    unsafe fn store(p: *mut u8, v: __m512) {
-        // SAFETY: 32 writable bytes at p; unaligned store.
+    unsafe fn store(p: *mut u8, v: (__m512, __m512)) {
+        // SAFETY: 64 writable bytes at p; unaligned store.
         unsafe {
-            let x = _mm512_castps_si512(v);
-            let hi = _mm512_srli_epi32::<16>(x);
-            // Nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half. No
-            // non-NaN input can carry out of bit 31 (the largest is -inf, 0xFF80_0000).
-            let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-            let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
-            // NaN: keep the high half and set the quiet bit.
-            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
-            let is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
-            let nan = _mm512_or_si512(hi, _mm512_set1_epi32(0x0040));
-            let r = _mm512_mask_blend_epi32(is_nan, rounded, nan);
-            // Every lane is below 0x1_0000: the truncating narrow is exact.
-            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(r))
+            let packed = _mm512_packus_epi32(bf16_round(v.0), bf16_round(v.1));
+            _mm512_storeu_si512(p.cast(), packed)
         }
+    }
+}
+
+/// f32 lanes to bf16 bits in the low half of each lane (the high half is zero).
+#[inline(always)]
+unsafe fn bf16_round(v: __m512) -> __m512i {
+    // SAFETY: register-only intrinsics; AVX-512F enabled by the entry point.
+    unsafe {
+        let x = _mm512_castps_si512(v);
+        let hi = _mm512_srli_epi32::<16>(x);
+        // Nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half. No
+        // non-NaN input can carry out of bit 31 (the largest is -inf, 0xFF80_0000).
+        let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        let t = _mm512_add_epi32(_mm512_add_epi32(x, lsb), _mm512_set1_epi32(0x7FFF));
+        let rounded = _mm512_srli_epi32::<16>(t);
+        // NaN: keep the high half and set the quiet bit.
+        let is_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        _mm512_mask_or_epi32(rounded, is_nan, hi, _mm512_set1_epi32(0x0040))
+    }
+}
+
+impl DivCodec for Bf16 {
+    #[inline(always)]
+    unsafe fn splat_world(world: usize) -> (__m512, __m512) {
+        // SAFETY: AVX-512F enabled by the entry point.
+        let w = unsafe { _mm512_set1_ps(world as f32) };
+        (w, w)
+    }
+    #[inline(always)]
+    unsafe fn div(v: (__m512, __m512), w: (__m512, __m512)) -> (__m512, __m512) {
+        // SAFETY: AVX-512F enabled by the entry point.
+        unsafe { (_mm512_div_ps(v.0, w.0), _mm512_div_ps(v.1, w.1)) }
     }
 }
 
@@ -199,7 +228,7 @@ macro_rules! f32_div {
         }
     )*};
 }
-f32_div!(F32, F16, Bf16);
+f32_div!(F32, F16);
 
 impl DivCodec for F64 {
     #[inline(always)]

@@ -73,6 +73,16 @@ pub(crate) trait BinOp<V> {
     unsafe fn apply(a: V, b: V) -> V;
 }
 
+/// An op on a pair of registers (codecs that widen one load into two registers) is the op on
+/// each.
+impl<V: Copy, O: BinOp<V>> BinOp<(V, V)> for O {
+    #[inline(always)]
+    unsafe fn apply(a: (V, V), b: (V, V)) -> (V, V) {
+        // SAFETY: forwarded contract of `BinOp::apply`.
+        unsafe { (O::apply(a.0, b.0), O::apply(a.1, b.1)) }
+    }
+}
+
 /// Operation markers; each level implements [`BinOp`] for them on its register types.
 pub(crate) mod ops {
     macro_rules! markers {
