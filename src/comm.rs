@@ -300,6 +300,25 @@ impl Communicator {
         self.lock().run_staged(&call, dev)
     }
 
+    /// Registers `buf` with the transport so that sends from it move zero-copy (RDMA verbs:
+    /// the NIC reads the buffer directly instead of a pinned bounce slot; on TCP this does
+    /// nothing). Registration happens once; every later collective on this buffer reuses it, so
+    /// the steady state never registers memory. Dropping the returned [`Registration`]
+    /// deregisters it.
+    ///
+    /// Keep the buffer allocated, at the same address, while it is registered: the NIC holds
+    /// the pages the buffer had when it was registered, and a new allocation that reuses the
+    /// address would be sent from the old pages (wrong data, silently). This is why dspark
+    /// never registers caller memory behind the caller's back.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] when the transport cannot register it (for example the memlock
+    /// limit; the message says how to raise it).
+    pub fn register_buffer<T: Element>(&self, buf: &[T]) -> Result<Registration<'_>> {
+        let id = self.lock().register_host(bytemuck::cast_slice(buf))?;
+        Ok(Registration { comm: self, id, bytes: size_of_val(buf) })
+    }
+
     /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
     /// same result.
     ///
@@ -501,6 +520,40 @@ impl Communicator {
             &[],
             &mut [],
         )
+    }
+}
+
+/// A buffer registered with the transport by [`Communicator::register_buffer`];
+/// deregistered when dropped.
+#[derive(Debug)]
+pub struct Registration<'a> {
+    comm: &'a Communicator,
+    id: Option<u64>,
+    bytes: usize,
+}
+
+impl Registration<'_> {
+    /// Whether the transport registered the buffer (RDMA); `false` when it has no use for it.
+    pub fn is_registered(&self) -> bool {
+        self.id.is_some()
+    }
+
+    /// Size of the registered buffer in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the registered buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.comm.lock().deregister(id);
+        }
     }
 }
 

@@ -15,7 +15,7 @@ pub mod reduce;
 pub mod transport;
 pub mod types;
 
-pub use comm::{CommInfo, Communicator};
+pub use comm::{CommInfo, Communicator, Registration};
 pub use config::Config;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

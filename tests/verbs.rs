@@ -20,7 +20,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dspark::config::TransportChoice;
-use dspark::transport::verbs::{self, Selected};
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Config, Error, ReduceOp};
 
@@ -297,27 +296,18 @@ fn run_scenario(s: &str) -> Result<i32, String> {
     }
 }
 
-/// Builds the communicator by hand so that the test can register a buffer with the transport
-/// before handing it to the engine.
+/// Registers a buffer through the public API (`Communicator::register_buffer`) and sends
+/// from it: the sends go zero-copy and must arrive intact, round after round.
 fn zero_copy() -> Result<i32, String> {
     let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
     cfg.transport = TransportChoice::Verbs;
-    let (mut boot, streams) = dspark::bootstrap::rendezvous(&cfg).map_err(|e| e.to_string())?;
-    let Selected::Verbs(mut t) =
-        verbs::select(&mut boot, &cfg, streams).map_err(|e| e.to_string())?
-    else {
-        return Err("verbs not selected".into());
-    };
-    drop(boot);
+    let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
     let n = 4 << 20;
     let payload: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
-    use dspark::transport::Transport;
-    let id = t
-        .register_host(&payload)
-        .map_err(|e| e.to_string())?
-        .ok_or("no registration id")?;
-    let comm = Communicator::from_transport(cfg.rank, cfg.world_size, t, &cfg)
-        .map_err(|e| e.to_string())?;
+    let reg = comm.register_buffer(&payload).map_err(|e| e.to_string())?;
+    if !reg.is_registered() || reg.len() != n {
+        return Err(format!("verbs did not register the buffer: {reg:?}"));
+    }
     for round in 0..5 {
         if comm.rank() == 0 {
             comm.send(&payload, 1).map_err(|e| e.to_string())?;
@@ -334,7 +324,7 @@ fn zero_copy() -> Result<i32, String> {
             }
         }
     }
-    let _ = id;
+    drop(reg);
     Ok(OK)
 }
 

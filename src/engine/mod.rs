@@ -445,6 +445,19 @@ impl Engine {
         self.poison = Some(e);
     }
 
+    /// Registers a caller buffer with the transport (see [`Transport::register_host`]).
+    pub fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        self.transport.register_host(region)
+    }
+
+    /// Releases a registration.
+    pub fn deregister(&mut self, id: u64) {
+        self.transport.deregister(id);
+    }
+
     /// Closes the transport cleanly (goodbye to every peer).
     pub fn close(&mut self) {
         if self.poison.is_none() {
