@@ -186,7 +186,7 @@ impl GpuReducer {
     }
 
     fn check_aligned(ptrs: &[u64], dtype: DataType) -> Result<()> {
-        if ptrs.iter().any(|p| p % dtype.size() as u64 != 0) {
+        if ptrs.iter().any(|p| !p.is_multiple_of(dtype.size() as u64)) {
             return Err(Error::invalid(
                 None,
                 "gpu reduce",
@@ -450,7 +450,7 @@ fn page_size() -> u64 {
 pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Result<OwnedFd> {
     require_driver_symbols(&["cuMemGetHandleForAddressRange"])?;
     let page = page_size();
-    if ptr % page != 0 || len as u64 % page != 0 || len == 0 {
+    if !ptr.is_multiple_of(page) || !(len as u64).is_multiple_of(page) || len == 0 {
         return Err(Error::invalid(
             None,
             "dma-buf export",
