@@ -14,6 +14,8 @@
 //! - [`probe`]: the CUDA driver probe (driver version, devices, GPUDirect attributes).
 //! - [`device`]: **GPU-only code**: kernel launches on a stream, dma-buf export. It cannot be
 //!   exercised without a GPU; `tests/gpu/run_all.sh` runs it where one is present.
+//! - [`staged`]: **GPU-only code**: the CUDA implementation of the engine's host-staged device
+//!   path (pinned slots, async copies, reduction kernels, events as marks).
 //!
 //! `unsafe` in this module is FFI; every block carries a `// SAFETY:` comment.
 
@@ -21,6 +23,7 @@ pub mod device;
 pub mod kernels;
 pub mod nvrtc;
 pub mod probe;
+pub mod staged;
 pub mod sysfs;
 
 pub use nvrtc::libnvrtc_present;

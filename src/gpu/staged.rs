@@ -1,0 +1,420 @@
+//! **GPU-only code**: the CUDA implementation of the engine's host-staged device path
+//! ([`StagedDevice`]): pinned host slots, asynchronous copies and reduction kernels on one
+//! stream, CUDA events as progress marks.
+//!
+//! Nothing here can run without an NVIDIA GPU; the pipelining logic it serves is tested on
+//! [`EmulatedDevice`](crate::engine::staged::EmulatedDevice), and `tests/gpu_device.rs` runs
+//! this implementation in a two-rank all-reduce where a GPU is present.
+//!
+//! ```no_run
+//! # fn main() -> dspark::Result<()> {
+//! use dspark::gpu::{device, staged::CudaStagedDevice};
+//! let ctx = device::open_context(0)?;
+//! let reducer = device::GpuReducer::new(&ctx)?;
+//! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { op: "stream".into(), what: format!("{e:?}") })?;
+//! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
+//! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+//!     &reducer, &stream, None, &mut grads, 4, 4, 1 << 20)?;
+//! // comm.run_staged(call, &mut dev)?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+};
+
+use super::device::{DeviceAllocation, GpuReducer};
+use super::probe::{cu_check, cu_error_text, require_driver_symbols};
+use crate::engine::staged::{DevRange, StagedDevice};
+use crate::error::{Error, Result};
+use crate::plan::Buf;
+use crate::types::{DataType, ReduceOp};
+
+const SYMBOLS: [&str; 6] = [
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuStreamSynchronize",
+];
+
+fn bad(op: &str, what: String) -> Error {
+    Error::invalid(None, format!("staged {op}"), what)
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop (errors ignored).
+struct Pinned {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Pinned {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        ctx.bind_to_thread().map_err(|e| Error::Cuda {
+            op: "cuCtxSetCurrent".into(),
+            what: cu_error_text(e.0),
+        })?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the symbol was checked by the caller and a context is current; the driver
+        // writes one pointer; flags 0 = plain page-locked memory of this context.
+        cu_check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, len.max(1), 0)
+        })?;
+        if p.is_null() {
+            return Err(Error::Cuda {
+                op: "cuMemHostAlloc".into(),
+                what: "null pointer".into(),
+            });
+        }
+        Ok(Pinned {
+            ctx: ctx.clone(),
+            ptr: p.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed once; the owner synchronised
+            // its stream first, so no copy still uses it.
+            let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+        }
+    }
+}
+
+/// Device buffers staged through pinned host slots, for
+/// [`Communicator::run_staged`](crate::Communicator::run_staged).
+///
+/// Borrows the collective's device buffers (`src` optional: in-place calls only have `dst`) and
+/// the stream the work is ordered on, for as long as the call runs. Everything is queued on that
+/// stream, so the collective starts after work already queued there, and work queued there
+/// afterwards sees its result. Dropping the device waits for its stream.
+pub struct CudaStagedDevice<'a> {
+    reducer: &'a GpuReducer,
+    stream: &'a Arc<CudaStream>,
+    src: Option<(u64, usize)>,
+    dst: (u64, usize),
+    send_slots: usize,
+    slot_bytes: usize,
+    slots: Pinned,
+    scratch: DeviceAllocation,
+    marks: VecDeque<(u64, CudaEvent)>,
+    next_mark: u64,
+    done_mark: u64,
+    description: String,
+    // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
+    _guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl std::fmt::Debug for CudaStagedDevice<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.description)
+    }
+}
+
+impl<'a> CudaStagedDevice<'a> {
+    /// A staged device over `dst` (and `src`, when the collective has a separate input), with
+    /// `send_slots` + `recv_slots` pinned slots of `slot_bytes` each (at least the engine's
+    /// segment size), ordered on `stream` (of `reducer`'s context).
+    pub fn new<T, S, D>(
+        reducer: &'a GpuReducer,
+        stream: &'a Arc<CudaStream>,
+        src: Option<&'a S>,
+        dst: &'a mut D,
+        send_slots: usize,
+        recv_slots: usize,
+        slot_bytes: usize,
+    ) -> Result<Self>
+    where
+        T: DeviceRepr,
+        S: DevicePtr<T>,
+        D: DevicePtrMut<T>,
+    {
+        require_driver_symbols(&SYMBOLS)?;
+        if send_slots == 0 || recv_slots == 0 || slot_bytes == 0 {
+            return Err(bad(
+                "device",
+                "slot counts and size must be at least 1".into(),
+            ));
+        }
+        let ctx = stream.context().clone();
+        let total = (send_slots + recv_slots)
+            .checked_mul(slot_bytes)
+            .ok_or_else(|| bad("device", "slot pool size overflows".into()))?;
+        let slots = Pinned::new(&ctx, total)?;
+        let scratch = DeviceAllocation::new(&ctx, slot_bytes)?;
+        let mut guards = Vec::new();
+        let src = src.map(|s| {
+            let (p, g) = s.device_ptr(stream);
+            guards.push(g);
+            (p, s.num_bytes())
+        });
+        let dst_bytes = dst.num_bytes();
+        let (dp, g) = dst.device_ptr_mut(stream);
+        guards.push(g);
+        let description = format!(
+            "CUDA device {} ({}): {send_slots} send + {recv_slots} receive pinned slots of {} KiB",
+            ctx.ordinal(),
+            reducer.arch(),
+            slot_bytes / 1024
+        );
+        Ok(CudaStagedDevice {
+            reducer,
+            stream,
+            src,
+            dst: (dp, dst_bytes),
+            send_slots,
+            slot_bytes,
+            slots,
+            scratch,
+            marks: VecDeque::new(),
+            next_mark: 0,
+            done_mark: 0,
+            description,
+            _guards: guards,
+        })
+    }
+
+    fn slot_count(&self) -> usize {
+        self.slots.len / self.slot_bytes
+    }
+
+    fn slot_ptr(&self, op: &str, slot: usize, len: usize) -> Result<*mut u8> {
+        if slot >= self.slot_count() || len > self.slot_bytes {
+            return Err(bad(
+                op,
+                format!(
+                    "slot {slot} / {len} bytes outside {} slots of {}",
+                    self.slot_count(),
+                    self.slot_bytes
+                ),
+            ));
+        }
+        // SAFETY: `slot * slot_bytes + len <= slots.len` (checked above), inside one allocation.
+        Ok(unsafe { self.slots.ptr.add(slot * self.slot_bytes) })
+    }
+
+    fn dev_ptr(&self, op: &str, buf: Buf, bytes: &Range<usize>) -> Result<u64> {
+        let (base, len) = match buf {
+            Buf::Dst => self.dst,
+            Buf::Src => self
+                .src
+                .ok_or_else(|| bad(op, "no source buffer was given".into()))?,
+        };
+        if bytes.start > bytes.end || bytes.end > len {
+            return Err(bad(
+                op,
+                format!("range {bytes:?} outside a {len}-byte {buf:?} buffer"),
+            ));
+        }
+        Ok(base + bytes.start as u64)
+    }
+
+    fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+}
+
+impl StagedDevice for CudaStagedDevice<'_> {
+    fn send_slots(&self) -> usize {
+        self.send_slots
+    }
+
+    fn recv_slots(&self) -> usize {
+        self.slot_count() - self.send_slots
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot(&self, i: usize) -> &[u8] {
+        match self.slot_ptr("slot", i, self.slot_bytes) {
+            // SAFETY: the slot lies inside the live pinned allocation; the engine reads a slot
+            // only after the mark following its last asynchronous write has been reached, so
+            // no copy writes it while this borrow lives.
+            Ok(p) => unsafe { std::slice::from_raw_parts(p, self.slot_bytes) },
+            Err(_) => &[],
+        }
+    }
+
+    fn slot_mut(&mut self, i: usize) -> &mut [u8] {
+        match self.slot_ptr("slot", i, self.slot_bytes) {
+            // SAFETY: as in `slot`; `&mut self` makes this the only borrow of the slots, and the
+            // engine reuses a slot only after the mark following its last copy was reached.
+            Ok(p) => unsafe { std::slice::from_raw_parts_mut(p, self.slot_bytes) },
+            Err(_) => &mut [],
+        }
+    }
+
+    fn d2h(&mut self, src: &DevRange, slot: usize) -> Result<()> {
+        let n = src.bytes.len();
+        let host = self.slot_ptr("d2h", slot, n)?;
+        let dev = self.dev_ptr("d2h", src.buf, &src.bytes)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: `host` has `n` bytes of pinned memory and `dev` `n` bytes of a borrowed device
+        // buffer (both checked); the copy is ordered on the stream, which is synchronised
+        // before either buffer is released.
+        cu_check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, n, self.cu_stream())
+        })
+    }
+
+    fn h2d(&mut self, slot: usize, dst: Range<usize>) -> Result<()> {
+        let n = dst.len();
+        let host = self.slot_ptr("h2d", slot, n)?;
+        let dev = self.dev_ptr("h2d", Buf::Dst, &dst)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: as in `d2h`, in the other direction.
+        cu_check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dev, host.cast_const().cast(), n, self.cu_stream())
+        })
+    }
+
+    fn h2d_reduce(
+        &mut self,
+        slot: usize,
+        dst: Range<usize>,
+        acc: &DevRange,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = dst.len();
+        if acc.bytes.len() != n || !n.is_multiple_of(dtype.size()) {
+            return Err(bad(
+                "h2d_reduce",
+                format!("{n} bytes into {dst:?} with acc {acc:?} of {dtype}"),
+            ));
+        }
+        let host = self.slot_ptr("h2d_reduce", slot, n)?;
+        let d = self.dev_ptr("h2d_reduce", Buf::Dst, &dst)?;
+        let a = self.dev_ptr("h2d_reduce", acc.buf, &acc.bytes)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let scratch = self.scratch.ptr();
+        // SAFETY: the scratch allocation holds `slot_bytes >= n` bytes (checked by
+        // `slot_ptr`); the slot holds `n` bytes; ordered on the stream before the kernel that
+        // reads the scratch, and the next copy into the scratch is ordered after that kernel.
+        cu_check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(scratch, host.cast_const().cast(), n, self.cu_stream())
+        })?;
+        // SAFETY: `d` and `a` cover `n` bytes of borrowed device buffers, `scratch` `n` bytes of
+        // ours; `d` and `a` are either the same range (in place) or disjoint, as the engine
+        // uses them; everything is on this reducer's context (the stream is checked).
+        unsafe {
+            self.reducer
+                .reduce_into_raw(self.stream, dtype, op, d, a, scratch, n / dtype.size())
+        }
+    }
+
+    fn copy(&mut self, src: &DevRange, dst: Range<usize>) -> Result<()> {
+        let n = dst.len();
+        if src.bytes.len() != n {
+            return Err(bad("copy", format!("{src:?} into {dst:?}")));
+        }
+        let s = self.dev_ptr("copy", src.buf, &src.bytes)?;
+        let d = self.dev_ptr("copy", Buf::Dst, &dst)?;
+        if n == 0 || s == d {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in borrowed device buffers (checked), ordered on the stream.
+        cu_check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(d, s, n, self.cu_stream())
+        })
+    }
+
+    fn finalize(
+        &mut self,
+        dst: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+        world: usize,
+    ) -> Result<()> {
+        if op != ReduceOp::Avg {
+            return Ok(());
+        }
+        let n = dst.len();
+        if !n.is_multiple_of(dtype.size()) {
+            return Err(bad("finalize", format!("{n} bytes of {dtype}")));
+        }
+        let d = self.dev_ptr("finalize", Buf::Dst, &dst)?;
+        // SAFETY: `d` covers `n` bytes of the borrowed destination (checked), on this context.
+        unsafe {
+            self.reducer
+                .finalize_raw(self.stream, dtype, d, n / dtype.size(), world)
+        }
+    }
+
+    fn mark(&mut self) -> Result<u64> {
+        let ev = self.stream.record_event(None).map_err(|e| Error::Cuda {
+            op: "cuEventRecord".into(),
+            what: cu_error_text(e.0),
+        })?;
+        self.next_mark += 1;
+        self.marks.push_back((self.next_mark, ev));
+        Ok(self.next_mark)
+    }
+
+    fn reached(&mut self, mark: u64) -> Result<bool> {
+        // Events complete in stream order: pop every completed one from the front.
+        while let Some((m, ev)) = self.marks.front() {
+            let done = ev.try_is_complete().map_err(|e| Error::Cuda {
+                op: "cuEventQuery".into(),
+                what: cu_error_text(e.0),
+            })?;
+            if !done {
+                break;
+            }
+            self.done_mark = *m;
+            self.marks.pop_front();
+        }
+        Ok(self.done_mark >= mark)
+    }
+
+    fn synchronize(&mut self, deadline: Instant) -> Result<()> {
+        let last = self.mark()?;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        while !self.reached(last)? {
+            if Instant::now() >= deadline {
+                return Err(Error::Cuda {
+                    op: "staged synchronize".into(),
+                    what: format!(
+                        "device work still running after {:.1?} (deadline reached)",
+                        start.elapsed()
+                    ),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+}
+
+impl Drop for CudaStagedDevice<'_> {
+    fn drop(&mut self) {
+        // Copies into or out of the pinned slots and the scratch must finish before they are
+        // freed (fields drop after this); errors cannot be reported from Drop.
+        let _ = self.stream.synchronize();
+    }
+}
