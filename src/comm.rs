@@ -7,9 +7,11 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::bootstrap;
+use crate::comm_device::GpuState;
 use crate::config::Config;
 use crate::engine::{Call, Engine, EngineOptions};
 use crate::error::{Error, Result};
+use crate::path::PathPolicy;
 use crate::plan::{Algorithm, Collective};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::verbs;
@@ -35,6 +37,16 @@ pub struct CommInfo {
     pub segment_bytes: usize,
     /// Deadline of blocking calls.
     pub timeout: Duration,
+    /// The data-path policy for device memory (`DSPARK_DATA_PATH`).
+    pub data_path: PathPolicy,
+}
+
+/// What init learned besides the transport, for [`CommInfo`].
+struct Facts {
+    hosts: Vec<String>,
+    local_ranks: usize,
+    transport_reason: Option<String>,
+    data_path: PathPolicy,
 }
 
 /// A group of ranks that run collectives together.
@@ -73,6 +85,7 @@ pub struct Communicator {
     world: usize,
     info: CommInfo,
     engine: Mutex<Engine>,
+    gpu: Mutex<GpuState>,
 }
 
 impl fmt::Debug for Communicator {
@@ -144,17 +157,16 @@ impl Communicator {
                 }
             };
         let opts = engine_options(&config, oversubscribed);
-        let hosts = boot.peers.iter().map(|p| p.host.clone()).collect();
+        let facts = Facts {
+            hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
+            local_ranks: local,
+            transport_reason: reason,
+            data_path: config.data_path,
+        };
         drop(boot);
-        Ok(Self::assemble(
-            config.rank,
-            config.world_size,
-            transport,
-            opts,
-            hosts,
-            local,
-            reason,
-        ))
+        let comm = Self::assemble(config.rank, config.world_size, transport, opts, facts);
+        comm.check_path_policy()?;
+        Ok(comm)
     }
 
     /// A communicator over an already connected transport (for example
@@ -176,15 +188,15 @@ impl Communicator {
             ));
         }
         let opts = engine_options(config, false);
-        Ok(Self::assemble(
-            rank,
-            world,
-            transport,
-            opts,
-            vec![String::new(); world],
-            world,
-            None,
-        ))
+        let facts = Facts {
+            hosts: vec![String::new(); world],
+            local_ranks: world,
+            transport_reason: None,
+            data_path: config.data_path,
+        };
+        let comm = Self::assemble(rank, world, transport, opts, facts);
+        comm.check_path_policy()?;
+        Ok(comm)
     }
 
     fn assemble(
@@ -192,19 +204,18 @@ impl Communicator {
         world: usize,
         transport: Box<dyn Transport>,
         opts: EngineOptions,
-        hosts: Vec<String>,
-        local_ranks: usize,
-        transport_reason: Option<String>,
+        facts: Facts,
     ) -> Self {
         let info = CommInfo {
             transport: transport.kind(),
             transport_detail: transport.describe(),
-            transport_reason,
-            hosts,
-            local_ranks,
+            transport_reason: facts.transport_reason,
+            hosts: facts.hosts,
+            local_ranks: facts.local_ranks,
             spin: opts.spin,
             segment_bytes: opts.segment_bytes,
             timeout: opts.timeout,
+            data_path: facts.data_path,
         };
         let engine = Engine::new(rank, world, transport, opts);
         Communicator {
@@ -212,7 +223,12 @@ impl Communicator {
             world,
             info,
             engine: Mutex::new(engine),
+            gpu: Mutex::new(GpuState::default()),
         }
+    }
+
+    pub(crate) fn gpu_state(&self) -> MutexGuard<'_, GpuState> {
+        self.gpu.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// This process's rank.
@@ -402,7 +418,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        if send.len() != recv.len() || send.len() % self.world != 0 {
+        if send.len() != recv.len() || !send.len().is_multiple_of(self.world) {
             return Err(self.invalid(
                 Collective::AllToAll,
                 format!(

@@ -10,6 +10,7 @@
 //! | `DSPARK_ROOT_ADDR` | `host:port` where rank 0 listens for the rendezvous | `MASTER_ADDR` + `MASTER_PORT` |
 //! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs` | `auto` |
+//! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
 //! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
@@ -21,6 +22,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::path::{PathPolicy, DATA_PATH_ENV};
 use crate::plan::Algorithm;
 
 /// Which transport to use.
@@ -88,6 +90,8 @@ pub struct Config {
     pub socket_buffer: usize,
     /// Busy-poll time before blocking; `None` picks by core count.
     pub spin: Option<Duration>,
+    /// Which memory path device buffers take (`DSPARK_DATA_PATH`).
+    pub data_path: PathPolicy,
     /// Where each setting came from, for messages (`rank from RANK`, ...).
     pub sources: Vec<(String, String)>,
 }
@@ -114,6 +118,7 @@ impl Config {
             segment_bytes: 512 * 1024,
             socket_buffer: 4 << 20,
             spin: None,
+            data_path: PathPolicy::Auto,
             sources: Vec::new(),
         }
     }
@@ -262,6 +267,9 @@ impl Config {
         if let Some((n, v)) = pick(&["DSPARK_SOCKET_BUFFER"]) {
             c.socket_buffer =
                 parse_size(&v).ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
+        }
+        if let Some((_, v)) = pick(&[DATA_PATH_ENV]) {
+            c.data_path = v.parse()?;
         }
         if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
             let us = parse_usize(n, &v)?;
@@ -514,6 +522,12 @@ mod tests {
             ("DSPARK_ALGO", "magic"),
         ]);
         assert!(e.contains("DSPARK_ALGO"), "{e}");
+        let e = err_of(&[
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "1"),
+            ("DSPARK_DATA_PATH", "nvlink"),
+        ]);
+        assert!(e.contains("DSPARK_DATA_PATH") && e.contains("gpu-direct"), "{e}");
         let e = err_of(&[]);
         assert!(e.contains("DSPARK_RANK"), "{e}");
     }

@@ -5,6 +5,7 @@
 
 pub mod bootstrap;
 pub mod comm;
+mod comm_device;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod transport;
 pub mod types;
 
 pub use comm::{CommInfo, Communicator, Registration};
+pub use comm_device::GPU_DIRECT_NOT_IMPLEMENTED;
 pub use config::Config;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

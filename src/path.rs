@@ -57,34 +57,7 @@ pub const MEM_STAGED_REASON: &str =
 /// Reason given when the user asked for staging.
 pub const REQUESTED_STAGED_REASON: &str = "DSPARK_DATA_PATH=host-staged was requested";
 
-/// Which transport carries a connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportKind {
-    /// TCP sockets.
-    Tcp,
-    /// RDMA verbs (RC queue pairs).
-    Verbs,
-    /// In-process channels (tests).
-    Mem,
-}
-
-impl TransportKind {
-    /// Short name: `tcp`, `verbs`, `mem`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Verbs => "verbs",
-            TransportKind::Mem => "mem",
-        }
-    }
-}
-
-impl fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::transport::TransportKind;
 
 /// How bytes get between the user's buffer and the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]

@@ -463,7 +463,7 @@ fn staged_rank(
     call.dtype = DataType::F32;
     let run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<(), String> {
         let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-            r, &stream, None, buf, 4, 4, seg,
+            r, &stream, None, Some(buf), 4, 4, seg,
         )
         .map_err(e("staged device"))?;
         comm.run_staged(call, &mut dev)
@@ -495,7 +495,7 @@ fn staged_rank(
             r,
             &stream,
             None,
-            &mut scratch_dst,
+            Some(&mut scratch_dst),
             4,
             4,
             seg,

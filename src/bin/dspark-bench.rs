@@ -15,7 +15,13 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use dspark::config::{parse_size, TransportChoice};
+use dspark::engine::staged::EmulatedDevice;
+use dspark::engine::Call;
+use dspark::path::{BufferLocation, PathPolicy};
 use dspark::plan::Collective;
 use dspark::{Communicator, Config, DataType, Element, ReduceOp};
 use half::{bf16, f16};
@@ -105,6 +111,18 @@ struct Args {
     /// Transport: auto, tcp, verbs.
     #[arg(long, default_value = "auto")]
     transport: String,
+    /// Where the buffers live: host (RAM), device (CUDA GPU memory, through the data path
+    /// reported in the header), or emulated (host memory driven through the host-staged
+    /// device pipeline — tests the pipeline on machines without a GPU).
+    #[arg(long, value_enum, default_value = "host")]
+    mem: Mem,
+    /// Data path for device memory: auto, gpu-direct, host-staged (DSPARK_DATA_PATH).
+    #[arg(long, default_value = "auto")]
+    path: PathPolicy,
+    /// Run the sweep on device memory over both data paths (gpu-direct and host-staged) and
+    /// print them side by side with their ratio.
+    #[arg(long)]
+    compare_paths: bool,
     /// Machine-readable output.
     #[arg(long)]
     csv: bool,
@@ -115,6 +133,14 @@ struct Args {
     /// Explicit size list for --peer-rows (comma-separated bytes).
     #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
     sizes: Vec<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+enum Mem {
+    Host,
+    Device,
+    Emulated,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -198,6 +224,7 @@ fn spawn_local(args: &Args, n: usize) -> ExitCode {
             .env("DSPARK_WORLD_SIZE", n.to_string())
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
             .env("DSPARK_TRANSPORT", &args.transport)
+            .env("DSPARK_DATA_PATH", args.path.name())
             .stdin(Stdio::null())
             .stdout(if r == 0 {
                 Stdio::inherit()
@@ -271,11 +298,11 @@ fn sizes(args: &Args) -> Vec<usize> {
 }
 
 fn human(b: usize) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
+    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{} GiB", b >> 30)
-    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
         format!("{} KiB", b >> 10)
     } else {
         format!("{b} B")
@@ -289,6 +316,13 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
             cfg.transport = t;
         }
     }
+    if std::env::var_os("DSPARK_DATA_PATH").is_none() {
+        cfg.data_path = args.path;
+    }
+    if args.compare_paths {
+        // Both paths are measured on one communicator; the policy only decides the report.
+        cfg.data_path = PathPolicy::Auto;
+    }
     let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
     if args.root >= comm.world_size() {
         return Err(format!(
@@ -301,9 +335,18 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
         peer_rows(args, &comm, peer)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let gpu = if args.mem == Mem::Device || args.compare_paths {
+        Some(Gpu::open(&comm)?)
+    } else {
+        None
+    };
     macro_rules! go {
         ($t:ty) => {
-            bench::<$t>(args, &comm)
+            if args.compare_paths {
+                compare_paths::<$t>(args, &comm, gpu.as_ref())
+            } else {
+                bench::<$t>(args, &comm, gpu.as_ref(), true)
+            }
         };
     }
     let rows = match args.dtype {
@@ -327,7 +370,7 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
 }
 
 /// Values chosen so every result is exact in every type (nccl-tests' "verifiable" idea).
-trait BenchElem: Element + Copy {
+trait BenchElem: Element + Copy + DeviceRepr {
     fn from_i64(v: i64) -> Self;
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
     fn div(a: Self, n: usize) -> Self;
@@ -408,7 +451,7 @@ fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => k % 5 - 2,
         ReduceOp::Prod => {
-            if (r + i) % 3 == 0 {
+            if (r + i).is_multiple_of(3) {
                 -1
             } else {
                 1
@@ -442,13 +485,13 @@ fn count_wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
         .count() as u64
 }
 
-/// Buffers for one size of one collective.
+/// Buffers for one size of one collective, in host memory.
 struct Bufs<T> {
     send: Vec<T>,
     recv: Vec<T>,
 }
 
-fn run_once<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> dspark::Result<()> {
+fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> dspark::Result<()> {
     let n = comm.world_size();
     let r = comm.rank();
     match args.collective {
@@ -460,7 +503,7 @@ fn run_once<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
         Coll::AllToAll => comm.all_to_all(&b.send, &mut b.recv),
         Coll::SendRecv => {
             // Pairs 0→1, 2→3, ...; with an odd world the last rank idles.
-            if r % 2 == 0 && r + 1 < n {
+            if r.is_multiple_of(2) && r + 1 < n {
                 comm.send(&b.send, r + 1)
             } else if r % 2 == 1 {
                 comm.recv(&mut b.recv, r - 1)
@@ -468,6 +511,161 @@ fn run_once<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
                 Ok(())
             }
         }
+    }
+}
+
+/// The engine call for the emulated device (`None`: this rank idles in send/recv).
+fn staged_call<T: BenchElem>(args: &Args, comm: &Communicator, send: usize, recv: usize) -> Option<Call> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let (coll, op) = (args.collective.collective(), args.collective.reduces().then_some(args.op));
+    let mut c = match args.collective {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => Call::new(coll, op, recv, args.root, false),
+        Coll::ReduceScatter => Call::new(coll, op, recv, 0, false),
+        Coll::AllGather => Call::new(coll, op, send, 0, false),
+        Coll::AllToAll => Call::new(coll, op, send / n, 0, false),
+        Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => Call::new(coll, None, send, r + 1, true),
+        Coll::SendRecv if r % 2 == 1 => Call::new(coll, None, recv, r - 1, false),
+        Coll::SendRecv => return None,
+    };
+    c.dtype = T::DATA_TYPE;
+    Some(c)
+}
+
+/// The rank's GPU: the context and the stream every device collective is ordered on.
+struct Gpu {
+    stream: Arc<CudaStream>,
+    name: String,
+}
+
+impl Gpu {
+    /// Opens GPU (local rank mod GPU count), like one process per GPU under torchrun.
+    fn open(comm: &Communicator) -> Result<Self, String> {
+        let info = comm.info();
+        let me = &info.hosts[comm.rank()];
+        let local_index = info.hosts[..comm.rank()].iter().filter(|h| *h == me).count();
+        let count = dspark::gpu::probe::probe_cuda()
+            .map_err(|e| format!("--mem device: {e}"))?
+            .devices
+            .len();
+        if count == 0 {
+            return Err("--mem device: the CUDA driver reports no GPU".into());
+        }
+        let ordinal = local_index % count;
+        let ctx = dspark::gpu::device::open_context(ordinal).map_err(|e| format!("--mem device: {e}"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| format!("--mem device: creating a stream on GPU {ordinal}: {e:?}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "GPU".into());
+        Ok(Gpu { stream, name: format!("GPU {ordinal} ({name})") })
+    }
+}
+
+/// One size's buffers wherever `--mem` puts them, and how to run the call on them.
+enum Runner<T: BenchElem> {
+    Host(Bufs<T>),
+    Emulated(Option<Call>, EmulatedDevice),
+    Device { stream: Arc<CudaStream>, send: Option<CudaSlice<T>>, recv: Option<CudaSlice<T>> },
+}
+
+fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+    move |e| format!("{what}: {e:?}")
+}
+
+impl<T: BenchElem> Runner<T> {
+    fn new(args: &Args, comm: &Communicator, gpu: Option<&Gpu>, b: Bufs<T>) -> Result<Self, String> {
+        match (args.mem, gpu) {
+            (Mem::Host, _) if !args.compare_paths => Ok(Runner::Host(b)),
+            (Mem::Emulated, _) => {
+                let call = staged_call::<T>(args, comm, b.send.len(), b.recv.len());
+                let seg = comm.info().segment_bytes;
+                let dev = EmulatedDevice::new(
+                    bytemuck::cast_slice(&b.send).to_vec(),
+                    bytemuck::cast_slice(&b.recv).to_vec(),
+                    4,
+                    4,
+                    seg,
+                    comm.rank() as u64 + 1,
+                );
+                Ok(Runner::Emulated(call, dev))
+            }
+            (_, Some(g)) => {
+                let up = |v: &Vec<T>| -> Result<Option<CudaSlice<T>>, String> {
+                    if v.is_empty() {
+                        Ok(None)
+                    } else {
+                        g.stream.clone_htod(v).map(Some).map_err(cuda_err("copying inputs to the GPU"))
+                    }
+                };
+                Ok(Runner::Device { stream: g.stream.clone(), send: up(&b.send)?, recv: up(&b.recv)? })
+            }
+            (_, None) => Err("device memory requested but no GPU was opened".into()),
+        }
+    }
+
+    fn run(&mut self, args: &Args, comm: &Communicator) -> dspark::Result<()> {
+        match self {
+            Runner::Host(b) => run_host(args, comm, b),
+            Runner::Emulated(call, dev) => match call {
+                Some(c) => comm.run_staged(*c, dev),
+                None => Ok(()),
+            },
+            Runner::Device { stream, send, recv } => run_device(args, comm, stream, send, recv),
+        }
+    }
+
+    /// The output buffer, in host memory.
+    fn output(&mut self) -> Result<Vec<T>, String> {
+        match self {
+            Runner::Host(b) => Ok(b.recv.clone()),
+            Runner::Emulated(_, dev) => Ok(dev
+                .dst
+                .chunks_exact(size_of::<T>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect()),
+            Runner::Device { stream, recv, .. } => match recv {
+                Some(r) => stream.clone_dtoh(r).map_err(cuda_err("copying results from the GPU")),
+                None => Ok(Vec::new()),
+            },
+        }
+    }
+}
+
+fn missing() -> dspark::Error {
+    dspark::Error::invalid(None, "dspark-bench", "a device buffer is missing")
+}
+
+fn run_device<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    stream: &Arc<CudaStream>,
+    send: &mut Option<CudaSlice<T>>,
+    recv: &mut Option<CudaSlice<T>>,
+) -> dspark::Result<()> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let op = args.op;
+    match args.collective {
+        Coll::AllReduce => comm.all_reduce_device(recv.as_mut().ok_or_else(missing)?, op, stream),
+        Coll::Broadcast => comm.broadcast_device(recv.as_mut().ok_or_else(missing)?, args.root, stream),
+        Coll::Reduce => comm.reduce_device(recv.as_mut().ok_or_else(missing)?, op, args.root, stream),
+        Coll::AllGather => {
+            comm.all_gather_device(send.as_ref().ok_or_else(missing)?, recv.as_mut().ok_or_else(missing)?, stream)
+        }
+        Coll::ReduceScatter => comm.reduce_scatter_device(
+            send.as_ref().ok_or_else(missing)?,
+            recv.as_mut().ok_or_else(missing)?,
+            op,
+            stream,
+        ),
+        Coll::AllToAll => {
+            comm.all_to_all_device(send.as_ref().ok_or_else(missing)?, recv.as_mut().ok_or_else(missing)?, stream)
+        }
+        Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
+            comm.send_device(send.as_ref().ok_or_else(missing)?, r + 1, stream)
+        }
+        Coll::SendRecv if r % 2 == 1 => comm.recv_device(recv.as_mut().ok_or_else(missing)?, r - 1, stream),
+        Coll::SendRecv => Ok(()),
     }
 }
 
@@ -510,35 +708,32 @@ fn prepare<T: BenchElem>(args: &Args, comm: &Communicator, send: usize, recv: us
     b
 }
 
-fn verify<T: BenchElem>(args: &Args, comm: &Communicator, b: &Bufs<T>) -> u64 {
+/// Wrong elements in `out` (the output buffer); `send_len` is the per-rank input length.
+fn verify<T: BenchElem>(args: &Args, comm: &Communicator, send_len: usize, out: &[T]) -> u64 {
     let n = comm.world_size();
     let r = comm.rank();
     let op = args.op;
     match args.collective {
-        Coll::AllReduce => count_wrong(&b.recv, |i| expected::<T>(op, n, i)),
-        Coll::Reduce if r == args.root => count_wrong(&b.recv, |i| expected::<T>(op, n, i)),
+        Coll::AllReduce => count_wrong(out, |i| expected::<T>(op, n, i)),
+        Coll::Reduce if r == args.root => count_wrong(out, |i| expected::<T>(op, n, i)),
         Coll::Reduce => 0,
-        Coll::Broadcast => count_wrong(&b.recv, |i| T::from_i64(input_value(op, args.root, i))),
+        Coll::Broadcast => count_wrong(out, |i| T::from_i64(input_value(op, args.root, i))),
         Coll::AllGather => {
-            let per = b.send.len();
-            count_wrong(&b.recv, |i| {
-                T::from_i64(input_value(op, i / per.max(1), i % per.max(1)))
-            })
+            let per = send_len.max(1);
+            count_wrong(out, |i| T::from_i64(input_value(op, i / per, i % per)))
         }
         Coll::ReduceScatter => {
-            let per = b.recv.len();
-            count_wrong(&b.recv, |i| expected::<T>(op, n, r * per + i))
+            let per = out.len();
+            count_wrong(out, |i| expected::<T>(op, n, r * per + i))
         }
         Coll::AllToAll => {
-            let per = b.recv.len() / n;
-            count_wrong(&b.recv, |i| {
-                let (j, k) = (i / per.max(1), i % per.max(1));
+            let per = (out.len() / n).max(1);
+            count_wrong(out, |i| {
+                let (j, k) = (i / per, i % per);
                 T::from_i64(input_value(op, j, r * per + k))
             })
         }
-        Coll::SendRecv if r % 2 == 1 => {
-            count_wrong(&b.recv, |i| T::from_i64(input_value(op, r - 1, i)))
-        }
+        Coll::SendRecv if r % 2 == 1 => count_wrong(out, |i| T::from_i64(input_value(op, r - 1, i))),
         Coll::SendRecv => 0,
     }
 }
@@ -555,7 +750,49 @@ fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64> {
     Ok(x[0])
 }
 
-fn header(args: &Args, comm: &Communicator, esz: usize) {
+/// What the bench reports about the data path: the row column and the header lines.
+struct PathView {
+    column: String,
+    lines: Vec<String>,
+}
+
+fn path_view(args: &Args, comm: &Communicator, gpu: Option<&Gpu>) -> Result<PathView, String> {
+    match args.mem {
+        Mem::Host if !args.compare_paths => Ok(PathView {
+            column: "host".into(),
+            lines: vec!["host memory (buffers in RAM; no GPU involved)".into()],
+        }),
+        Mem::Emulated => Ok(PathView {
+            column: "staged".into(),
+            lines: vec![
+                "staged, emulated device: host memory driven through the host-staged device \
+                 pipeline (slot copies and reductions done on the CPU); no GPU involved"
+                    .into(),
+            ],
+        }),
+        _ => {
+            let plan = comm.data_paths(BufferLocation::Device).map_err(|e| e.to_string())?;
+            let mut kinds: Vec<&str> =
+                plan.connections.iter().flat_map(|c| [c.send.memory.short(), c.recv.memory.short()]).collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            let column = match kinds.as_slice() {
+                [one] => one.to_string(),
+                [] => "-".into(),
+                _ => "mixed".into(),
+            };
+            let mut lines = vec![format!(
+                "device memory on {}",
+                gpu.map_or("the GPU".to_string(), |g| g.name.clone())
+            )];
+            lines.extend(plan.connections.iter().take(8).map(|c| format!("  {c:#}")));
+            lines.extend(plan.warnings.iter().map(|w| format!("  WARNING: {w}")));
+            Ok(PathView { column, lines })
+        }
+    }
+}
+
+fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
     let info = comm.info();
     let n = comm.world_size();
     let c = args.collective.collective();
@@ -585,7 +822,9 @@ fn header(args: &Args, comm: &Communicator, esz: usize) {
     if let Some(why) = &info.transport_reason {
         println!("#   (not RDMA: {why})");
     }
-    println!("# data path : host memory (buffers in RAM; no GPU involved)");
+    for (i, l) in pv.lines.iter().enumerate() {
+        println!("# {} {l}", if i == 0 { "data path :" } else { "           " });
+    }
     let hosts: Vec<&str> = info.hosts.iter().map(String::as_str).collect();
     let mut uniq = hosts.clone();
     uniq.sort_unstable();
@@ -611,11 +850,12 @@ fn header(args: &Args, comm: &Communicator, esz: usize) {
             continue;
         }
         println!(
-            "#   rank {r} ({}) -> ranks {}{}: {} both ways, path host",
+            "#   rank {r} ({}) -> ranks {}{}: {} both ways, path {}",
             info.hosts.get(r).map_or("?", String::as_str),
             peers.join(","),
             if n - 1 > 7 { ",…" } else { "" },
             info.transport,
+            pv.column,
         );
     }
     if n > shown {
@@ -663,28 +903,32 @@ fn header(args: &Args, comm: &Communicator, esz: usize) {
     );
 }
 
-fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, String> {
+fn bench<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    gpu: Option<&Gpu>,
+    print: bool,
+) -> Result<Vec<Row>, String> {
     let n = comm.world_size();
     let esz = T::DATA_TYPE.size();
     let coll = args.collective;
-    let rank0 = comm.rank() == 0;
+    let rank0 = comm.rank() == 0 && print;
     let list = sizes(args);
     let tty = std::io::stderr().is_terminal();
+    let pv = path_view(args, comm, gpu)?;
     if rank0 {
         if args.csv {
             println!("collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path");
         } else {
-            header(args, comm, esz);
+            header(args, comm, esz, &pv);
         }
     }
     let mut rows = Vec::new();
-    // Host buffers: every connection's data path is host memory.
-    let path = "host";
     let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
     for (k, &bytes) in list.iter().enumerate() {
         let (send, recv, total) = counts(coll, bytes, esz, n);
         let shown_bytes = total * esz;
-        if rank0 && (tty || bytes >= 64 << 20) {
+        if comm.rank() == 0 && (tty || bytes >= 64 << 20) {
             eprint!(
                 "{}[{}/{}] {} ...{}",
                 if tty { "\r" } else { "" },
@@ -695,122 +939,161 @@ fn bench<T: BenchElem>(args: &Args, comm: &Communicator) -> Result<Vec<Row>, Str
             );
             let _ = std::io::stderr().flush();
         }
-        let mut b = prepare::<T>(args, comm, send, recv);
         // Check first, on fresh inputs.
         let mut wrong = 0;
         if args.check != 0 {
-            run_once(args, comm, &mut b).map_err(|x| e("check", x))?;
-            wrong = verify(args, comm, &b);
-            b = prepare::<T>(args, comm, send, recv);
+            let mut run = Runner::new(args, comm, gpu, prepare::<T>(args, comm, send, recv))?;
+            run.run(args, comm).map_err(|x| e("check", x))?;
+            wrong = verify(args, comm, send, &run.output()?);
         }
+        let mut run = Runner::new(args, comm, gpu, prepare::<T>(args, comm, send, recv))?;
         for _ in 0..args.warmup {
-            run_once(args, comm, &mut b).map_err(|x| e("warm-up", x))?;
+            run.run(args, comm).map_err(|x| e("warm-up", x))?;
         }
         comm.barrier().map_err(|x| e("barrier", x))?;
         let t0 = Instant::now();
         for _ in 0..args.iters.max(1) {
-            run_once(args, comm, &mut b).map_err(|x| e("timed run", x))?;
+            run.run(args, comm).map_err(|x| e("timed run", x))?;
         }
         let mine = t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64;
+        drop(run);
         let time_us = max_over_ranks(comm, mine).map_err(|x| e("timing", x))?;
         let wrong = if args.check != 0 {
             sum_over_ranks(comm, wrong).map_err(|x| e("check", x))?
         } else {
             0
         };
-        let algbw = if time_us > 0.0 {
-            shown_bytes as f64 / time_us / 1e3
-        } else {
-            0.0
-        };
-        let busbw = algbw * coll.bus_factor(n);
-        let row = Row {
-            bytes: shown_bytes,
-            count: total,
-            time_us,
-            wrong,
-        };
+        let row = Row { bytes: shown_bytes, count: total, time_us, wrong };
+        if comm.rank() == 0 && tty {
+            eprint!("\r\x1b[K");
+        }
         if rank0 {
-            if tty {
-                eprint!("\r\x1b[K");
-            }
-            let info = comm.info();
-            let op = if coll.reduces() {
-                args.op.name()
-            } else {
-                "none"
-            };
-            let root: i64 = if coll.collective().rooted() {
-                args.root as i64
-            } else {
-                -1
-            };
-            if args.csv {
-                println!(
-                    "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
-                    coll.collective().name(),
-                    args.dtype.name(),
-                    op,
-                    n,
-                    row.bytes,
-                    row.count,
-                    row.time_us,
-                    algbw,
-                    busbw,
-                    if args.check != 0 {
-                        row.wrong.to_string()
-                    } else {
-                        "N/A".into()
-                    },
-                    info.transport,
-                    path,
-                );
-            } else {
-                let algo = comm.algorithm(coll.collective(), row.bytes);
-                println!(
-                    "  {:>12} {:>12} {:>9} {:>6} {:>5} {:>11.2} {:>8.3} {:>8.3} {:>7}  {:<18} {:<9} {}",
-                    row.bytes,
-                    row.count,
-                    args.dtype.name(),
-                    op,
-                    root,
-                    row.time_us,
-                    algbw,
-                    busbw,
-                    if args.check != 0 { row.wrong.to_string() } else { "N/A".into() },
-                    algo.name(),
-                    info.transport,
-                    path,
-                );
-            }
-            let _ = std::io::stdout().flush();
+            print_row(args, comm, &row, &pv.column);
         }
         rows.push(row);
     }
     if rank0 && !args.csv {
-        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
-        let avg_bus = if rows.is_empty() {
-            0.0
-        } else {
-            rows.iter()
-                .map(|r| {
-                    if r.time_us > 0.0 {
-                        r.bytes as f64 / r.time_us / 1e3 * coll.bus_factor(n)
-                    } else {
-                        0.0
-                    }
-                })
-                .sum::<f64>()
-                / rows.len() as f64
-        };
-        println!(
-            "# Out of bounds values : {} {}",
-            wrong,
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {avg_bus:.4} GB/s");
+        footer(&rows, coll.bus_factor(n));
     }
     Ok(rows)
+}
+
+fn bandwidths(row: &Row, factor: f64) -> (f64, f64) {
+    let algbw = if row.time_us > 0.0 { row.bytes as f64 / row.time_us / 1e3 } else { 0.0 };
+    (algbw, algbw * factor)
+}
+
+fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str) {
+    let coll = args.collective;
+    let n = comm.world_size();
+    let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
+    let info = comm.info();
+    let op = if coll.reduces() { args.op.name() } else { "none" };
+    let wrong = if args.check != 0 { row.wrong.to_string() } else { "N/A".into() };
+    if args.csv {
+        println!(
+            "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
+            coll.collective().name(),
+            args.dtype.name(),
+            op,
+            n,
+            row.bytes,
+            row.count,
+            row.time_us,
+            algbw,
+            busbw,
+            wrong,
+            info.transport,
+            path,
+        );
+    } else {
+        let root: i64 = if coll.collective().rooted() { args.root as i64 } else { -1 };
+        let algo = comm.algorithm(coll.collective(), row.bytes);
+        println!(
+            "  {:>12} {:>12} {:>9} {:>6} {:>5} {:>11.2} {:>8.3} {:>8.3} {:>7}  {:<18} {:<9} {}",
+            row.bytes,
+            row.count,
+            args.dtype.name(),
+            op,
+            root,
+            row.time_us,
+            algbw,
+            busbw,
+            wrong,
+            algo.name(),
+            info.transport,
+            path,
+        );
+    }
+    let _ = std::io::stdout().flush();
+}
+
+fn footer(rows: &[Row], factor: f64) {
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let avg_bus = if rows.is_empty() {
+        0.0
+    } else {
+        rows.iter().map(|r| bandwidths(r, factor).1).sum::<f64>() / rows.len() as f64
+    };
+    println!("# Out of bounds values : {} {}", wrong, if wrong == 0 { "OK" } else { "FAILED" });
+    println!("# Avg bus bandwidth    : {avg_bus:.4} GB/s");
+}
+
+/// `--compare-paths`: the same sweep on device memory over GPUDirect RDMA and host-staged,
+/// side by side, with the ratio — the check that catches a silently staged cluster.
+fn compare_paths<T: BenchElem>(args: &Args, comm: &Communicator, gpu: Option<&Gpu>) -> Result<Vec<Row>, String> {
+    let n = comm.world_size();
+    let factor = args.collective.bus_factor(n);
+    let rank0 = comm.rank() == 0;
+    let mut results: Vec<(PathPolicy, Result<Vec<Row>, String>)> = Vec::new();
+    for policy in [PathPolicy::GpuDirect, PathPolicy::HostStaged] {
+        // Whether this path can be had is decided the same way init decides it.
+        let res = match comm.data_paths_for(policy, BufferLocation::Device) {
+            Err(e) => Err(e.to_string()),
+            Ok(_) => bench::<T>(args, comm, gpu, false),
+        };
+        results.push((policy, res));
+    }
+    if rank0 {
+        let pv = path_view(args, comm, gpu)?;
+        header(args, comm, T::DATA_TYPE.size(), &pv);
+        println!("# --compare-paths: the same sweep on each data path (time in us, busbw in GB/s)");
+        for (policy, res) in &results {
+            if let Err(e) = res {
+                println!("# {policy}: UNAVAILABLE — {e}");
+            }
+        }
+        println!(
+            "# {:>12} {:>12} {:>9} {:>12} {:>9} {:>14}",
+            "size", "gpu-direct", "busbw", "host-staged", "busbw", "staged/direct"
+        );
+        let staged = results[1].1.as_ref().ok();
+        let direct = results[0].1.as_ref().ok();
+        let list = staged.or(direct).map(|v| v.len()).unwrap_or(0);
+        for i in 0..list {
+            let d = direct.and_then(|v| v.get(i));
+            let h = staged.and_then(|v| v.get(i));
+            let bytes = d.or(h).map_or(0, |r| r.bytes);
+            let cell = |r: Option<&Row>| match r {
+                Some(r) => (format!("{:.2}", r.time_us), format!("{:.3}", bandwidths(r, factor).1)),
+                None => ("-".into(), "-".into()),
+            };
+            let (dt, db) = cell(d);
+            let (ht, hb) = cell(h);
+            let ratio = match (d, h) {
+                (Some(d), Some(h)) if d.time_us > 0.0 => format!("{:.2}x", h.time_us / d.time_us),
+                _ => "-".into(),
+            };
+            println!("  {bytes:>12} {dt:>12} {db:>9} {ht:>12} {hb:>9} {ratio:>14}");
+        }
+    }
+    let mut all = Vec::new();
+    for (_, res) in results {
+        if let Ok(rows) = res {
+            all.extend(rows);
+        }
+    }
+    Ok(all)
 }
 
 /// The peer benchmarks' method (../shared/peers/README.md): allreduce f32 sum, rank r's input

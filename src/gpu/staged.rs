@@ -14,7 +14,7 @@
 //! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { op: "stream".into(), what: format!("{e:?}") })?;
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
 //! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-//!     &reducer, &stream, None, &mut grads, 4, 4, 1 << 20)?;
+//!     &reducer, &stream, None, Some(&mut grads), 4, 4, 1 << 20)?;
 //! // comm.run_staged(call, &mut dev)?;
 //! # Ok(()) }
 //! ```
@@ -123,14 +123,15 @@ impl std::fmt::Debug for CudaStagedDevice<'_> {
 }
 
 impl<'a> CudaStagedDevice<'a> {
-    /// A staged device over `dst` (and `src`, when the collective has a separate input), with
+    /// A staged device over `dst` (absent for a send) and `src` (when the collective has a
+    /// separate input), with
     /// `send_slots` + `recv_slots` pinned slots of `slot_bytes` each (at least the engine's
     /// segment size), ordered on `stream` (of `reducer`'s context).
     pub fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
         src: Option<&'a S>,
-        dst: &'a mut D,
+        dst: Option<&'a mut D>,
         send_slots: usize,
         recv_slots: usize,
         slot_bytes: usize,
@@ -159,9 +160,16 @@ impl<'a> CudaStagedDevice<'a> {
             guards.push(g);
             (p, s.num_bytes())
         });
-        let dst_bytes = dst.num_bytes();
-        let (dp, g) = dst.device_ptr_mut(stream);
-        guards.push(g);
+        // A send has no output buffer: every Dst access then fails the range check.
+        let (dp, dst_bytes) = match dst {
+            Some(dst) => {
+                let dst_bytes = dst.num_bytes();
+                let (dp, g) = dst.device_ptr_mut(stream);
+                guards.push(g);
+                (dp, dst_bytes)
+            }
+            None => (0, 0),
+        };
         let description = format!(
             "CUDA device {} ({}): {send_slots} send + {recv_slots} receive pinned slots of {} KiB",
             ctx.ordinal(),

@@ -39,7 +39,8 @@ pub const HEADER_LEN: usize = 32;
 pub const FRAME_MAGIC: u32 = 0x4453_504b;
 
 /// Which transport moves the data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// In-process (tests).
     Mem,
