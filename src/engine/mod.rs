@@ -43,8 +43,9 @@ pub struct EngineOptions {
     pub spin: Duration,
     /// Yield the CPU while spinning (when ranks outnumber cores).
     pub yield_while_spinning: bool,
-    /// Size thresholds of the default algorithm choice.
-    pub thresholds: Thresholds,
+    /// Size thresholds of the default algorithm choice (`None`: the defaults for the world
+    /// size, [`Thresholds::for_world`]).
+    pub thresholds: Option<Thresholds>,
     /// Force one algorithm for every collective it supports (`DSPARK_ALGO`).
     pub force_algo: Option<Algorithm>,
 }
@@ -56,7 +57,7 @@ impl Default for EngineOptions {
             segment_bytes: 512 * 1024,
             spin: Duration::from_micros(50),
             yield_while_spinning: false,
-            thresholds: Thresholds::default(),
+            thresholds: None,
             force_algo: None,
         }
     }
@@ -351,7 +352,10 @@ impl Engine {
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
         match self.opts.force_algo {
             Some(a) if a.supports(coll) => a,
-            _ => plan::choose(coll, bytes, self.world, &self.opts.thresholds),
+            _ => {
+                let t = self.opts.thresholds.unwrap_or_else(|| Thresholds::for_world(self.world));
+                plan::choose(coll, bytes, self.world, &t)
+            }
         }
     }
 

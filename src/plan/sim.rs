@@ -575,7 +575,7 @@ impl Executable {
             return (r, g - self.offsets[r]);
         }
         let l = key / 2;
-        let (r, step) = if key % 2 == 0 {
+        let (r, step) = if key.is_multiple_of(2) {
             (l / n, self.send_ready[l].take())
         } else {
             (l % n, self.recv_ready[l].take())

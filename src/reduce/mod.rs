@@ -149,7 +149,7 @@ fn divide_kernel(level: SimdLevel, dtype: DataType) -> Option<x86::DivideFn> {
 #[cfg(target_arch = "x86_64")]
 fn head_elems(p: *const u8, size: usize, n: usize) -> usize {
     let mis = p as usize % ALIGN;
-    if mis == 0 || mis % size != 0 || n * size < ALIGN_MIN_BYTES {
+    if mis == 0 || !mis.is_multiple_of(size) || n * size < ALIGN_MIN_BYTES {
         0
     } else {
         ((ALIGN - mis) / size).min(n)

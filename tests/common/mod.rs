@@ -100,9 +100,9 @@ fn float_input(op: ReduceOp, seed: u64, rank: usize, i: usize) -> f64 {
         ReduceOp::Prod => [1.0, -1.0, 2.0, -2.0, 0.5, 1.0, -1.0][(r % 7) as usize],
         ReduceOp::Min | ReduceOp::Max => {
             let v = ((r % 2001) as f64 - 1000.0) / 8.0;
-            if r % 53 == 0 {
+            if r.is_multiple_of(53) {
                 -0.0
-            } else if r % 59 == 0 {
+            } else if r.is_multiple_of(59) {
                 0.0
             } else {
                 v
@@ -301,7 +301,7 @@ pub fn run_all_collectives<T: TestElem>(
             let left = (r + n - 1) % n;
             let mine = inputs::<T>(op, seed ^ 6, r, count);
             let mut got = vec![T::default(); count];
-            if r % 2 == 0 {
+            if r.is_multiple_of(2) {
                 comm.send(&mine, right).map_err(e(&format!("send {ctx}")))?;
                 comm.recv(&mut got, left)
                     .map_err(e(&format!("recv {ctx}")))?;

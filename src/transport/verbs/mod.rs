@@ -310,7 +310,17 @@ struct Local {
 }
 
 fn choose_port(lib: &Lib, opts: &VerbsOptions) -> std::result::Result<Local, String> {
-    let names = ib::device_names(lib).map_err(|e| e.to_string())?;
+    let names = match ib::device_names(lib) {
+        Ok(names) => names,
+        // libibverbs says ENOSYS when the kernel has no RDMA support at all.
+        Err(e) if e.err.raw_os_error() == Some(libc::ENOSYS) => {
+            return Err("no RDMA devices: this kernel has no RDMA support \
+                        (ibv_get_device_list: function not implemented; no InfiniBand/RoCE \
+                        driver or ib_uverbs module)"
+                .into())
+        }
+        Err(e) => return Err(e.to_string()),
+    };
     if names.is_empty() {
         return Err(
             "no RDMA devices found (ibv_get_device_list returned none: no InfiniBand/RoCE \
