@@ -332,7 +332,11 @@ impl Communicator {
     /// limit; the message says how to raise it).
     pub fn register_buffer<T: Element>(&self, buf: &[T]) -> Result<Registration<'_>> {
         let id = self.lock().register_host(bytemuck::cast_slice(buf))?;
-        Ok(Registration { comm: self, id, bytes: size_of_val(buf) })
+        Ok(Registration {
+            comm: self,
+            id,
+            bytes: size_of_val(buf),
+        })
     }
 
     /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the

@@ -65,7 +65,9 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::data_paths`].
     pub fn data_paths_for(&self, policy: PathPolicy, buffers: BufferLocation) -> Result<PathPlan> {
-        let peers: Vec<usize> = (0..self.world_size()).filter(|&p| p != self.rank()).collect();
+        let peers: Vec<usize> = (0..self.world_size())
+            .filter(|&p| p != self.rank())
+            .collect();
         let caps = capabilities(self.world_size());
         path::decide(&PathInputs {
             policy,
@@ -135,7 +137,10 @@ impl Communicator {
             STAGE_SLOTS,
             slot,
         )?;
-        let call = Call { dtype: T::DATA_TYPE, ..call };
+        let call = Call {
+            dtype: T::DATA_TYPE,
+            ..call
+        };
         self.run_staged(call, &mut dev)
     }
 
@@ -170,7 +175,12 @@ impl Communicator {
         if recv.len() != send.len() * self.world_size() {
             return Err(self.dev_invalid(
                 Collective::AllGather,
-                format!("recv has {} elements, expected {} × {}", recv.len(), send.len(), self.world_size()),
+                format!(
+                    "recv has {} elements, expected {} × {}",
+                    recv.len(),
+                    send.len(),
+                    self.world_size()
+                ),
             ));
         }
         let call = Call::new(Collective::AllGather, None, send.len(), 0, false);
@@ -191,7 +201,12 @@ impl Communicator {
         if send.len() != recv.len() * self.world_size() {
             return Err(self.dev_invalid(
                 Collective::ReduceScatter,
-                format!("send has {} elements, expected {} × {}", send.len(), recv.len(), self.world_size()),
+                format!(
+                    "send has {} elements, expected {} × {}",
+                    send.len(),
+                    recv.len(),
+                    self.world_size()
+                ),
             ));
         }
         let call = Call::new(Collective::ReduceScatter, Some(op), recv.len(), 0, false);
@@ -212,7 +227,11 @@ impl Communicator {
         if send.len() != recv.len() || !send.len().is_multiple_of(n) {
             return Err(self.dev_invalid(
                 Collective::AllToAll,
-                format!("send ({}) and recv ({}) must be equal multiples of {n}", send.len(), recv.len()),
+                format!(
+                    "send ({}) and recv ({}) must be equal multiples of {n}",
+                    send.len(),
+                    recv.len()
+                ),
             ));
         }
         let call = Call::new(Collective::AllToAll, None, send.len() / n, 0, false);
@@ -262,7 +281,10 @@ impl Communicator {
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         if peer == self.rank() {
-            return Err(self.dev_invalid(Collective::SendRecv, "cannot send to this rank itself".into()));
+            return Err(self.dev_invalid(
+                Collective::SendRecv,
+                "cannot send to this rank itself".into(),
+            ));
         }
         let call = Call::new(Collective::SendRecv, None, buf.len(), peer, true);
         self.device_call::<T, _, CudaSlice<T>>(call, stream, Some(buf), None)
@@ -280,7 +302,10 @@ impl Communicator {
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         if peer == self.rank() {
-            return Err(self.dev_invalid(Collective::SendRecv, "cannot receive from this rank itself".into()));
+            return Err(self.dev_invalid(
+                Collective::SendRecv,
+                "cannot receive from this rank itself".into(),
+            ));
         }
         let call = Call::new(Collective::SendRecv, None, buf.len(), peer, false);
         self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))

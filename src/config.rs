@@ -527,7 +527,10 @@ mod tests {
             ("DSPARK_WORLD_SIZE", "1"),
             ("DSPARK_DATA_PATH", "nvlink"),
         ]);
-        assert!(e.contains("DSPARK_DATA_PATH") && e.contains("gpu-direct"), "{e}");
+        assert!(
+            e.contains("DSPARK_DATA_PATH") && e.contains("gpu-direct"),
+            "{e}"
+        );
         let e = err_of(&[]);
         assert!(e.contains("DSPARK_RANK"), "{e}");
     }

@@ -158,7 +158,11 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
     for (nth, timeout_expected) in [(12, true), (0, false)] {
         let world = 2;
         let fabric = MemFabric::new(world, 4);
-        fabric.inject(Fault::Drop { from: 1, to: 0, nth });
+        fabric.inject(Fault::Drop {
+            from: 1,
+            to: 0,
+            nth,
+        });
         let cfg = config(Duration::from_millis(500), 64);
         let gate = Barrier::new(world);
         let res = run_ranks(&fabric, world, &cfg, |c| {
@@ -176,9 +180,16 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
             assert!(matches!(e, Error::Timeout { peer: Some(1), .. }), "{e}");
         } else {
             // A later, shorter frame arrives where a full segment was due.
-            assert!(matches!(e, Error::Mismatch { .. }) && e.to_string().contains("lost"), "{e}");
+            assert!(
+                matches!(e, Error::Mismatch { .. }) && e.to_string().contains("lost"),
+                "{e}"
+            );
         }
-        assert!(res[1].1.is_err(), "rank 1 must hear that rank 0 failed: {:?}", res[1]);
+        assert!(
+            res[1].1.is_err(),
+            "rank 1 must hear that rank 0 failed: {:?}",
+            res[1]
+        );
     }
 }
 

@@ -463,11 +463,16 @@ fn staged_rank(
     call.dtype = DataType::F32;
     let run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<(), String> {
         let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-            r, &stream, None, Some(buf), 4, 4, seg,
+            r,
+            &stream,
+            None,
+            Some(buf),
+            4,
+            4,
+            seg,
         )
         .map_err(e("staged device"))?;
-        comm.run_staged(call, &mut dev)
-            .map_err(e("run_staged"))
+        comm.run_staged(call, &mut dev).map_err(e("run_staged"))
     };
     run(&mut buf)?;
     let got: Vec<f32> = stream

@@ -515,16 +515,28 @@ fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
 }
 
 /// The engine call for the emulated device (`None`: this rank idles in send/recv).
-fn staged_call<T: BenchElem>(args: &Args, comm: &Communicator, send: usize, recv: usize) -> Option<Call> {
+fn staged_call<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    send: usize,
+    recv: usize,
+) -> Option<Call> {
     let n = comm.world_size();
     let r = comm.rank();
-    let (coll, op) = (args.collective.collective(), args.collective.reduces().then_some(args.op));
+    let (coll, op) = (
+        args.collective.collective(),
+        args.collective.reduces().then_some(args.op),
+    );
     let mut c = match args.collective {
-        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => Call::new(coll, op, recv, args.root, false),
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => {
+            Call::new(coll, op, recv, args.root, false)
+        }
         Coll::ReduceScatter => Call::new(coll, op, recv, 0, false),
         Coll::AllGather => Call::new(coll, op, send, 0, false),
         Coll::AllToAll => Call::new(coll, op, send / n, 0, false),
-        Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => Call::new(coll, None, send, r + 1, true),
+        Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
+            Call::new(coll, None, send, r + 1, true)
+        }
         Coll::SendRecv if r % 2 == 1 => Call::new(coll, None, recv, r - 1, false),
         Coll::SendRecv => return None,
     };
@@ -543,7 +555,10 @@ impl Gpu {
     fn open(comm: &Communicator) -> Result<Self, String> {
         let info = comm.info();
         let me = &info.hosts[comm.rank()];
-        let local_index = info.hosts[..comm.rank()].iter().filter(|h| *h == me).count();
+        let local_index = info.hosts[..comm.rank()]
+            .iter()
+            .filter(|h| *h == me)
+            .count();
         let count = dspark::gpu::probe::probe_cuda()
             .map_err(|e| format!("--mem device: {e}"))?
             .devices
@@ -552,12 +567,16 @@ impl Gpu {
             return Err("--mem device: the CUDA driver reports no GPU".into());
         }
         let ordinal = local_index % count;
-        let ctx = dspark::gpu::device::open_context(ordinal).map_err(|e| format!("--mem device: {e}"))?;
+        let ctx =
+            dspark::gpu::device::open_context(ordinal).map_err(|e| format!("--mem device: {e}"))?;
         let stream = ctx
             .new_stream()
             .map_err(|e| format!("--mem device: creating a stream on GPU {ordinal}: {e:?}"))?;
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
-        Ok(Gpu { stream, name: format!("GPU {ordinal} ({name})") })
+        Ok(Gpu {
+            stream,
+            name: format!("GPU {ordinal} ({name})"),
+        })
     }
 }
 
@@ -565,7 +584,11 @@ impl Gpu {
 enum Runner<T: BenchElem> {
     Host(Bufs<T>),
     Emulated(Option<Call>, EmulatedDevice),
-    Device { stream: Arc<CudaStream>, send: Option<CudaSlice<T>>, recv: Option<CudaSlice<T>> },
+    Device {
+        stream: Arc<CudaStream>,
+        send: Option<CudaSlice<T>>,
+        recv: Option<CudaSlice<T>>,
+    },
 }
 
 fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
@@ -573,7 +596,12 @@ fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
 }
 
 impl<T: BenchElem> Runner<T> {
-    fn new(args: &Args, comm: &Communicator, gpu: Option<&Gpu>, b: Bufs<T>) -> Result<Self, String> {
+    fn new(
+        args: &Args,
+        comm: &Communicator,
+        gpu: Option<&Gpu>,
+        b: Bufs<T>,
+    ) -> Result<Self, String> {
         match (args.mem, gpu) {
             (Mem::Host, _) if !args.compare_paths => Ok(Runner::Host(b)),
             (Mem::Emulated, _) => {
@@ -594,10 +622,17 @@ impl<T: BenchElem> Runner<T> {
                     if v.is_empty() {
                         Ok(None)
                     } else {
-                        g.stream.clone_htod(v).map(Some).map_err(cuda_err("copying inputs to the GPU"))
+                        g.stream
+                            .clone_htod(v)
+                            .map(Some)
+                            .map_err(cuda_err("copying inputs to the GPU"))
                     }
                 };
-                Ok(Runner::Device { stream: g.stream.clone(), send: up(&b.send)?, recv: up(&b.recv)? })
+                Ok(Runner::Device {
+                    stream: g.stream.clone(),
+                    send: up(&b.send)?,
+                    recv: up(&b.recv)?,
+                })
             }
             (_, None) => Err("device memory requested but no GPU was opened".into()),
         }
@@ -624,7 +659,9 @@ impl<T: BenchElem> Runner<T> {
                 .map(bytemuck::pod_read_unaligned)
                 .collect()),
             Runner::Device { stream, recv, .. } => match recv {
-                Some(r) => stream.clone_dtoh(r).map_err(cuda_err("copying results from the GPU")),
+                Some(r) => stream
+                    .clone_dtoh(r)
+                    .map_err(cuda_err("copying results from the GPU")),
                 None => Ok(Vec::new()),
             },
         }
@@ -647,24 +684,34 @@ fn run_device<T: BenchElem>(
     let op = args.op;
     match args.collective {
         Coll::AllReduce => comm.all_reduce_device(recv.as_mut().ok_or_else(missing)?, op, stream),
-        Coll::Broadcast => comm.broadcast_device(recv.as_mut().ok_or_else(missing)?, args.root, stream),
-        Coll::Reduce => comm.reduce_device(recv.as_mut().ok_or_else(missing)?, op, args.root, stream),
-        Coll::AllGather => {
-            comm.all_gather_device(send.as_ref().ok_or_else(missing)?, recv.as_mut().ok_or_else(missing)?, stream)
+        Coll::Broadcast => {
+            comm.broadcast_device(recv.as_mut().ok_or_else(missing)?, args.root, stream)
         }
+        Coll::Reduce => {
+            comm.reduce_device(recv.as_mut().ok_or_else(missing)?, op, args.root, stream)
+        }
+        Coll::AllGather => comm.all_gather_device(
+            send.as_ref().ok_or_else(missing)?,
+            recv.as_mut().ok_or_else(missing)?,
+            stream,
+        ),
         Coll::ReduceScatter => comm.reduce_scatter_device(
             send.as_ref().ok_or_else(missing)?,
             recv.as_mut().ok_or_else(missing)?,
             op,
             stream,
         ),
-        Coll::AllToAll => {
-            comm.all_to_all_device(send.as_ref().ok_or_else(missing)?, recv.as_mut().ok_or_else(missing)?, stream)
-        }
+        Coll::AllToAll => comm.all_to_all_device(
+            send.as_ref().ok_or_else(missing)?,
+            recv.as_mut().ok_or_else(missing)?,
+            stream,
+        ),
         Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
             comm.send_device(send.as_ref().ok_or_else(missing)?, r + 1, stream)
         }
-        Coll::SendRecv if r % 2 == 1 => comm.recv_device(recv.as_mut().ok_or_else(missing)?, r - 1, stream),
+        Coll::SendRecv if r % 2 == 1 => {
+            comm.recv_device(recv.as_mut().ok_or_else(missing)?, r - 1, stream)
+        }
         Coll::SendRecv => Ok(()),
     }
 }
@@ -733,7 +780,9 @@ fn verify<T: BenchElem>(args: &Args, comm: &Communicator, send_len: usize, out: 
                 T::from_i64(input_value(op, j, r * per + k))
             })
         }
-        Coll::SendRecv if r % 2 == 1 => count_wrong(out, |i| T::from_i64(input_value(op, r - 1, i))),
+        Coll::SendRecv if r % 2 == 1 => {
+            count_wrong(out, |i| T::from_i64(input_value(op, r - 1, i)))
+        }
         Coll::SendRecv => 0,
     }
 }
@@ -771,9 +820,14 @@ fn path_view(args: &Args, comm: &Communicator, gpu: Option<&Gpu>) -> Result<Path
             ],
         }),
         _ => {
-            let plan = comm.data_paths(BufferLocation::Device).map_err(|e| e.to_string())?;
-            let mut kinds: Vec<&str> =
-                plan.connections.iter().flat_map(|c| [c.send.memory.short(), c.recv.memory.short()]).collect();
+            let plan = comm
+                .data_paths(BufferLocation::Device)
+                .map_err(|e| e.to_string())?;
+            let mut kinds: Vec<&str> = plan
+                .connections
+                .iter()
+                .flat_map(|c| [c.send.memory.short(), c.recv.memory.short()])
+                .collect();
             kinds.sort_unstable();
             kinds.dedup();
             let column = match kinds.as_slice() {
@@ -823,7 +877,10 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
         println!("#   (not RDMA: {why})");
     }
     for (i, l) in pv.lines.iter().enumerate() {
-        println!("# {} {l}", if i == 0 { "data path :" } else { "           " });
+        println!(
+            "# {} {l}",
+            if i == 0 { "data path :" } else { "           " }
+        );
     }
     let hosts: Vec<&str> = info.hosts.iter().map(String::as_str).collect();
     let mut uniq = hosts.clone();
@@ -963,7 +1020,12 @@ fn bench<T: BenchElem>(
         } else {
             0
         };
-        let row = Row { bytes: shown_bytes, count: total, time_us, wrong };
+        let row = Row {
+            bytes: shown_bytes,
+            count: total,
+            time_us,
+            wrong,
+        };
         if comm.rank() == 0 && tty {
             eprint!("\r\x1b[K");
         }
@@ -979,7 +1041,11 @@ fn bench<T: BenchElem>(
 }
 
 fn bandwidths(row: &Row, factor: f64) -> (f64, f64) {
-    let algbw = if row.time_us > 0.0 { row.bytes as f64 / row.time_us / 1e3 } else { 0.0 };
+    let algbw = if row.time_us > 0.0 {
+        row.bytes as f64 / row.time_us / 1e3
+    } else {
+        0.0
+    };
     (algbw, algbw * factor)
 }
 
@@ -988,8 +1054,16 @@ fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str) {
     let n = comm.world_size();
     let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
     let info = comm.info();
-    let op = if coll.reduces() { args.op.name() } else { "none" };
-    let wrong = if args.check != 0 { row.wrong.to_string() } else { "N/A".into() };
+    let op = if coll.reduces() {
+        args.op.name()
+    } else {
+        "none"
+    };
+    let wrong = if args.check != 0 {
+        row.wrong.to_string()
+    } else {
+        "N/A".into()
+    };
     if args.csv {
         println!(
             "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
@@ -1007,7 +1081,11 @@ fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str) {
             path,
         );
     } else {
-        let root: i64 = if coll.collective().rooted() { args.root as i64 } else { -1 };
+        let root: i64 = if coll.collective().rooted() {
+            args.root as i64
+        } else {
+            -1
+        };
         let algo = comm.algorithm(coll.collective(), row.bytes);
         println!(
             "  {:>12} {:>12} {:>9} {:>6} {:>5} {:>11.2} {:>8.3} {:>8.3} {:>7}  {:<18} {:<9} {}",
@@ -1035,13 +1113,21 @@ fn footer(rows: &[Row], factor: f64) {
     } else {
         rows.iter().map(|r| bandwidths(r, factor).1).sum::<f64>() / rows.len() as f64
     };
-    println!("# Out of bounds values : {} {}", wrong, if wrong == 0 { "OK" } else { "FAILED" });
+    println!(
+        "# Out of bounds values : {} {}",
+        wrong,
+        if wrong == 0 { "OK" } else { "FAILED" }
+    );
     println!("# Avg bus bandwidth    : {avg_bus:.4} GB/s");
 }
 
 /// `--compare-paths`: the same sweep on device memory over GPUDirect RDMA and host-staged,
 /// side by side, with the ratio — the check that catches a silently staged cluster.
-fn compare_paths<T: BenchElem>(args: &Args, comm: &Communicator, gpu: Option<&Gpu>) -> Result<Vec<Row>, String> {
+fn compare_paths<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    gpu: Option<&Gpu>,
+) -> Result<Vec<Row>, String> {
     let n = comm.world_size();
     let factor = args.collective.bus_factor(n);
     let rank0 = comm.rank() == 0;
@@ -1075,7 +1161,10 @@ fn compare_paths<T: BenchElem>(args: &Args, comm: &Communicator, gpu: Option<&Gp
             let h = staged.and_then(|v| v.get(i));
             let bytes = d.or(h).map_or(0, |r| r.bytes);
             let cell = |r: Option<&Row>| match r {
-                Some(r) => (format!("{:.2}", r.time_us), format!("{:.3}", bandwidths(r, factor).1)),
+                Some(r) => (
+                    format!("{:.2}", r.time_us),
+                    format!("{:.3}", bandwidths(r, factor).1),
+                ),
                 None => ("-".into(), "-".into()),
             };
             let (dt, db) = cell(d);

@@ -353,7 +353,10 @@ impl Engine {
         match self.opts.force_algo {
             Some(a) if a.supports(coll) => a,
             _ => {
-                let t = self.opts.thresholds.unwrap_or_else(|| Thresholds::for_world(self.world));
+                let t = self
+                    .opts
+                    .thresholds
+                    .unwrap_or_else(|| Thresholds::for_world(self.world));
                 plan::choose(coll, bytes, self.world, &t)
             }
         }

@@ -473,7 +473,10 @@ impl Thresholds {
             9..=16 => 128 << 10,
             _ => 64 << 10,
         };
-        Thresholds { allreduce_ring_bytes, ..Self::default() }
+        Thresholds {
+            allreduce_ring_bytes,
+            ..Self::default()
+        }
     }
 }
 
