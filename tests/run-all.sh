@@ -55,7 +55,8 @@ if [ -n "${SKIP_VM:-}" ]; then
 elif [ -f tests/softroce/run-suite.sh ]; then
     log "Soft-RoCE VM suite (verbs on a real verbs stack inside QEMU)"
     set +e
-    bash tests/softroce/run-suite.sh
+    # Reuse the test binary built above (same profile) instead of building another.
+    SOFTROCE_PROFILE=ci bash tests/softroce/run-suite.sh
     rc=$?
     set -e
     if [ $rc = 77 ]; then
