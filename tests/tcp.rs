@@ -6,162 +6,16 @@
 
 mod common;
 
-use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::procs::{assert_all, free_port, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK};
 use dspark::{Communicator, Error, ReduceOp};
-
-const SCENARIO: &str = "DSPARK_TEST_SCENARIO";
-
-/// Exit codes of rank processes.
-const OK: i32 = 0;
-const FAILED_AS_EXPECTED: i32 = 3;
-const WRONG: i32 = 1;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Ranks {
-    children: Vec<Child>,
-}
-
-fn spawn(
-    world: usize,
-    scenario: &str,
-    env: &[(&str, String)],
-    wrap: Option<&dyn Fn(usize) -> Vec<String>>,
-) -> Ranks {
-    let port = free_port();
-    let exe = std::env::current_exe().unwrap();
-    let children = (0..world)
-        .map(|r| {
-            let mut argv: Vec<String> = wrap.map(|w| w(r)).unwrap_or_default();
-            argv.push(exe.display().to_string());
-            argv.extend(
-                [
-                    "--exact",
-                    "rank_process",
-                    "--nocapture",
-                    "--test-threads",
-                    "1",
-                ]
-                .map(String::from),
-            );
-            let mut cmd = Command::new(&argv[0]);
-            cmd.args(&argv[1..])
-                .env(SCENARIO, scenario)
-                .env("DSPARK_RANK", r.to_string())
-                .env("DSPARK_WORLD_SIZE", world.to_string())
-                .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
-                .env_remove("RUST_LOG")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("spawn rank process")
-        })
-        .collect();
-    Ranks { children }
-}
-
-struct Outcome {
-    code: Option<i32>,
-    out: String,
-    elapsed: Duration,
-}
-
-impl Ranks {
-    /// Waits for every rank, killing all of them after `limit`.
-    fn wait(mut self, limit: Duration) -> Vec<Outcome> {
-        let t0 = Instant::now();
-        let mut done: Vec<Option<(Option<i32>, Duration)>> = vec![None; self.children.len()];
-        while done.iter().any(Option::is_none) {
-            for (i, c) in self.children.iter_mut().enumerate() {
-                if done[i].is_none() {
-                    if let Ok(Some(st)) = c.try_wait() {
-                        done[i] = Some((st.code(), t0.elapsed()));
-                    }
-                }
-            }
-            if t0.elapsed() > limit {
-                for (i, c) in self.children.iter_mut().enumerate() {
-                    if done[i].is_none() {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        done[i] = Some((None, t0.elapsed()));
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        self.children
-            .iter_mut()
-            .zip(done)
-            .map(|(c, d)| {
-                let mut out = String::new();
-                if let Some(mut o) = c.stdout.take() {
-                    let _ = o.read_to_string(&mut out);
-                }
-                if let Some(mut e) = c.stderr.take() {
-                    let _ = e.read_to_string(&mut out);
-                }
-                let (code, elapsed) = d.unwrap();
-                Outcome { code, out, elapsed }
-            })
-            .collect()
-    }
-}
-
-fn assert_all_ok(outs: &[Outcome], what: &str) {
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(
-            o.code,
-            Some(OK),
-            "{what}: rank {r} failed (exit {:?}):\n{}",
-            o.code,
-            o.out
-        );
-        // Guard against a rank process that ran no scenario at all.
-        assert!(
-            o.out.contains("EXIT 0"),
-            "{what}: rank {r} did not run its scenario:\n{}",
-            o.out
-        );
-    }
-}
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
 #[test]
 fn rank_process() {
-    let Ok(scenario) = std::env::var(SCENARIO) else {
-        return;
-    };
-    let code = match run_scenario(&scenario) {
-        Ok(code) => {
-            say(&format!("SCENARIO {scenario} EXIT {code}"));
-            code
-        }
-        Err(e) => {
-            println!("RANK ERROR: {e}");
-            WRONG
-        }
-    };
-    std::process::exit(code);
-}
-
-fn say(msg: &str) {
-    use std::io::Write;
-    let mut o = std::io::stdout();
-    let _ = writeln!(o, "{msg}");
-    let _ = o.flush();
+    rank_entry(run_scenario);
 }
 
 fn run_scenario(s: &str) -> Result<i32, String> {
@@ -218,7 +72,11 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                         e,
                         Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
                     );
-                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                    return Ok(if expected {
+                        FAILED_AS_EXPECTED
+                    } else {
+                        common::procs::WRONG
+                    });
                 }
             }
         }
@@ -242,54 +100,28 @@ fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
         let outs = spawn(
             world,
             "matrix",
-            &[
-                ("DSPARK_CHUNK_BYTES", "4096".into()),
-                ("DSPARK_TIMEOUT", "60".into()),
-            ],
+            &|_| vars(&[("DSPARK_CHUNK_BYTES", "4096"), ("DSPARK_TIMEOUT", "60")]),
             None,
         )
         .wait(Duration::from_secs(240));
-        assert_all_ok(&outs, &format!("world {world}"));
+        assert_all(&outs, OK, &format!("world {world}"));
     }
 }
 
 #[test]
 fn large_messages_are_exact_across_processes() {
     for world in [2, 3] {
-        let outs = spawn(world, "large", &[("DSPARK_TIMEOUT", "60".into())], None)
+        let outs = spawn(world, "large", &|_| vars(&[("DSPARK_TIMEOUT", "60")]), None)
             .wait(Duration::from_secs(120));
-        assert_all_ok(&outs, &format!("large, world {world}"));
-    }
-}
-
-fn wait_ready(ranks: &mut Ranks, n: usize) {
-    // Each rank prints READY after its first collective; read byte by byte to not block on EOF.
-    for c in ranks.children.iter_mut().take(n) {
-        let out = c.stdout.as_mut().unwrap();
-        let mut seen = Vec::new();
-        let mut b = [0u8; 1];
-        let t0 = Instant::now();
-        while !String::from_utf8_lossy(&seen).contains("READY") {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "rank never got ready"
-            );
-            match out.read(&mut b) {
-                Ok(1) => seen.push(b[0]),
-                _ => panic!(
-                    "rank exited before READY: {}",
-                    String::from_utf8_lossy(&seen)
-                ),
-            }
-        }
+        assert_all(&outs, OK, &format!("large, world {world}"));
     }
 }
 
 #[test]
 fn killed_rank_makes_every_survivor_fail_within_the_deadline() {
     let world = 4;
-    let mut ranks = spawn(world, "loop", &[("DSPARK_TIMEOUT", "30".into())], None);
-    wait_ready(&mut ranks, world);
+    let mut ranks = spawn(world, "loop", &|_| vars(&[("DSPARK_TIMEOUT", "30")]), None);
+    ranks.wait_ready(world);
     std::thread::sleep(Duration::from_millis(200));
     ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
     let outs = ranks.wait(Duration::from_secs(60));
@@ -304,19 +136,27 @@ fn killed_rank_makes_every_survivor_fail_within_the_deadline() {
             "rank {r} took {:?}",
             o.elapsed
         );
-        assert!(
-            o.out.contains("rank 2") || o.out.contains("aborted"),
-            "rank {r}: {}",
-            o.out
-        );
     }
+    // The cause is named: the dead rank directly, or inside the abort that a survivor that
+    // noticed it first sent to the others.
+    assert!(
+        outs.iter()
+            .enumerate()
+            .filter(|(r, _)| *r != 2)
+            .any(|(_, o)| o.out.contains("rank 2")),
+        "no survivor names the killed rank 2:\n{}",
+        outs.iter()
+            .map(|o| o.out.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
 
 #[test]
 fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
     let world = 3;
-    let mut ranks = spawn(world, "loop", &[("DSPARK_TIMEOUT", "2".into())], None);
-    wait_ready(&mut ranks, world);
+    let mut ranks = spawn(world, "loop", &|_| vars(&[("DSPARK_TIMEOUT", "2")]), None);
+    ranks.wait_ready(world);
     let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let t0 = Instant::now();
@@ -354,7 +194,7 @@ fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
 
 #[test]
 fn mismatched_counts_fail_every_process_with_mismatch() {
-    let outs = spawn(3, "mismatch", &[("DSPARK_TIMEOUT", "20".into())], None)
+    let outs = spawn(3, "mismatch", &|_| vars(&[("DSPARK_TIMEOUT", "20")]), None)
         .wait(Duration::from_secs(30));
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
@@ -430,34 +270,24 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
             return;
         }
     };
-    let port = free_port();
-    let exe = std::env::current_exe().unwrap();
-    let children: Vec<Child> = [&a, &b]
-        .iter()
-        .enumerate()
-        .map(|(r, ns)| {
-            Command::new("ip")
-                .args(["netns", "exec", ns.as_str()])
-                .arg(&exe)
-                .args([
-                    "--exact",
-                    "rank_process",
-                    "--nocapture",
-                    "--test-threads",
-                    "1",
-                ])
-                .env(SCENARIO, "matrix")
-                .env("DSPARK_RANK", r.to_string())
-                .env("DSPARK_WORLD_SIZE", "2")
-                .env("DSPARK_ROOT_ADDR", format!("10.231.0.1:{port}"))
-                .env("DSPARK_TIMEOUT", "60")
-                .env("DSPARK_CHUNK_BYTES", "4096")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outs = Ranks { children }.wait(Duration::from_secs(240));
-    assert_all_ok(&outs, "network namespaces");
+    // Rank 0 listens on its veth address: every byte crosses the virtual wire.
+    let root = format!("10.231.0.1:{}", free_port());
+    let env = move |_| {
+        vars(&[
+            ("DSPARK_ROOT_ADDR", root.as_str()),
+            ("DSPARK_TIMEOUT", "60"),
+            ("DSPARK_CHUNK_BYTES", "4096"),
+        ])
+    };
+    let namespaces = [a.clone(), b.clone()];
+    let wrap = move |r: usize| {
+        vec![
+            "ip".to_string(),
+            "netns".into(),
+            "exec".into(),
+            namespaces[r].clone(),
+        ]
+    };
+    let outs = spawn(2, "matrix", &env, Some(&wrap)).wait(Duration::from_secs(240));
+    assert_all(&outs, OK, "network namespaces");
 }

@@ -14,18 +14,13 @@
 
 mod common;
 
-use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::procs::{assert_all, rank_entry, say, spawn, vars, Outcome, FAILED_AS_EXPECTED, OK};
 
 use dspark::config::TransportChoice;
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Config, Error, ReduceOp};
-
-const SCENARIO: &str = "DSPARK_TEST_SCENARIO";
-const OK: i32 = 0;
-const FAILED_AS_EXPECTED: i32 = 3;
 
 fn in_vm() -> bool {
     if std::env::var_os("RXE_VM").is_some() {
@@ -35,20 +30,6 @@ fn in_vm() -> bool {
     false
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Outcome {
-    code: Option<i32>,
-    out: String,
-    elapsed: Duration,
-}
-
 /// Runs `world` rank processes of `scenario`; `env(rank)` adds variables per rank.
 fn run_ranks(
     world: usize,
@@ -56,112 +37,13 @@ fn run_ranks(
     env: &dyn Fn(usize) -> Vec<(String, String)>,
     limit: Duration,
 ) -> Vec<Outcome> {
-    let port = free_port();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<Child> = (0..world)
-        .map(|r| {
-            let mut cmd = Command::new(&exe);
-            cmd.args([
-                "--exact",
-                "rank_process",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(SCENARIO, scenario)
-            .env("DSPARK_RANK", r.to_string())
-            .env("DSPARK_WORLD_SIZE", world.to_string())
-            .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
-            .env_remove("DSPARK_NODE")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-            for (k, v) in env(r) {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("spawn rank process")
-        })
-        .collect();
-    let t0 = Instant::now();
-    let mut done: Vec<Option<(Option<i32>, Duration)>> = vec![None; world];
-    while done.iter().any(Option::is_none) {
-        for (i, c) in children.iter_mut().enumerate() {
-            if done[i].is_none() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    done[i] = Some((st.code(), t0.elapsed()));
-                }
-            }
-        }
-        if t0.elapsed() > limit {
-            for (i, c) in children.iter_mut().enumerate() {
-                if done[i].is_none() {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    done[i] = Some((None, t0.elapsed()));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    children
-        .iter_mut()
-        .zip(done)
-        .map(|(c, d)| {
-            let mut out = String::new();
-            if let Some(mut o) = c.stdout.take() {
-                let _ = o.read_to_string(&mut out);
-            }
-            if let Some(mut e) = c.stderr.take() {
-                let _ = e.read_to_string(&mut out);
-            }
-            let (code, elapsed) = d.unwrap();
-            Outcome { code, out, elapsed }
-        })
-        .collect()
-}
-
-fn assert_all(outs: &[Outcome], want: i32, what: &str) {
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(
-            o.code,
-            Some(want),
-            "{what}: rank {r} exited {:?} after {:.1?}:\n{}",
-            o.code,
-            o.elapsed,
-            o.out
-        );
-        assert!(
-            o.out.contains(&format!("EXIT {want}")),
-            "{what}: rank {r} did not run its scenario:\n{}",
-            o.out
-        );
-    }
-}
-
-fn vars(list: &[(&str, &str)]) -> Vec<(String, String)> {
-    list.iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-fn say(s: &str) {
-    println!("{s}");
+    spawn(world, scenario, env, None).wait(limit)
 }
 
 /// Entry point of a rank process; returns at once in a normal test run.
 #[test]
 fn rank_process() {
-    let Ok(scenario) = std::env::var(SCENARIO) else {
-        return;
-    };
-    let code = match run_scenario(&scenario) {
-        Ok(c) => c,
-        Err(e) => {
-            say(&format!("scenario {scenario} failed: {e}"));
-            1
-        }
-    };
-    say(&format!("SCENARIO {scenario} EXIT {code}"));
-    std::process::exit(code);
+    rank_entry(run_scenario);
 }
 
 fn verbs_comm() -> Result<Communicator, String> {

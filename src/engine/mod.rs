@@ -671,18 +671,7 @@ impl Engine {
                 }
                 continue;
             }
-            s.interest.clear();
-            for &p in &s.active {
-                let send = s.sendq[p].front().is_some_and(|&i| ready(&s.done, i));
-                let recv = s.recvq[p].front().is_some_and(|&i| ready(&s.done, i));
-                if send || recv {
-                    s.interest.push(Interest {
-                        peer: p,
-                        send,
-                        recv,
-                    });
-                }
-            }
+            s.collect_interest(prog);
             self.transport.wait(&s.interest, deadline)?;
         }
     }
@@ -732,6 +721,23 @@ impl Engine {
 }
 
 impl Scratch {
+    /// The peers whose head send or receive may progress, for [`Transport::wait`].
+    fn collect_interest(&mut self, prog: &Program) {
+        let ready = |i: u32| prog.deps(i as usize).iter().all(|&d| self.done[d as usize]);
+        self.interest.clear();
+        for &p in &self.active {
+            let send = self.sendq[p].front().is_some_and(|&i| ready(i));
+            let recv = self.recvq[p].front().is_some_and(|&i| ready(i));
+            if send || recv {
+                self.interest.push(Interest {
+                    peer: p,
+                    send,
+                    recv,
+                });
+            }
+        }
+    }
+
     fn prepare(&mut self, world: usize, prog: &Program) {
         let n = prog.steps.len();
         self.done.clear();

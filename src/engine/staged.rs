@@ -24,7 +24,7 @@ use super::{byte_range, internal, Acc, Call, Desc, Engine, Scratch, Sink};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
-use crate::transport::{Interest, RecvProgress, SendProgress};
+use crate::transport::{RecvProgress, SendProgress};
 use crate::types::{DataType, ReduceOp};
 
 /// A byte range of one of the device buffers.
@@ -350,18 +350,7 @@ impl Engine {
                 std::thread::yield_now();
                 continue;
             }
-            s.interest.clear();
-            for &p in &s.active {
-                let send = s.sendq[p].front().is_some_and(|&i| ready(&s.done, i));
-                let recv = s.recvq[p].front().is_some_and(|&i| ready(&s.done, i));
-                if send || recv {
-                    s.interest.push(Interest {
-                        peer: p,
-                        send,
-                        recv,
-                    });
-                }
-            }
+            s.collect_interest(prog);
             self.transport.wait(&s.interest, deadline)?;
         }
     }

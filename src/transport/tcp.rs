@@ -253,6 +253,24 @@ impl TcpTransport {
         AbortClass::error(hdr.coll, self.rank, hdr.root as usize, op, msg)
     }
 
+    /// After a failed write to `peer`: its abort frame, if it sent one before closing and it is
+    /// at the front of what it sent.
+    fn pending_abort(&mut self, peer: usize, op: &str) -> Option<Error> {
+        let hdr = {
+            let p = self.peers.get_mut(peer)?.as_mut()?;
+            if p.rx_in_frame {
+                return None;
+            }
+            while p.buffered() < HEADER_LEN {
+                if !matches!(p.fill(), Ok(Fill::Data)) || p.end == p.rx.len() {
+                    break;
+                }
+            }
+            FrameHeader::decode(p.peek_header()?).ok()?
+        };
+        (hdr.kind == FrameKind::Abort).then(|| self.abort_error(peer, &hdr, op))
+    }
+
     /// Examines `peer`'s connection between frames: returns an error for an abort or a lost
     /// connection, records a goodbye.
     fn examine(&mut self, peer: usize) -> Result<()> {
@@ -374,7 +392,14 @@ impl Transport for TcpTransport {
                     let e = io::Error::from(e);
                     let d = lost_detail(&e);
                     if is_disconnect(&e) {
-                        p.state = PeerState::Lost(d.clone());
+                        // A peer that failed first sends an abort and closes: report its
+                        // error, which names the cause, rather than the closed socket.
+                        if let Some(abort) = self.pending_abort(peer, OP) {
+                            return Err(abort);
+                        }
+                        if let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) {
+                            p.state = PeerState::Lost(d.clone());
+                        }
                         return Err(Error::PeerLost {
                             rank,
                             peer,

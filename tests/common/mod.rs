@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod procs;
+
 use dspark::{Communicator, Element, ReduceOp};
 use half::{bf16, f16};
 
