@@ -100,7 +100,7 @@ impl fmt::Debug for Communicator {
 
 /// Spin time when ranks do not outnumber cores / when they do.
 const SPIN: Duration = Duration::from_micros(50);
-const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(5);
+const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
 fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
     EngineOptions {

@@ -16,7 +16,7 @@
 //! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
 //! | `DSPARK_ALGO` | force an algorithm (`ring`, `recursive_doubling`, `chain`, `binomial_tree`) | by size |
 //! | `DSPARK_CHUNK_BYTES` | pipeline segment size | 512 KiB |
-//! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs | 50 (5 when ranks outnumber cores) |
+//! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs | 50 (100, yielding the CPU, when ranks outnumber cores) |
 
 use std::fmt;
 use std::time::Duration;

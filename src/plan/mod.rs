@@ -464,12 +464,13 @@ impl Thresholds {
     /// The defaults for `world` ranks. Recursive doubling sends the whole buffer log2(n)
     /// times in log2(n) steps, the ring 2(n−1)/n of it in 2(n−1) steps: with few ranks the
     /// ring's extra steps cost more than doubling's extra bytes up to megabytes (measured
-    /// over TCP loopback: 2 and 4 ranks, doubling is faster up to 1–2 MiB), with many ranks
-    /// only for small buffers.
+    /// over TCP loopback: with 2 ranks doubling is faster up to 1–2 MiB, with 4 ranks up to
+    /// about 512 KiB), with many ranks only for small buffers.
     pub fn for_world(world: usize) -> Self {
         let allreduce_ring_bytes = match world {
-            0..=4 => 2 << 20,
-            5..=8 => 512 << 10,
+            0..=2 => 2 << 20,
+            3..=4 => 512 << 10,
+            5..=8 => 256 << 10,
             9..=16 => 128 << 10,
             _ => 64 << 10,
         };
