@@ -13,6 +13,7 @@
 //! connection says `staged` with the reason — in [`Communicator::data_paths`], in the bench
 //! header and in every bench row.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -22,7 +23,7 @@ use crate::comm::Communicator;
 use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::gpu::device::GpuReducer;
-use crate::gpu::staged::CudaStagedDevice;
+use crate::gpu::staged::{CudaStagedDevice, StagingPool};
 use crate::path::{self, BufferLocation, GpuDirectCapability, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
 use crate::types::{Element, ReduceOp};
@@ -39,6 +40,8 @@ const STAGE_SLOTS: usize = 4;
 #[derive(Debug, Default)]
 pub(crate) struct GpuState {
     reducers: HashMap<usize, Arc<GpuReducer>>,
+    /// Pinned staging memory per GPU, reused by every call.
+    pools: HashMap<usize, StagingPool>,
     warned: bool,
 }
 
@@ -128,15 +131,17 @@ impl Communicator {
         }
         let reducer = self.reducer(stream)?;
         let slot = self.info().segment_bytes;
-        let mut dev = CudaStagedDevice::new::<T, S, D>(
-            &reducer,
-            stream,
-            src,
-            dst,
-            STAGE_SLOTS,
-            STAGE_SLOTS,
-            slot,
-        )?;
+        let ctx = stream.context();
+        let mut st = self.gpu_state();
+        let pool = match st.pools.entry(ctx.ordinal()) {
+            Entry::Occupied(e) if e.get().fits(ctx, STAGE_SLOTS, STAGE_SLOTS, slot) => e.into_mut(),
+            Entry::Occupied(mut e) => {
+                e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?);
+                e.into_mut()
+            }
+            Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
+        };
+        let mut dev = CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)?;
         let call = Call {
             dtype: T::DATA_TYPE,
             ..call

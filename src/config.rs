@@ -19,7 +19,7 @@
 //! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs | 50 (100, yielding the CPU, when ranks outnumber cores) |
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::path::{PathPolicy, DATA_PATH_ENV};
@@ -342,6 +342,15 @@ impl Config {
             h
         }
     }
+}
+
+/// `start + timeout`, saturating far in the future (a `Duration::MAX` timeout means "no
+/// practical limit", not an overflow).
+pub fn deadline(start: Instant, timeout: Duration) -> Instant {
+    start
+        .checked_add(timeout)
+        .or_else(|| start.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(start)
 }
 
 /// `host:port`, bracketing IPv6 literals.

@@ -190,3 +190,30 @@ fn a_stray_connection_to_the_root_does_not_break_the_rendezvous() {
         sc.spawn(|| leaf.barrier().unwrap());
     });
 }
+
+#[test]
+fn a_silent_stray_connection_does_not_hold_the_rendezvous_for_the_whole_deadline() {
+    let port = free_port();
+    let t0 = Instant::now();
+    let h = std::thread::spawn(move || Communicator::init(cfg(0, 2, port, 60_000)));
+    // Connects first and never says anything (a port scanner, a wedged leftover).
+    let silent = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if t0.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let leaf = Communicator::init(cfg(1, 2, port, 60_000)).unwrap();
+    let root = h.join().unwrap().unwrap();
+    // Rank 0 gave the silent connection a few seconds, not the 60 s deadline.
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    drop(silent);
+    std::thread::scope(|sc| {
+        sc.spawn(|| root.barrier().unwrap());
+        sc.spawn(|| leaf.barrier().unwrap());
+    });
+}

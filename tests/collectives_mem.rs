@@ -102,12 +102,22 @@ fn killed_rank_makes_every_survivor_fail_fast_instead_of_hanging() {
             continue;
         }
         match x {
-            Err(Error::PeerLost { peer: 2, .. }) => {}
-            Err(Error::Aborted { by: 2, .. }) => {}
-            Err(Error::Aborted { .. }) | Err(Error::PeerLost { .. }) => {}
+            Err(Error::PeerLost { .. }) | Err(Error::Aborted { .. }) => {}
             other => panic!("rank {r}: expected PeerLost/Aborted, got {other:?}"),
         }
     }
+    // The cause is named: the dead rank itself, or inside the abort of the survivor that
+    // noticed it first.
+    assert!(
+        res.iter()
+            .enumerate()
+            .filter(|(r, _)| *r != 2)
+            .any(|(_, x)| matches!(
+                x,
+                Err(e) if e.to_string().contains("rank 2")
+            )),
+        "no survivor names the killed rank 2: {res:?}"
+    );
     assert!(
         elapsed < Duration::from_secs(10),
         "took {elapsed:?}, deadline is 20 s"
@@ -334,4 +344,32 @@ fn zero_counts_return_at_once_and_world_of_one_works() {
         c.all_gather(&v, &mut out).unwrap();
         assert_eq!(out, v);
     });
+}
+
+#[test]
+fn ranks_forced_to_different_algorithms_get_mismatch_not_wrong_data() {
+    // With 2 ranks, ring and recursive doubling exchange frames of the same sizes: only the
+    // algorithm in the descriptor tells them apart.
+    let world = 2;
+    let fabric = MemFabric::new(world, 4);
+    let res: Vec<dspark::Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let t = fabric.transport(r);
+                s.spawn(move || {
+                    let mut cfg = config(Duration::from_secs(5), 1024);
+                    cfg.algo = dspark::plan::Algorithm::from_name(if r == 0 {
+                        "ring"
+                    } else {
+                        "recursive_doubling"
+                    });
+                    let comm = Communicator::from_transport(r, world, Box::new(t), &cfg).unwrap();
+                    let mut buf = vec![1.0f32; 512];
+                    comm.all_reduce(&mut buf, ReduceOp::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    expect_mismatch_everywhere(&res, "recursive_doubling");
 }

@@ -445,12 +445,13 @@ fn staged_rank(
 ) -> Result<(f64, f64, f64, f64), String> {
     use dspark::engine::staged::{DevRange, StagedDevice};
     use dspark::engine::Call;
-    use dspark::gpu::staged::CudaStagedDevice;
+    use dspark::gpu::staged::{CudaStagedDevice, StagingPool};
     use dspark::plan::{Buf, Collective};
     let e = |w: &'static str| move |x: Error| format!("{w}: {x}");
     let rank = comm.rank();
     let world = comm.world_size();
     let stream = ctx.new_stream().map_err(|x| format!("stream: {x:?}"))?;
+    let mut pool = StagingPool::new(ctx, 4, 4, seg).map_err(e("staging pool"))?;
     // Exactly representable inputs: small integers, so every order of summation agrees.
     let input: Vec<f32> = (0..count).map(|i| ((i % 1000) + rank) as f32).collect();
     let want: Vec<f32> = (0..count)
@@ -461,15 +462,13 @@ fn staged_rank(
         .map_err(|x| format!("htod: {x:?}"))?;
     let mut call = Call::new(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false);
     call.dtype = DataType::F32;
-    let run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<(), String> {
+    let mut run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<(), String> {
         let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
             r,
             &stream,
             None,
             Some(buf),
-            4,
-            4,
-            seg,
+            &mut pool,
         )
         .map_err(e("staged device"))?;
         comm.run_staged(call, &mut dev).map_err(e("run_staged"))
@@ -501,9 +500,7 @@ fn staged_rank(
             &stream,
             None,
             Some(&mut scratch_dst),
-            4,
-            4,
-            seg,
+            &mut pool,
         )
         .map_err(e("staged device"))?;
         let t = Instant::now();

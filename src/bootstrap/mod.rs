@@ -44,6 +44,11 @@ const REJECT_CONFIG: u8 = 2;
 
 const MAX_MSG: usize = 64 << 20;
 
+/// How long an accepted connection may take to say hello: a stray client that connects and
+/// stays silent (a port scanner, a health check, a wedged leftover) must not hold the
+/// rendezvous for the whole deadline.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+
 /// What every rank knows about every other after the rendezvous.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerInfo {
@@ -218,9 +223,21 @@ impl Ctx<'_> {
     }
 
     fn recv(&self, s: &mut TcpStream, peer: Option<usize>, what: &str) -> Result<Vec<u8>> {
+        self.recv_within(s, peer, what, Duration::MAX)
+    }
+
+    /// [`Ctx::recv`] waiting at most `limit` (and never past the deadline).
+    fn recv_within(
+        &self,
+        s: &mut TcpStream,
+        peer: Option<usize>,
+        what: &str,
+        limit: Duration,
+    ) -> Result<Vec<u8>> {
         let rem = self
             .remaining()
-            .ok_or_else(|| self.timeout(peer, what.to_string()))?;
+            .ok_or_else(|| self.timeout(peer, what.to_string()))?
+            .min(limit);
         s.set_read_timeout(Some(rem))
             .map_err(|e| self.io(peer, "socket option", e))?;
         let mut len = [0u8; 4];
@@ -305,7 +322,7 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     let start = Instant::now();
     let ctx = Ctx {
         cfg,
-        deadline: start + cfg.timeout,
+        deadline: crate::config::deadline(start, cfg.timeout),
         start,
     };
     let host = hostname();
@@ -432,7 +449,7 @@ fn root_rendezvous(
         let _ = s.set_nodelay(true);
         let _ = s.set_nonblocking(false);
         // A stray connection must not eat the whole deadline.
-        let hello = match ctx.recv(&mut s, None, "reading a hello") {
+        let hello = match ctx.recv_within(&mut s, None, "reading a hello", HELLO_WAIT) {
             Ok(m) => m,
             Err(e) => {
                 refused.push(format!("{from}: {e}"));
@@ -691,8 +708,11 @@ fn leaf_rendezvous(
         ));
     }
     let mut peers = Vec::with_capacity(world);
-    for _ in 0..world {
+    for i in 0..world {
         let r = rd.u32().map_err(|w| ctx.bad(Some(0), w))? as usize;
+        if r != i {
+            return Err(ctx.bad(Some(0), format!("rank table entry {i} is for rank {r}")));
+        }
         let ip: IpAddr = rd
             .str()
             .map_err(|w| ctx.bad(Some(0), w))?
@@ -786,7 +806,7 @@ fn connect_mesh(
         })?;
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
-        let m = match ctx.recv(&mut s, None, "reading a peer hello") {
+        let m = match ctx.recv_within(&mut s, None, "reading a peer hello", HELLO_WAIT) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(%from, "dropped a data connection: {e}");
@@ -874,7 +894,7 @@ impl Bootstrap {
         let cfg = Config::new(self.rank, self.world, String::new());
         let ctx = Ctx {
             cfg: &cfg,
-            deadline: start + self.timeout,
+            deadline: crate::config::deadline(start, self.timeout),
             start,
         };
         if self.rank == 0 {

@@ -104,6 +104,9 @@ impl Call {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Desc {
     coll: Collective,
+    /// The algorithm: ranks that schedule one call differently would exchange frames of the
+    /// same sizes and reduce them at the wrong offsets, so it is part of the descriptor.
+    algo: Algorithm,
     seq: u64,
     dtype: DataType,
     op: u8,
@@ -115,7 +118,7 @@ impl Desc {
     fn header(&self, len: usize) -> FrameHeader {
         FrameHeader {
             kind: FrameKind::Data,
-            coll: self.coll.code(),
+            coll: coll_byte(self.coll, self.algo),
             dtype: self.dtype.code(),
             op: self.op,
             root: self.root,
@@ -125,8 +128,9 @@ impl Desc {
         }
     }
 
-    /// "all_reduce #7 (count 10, float, sum)".
-    fn describe(coll: u8, seq: u64, dtype: u8, op: u8, count: u64, root: u32) -> String {
+    /// "all_reduce #7 (count 10, float, sum, ring)".
+    fn describe(byte: u8, seq: u64, dtype: u8, op: u8, count: u64, root: u32) -> String {
+        let (coll, algo) = (byte & 0x0f, byte >> 4);
         let coll_s = Collective::from_code(coll)
             .map_or(format!("collective #{coll}"), |c| c.name().to_string());
         let dtype_s =
@@ -138,12 +142,14 @@ impl Desc {
         if Collective::from_code(coll).is_some_and(Collective::rooted) {
             s += &format!(", root {root}");
         }
+        s += &Algorithm::from_code(algo)
+            .map_or(format!(", algorithm #{algo}"), |a| format!(", {a}"));
         s + ")"
     }
 
     fn describe_self(&self) -> String {
         Self::describe(
-            self.coll.code(),
+            coll_byte(self.coll, self.algo),
             self.seq,
             self.dtype.code(),
             self.op,
@@ -151,6 +157,12 @@ impl Desc {
             self.root,
         )
     }
+}
+
+/// The header's collective byte: the collective in the low four bits, the algorithm in the
+/// high four.
+fn coll_byte(coll: Collective, algo: Algorithm) -> u8 {
+    coll.code() | (algo.code() << 4)
 }
 
 /// Where a reducing receive takes its other operand from.
@@ -178,7 +190,7 @@ struct Sink<'a> {
 impl RecvSink for Sink<'_> {
     fn on_header(&mut self, h: &FrameHeader) -> Result<usize> {
         let d = self.desc;
-        let same = h.coll == d.coll.code()
+        let same = h.coll == coll_byte(d.coll, d.algo)
             && h.seq == d.seq
             && h.dtype == d.dtype.code()
             && h.op == d.op
@@ -260,7 +272,23 @@ struct ReqKey {
     finalize: bool,
 }
 
-const CACHE_SLOTS: usize = 16;
+/// Compiled programs kept (least recently used ones are replaced): a training loop cycles
+/// through a few bucket sizes per collective.
+const CACHE_SLOTS: usize = 64;
+
+/// A compiled program and the number of elements of `Src` and `Dst` it touches.
+#[derive(Clone, Debug)]
+struct Compiled {
+    prog: Arc<Program>,
+    extent: [usize; 2],
+}
+
+#[derive(Debug)]
+struct CacheEntry {
+    key: ProgramKey,
+    compiled: Compiled,
+    used: u64,
+}
 
 /// Reusable per-call bookkeeping, kept to avoid allocating on every call.
 #[derive(Debug, Default)]
@@ -286,8 +314,8 @@ pub struct Engine {
     seq: u64,
     p2p_sent: Vec<u64>,
     p2p_received: Vec<u64>,
-    cache: Vec<(ProgramKey, Arc<Program>)>,
-    cache_next: usize,
+    cache: Vec<CacheEntry>,
+    clock: u64,
     scratch: Scratch,
 }
 
@@ -313,7 +341,7 @@ impl Engine {
             p2p_sent: vec![0; world],
             p2p_received: vec![0; world],
             cache: Vec::new(),
-            cache_next: 0,
+            clock: 0,
             scratch: Scratch::default(),
         }
     }
@@ -368,7 +396,7 @@ impl Engine {
     /// The first fatal error poisons the engine: it tells every peer (so that they fail
     /// promptly too) and every later call returns the same error.
     pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
-        self.guarded(call, |eng, prog, desc| {
+        self.guarded(call, (src.len(), dst.len()), |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
             eng.execute(&prog, &desc, full, full.step_op(), src, dst)
         })
@@ -379,10 +407,22 @@ impl Engine {
     fn guarded(
         &mut self,
         call: &Call,
+        (src_len, dst_len): (usize, usize),
         body: impl FnOnce(&mut Self, Arc<Program>, Desc) -> Result<()>,
     ) -> Result<()> {
         if let Some(e) = &self.poison {
             return Err(e.clone());
+        }
+        let peer_call = call.coll.rooted() || call.coll == Collective::SendRecv;
+        if peer_call && call.root >= self.world {
+            return Err(Error::invalid(
+                Some(self.rank),
+                call.coll.name(),
+                format!(
+                    "rank {} is not a rank (world size {})",
+                    call.root, self.world
+                ),
+            ));
         }
         let esz = call.dtype.size();
         let bytes = call.count.saturating_mul(esz);
@@ -414,6 +454,7 @@ impl Engine {
         };
         let desc = Desc {
             coll: call.coll,
+            algo,
             seq,
             dtype: call.dtype,
             op: call.op.map_or(NO_OP, ReduceOp::code),
@@ -425,13 +466,31 @@ impl Engine {
             },
         };
         let result = match self.program(&req, esz) {
-            Ok(prog) => body(self, prog, desc),
+            Ok(c) => {
+                let (need_src, need_dst) =
+                    (c.extent[Buf::Src as usize], c.extent[Buf::Dst as usize]);
+                if src_len / esz < need_src || dst_len / esz < need_dst {
+                    Err(Error::invalid(
+                        Some(self.rank),
+                        call.coll.name(),
+                        format!(
+                            "buffers hold {} and {} elements, the call needs {need_src} and \
+                             {need_dst}",
+                            src_len / esz,
+                            dst_len / esz
+                        ),
+                    ))
+                } else {
+                    body(self, c.prog, desc)
+                }
+            }
             Err(e) => Err(e),
         };
+        // Once the call has its sequence number, any failure — even an argument problem found
+        // by a device or transport half-way — leaves this rank out of step with its peers
+        // (and maybe half a frame on a wire): poison, and tell them.
         if let Err(e) = &result {
-            if e.is_fatal() {
-                self.fail(e.clone());
-            }
+            self.fail(e.clone());
         }
         result
     }
@@ -472,7 +531,9 @@ impl Engine {
         }
     }
 
-    fn program(&mut self, req: &Request, esz: usize) -> Result<Arc<Program>> {
+    /// The compiled program of `req` (from the cache when it was compiled before), and how
+    /// many elements of `Src` and `Dst` it touches.
+    fn program(&mut self, req: &Request, esz: usize) -> Result<Compiled> {
         let seg_elems = (self.opts.segment_bytes / esz).max(1);
         let key = ProgramKey {
             req: ReqKey {
@@ -485,8 +546,11 @@ impl Engine {
             },
             seg_elems,
         };
-        if let Some((_, p)) = self.cache.iter().find(|(k, _)| *k == key) {
-            return Ok(Arc::clone(p));
+        self.clock += 1;
+        let now = self.clock;
+        if let Some(e) = self.cache.iter_mut().find(|e| e.key == key) {
+            e.used = now;
+            return Ok(e.compiled.clone());
         }
         let sched = plan::schedule(req).ok_or_else(|| {
             Error::invalid(
@@ -495,14 +559,35 @@ impl Engine {
                 format!("algorithm {} does not implement {}", req.algo, req.coll),
             )
         })?;
-        let prog = Arc::new(plan::compile(&sched, seg_elems));
-        if self.cache.len() < CACHE_SLOTS {
-            self.cache.push((key, Arc::clone(&prog)));
-        } else {
-            self.cache[self.cache_next] = (key, Arc::clone(&prog));
-            self.cache_next = (self.cache_next + 1) % CACHE_SLOTS;
+        let prog = plan::compile(&sched, seg_elems);
+        let mut extent = [0usize; 2];
+        for st in &prog.steps {
+            let locs = match st.op {
+                Op::Send { src, .. } => [Some(src), None],
+                Op::Recv { dst, acc, .. } => [Some(dst), acc],
+                Op::Copy { src, dst } => [Some(src), Some(dst)],
+                Op::Finalize { loc } => [Some(loc), None],
+            };
+            for l in locs.into_iter().flatten() {
+                let b = l.buf as usize;
+                extent[b] = extent[b].max(l.start + l.len);
+            }
         }
-        Ok(prog)
+        let compiled = Compiled {
+            prog: Arc::new(prog),
+            extent,
+        };
+        let entry = CacheEntry {
+            key,
+            compiled: compiled.clone(),
+            used: now,
+        };
+        if self.cache.len() < CACHE_SLOTS {
+            self.cache.push(entry);
+        } else if let Some(lru) = self.cache.iter_mut().min_by_key(|e| e.used) {
+            *lru = entry;
+        }
+        Ok(compiled)
     }
 
     fn execute(
@@ -520,7 +605,7 @@ impl Engine {
         }
         let esz = desc.dtype.size();
         let start = Instant::now();
-        let deadline = start + self.opts.timeout;
+        let deadline = crate::config::deadline(start, self.opts.timeout);
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
         let res = self.drive(
@@ -545,6 +630,7 @@ impl Engine {
         s: &mut Scratch,
     ) -> Result<()> {
         let mut remaining = prog.steps.len();
+        let mut busy_rounds: u64 = 0;
         let mut idle_since: Option<Instant> = None;
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
         loop {
@@ -656,6 +742,11 @@ impl Engine {
             }
             if moved {
                 idle_since = None;
+                // A peer trickling bytes must not keep a call alive past its deadline either.
+                busy_rounds += 1;
+                if busy_rounds.is_multiple_of(256) && Instant::now() >= deadline {
+                    return Err(self.timeout_error(prog, desc, s, start.elapsed()));
+                }
                 continue;
             }
             let now = Instant::now();

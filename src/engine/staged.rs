@@ -85,6 +85,8 @@ pub trait StagedDevice {
     fn synchronize(&mut self, deadline: Instant) -> Result<()>;
     /// One line for logs and the bench header.
     fn describe(&self) -> String;
+    /// Sizes in bytes of the device `Src` and `Dst` buffers (checked against the call).
+    fn buffer_bytes(&self) -> (usize, usize);
 }
 
 /// How far ahead of its turn a send is staged (per peer).
@@ -116,7 +118,8 @@ impl Engine {
                 "staging device has no slots or slots smaller than a segment",
             ));
         }
-        self.guarded(call, |eng, prog, desc| {
+        let lens = dev.buffer_bytes();
+        self.guarded(call, lens, |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
             eng.execute_staged(&prog, &desc, full, dev)
         })
@@ -130,7 +133,7 @@ impl Engine {
         dev: &mut dyn StagedDevice,
     ) -> Result<()> {
         let start = Instant::now();
-        let deadline = start + self.opts.timeout;
+        let deadline = crate::config::deadline(start, self.opts.timeout);
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
         let res = self.drive_staged(prog, desc, full_op, dev, start, deadline, &mut s);
@@ -159,6 +162,7 @@ impl Engine {
         let mut free_recv: Vec<usize> = (base..base + dev.recv_slots()).rev().collect();
         let mut recv_slot: Vec<Option<usize>> = vec![None; self.world];
         let mut landing: VecDeque<(usize, u64)> = VecDeque::new();
+        let mut busy_rounds: u64 = 0;
         let mut idle_since: Option<Instant> = None;
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
@@ -328,6 +332,11 @@ impl Engine {
             }
             if moved {
                 idle_since = None;
+                // A peer trickling bytes must not keep a call alive past its deadline either.
+                busy_rounds += 1;
+                if busy_rounds.is_multiple_of(256) && Instant::now() >= deadline {
+                    return Err(self.timeout_error(prog, desc, s, start.elapsed()));
+                }
                 continue;
             }
             let now = Instant::now();
@@ -593,6 +602,9 @@ impl StagedDevice for EmulatedDevice {
             self.perform_one();
         }
         Ok(())
+    }
+    fn buffer_bytes(&self) -> (usize, usize) {
+        (self.src.len(), self.dst.len())
     }
     fn describe(&self) -> String {
         format!(

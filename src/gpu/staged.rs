@@ -8,13 +8,14 @@
 //!
 //! ```no_run
 //! # fn main() -> dspark::Result<()> {
-//! use dspark::gpu::{device, staged::CudaStagedDevice};
+//! use dspark::gpu::{device, staged::{CudaStagedDevice, StagingPool}};
 //! let ctx = device::open_context(0)?;
 //! let reducer = device::GpuReducer::new(&ctx)?;
 //! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { op: "stream".into(), what: format!("{e:?}") })?;
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
+//! let mut pool = StagingPool::new(&ctx, 4, 4, 1 << 20)?;
 //! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-//!     &reducer, &stream, None, Some(&mut grads), 4, 4, 1 << 20)?;
+//!     &reducer, &stream, None, Some(&mut grads), &mut pool)?;
 //! // comm.run_staged(call, &mut dev)?;
 //! # Ok(()) }
 //! ```
@@ -55,6 +56,11 @@ struct Pinned {
     ptr: *mut u8,
     len: usize,
 }
+
+// SAFETY: the pinned allocation is ordinary process memory that any thread may access; `Pinned`
+// owns it exclusively (it is only reachable through `&mut StagingPool`), and freeing it from
+// another thread is allowed by the driver (the context is bound first).
+unsafe impl Send for Pinned {}
 
 impl Pinned {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
@@ -104,10 +110,7 @@ pub struct CudaStagedDevice<'a> {
     stream: &'a Arc<CudaStream>,
     src: Option<(u64, usize)>,
     dst: (u64, usize),
-    send_slots: usize,
-    slot_bytes: usize,
-    slots: Pinned,
-    scratch: DeviceAllocation,
+    pool: &'a mut StagingPool,
     marks: VecDeque<(u64, CudaEvent)>,
     next_mark: u64,
     done_mark: u64,
@@ -124,17 +127,14 @@ impl std::fmt::Debug for CudaStagedDevice<'_> {
 
 impl<'a> CudaStagedDevice<'a> {
     /// A staged device over `dst` (absent for a send) and `src` (when the collective has a
-    /// separate input), with
-    /// `send_slots` + `recv_slots` pinned slots of `slot_bytes` each (at least the engine's
-    /// segment size), ordered on `stream` (of `reducer`'s context).
+    /// separate input), staging through `pool` (of the stream's GPU), ordered on `stream` (of
+    /// `reducer`'s context).
     pub fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
         src: Option<&'a S>,
         dst: Option<&'a mut D>,
-        send_slots: usize,
-        recv_slots: usize,
-        slot_bytes: usize,
+        pool: &'a mut StagingPool,
     ) -> Result<Self>
     where
         T: DeviceRepr,
@@ -142,18 +142,16 @@ impl<'a> CudaStagedDevice<'a> {
         D: DevicePtrMut<T>,
     {
         require_driver_symbols(&SYMBOLS)?;
-        if send_slots == 0 || recv_slots == 0 || slot_bytes == 0 {
+        if pool.ctx.ordinal() != stream.context().ordinal() {
             return Err(bad(
                 "device",
-                "slot counts and size must be at least 1".into(),
+                format!(
+                    "staging pool of GPU {} used with a stream of GPU {}",
+                    pool.ctx.ordinal(),
+                    stream.context().ordinal()
+                ),
             ));
         }
-        let ctx = stream.context().clone();
-        let total = (send_slots + recv_slots)
-            .checked_mul(slot_bytes)
-            .ok_or_else(|| bad("device", "slot pool size overflows".into()))?;
-        let slots = Pinned::new(&ctx, total)?;
-        let scratch = DeviceAllocation::new(&ctx, slot_bytes)?;
         let mut guards = Vec::new();
         let src = src.map(|s| {
             let (p, g) = s.device_ptr(stream);
@@ -171,20 +169,19 @@ impl<'a> CudaStagedDevice<'a> {
             None => (0, 0),
         };
         let description = format!(
-            "CUDA device {} ({}): {send_slots} send + {recv_slots} receive pinned slots of {} KiB",
-            ctx.ordinal(),
+            "CUDA device {} ({}): {} send + {} receive pinned slots of {} KiB",
+            pool.ctx.ordinal(),
             reducer.arch(),
-            slot_bytes / 1024
+            pool.send_slots,
+            pool.recv_slots,
+            pool.slot_bytes / 1024
         );
         Ok(CudaStagedDevice {
             reducer,
             stream,
             src,
             dst: (dp, dst_bytes),
-            send_slots,
-            slot_bytes,
-            slots,
-            scratch,
+            pool,
             marks: VecDeque::new(),
             next_mark: 0,
             done_mark: 0,
@@ -194,22 +191,22 @@ impl<'a> CudaStagedDevice<'a> {
     }
 
     fn slot_count(&self) -> usize {
-        self.slots.len / self.slot_bytes
+        self.pool.slots.len / self.pool.slot_bytes
     }
 
     fn slot_ptr(&self, op: &str, slot: usize, len: usize) -> Result<*mut u8> {
-        if slot >= self.slot_count() || len > self.slot_bytes {
+        if slot >= self.slot_count() || len > self.pool.slot_bytes {
             return Err(bad(
                 op,
                 format!(
                     "slot {slot} / {len} bytes outside {} slots of {}",
                     self.slot_count(),
-                    self.slot_bytes
+                    self.pool.slot_bytes
                 ),
             ));
         }
         // SAFETY: `slot * slot_bytes + len <= slots.len` (checked above), inside one allocation.
-        Ok(unsafe { self.slots.ptr.add(slot * self.slot_bytes) })
+        Ok(unsafe { self.pool.slots.ptr.add(slot * self.pool.slot_bytes) })
     }
 
     fn dev_ptr(&self, op: &str, buf: Buf, bytes: &Range<usize>) -> Result<u64> {
@@ -235,32 +232,32 @@ impl<'a> CudaStagedDevice<'a> {
 
 impl StagedDevice for CudaStagedDevice<'_> {
     fn send_slots(&self) -> usize {
-        self.send_slots
+        self.pool.send_slots
     }
 
     fn recv_slots(&self) -> usize {
-        self.slot_count() - self.send_slots
+        self.slot_count() - self.pool.send_slots
     }
 
     fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.pool.slot_bytes
     }
 
     fn slot(&self, i: usize) -> &[u8] {
-        match self.slot_ptr("slot", i, self.slot_bytes) {
+        match self.slot_ptr("slot", i, self.pool.slot_bytes) {
             // SAFETY: the slot lies inside the live pinned allocation; the engine reads a slot
             // only after the mark following its last asynchronous write has been reached, so
             // no copy writes it while this borrow lives.
-            Ok(p) => unsafe { std::slice::from_raw_parts(p, self.slot_bytes) },
+            Ok(p) => unsafe { std::slice::from_raw_parts(p, self.pool.slot_bytes) },
             Err(_) => &[],
         }
     }
 
     fn slot_mut(&mut self, i: usize) -> &mut [u8] {
-        match self.slot_ptr("slot", i, self.slot_bytes) {
+        match self.slot_ptr("slot", i, self.pool.slot_bytes) {
             // SAFETY: as in `slot`; `&mut self` makes this the only borrow of the slots, and the
             // engine reuses a slot only after the mark following its last copy was reached.
-            Ok(p) => unsafe { std::slice::from_raw_parts_mut(p, self.slot_bytes) },
+            Ok(p) => unsafe { std::slice::from_raw_parts_mut(p, self.pool.slot_bytes) },
             Err(_) => &mut [],
         }
     }
@@ -314,7 +311,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         if n == 0 {
             return Ok(());
         }
-        let scratch = self.scratch.ptr();
+        let scratch = self.pool.scratch.ptr();
         // SAFETY: the scratch allocation holds `slot_bytes >= n` bytes (checked by
         // `slot_ptr`); the slot holds `n` bytes; ordered on the stream before the kernel that
         // reads the scratch, and the next copy into the scratch is ordered after that kernel.
@@ -369,7 +366,14 @@ impl StagedDevice for CudaStagedDevice<'_> {
     }
 
     fn mark(&mut self) -> Result<u64> {
-        let ev = self.stream.record_event(None).map_err(|e| Error::Cuda {
+        let ev = match self.pool.events.pop() {
+            Some(ev) => ev,
+            None => self.pool.ctx.new_event(None).map_err(|e| Error::Cuda {
+                op: "cuEventCreate".into(),
+                what: cu_error_text(e.0),
+            })?,
+        };
+        ev.record(self.stream).map_err(|e| Error::Cuda {
             op: "cuEventRecord".into(),
             what: cu_error_text(e.0),
         })?;
@@ -389,7 +393,9 @@ impl StagedDevice for CudaStagedDevice<'_> {
                 break;
             }
             self.done_mark = *m;
-            self.marks.pop_front();
+            if let Some((_, ev)) = self.marks.pop_front() {
+                self.pool.events.push(ev);
+            }
         }
         Ok(self.done_mark >= mark)
     }
@@ -400,12 +406,13 @@ impl StagedDevice for CudaStagedDevice<'_> {
         let mut pause = Duration::from_micros(5);
         while !self.reached(last)? {
             if Instant::now() >= deadline {
-                return Err(Error::Cuda {
+                // The engine turns this into a Timeout naming the call.
+                return Err(Error::Timeout {
+                    rank: 0,
+                    peer: None,
                     op: "staged synchronize".into(),
-                    what: format!(
-                        "device work still running after {:.1?} (deadline reached)",
-                        start.elapsed()
-                    ),
+                    waited: start.elapsed(),
+                    detail: "device work still running at the deadline".into(),
                 });
             }
             std::thread::sleep(pause);
@@ -417,12 +424,89 @@ impl StagedDevice for CudaStagedDevice<'_> {
     fn describe(&self) -> String {
         self.description.clone()
     }
+
+    fn buffer_bytes(&self) -> (usize, usize) {
+        (self.src.map_or(0, |(_, n)| n), self.dst.1)
+    }
 }
 
 impl Drop for CudaStagedDevice<'_> {
     fn drop(&mut self) {
-        // Copies into or out of the pinned slots and the scratch must finish before they are
-        // freed (fields drop after this); errors cannot be reported from Drop.
+        // Copies into or out of the pinned slots and the scratch must finish before the pool
+        // is used again; errors cannot be reported from Drop.
         let _ = self.stream.synchronize();
+        self.pool
+            .events
+            .extend(self.marks.drain(..).map(|(_, ev)| ev));
+    }
+}
+
+/// Pinned host slots, a device scratch buffer and CUDA events for the staged path on one GPU,
+/// allocated once and reused by every collective: allocating and freeing pinned memory
+/// synchronises the whole device, which would dominate gradient-bucket-sized calls.
+pub struct StagingPool {
+    ctx: Arc<CudaContext>,
+    slots: Pinned,
+    scratch: DeviceAllocation,
+    send_slots: usize,
+    recv_slots: usize,
+    slot_bytes: usize,
+    events: Vec<CudaEvent>,
+}
+
+impl std::fmt::Debug for StagingPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "StagingPool(GPU {}: {} + {} slots of {} B)",
+            self.ctx.ordinal(),
+            self.send_slots,
+            self.recv_slots,
+            self.slot_bytes
+        )
+    }
+}
+
+impl StagingPool {
+    /// `send_slots` + `recv_slots` pinned slots of `slot_bytes` each (at least the engine's
+    /// segment size) and one slot of device scratch, on `ctx`'s GPU.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        send_slots: usize,
+        recv_slots: usize,
+        slot_bytes: usize,
+    ) -> Result<Self> {
+        require_driver_symbols(&SYMBOLS)?;
+        if send_slots == 0 || recv_slots == 0 || slot_bytes == 0 {
+            return Err(bad(
+                "device",
+                "slot counts and size must be at least 1".into(),
+            ));
+        }
+        let total = (send_slots + recv_slots)
+            .checked_mul(slot_bytes)
+            .ok_or_else(|| bad("device", "slot pool size overflows".into()))?;
+        Ok(StagingPool {
+            ctx: ctx.clone(),
+            slots: Pinned::new(ctx, total)?,
+            scratch: DeviceAllocation::new(ctx, slot_bytes)?,
+            send_slots,
+            recv_slots,
+            slot_bytes,
+            events: Vec::new(),
+        })
+    }
+
+    /// Whether this pool serves `ctx`'s GPU with this slot configuration.
+    pub fn fits(
+        &self,
+        ctx: &CudaContext,
+        send_slots: usize,
+        recv_slots: usize,
+        slot_bytes: usize,
+    ) -> bool {
+        self.ctx.ordinal() == ctx.ordinal()
+            && (self.send_slots, self.recv_slots, self.slot_bytes)
+                == (send_slots, recv_slots, slot_bytes)
     }
 }

@@ -389,6 +389,27 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm, in wire-code order.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Chain,
+        Algorithm::BinomialTree,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+        Algorithm::Direct,
+    ];
+
+    /// Wire code (0..=6; fits in four bits).
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The algorithm with wire code `code`.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(code as usize).copied()
+    }
+
     /// Name used in `DSPARK_ALGO`, bench headers and logs.
     pub const fn name(self) -> &'static str {
         match self {

@@ -169,6 +169,19 @@ impl TcpTransport {
     ) -> Result<Self> {
         let mut peers = Vec::with_capacity(world);
         let mut local = None;
+        // Setting SO_SNDBUF/SO_RCVBUF switches the kernel's autotuning off and is clamped to
+        // net.core.{w,r}mem_max: ask only where the kernel allows the full size, else keep
+        // autotuning. Either way, report what the socket really has.
+        let limit = |name: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        };
+        let fixed = opts.socket_buffer > 0
+            && [limit("wmem_max"), limit("rmem_max")]
+                .iter()
+                .all(|m| m.is_some_and(|m| m >= opts.socket_buffer));
+        let mut actual: Option<(usize, usize)> = None;
         for (p, s) in streams.into_iter().enumerate() {
             let Some(stream) = s else {
                 peers.push(None);
@@ -176,12 +189,21 @@ impl TcpTransport {
             };
             let io_err = |e| Error::io(Some(rank), Some(p), "configuring TCP connection", e);
             stream.set_nodelay(true).map_err(io_err)?;
-            if opts.socket_buffer > 0 {
-                use nix::sys::socket::{setsockopt, sockopt};
-                let b = opts.socket_buffer;
-                // Best effort: the kernel clamps to net.core.{w,r}mem_max.
-                let _ = setsockopt(&stream, sockopt::SndBuf, &b);
-                let _ = setsockopt(&stream, sockopt::RcvBuf, &b);
+            {
+                use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+                if fixed {
+                    let b = opts.socket_buffer;
+                    let _ = setsockopt(&stream, sockopt::SndBuf, &b);
+                    let _ = setsockopt(&stream, sockopt::RcvBuf, &b);
+                }
+                if actual.is_none() {
+                    if let (Ok(snd), Ok(rcv)) = (
+                        getsockopt(&stream, sockopt::SndBuf),
+                        getsockopt(&stream, sockopt::RcvBuf),
+                    ) {
+                        actual = Some((snd, rcv));
+                    }
+                }
             }
             stream.set_nonblocking(true).map_err(io_err)?;
             if local.is_none() {
@@ -198,11 +220,33 @@ impl TcpTransport {
                 eof_seen: false,
             }));
         }
+        let buffers = match (fixed, actual) {
+            (true, Some((snd, rcv))) => {
+                format!(
+                    "socket buffers send {} KiB / receive {} KiB",
+                    snd / 1024,
+                    rcv / 1024
+                )
+            }
+            (false, Some((snd, rcv))) => format!(
+                "socket buffers autotuned (now send {} KiB / receive {} KiB{})",
+                snd / 1024,
+                rcv / 1024,
+                if opts.socket_buffer > 0 {
+                    format!(
+                        "; {} KiB requested but net.core.wmem_max/rmem_max are smaller",
+                        opts.socket_buffer / 1024
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+            (_, None) => "socket buffers unknown".to_string(),
+        };
         let desc = match local {
             Some(a) => format!(
-                "tcp {} (TCP_NODELAY, socket buffers {} KiB, one stream per peer)",
-                a.ip(),
-                opts.socket_buffer / 1024
+                "tcp {} (TCP_NODELAY, {buffers}, one stream per peer)",
+                a.ip()
             ),
             None => "tcp (no peers)".to_string(),
         };
@@ -575,7 +619,10 @@ impl Transport for TcpTransport {
                     ev |= PollFlags::POLLOUT;
                 }
             }
-            if p.state == PeerState::Open && !p.eof_seen {
+            // A peer whose unread data fills our buffer cannot be examined further until the
+            // engine consumes it; watching it for a hang-up would only make poll spin.
+            let full = p.start == 0 && p.end == p.rx.len();
+            if p.state == PeerState::Open && !p.eof_seen && !full {
                 ev |= rdhup();
             } else if ev.is_empty() {
                 continue;

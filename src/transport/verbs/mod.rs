@@ -1819,6 +1819,32 @@ pub fn select(
             ));
         }
     }
+    if why_not.is_none() {
+        // Both ends of a queue pair index the same slot ring: the slot layout must agree.
+        let layout: Vec<(usize, u32, u32)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| match b {
+                Blob::Capable {
+                    slots, slot_bytes, ..
+                } => Some((r, *slots, *slot_bytes)),
+                Blob::Incapable { .. } => None,
+            })
+            .collect();
+        if let Some(&(r, n, b)) = layout
+            .iter()
+            .find(|(_, n, b)| (*n, *b) != (layout[0].1, layout[0].2))
+        {
+            let msg = format!(
+                "rank 0 uses {} slots of {} bytes per peer but rank {r}{} uses {n} of {b}: set the \
+                 same DSPARK_IB_SLOTS, DSPARK_IB_SLOT_BYTES and DSPARK_CHUNK_BYTES on every rank",
+                layout[0].1,
+                layout[0].2,
+                host(r)
+            );
+            return Err(Error::config("DSPARK_IB_SLOTS", msg));
+        }
+    }
     // Round 2 (only when round 1 found every rank capable): connect and agree it worked.
     if why_not.is_none() {
         let mut prep = prep
