@@ -80,6 +80,30 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                 }
             }
         }
+        "watch" => match r {
+            // Waits on rank 1, which is alive and silent; rank 2 dies meanwhile.
+            0 => {
+                say("READY");
+                let t = std::time::Instant::now();
+                let mut buf = vec![0u8; 16];
+                match comm.recv(&mut buf, 1) {
+                    Err(e @ Error::PeerLost { peer: 2, .. }) => {
+                        say(&format!("FAILED after {:?}: {e}", t.elapsed()));
+                        Ok(FAILED_AS_EXPECTED)
+                    }
+                    other => Err(format!("expected PeerLost of rank 2, got {other:?}")),
+                }
+            }
+            1 => {
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(OK)
+            }
+            _ => {
+                say("READY");
+                std::thread::sleep(Duration::from_secs(60));
+                Ok(OK)
+            }
+        },
         "mismatch" => {
             let mut buf = vec![1.0f32; 10 + r];
             match comm.all_reduce(&mut buf, ReduceOp::Sum) {
@@ -290,4 +314,26 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
     };
     let outs = spawn(2, "matrix", &env, Some(&wrap)).wait(Duration::from_secs(240));
     assert_all(&outs, OK, "network namespaces");
+}
+
+#[test]
+fn a_peer_dying_while_this_rank_waits_on_another_is_noticed_at_once() {
+    let mut ranks = spawn(3, "watch", &|_| vars(&[("DSPARK_TIMEOUT", "30")]), None);
+    // Rank 0 is in its receive from the silent rank 1 once it printed READY.
+    ranks.wait_ready_of(&[0, 2]);
+    std::thread::sleep(Duration::from_millis(300));
+    ranks.children[2].kill().unwrap();
+    let outs = ranks.wait(Duration::from_secs(40));
+    assert_eq!(
+        outs[0].code,
+        Some(FAILED_AS_EXPECTED),
+        "rank 0:\n{}",
+        outs[0].out
+    );
+    // Long before rank 1 wakes up (8 s) or the deadline (30 s).
+    assert!(
+        outs[0].elapsed < Duration::from_secs(5),
+        "rank 0 took {:?}",
+        outs[0].elapsed
+    );
 }

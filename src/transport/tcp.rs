@@ -641,9 +641,9 @@ impl Transport for TcpTransport {
             .iter()
             .zip(&which)
             .filter(|(fd, _)| {
-                fd.revents().is_some_and(|r| {
-                    r.intersects(rdhup() | PollFlags::POLLHUP | PollFlags::POLLERR)
-                })
+                // nix cannot name POLLRDHUP, so `revents()` is None exactly when it is set.
+                fd.revents()
+                    .is_none_or(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
             })
             .map(|(_, &i)| i)
             .collect();

@@ -159,7 +159,13 @@ impl Ranks {
 
     /// Blocks until each of the first `n` ranks printed READY (after its first collective).
     pub fn wait_ready(&mut self, n: usize) {
-        for c in self.children.iter_mut().take(n) {
+        self.wait_ready_of(&(0..n).collect::<Vec<_>>());
+    }
+
+    /// Blocks until each rank in `ranks` printed READY.
+    pub fn wait_ready_of(&mut self, ranks: &[usize]) {
+        for &r in ranks {
+            let c = &mut self.children[r];
             let out = c.stdout.as_mut().expect("piped stdout");
             let mut seen = Vec::new();
             let mut b = [0u8; 1];
