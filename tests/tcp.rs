@@ -84,7 +84,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // Waits on rank 1, which is alive and silent; rank 2 dies meanwhile.
             0 => {
                 say("READY");
-                let t = std::time::Instant::now();
+                let t = Instant::now();
                 let mut buf = vec![0u8; 16];
                 match comm.recv(&mut buf, 1) {
                     Err(e @ Error::PeerLost { peer: 2, .. }) => {
