@@ -339,6 +339,13 @@ impl Communicator {
         })
     }
 
+    /// How many frames this rank has sent zero-copy from buffers registered with
+    /// [`Communicator::register_buffer`] (0 on transports that always copy) — the check that a
+    /// registration is really used.
+    pub fn zero_copy_frames(&self) -> u64 {
+        self.lock().zero_copy_frames()
+    }
+
     /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
     /// same result.
     ///

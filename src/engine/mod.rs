@@ -290,10 +290,71 @@ struct CacheEntry {
     used: u64,
 }
 
+/// What a drive loop does after a pass over its steps.
+enum Pace {
+    /// Pass again at once (something moved, or still within the spin time).
+    Again,
+    /// Nothing moved for the spin time: block until something may.
+    Block,
+    /// The call's deadline passed; it has run this long.
+    TimedOut(Duration),
+}
+
+/// Spin-then-block pacing of a drive loop, and its deadline.
+struct Pacer {
+    start: Instant,
+    deadline: Instant,
+    spin: Duration,
+    yield_while_spinning: bool,
+    idle_since: Option<Instant>,
+    busy_rounds: u64,
+}
+
+impl Pacer {
+    fn new(opts: &EngineOptions, start: Instant, deadline: Instant) -> Self {
+        Pacer {
+            start,
+            deadline,
+            spin: opts.spin,
+            yield_while_spinning: opts.yield_while_spinning,
+            idle_since: None,
+            busy_rounds: 0,
+        }
+    }
+
+    fn after_pass(&mut self, moved: bool) -> Pace {
+        if moved {
+            self.idle_since = None;
+            // A peer trickling bytes must not keep a call alive past its deadline either.
+            self.busy_rounds += 1;
+            if self.busy_rounds.is_multiple_of(256) && Instant::now() >= self.deadline {
+                return Pace::TimedOut(self.start.elapsed());
+            }
+            return Pace::Again;
+        }
+        let now = Instant::now();
+        if now >= self.deadline {
+            return Pace::TimedOut(now - self.start);
+        }
+        let idle = *self.idle_since.get_or_insert(now);
+        if now - idle < self.spin {
+            if self.yield_while_spinning {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            return Pace::Again;
+        }
+        Pace::Block
+    }
+}
+
 /// Reusable per-call bookkeeping, kept to avoid allocating on every call.
 #[derive(Debug, Default)]
 struct Scratch {
     done: Vec<bool>,
+    /// Steps not yet complete.
+    remaining: usize,
     sendq: Vec<VecDeque<u32>>,
     recvq: Vec<VecDeque<u32>>,
     local: Vec<u32>,
@@ -519,6 +580,11 @@ impl Engine {
         self.transport.register_host(region)
     }
 
+    /// Frames the transport sent zero-copy from registered buffers.
+    pub fn zero_copy_frames(&self) -> u64 {
+        self.transport.zero_copy_frames()
+    }
+
     /// Releases a registration.
     pub fn deregister(&mut self, id: u64) {
         self.transport.deregister(id);
@@ -629,9 +695,7 @@ impl Engine {
         deadline: Instant,
         s: &mut Scratch,
     ) -> Result<()> {
-        let mut remaining = prog.steps.len();
-        let mut busy_rounds: u64 = 0;
-        let mut idle_since: Option<Instant> = None;
+        let mut pacer = Pacer::new(&self.opts, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
         loop {
             let mut moved = false;
@@ -650,8 +714,7 @@ impl Engine {
                         src,
                         dst,
                     );
-                    s.done[i as usize] = true;
-                    remaining -= 1;
+                    s.complete(i);
                     moved = true;
                     s.local.swap_remove(k);
                 } else {
@@ -681,10 +744,7 @@ impl Engine {
                     if !fin {
                         break;
                     }
-                    s.send_prog[p] = SendProgress::default();
-                    s.sendq[p].pop_front();
-                    s.done[i as usize] = true;
-                    remaining -= 1;
+                    s.complete_send(p, i);
                     moved = true;
                 }
                 // Receives from p, in order.
@@ -729,38 +789,18 @@ impl Engine {
                     if !fin {
                         break;
                     }
-                    s.recv_prog[p] = RecvProgress::default();
-                    s.recvq[p].pop_front();
-                    s.done[i as usize] = true;
-                    remaining -= 1;
+                    s.complete_recv(p, i);
                     moved = true;
                 }
             }
 
-            if remaining == 0 {
+            if s.remaining == 0 {
                 return Ok(());
             }
-            if moved {
-                idle_since = None;
-                // A peer trickling bytes must not keep a call alive past its deadline either.
-                busy_rounds += 1;
-                if busy_rounds.is_multiple_of(256) && Instant::now() >= deadline {
-                    return Err(self.timeout_error(prog, desc, s, start.elapsed()));
-                }
-                continue;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.timeout_error(prog, desc, s, now - start));
-            }
-            let idle = *idle_since.get_or_insert(now);
-            if now - idle < self.opts.spin {
-                if self.opts.yield_while_spinning {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-                continue;
+            match pacer.after_pass(moved) {
+                Pace::Again => continue,
+                Pace::TimedOut(waited) => return Err(self.timeout_error(prog, desc, s, waited)),
+                Pace::Block => {}
             }
             s.collect_interest(prog);
             self.transport.wait(&s.interest, deadline)?;
@@ -812,6 +852,26 @@ impl Engine {
 }
 
 impl Scratch {
+    /// Marks step `i` complete.
+    fn complete(&mut self, i: u32) {
+        self.done[i as usize] = true;
+        self.remaining -= 1;
+    }
+
+    /// Completes the head send to `p`.
+    fn complete_send(&mut self, p: usize, i: u32) {
+        self.send_prog[p] = SendProgress::default();
+        self.sendq[p].pop_front();
+        self.complete(i);
+    }
+
+    /// Completes the head receive from `p`.
+    fn complete_recv(&mut self, p: usize, i: u32) {
+        self.recv_prog[p] = RecvProgress::default();
+        self.recvq[p].pop_front();
+        self.complete(i);
+    }
+
     /// The peers whose head send or receive may progress, for [`Transport::wait`].
     fn collect_interest(&mut self, prog: &Program) {
         let ready = |i: u32| prog.deps(i as usize).iter().all(|&d| self.done[d as usize]);
@@ -833,6 +893,7 @@ impl Scratch {
         let n = prog.steps.len();
         self.done.clear();
         self.done.resize(n, false);
+        self.remaining = n;
         if self.sendq.len() != world {
             self.sendq = (0..world).map(|_| VecDeque::new()).collect();
             self.recvq = (0..world).map(|_| VecDeque::new()).collect();

@@ -20,11 +20,10 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::Instant;
 
-use super::{byte_range, internal, Acc, Call, Desc, Engine, Scratch, Sink};
+use super::{byte_range, internal, Acc, Call, Desc, Engine, Pace, Pacer, Scratch, Sink};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
-use crate::transport::{RecvProgress, SendProgress};
 use crate::types::{DataType, ReduceOp};
 
 /// A byte range of one of the device buffers.
@@ -155,15 +154,13 @@ impl Engine {
         let esz = desc.dtype.size();
         let op = full_op.step_op();
         let n = prog.steps.len();
-        let mut remaining = n;
         let mut send_state = vec![SendState::Idle; n];
         let mut free_send: Vec<usize> = (0..dev.send_slots()).rev().collect();
         let base = dev.send_slots();
         let mut free_recv: Vec<usize> = (base..base + dev.recv_slots()).rev().collect();
         let mut recv_slot: Vec<Option<usize>> = vec![None; self.world];
         let mut landing: VecDeque<(usize, u64)> = VecDeque::new();
-        let mut busy_rounds: u64 = 0;
-        let mut idle_since: Option<Instant> = None;
+        let mut pacer = Pacer::new(&self.opts, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
         loop {
@@ -196,8 +193,7 @@ impl Engine {
                     }
                     _ => return Err(internal("transfer step in the local queue")),
                 }
-                s.done[i as usize] = true;
-                remaining -= 1;
+                s.complete(i);
                 moved = true;
                 s.local.swap_remove(k);
             }
@@ -252,10 +248,7 @@ impl Engine {
                     if let SendState::Ready { slot } = send_state[iu] {
                         free_send.push(slot);
                     }
-                    s.send_prog[p] = SendProgress::default();
-                    s.sendq[p].pop_front();
-                    s.done[iu] = true;
-                    remaining -= 1;
+                    s.complete_send(p, i);
                     moved = true;
                 }
 
@@ -309,15 +302,12 @@ impl Engine {
                         }
                         landing.push_back((slot, dev.mark()?));
                     }
-                    s.recv_prog[p] = RecvProgress::default();
-                    s.recvq[p].pop_front();
-                    s.done[iu] = true;
-                    remaining -= 1;
+                    s.complete_recv(p, i);
                     moved = true;
                 }
             }
 
-            if remaining == 0 {
+            if s.remaining == 0 {
                 // Results in place and every slot free before returning.
                 return dev.synchronize(deadline).map_err(|e| match e {
                     Error::Timeout { .. } => Error::Timeout {
@@ -330,23 +320,10 @@ impl Engine {
                     e => e,
                 });
             }
-            if moved {
-                idle_since = None;
-                // A peer trickling bytes must not keep a call alive past its deadline either.
-                busy_rounds += 1;
-                if busy_rounds.is_multiple_of(256) && Instant::now() >= deadline {
-                    return Err(self.timeout_error(prog, desc, s, start.elapsed()));
-                }
-                continue;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.timeout_error(prog, desc, s, now - start));
-            }
-            let idle = *idle_since.get_or_insert(now);
-            if now - idle < self.opts.spin {
-                std::hint::spin_loop();
-                continue;
+            match pacer.after_pass(moved) {
+                Pace::Again => continue,
+                Pace::TimedOut(waited) => return Err(self.timeout_error(prog, desc, s, waited)),
+                Pace::Block => {}
             }
             // Device completions are not file descriptors, and copying one segment takes
             // microseconds: while device work is in flight, keep polling (yielding the CPU)

@@ -330,6 +330,12 @@ pub trait Transport: Send + fmt::Debug {
         Ok(None)
     }
 
+    /// Frames sent so far straight from registered caller memory (zero-copy); 0 for
+    /// transports that always copy or have no use for registrations.
+    fn zero_copy_frames(&self) -> u64 {
+        0
+    }
+
     /// Releases a registration made by [`Transport::register_host`] (unknown ids are ignored).
     fn deregister(&mut self, id: u64) {
         let _ = id;

@@ -619,6 +619,21 @@ enum PeerState {
     Failed(Error),
 }
 
+impl Peer {
+    /// Records that a verb on this connection failed: the connection is failed from now on,
+    /// and every later use returns the same error (naming the rank, the peer and the verb).
+    fn fail_verb(&mut self, rank: usize, peer: usize, op: String, e: &ib::VerbError) -> Error {
+        let err = Error::Transport {
+            rank: Some(rank),
+            peer: Some(peer),
+            op,
+            what: e.err.to_string(),
+        };
+        self.state = PeerState::Failed(err.clone());
+        err
+    }
+}
+
 /// One connection.
 #[derive(Debug)]
 struct Peer {
@@ -678,6 +693,8 @@ pub struct VerbsTransport {
     next_mr_id: u64,
     /// `abort` or `close` ran.
     finished: bool,
+    /// Frames sent straight from registered caller memory.
+    zero_copy_frames: u64,
 }
 
 impl std::fmt::Debug for VerbsTransport {
@@ -806,6 +823,7 @@ impl VerbsTransport {
             desc,
             next_mr_id: 1,
             finished: false,
+            zero_copy_frames: 0,
         }
     }
 
@@ -1033,14 +1051,7 @@ impl VerbsTransport {
         }
         // A receive was consumed: replace it first (receives carry no buffer).
         if let Err(e) = p.qp.post_recv(wr_id(peer, WrKind::Recv, 0)) {
-            let e = Error::Transport {
-                rank: Some(rank),
-                peer: Some(peer),
-                op: e.verb.into(),
-                what: e.err.to_string(),
-            };
-            p.state = PeerState::Failed(e.clone());
-            return Err(e);
+            return Err(p.fail_verb(rank, peer, e.verb.into(), &e));
         }
         // SAFETY: for RECV_RDMA_WITH_IMM completions the union holds the immediate.
         let raw = u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data });
@@ -1177,14 +1188,7 @@ impl VerbsTransport {
                 )
             };
             if let Err(e) = r {
-                let e = Error::Transport {
-                    rank: Some(rank),
-                    peer: Some(peer),
-                    op: format!("{} (clear-to-send)", e.verb),
-                    what: e.err.to_string(),
-                };
-                p.state = PeerState::Failed(e.clone());
-                return Err(e);
+                return Err(p.fail_verb(rank, peer, format!("{} (clear-to-send)", e.verb), &e));
             }
             p.recv.cts_posted += 1;
         }
@@ -1474,22 +1478,22 @@ impl Transport for VerbsTransport {
             (r, 0)
         };
         if let Err(e) = res {
-            let e = Error::Transport {
-                rank: Some(rank),
-                peer: Some(peer),
-                op: format!("{} (frame)", e.verb),
-                what: e.err.to_string(),
-            };
-            p.state = PeerState::Failed(e.clone());
-            return Err(e);
+            return Err(p.fail_verb(rank, peer, format!("{} (frame)", e.verb), &e));
         }
         p.send.sent += 1;
+        if zc_lkey.is_some() {
+            self.zero_copy_frames += 1;
+        }
         if token == 0 {
             progress.written = total;
             return Ok(true);
         }
         progress.token = token;
         Ok(false)
+    }
+
+    fn zero_copy_frames(&self) -> u64 {
+        self.zero_copy_frames
     }
 
     fn recv(
