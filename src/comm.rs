@@ -316,6 +316,18 @@ impl Communicator {
         self.lock().run_staged(&call, dev)
     }
 
+    /// The layout of this rank's direct region, when the transport was set up with one
+    /// (GPUDirect RDMA, or its host-memory emulation in tests).
+    pub fn direct_layout(&self) -> Option<crate::transport::DirectLayout> {
+        self.lock().direct_layout()
+    }
+
+    /// Host access to the direct region when it is host memory (the emulated GPUDirect path:
+    /// [`crate::engine::staged::EmulatedDevice::direct`]); `None` otherwise.
+    pub fn direct_host_region(&self) -> Option<std::sync::Arc<dyn crate::transport::RegionAccess>> {
+        self.lock().direct_host_region()
+    }
+
     /// Registers `buf` with the transport so that sends from it move zero-copy (RDMA verbs:
     /// the NIC reads the buffer directly instead of a pinned bounce slot; on TCP this does
     /// nothing). Registration happens once; every later collective on this buffer reuses it, so

@@ -1,7 +1,9 @@
 //! The host-staged device path, on an emulated device whose copies and reductions complete
 //! late (so the engine must wait for each stage before using a slot), over threads and the
 //! `mem` transport: every collective, several types and every operator against the
-//! independent reference, mixed host and device ranks, and tiny slot pools.
+//! independent reference, mixed host and device ranks, and tiny slot pools. The same matrix runs
+//! in *direct* mode (the GPUDirect protocol: payloads land in the receiver's registered region
+//! and stay there until the device consumed them), over the `mem` fabric's emulated regions.
 
 mod common;
 
@@ -26,8 +28,33 @@ fn typed<T: TestElem>(b: &[u8]) -> Vec<T> {
 
 const SEG: usize = 48;
 
+/// Slots of the emulated device: pinned host slots (send, receive), or direct mode with this
+/// many send slots in the transport's region.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Staged(usize, usize),
+    Direct(usize),
+}
+
 fn run_world<R: Send>(world: usize, f: impl Fn(&Communicator) -> R + Sync) -> Vec<R> {
-    let fabric = MemFabric::new(world, 1);
+    run_on(MemFabric::new(world, 1), world, f)
+}
+
+/// A world whose `mem` fabric has direct regions of `landing` slots per peer (one segment
+/// each) and 3 send slots.
+fn run_direct<R: Send>(
+    world: usize,
+    landing: usize,
+    f: impl Fn(&Communicator) -> R + Sync,
+) -> Vec<R> {
+    run_on(MemFabric::with_direct(world, 4, landing, SEG, 3), world, f)
+}
+
+fn run_on<R: Send>(
+    fabric: MemFabric,
+    world: usize,
+    f: impl Fn(&Communicator) -> R + Sync,
+) -> Vec<R> {
     let mut cfg = Config::new(0, 1, "");
     cfg.timeout = Duration::from_secs(30);
     cfg.segment_bytes = SEG;
@@ -66,14 +93,22 @@ fn device_matrix<T: TestElem>(
     count: usize,
     seed: u64,
     host_ranks: &[usize],
-    slots: (usize, usize),
+    mode: Mode,
 ) -> Result<(), String> {
     let n = comm.world_size();
     let r = comm.rank();
     let on_host = host_ranks.contains(&r);
-    let ctx = format!("{} {op} count {count} world {n} rank {r}", T::DATA_TYPE);
-    let dev = |src: Vec<u8>, dst: Vec<u8>| {
-        EmulatedDevice::new(src, dst, slots.0, slots.1, SEG, seed ^ r as u64)
+    let ctx = format!(
+        "{} {op} count {count} world {n} rank {r} {mode:?}",
+        T::DATA_TYPE
+    );
+    let dev = |src: Vec<u8>, dst: Vec<u8>| match mode {
+        Mode::Staged(s, rv) => EmulatedDevice::new(src, dst, s, rv, SEG, seed ^ r as u64),
+        Mode::Direct(s) => {
+            let region = comm.direct_host_region().expect("a direct region");
+            let layout = comm.direct_layout().expect("a direct layout");
+            EmulatedDevice::direct(src, dst, region, layout, s, seed ^ r as u64)
+        }
     };
     let e = |what: &str| {
         let what = format!("{what} {ctx}");
@@ -241,11 +276,7 @@ fn device_matrix<T: TestElem>(
     Ok(())
 }
 
-fn all_types(
-    comm: &Communicator,
-    host_ranks: &[usize],
-    slots: (usize, usize),
-) -> Result<(), String> {
+fn all_types(comm: &Communicator, host_ranks: &[usize], slots: Mode) -> Result<(), String> {
     for count in [1, 5, 31, 100] {
         for op in ReduceOp::ALL {
             let seed = 77 ^ count as u64 ^ (op as u64) << 8;
@@ -263,7 +294,7 @@ fn all_types(
 #[test]
 fn staged_device_collectives_match_the_reference_on_worlds_1_to_4() {
     for world in 1..=4 {
-        for (r, res) in run_world(world, |c| all_types(c, &[], (2, 2)))
+        for (r, res) in run_world(world, |c| all_types(c, &[], Mode::Staged(2, 2)))
             .into_iter()
             .enumerate()
         {
@@ -274,7 +305,7 @@ fn staged_device_collectives_match_the_reference_on_worlds_1_to_4() {
 
 #[test]
 fn host_and_device_ranks_interoperate() {
-    for (r, res) in run_world(3, |c| all_types(c, &[1], (3, 2)))
+    for (r, res) in run_world(3, |c| all_types(c, &[1], Mode::Staged(3, 2)))
         .into_iter()
         .enumerate()
     {
@@ -284,10 +315,90 @@ fn host_and_device_ranks_interoperate() {
 
 #[test]
 fn one_slot_each_way_is_enough() {
-    for (r, res) in run_world(3, |c| all_types(c, &[], (1, 1)))
+    for (r, res) in run_world(3, |c| all_types(c, &[], Mode::Staged(1, 1)))
         .into_iter()
         .enumerate()
     {
         res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+#[test]
+fn direct_device_collectives_match_the_reference_on_worlds_1_to_4() {
+    for world in 1..=4 {
+        for (r, res) in run_direct(world, 2, |c| all_types(c, &[], Mode::Direct(2)))
+            .into_iter()
+            .enumerate()
+        {
+            res.unwrap_or_else(|e| panic!("world {world} rank {r}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn one_landing_slot_and_one_send_slot_are_enough_for_direct() {
+    for (r, res) in run_direct(3, 1, |c| all_types(c, &[], Mode::Direct(1)))
+        .into_iter()
+        .enumerate()
+    {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+#[test]
+fn direct_payloads_really_land_in_the_region() {
+    // 8 segments per rank of a 2-rank all-reduce: every received segment must be consumed
+    // from the landing region by the device (none through host slots).
+    let count = 8 * SEG / 4;
+    let landed = run_direct(2, 2, |comm| {
+        let r = comm.rank();
+        let region = comm.direct_host_region().unwrap();
+        let layout = comm.direct_layout().unwrap();
+        let input = common::inputs::<f32>(ReduceOp::Sum, 9, r, count);
+        let mut d = EmulatedDevice::direct(Vec::new(), bytes(&input), region, layout, 2, 5);
+        comm.run_staged(
+            call::<f32>(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false),
+            &mut d,
+        )
+        .unwrap();
+        common::check(
+            "direct all_reduce",
+            &typed::<f32>(&d.dst),
+            &common::reduced::<f32>(ReduceOp::Sum, 9, 2, count),
+        )
+        .unwrap();
+        d.landed
+    });
+    for (r, n) in landed.into_iter().enumerate() {
+        assert!(n >= 8, "rank {r} consumed only {n} landed payloads");
+    }
+}
+
+#[test]
+fn a_host_rank_facing_a_direct_rank_gets_a_mismatch_not_a_hang() {
+    let count = 40;
+    let res = run_direct(2, 2, |comm| {
+        let r = comm.rank();
+        let input = common::inputs::<f32>(ReduceOp::Sum, 3, r, count);
+        if r == 0 {
+            let mut b = input;
+            comm.all_reduce(&mut b, ReduceOp::Sum)
+        } else {
+            let region = comm.direct_host_region().unwrap();
+            let layout = comm.direct_layout().unwrap();
+            let mut d = EmulatedDevice::direct(Vec::new(), bytes(&input), region, layout, 2, 1);
+            comm.run_staged(
+                call::<f32>(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false),
+                &mut d,
+            )
+        }
+    });
+    for (r, res) in res.into_iter().enumerate() {
+        match res {
+            Err(dspark::Error::Mismatch { what, .. }) => {
+                assert!(what.contains("memory"), "rank {r}: {what}")
+            }
+            other => panic!("rank {r}: expected a mismatch, got {other:?}"),
+        }
     }
 }

@@ -580,6 +580,16 @@ impl Engine {
         self.transport.register_host(region)
     }
 
+    /// The transport's direct region layout ([`Transport::direct_layout`]).
+    pub fn direct_layout(&self) -> Option<crate::transport::DirectLayout> {
+        self.transport.direct_layout()
+    }
+
+    /// Host access to the transport's direct region ([`Transport::direct_host_region`]).
+    pub fn direct_host_region(&self) -> Option<Arc<dyn crate::transport::RegionAccess>> {
+        self.transport.direct_host_region()
+    }
+
     /// Frames the transport sent zero-copy from registered buffers.
     pub fn zero_copy_frames(&self) -> u64 {
         self.transport.zero_copy_frames()

@@ -18,12 +18,14 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::{byte_range, internal, Acc, Call, Desc, Engine, Pace, Pacer, Scratch, Sink};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
+use crate::transport::{DirectLayout, RegionAccess};
 use crate::types::{DataType, ReduceOp};
 
 /// A byte range of one of the device buffers.
@@ -86,6 +88,39 @@ pub trait StagedDevice {
     fn describe(&self) -> String;
     /// Sizes in bytes of the device `Src` and `Dst` buffers (checked against the call).
     fn buffer_bytes(&self) -> (usize, usize);
+
+    /// Whether this device moves data *directly* (GPUDirect RDMA): its send slots are the send
+    /// slots of the transport's direct region ([`crate::transport::DirectLayout`]) — `d2h`
+    /// copies into them on the device, `slot`/`slot_mut` and the receive slots are unused —
+    /// and payloads land in the region, consumed with [`StagedDevice::land`]. `false` (the
+    /// default): pinned host slots, the host-staged path.
+    fn direct(&self) -> bool {
+        false
+    }
+
+    /// Direct mode: enqueues `Dst[dst] = region[offset..]` (`acc` `None`) or `Dst[dst] = acc ⊕
+    /// region[offset..]`, reading `dst.len()` bytes that the NIC wrote at `offset` of the
+    /// direct region — after making those writes visible to the device (flush).
+    fn land(
+        &mut self,
+        offset: usize,
+        dst: Range<usize>,
+        acc: Option<&DevRange>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _ = (offset, dst, acc, dtype, op);
+        Err(internal("this device has no direct region"))
+    }
+}
+
+/// What frees up when a device mark is reached after a receive was consumed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// A pinned receive slot (host-staged).
+    Slot(usize),
+    /// The oldest landing slot held from a peer (direct).
+    Landing(usize),
 }
 
 /// How far ahead of its turn a send is staged (per peer).
@@ -110,12 +145,31 @@ impl Engine {
     /// frames and errors as [`Engine::run`]; the peers cannot tell the difference.
     pub fn run_staged(&mut self, call: &Call, dev: &mut dyn StagedDevice) -> Result<()> {
         if dev.send_slots() == 0
-            || dev.recv_slots() == 0
+            || (dev.recv_slots() == 0 && !dev.direct())
             || dev.slot_bytes() < self.opts.segment_bytes
         {
             return Err(internal(
                 "staging device has no slots or slots smaller than a segment",
             ));
+        }
+        if dev.direct() {
+            match self.transport.direct_layout() {
+                Some(l) if l.send_slots >= dev.send_slots() && l.slot_bytes >= dev.slot_bytes() => {
+                }
+                Some(l) => {
+                    return Err(internal(&format!(
+                        "the device's {} send slots of {} bytes do not fit the transport's \
+                         direct region ({l:?})",
+                        dev.send_slots(),
+                        dev.slot_bytes()
+                    )))
+                }
+                None => return Err(Error::invalid(
+                    Some(self.rank),
+                    "direct device collective",
+                    "the transport has no direct region (GPUDirect RDMA was not set up at init)",
+                )),
+            }
         }
         let lens = dev.buffer_bytes();
         self.guarded(call, lens, |eng, prog, desc| {
@@ -159,7 +213,20 @@ impl Engine {
         let base = dev.send_slots();
         let mut free_recv: Vec<usize> = (base..base + dev.recv_slots()).rev().collect();
         let mut recv_slot: Vec<Option<usize>> = vec![None; self.world];
-        let mut landing: VecDeque<(usize, u64)> = VecDeque::new();
+        let mut landing: VecDeque<(Held, u64)> = VecDeque::new();
+        let direct = dev.direct();
+        let layout = self.transport.direct_layout();
+        if direct {
+            for &p in &s.active {
+                if !self.transport.direct_peer(p) {
+                    return Err(Error::invalid(
+                        Some(self.rank),
+                        "direct device collective",
+                        format!("rank {p} has no direct region: its connection is host-staged"),
+                    ));
+                }
+            }
+        }
         let mut pacer = Pacer::new(&self.opts, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
@@ -167,12 +234,15 @@ impl Engine {
             let mut moved = false;
 
             // Receive slots whose copy-in finished are free again (marks complete in order).
-            while let Some(&(slot, mark)) = landing.front() {
+            while let Some(&(held, mark)) = landing.front() {
                 if !dev.reached(mark)? {
                     break;
                 }
                 landing.pop_front();
-                free_recv.push(slot);
+                match held {
+                    Held::Slot(slot) => free_recv.push(slot),
+                    Held::Landing(p) => self.transport.release_direct(p)?,
+                }
                 moved = true;
             }
 
@@ -233,14 +303,21 @@ impl Engine {
                         }
                         send_state[iu] = SendState::Ready { slot };
                     }
-                    let data: &[u8] = match send_state[iu] {
-                        SendState::Ready { slot } => &dev.slot(slot)[..len],
-                        SendState::Idle if len == 0 => &[],
-                        _ => break, // waiting for a slot
-                    };
                     let hdr = desc.header(len);
                     let before = s.send_prog[p].written;
-                    let fin = self.transport.send(p, &hdr, data, &mut s.send_prog[p])?;
+                    let fin = match (send_state[iu], layout) {
+                        (SendState::Ready { slot }, Some(l)) if direct => self
+                            .transport
+                            .send_direct(p, &hdr, l.send(slot), &mut s.send_prog[p])?,
+                        (SendState::Ready { slot }, _) => {
+                            let data = &dev.slot(slot)[..len];
+                            self.transport.send(p, &hdr, data, &mut s.send_prog[p])?
+                        }
+                        (SendState::Idle, _) if len == 0 => {
+                            self.transport.send(p, &hdr, &[], &mut s.send_prog[p])?
+                        }
+                        _ => break, // waiting for a slot
+                    };
                     moved |= s.send_prog[p].written != before;
                     if !fin {
                         break;
@@ -262,6 +339,38 @@ impl Engine {
                         return Err(internal("non-receive step in a receive queue"));
                     };
                     let len = dst.len * esz;
+                    if direct {
+                        let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
+                        let landed = {
+                            let mut sink = Sink {
+                                rank: self.rank,
+                                peer: p,
+                                desc,
+                                len,
+                                dst: &mut [],
+                                acc: Acc::None,
+                                op,
+                                esz,
+                                done: 0,
+                            };
+                            self.transport
+                                .recv_direct(p, &mut s.recv_prog[p], &mut sink)?
+                        };
+                        moved |= (s.recv_prog[p].header.is_some(), s.recv_prog[p].got) != before;
+                        let Some(landed) = landed else { break };
+                        if landed.len != len {
+                            return Err(internal("a direct frame landed with the wrong length"));
+                        }
+                        if len > 0 {
+                            let dr = byte_range(&dst, esz);
+                            let acc = acc.map(|a| dev_range(&a, esz));
+                            dev.land(landed.offset, dr, acc.as_ref(), desc.dtype, op)?;
+                            landing.push_back((Held::Landing(p), dev.mark()?));
+                        }
+                        s.complete_recv(p, i);
+                        moved = true;
+                        continue;
+                    }
                     if len > 0 && recv_slot[p].is_none() {
                         match free_recv.pop() {
                             Some(slot) => recv_slot[p] = Some(slot),
@@ -300,7 +409,7 @@ impl Engine {
                                 dev.h2d_reduce(slot, dr, &dev_range(&a, esz), desc.dtype, op)?
                             }
                         }
-                        landing.push_back((slot, dev.mark()?));
+                        landing.push_back((Held::Slot(slot), dev.mark()?));
                     }
                     s.complete_recv(p, i);
                     moved = true;
@@ -309,7 +418,7 @@ impl Engine {
 
             if s.remaining == 0 {
                 // Results in place and every slot free before returning.
-                return dev.synchronize(deadline).map_err(|e| match e {
+                dev.synchronize(deadline).map_err(|e| match e {
                     Error::Timeout { .. } => Error::Timeout {
                         rank: self.rank,
                         peer: None,
@@ -318,7 +427,14 @@ impl Engine {
                         detail: "waiting for the device to finish the last copies".into(),
                     },
                     e => e,
-                });
+                })?;
+                // Everything was consumed: landing slots still held go back to their senders.
+                for (held, _) in landing.drain(..) {
+                    if let Held::Landing(p) = held {
+                        self.transport.release_direct(p)?;
+                    }
+                }
+                return Ok(());
             }
             match pacer.after_pass(moved) {
                 Pace::Again => continue,
@@ -362,6 +478,10 @@ pub struct EmulatedDevice {
     rng: u64,
     /// Operations performed so far (for tests that check the pipeline really overlapped).
     pub performed: usize,
+    /// Direct mode: the transport's region (host memory standing in for GPU memory).
+    region: Option<(Arc<dyn RegionAccess>, DirectLayout)>,
+    /// Direct mode: landed payloads consumed so far.
+    pub landed: usize,
 }
 
 #[derive(Debug)]
@@ -391,6 +511,13 @@ enum EmuOp {
         op: ReduceOp,
         world: usize,
     },
+    Land {
+        offset: usize,
+        dst: Range<usize>,
+        acc: Option<DevRange>,
+        dtype: DataType,
+        op: ReduceOp,
+    },
     Mark(u64),
 }
 
@@ -416,7 +543,35 @@ impl EmulatedDevice {
             done_mark: 0,
             rng: seed | 1,
             performed: 0,
+            region: None,
+            landed: 0,
         }
+    }
+
+    /// An emulated device in *direct* mode over a transport's host-memory direct region
+    /// ([`Transport::direct_host_region`](crate::transport::Transport::direct_host_region)):
+    /// the GPUDirect protocol without a GPU. Its `send_slots` send slots are the region's;
+    /// operations complete late as in the staged mode, so releasing a landing slot before its
+    /// consumer ran would let the sender overwrite data still to be read.
+    pub fn direct(
+        src: Vec<u8>,
+        dst: Vec<u8>,
+        region: Arc<dyn RegionAccess>,
+        layout: DirectLayout,
+        send_slots: usize,
+        seed: u64,
+    ) -> Self {
+        let mut d = Self::new(
+            src,
+            dst,
+            send_slots.min(layout.send_slots),
+            0,
+            layout.slot_bytes,
+            seed,
+        );
+        d.slots.clear();
+        d.region = Some((region, layout));
+        d
     }
 
     fn read(&self, r: &DevRange) -> &[u8] {
@@ -434,7 +589,30 @@ impl EmulatedDevice {
         match op {
             EmuOp::D2h { src, slot } => {
                 let data = self.read(&src).to_vec();
-                self.slots[slot][..data.len()].copy_from_slice(&data);
+                match &self.region {
+                    Some((r, l)) => r.write(l.send(slot), &data),
+                    None => self.slots[slot][..data.len()].copy_from_slice(&data),
+                }
+            }
+            EmuOp::Land {
+                offset,
+                dst,
+                acc,
+                dtype,
+                op,
+            } => {
+                let mut incoming = vec![0u8; dst.len()];
+                if let Some((r, _)) = &self.region {
+                    r.read(offset, &mut incoming);
+                }
+                self.landed += 1;
+                match acc {
+                    None => self.dst[dst].copy_from_slice(&incoming),
+                    Some(a) => {
+                        let a = self.read(&a).to_vec();
+                        reduce::reduce_into(dtype, op, &mut self.dst[dst], &a, &incoming);
+                    }
+                }
             }
             EmuOp::H2d { slot, dst } => {
                 let n = dst.len();
@@ -489,7 +667,7 @@ impl StagedDevice for EmulatedDevice {
         self.send_slots
     }
     fn recv_slots(&self) -> usize {
-        self.slots.len() - self.send_slots
+        self.slots.len().saturating_sub(self.send_slots)
     }
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
@@ -583,7 +761,45 @@ impl StagedDevice for EmulatedDevice {
     fn buffer_bytes(&self) -> (usize, usize) {
         (self.src.len(), self.dst.len())
     }
+    fn direct(&self) -> bool {
+        self.region.is_some()
+    }
+    fn land(
+        &mut self,
+        offset: usize,
+        dst: Range<usize>,
+        acc: Option<&DevRange>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check(&dst, self.dst.len(), "land")?;
+        match &self.region {
+            Some((_, l)) if offset + dst.len() <= l.len() => {}
+            _ => {
+                return Err(internal(&format!(
+                    "landing offset {offset} outside the region"
+                )))
+            }
+        }
+        self.queue.push_back(EmuOp::Land {
+            offset,
+            dst,
+            acc: acc.cloned(),
+            dtype,
+            op,
+        });
+        Ok(())
+    }
     fn describe(&self) -> String {
+        if let Some((_, l)) = &self.region {
+            return format!(
+                "emulated device, direct ({} send slots of {} KiB in the transport's region, {} \
+                 landing slots per peer)",
+                self.send_slots,
+                self.slot_bytes / 1024,
+                l.slots
+            );
+        }
         format!(
             "emulated device ({} send + {} receive slots of {} KiB)",
             self.send_slots,

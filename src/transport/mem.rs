@@ -9,8 +9,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
-    TransportKind,
+    direct_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind, Interest, Landed,
+    RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
 };
 use crate::error::{Error, Result};
 
@@ -54,6 +54,8 @@ struct Frame {
     hdr: FrameHeader,
     payload: Vec<u8>,
     visible_at: Option<Instant>,
+    /// A direct frame: its payload is at this offset of the receiver's region.
+    landed: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -64,6 +66,12 @@ struct State {
     sent: Vec<u64>,
     ranks: Vec<RankState>,
     faults: Vec<Fault>,
+    /// Emulated direct regions (one per rank), when the fabric has them.
+    direct: Option<DirectLayout>,
+    regions: Vec<Vec<u8>>,
+    /// Direct frames sent and landing slots released, per link.
+    direct_sent: Vec<u64>,
+    direct_released: Vec<u64>,
 }
 
 impl State {
@@ -88,10 +96,42 @@ impl MemFabric {
             sent: vec![0; world * world],
             ranks: vec![RankState::Alive; world],
             faults: Vec::new(),
+            direct: None,
+            regions: Vec::new(),
+            direct_sent: vec![0; world * world],
+            direct_released: vec![0; world * world],
         };
         MemFabric {
             inner: Arc::new((Mutex::new(state), Condvar::new())),
         }
+    }
+
+    /// A fabric whose ranks also have emulated direct regions in host memory (the GPUDirect
+    /// protocol without a GPU): `slots` landing slots per peer and `send_slots` send slots of
+    /// `slot_bytes` each. Payloads of direct frames are copied from the sender's region into
+    /// the receiver's at send time, and a landing slot is written again only after the
+    /// receiver released it — as a NIC would.
+    pub fn with_direct(
+        world: usize,
+        capacity: usize,
+        slots: usize,
+        slot_bytes: usize,
+        send_slots: usize,
+    ) -> Self {
+        let f = Self::new(world, capacity);
+        {
+            let mut st = f.lock();
+            let layout = DirectLayout {
+                world,
+                slots: slots.max(1),
+                slot_bytes,
+                send_slots: send_slots.max(1),
+            };
+            // Not zeroed: stale bytes must never pass for data.
+            st.regions = vec![vec![0x5A; layout.len()]; world];
+            st.direct = Some(layout);
+        }
+        f
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -106,6 +146,7 @@ impl MemFabric {
             fabric: self.clone(),
             rx: Vec::new(),
             done_abort: false,
+            taken: Vec::new(),
         }
     }
 
@@ -130,6 +171,26 @@ pub struct MemTransport {
     /// Frame being delivered from each peer (taken off the link once its header is accepted).
     rx: Vec<Option<Frame>>,
     done_abort: bool,
+    /// Direct frames taken from each peer (landing slots held until released).
+    taken: Vec<u64>,
+}
+
+/// Host access to one rank's emulated direct region.
+#[derive(Debug)]
+struct MemRegion {
+    fabric: MemFabric,
+    rank: usize,
+}
+
+impl RegionAccess for MemRegion {
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        let st = self.fabric.lock();
+        dst.copy_from_slice(&st.regions[self.rank][off..off + dst.len()]);
+    }
+    fn write(&self, off: usize, src: &[u8]) {
+        let mut st = self.fabric.lock();
+        st.regions[self.rank][off..off + src.len()].copy_from_slice(src);
+    }
 }
 
 impl MemTransport {
@@ -156,6 +217,56 @@ impl MemTransport {
                 reason.clone(),
             )),
         }
+    }
+}
+
+impl MemTransport {
+    /// Takes the next visible frame from `peer`'s link; abort and goodbye frames become errors.
+    fn pop_frame(&mut self, peer: usize) -> Result<Option<Frame>> {
+        let fabric = self.fabric.clone();
+        let mut st = fabric.lock();
+        let me = self.rank;
+        let now = Instant::now();
+        let front_ready = st
+            .link(peer, me)
+            .front()
+            .map(|f| f.visible_at.is_none_or(|t| t <= now));
+        match front_ready {
+            Some(true) => {}
+            Some(false) => return Ok(None),
+            None => {
+                return match self.peer_error(&st, peer, "receive") {
+                    Some(e) => Err(e),
+                    None => Ok(None),
+                };
+            }
+        }
+        let Some(frame) = st.link(peer, me).pop_front() else {
+            return Ok(None);
+        };
+        drop(st);
+        fabric.inner.1.notify_all();
+        match frame.hdr.kind {
+            FrameKind::Data => {}
+            FrameKind::Abort => {
+                return Err(AbortClass::error(
+                    frame.hdr.coll,
+                    self.rank,
+                    frame.hdr.root as usize,
+                    "receive",
+                    String::from_utf8_lossy(&frame.payload).into_owned(),
+                ));
+            }
+            FrameKind::Bye => {
+                return Err(Error::PeerLost {
+                    rank: self.rank,
+                    peer,
+                    op: "receive".into(),
+                    detail: "peer closed its communicator".into(),
+                });
+            }
+        }
+        Ok(Some(frame))
     }
 }
 
@@ -208,6 +319,7 @@ impl Transport for MemTransport {
                 hdr: *hdr,
                 payload: data.to_vec(),
                 visible_at: delay.map(|d| Instant::now() + d),
+                landed: None,
             };
             let me = self.rank;
             st.link(me, peer).push_back(frame);
@@ -229,50 +341,13 @@ impl Transport for MemTransport {
             self.rx = (0..world).map(|_| None).collect();
         }
         if progress.header.is_none() {
-            let fabric = self.fabric.clone();
-            let mut st = fabric.lock();
-            let me = self.rank;
-            let now = Instant::now();
-            let front_ready = st
-                .link(peer, me)
-                .front()
-                .map(|f| f.visible_at.is_none_or(|t| t <= now));
-            match front_ready {
-                Some(true) => {}
-                Some(false) => return Ok(false),
-                None => {
-                    return match self.peer_error(&st, peer, "receive") {
-                        Some(e) => Err(e),
-                        None => Ok(false),
-                    };
-                }
-            }
-            let Some(frame) = st.link(peer, me).pop_front() else {
+            let Some(frame) = self.pop_frame(peer)? else {
                 return Ok(false);
             };
-            drop(st);
-            fabric.inner.1.notify_all();
-            match frame.hdr.kind {
-                FrameKind::Data => {}
-                FrameKind::Abort => {
-                    return Err(AbortClass::error(
-                        frame.hdr.coll,
-                        self.rank,
-                        frame.hdr.root as usize,
-                        "receive",
-                        String::from_utf8_lossy(&frame.payload).into_owned(),
-                    ));
-                }
-                FrameKind::Bye => {
-                    return Err(Error::PeerLost {
-                        rank: self.rank,
-                        peer,
-                        op: "receive".into(),
-                        detail: "peer closed its communicator".into(),
-                    });
-                }
-            }
             let expected = sink.on_header(&frame.hdr)?;
+            if frame.landed.is_some() {
+                return Err(direct_mismatch(self.rank, peer, true));
+            }
             if expected != frame.payload.len() {
                 return Err(Error::Transport {
                     rank: Some(self.rank),
@@ -303,6 +378,154 @@ impl Transport for MemTransport {
         progress.got = n;
         progress.header = None;
         Ok(true)
+    }
+
+    fn direct_layout(&self) -> Option<DirectLayout> {
+        self.fabric.lock().direct
+    }
+
+    fn direct_host_region(&self) -> Option<Arc<dyn RegionAccess>> {
+        self.fabric.lock().direct?;
+        Some(Arc::new(MemRegion {
+            fabric: self.fabric.clone(),
+            rank: self.rank,
+        }))
+    }
+
+    fn direct_peer(&self, peer: usize) -> bool {
+        let st = self.fabric.lock();
+        st.direct.is_some() && peer < st.world && peer != self.rank
+    }
+
+    fn send_direct(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        offset: usize,
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        let len = hdr.len as usize;
+        let fabric = self.fabric.clone();
+        let mut st = fabric.lock();
+        let Some(layout) = st.direct else {
+            return Err(Error::invalid(
+                Some(self.rank),
+                "send_direct",
+                "this fabric has no direct regions",
+            ));
+        };
+        if peer >= st.world || peer == self.rank {
+            return Err(Error::invalid(
+                Some(self.rank),
+                "send_direct",
+                format!("no link to rank {peer}"),
+            ));
+        }
+        if len == 0 || len > layout.slot_bytes || offset + len > layout.len() {
+            return Err(Error::invalid(
+                Some(self.rank),
+                "send_direct",
+                format!("{len} bytes at offset {offset} do not fit the direct region {layout:?}"),
+            ));
+        }
+        if let Some(e) = self.peer_error(&st, peer, "send") {
+            if !matches!(st.ranks[peer], RankState::Closed) {
+                return Err(e);
+            }
+        }
+        let me = self.rank;
+        let link = me * st.world + peer;
+        let k = st.direct_sent[link];
+        // A landing slot is written again only after the receiver released it.
+        if k >= st.direct_released[link] + layout.slots as u64
+            || st.link(me, peer).len() >= st.capacity
+        {
+            return Ok(false);
+        }
+        st.direct_sent[link] += 1;
+        let nth = st.sent[link];
+        st.sent[link] += 1;
+        let dropped = st.faults.iter().any(
+            |f| matches!(*f, Fault::Drop { from, to, nth: j } if from == me && to == peer && j == nth),
+        );
+        let delay = st.faults.iter().find_map(|f| match *f {
+            Fault::Delay { from, to, by } if from == me && to == peer => Some(by),
+            _ => None,
+        });
+        if !dropped {
+            let at = layout.landing(me, (k % layout.slots as u64) as usize);
+            let data = st.regions[me][offset..offset + len].to_vec();
+            st.regions[peer][at..at + len].copy_from_slice(&data);
+            let frame = Frame {
+                hdr: *hdr,
+                payload: Vec::new(),
+                visible_at: delay.map(|d| Instant::now() + d),
+                landed: Some(at),
+            };
+            st.link(me, peer).push_back(frame);
+        }
+        progress.written = super::HEADER_LEN + len;
+        drop(st);
+        fabric.inner.1.notify_all();
+        Ok(true)
+    }
+
+    fn recv_direct(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<Option<Landed>> {
+        let Some(frame) = self.pop_frame(peer)? else {
+            return Ok(None);
+        };
+        let expected = sink.on_header(&frame.hdr)?;
+        let landed = match frame.landed {
+            Some(offset) => {
+                if self.taken.is_empty() {
+                    self.taken = vec![0; self.fabric.lock().world];
+                }
+                self.taken[peer] += 1;
+                Landed {
+                    offset,
+                    len: frame.hdr.len as usize,
+                }
+            }
+            None if frame.payload.is_empty() => Landed { offset: 0, len: 0 },
+            None => return Err(direct_mismatch(self.rank, peer, false)),
+        };
+        if expected != landed.len {
+            return Err(Error::Transport {
+                rank: Some(self.rank),
+                peer: Some(peer),
+                op: "receive".into(),
+                what: format!(
+                    "frame header says {} bytes where {expected} were expected",
+                    landed.len
+                ),
+            });
+        }
+        progress.header = None;
+        progress.got = landed.len;
+        Ok(Some(landed))
+    }
+
+    fn release_direct(&mut self, peer: usize) -> Result<()> {
+        let fabric = self.fabric.clone();
+        let mut st = fabric.lock();
+        let link = peer * st.world + self.rank;
+        let taken = self.taken.get(peer).copied().unwrap_or(0);
+        if st.direct_released[link] >= taken {
+            return Err(Error::invalid(
+                Some(self.rank),
+                "release_direct",
+                format!("no landing slot from rank {peer} is held"),
+            ));
+        }
+        st.direct_released[link] += 1;
+        drop(st);
+        fabric.inner.1.notify_all();
+        Ok(())
     }
 
     fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {

@@ -270,6 +270,83 @@ pub struct RecvProgress {
     pub got: usize,
 }
 
+/// The layout of one rank's *direct region*: memory registered with the transport at init
+/// (GPU memory for GPUDirect RDMA, or host memory when the path is emulated in tests) into which
+/// peers' payloads land without passing through host slots, followed by the send slots the
+/// payloads leave from.
+///
+/// Landing slot `i` for frames from `peer` starts at `(peer × slots + i) × slot_bytes`; send
+/// slot `j` at `(world × slots + j) × slot_bytes`. Direct frame `k` from a peer lands in that
+/// peer's landing slot `k % slots` and stays there, untouched by the sender, until the receiver
+/// [releases](Transport::release_direct) it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirectLayout {
+    /// Ranks.
+    pub world: usize,
+    /// Landing slots per peer.
+    pub slots: usize,
+    /// Payload bytes per slot.
+    pub slot_bytes: usize,
+    /// Send slots.
+    pub send_slots: usize,
+}
+
+impl DirectLayout {
+    /// Offset of landing slot `i` for frames from `peer`.
+    pub fn landing(&self, peer: usize, i: usize) -> usize {
+        (peer * self.slots + i) * self.slot_bytes
+    }
+
+    /// Offset of send slot `j`.
+    pub fn send(&self, j: usize) -> usize {
+        (self.world * self.slots + j) * self.slot_bytes
+    }
+
+    /// Bytes of the whole region.
+    pub fn len(&self) -> usize {
+        (self.world * self.slots + self.send_slots) * self.slot_bytes
+    }
+
+    /// Whether the region is empty (no slots).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Host access to a direct region that lives in host memory (the emulated path in tests):
+/// copies only, because the NIC may be writing other parts of it at any time.
+pub trait RegionAccess: Send + Sync + fmt::Debug {
+    /// Copies `dst.len()` bytes from offset `off` into `dst`.
+    fn read(&self, off: usize, dst: &mut [u8]);
+    /// Copies `src` to offset `off`.
+    fn write(&self, off: usize, src: &[u8]);
+}
+
+/// Where a direct frame's payload is: `len` bytes at `offset` of this rank's direct region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landed {
+    /// Offset in the direct region.
+    pub offset: usize,
+    /// Payload bytes (0 for an empty frame, which holds no slot).
+    pub len: usize,
+}
+
+/// The error for a frame whose payload travels the other way than the receiver expects (one
+/// rank called a device collective, the other the host one).
+pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::Error {
+    let (theirs, ours) = if direct_sent {
+        ("device memory (direct)", "host memory")
+    } else {
+        ("host memory", "device memory (direct)")
+    };
+    crate::Error::Mismatch {
+        rank: Some(rank),
+        peer: Some(peer),
+        op: "receive".into(),
+        what: format!("rank {peer} sent from {theirs} while this rank receives into {ours}"),
+    }
+}
+
 /// A way to move frames between the ranks of one communicator.
 pub trait Transport: Send + fmt::Debug {
     /// Which transport this is.
@@ -339,6 +416,66 @@ pub trait Transport: Send + fmt::Debug {
     /// Releases a registration made by [`Transport::register_host`] (unknown ids are ignored).
     fn deregister(&mut self, id: u64) {
         let _ = id;
+    }
+
+    /// The layout of this rank's direct region, when the transport was set up with one
+    /// (`None`: every payload goes through host memory, the default).
+    fn direct_layout(&self) -> Option<DirectLayout> {
+        None
+    }
+
+    /// Host access to the direct region when it is host memory (emulation); `None` for GPU
+    /// memory or no region.
+    fn direct_host_region(&self) -> Option<std::sync::Arc<dyn RegionAccess>> {
+        None
+    }
+
+    /// Whether payloads to and from `peer` can move directly (both ends have a region).
+    fn direct_peer(&self, peer: usize) -> bool {
+        let _ = peer;
+        false
+    }
+
+    /// Like [`Transport::send`], for a frame whose `hdr.len`-byte payload is at `offset` of
+    /// this rank's direct region: it lands in `peer`'s region. Empty payloads travel as
+    /// ordinary frames. The caller keeps the bytes unchanged until this returns `Ok(true)`.
+    fn send_direct(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        offset: usize,
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        let _ = (hdr, offset, progress);
+        Err(crate::Error::invalid(
+            None,
+            "send_direct",
+            format!("this transport has no direct region for rank {peer}"),
+        ))
+    }
+
+    /// Like [`Transport::recv`] for a direct frame: validates its header through `sink`
+    /// (`on_header` only) and returns where its payload landed. A non-empty payload keeps its
+    /// landing slot until [`Transport::release_direct`]; releases go in arrival order.
+    fn recv_direct(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<Option<Landed>> {
+        let _ = (progress, sink);
+        Err(crate::Error::invalid(
+            None,
+            "recv_direct",
+            format!("this transport has no direct region for rank {peer}"),
+        ))
+    }
+
+    /// Gives back the oldest landing slot still held from `peer`: its contents were consumed,
+    /// the peer may write it again.
+    fn release_direct(&mut self, peer: usize) -> Result<()> {
+        let _ = peer;
+        Ok(())
     }
 }
 
