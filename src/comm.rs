@@ -39,6 +39,8 @@ pub struct CommInfo {
     pub timeout: Duration,
     /// The data-path policy for device memory (`DSPARK_DATA_PATH`).
     pub data_path: PathPolicy,
+    /// Every rank's GPUDirect RDMA capability, as announced at init (indexed by rank).
+    pub gpu_direct: Vec<crate::path::GpuDirectCapability>,
 }
 
 /// What init learned besides the transport, for [`CommInfo`].
@@ -47,6 +49,7 @@ struct Facts {
     local_ranks: usize,
     transport_reason: Option<String>,
     data_path: PathPolicy,
+    gpu_direct: Vec<crate::path::GpuDirectCapability>,
 }
 
 /// A group of ranks that run collectives together.
@@ -86,6 +89,9 @@ pub struct Communicator {
     info: CommInfo,
     engine: Mutex<Engine>,
     gpu: Mutex<GpuState>,
+    /// The GPU memory registered with the NIC as this rank's direct region; declared after
+    /// the engine so that the transport (and its registration) is dropped first.
+    pub(crate) region: Option<crate::comm_device::GpuRegion>,
 }
 
 impl fmt::Debug for Communicator {
@@ -145,9 +151,19 @@ impl Communicator {
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap: verbs where every rank
         // has a usable RDMA port, else TCP everywhere (or Unavailable where verbs was asked).
+        let (spec, region) = crate::comm_device::direct_spec(&config);
+        let mut gpu_direct = vec![
+            crate::path::GpuDirectCapability::Unavailable(
+                crate::path::TCP_STAGED_REASON.into()
+            );
+            config.world_size
+        ];
         let (transport, reason): (Box<dyn Transport>, Option<String>) =
-            match verbs::select(&mut boot, &config, streams)? {
-                verbs::Selected::Verbs(t) => (t, None),
+            match verbs::select(&mut boot, &config, streams, &spec)? {
+                verbs::Selected::Verbs(t) => {
+                    gpu_direct = crate::comm_device::capabilities_of(t.direct_infos());
+                    (t, None)
+                }
                 verbs::Selected::Tcp { streams, reason } => {
                     let opts = TcpOptions {
                         socket_buffer: config.socket_buffer,
@@ -162,9 +178,11 @@ impl Communicator {
             local_ranks: local,
             transport_reason: reason,
             data_path: config.data_path,
+            gpu_direct,
         };
         drop(boot);
-        let comm = Self::assemble(config.rank, config.world_size, transport, opts, facts);
+        let mut comm = Self::assemble(config.rank, config.world_size, transport, opts, facts);
+        comm.region = region;
         comm.check_path_policy()?;
         Ok(comm)
     }
@@ -193,6 +211,12 @@ impl Communicator {
             local_ranks: world,
             transport_reason: None,
             data_path: config.data_path,
+            gpu_direct: vec![
+                crate::path::GpuDirectCapability::Unavailable(
+                    crate::path::MEM_STAGED_REASON.into()
+                );
+                world
+            ],
         };
         let comm = Self::assemble(rank, world, transport, opts, facts);
         comm.check_path_policy()?;
@@ -216,6 +240,7 @@ impl Communicator {
             segment_bytes: opts.segment_bytes,
             timeout: opts.timeout,
             data_path: facts.data_path,
+            gpu_direct: facts.gpu_direct,
         };
         let engine = Engine::new(rank, world, transport, opts);
         Communicator {
@@ -224,6 +249,7 @@ impl Communicator {
             info,
             engine: Mutex::new(engine),
             gpu: Mutex::new(GpuState::default()),
+            region: None,
         }
     }
 

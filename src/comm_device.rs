@@ -5,13 +5,21 @@
 //! there afterwards sees its result (no device-wide synchronisation). The call returns when
 //! the collective is complete.
 //!
-//! **Path truth.** This build moves device memory *host-staged*: GPU → pinned host slot →
-//! wire → pinned host slot → GPU, with the copies, the wire and the GPU reductions of
-//! neighbouring segments overlapped (see [`crate::engine::staged`]). GPUDirect RDMA transfers
-//! (the NIC reading and writing GPU memory) are not implemented yet, so
-//! `DSPARK_DATA_PATH=gpu-direct` is an error at init that says so, and the path of every
-//! connection says `staged` with the reason — in [`Communicator::data_paths`], in the bench
-//! header and in every bench row.
+//! **Path truth.** Device memory moves one of two ways, decided at init for the whole job:
+//!
+//! * *GPUDirect RDMA* over verbs, when every rank registered a direct region of GPU memory
+//!   with its NIC (dma-buf first, then nvidia-peermem): a segment is copied on the GPU into a
+//!   registered send slot, RDMA-written by the NIC straight into the peer's landing slot in
+//!   its GPU memory, and consumed there by a copy or a reduction kernel (after a flush)
+//!   before the slot is handed back (see [`crate::gpu::direct`]);
+//! * *host-staged* otherwise: GPU → pinned host slot → wire → pinned host slot → GPU, with the
+//!   copies, the wire and the GPU reductions of neighbouring segments overlapped (see
+//!   [`crate::engine::staged`]).
+//!
+//! The path of every connection, with the reason when it is staged, is in
+//! [`Communicator::data_paths`], in the bench header and in every bench row;
+//! `DSPARK_DATA_PATH=gpu-direct` that cannot be honoured is an error at init naming every rank
+//! that cannot, and why.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -20,21 +28,93 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::comm::Communicator;
+use crate::config::{Config, TransportChoice};
 use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::gpu::device::GpuReducer;
+use crate::gpu::direct::{CudaDirectDevice, DirectRegion};
 use crate::gpu::staged::{CudaStagedDevice, StagingPool};
 use crate::path::{self, BufferLocation, GpuDirectCapability, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
+use crate::transport::verbs::wire::{DirectInfo, DirectKind};
+use crate::transport::verbs::{self, DirectSpec, VerbsOptions};
 use crate::types::{Element, ReduceOp};
-
-/// Why device memory is not moved with GPUDirect RDMA by this build.
-pub const GPU_DIRECT_NOT_IMPLEMENTED: &str =
-    "this build moves device memory host-staged only: GPUDirect RDMA transfers (the NIC reading \
-     and writing GPU memory) are not implemented yet";
 
 /// Pinned slots per direction for staged device collectives.
 const STAGE_SLOTS: usize = 4;
+
+/// Send slots of the direct region.
+pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
+
+/// GPU memory registered with the NIC as this rank's direct region (kept by the
+/// communicator for as long as its transport lives).
+#[derive(Debug)]
+pub(crate) struct GpuRegion {
+    region: DirectRegion,
+}
+
+/// What this rank brings to the verbs transport as its direct region: the host-memory
+/// emulation when asked for (tests), nothing when device memory is to be staged anyway,
+/// otherwise GPU memory of the configured device with its registration candidates, or why
+/// there is none.
+pub(crate) fn direct_spec(config: &Config) -> (DirectSpec, Option<GpuRegion>) {
+    if config.emulate_gpu_direct {
+        return (
+            DirectSpec::HostEmulated {
+                send_slots: DIRECT_SEND_SLOTS,
+            },
+            None,
+        );
+    }
+    if config.data_path == PathPolicy::HostStaged {
+        return (
+            DirectSpec::Unavailable(path::REQUESTED_STAGED_REASON.into()),
+            None,
+        );
+    }
+    if config.transport == TransportChoice::Tcp || config.world_size < 2 {
+        return (DirectSpec::None, None);
+    }
+    match gpu_region(config) {
+        Ok(g) => {
+            let (candidates, reasons) = g.region.registration_candidates();
+            let spec = DirectSpec::Device {
+                addr: g.region.ptr(),
+                send_slots: DIRECT_SEND_SLOTS,
+                candidates,
+                reasons,
+            };
+            (spec, Some(g))
+        }
+        Err(why) => (DirectSpec::Unavailable(why), None),
+    }
+}
+
+/// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
+/// GPUs), sized for the verbs transport's slots.
+fn gpu_region(config: &Config) -> std::result::Result<GpuRegion, String> {
+    if !crate::gpu::probe::libcuda_present() {
+        return Err("no CUDA driver (libcuda.so.1 not found)".into());
+    }
+    let probe = crate::gpu::probe::probe_cuda().map_err(|e| e.to_string())?;
+    if probe.devices.is_empty() {
+        return Err(format!(
+            "no CUDA GPU visible{}",
+            probe
+                .init_error
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        ));
+    }
+    let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
+    let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
+    let opts =
+        VerbsOptions::from_lookup(config, |k| std::env::var(k).ok()).map_err(|e| e.to_string())?;
+    let layout = verbs::direct_layout(config.world_size, &opts, DIRECT_SEND_SLOTS);
+    let region = DirectRegion::new(&ctx, layout)
+        .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))?;
+    Ok(GpuRegion { region })
+}
 
 /// Per-communicator CUDA state: the reduction kernels, loaded once per GPU.
 #[derive(Debug, Default)]
@@ -45,9 +125,31 @@ pub(crate) struct GpuState {
     warned: bool,
 }
 
-/// The GPUDirect capability this build announces for every rank.
-fn capabilities(world: usize) -> Vec<GpuDirectCapability> {
-    vec![GpuDirectCapability::Unavailable(GPU_DIRECT_NOT_IMPLEMENTED.to_string()); world]
+/// Every rank's GPUDirect capability from the direct regions announced at init.
+pub(crate) fn capabilities_of(infos: &[DirectInfo]) -> Vec<GpuDirectCapability> {
+    infos
+        .iter()
+        .map(|d| match d {
+            DirectInfo::Region {
+                kind: DirectKind::DmaBuf,
+                ..
+            } => GpuDirectCapability::DmaBuf,
+            DirectInfo::Region {
+                kind: DirectKind::PeerMem,
+                ..
+            } => GpuDirectCapability::PeerMem,
+            DirectInfo::Region {
+                kind: DirectKind::HostEmulated,
+                ..
+            } => GpuDirectCapability::Unavailable(
+                "its direct region is host memory (DSPARK_EMULATE_GPU_DIRECT, for tests)".into(),
+            ),
+            DirectInfo::None => {
+                GpuDirectCapability::Unavailable("no GPU memory was set up at init".into())
+            }
+            DirectInfo::Unavailable(why) => GpuDirectCapability::Unavailable(why.clone()),
+        })
+        .collect()
 }
 
 impl Communicator {
@@ -71,14 +173,14 @@ impl Communicator {
         let peers: Vec<usize> = (0..self.world_size())
             .filter(|&p| p != self.rank())
             .collect();
-        let caps = capabilities(self.world_size());
+        let caps = &self.info().gpu_direct;
         path::decide(&PathInputs {
             policy,
             rank: self.rank(),
             peers: &peers,
             transport: self.info().transport,
             buffers,
-            capabilities: &caps,
+            capabilities: caps,
         })
     }
 
@@ -130,6 +232,36 @@ impl Communicator {
             return Ok(());
         }
         let reducer = self.reducer(stream)?;
+        let call = Call {
+            dtype: T::DATA_TYPE,
+            ..call
+        };
+        let plan = self.data_paths(BufferLocation::Device)?;
+        let direct = !plan.connections.is_empty()
+            && plan
+                .connections
+                .iter()
+                .all(|c| c.send.memory.is_gpu_direct());
+        if direct {
+            // Every rank announced a registered region at init (that is what the plan says),
+            // so every rank takes this branch for this call.
+            let Some(g) = self.region.as_ref() else {
+                return Err(Error::invalid(
+                    Some(self.rank()),
+                    "device collective",
+                    "GPUDirect RDMA was agreed but this rank has no direct region",
+                ));
+            };
+            let mut dev = CudaDirectDevice::new::<T, S, D>(
+                &reducer,
+                stream,
+                src,
+                dst,
+                &g.region,
+                DIRECT_SEND_SLOTS,
+            )?;
+            return self.run_staged(call, &mut dev);
+        }
         let slot = self.info().segment_bytes;
         let ctx = stream.context();
         let mut st = self.gpu_state();
@@ -142,10 +274,6 @@ impl Communicator {
             Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
         };
         let mut dev = CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)?;
-        let call = Call {
-            dtype: T::DATA_TYPE,
-            ..call
-        };
         self.run_staged(call, &mut dev)
     }
 

@@ -92,6 +92,15 @@ pub struct Config {
     pub spin: Option<Duration>,
     /// Which memory path device buffers take (`DSPARK_DATA_PATH`).
     pub data_path: PathPolicy,
+    /// The GPU whose memory this rank registers with the NIC for GPUDirect RDMA
+    /// (`DSPARK_CUDA_DEVICE`, else the launcher's local rank: `LOCAL_RANK`,
+    /// `OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`, `SLURM_LOCALID`; taken modulo the
+    /// number of GPUs). `None`: device 0.
+    pub cuda_device: Option<usize>,
+    /// Testing only (`DSPARK_EMULATE_GPU_DIRECT=1`): give the verbs transport a direct region
+    /// in host memory, so that the GPUDirect protocol runs on machines without a GPU. Reported
+    /// as emulation, never as GPUDirect.
+    pub emulate_gpu_direct: bool,
     /// Where each setting came from, for messages (`rank from RANK`, ...).
     pub sources: Vec<(String, String)>,
 }
@@ -119,6 +128,8 @@ impl Config {
             socket_buffer: 4 << 20,
             spin: None,
             data_path: PathPolicy::Auto,
+            cuda_device: None,
+            emulate_gpu_direct: false,
             sources: Vec::new(),
         }
     }
@@ -270,6 +281,22 @@ impl Config {
         }
         if let Some((_, v)) = pick(&[DATA_PATH_ENV]) {
             c.data_path = v.parse()?;
+        }
+        if let Some((n, v)) = pick(&[
+            "DSPARK_CUDA_DEVICE",
+            "LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "SLURM_LOCALID",
+        ]) {
+            c.cuda_device = Some(parse_usize(n, &v)?);
+        }
+        if let Some((n, v)) = pick(&["DSPARK_EMULATE_GPU_DIRECT"]) {
+            c.emulate_gpu_direct = match v.as_str() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" | "" => false,
+                _ => return Err(Error::config(n, format!("{v:?}: expected 0 or 1"))),
+            };
         }
         if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
             let us = parse_usize(n, &v)?;

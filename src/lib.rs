@@ -17,7 +17,6 @@ pub mod transport;
 pub mod types;
 
 pub use comm::{CommInfo, Communicator, Registration};
-pub use comm_device::GPU_DIRECT_NOT_IMPLEMENTED;
 pub use config::Config;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

@@ -405,42 +405,48 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
                 });
             }
             let mine = cap(rank)?;
-            let mut connections = Vec::with_capacity(peers.len());
-            let mut lacking: Vec<(usize, String)> = Vec::new();
             for &q in peers {
-                let theirs = cap(q)?;
-                let mut why: Vec<String> = Vec::new();
-                for (r, c) in [(rank, mine), (q, theirs)] {
-                    if let GpuDirectCapability::Unavailable(reason) = c {
-                        why.push(format!("rank {r}: {reason}"));
-                        if !lacking.iter().any(|(x, _)| *x == r) {
-                            lacking.push((r, reason.clone()));
-                        }
-                    }
-                }
-                match (mine.memory_path(), theirs.memory_path()) {
-                    (Some(m), Some(_)) => {
-                        connections.push(symmetric(
+                cap(q)?;
+            }
+            // Every rank must agree on how device payloads travel (a direct frame cannot be
+            // received into host slots), so GPUDirect is used only when every rank can.
+            let lacking: Vec<(usize, String)> = capabilities
+                .iter()
+                .enumerate()
+                .filter_map(|(r, c)| match c {
+                    GpuDirectCapability::Unavailable(why) => Some((r, why.clone())),
+                    _ => None,
+                })
+                .collect();
+            let connections: Vec<ConnectionPath> = match (mine.memory_path(), lacking.is_empty()) {
+                (Some(m), true) => peers
+                    .iter()
+                    .map(|&q| {
+                        symmetric(
                             q,
                             DataPath {
                                 transport,
                                 memory: m,
                                 reason: None,
                             },
-                        ));
-                    }
-                    _ => {
-                        why.dedup();
-                        connections.push(symmetric(
-                            q,
-                            staged(
-                                transport,
-                                format!("GPUDirect RDMA unavailable: {}", why.join("; ")),
-                            ),
-                        ));
-                    }
+                        )
+                    })
+                    .collect(),
+                _ => {
+                    let why: Vec<String> = lacking
+                        .iter()
+                        .map(|(r, w)| format!("rank {r}: {w}"))
+                        .collect();
+                    let p = staged(
+                        transport,
+                        format!(
+                            "GPUDirect RDMA unavailable (it is used only when every rank can): {}",
+                            why.join("; ")
+                        ),
+                    );
+                    peers.iter().map(|&q| symmetric(q, p.clone())).collect()
                 }
-            }
+            };
             if policy == PathPolicy::GpuDirect && !lacking.is_empty() {
                 let list: Vec<String> = lacking
                     .iter()
@@ -791,42 +797,57 @@ mod tests {
     }
 
     #[test]
-    fn auto_falls_back_only_on_connections_touching_a_rank_without_gpu_direct() {
-        // Ring of 4: rank 2 lacks GPUDirect. Rank 1 talks to 0 and 2.
+    fn one_rank_without_gpu_direct_stages_every_connection_and_says_which() {
+        // Ring of 4: rank 2 lacks GPUDirect. Every rank must move device payloads the same
+        // way (a direct frame cannot land in host slots), so all connections are staged —
+        // including rank 3's, which never talks to rank 2 — and the reason names rank 2.
         let caps = vec![
             GpuDirectCapability::DmaBuf,
             GpuDirectCapability::PeerMem,
             GpuDirectCapability::Unavailable("port down".into()),
             GpuDirectCapability::DmaBuf,
         ];
+        for (rank, peers) in [(1, &[0usize, 2][..]), (3, &[0][..])] {
+            let plan = decide(&inputs(
+                PathPolicy::Auto,
+                rank,
+                peers,
+                TransportKind::Verbs,
+                BufferLocation::Device,
+                &caps,
+            ))
+            .unwrap();
+            assert_eq!(plan.connections.len(), peers.len());
+            for c in &plan.connections {
+                assert_eq!(c.send.memory, MemoryPath::HostStaged, "rank {rank}");
+                assert!(c
+                    .recv
+                    .reason
+                    .as_deref()
+                    .unwrap()
+                    .contains("rank 2: port down"));
+            }
+            assert_eq!(plan.warnings.len(), 1);
+            assert!(plan.warnings[0].contains("rank 2") && plan.warnings[0].contains("port down"));
+            assert_eq!(plan.column(), "verbs/staged");
+            // gpu-direct is an error on every rank, naming rank 2.
+            let e = decide(&inputs(
+                PathPolicy::GpuDirect,
+                rank,
+                peers,
+                TransportKind::Verbs,
+                BufferLocation::Device,
+                &caps,
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("rank 2: port down"), "{e}");
+        }
+        // Everyone capable: GPUDirect with this rank's own mechanism, no warnings.
+        let caps = vec![GpuDirectCapability::PeerMem, GpuDirectCapability::DmaBuf];
         let plan = decide(&inputs(
-            PathPolicy::Auto,
+            PathPolicy::GpuDirect,
             1,
-            &[0, 2],
-            TransportKind::Verbs,
-            BufferLocation::Device,
-            &caps,
-        ))
-        .unwrap();
-        assert_eq!(plan.connections[0].peer, 0);
-        assert_eq!(
-            plan.connections[0].send.memory,
-            MemoryPath::GpuDirectPeerMem
-        );
-        assert_eq!(plan.connections[1].send.memory, MemoryPath::HostStaged);
-        assert!(plan.connections[1]
-            .send
-            .reason
-            .as_deref()
-            .unwrap()
-            .contains("rank 2: port down"));
-        assert_eq!(plan.warnings.len(), 1);
-        assert!(plan.warnings[0].contains("rank 2") && plan.warnings[0].contains("port down"));
-        assert_eq!(plan.column(), "mixed");
-        // Rank 3 talks to 0 only: full GPUDirect, no warnings.
-        let plan = decide(&inputs(
-            PathPolicy::Auto,
-            3,
             &[0],
             TransportKind::Verbs,
             BufferLocation::Device,
@@ -835,25 +856,6 @@ mod tests {
         .unwrap();
         assert_eq!(plan.column(), "verbs/gdr-dmabuf");
         assert!(plan.warnings.is_empty());
-        // gpu-direct is an error at rank 1 (it has a connection to rank 2) but not at rank 3.
-        assert!(decide(&inputs(
-            PathPolicy::GpuDirect,
-            1,
-            &[0, 2],
-            TransportKind::Verbs,
-            BufferLocation::Device,
-            &caps
-        ))
-        .is_err());
-        assert!(decide(&inputs(
-            PathPolicy::GpuDirect,
-            3,
-            &[0],
-            TransportKind::Verbs,
-            BufferLocation::Device,
-            &caps
-        ))
-        .is_ok());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! GPU checks (need an NVIDIA GPU, its driver and libnvrtc): the reduction kernels against the
 //! independent CPU reference for every op × type, odd lengths and misaligned offsets, fresh
 //! random inputs and poisoned outputs; reduction bandwidth against a device-to-device copy
-//! measured in the same run; dma-buf export of device memory.
+//! measured in the same run; dma-buf export of device memory; the direct (GPUDirect RDMA) device's
+//! copies and reductions out of a region of GPU memory, with the host standing in for the NIC.
 //!
 //! Without a GPU each test prints why it is skipped and passes; `DSPARK_REQUIRE_GPU=1` (set by
 //! `tests/gpu/run_all.sh`) turns a skip into a failure. Lines starting with `SUMMARY:` are
@@ -588,4 +589,188 @@ fn staged_all_reduce_over_tcp_between_two_ranks_on_one_gpu_overlaps_its_stages()
         );
     }
     assert!(worst <= 1.2, "staged all-reduce took {worst:.2}x its slowest stage (goal <= 1.2x: the stages do not overlap)");
+}
+
+/// One case of the direct device check: `n` elements of `dtype` "land" (written by the host in
+/// place of the NIC) in landing slot 1 of peer 1, then are consumed three ways into `Dst` —
+/// copied, reduced with an accumulator in `Src`, reduced in place with `Dst` — and the copied
+/// range is sent (copied into send slot 1). A fourth range of `Dst` must keep its poison.
+#[allow(clippy::too_many_arguments)]
+fn direct_case(
+    r: &GpuReducer,
+    stream: &Arc<CudaStream>,
+    region: &dspark::gpu::direct::DirectRegion,
+    rng: &mut SplitMix64,
+    dtype: DataType,
+    op: ReduceOp,
+    n: usize,
+    failures: &mut Vec<String>,
+) {
+    use dspark::engine::staged::{DevRange, StagedDevice};
+    use dspark::gpu::direct::CudaDirectDevice;
+    use dspark::plan::Buf;
+    let es = dtype.size();
+    let b = n * es;
+    let layout = region.layout();
+    assert!(b <= layout.slot_bytes, "case larger than a slot");
+    let landing = layout.landing(1, 1);
+    let incoming = rng.elements(dtype, n);
+    let acc = rng.elements(dtype, n);
+    let dst0 = rng.elements(dtype, 4 * n); // [copy | reduce | in place (acc) | poison]
+    region.write_from_host(landing, &incoming).unwrap();
+    let src = stream.clone_htod(&acc).unwrap();
+    let mut dst = stream.clone_htod(&dst0).unwrap();
+    let case = format!("{dtype} {op} n={n}");
+    {
+        let mut dev = CudaDirectDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
+            r,
+            stream,
+            Some(&src),
+            Some(&mut dst),
+            region,
+            2,
+        )
+        .unwrap_or_else(|e| panic!("{case}: direct device: {e}"));
+        assert!(dev.direct());
+        assert_eq!((dev.send_slots(), dev.recv_slots()), (2, 0));
+        assert_eq!(dev.slot_bytes(), layout.slot_bytes);
+        assert_eq!(dev.buffer_bytes(), (b, 4 * b));
+        let range = |k: usize| k * b..(k + 1) * b;
+        dev.land(landing, range(0), None, dtype, op).unwrap();
+        let a = DevRange {
+            buf: Buf::Src,
+            bytes: 0..b,
+        };
+        dev.land(landing, range(1), Some(&a), dtype, op).unwrap();
+        let a = DevRange {
+            buf: Buf::Dst,
+            bytes: range(2),
+        };
+        dev.land(landing, range(2), Some(&a), dtype, op).unwrap();
+        let landed = dev.mark().unwrap();
+        let sent = DevRange {
+            buf: Buf::Dst,
+            bytes: range(0),
+        };
+        dev.d2h(&sent, 1).unwrap();
+        // Misuse is a typed error, never a panic or an out-of-bounds access.
+        assert!(dev
+            .land(region.len() - es, 0..2 * es, None, dtype, op)
+            .is_err());
+        assert!(
+            dev.d2h(&sent, 2).is_err(),
+            "send slot beyond the device's 2"
+        );
+        assert!(dev.h2d(0, 0..es).is_err(), "no host slots in direct mode");
+        assert!(dev.slot(0).is_empty());
+        dev.synchronize(Instant::now() + std::time::Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{case}: synchronize: {e}"));
+        assert!(dev.reached(landed).unwrap());
+    }
+    let got: Vec<u8> = stream.clone_dtoh(&dst).unwrap();
+    let mut sent = vec![0u8; b];
+    region.read_to_host(layout.send(1), &mut sent).unwrap();
+    // The crate's CPU kernels, and the independent reference, on the same inputs.
+    let mut want = dst0.clone();
+    want[..b].copy_from_slice(&incoming);
+    dspark::reduce::reduce_into(dtype, op, &mut want[b..2 * b], &acc, &incoming);
+    let in_place = dst0[2 * b..3 * b].to_vec();
+    dspark::reduce::reduce_into(dtype, op, &mut want[2 * b..3 * b], &in_place, &incoming);
+    let mut independent = want.clone();
+    independent[b..2 * b].copy_from_slice(&reference::apply(dtype, op, &acc, &incoming));
+    independent[2 * b..3 * b].copy_from_slice(&reference::apply(dtype, op, &in_place, &incoming));
+    let exact_nan = reference::exact_nan(Some(op));
+    for (what, want) in [("src/reduce", &want), ("reference", &independent)] {
+        if let Some(i) = reference::first_mismatch(dtype, &got, want, exact_nan) {
+            failures.push(format!(
+                "{case}: element {i} of Dst ({}) GPU {:02x?} {what} {:02x?}",
+                ["copied", "reduced with Src", "reduced in place", "poison"][i / n.max(1)],
+                &got[i * es..(i + 1) * es],
+                &want[i * es..(i + 1) * es]
+            ));
+        }
+    }
+    if sent != incoming {
+        failures.push(format!(
+            "{case}: send slot 1 does not hold the copied payload"
+        ));
+    }
+}
+
+#[test]
+fn direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory() {
+    use dspark::gpu::direct::{CudaDirectDevice, DirectRegion};
+    use dspark::transport::DirectLayout;
+    let name = "direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory";
+    let Some((ctx, r)) = reducer(name) else {
+        return;
+    };
+    let layout = DirectLayout {
+        world: 2,
+        slots: 2,
+        slot_bytes: 256 << 10,
+        send_slots: 2,
+    };
+    let region = match DirectRegion::new(&ctx, layout) {
+        Ok(region) => region,
+        Err(e @ Error::Unavailable { .. }) => {
+            skip(name, &format!("no direct region on this GPU/driver: {e}"));
+            return;
+        }
+        Err(e) => panic!("direct region: {e}"),
+    };
+    let mut zeros = vec![0xffu8; region.len()];
+    region.read_to_host(0, &mut zeros).unwrap();
+    assert!(zeros.iter().all(|&x| x == 0), "the region starts zeroed");
+    let (kinds, why_not) = region.registration_candidates();
+    eprintln!(
+        "SUMMARY: direct region: {} KiB on GPU {}; NIC registration candidates {kinds:?}; not: {}",
+        region.len() >> 10,
+        region.ctx().ordinal(),
+        if why_not.is_empty() {
+            "-".to_string()
+        } else {
+            why_not.join("; ")
+        }
+    );
+    assert_eq!(kinds.len() + why_not.len(), 2, "one verdict per mechanism");
+    // Asking the same twice gives the same descriptor (exported once, kept by the region).
+    assert_eq!(region.registration_candidates().0, kinds);
+    let stream = ctx.new_stream().unwrap();
+    let mut rng = SplitMix64(seed());
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for (dtype, op, lengths) in [
+        (DataType::F32, ReduceOp::Sum, [1usize, 3, 1001, 50_001]),
+        (DataType::BF16, ReduceOp::Max, [1, 3, 1001, 100_003]),
+    ] {
+        for n in lengths {
+            direct_case(&r, &stream, &region, &mut rng, dtype, op, n, &mut failures);
+            cases += 1;
+        }
+    }
+    // A stream of another GPU is refused by name (only checkable with two GPUs).
+    if let Ok(other) = device::open_context(1) {
+        let s1 = other.new_stream().unwrap();
+        let mut buf = s1.alloc_zeros::<f32>(16).unwrap();
+        let e = CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+            &r,
+            &s1,
+            None,
+            Some(&mut buf),
+            &region,
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("GPU 0") && e.to_string().contains("GPU 1"),
+            "{e}"
+        );
+    }
+    eprintln!(
+        "SUMMARY: direct device: {cases} cases (f32 sum, bf16 max; copy, reduce, reduce in place, \
+         send), {} wrong",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -9,6 +9,9 @@
 //! * transport agreement: one rank without a usable device makes `auto` fall back to TCP on
 //!   every rank (with the reason) and `verbs` fail on every rank;
 //! * zero-copy sends from a registered buffer;
+//! * the GPUDirect protocol (direct frames: payload RDMA-written into the receiver's registered
+//!   landing slot, held until the device consumed it) with host memory standing in for GPU
+//!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set).
 
@@ -173,6 +176,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             Err(e) => Err(format!("unexpected error: {e}")),
         },
         "zero_copy" => zero_copy(),
+        "direct" => direct(),
         "bandwidth" => bandwidth(),
         other => Err(format!("unknown scenario {other}")),
     }
@@ -217,6 +221,180 @@ fn zero_copy() -> Result<i32, String> {
         comm.zero_copy_frames()
     ));
     drop(reg);
+    Ok(OK)
+}
+
+fn emu_call<T: common::TestElem>(
+    coll: dspark::plan::Collective,
+    op: Option<ReduceOp>,
+    count: usize,
+    root: usize,
+    is_send: bool,
+) -> dspark::engine::Call {
+    let mut c = dspark::engine::Call::new(coll, op, count, root, is_send);
+    c.dtype = T::DATA_TYPE;
+    c
+}
+
+fn to_bytes<T: common::TestElem>(v: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn from_bytes<T: common::TestElem>(b: &[u8]) -> Vec<T> {
+    b.chunks_exact(size_of::<T>())
+        .map(bytemuck::pod_read_unaligned)
+        .collect()
+}
+
+/// Device collectives in direct mode on one type and operator: every payload goes from the
+/// (emulated) device's send slot through an RDMA write into the peer's landing slot.
+fn direct_round<T: common::TestElem>(
+    comm: &Communicator,
+    op: ReduceOp,
+    count: usize,
+    seed: u64,
+) -> Result<usize, String> {
+    use dspark::engine::staged::EmulatedDevice;
+    use dspark::plan::Collective as C;
+    let (n, r) = (comm.world_size(), comm.rank());
+    let region = comm.direct_host_region().ok_or("no direct region")?;
+    let layout = comm.direct_layout().ok_or("no direct layout")?;
+    let ctx = format!("{} {op} count {count}", T::DATA_TYPE);
+    let mut landed = 0;
+    let mut run = |call, src: Vec<u8>, dst: Vec<u8>, what: &str| -> Result<Vec<u8>, String> {
+        let mut d = EmulatedDevice::direct(src, dst, region.clone(), layout, 3, seed ^ r as u64);
+        comm.run_staged(call, &mut d)
+            .map_err(|e| format!("{what} {ctx}: {e}"))?;
+        landed += d.landed;
+        Ok(d.dst)
+    };
+    let input = common::inputs::<T>(op, seed, r, count);
+    let got = run(
+        emu_call::<T>(C::AllReduce, Some(op), count, 0, false),
+        Vec::new(),
+        to_bytes(&input),
+        "all_reduce",
+    )?;
+    common::check(
+        &format!("direct all_reduce {ctx}"),
+        &from_bytes::<T>(&got),
+        &common::reduced::<T>(op, seed, n, count),
+    )?;
+    let send = common::inputs::<T>(op, seed ^ 1, r, count * n);
+    let got = run(
+        emu_call::<T>(C::ReduceScatter, Some(op), count, 0, false),
+        to_bytes(&send),
+        vec![0; count * size_of::<T>()],
+        "reduce_scatter",
+    )?;
+    let full = common::reduced::<T>(op, seed ^ 1, n, count * n);
+    common::check(
+        &format!("direct reduce_scatter {ctx}"),
+        &from_bytes::<T>(&got),
+        &full[r * count..(r + 1) * count],
+    )?;
+    if op != ReduceOp::Sum {
+        return Ok(landed);
+    }
+    let mine = common::inputs::<T>(op, seed ^ 3, r, count);
+    let got = run(
+        emu_call::<T>(C::AllGather, None, count, 0, false),
+        to_bytes(&mine),
+        vec![0; count * n * size_of::<T>()],
+        "all_gather",
+    )?;
+    let want: Vec<T> = (0..n)
+        .flat_map(|q| common::inputs::<T>(op, seed ^ 3, q, count))
+        .collect();
+    common::check(
+        &format!("direct all_gather {ctx}"),
+        &from_bytes::<T>(&got),
+        &want,
+    )?;
+    let root = n - 1;
+    let b = if r == root {
+        common::inputs::<T>(op, seed ^ 4, root, count)
+    } else {
+        vec![T::default(); count]
+    };
+    let got = run(
+        emu_call::<T>(C::Broadcast, None, count, root, false),
+        Vec::new(),
+        to_bytes(&b),
+        "broadcast",
+    )?;
+    common::check(
+        &format!("direct broadcast {ctx}"),
+        &from_bytes::<T>(&got),
+        &common::inputs::<T>(op, seed ^ 4, root, count),
+    )?;
+    let send = common::inputs::<T>(op, seed ^ 5, r, count * n);
+    let got = run(
+        emu_call::<T>(C::AllToAll, None, count, 0, false),
+        to_bytes(&send),
+        vec![0; count * n * size_of::<T>()],
+        "all_to_all",
+    )?;
+    let want: Vec<T> = (0..n)
+        .flat_map(|j| {
+            common::inputs::<T>(op, seed ^ 5, j, count * n)[r * count..(r + 1) * count].to_vec()
+        })
+        .collect();
+    common::check(
+        &format!("direct all_to_all {ctx}"),
+        &from_bytes::<T>(&got),
+        &want,
+    )?;
+    Ok(landed)
+}
+
+/// The GPUDirect protocol over real verbs, with host memory standing in for GPU memory.
+fn direct() -> Result<i32, String> {
+    let comm = verbs_comm()?;
+    let caps = &comm.info().gpu_direct;
+    say(&format!(
+        "rank {}: direct capabilities {caps:?}",
+        comm.rank()
+    ));
+    // Path truth: an emulated region is never reported as GPUDirect.
+    let plan = comm
+        .data_paths(dspark::path::BufferLocation::Device)
+        .map_err(|e| e.to_string())?;
+    if plan
+        .connections
+        .iter()
+        .any(|c| c.send.memory.is_gpu_direct())
+    {
+        return Err(format!("emulation reported as GPUDirect: {plan:?}"));
+    }
+    let mut landed = 0;
+    for count in [1, 3, 250, 1001, 4099] {
+        for op in ReduceOp::ALL {
+            let seed = 0xd1 ^ count as u64 ^ ((op as u64) << 8);
+            landed += direct_round::<f32>(&comm, op, count, seed)?;
+            landed += direct_round::<dspark::bf16>(&comm, op, count, seed)?;
+            landed += direct_round::<i32>(&comm, op, count, seed)?;
+        }
+        // Host collectives on the same connections between device ones: ordinary frames
+        // and direct frames share the slot ring.
+        let mut v = vec![comm.rank() as u64 + 1; count];
+        comm.all_reduce(&mut v, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let n = comm.world_size() as u64;
+        if v.iter().any(|&x| x != n * (n + 1) / 2) {
+            return Err(format!(
+                "host all_reduce between direct ones: {:?}",
+                &v[..1]
+            ));
+        }
+    }
+    if landed == 0 {
+        return Err("no payload was consumed from the landing region".into());
+    }
+    say(&format!(
+        "rank {}: {landed} payloads consumed from landing slots",
+        comm.rank()
+    ));
     Ok(OK)
 }
 
@@ -273,6 +451,26 @@ fn every_collective_type_and_operator_is_exact_over_verbs_with_two_ranks() {
         Duration::from_secs(400),
     );
     assert_all(&outs, OK, "2-rank matrix");
+}
+
+#[test]
+fn gpu_direct_protocol_is_exact_over_verbs_with_host_memory_standing_in_for_the_gpu() {
+    if !in_vm() {
+        return;
+    }
+    for world in [2, 3] {
+        let outs = run_ranks(
+            world,
+            "direct",
+            &verbs_env(&[
+                ("DSPARK_CHUNK_BYTES", "1000"),
+                ("DSPARK_IB_SLOTS", "4"),
+                ("DSPARK_EMULATE_GPU_DIRECT", "1"),
+            ]),
+            Duration::from_secs(400),
+        );
+        assert_all(&outs, OK, &format!("{world}-rank direct"));
+    }
 }
 
 #[test]

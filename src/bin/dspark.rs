@@ -22,7 +22,6 @@ use dspark::gpu::sysfs::{PciAddr, PciGpu, PcieDistance, PeermemStatus, RdmaDevic
 use dspark::path::{
     self, BufferLocation, GpuDirectCapability, GpuNicFacts, PathInputs, PathPolicy, TransportKind,
 };
-use dspark::GPU_DIRECT_NOT_IMPLEMENTED;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -140,9 +139,7 @@ struct PairReport {
     nic: String,
     distance: Option<PcieDistance>,
     distance_detail: String,
-    /// What the hardware and drivers of this pair allow.
-    hardware: GpuDirectCapability,
-    /// What dspark will use: `hardware`, limited by what this build implements.
+    /// What the hardware and drivers of this pair allow (what dspark uses).
     capability: GpuDirectCapability,
     /// The memory path device buffers take over verbs between two machines configured like
     /// this one.
@@ -172,9 +169,6 @@ struct RequirementResult {
     reason: String,
 }
 
-const FIX_NOT_IMPLEMENTED: &str = "none on this machine: dspark moves device memory host-staged \
-     (pipelined) until GPUDirect transfers are implemented; compare with `dspark-bench --mem \
-     device --compare-paths`";
 const FIX_RDMA_CORE: &str =
     "install rdma-core (Debian/Ubuntu: apt-get install rdma-core ibverbs-providers; \
      RHEL/Rocky: dnf install rdma-core libibverbs)";
@@ -510,15 +504,6 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
                     GpuDirectCapability::Unavailable(format!("no usable CUDA driver ({d})"))
                 }
             };
-            // Ready hardware is not enough: this build moves device memory host-staged.
-            let hardware = capability;
-            let capability = match &hardware {
-                GpuDirectCapability::Unavailable(_) => hardware.clone(),
-                ready => GpuDirectCapability::Unavailable(format!(
-                    "{GPU_DIRECT_NOT_IMPLEMENTED} (the hardware is ready: {})",
-                    ready.memory_path().map_or("?", |m| m.long())
-                )),
-            };
             // The path between two machines configured like this one.
             let caps = vec![capability.clone(), capability.clone()];
             let plan = path::decide(&PathInputs {
@@ -549,7 +534,6 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
                 distance_detail,
                 verbs_path,
                 verbs_reason,
-                hardware,
                 capability,
                 fixes,
             });
@@ -654,12 +638,11 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     let gdr = |name: &'static str, own: Option<(String, String)>, ok_detail: String| {
         let blockers: Vec<(String, String)> = common.iter().cloned().chain(own).collect();
         if blockers.is_empty() {
-            // The machine is ready; this build is not (path truth: say so, not OK).
             FastPath {
                 name,
-                ok: false,
-                detail: format!("hardware ready ({ok_detail}), but {GPU_DIRECT_NOT_IMPLEMENTED}"),
-                fixes: vec![FIX_NOT_IMPLEMENTED.to_string()],
+                ok: true,
+                detail: format!("ready ({ok_detail})"),
+                fixes: vec![],
             }
         } else {
             let mut fixes: Vec<String> = Vec::new();

@@ -214,6 +214,8 @@ impl Engine {
         let mut free_recv: Vec<usize> = (base..base + dev.recv_slots()).rev().collect();
         let mut recv_slot: Vec<Option<usize>> = vec![None; self.world];
         let mut landing: VecDeque<(Held, u64)> = VecDeque::new();
+        // Direct send slots posted but still being read by the NIC: (slot, peer, token).
+        let mut draining: Vec<(usize, usize, u64)> = Vec::new();
         let direct = dev.direct();
         let layout = self.transport.direct_layout();
         if direct {
@@ -244,6 +246,17 @@ impl Engine {
                     Held::Landing(p) => self.transport.release_direct(p)?,
                 }
                 moved = true;
+            }
+            let mut k = 0;
+            while k < draining.len() {
+                let (slot, p, token) = draining[k];
+                if self.transport.direct_send_done(p, token)? {
+                    draining.swap_remove(k);
+                    free_send.push(slot);
+                    moved = true;
+                } else {
+                    k += 1;
+                }
             }
 
             // Local steps only enqueue device work.
@@ -323,7 +336,10 @@ impl Engine {
                         break;
                     }
                     if let SendState::Ready { slot } = send_state[iu] {
-                        free_send.push(slot);
+                        match s.send_prog[p].token {
+                            t if direct && t != 0 => draining.push((slot, p, t)),
+                            _ => free_send.push(slot),
+                        }
                     }
                     s.complete_send(p, i);
                     moved = true;
@@ -416,7 +432,7 @@ impl Engine {
                 }
             }
 
-            if s.remaining == 0 {
+            if s.remaining == 0 && draining.is_empty() {
                 // Results in place and every slot free before returning.
                 dev.synchronize(deadline).map_err(|e| match e {
                     Error::Timeout { .. } => Error::Timeout {
@@ -445,6 +461,7 @@ impl Engine {
             // microseconds: while device work is in flight, keep polling (yielding the CPU)
             // instead of sleeping in the transport.
             let device_busy = !landing.is_empty()
+                || !draining.is_empty()
                 || send_state
                     .iter()
                     .any(|st| matches!(st, SendState::Staging { .. }));

@@ -139,6 +139,11 @@ impl GpuReducer {
         })
     }
 
+    /// The context the kernels are loaded in (launches must use streams of it).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// The architecture the kernels were compiled for (`sm_90`, or `compute_XX` PTX).
     pub fn arch(&self) -> GpuArch {
         self.build.compiled.arch

@@ -16,10 +16,14 @@
 //!   exercised without a GPU; `tests/gpu/run_all.sh` runs it where one is present.
 //! - [`staged`]: **GPU-only code**: the CUDA implementation of the engine's host-staged device
 //!   path (pinned slots, async copies, reduction kernels, events as marks).
+//! - [`direct`]: **GPU-only code**: the GPUDirect RDMA device path: a region of GPU memory the
+//!   NIC registers (dma-buf or nvidia-peermem), sends copied into it and payloads consumed from
+//!   it on the device.
 //!
 //! `unsafe` in this module is FFI; every block carries a `// SAFETY:` comment.
 
 pub mod device;
+pub mod direct;
 pub mod kernels;
 pub mod nvrtc;
 pub mod probe;

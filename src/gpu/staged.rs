@@ -108,15 +108,11 @@ impl Drop for Pinned {
 pub struct CudaStagedDevice<'a> {
     reducer: &'a GpuReducer,
     stream: &'a Arc<CudaStream>,
-    src: Option<(u64, usize)>,
-    dst: (u64, usize),
     pool: &'a mut StagingPool,
-    marks: VecDeque<(u64, CudaEvent)>,
-    next_mark: u64,
-    done_mark: u64,
+    marks: Marks,
     description: String,
     // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
-    _guards: Vec<SyncOnDrop<'a>>,
+    bufs: DevBuffers<'a>,
 }
 
 impl std::fmt::Debug for CudaStagedDevice<'_> {
@@ -152,22 +148,7 @@ impl<'a> CudaStagedDevice<'a> {
                 ),
             ));
         }
-        let mut guards = Vec::new();
-        let src = src.map(|s| {
-            let (p, g) = s.device_ptr(stream);
-            guards.push(g);
-            (p, s.num_bytes())
-        });
-        // A send has no output buffer: every Dst access then fails the range check.
-        let (dp, dst_bytes) = match dst {
-            Some(dst) => {
-                let dst_bytes = dst.num_bytes();
-                let (dp, g) = dst.device_ptr_mut(stream);
-                guards.push(g);
-                (dp, dst_bytes)
-            }
-            None => (0, 0),
-        };
+        let bufs = DevBuffers::borrow("staged", stream, src, dst);
         let description = format!(
             "CUDA device {} ({}): {} send + {} receive pinned slots of {} KiB",
             pool.ctx.ordinal(),
@@ -179,14 +160,10 @@ impl<'a> CudaStagedDevice<'a> {
         Ok(CudaStagedDevice {
             reducer,
             stream,
-            src,
-            dst: (dp, dst_bytes),
             pool,
-            marks: VecDeque::new(),
-            next_mark: 0,
-            done_mark: 0,
+            marks: Marks::new(),
             description,
-            _guards: guards,
+            bufs,
         })
     }
 
@@ -210,19 +187,7 @@ impl<'a> CudaStagedDevice<'a> {
     }
 
     fn dev_ptr(&self, op: &str, buf: Buf, bytes: &Range<usize>) -> Result<u64> {
-        let (base, len) = match buf {
-            Buf::Dst => self.dst,
-            Buf::Src => self
-                .src
-                .ok_or_else(|| bad(op, "no source buffer was given".into()))?,
-        };
-        if bytes.start > bytes.end || bytes.end > len {
-            return Err(bad(
-                op,
-                format!("range {bytes:?} outside a {len}-byte {buf:?} buffer"),
-            ));
-        }
-        Ok(base + bytes.start as u64)
+        self.bufs.ptr(op, buf, bytes)
     }
 
     fn cu_stream(&self) -> sys::CUstream {
@@ -366,25 +331,164 @@ impl StagedDevice for CudaStagedDevice<'_> {
     }
 
     fn mark(&mut self) -> Result<u64> {
-        let ev = match self.pool.events.pop() {
+        self.marks
+            .mark(&self.pool.ctx, self.stream, &mut self.pool.events)
+    }
+
+    fn reached(&mut self, mark: u64) -> Result<bool> {
+        self.marks.reached(mark, &mut self.pool.events)
+    }
+
+    fn synchronize(&mut self, deadline: Instant) -> Result<()> {
+        self.marks.wait_all(
+            &self.pool.ctx,
+            self.stream,
+            &mut self.pool.events,
+            "staged synchronize",
+            deadline,
+        )
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn buffer_bytes(&self) -> (usize, usize) {
+        self.bufs.bytes()
+    }
+}
+
+impl Drop for CudaStagedDevice<'_> {
+    fn drop(&mut self) {
+        // Copies into or out of the pinned slots and the scratch must finish before the pool
+        // is used again; errors cannot be reported from Drop.
+        let _ = self.stream.synchronize();
+        self.marks.recycle(&mut self.pool.events);
+    }
+}
+
+/// The collective's device buffers as borrowed by a device implementation: raw addresses and
+/// sizes, plus cudarc's per-buffer bookkeeping, which records the stream's work on the buffers
+/// when dropped (keep it the last field of its owner, so that this happens after the owner's
+/// `Drop` synchronised the stream).
+pub(crate) struct DevBuffers<'a> {
+    /// `staged` or `direct`: the prefix of the operation names in errors.
+    kind: &'static str,
+    src: Option<(u64, usize)>,
+    dst: (u64, usize),
+    _guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> DevBuffers<'a> {
+    /// Borrows `src` (optional) and `dst` (absent for a send: every `Dst` access then fails the
+    /// range check) for work ordered on `stream`.
+    pub(crate) fn borrow<T, S, D>(
+        kind: &'static str,
+        stream: &'a Arc<CudaStream>,
+        src: Option<&'a S>,
+        dst: Option<&'a mut D>,
+    ) -> Self
+    where
+        T: DeviceRepr,
+        S: DevicePtr<T>,
+        D: DevicePtrMut<T>,
+    {
+        let mut guards = Vec::new();
+        let src = src.map(|s| {
+            let (p, g) = s.device_ptr(stream);
+            guards.push(g);
+            (p, s.num_bytes())
+        });
+        let dst = match dst {
+            Some(dst) => {
+                let dst_bytes = dst.num_bytes();
+                let (dp, g) = dst.device_ptr_mut(stream);
+                guards.push(g);
+                (dp, dst_bytes)
+            }
+            None => (0, 0),
+        };
+        DevBuffers {
+            kind,
+            src,
+            dst,
+            _guards: guards,
+        }
+    }
+
+    /// The device address of `bytes` of `buf`, checked against the buffer's size.
+    pub(crate) fn ptr(&self, op: &str, buf: Buf, bytes: &Range<usize>) -> Result<u64> {
+        let (base, len) = match buf {
+            Buf::Dst => self.dst,
+            Buf::Src => self.src.ok_or_else(|| {
+                Error::invalid(
+                    None,
+                    format!("{} {op}", self.kind),
+                    "no source buffer was given",
+                )
+            })?,
+        };
+        if bytes.start > bytes.end || bytes.end > len {
+            return Err(Error::invalid(
+                None,
+                format!("{} {op}", self.kind),
+                format!("range {bytes:?} outside a {len}-byte {buf:?} buffer"),
+            ));
+        }
+        Ok(base + bytes.start as u64)
+    }
+
+    /// Sizes in bytes of `Src` (0 when absent) and `Dst`.
+    pub(crate) fn bytes(&self) -> (usize, usize) {
+        (self.src.map_or(0, |(_, n)| n), self.dst.1)
+    }
+}
+
+/// Progress marks on one stream: CUDA events recorded in stream order, so they complete in
+/// order; events are taken from and given back to a caller-owned spare list, so that
+/// collectives reuse them instead of creating and destroying events per call.
+pub(crate) struct Marks {
+    pending: VecDeque<(u64, CudaEvent)>,
+    next: u64,
+    done: u64,
+}
+
+impl Marks {
+    pub(crate) fn new() -> Self {
+        Marks {
+            pending: VecDeque::new(),
+            next: 0,
+            done: 0,
+        }
+    }
+
+    /// Records a new mark at the current end of `stream` (an event of `ctx`).
+    pub(crate) fn mark(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        spare: &mut Vec<CudaEvent>,
+    ) -> Result<u64> {
+        let ev = match spare.pop() {
             Some(ev) => ev,
-            None => self.pool.ctx.new_event(None).map_err(|e| Error::Cuda {
+            None => ctx.new_event(None).map_err(|e| Error::Cuda {
                 op: "cuEventCreate".into(),
                 what: cu_error_text(e.0),
             })?,
         };
-        ev.record(self.stream).map_err(|e| Error::Cuda {
+        ev.record(stream).map_err(|e| Error::Cuda {
             op: "cuEventRecord".into(),
             what: cu_error_text(e.0),
         })?;
-        self.next_mark += 1;
-        self.marks.push_back((self.next_mark, ev));
-        Ok(self.next_mark)
+        self.next += 1;
+        self.pending.push_back((self.next, ev));
+        Ok(self.next)
     }
 
-    fn reached(&mut self, mark: u64) -> Result<bool> {
+    /// Whether `mark` has been reached (polls; never blocks).
+    pub(crate) fn reached(&mut self, mark: u64, spare: &mut Vec<CudaEvent>) -> Result<bool> {
         // Events complete in stream order: pop every completed one from the front.
-        while let Some((m, ev)) = self.marks.front() {
+        while let Some((m, ev)) = self.pending.front() {
             let done = ev.try_is_complete().map_err(|e| Error::Cuda {
                 op: "cuEventQuery".into(),
                 what: cu_error_text(e.0),
@@ -392,25 +496,33 @@ impl StagedDevice for CudaStagedDevice<'_> {
             if !done {
                 break;
             }
-            self.done_mark = *m;
-            if let Some((_, ev)) = self.marks.pop_front() {
-                self.pool.events.push(ev);
+            self.done = *m;
+            if let Some((_, ev)) = self.pending.pop_front() {
+                spare.push(ev);
             }
         }
-        Ok(self.done_mark >= mark)
+        Ok(self.done >= mark)
     }
 
-    fn synchronize(&mut self, deadline: Instant) -> Result<()> {
-        let last = self.mark()?;
+    /// Marks the end of `stream` and polls (backing off to 1 ms) until it is reached, or
+    /// `deadline` ([`Error::Timeout`] naming `op`; the engine rewrites it to name the call).
+    pub(crate) fn wait_all(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        spare: &mut Vec<CudaEvent>,
+        op: &str,
+        deadline: Instant,
+    ) -> Result<()> {
+        let last = self.mark(ctx, stream, spare)?;
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
-        while !self.reached(last)? {
+        while !self.reached(last, spare)? {
             if Instant::now() >= deadline {
-                // The engine turns this into a Timeout naming the call.
                 return Err(Error::Timeout {
                     rank: 0,
                     peer: None,
-                    op: "staged synchronize".into(),
+                    op: op.into(),
                     waited: start.elapsed(),
                     detail: "device work still running at the deadline".into(),
                 });
@@ -421,23 +533,9 @@ impl StagedDevice for CudaStagedDevice<'_> {
         Ok(())
     }
 
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-
-    fn buffer_bytes(&self) -> (usize, usize) {
-        (self.src.map_or(0, |(_, n)| n), self.dst.1)
-    }
-}
-
-impl Drop for CudaStagedDevice<'_> {
-    fn drop(&mut self) {
-        // Copies into or out of the pinned slots and the scratch must finish before the pool
-        // is used again; errors cannot be reported from Drop.
-        let _ = self.stream.synchronize();
-        self.pool
-            .events
-            .extend(self.marks.drain(..).map(|(_, ev)| ev));
+    /// Gives every pending event back to `spare` (call after synchronising the stream).
+    pub(crate) fn recycle(&mut self, spare: &mut Vec<CudaEvent>) {
+        spare.extend(self.pending.drain(..).map(|(_, ev)| ev));
     }
 }
 

@@ -438,7 +438,9 @@ pub trait Transport: Send + fmt::Debug {
 
     /// Like [`Transport::send`], for a frame whose `hdr.len`-byte payload is at `offset` of
     /// this rank's direct region: it lands in `peer`'s region. Empty payloads travel as
-    /// ordinary frames. The caller keeps the bytes unchanged until this returns `Ok(true)`.
+    /// ordinary frames. `Ok(true)` means the frame is posted; when the transport still reads
+    /// the payload after that, it leaves a non-zero `progress.token`, and the caller keeps
+    /// the bytes unchanged until [`Transport::direct_send_done`] says so.
     fn send_direct(
         &mut self,
         peer: usize,
@@ -469,6 +471,12 @@ pub trait Transport: Send + fmt::Debug {
             "recv_direct",
             format!("this transport has no direct region for rank {peer}"),
         ))
+    }
+
+    /// Whether the direct send to `peer` that left `token` finished reading its payload.
+    fn direct_send_done(&mut self, peer: usize, token: u64) -> Result<bool> {
+        let _ = (peer, token);
+        Ok(true)
     }
 
     /// Gives back the oldest landing slot still held from `peer`: its contents were consumed,

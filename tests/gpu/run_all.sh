@@ -157,6 +157,7 @@ run() {
     step "kernels vs CPU reference" 180 "$BIN/gpu_device" kernels_match --nocapture
     step "reduce bandwidth vs copy" 90 "$BIN/gpu_device" reduction_bandwidth --nocapture
     step "dma-buf export" 30 "$BIN/gpu_device" device_memory_exports --nocapture
+    step "direct device (land, reduce, send slots)" 60 "$BIN/gpu_device" direct_device --nocapture
     step "staged allreduce 2 ranks TCP" 120 "$BIN/gpu_device" staged_all_reduce --nocapture
     echo
     echo "=================== summary ($((SECONDS - T0)) s)"

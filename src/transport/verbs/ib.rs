@@ -916,6 +916,38 @@ impl Qp {
         code("ibv_post_send", rc)
     }
 
+    /// Posts one plain `RDMA_WRITE` (no immediate: the peer sees no completion; a later
+    /// `WRITE_WITH_IMM` on the same queue pair tells it the data is there).
+    ///
+    /// # Safety
+    /// As [`Qp::post_write_imm`].
+    pub unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        sges: &mut [ffi::ibv_sge],
+        remote_addr: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> VResult<()> {
+        // SAFETY: all-zero is a valid ibv_send_wr (null next, zero fields).
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = sges.as_mut_ptr();
+        wr.num_sge = sges.len() as i32;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = if signaled {
+            ffi::ibv_send_flags::IBV_SEND_SIGNALED
+        } else {
+            0
+        };
+        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+        let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
+        // SAFETY: live QP; `wr` and `sges` live across the call; the memory contract is the
+        // caller's.
+        let rc = unsafe { ffi::ibv_post_send(self.ptr.as_ptr(), &mut wr, &mut bad) };
+        code("ibv_post_send", rc)
+    }
+
     /// Posts one receive work request without scatter entries (it is consumed by a peer's
     /// `WRITE_WITH_IMM`, whose data lands where the peer writes it).
     pub fn post_recv(&mut self, wr_id: u64) -> VResult<()> {

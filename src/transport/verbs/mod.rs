@@ -66,15 +66,18 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use self::ib::{Access, Context, Cq, Lib, Memory, Mr, Pd, Qp};
 use self::slots::{RecvSide, SendQueue, SendSide};
 use self::wire::{
-    split_wr_id, wr_id, Blob, Cts, Imm, LinkLayer, PortAddr, QpInfo, WrKind, CTS_LEN,
+    split_wr_id, wr_id, Blob, Cts, DirectInfo, DirectKind, Imm, LinkLayer, PortAddr, QpInfo,
+    WrKind, CTS_LEN,
 };
 use super::{
-    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
-    TransportKind, HEADER_LEN,
+    direct_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind, Interest, Landed,
+    RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind, HEADER_LEN,
 };
 use crate::bootstrap::Bootstrap;
 use crate::config::{parse_size, Config, TransportChoice};
 use crate::error::{Error, Result};
+use std::collections::VecDeque;
+use std::sync::Arc;
 
 /// What kind of memory a registration covers. Host memory is registered with `ibv_reg_mr`;
 /// device memory comes with the GPU work: a dma-buf exported by the GPU driver
@@ -93,6 +96,200 @@ pub enum MemoryKind {
     },
     /// A GPU device pointer registered through the nvidia-peermem kernel module.
     CudaPeerMem,
+}
+
+/// What this rank brings as its direct region (GPUDirect RDMA), decided before the transport
+/// is set up: the region must be registered with the protection domain before the connection
+/// information is exchanged.
+#[derive(Debug, Clone, Default)]
+pub enum DirectSpec {
+    /// No device memory will move directly (host-only, or staging requested).
+    #[default]
+    None,
+    /// Device memory cannot be registered here, and why (announced to the other ranks).
+    Unavailable(String),
+    /// Host memory allocated by the transport stands in for GPU memory: the GPUDirect protocol
+    /// on machines without a GPU (tests). Reported as emulation, never as GPUDirect.
+    HostEmulated {
+        /// Send slots in the region.
+        send_slots: usize,
+    },
+    /// GPU memory of [`direct_layout`]`.len()` bytes at `addr`, with the registrations to try
+    /// in order (dma-buf first, then nvidia-peermem) and the reasons for mechanisms that were
+    /// not even candidates.
+    Device {
+        /// Device address of the region.
+        addr: u64,
+        /// Send slots in the region.
+        send_slots: usize,
+        /// Registrations to try, in order.
+        candidates: Vec<MemoryKind>,
+        /// Why the other mechanisms are not candidates.
+        reasons: Vec<String>,
+    },
+}
+
+/// The direct region layout for `world` ranks under `opts`: one landing slot per receive slot
+/// and peer, each as large as a receive slot's payload.
+pub fn direct_layout(world: usize, opts: &VerbsOptions, send_slots: usize) -> DirectLayout {
+    DirectLayout {
+        world,
+        slots: opts.slots,
+        slot_bytes: opts.slot_payload,
+        send_slots,
+    }
+}
+
+/// Host memory that a NIC writes into, accessed only by copies (the emulated direct region).
+#[derive(Debug)]
+pub struct HostRegion {
+    mem: Memory,
+}
+
+// SAFETY: the memory is plain process memory; every access is a raw copy of a range that the
+// protocol says nobody else writes at that moment (see `RegionAccess`).
+unsafe impl Sync for HostRegion {}
+
+impl RegionAccess for HostRegion {
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        if off
+            .checked_add(dst.len())
+            .is_none_or(|e| e > self.mem.len())
+        {
+            return;
+        }
+        // SAFETY: in bounds (checked); the NIC finished writing this range (its completion
+        // was polled) and does not write it again before the slot is released.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.mem.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+    fn write(&self, off: usize, src: &[u8]) {
+        if off
+            .checked_add(src.len())
+            .is_none_or(|e| e > self.mem.len())
+        {
+            return;
+        }
+        // SAFETY: in bounds (checked); send slots are read by the NIC only between a post
+        // and its completion, and the engine writes a slot only outside that window.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.mem.as_ptr().add(off), src.len())
+        }
+    }
+}
+
+/// This rank's registered direct region.
+#[derive(Debug)]
+struct DirectOwn {
+    // Field order is drop order: the MR before the memory it covers.
+    mr: Mr,
+    host: Option<Arc<HostRegion>>,
+    kind: DirectKind,
+    addr: u64,
+    layout: DirectLayout,
+}
+
+fn register_direct(
+    pd: &Pd,
+    world: usize,
+    opts: &VerbsOptions,
+    spec: &DirectSpec,
+) -> (Option<DirectOwn>, DirectInfo) {
+    match spec {
+        DirectSpec::None => (None, DirectInfo::None),
+        DirectSpec::Unavailable(why) => (None, DirectInfo::Unavailable(why.clone())),
+        DirectSpec::HostEmulated { send_slots } => {
+            let layout = direct_layout(world, opts, *send_slots);
+            let Some(mem) = Memory::new(layout.len()) else {
+                return (
+                    None,
+                    DirectInfo::Unavailable("cannot allocate the emulated region".into()),
+                );
+            };
+            // SAFETY: the memory is owned by the `DirectOwn` (through the Arc), whose MR is
+            // dropped first; accesses are copies (HostRegion).
+            match unsafe { pd.register(mem.as_ptr(), layout.len(), Access::RemoteWrite) } {
+                Ok(mr) => {
+                    let addr = mem.as_ptr() as u64;
+                    let info = DirectInfo::Region {
+                        kind: DirectKind::HostEmulated,
+                        addr,
+                        rkey: mr.rkey,
+                        slot_bytes: layout.slot_bytes as u32,
+                    };
+                    let own = DirectOwn {
+                        mr,
+                        host: Some(Arc::new(HostRegion { mem })),
+                        kind: DirectKind::HostEmulated,
+                        addr,
+                        layout,
+                    };
+                    (Some(own), info)
+                }
+                Err(e) => (None, DirectInfo::Unavailable(reg_hint(&e))),
+            }
+        }
+        DirectSpec::Device {
+            addr,
+            send_slots,
+            candidates,
+            reasons,
+        } => {
+            let layout = direct_layout(world, opts, *send_slots);
+            let mut why = reasons.clone();
+            for &kind in candidates {
+                // SAFETY: the caller (the communicator) keeps the device allocation alive
+                // until after the transport is dropped, and only moves data in it through
+                // the engine's protocol.
+                let r = unsafe {
+                    match kind {
+                        MemoryKind::CudaDmaBuf { fd, offset } => {
+                            pd.register_dmabuf(fd, offset, layout.len(), *addr, Access::RemoteWrite)
+                        }
+                        MemoryKind::CudaPeerMem => {
+                            pd.register(*addr as *mut u8, layout.len(), Access::RemoteWrite)
+                        }
+                        MemoryKind::Host => continue,
+                    }
+                };
+                let dk = match kind {
+                    MemoryKind::CudaDmaBuf { .. } => DirectKind::DmaBuf,
+                    _ => DirectKind::PeerMem,
+                };
+                match r {
+                    Ok(mr) => {
+                        let info = DirectInfo::Region {
+                            kind: dk,
+                            addr: *addr,
+                            rkey: mr.rkey,
+                            slot_bytes: layout.slot_bytes as u32,
+                        };
+                        let own = DirectOwn {
+                            mr,
+                            host: None,
+                            kind: dk,
+                            addr: *addr,
+                            layout,
+                        };
+                        return (Some(own), info);
+                    }
+                    Err(e) => {
+                        let name = if dk == DirectKind::DmaBuf {
+                            "dma-buf"
+                        } else {
+                            "peermem"
+                        };
+                        why.push(format!("{name}: {} failed: {}", e.verb, e.err));
+                    }
+                }
+            }
+            if why.is_empty() {
+                why.push("no registration mechanism for GPU memory".into());
+            }
+            (None, DirectInfo::Unavailable(why.join("; ")))
+        }
+    }
 }
 
 /// Bytes of the control slot (abort / goodbye frames).
@@ -470,6 +667,8 @@ struct Prepared {
     cq: Cq,
     halves: Vec<Option<Half>>,
     opts: VerbsOptions,
+    direct: Option<DirectOwn>,
+    direct_info: DirectInfo,
 }
 
 fn psn_for(rank: usize, peer: usize) -> u32 {
@@ -479,7 +678,12 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
     (t ^ ((rank as u32) << 12) ^ (peer as u32).wrapping_mul(0x9e37)) & 0x00ff_ffff
 }
 
-fn prepare(rank: usize, world: usize, opts: VerbsOptions) -> std::result::Result<Prepared, String> {
+fn prepare(
+    rank: usize,
+    world: usize,
+    opts: VerbsOptions,
+    spec: &DirectSpec,
+) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
     let dev = format!("{}:{}", local.ctx.name, local.port);
@@ -533,6 +737,7 @@ fn prepare(rank: usize, world: usize, opts: VerbsOptions) -> std::result::Result
             psn: psn_for(rank, peer),
         }));
     }
+    let (direct, direct_info) = register_direct(&pd, world, &opts, spec);
     Ok(Prepared {
         lib,
         local,
@@ -540,6 +745,8 @@ fn prepare(rank: usize, world: usize, opts: VerbsOptions) -> std::result::Result
         cq,
         halves,
         opts,
+        direct,
+        direct_info,
     })
 }
 
@@ -572,6 +779,7 @@ impl Prepared {
             slot_bytes: sb as u32,
             ctrl_bytes: CTRL_BYTES as u32,
             qps,
+            direct: self.direct_info.clone(),
         }
     }
 
@@ -654,6 +862,13 @@ struct Peer {
     sq: SendQueue,
     /// Lengths of arrived frames, by slot.
     rx_len: Vec<u32>,
+    /// Whether the frame in each slot is direct (payload in the landing slot).
+    rx_direct: Vec<bool>,
+    /// Direct frames taken but not released (frame indices, oldest first).
+    held: VecDeque<u64>,
+    /// Where this rank's direct payloads land at the peer: (address of landing slot 0 for
+    /// this rank, rkey, bytes per slot, mechanism).
+    their_landing: Option<(u64, u32, usize, DirectKind)>,
     state: PeerState,
     /// Bye/abort written by this rank (send-queue index of the write).
     farewell: Option<u64>,
@@ -682,6 +897,9 @@ pub struct VerbsTransport {
     // Field order is drop order: connections and registrations, then CQ, PD, context, library.
     peers: Vec<Option<Peer>>,
     user_mrs: Vec<UserMr>,
+    direct: Option<DirectOwn>,
+    /// Every rank's direct region information (this rank's included).
+    direct_infos: Vec<DirectInfo>,
     cq: Cq,
     pd: Pd,
     /// Kept open until everything above is released.
@@ -695,6 +913,8 @@ pub struct VerbsTransport {
     finished: bool,
     /// Frames sent straight from registered caller memory.
     zero_copy_frames: u64,
+    /// Direct frames sent (payload from the direct region into a peer's landing slot).
+    direct_frames: u64,
 }
 
 impl std::fmt::Debug for VerbsTransport {
@@ -726,7 +946,18 @@ impl VerbsTransport {
             cq,
             halves,
             opts,
+            direct,
+            direct_info,
         } = prep;
+        let mut direct_infos: Vec<DirectInfo> = (0..world)
+            .map(|r| match blobs.get(r) {
+                Some(Blob::Capable { direct, .. }) => direct.clone(),
+                _ => DirectInfo::None,
+            })
+            .collect();
+        if let Some(d) = direct_infos.get_mut(rank) {
+            *d = direct_info;
+        }
         let n = opts.slots;
         let mut streams = streams;
         streams.resize_with(world, || None);
@@ -752,6 +983,23 @@ impl VerbsTransport {
                 ),
                 Blob::Incapable { .. } => (QpInfo::default(), 0, 0, 0),
             };
+            let their_landing = match (&direct, &direct_infos[peer]) {
+                (
+                    Some(mine),
+                    DirectInfo::Region {
+                        kind,
+                        addr,
+                        rkey,
+                        slot_bytes,
+                    },
+                ) if (mine.kind == DirectKind::HostEmulated)
+                    == (*kind == DirectKind::HostEmulated) =>
+                {
+                    let sb = *slot_bytes as usize;
+                    Some((addr + (rank * n * sb) as u64, *rkey, sb, *kind))
+                }
+                _ => None,
+            };
             let path_mtu = wire::path_mtu(local.addr.mtu, their_mtu);
             mtus.push(path_mtu);
             if let Some(s) = &stream {
@@ -771,6 +1019,9 @@ impl VerbsTransport {
                 recv: RecvSide::new(n as u64),
                 sq: SendQueue::new((2 * n + 8) as u64),
                 rx_len: vec![0; n],
+                rx_direct: vec![false; n],
+                held: VecDeque::new(),
+                their_landing,
                 state: PeerState::Open,
                 farewell: None,
             }));
@@ -814,6 +1065,8 @@ impl VerbsTransport {
             world,
             peers,
             user_mrs: Vec::new(),
+            direct,
+            direct_infos,
             cq,
             pd,
             _ctx: local.ctx,
@@ -824,7 +1077,18 @@ impl VerbsTransport {
             next_mr_id: 1,
             finished: false,
             zero_copy_frames: 0,
+            direct_frames: 0,
         }
+    }
+
+    /// Every rank's direct region information, as exchanged at init (indexed by rank).
+    pub fn direct_infos(&self) -> &[DirectInfo] {
+        &self.direct_infos
+    }
+
+    /// Direct frames sent so far.
+    pub fn direct_frames(&self) -> u64 {
+        self.direct_frames
     }
 
     /// The options in use.
@@ -1058,13 +1322,21 @@ impl VerbsTransport {
         let Some(imm) = Imm::decode(raw) else {
             return Err(self.protocol_error(peer, format!("unknown immediate {raw:#010x}")));
         };
+        let landing_bytes = self.direct.as_ref().map_or(0, |d| d.layout.slot_bytes);
         match imm {
-            Imm::Data { seq, len } => {
+            Imm::Data { seq, len } | Imm::Direct { seq, len } => {
+                let is_direct = matches!(imm, Imm::Direct { .. });
+                let max = if is_direct {
+                    HEADER_LEN + landing_bytes
+                } else {
+                    self.opts.slot_bytes()
+                };
                 let expect = (p.recv.arrived & 0xf) as u8;
                 if !p.recv.may_arrive()
                     || seq != expect
-                    || len as usize > self.opts.slot_bytes()
+                    || len as usize > max
                     || (len as usize) < HEADER_LEN
+                    || (is_direct && landing_bytes == 0)
                 {
                     let (a, c) = (p.recv.arrived, p.recv.cts_posted);
                     return Err(self.protocol_error(
@@ -1074,6 +1346,7 @@ impl VerbsTransport {
                 }
                 let slot = (p.recv.arrived % p.recv.n) as usize;
                 p.rx_len[slot] = len;
+                p.rx_direct[slot] = is_direct;
                 p.recv.arrived += 1;
             }
             Imm::Cts { seq } => {
@@ -1193,6 +1466,70 @@ impl VerbsTransport {
             p.recv.cts_posted += 1;
         }
         Ok(())
+    }
+
+    /// The next arrived frame from `peer`, not yet taken: (slot, length, direct?, header).
+    fn next_header(
+        &mut self,
+        peer: usize,
+        op: &str,
+    ) -> Result<Option<(usize, usize, bool, FrameHeader)>> {
+        if self.finished {
+            return Err(self.finished_err(op));
+        }
+        let polled = self.progress();
+        if let Some(p) = self.peers.get(peer).and_then(Option::as_ref) {
+            if let PeerState::Failed(e) = &p.state {
+                return Err(e.clone());
+            }
+        }
+        polled?;
+        let rank = self.rank;
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return Err(Error::invalid(
+                Some(rank),
+                op,
+                format!("no connection to rank {peer}"),
+            ));
+        };
+        let Some(slot) = p.recv.next_frame() else {
+            if matches!(p.state, PeerState::Closed) {
+                return Err(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: op.into(),
+                    detail: "peer closed its communicator".into(),
+                });
+            }
+            return Ok(None);
+        };
+        let sb = self.opts.slot_bytes();
+        let len = p.rx_len[slot] as usize;
+        let is_direct = p.rx_direct[slot];
+        let mut hb = [0u8; HEADER_LEN];
+        // SAFETY: the header is the first HEADER_LEN bytes of receive slot `slot` inside
+        // `remote_mem`; the frame's completion was polled and the peer does not write this
+        // slot again before it is re-advertised.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                p.remote_mem.as_ptr().add(slot * sb),
+                hb.as_mut_ptr(),
+                HEADER_LEN,
+            );
+        }
+        match FrameHeader::decode(&hb) {
+            Ok(h) if h.kind == FrameKind::Data && HEADER_LEN + h.len as usize == len => {
+                Ok(Some((slot, len, is_direct, h)))
+            }
+            Ok(h) => {
+                let w = format!(
+                    "a {len}-byte write carries a {:?} frame header of length {}",
+                    h.kind, h.len
+                );
+                Err(self.protocol_error(peer, w))
+            }
+            Err(w) => Err(self.protocol_error(peer, w)),
+        }
     }
 
     /// Checks the liveness connection to `peer`: a closed connection without a goodbye means
@@ -1503,60 +1840,25 @@ impl Transport for VerbsTransport {
         sink: &mut dyn RecvSink,
     ) -> Result<bool> {
         const OP: &str = "receive";
-        if self.finished {
-            return Err(self.finished_err(OP));
-        }
-        let polled = self.progress();
-        if let Some(p) = self.peers.get(peer).and_then(Option::as_ref) {
-            if let PeerState::Failed(e) = &p.state {
-                return Err(e.clone());
-            }
-        }
-        polled?;
-        let rank = self.rank;
-        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
-            return Err(Error::invalid(
-                Some(rank),
-                OP,
-                format!("no connection to rank {peer}"),
-            ));
-        };
-        let Some(slot) = p.recv.next_frame() else {
-            if matches!(p.state, PeerState::Closed) {
-                return Err(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: OP.into(),
-                    detail: "peer closed its communicator".into(),
-                });
-            }
+        let Some((slot, len, is_direct, hdr)) = self.next_header(peer, OP)? else {
             return Ok(false);
         };
-        let sb = self.opts.slot_bytes();
-        let len = p.rx_len[slot] as usize;
-        // SAFETY: slot `slot` lies inside `remote_mem`; the frame's completion was polled and
-        // the peer writes this slot again only after it is re-advertised below, after the
-        // last use of this slice.
-        let frame: &[u8] =
-            unsafe { std::slice::from_raw_parts(p.remote_mem.as_ptr().add(slot * sb), len) };
-        let mut hb = [0u8; HEADER_LEN];
-        hb.copy_from_slice(&frame[..HEADER_LEN]);
-        let hdr = match FrameHeader::decode(&hb) {
-            Ok(h) if h.kind == FrameKind::Data && HEADER_LEN + h.len as usize == len => h,
-            Ok(h) => {
-                let w = format!(
-                    "a {len}-byte write carries a {:?} frame header of length {}",
-                    h.kind, h.len
-                );
-                return Err(self.protocol_error(peer, w));
-            }
-            Err(w) => return Err(self.protocol_error(peer, w)),
-        };
         let expected = sink.on_header(&hdr)?;
+        if is_direct && expected > 0 {
+            return Err(direct_mismatch(self.rank, peer, true));
+        }
         if expected != hdr.len as usize {
             let w = format!("frame of {} bytes where {expected} were expected", hdr.len);
             return Err(self.protocol_error(peer, w));
         }
+        let sb = self.opts.slot_bytes();
+        let p = self.peer_mut(peer, OP)?;
+        // SAFETY: slot `slot` lies inside `remote_mem` and holds a `len`-byte frame (checked
+        // against the slot size on arrival); its completion was polled and the peer writes
+        // this slot again only after it is re-advertised below, after the last use of this
+        // slice.
+        let frame: &[u8] =
+            unsafe { std::slice::from_raw_parts(p.remote_mem.as_ptr().add(slot * sb), len) };
         let payload = &frame[HEADER_LEN..HEADER_LEN + expected];
         if let Some(dst) = sink.direct() {
             let got = progress.got;
@@ -1575,9 +1877,252 @@ impl Transport for VerbsTransport {
         progress.expected = expected;
         progress.got += expected;
         let p = self.peer_mut(peer, OP)?;
-        p.recv.consumed += 1;
+        p.recv.taken += 1;
+        let oldest = p.held.front().copied();
+        p.recv.settle(oldest);
         self.flush_cts(peer)?;
         Ok(true)
+    }
+
+    fn direct_layout(&self) -> Option<DirectLayout> {
+        self.direct.as_ref().map(|d| d.layout)
+    }
+
+    fn direct_host_region(&self) -> Option<Arc<dyn RegionAccess>> {
+        let h = self.direct.as_ref()?.host.as_ref()?;
+        Some(Arc::clone(h) as Arc<dyn RegionAccess>)
+    }
+
+    fn direct_peer(&self, peer: usize) -> bool {
+        self.direct.is_some()
+            && self
+                .peers
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_some_and(|p| p.their_landing.is_some())
+    }
+
+    fn send_direct(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        offset: usize,
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        const OP: &str = "send (direct)";
+        if self.finished {
+            return Err(self.finished_err(OP));
+        }
+        if let Some(e) = self.peer_err(peer, OP) {
+            return Err(e);
+        }
+        let rank = self.rank;
+        let len = hdr.len as usize;
+        let Some((base, lkey, layout)) =
+            self.direct.as_ref().map(|d| (d.addr, d.mr.lkey, d.layout))
+        else {
+            return Err(Error::invalid(
+                Some(rank),
+                OP,
+                "no direct region at this rank",
+            ));
+        };
+        let Some((landing, lrkey, their_sb, _)) = self.peer_ref(peer, OP)?.their_landing else {
+            return Err(Error::invalid(
+                Some(rank),
+                OP,
+                format!("rank {peer} has no direct region"),
+            ));
+        };
+        if len == 0 || len > their_sb || offset.checked_add(len).is_none_or(|e| e > layout.len()) {
+            return Err(Error::invalid(
+                Some(rank),
+                OP,
+                format!(
+                    "a {len}-byte payload at offset {offset} does not fit (rank {peer}'s landing \
+                     slots hold {their_sb} bytes; this rank's region is {} bytes)",
+                    layout.len()
+                ),
+            ));
+        }
+        {
+            let p = self.peer_ref(peer, OP)?;
+            if p.send.next_credit().is_none() || !p.sq.has_room_for(2) {
+                self.progress()?;
+            }
+        }
+        if let Some(e) = self.peer_err(peer, OP) {
+            return Err(e);
+        }
+        let sb = self.opts.slot_bytes();
+        let p = self.peer_mut(peer, OP)?;
+        let Some(seq) = p.send.next_credit() else {
+            return Ok(false);
+        };
+        if !p.sq.has_room_for(2) {
+            return Ok(false);
+        }
+        let slot = p.send.index(seq);
+        // The header goes where an ordinary frame would (the advertised receive slot);
+        // the CTS entry only matters for that address.
+        let (raddr, rkey) = if p.send.cts_written_by_peer(seq) {
+            let n = p.send.n as usize;
+            let ring = n * sb + CTRL_BYTES + slot * CTS_LEN;
+            // SAFETY: as in `send`: the ring entry lies inside `remote_mem` and its write
+            // completed (its completion was polled).
+            let e: [u8; CTS_LEN] = unsafe {
+                std::ptr::read_volatile(p.remote_mem.as_ptr().add(ring) as *const [u8; CTS_LEN])
+            };
+            fence(Ordering::Acquire);
+            match Cts::decode(&e) {
+                Some(c) if c.seq == seq && c.size as usize >= HEADER_LEN => (c.addr, c.rkey),
+                other => {
+                    let w = format!("clear-to-send entry {seq} reads {other:?}");
+                    return Err(self.protocol_error(peer, w));
+                }
+            }
+        } else {
+            (
+                p.theirs.rx_addr + (slot * p.their_slot_bytes) as u64,
+                p.theirs.rkey,
+            )
+        };
+        let staging = slot * sb;
+        // SAFETY: staging slot `slot` lies inside `local_mem` and is free: CTS `seq` proves
+        // the frame previously staged there landed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                hdr.encode().as_ptr(),
+                p.local_mem.as_ptr().add(staging),
+                HEADER_LEN,
+            );
+        }
+        let mut payload = [ffi::ibv_sge {
+            addr: base + offset as u64,
+            length: len as u32,
+            lkey,
+        }];
+        let idx = p.sq.post(false);
+        // SAFETY: the payload lies inside this rank's registered direct region (checked
+        // above) and the engine leaves it unchanged until `direct_send_done` says the
+        // signalled write below — which follows this one on the same queue — completed; the
+        // remote range is landing slot `slot` for this rank in the peer's region (frame
+        // `seq − n`, the previous user of that slot, was released: CTS `seq` proves it).
+        let r = unsafe {
+            p.qp.post_write(
+                wr_id(peer, WrKind::Data, idx),
+                &mut payload,
+                landing + (slot * their_sb) as u64,
+                lrkey,
+                false,
+            )
+        };
+        if let Err(e) = r {
+            return Err(p.fail_verb(rank, peer, format!("{} (direct payload)", e.verb), &e));
+        }
+        let mut head = [ffi::ibv_sge {
+            addr: p.local_mem.as_ptr() as u64 + staging as u64,
+            length: HEADER_LEN as u32,
+            lkey: p.local_mr.lkey,
+        }];
+        let idx = p.sq.post(true);
+        let imm = Imm::Direct {
+            seq: (seq & 0xf) as u8,
+            len: (HEADER_LEN + len) as u32,
+        }
+        .encode();
+        // SAFETY: the header is in the staging slot inside `local_mr`, untouched until CTS
+        // `seq + n`; the remote range is the advertised receive slot.
+        let r = unsafe {
+            p.qp.post_write_imm(
+                wr_id(peer, WrKind::Data, idx),
+                &mut head,
+                raddr,
+                rkey,
+                imm,
+                true,
+            )
+        };
+        if let Err(e) = r {
+            return Err(p.fail_verb(rank, peer, format!("{} (direct frame)", e.verb), &e));
+        }
+        p.send.sent += 1;
+        self.direct_frames += 1;
+        progress.written = HEADER_LEN + len;
+        progress.token = idx + 1;
+        Ok(true)
+    }
+
+    fn direct_send_done(&mut self, peer: usize, token: u64) -> Result<bool> {
+        const OP: &str = "send (direct)";
+        if self.peer_ref(peer, OP)?.sq.retired >= token {
+            return Ok(true);
+        }
+        self.progress()?;
+        if let Some(e) = self.peer_err(peer, OP) {
+            return Err(e);
+        }
+        Ok(self.peer_ref(peer, OP)?.sq.retired >= token)
+    }
+
+    fn recv_direct(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<Option<Landed>> {
+        const OP: &str = "receive (direct)";
+        let Some((slot, _len, is_direct, hdr)) = self.next_header(peer, OP)? else {
+            return Ok(None);
+        };
+        let expected = sink.on_header(&hdr)?;
+        if !is_direct && expected > 0 {
+            return Err(direct_mismatch(self.rank, peer, false));
+        }
+        if expected != hdr.len as usize {
+            let w = format!("frame of {} bytes where {expected} were expected", hdr.len);
+            return Err(self.protocol_error(peer, w));
+        }
+        let layout = self.direct.as_ref().map(|d| d.layout);
+        let p = self.peer_mut(peer, OP)?;
+        let frame = p.recv.taken;
+        p.recv.taken += 1;
+        let landed = match layout {
+            Some(l) if is_direct => {
+                p.held.push_back(frame);
+                Landed {
+                    offset: l.landing(peer, slot),
+                    len: expected,
+                }
+            }
+            _ => Landed { offset: 0, len: 0 },
+        };
+        let oldest = p.held.front().copied();
+        p.recv.settle(oldest);
+        progress.header = None;
+        progress.expected = expected;
+        progress.got = expected;
+        self.flush_cts(peer)?;
+        Ok(Some(landed))
+    }
+
+    fn release_direct(&mut self, peer: usize) -> Result<()> {
+        const OP: &str = "release (direct)";
+        let rank = self.rank;
+        let p = self.peer_mut(peer, OP)?;
+        if p.held.pop_front().is_none() {
+            return Err(Error::invalid(
+                Some(rank),
+                OP,
+                format!("no landing slot from rank {peer} is held"),
+            ));
+        }
+        let oldest = p.held.front().copied();
+        p.recv.settle(oldest);
+        if self.finished {
+            return Ok(());
+        }
+        self.flush_cts(peer)
     }
 
     fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
@@ -1755,6 +2300,7 @@ pub fn select(
     boot: &mut Bootstrap,
     cfg: &Config,
     streams: Vec<Option<TcpStream>>,
+    direct: &DirectSpec,
 ) -> Result<Selected> {
     let rank = cfg.rank;
     let world = cfg.world_size;
@@ -1762,7 +2308,7 @@ pub fn select(
     if world == 1 {
         return match cfg.transport {
             TransportChoice::Verbs => {
-                let prep = prepare(rank, world, opts).map_err(|r| unavailable(&r))?;
+                let prep = prepare(rank, world, opts, direct).map_err(|r| unavailable(&r))?;
                 Ok(Selected::Verbs(Box::new(VerbsTransport::build(
                     rank,
                     world,
@@ -1784,7 +2330,7 @@ pub fn select(
             reason: "DSPARK_TRANSPORT=tcp".into(),
         }
     } else {
-        match prepare(rank, world, opts) {
+        match prepare(rank, world, opts, direct) {
             Ok(p) => {
                 let b = p.blob();
                 prep = Some(p);
@@ -2018,7 +2564,7 @@ mod tests {
         // probe runs. Either way: a sentence, never a panic.
         let cfg = Config::new(0, 2, "h:1");
         let o = VerbsOptions::from_lookup(&cfg, |_| None).unwrap();
-        if let Err(reason) = prepare(0, 2, o) {
+        if let Err(reason) = prepare(0, 2, o, &DirectSpec::None) {
             assert!(!reason.is_empty());
         }
     }

@@ -61,6 +61,9 @@ pub struct RecvSide {
     /// Frames whose completions were polled.
     pub arrived: u64,
     /// Frames handed to the engine.
+    pub taken: u64,
+    /// Frames whose slots are free again: every frame below this index was released (a direct
+    /// frame's landing slot stays held after it was taken, until the engine releases it).
     pub consumed: u64,
     /// CTS entries written to the sender (implied initial ones included).
     pub cts_posted: u64,
@@ -72,14 +75,21 @@ impl RecvSide {
         RecvSide {
             n,
             arrived: 0,
+            taken: 0,
             consumed: 0,
             cts_posted: n,
         }
     }
 
-    /// Slot of the next frame to consume, if one arrived.
+    /// Slot of the next frame to take, if one arrived.
     pub fn next_frame(&self) -> Option<usize> {
-        (self.consumed < self.arrived).then_some((self.consumed % self.n) as usize)
+        (self.taken < self.arrived).then_some((self.taken % self.n) as usize)
+    }
+
+    /// Recomputes `consumed` after a take or a release: the released prefix ends at the
+    /// oldest frame still held (`oldest_held`), or at `taken` when none is.
+    pub fn settle(&mut self, oldest_held: Option<u64>) {
+        self.consumed = oldest_held.unwrap_or(self.taken).min(self.taken);
     }
 
     /// The next CTS to write (sequence, slot), if a consumed slot is not re-advertised yet.
@@ -122,7 +132,12 @@ impl SendQueue {
 
     /// Whether one more request fits.
     pub fn has_room(&self) -> bool {
-        self.posted - self.retired < self.depth
+        self.has_room_for(1)
+    }
+
+    /// Whether `k` more requests fit.
+    pub fn has_room_for(&self, k: u64) -> bool {
+        self.posted - self.retired + k <= self.depth
     }
 
     /// Whether the next request must be signalled so that the queue keeps draining.
@@ -177,11 +192,13 @@ mod tests {
         assert_eq!(r.pending_cts(), None);
         r.arrived = 2;
         assert_eq!(r.next_frame(), Some(0));
-        r.consumed += 1;
+        r.taken += 1;
+        r.settle(None);
         assert_eq!(r.pending_cts(), Some((3, 0)), "CTS 3 re-advertises slot 0");
         r.cts_posted += 1;
         assert_eq!(r.next_frame(), Some(1));
-        r.consumed += 1;
+        r.taken += 1;
+        r.settle(None);
         assert_eq!(r.pending_cts(), Some((4, 1)));
         r.cts_posted += 1;
         assert_eq!(r.pending_cts(), None);
@@ -208,7 +225,8 @@ mod tests {
                 if let Some(slot) = r.next_frame() {
                     let (k, used) = written.pop_front().unwrap();
                     assert_eq!(slot, used, "frame {k}");
-                    r.consumed += 1;
+                    r.taken += 1;
+                    r.settle(None);
                 }
             }
             while let Some((seq, _slot)) = r.pending_cts() {

@@ -8,7 +8,7 @@
 /// Magic number opening a verbs connection blob ("DSVB").
 pub const BLOB_MAGIC: u32 = 0x4453_5642;
 /// Version of the blob layout and of the verbs protocol.
-pub const BLOB_VERSION: u8 = 1;
+pub const BLOB_VERSION: u8 = 2;
 
 /// Size of one CTS entry in the sender's ring.
 pub const CTS_LEN: usize = 32;
@@ -117,7 +117,59 @@ pub enum Blob {
         ctrl_bytes: u32,
         /// Per peer (indexed by rank; this rank's own entry is unused).
         qps: Vec<QpInfo>,
+        /// This rank's direct region (GPUDirect RDMA), or why it has none.
+        direct: DirectInfo,
     },
+}
+
+/// How a rank's direct region is registered (its GPUDirect mechanism).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectKind {
+    /// Host memory standing in for GPU memory (tests).
+    HostEmulated,
+    /// GPU memory through dma-buf.
+    DmaBuf,
+    /// GPU memory through nvidia-peermem.
+    PeerMem,
+}
+
+impl DirectKind {
+    fn code(self) -> u8 {
+        match self {
+            DirectKind::HostEmulated => 0,
+            DirectKind::DmaBuf => 1,
+            DirectKind::PeerMem => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        match c {
+            0 => Some(DirectKind::HostEmulated),
+            1 => Some(DirectKind::DmaBuf),
+            2 => Some(DirectKind::PeerMem),
+            _ => None,
+        }
+    }
+}
+
+/// A rank's direct region as its peers see it: where their direct payloads land.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DirectInfo {
+    /// No GPU memory involved (host-only communicator, or staging requested).
+    None,
+    /// Landing slots for peer `q` start at `addr + q × slots × slot_bytes`.
+    Region {
+        /// Registration mechanism.
+        kind: DirectKind,
+        /// Region start (the NIC's address space: virtual address, or the dma-buf iova).
+        addr: u64,
+        /// Remote key of the region.
+        rkey: u32,
+        /// Payload bytes per landing slot.
+        slot_bytes: u32,
+    },
+    /// GPU memory could not be registered with the NIC here: why.
+    Unavailable(String),
 }
 
 struct W(Vec<u8>);
@@ -196,6 +248,7 @@ impl Blob {
                 slot_bytes,
                 ctrl_bytes,
                 qps,
+                direct,
             } => {
                 w.u8(1);
                 w.str(device);
@@ -216,6 +269,25 @@ impl Blob {
                     w.u64(q.rx_addr);
                     w.u64(q.ctrl_addr);
                     w.u64(q.cts_addr);
+                }
+                match direct {
+                    DirectInfo::None => w.u8(0),
+                    DirectInfo::Region {
+                        kind,
+                        addr,
+                        rkey,
+                        slot_bytes,
+                    } => {
+                        w.u8(1);
+                        w.u8(kind.code());
+                        w.u64(*addr);
+                        w.u32(*rkey);
+                        w.u32(*slot_bytes);
+                    }
+                    DirectInfo::Unavailable(why) => {
+                        w.u8(2);
+                        w.str(why);
+                    }
                 }
             }
         }
@@ -277,6 +349,21 @@ impl Blob {
                     gid_index: has_gid.then_some(gi),
                     mtu,
                 };
+                let direct = match r.u8()? {
+                    0 => DirectInfo::None,
+                    1 => {
+                        let kc = r.u8()?;
+                        DirectInfo::Region {
+                            kind: DirectKind::from_code(kc)
+                                .ok_or_else(|| format!("unknown direct region kind {kc}"))?,
+                            addr: r.u64()?,
+                            rkey: r.u32()?,
+                            slot_bytes: r.u32()?,
+                        }
+                    }
+                    2 => DirectInfo::Unavailable(r.str()?),
+                    k => return Err(format!("unknown direct region tag {k}")),
+                };
                 Ok(Blob::Capable {
                     device,
                     port,
@@ -284,6 +371,7 @@ impl Blob {
                     slot_bytes,
                     ctrl_bytes,
                     qps,
+                    direct,
                 })
             }
             k => Err(format!("unknown verbs blob kind {k}")),
@@ -360,6 +448,14 @@ pub enum Imm {
         /// Frame length.
         len: u32,
     },
+    /// A direct frame: its 32-byte header in the next receive slot, its payload (`len` bytes
+    /// of header + payload in all) in the matching landing slot of the direct region.
+    Direct {
+        /// Low bits of the frame's sequence number.
+        seq: u8,
+        /// Frame length (header + payload).
+        len: u32,
+    },
 }
 
 /// Largest frame (header + payload) an immediate can describe: 64 MiB − 1.
@@ -372,6 +468,9 @@ impl Imm {
             Imm::Data { seq, len } => (u32::from(seq & 0xf) << 26) | (len & MAX_FRAME),
             Imm::Cts { seq } => (1 << 30) | (seq & 0x3fff_ffff),
             Imm::Ctrl { len } => (2 << 30) | (len & MAX_FRAME),
+            Imm::Direct { seq, len } => {
+                (3 << 30) | (u32::from(seq & 0xf) << 26) | (len & MAX_FRAME)
+            }
         }
     }
 
@@ -386,7 +485,10 @@ impl Imm {
                 seq: v & 0x3fff_ffff,
             }),
             2 => Some(Imm::Ctrl { len: v & MAX_FRAME }),
-            _ => None,
+            _ => Some(Imm::Direct {
+                seq: ((v >> 26) & 0xf) as u8,
+                len: v & MAX_FRAME,
+            }),
         }
     }
 }
@@ -466,13 +568,47 @@ mod tests {
                     cts_addr: u64::MAX,
                 },
             ],
+            direct: DirectInfo::Region {
+                kind: DirectKind::DmaBuf,
+                addr: 0x7f12_3456_0000,
+                rkey: 0xfeed,
+                slot_bytes: 512 * 1024,
+            },
         }
     }
 
     #[test]
     fn connection_blobs_round_trip() {
+        let with = |direct: DirectInfo| match capable() {
+            Blob::Capable {
+                device,
+                port,
+                slots,
+                slot_bytes,
+                ctrl_bytes,
+                qps,
+                ..
+            } => Blob::Capable {
+                device,
+                port,
+                slots,
+                slot_bytes,
+                ctrl_bytes,
+                qps,
+                direct,
+            },
+            b => b,
+        };
         for b in [
             capable(),
+            with(DirectInfo::None),
+            with(DirectInfo::Unavailable("nvidia-peermem not loaded".into())),
+            with(DirectInfo::Region {
+                kind: DirectKind::HostEmulated,
+                addr: 1,
+                rkey: 2,
+                slot_bytes: 3,
+            }),
             Blob::Incapable {
                 reason: "no RDMA devices".into(),
             },
@@ -522,10 +658,14 @@ mod tests {
             Imm::Cts { seq: 0x3fff_ffff },
             Imm::Cts { seq: 0 },
             Imm::Ctrl { len: 4096 },
+            Imm::Direct { seq: 9, len: 32 },
+            Imm::Direct {
+                seq: 15,
+                len: MAX_FRAME,
+            },
         ] {
             assert_eq!(Imm::decode(imm.encode()), Some(imm));
         }
-        assert_eq!(Imm::decode(3 << 30), None);
         // Only the low 4 bits of a data sequence number travel.
         assert_eq!(
             Imm::decode(Imm::Data { seq: 17, len: 40 }.encode()),
