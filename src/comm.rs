@@ -89,6 +89,8 @@ pub struct Communicator {
     info: CommInfo,
     engine: Mutex<Engine>,
     gpu: Mutex<GpuState>,
+    /// The device-memory path policy in effect (init's, or one set with `set_data_path`).
+    pub(crate) policy: Mutex<PathPolicy>,
     /// The GPU memory registered with the NIC as this rank's direct region; declared after
     /// the engine so that the transport (and its registration) is dropped first.
     pub(crate) region: Option<crate::comm_device::GpuRegion>,
@@ -249,6 +251,7 @@ impl Communicator {
             info,
             engine: Mutex::new(engine),
             gpu: Mutex::new(GpuState::default()),
+            policy: Mutex::new(facts.data_path),
             region: None,
         }
     }

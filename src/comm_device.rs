@@ -161,7 +161,26 @@ impl Communicator {
     /// [`Error::Unavailable`] when the policy (`DSPARK_DATA_PATH`) asks for GPUDirect and it
     /// cannot be had, naming the rank and the reason.
     pub fn data_paths(&self, buffers: BufferLocation) -> Result<PathPlan> {
-        self.data_paths_for(self.info().data_path, buffers)
+        self.data_paths_for(self.data_path(), buffers)
+    }
+
+    /// The device-memory path policy in effect: `DSPARK_DATA_PATH` from init, or the last
+    /// [`Communicator::set_data_path`].
+    pub fn data_path(&self) -> PathPolicy {
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Switches the device-memory path policy for later device collectives — for side-by-side
+    /// comparisons (`dspark-bench --compare-paths`). Every rank must make the same switch
+    /// before its next device collective: ranks on different paths get a mismatch error.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when `policy` cannot be honoured here (the policy stays as it
+    /// was).
+    pub fn set_data_path(&self, policy: PathPolicy) -> Result<()> {
+        self.data_paths_for(policy, BufferLocation::Device)?;
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = policy;
+        Ok(())
     }
 
     /// [`Communicator::data_paths`] under another policy: what `DSPARK_DATA_PATH=policy`

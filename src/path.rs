@@ -186,7 +186,7 @@ impl fmt::Display for ConnectionPath {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PathPolicy {
-    /// GPUDirect where both ends can, host-staged (with a warning) elsewhere.
+    /// GPUDirect when every rank can, host-staged (with a warning naming who cannot) otherwise.
     #[default]
     Auto,
     /// GPUDirect on every connection, or an error at init naming why not.
@@ -339,8 +339,9 @@ fn symmetric(peer: usize, path: DataPath) -> ConnectionPath {
 /// - Device buffers over TCP or `mem`: always host-staged, with the reason; `gpu-direct` is an
 ///   error.
 /// - Device buffers over verbs: `host-staged` stages everywhere; `auto` and `gpu-direct` use
-///   GPUDirect on a connection when both ends can (each end with its own mechanism, dma-buf
-///   preferred — the path reported is this rank's); otherwise `auto` stages that connection and
+///   GPUDirect on every connection when *every rank* can (each with its own mechanism, dma-buf
+///   preferred — the path reported is this rank's): one job-wide decision, because a direct
+///   payload cannot land in a rank's host slots. Otherwise `auto` stages every connection and
 ///   warns, naming the rank(s) and reason(s), and `gpu-direct` fails with
 ///   [`Error::Unavailable`] naming every rank that cannot.
 pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {

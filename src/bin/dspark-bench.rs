@@ -1135,10 +1135,13 @@ fn compare_paths<T: BenchElem>(
     let mut results: Vec<(PathPolicy, Result<Vec<Row>, String>)> = Vec::new();
     for policy in [PathPolicy::GpuDirect, PathPolicy::HostStaged] {
         // Whether this path can be had is decided the same way init decides it.
-        let res = match comm.data_paths_for(policy, BufferLocation::Device) {
+        let before = comm.data_path();
+        let res = match comm.set_data_path(policy) {
             Err(e) => Err(e.to_string()),
-            Ok(_) => bench::<T>(args, comm, gpu, false),
+            Ok(()) => bench::<T>(args, comm, gpu, false),
         };
+        // Every rank switches together (the same decision from the same facts).
+        let _ = comm.set_data_path(before);
         results.push((policy, res));
     }
     if rank0 {

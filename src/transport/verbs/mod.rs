@@ -28,6 +28,17 @@
 //!    process that dies closes them, and survivors report [`Error::PeerLost`] at once instead
 //!    of waiting for the transport's retry budget.
 //!
+//! 6. *Direct frames* (GPUDirect RDMA): when both ranks registered a direct region at init
+//!    ([`DirectSpec`]; GPU memory through dma-buf or nvidia-peermem, or host memory standing in
+//!    for it in tests), frame `k`'s payload is RDMA-written from a send slot of the sender's
+//!    region into landing slot `k % n` for that sender in the receiver's region, followed on
+//!    the same queue pair by the 32-byte header into receive slot `k % n` with a
+//!    `WRITE_WITH_IMM` whose immediate marks it direct. The receiver hands the landing offset
+//!    to the engine and re-advertises the slot (CTS `k + n`) only when the engine released it —
+//!    after the device consumed the payload; ordinary frames taken meanwhile wait behind it, so
+//!    CTS stay in order. The sender's send slot is reusable once the signalled header write
+//!    completed ([`Transport::direct_send_done`]).
+//!
 //! Work-completion errors become typed errors naming the peer, the operation and the
 //! `ibv_wc_status` string. After [`Transport::abort`] every queue pair is in the ERR state:
 //! nothing touches caller memory any more.

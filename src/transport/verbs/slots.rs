@@ -208,6 +208,34 @@ mod tests {
     }
 
     #[test]
+    fn a_held_direct_frame_keeps_later_slots_from_being_readvertised() {
+        let mut r = RecvSide::new(4);
+        r.arrived = 3;
+        // Frame 0 is direct and held; frames 1 and 2 are ordinary and taken at once.
+        let held = [0u64];
+        r.taken = 1;
+        r.settle(held.first().copied());
+        assert_eq!(
+            r.pending_cts(),
+            None,
+            "frame 0 is still being read by the device"
+        );
+        r.taken = 3;
+        r.settle(held.first().copied());
+        assert_eq!(r.consumed, 0);
+        assert_eq!(
+            r.pending_cts(),
+            None,
+            "CTS must stay in order behind frame 0"
+        );
+        assert_eq!(r.next_frame(), None, "but later frames were delivered");
+        // Releasing frame 0 frees it and everything taken after it.
+        r.settle(None);
+        assert_eq!(r.consumed, 3);
+        assert_eq!(r.pending_cts(), Some((4, 0)));
+    }
+
+    #[test]
     fn sender_and_receiver_agree_over_many_wraps() {
         let n = 5;
         let (mut s, mut r) = (SendSide::new(n), RecvSide::new(n));
