@@ -153,7 +153,14 @@ impl Communicator {
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap: verbs where every rank
         // has a usable RDMA port, else TCP everywhere (or Unavailable where verbs was asked).
-        let (spec, region) = crate::comm_device::direct_spec(&config);
+        // The direct region is set up only once verbs found a usable port (no GPU context or
+        // allocation on machines that end up on TCP).
+        let mut region = None;
+        let mut direct = |opts: &verbs::VerbsOptions| {
+            let (spec, r) = crate::comm_device::direct_spec(&config, opts);
+            region = r;
+            spec
+        };
         let mut gpu_direct = vec![
             crate::path::GpuDirectCapability::Unavailable(
                 crate::path::TCP_STAGED_REASON.into()
@@ -161,7 +168,7 @@ impl Communicator {
             config.world_size
         ];
         let (transport, reason): (Box<dyn Transport>, Option<String>) =
-            match verbs::select(&mut boot, &config, streams, &spec)? {
+            match verbs::select(&mut boot, &config, streams, &mut direct)? {
                 verbs::Selected::Verbs(t) => {
                     gpu_direct = crate::comm_device::capabilities_of(t.direct_infos());
                     (t, None)

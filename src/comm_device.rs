@@ -57,7 +57,7 @@ pub(crate) struct GpuRegion {
 /// emulation when asked for (tests), nothing when device memory is to be staged anyway,
 /// otherwise GPU memory of the configured device with its registration candidates, or why
 /// there is none.
-pub(crate) fn direct_spec(config: &Config) -> (DirectSpec, Option<GpuRegion>) {
+pub(crate) fn direct_spec(config: &Config, opts: &VerbsOptions) -> (DirectSpec, Option<GpuRegion>) {
     if config.emulate_gpu_direct {
         return (
             DirectSpec::HostEmulated {
@@ -75,7 +75,7 @@ pub(crate) fn direct_spec(config: &Config) -> (DirectSpec, Option<GpuRegion>) {
     if config.transport == TransportChoice::Tcp || config.world_size < 2 {
         return (DirectSpec::None, None);
     }
-    match gpu_region(config) {
+    match gpu_region(config, opts) {
         Ok(g) => {
             let (candidates, reasons) = g.region.registration_candidates();
             let spec = DirectSpec::Device {
@@ -92,7 +92,7 @@ pub(crate) fn direct_spec(config: &Config) -> (DirectSpec, Option<GpuRegion>) {
 
 /// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
 /// GPUs), sized for the verbs transport's slots.
-fn gpu_region(config: &Config) -> std::result::Result<GpuRegion, String> {
+fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<GpuRegion, String> {
     if !crate::gpu::probe::libcuda_present() {
         return Err("no CUDA driver (libcuda.so.1 not found)".into());
     }
@@ -108,9 +108,7 @@ fn gpu_region(config: &Config) -> std::result::Result<GpuRegion, String> {
     }
     let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
     let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
-    let opts =
-        VerbsOptions::from_lookup(config, |k| std::env::var(k).ok()).map_err(|e| e.to_string())?;
-    let layout = verbs::direct_layout(config.world_size, &opts, DIRECT_SEND_SLOTS);
+    let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
     let region = DirectRegion::new(&ctx, layout)
         .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))?;
     Ok(GpuRegion { region })

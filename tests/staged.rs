@@ -402,3 +402,21 @@ fn a_host_rank_facing_a_direct_rank_gets_a_mismatch_not_a_hang() {
         }
     }
 }
+
+#[test]
+fn a_device_over_another_region_is_refused_before_anything_moves() {
+    use dspark::transport::Transport;
+    let res = run_direct(1, 2, |comm| {
+        let other = MemFabric::with_direct(1, 4, 2, SEG, 3).transport(0);
+        let region = other.direct_host_region().unwrap();
+        let layout = comm.direct_layout().unwrap();
+        let input = common::inputs::<f32>(ReduceOp::Sum, 1, 0, 8);
+        let mut d = EmulatedDevice::direct(Vec::new(), bytes(&input), region, layout, 2, 1);
+        comm.run_staged(
+            call::<f32>(Collective::AllReduce, Some(ReduceOp::Sum), 8, 0, false),
+            &mut d,
+        )
+    });
+    let e = res[0].as_ref().unwrap_err().to_string();
+    assert!(e.contains("not the one registered"), "{e}");
+}

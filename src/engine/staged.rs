@@ -98,6 +98,12 @@ pub trait StagedDevice {
         false
     }
 
+    /// Direct mode: the identity of the region this device's slots live in, which must be the
+    /// transport's ([`crate::transport::Transport::direct_base`]).
+    fn direct_base(&self) -> Option<u64> {
+        None
+    }
+
     /// Direct mode: enqueues `Dst[dst] = region[offset..]` (`acc` `None`) or `Dst[dst] = acc ⊕
     /// region[offset..]`, reading `dst.len()` bytes that the NIC wrote at `offset` of the
     /// direct region — after making those writes visible to the device (flush).
@@ -153,6 +159,14 @@ impl Engine {
             ));
         }
         if dev.direct() {
+            if dev.direct_base().is_none() || dev.direct_base() != self.transport.direct_base() {
+                return Err(internal(&format!(
+                    "the device's direct region ({:?}) is not the one registered with the \
+                     transport ({:?}): the NIC would move other memory",
+                    dev.direct_base(),
+                    self.transport.direct_base()
+                )));
+            }
             match self.transport.direct_layout() {
                 Some(l) if l.send_slots >= dev.send_slots() && l.slot_bytes >= dev.slot_bytes() => {
                 }
@@ -780,6 +794,9 @@ impl StagedDevice for EmulatedDevice {
     }
     fn direct(&self) -> bool {
         self.region.is_some()
+    }
+    fn direct_base(&self) -> Option<u64> {
+        self.region.as_ref().map(|(r, _)| r.id())
     }
     fn land(
         &mut self,

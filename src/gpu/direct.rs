@@ -44,10 +44,10 @@ use super::device::{flush_gpudirect_writes, DeviceAllocation, GpuReducer};
 use super::probe::{cu_check, cu_error_text, require_driver_symbols};
 use super::staged::{DevBuffers, Marks};
 use super::sysfs::Sysfs;
+use super::MemoryKind;
 use crate::engine::staged::{DevRange, StagedDevice};
 use crate::error::{Error, Result};
 use crate::plan::Buf;
-use crate::transport::verbs::MemoryKind;
 use crate::transport::DirectLayout;
 use crate::types::{DataType, ReduceOp};
 
@@ -565,6 +565,10 @@ impl StagedDevice for CudaDirectDevice<'_> {
 
     fn direct(&self) -> bool {
         true
+    }
+
+    fn direct_base(&self) -> Option<u64> {
+        Some(self.region.ptr())
     }
 
     /// Flushes the NIC's writes to the GPU (a host call, before anything is enqueued), then

@@ -32,3 +32,22 @@ pub mod sysfs;
 
 pub use nvrtc::libnvrtc_present;
 pub use probe::libcuda_present;
+
+/// What kind of memory a registration covers. Host memory is registered with `ibv_reg_mr`;
+/// device memory comes with the GPU work: a dma-buf exported by the GPU driver
+/// (`ibv_reg_dmabuf_mr`), or a device pointer that `ibv_reg_mr` accepts because
+/// nvidia-peermem is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Ordinary process memory.
+    Host,
+    /// GPU memory exported as a dma-buf file descriptor; `offset` into it.
+    CudaDmaBuf {
+        /// The dma-buf file descriptor.
+        fd: i32,
+        /// Offset of the range inside the dma-buf.
+        offset: u64,
+    },
+    /// A GPU device pointer registered through the nvidia-peermem kernel module.
+    CudaPeerMem,
+}

@@ -182,7 +182,15 @@ struct MemRegion {
     rank: usize,
 }
 
+/// The identity of `rank`'s emulated region on `fabric`.
+fn region_id(fabric: &MemFabric, rank: usize) -> u64 {
+    (Arc::as_ptr(&fabric.inner) as *const u8 as u64).wrapping_add(rank as u64 + 1)
+}
+
 impl RegionAccess for MemRegion {
+    fn id(&self) -> u64 {
+        region_id(&self.fabric, self.rank)
+    }
     fn read(&self, off: usize, dst: &mut [u8]) {
         let st = self.fabric.lock();
         dst.copy_from_slice(&st.regions[self.rank][off..off + dst.len()]);
@@ -382,6 +390,11 @@ impl Transport for MemTransport {
 
     fn direct_layout(&self) -> Option<DirectLayout> {
         self.fabric.lock().direct
+    }
+
+    fn direct_base(&self) -> Option<u64> {
+        self.fabric.lock().direct?;
+        Some(region_id(&self.fabric, self.rank))
     }
 
     fn direct_host_region(&self) -> Option<Arc<dyn RegionAccess>> {

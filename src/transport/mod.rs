@@ -320,6 +320,9 @@ pub trait RegionAccess: Send + Sync + fmt::Debug {
     fn read(&self, off: usize, dst: &mut [u8]);
     /// Copies `src` to offset `off`.
     fn write(&self, off: usize, src: &[u8]);
+    /// The region's identity, equal to [`Transport::direct_base`] of the transport that owns
+    /// it (its address for a NIC).
+    fn id(&self) -> u64;
 }
 
 /// Where a direct frame's payload is: `len` bytes at `offset` of this rank's direct region.
@@ -421,6 +424,12 @@ pub trait Transport: Send + fmt::Debug {
     /// The layout of this rank's direct region, when the transport was set up with one
     /// (`None`: every payload goes through host memory, the default).
     fn direct_layout(&self) -> Option<DirectLayout> {
+        None
+    }
+
+    /// The identity of this rank's direct region (its address as registered with the NIC), so
+    /// that a device can be checked to use the very region the transport moves data in.
+    fn direct_base(&self) -> Option<u64> {
         None
     }
 

@@ -19,6 +19,9 @@
 #      offsets, fresh random inputs, poisoned outputs (tests/gpu_device.rs)
 #   4. reduction bandwidth vs a device-to-device copy in the same run (goal >= 85% at >= 64 MiB)
 #   5. dma-buf export of device memory (cuMemGetHandleForAddressRange)
+#   5b. the GPUDirect device (gpu::direct::CudaDirectDevice) on its own: bytes placed in a
+#      landing slot of a direct region are copied / reduced (f32 sum, bf16 max) into the
+#      destination after the flush, and d2h fills a send slot; no NIC involved
 #   6. staged all-reduce (engine's host-staged path + gpu::staged::CudaStagedDevice), 2 ranks on
 #      one GPU over TCP loopback at 16 and 256 MiB: correctness, then the total time against each
 #      stage alone (goal: total <= 1.2x the slowest stage). The two ranks are threads of one

@@ -90,24 +90,7 @@ use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-/// What kind of memory a registration covers. Host memory is registered with `ibv_reg_mr`;
-/// device memory comes with the GPU work: a dma-buf exported by the GPU driver
-/// (`ibv_reg_dmabuf_mr`), or a device pointer that `ibv_reg_mr` accepts because
-/// nvidia-peermem is loaded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemoryKind {
-    /// Ordinary process memory.
-    Host,
-    /// GPU memory exported as a dma-buf file descriptor; `offset` into it.
-    CudaDmaBuf {
-        /// The dma-buf file descriptor.
-        fd: i32,
-        /// Offset of the range inside the dma-buf.
-        offset: u64,
-    },
-    /// A GPU device pointer registered through the nvidia-peermem kernel module.
-    CudaPeerMem,
-}
+pub use crate::gpu::MemoryKind;
 
 /// What this rank brings as its direct region (GPUDirect RDMA), decided before the transport
 /// is set up: the region must be registered with the protection domain before the connection
@@ -162,6 +145,9 @@ pub struct HostRegion {
 unsafe impl Sync for HostRegion {}
 
 impl RegionAccess for HostRegion {
+    fn id(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
     fn read(&self, off: usize, dst: &mut [u8]) {
         if off
             .checked_add(dst.len())
@@ -693,7 +679,7 @@ fn prepare(
     rank: usize,
     world: usize,
     opts: VerbsOptions,
-    spec: &DirectSpec,
+    direct: &mut dyn FnMut(&VerbsOptions) -> DirectSpec,
 ) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
@@ -748,7 +734,9 @@ fn prepare(
             psn: psn_for(rank, peer),
         }));
     }
-    let (direct, direct_info) = register_direct(&pd, world, &opts, spec);
+    // Only now, with a usable port, is it worth setting up device memory for the NIC.
+    let spec = direct(&opts);
+    let (direct, direct_info) = register_direct(&pd, world, &opts, &spec);
     Ok(Prepared {
         lib,
         local,
@@ -1899,6 +1887,10 @@ impl Transport for VerbsTransport {
         self.direct.as_ref().map(|d| d.layout)
     }
 
+    fn direct_base(&self) -> Option<u64> {
+        self.direct.as_ref().map(|d| d.addr)
+    }
+
     fn direct_host_region(&self) -> Option<Arc<dyn RegionAccess>> {
         let h = self.direct.as_ref()?.host.as_ref()?;
         Some(Arc::clone(h) as Arc<dyn RegionAccess>)
@@ -2311,7 +2303,7 @@ pub fn select(
     boot: &mut Bootstrap,
     cfg: &Config,
     streams: Vec<Option<TcpStream>>,
-    direct: &DirectSpec,
+    direct: &mut dyn FnMut(&VerbsOptions) -> DirectSpec,
 ) -> Result<Selected> {
     let rank = cfg.rank;
     let world = cfg.world_size;
@@ -2575,7 +2567,7 @@ mod tests {
         // probe runs. Either way: a sentence, never a panic.
         let cfg = Config::new(0, 2, "h:1");
         let o = VerbsOptions::from_lookup(&cfg, |_| None).unwrap();
-        if let Err(reason) = prepare(0, 2, o, &DirectSpec::None) {
+        if let Err(reason) = prepare(0, 2, o, &mut |_| DirectSpec::None) {
             assert!(!reason.is_empty());
         }
     }
