@@ -9,6 +9,8 @@
 //! * transport agreement: one rank without a usable device makes `auto` fall back to TCP on
 //!   every rank (with the reason) and `verbs` fail on every rank;
 //! * zero-copy sends from a registered buffer;
+//! * registration of a device region, candidates in order (dma-buf, then peermem), each failure
+//!   named with its verb and OS error;
 //! * the GPUDirect protocol (direct frames: payload RDMA-written into the receiver's registered
 //!   landing slot, held until the device consumed it) with host memory standing in for GPU
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
@@ -470,6 +472,63 @@ fn gpu_direct_protocol_is_exact_over_verbs_with_host_memory_standing_in_for_the_
             Duration::from_secs(400),
         );
         assert_all(&outs, OK, &format!("{world}-rank direct"));
+    }
+}
+
+/// The registration of a device region, tried in order, on a real verbs stack: a dma-buf
+/// candidate that cannot work (no such descriptor) must yield its verb and OS error as the
+/// reason, and the next candidate (nvidia-peermem style: `ibv_reg_mr` on the address — host
+/// memory here, which `ibv_reg_mr` accepts) must then be taken.
+#[test]
+fn device_region_registration_falls_back_in_order_and_names_each_failure() {
+    use dspark::gpu::MemoryKind;
+    use dspark::transport::verbs::{self, wire::DirectInfo, wire::DirectKind, DirectSpec};
+    if !in_vm() {
+        return;
+    }
+    let mut cfg = Config::new(0, 1, "127.0.0.1:1");
+    cfg.transport = TransportChoice::Verbs;
+    let opts = verbs::VerbsOptions::from_lookup(&cfg, |k| std::env::var(k).ok()).unwrap();
+    // World 1 has no peers, but the region is registered all the same; ask for a 2-rank
+    // layout so that it has landing slots.
+    let layout = verbs::direct_layout(2, &opts, 4);
+    let stand_in = vec![0u8; layout.len()];
+    for (candidates, want) in [
+        (
+            vec![
+                MemoryKind::CudaDmaBuf { fd: -1, offset: 0 },
+                MemoryKind::CudaPeerMem,
+            ],
+            Some(DirectKind::PeerMem),
+        ),
+        (vec![MemoryKind::CudaDmaBuf { fd: -1, offset: 0 }], None),
+    ] {
+        let (mut boot, streams) = dspark::bootstrap::rendezvous(&cfg).unwrap();
+        let addr = stand_in.as_ptr() as u64;
+        let mut provider = |_: &verbs::VerbsOptions| DirectSpec::Device {
+            addr,
+            send_slots: 4,
+            candidates: candidates.clone(),
+            reasons: vec!["peermem: not probed in this test".into()],
+        };
+        let t = match verbs::select(&mut boot, &cfg, streams, &mut provider).unwrap() {
+            verbs::Selected::Verbs(t) => t,
+            other => panic!("expected verbs, got {other:?}"),
+        };
+        let info = t.direct_infos()[0].clone();
+        eprintln!("candidates {candidates:?}: {info:?}");
+        match (want, info) {
+            (Some(k), DirectInfo::Region { kind, addr: a, .. }) => {
+                assert_eq!(kind, k);
+                assert_eq!(a, addr);
+            }
+            (None, DirectInfo::Unavailable(why)) => {
+                assert!(why.contains("dma-buf: ibv_reg_dmabuf_mr failed"), "{why}");
+                assert!(why.contains("peermem: not probed"), "{why}");
+            }
+            (w, got) => panic!("wanted {w:?}, got {got:?}"),
+        }
+        drop(t);
     }
 }
 

@@ -364,7 +364,9 @@ impl<'a> CudaDirectDevice<'a> {
             return Err(bad(
                 "device",
                 format!(
-                    "direct region of GPU {} used with a stream of GPU {}",
+                    "this rank registered GPU {} with the NIC at init but the collective runs \
+                     on a stream of GPU {}: set DSPARK_CUDA_DEVICE (or the launcher's local \
+                     rank) to the GPU this rank uses, or DSPARK_DATA_PATH=host-staged",
                     ours.ordinal(),
                     theirs.ordinal()
                 ),
