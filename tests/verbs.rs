@@ -715,3 +715,25 @@ fn two_node_every_collective_is_exact_across_the_wire() {
     let comm = Communicator::init(cfg).expect("verbs across two nodes");
     common::run_matrix(&comm, &[5, 3001], 0xfeed).unwrap();
 }
+
+#[test]
+fn two_node_gpu_direct_protocol_is_exact_across_the_wire() {
+    if std::env::var_os("DSPARK_NODE").is_none() {
+        eprintln!("skipped: a two-node test; tests/softroce/run-suite.sh runs it in two VMs");
+        return;
+    }
+    let mut cfg = Config::from_env().expect("config from the suite's environment");
+    cfg.transport = TransportChoice::Verbs;
+    cfg.timeout = Duration::from_secs(60);
+    cfg.segment_bytes = 4096;
+    cfg.emulate_gpu_direct = true;
+    let comm = Communicator::init(cfg).expect("verbs across two nodes");
+    let mut landed = 0;
+    for count in [5, 3001] {
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+            landed += direct_round::<f32>(&comm, op, count, 0xabc ^ count as u64).unwrap();
+            landed += direct_round::<dspark::bf16>(&comm, op, count, 0xabd).unwrap();
+        }
+    }
+    assert!(landed > 0, "no payload consumed from the landing region");
+}
