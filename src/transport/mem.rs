@@ -78,6 +78,22 @@ impl State {
     fn link(&mut self, from: usize, to: usize) -> &mut VecDeque<Frame> {
         &mut self.links[from * self.world + to]
     }
+
+    /// Counts the next data frame `from` → `to` and says what the injected faults do to it:
+    /// (dropped, delayed by).
+    fn next_faults(&mut self, from: usize, to: usize) -> (bool, Option<Duration>) {
+        let idx = from * self.world + to;
+        let nth = self.sent[idx];
+        self.sent[idx] += 1;
+        let dropped = self.faults.iter().any(
+            |f| matches!(*f, Fault::Drop { from: a, to: b, nth: k } if a == from && b == to && k == nth),
+        );
+        let delay = self.faults.iter().find_map(|f| match *f {
+            Fault::Delay { from: a, to: b, by } if a == from && b == to => Some(by),
+            _ => None,
+        });
+        (dropped, delay)
+    }
 }
 
 /// The shared "network" of a set of [`MemTransport`]s.
@@ -312,16 +328,7 @@ impl Transport for MemTransport {
         if st.link(self.rank, peer).len() >= cap {
             return Ok(false);
         }
-        let idx = self.rank * st.world + peer;
-        let nth = st.sent[idx];
-        st.sent[idx] += 1;
-        let dropped = st.faults.iter().any(
-            |f| matches!(*f, Fault::Drop { from, to, nth: k } if from == self.rank && to == peer && k == nth),
-        );
-        let delay = st.faults.iter().find_map(|f| match *f {
-            Fault::Delay { from, to, by } if from == self.rank && to == peer => Some(by),
-            _ => None,
-        });
+        let (dropped, delay) = st.next_faults(self.rank, peer);
         if !dropped {
             let frame = Frame {
                 hdr: *hdr,
@@ -456,15 +463,7 @@ impl Transport for MemTransport {
             return Ok(false);
         }
         st.direct_sent[link] += 1;
-        let nth = st.sent[link];
-        st.sent[link] += 1;
-        let dropped = st.faults.iter().any(
-            |f| matches!(*f, Fault::Drop { from, to, nth: j } if from == me && to == peer && j == nth),
-        );
-        let delay = st.faults.iter().find_map(|f| match *f {
-            Fault::Delay { from, to, by } if from == me && to == peer => Some(by),
-            _ => None,
-        });
+        let (dropped, delay) = st.next_faults(me, peer);
         if !dropped {
             let at = layout.landing(me, (k % layout.slots as u64) as usize);
             let data = st.regions[me][offset..offset + len].to_vec();

@@ -896,24 +896,8 @@ impl Qp {
         imm: u32,
         signaled: bool,
     ) -> VResult<()> {
-        // SAFETY: all-zero is a valid ibv_send_wr (null next, zero fields).
-        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.sg_list = sges.as_mut_ptr();
-        wr.num_sge = sges.len() as i32;
-        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-        wr.send_flags = if signaled {
-            ffi::ibv_send_flags::IBV_SEND_SIGNALED
-        } else {
-            0
-        };
-        wr.__bindgen_anon_1.imm_data = imm.to_be();
-        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
-        let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
-        // SAFETY: live QP; `wr` and `sges` live across the call (the provider copies them
-        // into the send queue); the memory contract is the caller's.
-        let rc = unsafe { ffi::ibv_post_send(self.ptr.as_ptr(), &mut wr, &mut bad) };
-        code("ibv_post_send", rc)
+        // SAFETY: the caller's contract.
+        unsafe { self.post_rdma_write(wr_id, sges, remote_addr, rkey, Some(imm), signaled) }
     }
 
     /// Posts one plain `RDMA_WRITE` (no immediate: the peer sees no completion; a later
@@ -929,21 +913,42 @@ impl Qp {
         rkey: u32,
         signaled: bool,
     ) -> VResult<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.post_rdma_write(wr_id, sges, remote_addr, rkey, None, signaled) }
+    }
+
+    /// # Safety
+    /// As [`Qp::post_write_imm`].
+    unsafe fn post_rdma_write(
+        &mut self,
+        wr_id: u64,
+        sges: &mut [ffi::ibv_sge],
+        remote_addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> VResult<()> {
         // SAFETY: all-zero is a valid ibv_send_wr (null next, zero fields).
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
         wr.sg_list = sges.as_mut_ptr();
         wr.num_sge = sges.len() as i32;
-        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.opcode = match imm {
+            Some(_) => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            None => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        };
         wr.send_flags = if signaled {
             ffi::ibv_send_flags::IBV_SEND_SIGNALED
         } else {
             0
         };
+        if let Some(imm) = imm {
+            wr.__bindgen_anon_1.imm_data = imm.to_be();
+        }
         wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
         let mut bad: *mut ffi::ibv_send_wr = ptr::null_mut();
-        // SAFETY: live QP; `wr` and `sges` live across the call; the memory contract is the
-        // caller's.
+        // SAFETY: live QP; `wr` and `sges` live across the call (the provider copies them
+        // into the send queue); the memory contract is the caller's.
         let rc = unsafe { ffi::ibv_post_send(self.ptr.as_ptr(), &mut wr, &mut bad) };
         code("ibv_post_send", rc)
     }

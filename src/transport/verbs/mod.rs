@@ -879,6 +879,17 @@ impl Peer {
     }
 }
 
+/// A clear-to-send credit claimed for one frame (see `VerbsTransport::claim`).
+struct Claim {
+    seq: u64,
+    slot: usize,
+    /// The peer's receive slot and its rkey.
+    raddr: u64,
+    rkey: u32,
+    /// The staged header (inside `local_mr`).
+    header_addr: u64,
+}
+
 /// A caller buffer registered for zero-copy sends.
 #[derive(Debug)]
 struct UserMr {
@@ -1467,6 +1478,70 @@ impl VerbsTransport {
         Ok(())
     }
 
+    /// Claims the next clear-to-send credit to `peer` for a frame that puts `need` bytes into
+    /// the peer's receive slot and takes `wrs` send-queue entries: stages `hdr` in the staging
+    /// slot of that credit and says where the frame goes. `None` while there is no credit or
+    /// no room in the send queue.
+    fn claim(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        need: usize,
+        wrs: u64,
+        op: &str,
+    ) -> Result<Option<Claim>> {
+        let sb = self.opts.slot_bytes();
+        let p = self.peer_mut(peer, op)?;
+        let Some(seq) = p.send.next_credit() else {
+            return Ok(None);
+        };
+        if !p.sq.has_room_for(wrs) {
+            return Ok(None);
+        }
+        let slot = p.send.index(seq);
+        let (raddr, rkey) = if p.send.cts_written_by_peer(seq) {
+            let n = p.send.n as usize;
+            // The ring lives in `remote_mem` after the receive slots and the control slot.
+            let ring = n * sb + CTRL_BYTES + slot * CTS_LEN;
+            // SAFETY: the ring entry lies inside `remote_mem`; its completion was polled, so
+            // the peer's write is complete, and the peer does not rewrite it before this
+            // frame is consumed. A volatile read keeps the compiler from caching it.
+            let e: [u8; CTS_LEN] = unsafe {
+                std::ptr::read_volatile(p.remote_mem.as_ptr().add(ring) as *const [u8; CTS_LEN])
+            };
+            fence(Ordering::Acquire);
+            match Cts::decode(&e) {
+                Some(c) if c.seq == seq && c.size as usize >= need => (c.addr, c.rkey),
+                other => {
+                    let w = format!("clear-to-send entry {seq} reads {other:?}");
+                    return Err(self.protocol_error(peer, w));
+                }
+            }
+        } else {
+            (
+                p.theirs.rx_addr + (slot * p.their_slot_bytes) as u64,
+                p.theirs.rkey,
+            )
+        };
+        let staging = slot * sb;
+        // SAFETY: staging slot `slot` lies inside `local_mem` and is free: CTS `seq` proves
+        // that the frame previously staged there (seq − n) landed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                hdr.encode().as_ptr(),
+                p.local_mem.as_ptr().add(staging),
+                HEADER_LEN,
+            );
+        }
+        Ok(Some(Claim {
+            seq,
+            slot,
+            raddr,
+            rkey,
+            header_addr: p.local_mem.as_ptr() as u64 + staging as u64,
+        }))
+    }
+
     /// The next arrived frame from `peer`, not yet taken: (slot, length, direct?, header).
     fn next_header(
         &mut self,
@@ -1706,49 +1781,12 @@ impl Transport for VerbsTransport {
             None
         };
         let rank = self.rank;
+        let Some(c) = self.claim(peer, hdr, total, 1, OP)? else {
+            return Ok(false);
+        };
+        let (seq, raddr, rkey, base) = (c.seq, c.raddr, c.rkey, c.header_addr);
+        let staging = c.slot * sb;
         let p = self.peer_mut(peer, OP)?;
-        let Some(seq) = p.send.next_credit() else {
-            return Ok(false);
-        };
-        if !p.sq.has_room() {
-            return Ok(false);
-        }
-        let slot = p.send.index(seq);
-        let (raddr, rkey) = if p.send.cts_written_by_peer(seq) {
-            let n = p.send.n as usize;
-            // The ring lives in `remote_mem` after the receive slots and the control slot.
-            let ring = n * sb + CTRL_BYTES + slot * CTS_LEN;
-            // SAFETY: the ring entry lies inside `remote_mem`; its completion was polled, so
-            // the peer's write is complete, and the peer does not rewrite it before this
-            // frame is consumed. A volatile read keeps the compiler from caching it.
-            let e: [u8; CTS_LEN] = unsafe {
-                std::ptr::read_volatile(p.remote_mem.as_ptr().add(ring) as *const [u8; CTS_LEN])
-            };
-            fence(Ordering::Acquire);
-            match Cts::decode(&e) {
-                Some(c) if c.seq == seq && c.size as usize >= total => (c.addr, c.rkey),
-                other => {
-                    let w = format!("clear-to-send entry {seq} reads {other:?}");
-                    return Err(self.protocol_error(peer, w));
-                }
-            }
-        } else {
-            (
-                p.theirs.rx_addr + (slot * p.their_slot_bytes) as u64,
-                p.theirs.rkey,
-            )
-        };
-        let staging = slot * sb;
-        // SAFETY: staging slot `slot` lies inside `local_mem` and is free: CTS `seq` proves
-        // that the frame previously staged there (seq − n) landed.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                hdr.encode().as_ptr(),
-                p.local_mem.as_ptr().add(staging),
-                HEADER_LEN,
-            );
-        }
-        let base = p.local_mem.as_ptr() as u64 + staging as u64;
         let imm = Imm::Data {
             seq: (seq & 0xf) as u8,
             len: total as u32,
@@ -1957,49 +1995,11 @@ impl Transport for VerbsTransport {
         if let Some(e) = self.peer_err(peer, OP) {
             return Err(e);
         }
-        let sb = self.opts.slot_bytes();
+        let Some(c) = self.claim(peer, hdr, HEADER_LEN, 2, OP)? else {
+            return Ok(false);
+        };
+        let (seq, slot, raddr, rkey) = (c.seq, c.slot, c.raddr, c.rkey);
         let p = self.peer_mut(peer, OP)?;
-        let Some(seq) = p.send.next_credit() else {
-            return Ok(false);
-        };
-        if !p.sq.has_room_for(2) {
-            return Ok(false);
-        }
-        let slot = p.send.index(seq);
-        // The header goes where an ordinary frame would (the advertised receive slot);
-        // the CTS entry only matters for that address.
-        let (raddr, rkey) = if p.send.cts_written_by_peer(seq) {
-            let n = p.send.n as usize;
-            let ring = n * sb + CTRL_BYTES + slot * CTS_LEN;
-            // SAFETY: as in `send`: the ring entry lies inside `remote_mem` and its write
-            // completed (its completion was polled).
-            let e: [u8; CTS_LEN] = unsafe {
-                std::ptr::read_volatile(p.remote_mem.as_ptr().add(ring) as *const [u8; CTS_LEN])
-            };
-            fence(Ordering::Acquire);
-            match Cts::decode(&e) {
-                Some(c) if c.seq == seq && c.size as usize >= HEADER_LEN => (c.addr, c.rkey),
-                other => {
-                    let w = format!("clear-to-send entry {seq} reads {other:?}");
-                    return Err(self.protocol_error(peer, w));
-                }
-            }
-        } else {
-            (
-                p.theirs.rx_addr + (slot * p.their_slot_bytes) as u64,
-                p.theirs.rkey,
-            )
-        };
-        let staging = slot * sb;
-        // SAFETY: staging slot `slot` lies inside `local_mem` and is free: CTS `seq` proves
-        // the frame previously staged there landed.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                hdr.encode().as_ptr(),
-                p.local_mem.as_ptr().add(staging),
-                HEADER_LEN,
-            );
-        }
         let mut payload = [ffi::ibv_sge {
             addr: base + offset as u64,
             length: len as u32,
@@ -2024,7 +2024,7 @@ impl Transport for VerbsTransport {
             return Err(p.fail_verb(rank, peer, format!("{} (direct payload)", e.verb), &e));
         }
         let mut head = [ffi::ibv_sge {
-            addr: p.local_mem.as_ptr() as u64 + staging as u64,
+            addr: c.header_addr,
             length: HEADER_LEN as u32,
             lkey: p.local_mr.lkey,
         }];
