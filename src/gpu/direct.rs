@@ -501,19 +501,7 @@ impl StagedDevice for CudaDirectDevice<'_> {
     }
 
     fn copy(&mut self, src: &DevRange, dst: Range<usize>) -> Result<()> {
-        let n = dst.len();
-        if src.bytes.len() != n {
-            return Err(bad("copy", format!("{src:?} into {dst:?}")));
-        }
-        let s = self.bufs.ptr("copy", src.buf, &src.bytes)?;
-        let d = self.bufs.ptr("copy", Buf::Dst, &dst)?;
-        if n == 0 || s == d {
-            return Ok(());
-        }
-        // SAFETY: both ranges lie in borrowed device buffers (checked), ordered on the stream.
-        cu_check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(d, s, n, self.cu_stream())
-        })
+        self.bufs.enqueue_copy(self.stream, src, dst)
     }
 
     fn finalize(
@@ -523,19 +511,8 @@ impl StagedDevice for CudaDirectDevice<'_> {
         op: ReduceOp,
         world: usize,
     ) -> Result<()> {
-        if op != ReduceOp::Avg {
-            return Ok(());
-        }
-        let n = dst.len();
-        if !n.is_multiple_of(dtype.size()) {
-            return Err(bad("finalize", format!("{n} bytes of {dtype}")));
-        }
-        let d = self.bufs.ptr("finalize", Buf::Dst, &dst)?;
-        // SAFETY: `d` covers `n` bytes of the borrowed destination (checked), on this context.
-        unsafe {
-            self.reducer
-                .finalize_raw(self.stream, dtype, d, n / dtype.size(), world)
-        }
+        self.bufs
+            .enqueue_finalize(self.reducer, self.stream, dst, dtype, op, world)
     }
 
     fn mark(&mut self) -> Result<u64> {

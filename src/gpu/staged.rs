@@ -293,19 +293,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
     }
 
     fn copy(&mut self, src: &DevRange, dst: Range<usize>) -> Result<()> {
-        let n = dst.len();
-        if src.bytes.len() != n {
-            return Err(bad("copy", format!("{src:?} into {dst:?}")));
-        }
-        let s = self.dev_ptr("copy", src.buf, &src.bytes)?;
-        let d = self.dev_ptr("copy", Buf::Dst, &dst)?;
-        if n == 0 || s == d {
-            return Ok(());
-        }
-        // SAFETY: both ranges lie in borrowed device buffers (checked), ordered on the stream.
-        cu_check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(d, s, n, self.cu_stream())
-        })
+        self.bufs.enqueue_copy(self.stream, src, dst)
     }
 
     fn finalize(
@@ -315,19 +303,8 @@ impl StagedDevice for CudaStagedDevice<'_> {
         op: ReduceOp,
         world: usize,
     ) -> Result<()> {
-        if op != ReduceOp::Avg {
-            return Ok(());
-        }
-        let n = dst.len();
-        if !n.is_multiple_of(dtype.size()) {
-            return Err(bad("finalize", format!("{n} bytes of {dtype}")));
-        }
-        let d = self.dev_ptr("finalize", Buf::Dst, &dst)?;
-        // SAFETY: `d` covers `n` bytes of the borrowed destination (checked), on this context.
-        unsafe {
-            self.reducer
-                .finalize_raw(self.stream, dtype, d, n / dtype.size(), world)
-        }
+        self.bufs
+            .enqueue_finalize(self.reducer, self.stream, dst, dtype, op, world)
     }
 
     fn mark(&mut self) -> Result<u64> {
@@ -414,6 +391,51 @@ impl<'a> DevBuffers<'a> {
             dst,
             _guards: guards,
         }
+    }
+
+    /// Enqueues the device-to-device copy `src` → `Dst[dst]` on `stream`.
+    pub(crate) fn enqueue_copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &DevRange,
+        dst: Range<usize>,
+    ) -> Result<()> {
+        let n = dst.len();
+        if src.bytes.len() != n {
+            return Err(bad("copy", format!("{src:?} into {dst:?}")));
+        }
+        let s = self.ptr("copy", src.buf, &src.bytes)?;
+        let d = self.ptr("copy", Buf::Dst, &dst)?;
+        if n == 0 || s == d {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in borrowed device buffers (checked), ordered on the stream.
+        cu_check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(d, s, n, stream.cu_stream())
+        })
+    }
+
+    /// Enqueues the final step of `op` (Avg: divide by `world`) on `Dst[dst]`.
+    pub(crate) fn enqueue_finalize(
+        &self,
+        reducer: &GpuReducer,
+        stream: &Arc<CudaStream>,
+        dst: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+        world: usize,
+    ) -> Result<()> {
+        if op != ReduceOp::Avg {
+            return Ok(());
+        }
+        let n = dst.len();
+        if !n.is_multiple_of(dtype.size()) {
+            return Err(bad("finalize", format!("{n} bytes of {dtype}")));
+        }
+        let d = self.ptr("finalize", Buf::Dst, &dst)?;
+        // SAFETY: `d` covers `n` bytes of the borrowed destination (checked), on the reducer's
+        // context.
+        unsafe { reducer.finalize_raw(stream, dtype, d, n / dtype.size(), world) }
     }
 
     /// The device address of `bytes` of `buf`, checked against the buffer's size.
