@@ -43,6 +43,28 @@ pub struct CommInfo {
     pub gpu_direct: Vec<crate::path::GpuDirectCapability>,
 }
 
+/// Which API a call came through (for the operation named in errors).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// The host-memory collectives.
+    Host,
+    /// The `*_device` collectives.
+    Device,
+}
+
+/// The rank a call is aimed at, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// No root or peer.
+    None,
+    /// The root of a broadcast or reduce.
+    Root(usize),
+    /// The peer of a send.
+    SendTo(usize),
+    /// The peer of a receive.
+    RecvFrom(usize),
+}
+
 /// What init learned besides the transport, for [`CommInfo`].
 struct Facts {
     hosts: Vec<String>,
@@ -93,7 +115,7 @@ pub struct Communicator {
     pub(crate) policy: Mutex<PathPolicy>,
     /// The GPU memory registered with the NIC as this rank's direct region; declared after
     /// the engine so that the transport (and its registration) is dropped first.
-    pub(crate) region: Option<crate::comm_device::GpuRegion>,
+    pub(crate) region: Option<crate::gpu::direct::DirectRegion>,
 }
 
 impl fmt::Debug for Communicator {
@@ -299,22 +321,96 @@ impl Communicator {
         self.engine.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn invalid(&self, op: Collective, what: String) -> Error {
-        Error::invalid(Some(self.rank), op.name(), what)
-    }
-
-    fn check_rank(&self, op: Collective, what: &str, r: usize) -> Result<()> {
-        if r >= self.world {
-            return Err(self.invalid(
-                op,
-                format!("{what} {r} is not a rank (world size {})", self.world),
-            ));
+    /// Checks the buffers of a call of `coll` — `send` and `recv` elements (an in-place
+    /// buffer counts as both; a send has no `recv`, a receive no `send`) and its root or
+    /// peer —
+    /// and builds the call. The host and device APIs share it, so they accept and refuse
+    /// exactly the same calls.
+    pub(crate) fn shape(
+        &self,
+        api: Api,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        send: usize,
+        recv: usize,
+        target: Target,
+    ) -> Result<Call> {
+        let (root, is_send) = match target {
+            Target::None => (0, false),
+            Target::Root(r) | Target::RecvFrom(r) => (r, false),
+            Target::SendTo(r) => (r, true),
+        };
+        let n = self.world;
+        let invalid = |what: String| {
+            let name = match api {
+                Api::Host => coll.name().to_string(),
+                Api::Device => format!("{}_device", coll.name()),
+            };
+            Error::invalid(Some(self.rank), name, what)
+        };
+        let count = match coll {
+            Collective::AllGather => {
+                if recv != send.saturating_mul(n) {
+                    return Err(invalid(format!(
+                        "recv has {recv} elements, expected send ({send}) × world ({n}) = {}",
+                        send.saturating_mul(n)
+                    )));
+                }
+                send
+            }
+            Collective::ReduceScatter => {
+                if send != recv.saturating_mul(n) {
+                    return Err(invalid(format!(
+                        "send has {send} elements, expected recv ({recv}) × world ({n}) = {}",
+                        recv.saturating_mul(n)
+                    )));
+                }
+                recv
+            }
+            Collective::AllToAll => {
+                if send != recv || !send.is_multiple_of(n) {
+                    return Err(invalid(format!(
+                        "send ({send}) and recv ({recv}) must have the same length, a multiple \
+                         of the world size ({n})"
+                    )));
+                }
+                send / n
+            }
+            Collective::SendRecv if is_send => send,
+            Collective::Barrier => 0,
+            _ => recv,
+        };
+        let (what, rooted) = match coll {
+            Collective::SendRecv => ("peer", true),
+            c => ("root", c.rooted()),
+        };
+        if rooted && root >= n {
+            return Err(invalid(format!(
+                "{what} {root} is not a rank (world size {n})"
+            )));
         }
-        Ok(())
+        if coll == Collective::SendRecv && root == self.rank {
+            return Err(invalid(if is_send {
+                "cannot send to this rank itself".into()
+            } else {
+                "cannot receive from this rank itself".into()
+            }));
+        }
+        Ok(Call::new(
+            coll,
+            op,
+            count,
+            if rooted { root } else { 0 },
+            is_send,
+        ))
     }
 
-    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`).
+    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`). An empty call
+    /// (other than a barrier) moves nothing and only reports an earlier failure.
     fn run<T: Element>(&self, call: Call, src: &[T], dst: &mut [T]) -> Result<()> {
+        if call.count == 0 && call.coll != Collective::Barrier {
+            return self.poisoned().map_or(Ok(()), Err);
+        }
         let call = Call {
             dtype: T::DATA_TYPE,
             ..call
@@ -343,9 +439,6 @@ impl Communicator {
     ) -> Result<()> {
         if call.count == 0 && call.coll != Collective::Barrier {
             return self.poisoned().map_or(Ok(()), Err);
-        }
-        if call.coll.rooted() || call.coll == Collective::SendRecv {
-            self.check_rank(call.coll, "root/peer", call.root)?;
         }
         let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
         let _g = span.enter();
@@ -400,14 +493,16 @@ impl Communicator {
     /// # Errors
     /// See [`Communicator`]: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, transport errors.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        if buf.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::AllReduce, Some(op), buf.len(), 0, false),
-            &[],
-            buf,
-        )
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::AllReduce,
+            Some(op),
+            n,
+            n,
+            Target::None,
+        )?;
+        self.run(call, &[], buf)
     }
 
     /// Gathers every rank's `send` into `recv` in rank order (`recv.len() == send.len() ×
@@ -416,26 +511,9 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        if recv.len() != send.len().saturating_mul(self.world) {
-            return Err(self.invalid(
-                Collective::AllGather,
-                format!(
-                    "recv has {} elements, expected send ({}) × world ({}) = {}",
-                    recv.len(),
-                    send.len(),
-                    self.world,
-                    send.len() * self.world
-                ),
-            ));
-        }
-        if send.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::AllGather, None, send.len(), 0, false),
-            send,
-            recv,
-        )
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Host, Collective::AllGather, None, s, r, Target::None)?;
+        self.run(call, send, recv)
     }
 
     /// Reduces `send` (world blocks of `recv.len()`) over all ranks; rank r receives block r
@@ -449,26 +527,16 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        if send.len() != recv.len().saturating_mul(self.world) {
-            return Err(self.invalid(
-                Collective::ReduceScatter,
-                format!(
-                    "send has {} elements, expected recv ({}) × world ({}) = {}",
-                    send.len(),
-                    recv.len(),
-                    self.world,
-                    recv.len() * self.world
-                ),
-            ));
-        }
-        if recv.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::ReduceScatter, Some(op), recv.len(), 0, false),
-            send,
-            recv,
-        )
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(
+            Api::Host,
+            Collective::ReduceScatter,
+            Some(op),
+            s,
+            r,
+            Target::None,
+        )?;
+        self.run(call, send, recv)
     }
 
     /// Block j of `send` goes to rank j; block j of `recv` comes from rank j (both have world
@@ -477,32 +545,9 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        if send.len() != recv.len() || !send.len().is_multiple_of(self.world) {
-            return Err(self.invalid(
-                Collective::AllToAll,
-                format!(
-                    "send ({}) and recv ({}) must have the same length, a multiple of the \
-                     world size ({})",
-                    send.len(),
-                    recv.len(),
-                    self.world
-                ),
-            ));
-        }
-        if send.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(
-                Collective::AllToAll,
-                None,
-                send.len() / self.world,
-                0,
-                false,
-            ),
-            send,
-            recv,
-        )
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Host, Collective::AllToAll, None, s, r, Target::None)?;
+        self.run(call, send, recv)
     }
 
     /// Copies `root`'s `buf` into every other rank's `buf`.
@@ -510,15 +555,16 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.check_rank(Collective::Broadcast, "root", root)?;
-        if buf.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::Broadcast, None, buf.len(), root, false),
-            &[],
-            buf,
-        )
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::Broadcast,
+            None,
+            n,
+            n,
+            Target::Root(root),
+        )?;
+        self.run(call, &[], buf)
     }
 
     /// Reduces `buf` over all ranks into `root`'s `buf`. Other ranks' buffers are unspecified
@@ -527,15 +573,16 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.check_rank(Collective::Reduce, "root", root)?;
-        if buf.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::Reduce, Some(op), buf.len(), root, false),
-            &[],
-            buf,
-        )
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::Reduce,
+            Some(op),
+            n,
+            n,
+            Target::Root(root),
+        )?;
+        self.run(call, &[], buf)
     }
 
     /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length.
@@ -545,21 +592,15 @@ impl Communicator {
     /// `InvalidArgument` when `peer` is not another rank; otherwise as
     /// [`Communicator::all_reduce`].
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.check_rank(Collective::SendRecv, "peer", peer)?;
-        if peer == self.rank {
-            return Err(self.invalid(
-                Collective::SendRecv,
-                "cannot send to this rank itself".into(),
-            ));
-        }
-        if buf.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run(
-            Call::new(Collective::SendRecv, None, buf.len(), peer, true),
-            buf,
-            &mut [],
-        )
+        let call = self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            buf.len(),
+            0,
+            Target::SendTo(peer),
+        )?;
+        self.run(call, buf, &mut [])
     }
 
     /// Receives `buf.len()` elements from `peer`.
@@ -568,21 +609,15 @@ impl Communicator {
     /// `InvalidArgument` when `peer` is not another rank; `Mismatch` when the sender sent
     /// another length or type; otherwise as [`Communicator::all_reduce`].
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.check_rank(Collective::SendRecv, "peer", peer)?;
-        if peer == self.rank {
-            return Err(self.invalid(
-                Collective::SendRecv,
-                "cannot receive from this rank itself".into(),
-            ));
-        }
-        if buf.is_empty() {
-            return self.poisoned().map_or(Ok(()), Err);
-        }
-        self.run::<T>(
-            Call::new(Collective::SendRecv, None, buf.len(), peer, false),
-            &[],
-            buf,
-        )
+        let call = self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            0,
+            buf.len(),
+            Target::RecvFrom(peer),
+        )?;
+        self.run::<T>(call, &[], buf)
     }
 
     /// Returns once every rank has entered the barrier.

@@ -27,8 +27,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::comm::Communicator;
-use crate::config::{Config, TransportChoice};
+use crate::comm::{Api, Communicator, Target};
+use crate::config::Config;
 use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::gpu::device::GpuReducer;
@@ -46,18 +46,15 @@ const STAGE_SLOTS: usize = 4;
 /// Send slots of the direct region.
 pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
 
-/// GPU memory registered with the NIC as this rank's direct region (kept by the
-/// communicator for as long as its transport lives).
-#[derive(Debug)]
-pub(crate) struct GpuRegion {
-    region: DirectRegion,
-}
-
-/// What this rank brings to the verbs transport as its direct region: the host-memory
-/// emulation when asked for (tests), nothing when device memory is to be staged anyway,
-/// otherwise GPU memory of the configured device with its registration candidates, or why
-/// there is none.
-pub(crate) fn direct_spec(config: &Config, opts: &VerbsOptions) -> (DirectSpec, Option<GpuRegion>) {
+/// What this rank brings to the verbs transport as its direct region (called by the verbs
+/// transport once it found a usable port): the host-memory emulation when asked for (tests),
+/// nothing when device memory is to be staged anyway, otherwise GPU memory of the configured
+/// device with its registration candidates — the region, which the communicator keeps for as
+/// long as its transport lives — or why there is none.
+pub(crate) fn direct_spec(
+    config: &Config,
+    opts: &VerbsOptions,
+) -> (DirectSpec, Option<DirectRegion>) {
     if config.emulate_gpu_direct {
         return (
             DirectSpec::HostEmulated {
@@ -72,14 +69,14 @@ pub(crate) fn direct_spec(config: &Config, opts: &VerbsOptions) -> (DirectSpec, 
             None,
         );
     }
-    if config.transport == TransportChoice::Tcp || config.world_size < 2 {
+    if config.world_size < 2 {
         return (DirectSpec::None, None);
     }
     match gpu_region(config, opts) {
         Ok(g) => {
-            let (candidates, reasons) = g.region.registration_candidates();
+            let (candidates, reasons) = g.registration_candidates();
             let spec = DirectSpec::Device {
-                addr: g.region.ptr(),
+                addr: g.ptr(),
                 send_slots: DIRECT_SEND_SLOTS,
                 candidates,
                 reasons,
@@ -92,7 +89,7 @@ pub(crate) fn direct_spec(config: &Config, opts: &VerbsOptions) -> (DirectSpec, 
 
 /// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
 /// GPUs), sized for the verbs transport's slots.
-fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<GpuRegion, String> {
+fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<DirectRegion, String> {
     if !crate::gpu::probe::libcuda_present() {
         return Err("no CUDA driver (libcuda.so.1 not found)".into());
     }
@@ -109,9 +106,8 @@ fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<GpuRe
     let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
     let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
     let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
-    let region = DirectRegion::new(&ctx, layout)
-        .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))?;
-    Ok(GpuRegion { region })
+    DirectRegion::new(&ctx, layout)
+        .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
 }
 
 /// Per-communicator CUDA state: the reduction kernels, loaded once per GPU.
@@ -253,15 +249,15 @@ impl Communicator {
             dtype: T::DATA_TYPE,
             ..call
         };
-        let plan = self.data_paths(BufferLocation::Device)?;
-        let direct = !plan.connections.is_empty()
-            && plan
-                .connections
-                .iter()
-                .all(|c| c.send.memory.is_gpu_direct());
+        let direct = self.world_size() > 1
+            && path::uses_gpu_direct(
+                self.data_path(),
+                self.info().transport,
+                &self.info().gpu_direct,
+            );
         if direct {
-            // Every rank announced a registered region at init (that is what the plan says),
-            // so every rank takes this branch for this call.
+            // Every rank announced a registered region at init and decides from the same
+            // facts, so every rank takes this branch for this call.
             let Some(g) = self.region.as_ref() else {
                 return Err(Error::invalid(
                     Some(self.rank()),
@@ -269,14 +265,8 @@ impl Communicator {
                     "GPUDirect RDMA was agreed but this rank has no direct region",
                 ));
             };
-            let mut dev = CudaDirectDevice::new::<T, S, D>(
-                &reducer,
-                stream,
-                src,
-                dst,
-                &g.region,
-                DIRECT_SEND_SLOTS,
-            )?;
+            let mut dev =
+                CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?;
             return self.run_staged(call, &mut dev);
         }
         let slot = self.info().segment_bytes;
@@ -294,10 +284,6 @@ impl Communicator {
         self.run_staged(call, &mut dev)
     }
 
-    fn dev_invalid(&self, coll: Collective, what: String) -> Error {
-        Error::invalid(Some(self.rank()), format!("{}_device", coll.name()), what)
-    }
-
     /// [`Communicator::all_reduce`] on device memory, ordered on `stream`.
     ///
     /// # Errors
@@ -308,7 +294,15 @@ impl Communicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let call = Call::new(Collective::AllReduce, Some(op), buf.len(), 0, false);
+        let n = buf.len();
+        let call = self.shape(
+            Api::Device,
+            Collective::AllReduce,
+            Some(op),
+            n,
+            n,
+            Target::None,
+        )?;
         self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
     }
 
@@ -322,18 +316,8 @@ impl Communicator {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        if recv.len() != send.len() * self.world_size() {
-            return Err(self.dev_invalid(
-                Collective::AllGather,
-                format!(
-                    "recv has {} elements, expected {} × {}",
-                    recv.len(),
-                    send.len(),
-                    self.world_size()
-                ),
-            ));
-        }
-        let call = Call::new(Collective::AllGather, None, send.len(), 0, false);
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Device, Collective::AllGather, None, s, r, Target::None)?;
         self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
     }
 
@@ -348,18 +332,15 @@ impl Communicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        if send.len() != recv.len() * self.world_size() {
-            return Err(self.dev_invalid(
-                Collective::ReduceScatter,
-                format!(
-                    "send has {} elements, expected {} × {}",
-                    send.len(),
-                    recv.len(),
-                    self.world_size()
-                ),
-            ));
-        }
-        let call = Call::new(Collective::ReduceScatter, Some(op), recv.len(), 0, false);
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(
+            Api::Device,
+            Collective::ReduceScatter,
+            Some(op),
+            s,
+            r,
+            Target::None,
+        )?;
         self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
     }
 
@@ -373,18 +354,8 @@ impl Communicator {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let n = self.world_size();
-        if send.len() != recv.len() || !send.len().is_multiple_of(n) {
-            return Err(self.dev_invalid(
-                Collective::AllToAll,
-                format!(
-                    "send ({}) and recv ({}) must be equal multiples of {n}",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
-        let call = Call::new(Collective::AllToAll, None, send.len() / n, 0, false);
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Device, Collective::AllToAll, None, s, r, Target::None)?;
         self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
     }
 
@@ -399,7 +370,15 @@ impl Communicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let call = Call::new(Collective::Broadcast, None, buf.len(), root, false);
+        let n = buf.len();
+        let call = self.shape(
+            Api::Device,
+            Collective::Broadcast,
+            None,
+            n,
+            n,
+            Target::Root(root),
+        )?;
         self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
     }
 
@@ -415,7 +394,15 @@ impl Communicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let call = Call::new(Collective::Reduce, Some(op), buf.len(), root, false);
+        let n = buf.len();
+        let call = self.shape(
+            Api::Device,
+            Collective::Reduce,
+            Some(op),
+            n,
+            n,
+            Target::Root(root),
+        )?;
         self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
     }
 
@@ -430,13 +417,15 @@ impl Communicator {
         peer: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        if peer == self.rank() {
-            return Err(self.dev_invalid(
-                Collective::SendRecv,
-                "cannot send to this rank itself".into(),
-            ));
-        }
-        let call = Call::new(Collective::SendRecv, None, buf.len(), peer, true);
+        let n = buf.len();
+        let call = self.shape(
+            Api::Device,
+            Collective::SendRecv,
+            None,
+            n,
+            0,
+            Target::SendTo(peer),
+        )?;
         self.device_call::<T, _, CudaSlice<T>>(call, stream, Some(buf), None)
     }
 
@@ -451,13 +440,15 @@ impl Communicator {
         peer: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        if peer == self.rank() {
-            return Err(self.dev_invalid(
-                Collective::SendRecv,
-                "cannot receive from this rank itself".into(),
-            ));
-        }
-        let call = Call::new(Collective::SendRecv, None, buf.len(), peer, false);
+        let n = buf.len();
+        let call = self.shape(
+            Api::Device,
+            Collective::SendRecv,
+            None,
+            0,
+            n,
+            Target::RecvFrom(peer),
+        )?;
         self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
     }
 }

@@ -333,6 +333,20 @@ fn symmetric(peer: usize, path: DataPath) -> ConnectionPath {
     }
 }
 
+/// Whether device payloads move with GPUDirect RDMA under `policy`: over verbs, unless staging
+/// was asked for, when every rank can (the job-wide rule of [`decide`], without building its
+/// report — cheap enough for every call).
+pub fn uses_gpu_direct(
+    policy: PathPolicy,
+    transport: TransportKind,
+    capabilities: &[GpuDirectCapability],
+) -> bool {
+    transport == TransportKind::Verbs
+        && policy != PathPolicy::HostStaged
+        && !capabilities.is_empty()
+        && capabilities.iter().all(|c| c.memory_path().is_some())
+}
+
 /// Decides the data path of every connection of `inputs.rank` (pure).
 ///
 /// - Host buffers: `host` memory on every transport, whatever the policy.
@@ -419,8 +433,9 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
                     _ => None,
                 })
                 .collect();
-            let connections: Vec<ConnectionPath> = match (mine.memory_path(), lacking.is_empty()) {
-                (Some(m), true) => peers
+            let everywhere = uses_gpu_direct(policy, transport, capabilities);
+            let connections: Vec<ConnectionPath> = match mine.memory_path() {
+                Some(m) if everywhere => peers
                     .iter()
                     .map(|&q| {
                         symmetric(
@@ -795,6 +810,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn gpu_direct_is_used_only_over_verbs_when_every_rank_can_and_staging_was_not_asked() {
+        use GpuDirectCapability as C;
+        let all = [C::DmaBuf, C::PeerMem, C::DmaBuf];
+        let one_short = [C::DmaBuf, C::Unavailable("x".into()), C::DmaBuf];
+        let v = TransportKind::Verbs;
+        assert!(uses_gpu_direct(PathPolicy::Auto, v, &all));
+        assert!(uses_gpu_direct(PathPolicy::GpuDirect, v, &all));
+        assert!(!uses_gpu_direct(PathPolicy::HostStaged, v, &all));
+        assert!(!uses_gpu_direct(PathPolicy::Auto, TransportKind::Tcp, &all));
+        assert!(!uses_gpu_direct(PathPolicy::Auto, v, &one_short));
+        assert!(!uses_gpu_direct(PathPolicy::Auto, v, &[]));
     }
 
     #[test]

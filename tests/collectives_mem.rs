@@ -373,3 +373,60 @@ fn ranks_forced_to_different_algorithms_get_mismatch_not_wrong_data() {
     });
     expect_mismatch_everywhere(&res, "recursive_doubling");
 }
+
+#[test]
+fn every_argument_rule_is_checked_before_anything_moves() {
+    let fabric = MemFabric::new(3, 1);
+    let cfg = config(Duration::from_secs(5), 1024);
+    let res = run_ranks(&fabric, 3, &cfg, |c| {
+        let me = c.rank();
+        let other = (me + 1) % 3;
+        let bad: Vec<(&str, Error)> = vec![
+            (
+                "recv has 5",
+                c.all_gather(&[1u8; 2], &mut [0u8; 5]).unwrap_err(),
+            ),
+            (
+                "send has 7",
+                c.reduce_scatter(&[1u8; 7], &mut [0u8; 2], ReduceOp::Sum)
+                    .unwrap_err(),
+            ),
+            (
+                "multiple of the world size (3)",
+                c.all_to_all(&[1u8; 4], &mut [0u8; 4]).unwrap_err(),
+            ),
+            (
+                "same length",
+                c.all_to_all(&[1u8; 3], &mut [0u8; 6]).unwrap_err(),
+            ),
+            (
+                "root 3 is not a rank",
+                c.broadcast(&mut [0u8; 3], 3).unwrap_err(),
+            ),
+            (
+                "root 7 is not a rank",
+                c.reduce(&mut [0u8; 3], ReduceOp::Max, 7).unwrap_err(),
+            ),
+            ("peer 3 is not a rank", c.send(&[1u8; 3], 3).unwrap_err()),
+            (
+                "cannot send to this rank",
+                c.send(&[1u8; 3], me).unwrap_err(),
+            ),
+            (
+                "cannot receive from this rank",
+                c.recv(&mut [0u8; 3], me).unwrap_err(),
+            ),
+        ];
+        for (want, e) in bad {
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{want}: {e}");
+            assert!(e.to_string().contains(want), "{want}: {e}");
+        }
+        // Empty calls are valid and move nothing; the world still works afterwards.
+        c.all_gather::<u8>(&[], &mut []).unwrap();
+        c.send::<u8>(&[], other).unwrap();
+        let mut v = [me as u32 + 1; 3];
+        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [6; 3]);
+    });
+    assert_eq!(res.len(), 3);
+}

@@ -680,13 +680,23 @@ impl Engine {
             return Ok(());
         }
         let esz = desc.dtype.size();
+        self.with_scratch(prog, |eng, s, start, deadline| {
+            eng.drive(prog, desc, full_op, op, src, dst, esz, start, deadline, s)
+        })
+    }
+
+    /// Runs `drive` with the reusable scratch state prepared for `prog` and the call's start
+    /// and deadline (shared by the host and device drive loops).
+    fn with_scratch(
+        &mut self,
+        prog: &Program,
+        drive: impl FnOnce(&mut Self, &mut Scratch, Instant, Instant) -> Result<()>,
+    ) -> Result<()> {
         let start = Instant::now();
         let deadline = crate::config::deadline(start, self.opts.timeout);
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
-        let res = self.drive(
-            prog, desc, full_op, op, src, dst, esz, start, deadline, &mut s,
-        );
+        let res = drive(self, &mut s, start, deadline);
         self.scratch = s;
         res
     }

@@ -199,13 +199,9 @@ impl Engine {
         full_op: ReduceOp,
         dev: &mut dyn StagedDevice,
     ) -> Result<()> {
-        let start = Instant::now();
-        let deadline = crate::config::deadline(start, self.opts.timeout);
-        let mut s = std::mem::take(&mut self.scratch);
-        s.prepare(self.world, prog);
-        let res = self.drive_staged(prog, desc, full_op, dev, start, deadline, &mut s);
-        self.scratch = s;
-        res
+        self.with_scratch(prog, |eng, s, start, deadline| {
+            eng.drive_staged(prog, desc, full_op, dev, start, deadline, s)
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -157,12 +157,13 @@ impl MemFabric {
 
     /// The transport endpoint of `rank`.
     pub fn transport(&self, rank: usize) -> MemTransport {
+        let world = self.lock().world;
         MemTransport {
             rank,
             fabric: self.clone(),
-            rx: Vec::new(),
+            rx: (0..world).map(|_| None).collect(),
             done_abort: false,
-            taken: Vec::new(),
+            taken: vec![0; world],
         }
     }
 
@@ -351,10 +352,6 @@ impl Transport for MemTransport {
         progress: &mut RecvProgress,
         sink: &mut dyn RecvSink,
     ) -> Result<bool> {
-        if self.rx.is_empty() {
-            let world = self.fabric.lock().world;
-            self.rx = (0..world).map(|_| None).collect();
-        }
         if progress.header.is_none() {
             let Some(frame) = self.pop_frame(peer)? else {
                 return Ok(false);
@@ -494,9 +491,6 @@ impl Transport for MemTransport {
         let expected = sink.on_header(&frame.hdr)?;
         let landed = match frame.landed {
             Some(offset) => {
-                if self.taken.is_empty() {
-                    self.taken = vec![0; self.fabric.lock().world];
-                }
                 self.taken[peer] += 1;
                 Landed {
                     offset,
@@ -527,7 +521,7 @@ impl Transport for MemTransport {
         let mut st = fabric.lock();
         let link = peer * st.world + self.rank;
         let taken = self.taken.get(peer).copied().unwrap_or(0);
-        if st.direct_released[link] >= taken {
+        if st.direct_released.get(link).is_none_or(|&r| r >= taken) {
             return Err(Error::invalid(
                 Some(self.rank),
                 "release_direct",

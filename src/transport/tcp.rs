@@ -271,6 +271,28 @@ impl TcpTransport {
         }
     }
 
+    /// What one read attempt from `peer` means for a receive: `Ok(true)` bytes arrived (go
+    /// on), `Ok(false)` nothing to read now; an end of stream (`eof` says what it interrupted)
+    /// or a read error marks the peer lost and becomes the error.
+    fn after_fill(
+        &mut self,
+        peer: usize,
+        res: io::Result<Fill>,
+        eof: &str,
+        op: &str,
+    ) -> Result<bool> {
+        let d = match res {
+            Ok(Fill::Data) => return Ok(true),
+            Ok(Fill::WouldBlock) => return Ok(false),
+            Ok(Fill::Eof) => eof.to_string(),
+            Err(e) => lost_detail(&e),
+        };
+        if let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) {
+            p.state = PeerState::Lost(d.clone());
+        }
+        Err(self.lost(peer, op, d))
+    }
+
     fn lost(&self, peer: usize, op: &str, detail: impl Into<String>) -> Error {
         Error::PeerLost {
             rank: self.rank,
@@ -477,24 +499,16 @@ impl Transport for TcpTransport {
                     if p.state == PeerState::Closed {
                         return Err(self.lost(peer, OP, "peer closed its communicator"));
                     }
-                    match p.fill() {
-                        Ok(Fill::Data) => continue,
-                        Ok(Fill::WouldBlock) => return Ok(false),
-                        Ok(Fill::Eof) => {
-                            let d = if p.buffered() > 0 {
-                                "connection closed in the middle of a frame header"
-                            } else {
-                                "connection closed (process died or closed its communicator)"
-                            };
-                            p.state = PeerState::Lost(d.into());
-                            return Err(self.lost(peer, OP, d));
-                        }
-                        Err(e) => {
-                            let d = lost_detail(&e);
-                            p.state = PeerState::Lost(d.clone());
-                            return Err(self.lost(peer, OP, d));
-                        }
+                    let eof = if p.buffered() > 0 {
+                        "connection closed in the middle of a frame header"
+                    } else {
+                        "connection closed (process died or closed its communicator)"
+                    };
+                    let res = p.fill();
+                    if self.after_fill(peer, res, eof, OP)? {
+                        continue;
                     }
+                    return Ok(false);
                 };
                 let hdr = FrameHeader::decode(b).map_err(|what| Error::Transport {
                     rank: Some(rank),
@@ -579,19 +593,8 @@ impl Transport for TcpTransport {
             } else {
                 p.fill()
             };
-            match res {
-                Ok(Fill::Data) => continue,
-                Ok(Fill::WouldBlock) => return Ok(false),
-                Ok(Fill::Eof) => {
-                    let d = "connection closed in the middle of a frame";
-                    p.state = PeerState::Lost(d.into());
-                    return Err(self.lost(peer, OP, d));
-                }
-                Err(e) => {
-                    let d = lost_detail(&e);
-                    p.state = PeerState::Lost(d.clone());
-                    return Err(self.lost(peer, OP, d));
-                }
+            if !self.after_fill(peer, res, "connection closed in the middle of a frame", OP)? {
+                return Ok(false);
             }
         }
     }

@@ -866,8 +866,8 @@ struct Peer {
     /// Direct frames taken but not released (frame indices, oldest first).
     held: VecDeque<u64>,
     /// Where this rank's direct payloads land at the peer: (address of landing slot 0 for
-    /// this rank, rkey, bytes per slot, mechanism).
-    their_landing: Option<(u64, u32, usize, DirectKind)>,
+    /// this rank, rkey, bytes per slot).
+    their_landing: Option<(u64, u32, usize)>,
     state: PeerState,
     /// Bye/abort written by this rank (send-queue index of the write).
     farewell: Option<u64>,
@@ -923,8 +923,6 @@ pub struct VerbsTransport {
     finished: bool,
     /// Frames sent straight from registered caller memory.
     zero_copy_frames: u64,
-    /// Direct frames sent (payload from the direct region into a peer's landing slot).
-    direct_frames: u64,
 }
 
 impl std::fmt::Debug for VerbsTransport {
@@ -1006,7 +1004,7 @@ impl VerbsTransport {
                     == (*kind == DirectKind::HostEmulated) =>
                 {
                     let sb = *slot_bytes as usize;
-                    Some((addr + (rank * n * sb) as u64, *rkey, sb, *kind))
+                    Some((addr + (rank * n * sb) as u64, *rkey, sb))
                 }
                 _ => None,
             };
@@ -1087,18 +1085,12 @@ impl VerbsTransport {
             next_mr_id: 1,
             finished: false,
             zero_copy_frames: 0,
-            direct_frames: 0,
         }
     }
 
     /// Every rank's direct region information, as exchanged at init (indexed by rank).
     pub fn direct_infos(&self) -> &[DirectInfo] {
         &self.direct_infos
-    }
-
-    /// Direct frames sent so far.
-    pub fn direct_frames(&self) -> u64 {
-        self.direct_frames
     }
 
     /// The options in use.
@@ -1478,6 +1470,19 @@ impl VerbsTransport {
         Ok(())
     }
 
+    /// Whether the send-queue entry `token − 1` to `peer` (a signalled write) has completed,
+    /// polling completions if it has not yet.
+    fn retired(&mut self, peer: usize, token: u64, op: &str) -> Result<bool> {
+        if self.peer_ref(peer, op)?.sq.retired >= token {
+            return Ok(true);
+        }
+        self.progress()?;
+        if let Some(e) = self.peer_err(peer, op) {
+            return Err(e);
+        }
+        Ok(self.peer_ref(peer, op)?.sq.retired >= token)
+    }
+
     /// Claims the next clear-to-send credit to `peer` for a frame that puts `need` bytes into
     /// the peer's receive slot and takes `wrs` send-queue entries: stages `hdr` in the staging
     /// slot of that credit and says where the frame goes. `None` while there is no credit or
@@ -1491,6 +1496,16 @@ impl VerbsTransport {
         op: &str,
     ) -> Result<Option<Claim>> {
         let sb = self.opts.slot_bytes();
+        {
+            let p = self.peer_ref(peer, op)?;
+            if p.send.next_credit().is_none() || !p.sq.has_room_for(wrs) {
+                // Completions may have brought a clear-to-send or retired the queue.
+                self.progress()?;
+            }
+        }
+        if let Some(e) = self.peer_err(peer, op) {
+            return Err(e);
+        }
         let p = self.peer_mut(peer, op)?;
         let Some(seq) = p.send.next_credit() else {
             return Ok(None);
@@ -1741,17 +1756,12 @@ impl Transport for VerbsTransport {
         let total = HEADER_LEN + data.len();
         if progress.token != 0 {
             // A zero-copy write is in flight: done once its signalled completion retired it.
-            self.progress()?;
-            let p = self.peer_ref(peer, OP)?;
-            if p.sq.retired >= progress.token {
-                progress.written = total;
-                progress.token = 0;
-                return Ok(true);
+            if !self.retired(peer, progress.token, OP)? {
+                return Ok(false);
             }
-            if let Some(e) = self.peer_err(peer, OP) {
-                return Err(e);
-            }
-            return Ok(false);
+            progress.written = total;
+            progress.token = 0;
+            return Ok(true);
         }
         let sb = self.opts.slot_bytes();
         {
@@ -1768,12 +1778,6 @@ impl Transport for VerbsTransport {
                     ),
                 });
             }
-            if p.send.next_credit().is_none() || !p.sq.has_room() {
-                self.progress()?;
-            }
-        }
-        if let Some(e) = self.peer_err(peer, OP) {
-            return Err(e);
         }
         let zc_lkey = if data.len() >= self.opts.zero_copy_min {
             self.lookup_mr(data)
@@ -1968,7 +1972,7 @@ impl Transport for VerbsTransport {
                 "no direct region at this rank",
             ));
         };
-        let Some((landing, lrkey, their_sb, _)) = self.peer_ref(peer, OP)?.their_landing else {
+        let Some((landing, lrkey, their_sb)) = self.peer_ref(peer, OP)?.their_landing else {
             return Err(Error::invalid(
                 Some(rank),
                 OP,
@@ -1985,15 +1989,6 @@ impl Transport for VerbsTransport {
                     layout.len()
                 ),
             ));
-        }
-        {
-            let p = self.peer_ref(peer, OP)?;
-            if p.send.next_credit().is_none() || !p.sq.has_room_for(2) {
-                self.progress()?;
-            }
-        }
-        if let Some(e) = self.peer_err(peer, OP) {
-            return Err(e);
         }
         let Some(c) = self.claim(peer, hdr, HEADER_LEN, 2, OP)? else {
             return Ok(false);
@@ -2050,22 +2045,13 @@ impl Transport for VerbsTransport {
             return Err(p.fail_verb(rank, peer, format!("{} (direct frame)", e.verb), &e));
         }
         p.send.sent += 1;
-        self.direct_frames += 1;
         progress.written = HEADER_LEN + len;
         progress.token = idx + 1;
         Ok(true)
     }
 
     fn direct_send_done(&mut self, peer: usize, token: u64) -> Result<bool> {
-        const OP: &str = "send (direct)";
-        if self.peer_ref(peer, OP)?.sq.retired >= token {
-            return Ok(true);
-        }
-        self.progress()?;
-        if let Some(e) = self.peer_err(peer, OP) {
-            return Err(e);
-        }
-        Ok(self.peer_ref(peer, OP)?.sq.retired >= token)
+        self.retired(peer, token, "send (direct)")
     }
 
     fn recv_direct(
