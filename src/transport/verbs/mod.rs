@@ -295,6 +295,9 @@ const CTRL_BYTES: usize = 4096;
 const POLL_BATCH: usize = 32;
 /// How long `abort` and `close` wait for their frames to be acknowledged.
 const FAREWELL: Duration = Duration::from_millis(200);
+/// How long a write posted before a peer's goodbye may still wait for its completion (the
+/// peer acknowledged it before saying goodbye, so this is polling order, not the network).
+const CLOSED_GRACE: Duration = Duration::from_secs(2);
 
 /// Settings of the verbs transport (see the module docs for the environment variables).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -820,8 +823,9 @@ impl Prepared {
 #[derive(Debug, Clone)]
 enum PeerState {
     Open,
-    /// The peer said goodbye.
-    Closed,
+    /// The peer said goodbye (when it arrived: writes posted before it may still be
+    /// waiting for their acknowledgement, see [`CLOSED_GRACE`]).
+    Closed(Instant),
     /// The connection failed, or the peer aborted: the error every later use returns.
     Failed(Error),
 }
@@ -1176,7 +1180,7 @@ impl VerbsTransport {
                 format!("no connection to rank {peer}"),
             )),
             Some(PeerState::Open) => None,
-            Some(PeerState::Closed) => Some(Error::PeerLost {
+            Some(PeerState::Closed(_)) => Some(Error::PeerLost {
                 rank: self.rank,
                 peer,
                 op: op.into(),
@@ -1383,7 +1387,7 @@ impl VerbsTransport {
                     Err(w) => return Err(self.protocol_error(peer, w)),
                 };
                 match hdr.kind {
-                    FrameKind::Bye => p.state = PeerState::Closed,
+                    FrameKind::Bye => p.state = PeerState::Closed(Instant::now()),
                     FrameKind::Abort => {
                         let end = (HEADER_LEN + hdr.len as usize).min(len);
                         let msg = String::from_utf8_lossy(&frame[HEADER_LEN..end]).into_owned();
@@ -1472,15 +1476,39 @@ impl VerbsTransport {
 
     /// Whether the send-queue entry `token − 1` to `peer` (a signalled write) has completed,
     /// polling completions if it has not yet.
+    ///
+    /// A peer that said goodbye received every frame it needed, and acknowledged each write
+    /// before it wrote the goodbye; but the acknowledgement's send completion and the
+    /// goodbye's receive completion come from different parts of the provider and can be
+    /// polled in either order. So a goodbye does not fail a posted write at once: its
+    /// completion is awaited for [`CLOSED_GRACE`] more.
     fn retired(&mut self, peer: usize, token: u64, op: &str) -> Result<bool> {
         if self.peer_ref(peer, op)?.sq.retired >= token {
             return Ok(true);
         }
-        self.progress()?;
-        if let Some(e) = self.peer_err(peer, op) {
-            return Err(e);
+        let polled = self.progress();
+        let rank = self.rank;
+        let p = self.peer_ref(peer, op)?;
+        if p.sq.retired >= token {
+            return Ok(true);
         }
-        Ok(self.peer_ref(peer, op)?.sq.retired >= token)
+        match &p.state {
+            PeerState::Failed(e) => return Err(e.clone()),
+            PeerState::Closed(at) if at.elapsed() >= CLOSED_GRACE => {
+                return Err(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: op.into(),
+                    detail: format!(
+                        "peer closed its communicator and our write to it was still \
+                         unacknowledged {:.1} s later",
+                        at.elapsed().as_secs_f64()
+                    ),
+                });
+            }
+            PeerState::Open | PeerState::Closed(_) => {}
+        }
+        polled.map(|_| false)
     }
 
     /// Claims the next clear-to-send credit to `peer` for a frame that puts `need` bytes into
@@ -1582,7 +1610,7 @@ impl VerbsTransport {
             ));
         };
         let Some(slot) = p.recv.next_frame() else {
-            if matches!(p.state, PeerState::Closed) {
+            if matches!(p.state, PeerState::Closed(_)) {
                 return Err(Error::PeerLost {
                     rank,
                     peer,
@@ -1750,9 +1778,6 @@ impl Transport for VerbsTransport {
         if self.finished {
             return Err(self.finished_err(OP));
         }
-        if let Some(e) = self.peer_err(peer, OP) {
-            return Err(e);
-        }
         let total = HEADER_LEN + data.len();
         if progress.token != 0 {
             // A zero-copy write is in flight: done once its signalled completion retired it.
@@ -1762,6 +1787,9 @@ impl Transport for VerbsTransport {
             progress.written = total;
             progress.token = 0;
             return Ok(true);
+        }
+        if let Some(e) = self.peer_err(peer, OP) {
+            return Err(e);
         }
         let sb = self.opts.slot_bytes();
         {
