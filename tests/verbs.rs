@@ -532,6 +532,82 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
     }
 }
 
+/// `dspark doctor` against a real RDMA device: the port is seen ACTIVE with a RoCE GID, the
+/// verbs transport is ready, and the dma-buf probe (`ibv_reg_dmabuf_mr` with descriptor -1)
+/// tells a device without dma-buf support (rxe) apart, in the JSON and in the text, with the
+/// fix for it.
+#[test]
+fn doctor_reads_the_rdma_device_and_probes_its_dma_buf_support() {
+    if !in_vm() {
+        return;
+    }
+    let dev = std::env::var("RXE_DEV").unwrap_or_else(|_| "rxe0".into());
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+            .arg("doctor")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "doctor {args:?}: {o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let json: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    let devices = json["rdma"]["devices"].as_array().unwrap();
+    let d = devices
+        .iter()
+        .find(|d| d["name"] == dev.as_str())
+        .unwrap_or_else(|| panic!("{dev} not in {devices:?}"));
+    let port = &d["ports"][0];
+    assert!(port["state"].as_str().unwrap().contains("ACTIVE"), "{port}");
+    assert!(
+        port["gids"].as_array().is_some_and(|g| !g.is_empty()),
+        "{port}"
+    );
+    let probe = json["rdma"]["dma_buf"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["device"] == dev.as_str())
+        .unwrap_or_else(|| panic!("no dma-buf probe of {dev}: {}", json["rdma"]));
+    assert_eq!(probe["supported"], false, "{probe}");
+    assert!(
+        probe["detail"]
+            .as_str()
+            .unwrap()
+            .contains("not implemented"),
+        "{probe}"
+    );
+    let fast = json["fast_paths"].as_array().unwrap();
+    let find = |name: &str| {
+        fast.iter()
+            .find(|f| f["name"] == name)
+            .unwrap_or_else(|| panic!("no fast path {name}: {fast:?}"))
+    };
+    assert_eq!(find("RDMA verbs transport")["ok"], true, "{fast:?}");
+    let dmabuf = find("GPUDirect RDMA via dma-buf");
+    assert_eq!(dmabuf["ok"], false);
+    let why = dmabuf["detail"].as_str().unwrap();
+    assert!(
+        why.contains("no RDMA device accepts dma-buf registration") && why.contains(&dev),
+        "{why}"
+    );
+    assert!(
+        dmabuf["fixes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str().unwrap().contains("nvidia-peermem")),
+        "{dmabuf}"
+    );
+    let text = run(&[]);
+    let line = text
+        .lines()
+        .find(|l| l.contains("dma-buf registration"))
+        .unwrap_or_else(|| panic!("no dma-buf line:\n{text}"));
+    assert!(line.contains("REFUSED"), "{line}");
+    eprintln!("{text}");
+}
+
 #[test]
 fn every_collective_type_and_operator_is_exact_over_verbs_with_three_ranks() {
     if !in_vm() {

@@ -22,6 +22,7 @@ use dspark::gpu::sysfs::{PciAddr, PciGpu, PcieDistance, PeermemStatus, RdmaDevic
 use dspark::path::{
     self, BufferLocation, GpuDirectCapability, GpuNicFacts, PathInputs, PathPolicy, TransportKind,
 };
+use dspark::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -89,6 +90,15 @@ struct FastPath {
 struct RdmaSection {
     libibverbs: VerbsLibrary,
     devices: Vec<RdmaDevice>,
+    /// Per device, whether it accepts dma-buf registrations (probed only on the real root
+    /// with libibverbs present).
+    dma_buf: Vec<NicDmaBuf>,
+}
+
+impl RdmaSection {
+    fn dma_buf_of(&self, device: &str) -> Option<&NicDmaBuf> {
+        self.dma_buf.iter().find(|d| d.device == device)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -186,6 +196,9 @@ const FIX_PEERMEM: &str =
 const FIX_DMABUF: &str =
     "dma-buf needs the NVIDIA open kernel modules (driver >= 515) on Turing or newer, \
      Linux >= 5.12 and rdma-core >= 34";
+const FIX_NIC_DMABUF: &str =
+    "dma-buf registration needs a NIC driver that implements it (mlx5 on Linux >= 5.12 with \
+     rdma-core >= 34); software RDMA (rxe, siw) never does: use nvidia-peermem there";
 const FIX_DISTANCE: &str =
     "use a GPU that shares a PCIe switch with the NIC (`nvidia-smi topo -m`), or the closest \
      NIC (DSPARK_IB_DEVICE)";
@@ -290,12 +303,13 @@ fn nic_usable(rdma: &RdmaSection, dev: &RdmaDevice) -> Result<(), (String, &'sta
 
 /// The fixes for the blockers named in a capability's reason, in order, without repeats.
 fn fixes_for_capability(why: &str) -> Vec<String> {
-    let table: [(&str, &str); 6] = [
+    let table: [(&str, &str); 7] = [
         ("CUDA driver", FIX_LIBCUDA),
         ("libibverbs", FIX_RDMA_CORE),
         ("ACTIVE", FIX_PORT),
         ("apart (", FIX_DISTANCE),
-        ("dma-buf:", FIX_DMABUF),
+        ("refuse dma-buf registration", FIX_NIC_DMABUF),
+        ("CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED", FIX_DMABUF),
         ("nvidia-peermem is not loaded", FIX_PEERMEM),
     ];
     let mut out: Vec<String> = Vec::new();
@@ -368,9 +382,16 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     } else {
         probe::find_libibverbs(&args.root, None, None)
     };
+    let devices = sysfs.rdma_devices();
+    let dma_buf = if on_real_root && libibverbs.path.is_some() {
+        devices.iter().map(|d| probe_nic_dmabuf(&d.name)).collect()
+    } else {
+        Vec::new()
+    };
     let rdma = RdmaSection {
         libibverbs,
-        devices: sysfs.rdma_devices(),
+        devices,
+        dma_buf,
     };
 
     // Locked memory
@@ -488,7 +509,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
             let facts = path::gpu_direct_capability(&GpuNicFacts {
                 nic_usable: nic_usable(&rdma, nic).map_err(|(w, _)| w),
                 gpu_dma_buf: g.dma_buf,
-                nic_dma_buf: None,
+                nic_dma_buf: rdma.dma_buf_of(&nic.name).and_then(|d| d.supported),
                 gpu_rdma: g.rdma,
                 peermem_loaded: peermem.loaded,
                 distance,
@@ -635,7 +656,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     if let Some(why) = &no_gpu_reason {
         common.push((format!("CUDA: {why}"), FIX_LIBCUDA.to_string()));
     }
-    let gdr = |name: &'static str, own: Option<(String, String)>, ok_detail: String| {
+    let gdr = |name: &'static str, own: Vec<(String, String)>, ok_detail: String| {
         let blockers: Vec<(String, String)> = common.iter().cloned().chain(own).collect();
         if blockers.is_empty() {
             FastPath {
@@ -668,27 +689,63 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
         .filter(|d| d.dma_buf_supported == Some(true))
         .map(|d| format!("GPU{}", d.ordinal))
         .collect();
-    let dma_buf_own = (!devices.is_empty() && dma_buf_gpus.is_empty()).then(|| {
-        (
+    let mut dma_buf_own = Vec::new();
+    if !devices.is_empty() && dma_buf_gpus.is_empty() {
+        dma_buf_own.push((
             "no GPU reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED".to_string(),
             FIX_DMABUF.to_string(),
+        ));
+    }
+    // The NIC side: blocking only when every probed device refuses.
+    let nic_dma_buf: Vec<&str> = rdma
+        .dma_buf
+        .iter()
+        .filter(|d| d.supported == Some(true))
+        .map(|d| d.device.as_str())
+        .collect();
+    let nic_refusals: Vec<String> = rdma
+        .dma_buf
+        .iter()
+        .filter(|d| d.supported == Some(false))
+        .map(|d| format!("{}: {}", d.device, d.detail))
+        .collect();
+    if nic_dma_buf.is_empty() && !nic_refusals.is_empty() {
+        dma_buf_own.push((
+            format!(
+                "no RDMA device accepts dma-buf registration ({})",
+                nic_refusals.join("; ")
+            ),
+            FIX_NIC_DMABUF.to_string(),
+        ));
+    }
+    let nic_side = if nic_dma_buf.is_empty() {
+        "the NIC side, ibv_reg_dmabuf_mr, could not be probed here and is checked by the verbs \
+         transport at init"
+            .to_string()
+    } else {
+        format!(
+            "dma-buf registration accepted by {}",
+            nic_dma_buf.join(", ")
         )
-    });
+    };
     fast.push(gdr(
         "GPUDirect RDMA via dma-buf",
         dma_buf_own,
         format!(
-            "{} support dma-buf export (the NIC side, ibv_reg_dmabuf_mr, is checked by the verbs \
-             transport at init)",
+            "dma-buf export supported by {}; {nic_side}",
             dma_buf_gpus.join(", ")
         ),
     ));
-    let peermem_own = (!peermem.loaded).then(|| {
-        (
-            "nvidia-peermem is not loaded (none of NCCL's three sysfs files exists)".to_string(),
-            FIX_PEERMEM.to_string(),
-        )
-    });
+    let peermem_own: Vec<(String, String)> = (!peermem.loaded)
+        .then(|| {
+            (
+                "nvidia-peermem is not loaded (none of NCCL's three sysfs files exists)"
+                    .to_string(),
+                FIX_PEERMEM.to_string(),
+            )
+        })
+        .into_iter()
+        .collect();
     fast.push(gdr(
         "GPUDirect RDMA via nvidia-peermem",
         peermem_own,
@@ -855,10 +912,23 @@ fn render_human(r: &Report) -> String {
                 "{pci}{}",
                 d.fw_ver
                     .as_ref()
+                    .filter(|f| !f.is_empty())
                     .map(|f| format!(", firmware {f}"))
                     .unwrap_or_default()
             ),
         );
+        if let Some(b) = r.rdma.dma_buf_of(&d.name) {
+            let verdict = match b.supported {
+                Some(true) => "accepted",
+                Some(false) => "REFUSED",
+                None => "unknown",
+            };
+            kv(
+                &mut o,
+                "  dma-buf registration",
+                format!("{verdict}: {}", b.detail),
+            );
+        }
         for p in &d.ports {
             kv(
                 &mut o,

@@ -541,6 +541,48 @@ impl Pd {
         })
     }
 
+    /// Asks the provider and the kernel driver whether they implement dma-buf registration,
+    /// without any dma-buf: `ibv_reg_dmabuf_mr` with descriptor −1. A driver without the verb
+    /// answers `EOPNOTSUPP` (rxe, siw, old kernels); one with it gets as far as looking up
+    /// the descriptor and answers `EBADF` (or `EINVAL`). `Ok` carries what was seen when the
+    /// verb exists, `Err` why it does not.
+    pub fn probe_dmabuf(&self) -> Result<String, String> {
+        if !has_dmabuf(&self.lib) {
+            return Err(
+                "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)".to_string(),
+            );
+        }
+        // SAFETY: the symbol is present (checked) and the PD is live; descriptor −1 is never an
+        // open file, so the kernel cannot register anything (a region that came back all the
+        // same is deregistered at once).
+        let p = unsafe {
+            self.lib.ibv_reg_dmabuf_mr(
+                self.ptr.as_ptr(),
+                0,
+                4096,
+                0,
+                -1,
+                Access::LocalWrite.flags() as i32,
+            )
+        };
+        if !p.is_null() {
+            // SAFETY: `p` is the region just registered, deregistered once.
+            unsafe { self.lib.ibv_dereg_mr(p) };
+            return Ok("ibv_reg_dmabuf_mr accepted descriptor -1 (unexpected)".to_string());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EPROTONOSUPPORT) => {
+                Err(format!(
+                    "ibv_reg_dmabuf_mr is not implemented by this provider or kernel driver ({e})"
+                ))
+            }
+            _ => Ok(format!(
+                "ibv_reg_dmabuf_mr is implemented (a probe with descriptor -1 failed with: {e})"
+            )),
+        }
+    }
+
     /// Raw pointer.
     pub fn as_ptr(&self) -> *mut ffi::ibv_pd {
         self.ptr.as_ptr()

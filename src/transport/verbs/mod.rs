@@ -409,6 +409,42 @@ impl VerbsOptions {
     }
 }
 
+/// Whether an RDMA device accepts dma-buf registrations (GPUDirect RDMA without
+/// nvidia-peermem), as `dspark doctor` reports it: probed with [`ib::Pd::probe_dmabuf`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NicDmaBuf {
+    /// The device (`mlx5_0`).
+    pub device: String,
+    /// `None` when the probe could not run (the library or the device cannot be opened).
+    pub supported: Option<bool>,
+    /// What the probe saw, or why it could not run.
+    pub detail: String,
+}
+
+/// Opens `device`, allocates a protection domain and probes dma-buf registration on it.
+pub fn probe_nic_dmabuf(device: &str) -> NicDmaBuf {
+    // The protection domain must be dropped before the context it was allocated in.
+    let probe = || -> std::result::Result<std::result::Result<String, String>, String> {
+        let lib = ib::load()?;
+        let ctx = Context::open(&lib, device).map_err(|e| e.to_string())?;
+        let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
+        let r = pd.probe_dmabuf();
+        drop(pd);
+        drop(ctx);
+        Ok(r)
+    };
+    let (supported, detail) = match probe() {
+        Err(e) => (None, format!("could not probe: {e}")),
+        Ok(Ok(d)) => (Some(true), d),
+        Ok(Err(d)) => (Some(false), d),
+    };
+    NicDmaBuf {
+        device: device.to_string(),
+        supported,
+        detail,
+    }
+}
+
 /// Parses `DSPARK_IB_DEVICE`: `name` or `name:port`.
 pub fn parse_device(spec: &str) -> std::result::Result<(String, Option<u8>), String> {
     let s = spec.trim();
