@@ -178,6 +178,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             Err(e) => Err(format!("unexpected error: {e}")),
         },
         "zero_copy" => zero_copy(),
+        "last_write" => last_write(),
         "direct" => direct(),
         "bandwidth" => bandwidth(),
         other => Err(format!("unknown scenario {other}")),
@@ -225,6 +226,49 @@ fn zero_copy() -> Result<i32, String> {
     drop(reg);
     Ok(OK)
 }
+
+/// Many short communicator lifetimes whose last act is a zero-copy write from rank 0 to
+/// rank 1: rank 1 leaves as soon as the bytes are there, and its goodbye can be polled at
+/// rank 0 before the completion of the write it acknowledged. Rank 0's send must still
+/// succeed (it once failed with "peer closed its communicator").
+fn last_write() -> Result<i32, String> {
+    let base = Config::from_env().map_err(|e| e.to_string())?;
+    let (host, port) = base
+        .root_addr
+        .rsplit_once(':')
+        .ok_or("DSPARK_ROOT_ADDR without a port")?;
+    let port: u16 = port.parse().map_err(|e| format!("port: {e}"))?;
+    let n = 256 << 10;
+    for round in 0..LAST_WRITE_ROUNDS {
+        let mut cfg = base.clone();
+        cfg.transport = TransportChoice::Verbs;
+        // A fresh rendezvous port per lifetime: the previous one may linger in TIME_WAIT.
+        cfg.root_addr = format!("{host}:{}", port + round as u16);
+        let comm = Communicator::init(cfg).map_err(|e| format!("round {round}: init: {e}"))?;
+        let payload: Vec<u8> = (0..n).map(|i| (i * 13 + round) as u8).collect();
+        if comm.rank() == 0 {
+            let reg = comm
+                .register_buffer(&payload)
+                .map_err(|e| format!("round {round}: {e}"))?;
+            comm.send(&payload, 1)
+                .map_err(|e| format!("round {round}: send: {e}"))?;
+            if comm.zero_copy_frames() == 0 {
+                return Err(format!("round {round}: the send did not go zero-copy"));
+            }
+            drop(reg);
+        } else {
+            let mut got = vec![0u8; n];
+            comm.recv(&mut got, 0)
+                .map_err(|e| format!("round {round}: recv: {e}"))?;
+            if got != payload {
+                return Err(format!("round {round}: payload differs"));
+            }
+        }
+    }
+    Ok(OK)
+}
+
+const LAST_WRITE_ROUNDS: usize = 30;
 
 fn emu_call<T: common::TestElem>(
     coll: dspark::plan::Collective,
@@ -606,6 +650,21 @@ fn doctor_reads_the_rdma_device_and_probes_its_dma_buf_support() {
         .unwrap_or_else(|| panic!("no dma-buf line:\n{text}"));
     assert!(line.contains("REFUSED"), "{line}");
     eprintln!("{text}");
+}
+
+#[test]
+fn a_goodbye_right_after_the_last_write_does_not_fail_the_writer() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        2,
+        "last_write",
+        // A rank left behind by a failed round gives up on the next rendezvous soon.
+        &verbs_env(&[("DSPARK_TIMEOUT", "20")]),
+        Duration::from_secs(240),
+    );
+    assert_all(&outs, OK, "every short-lived communicator ends cleanly");
 }
 
 #[test]
