@@ -438,7 +438,10 @@ impl Transport for MemTransport {
                 format!("no link to rank {peer}"),
             ));
         }
-        if len == 0 || len > layout.slot_bytes || offset + len > layout.len() {
+        if len == 0
+            || len > layout.slot_bytes
+            || offset.checked_add(len).is_none_or(|e| e > layout.len())
+        {
             return Err(Error::invalid(
                 Some(self.rank),
                 "send_direct",

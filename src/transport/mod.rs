@@ -313,6 +313,11 @@ impl DirectLayout {
     }
 }
 
+/// `POLLRDHUP` (peer shut down its sending side), which nix does not name.
+pub(crate) fn rdhup() -> nix::poll::PollFlags {
+    nix::poll::PollFlags::from_bits_retain(libc::POLLRDHUP)
+}
+
 /// Host access to a direct region that lives in host memory (the emulated path in tests):
 /// copies only, because the NIC may be writing other parts of it at any time.
 pub trait RegionAccess: Send + Sync + fmt::Debug {

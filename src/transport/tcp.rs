@@ -22,15 +22,10 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{sendmsg, MsgFlags, SockaddrStorage};
 
 use super::{
-    AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
-    TransportKind, HEADER_LEN,
+    rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress,
+    Transport, TransportKind, HEADER_LEN,
 };
 use crate::error::{Error, Result};
-
-/// `POLLRDHUP` (peer shut down its sending side), which nix does not name.
-fn rdhup() -> PollFlags {
-    PollFlags::from_bits_retain(libc::POLLRDHUP)
-}
 
 /// Per-peer receive buffer size.
 const RX_CAP: usize = 256 * 1024;

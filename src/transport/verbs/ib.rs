@@ -149,6 +149,9 @@ pub fn load() -> Result<Lib, String> {
     Ok(Lib(Arc::new(lib)))
 }
 
+/// Why dma-buf registration is impossible with an old libibverbs.
+const NO_DMABUF_SYMBOL: &str = "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)";
+
 /// Whether the library has `ibv_reg_dmabuf_mr` (rdma-core ≥ 34); device memory registered
 /// through dma-buf needs it.
 pub fn has_dmabuf(lib: &ffi::IbvLib) -> bool {
@@ -482,13 +485,24 @@ impl Pd {
             self.lib
                 .ibv_reg_mr(self.ptr.as_ptr(), addr.cast(), len, access.flags() as i32)
         };
-        let ptr = NonNull::new(p).ok_or_else(|| last("ibv_reg_mr"))?;
-        // SAFETY: a registered MR's keys are plain fields written by ibv_reg_mr.
+        self.registered(p, "ibv_reg_mr", addr as u64, len)
+    }
+
+    /// The region a registration verb returned (`p`, null on failure with errno set).
+    fn registered(
+        &self,
+        p: *mut ffi::ibv_mr,
+        verb: &'static str,
+        addr: u64,
+        len: usize,
+    ) -> VResult<Mr> {
+        let ptr = NonNull::new(p).ok_or_else(|| last(verb))?;
+        // SAFETY: `p` is a registered MR; its keys are plain fields written by the verb.
         let (lkey, rkey) = unsafe { ((*p).lkey, (*p).rkey) };
         Ok(Mr {
             lib: self.lib.clone(),
             ptr,
-            addr: addr as u64,
+            addr,
             len,
             lkey,
             rkey,
@@ -511,10 +525,7 @@ impl Pd {
         if !has_dmabuf(&self.lib) {
             return Err(VerbError {
                 verb: "ibv_reg_dmabuf_mr",
-                err: io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)",
-                ),
+                err: io::Error::new(io::ErrorKind::Unsupported, NO_DMABUF_SYMBOL),
             });
         }
         // SAFETY: the symbol is present (checked); the caller guarantees the dma-buf.
@@ -528,29 +539,17 @@ impl Pd {
                 access.flags() as i32,
             )
         };
-        let ptr = NonNull::new(p).ok_or_else(|| last("ibv_reg_dmabuf_mr"))?;
-        // SAFETY: plain fields of a registered MR.
-        let (lkey, rkey) = unsafe { ((*p).lkey, (*p).rkey) };
-        Ok(Mr {
-            lib: self.lib.clone(),
-            ptr,
-            addr: iova,
-            len,
-            lkey,
-            rkey,
-        })
+        self.registered(p, "ibv_reg_dmabuf_mr", iova, len)
     }
 
     /// Asks the provider and the kernel driver whether they implement dma-buf registration,
     /// without any dma-buf: `ibv_reg_dmabuf_mr` with descriptor −1. A driver without the verb
     /// answers `EOPNOTSUPP` (rxe, siw, old kernels); one with it gets as far as looking up
-    /// the descriptor and answers `EBADF` (or `EINVAL`). `Ok` carries what was seen when the
-    /// verb exists, `Err` why it does not.
-    pub fn probe_dmabuf(&self) -> Result<String, String> {
+    /// the descriptor and answers `EBADF` (or `EINVAL`). Any other answer leaves it unknown.
+    /// Returns the verdict (`None`: unknown) and what was seen.
+    pub fn probe_dmabuf(&self) -> (Option<bool>, String) {
         if !has_dmabuf(&self.lib) {
-            return Err(
-                "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)".to_string(),
-            );
+            return (Some(false), NO_DMABUF_SYMBOL.to_string());
         }
         // SAFETY: the symbol is present (checked) and the PD is live; descriptor −1 is never an
         // open file, so the kernel cannot register anything (a region that came back all the
@@ -568,18 +567,25 @@ impl Pd {
         if !p.is_null() {
             // SAFETY: `p` is the region just registered, deregistered once.
             unsafe { self.lib.ibv_dereg_mr(p) };
-            return Ok("ibv_reg_dmabuf_mr accepted descriptor -1 (unexpected)".to_string());
+            return (
+                Some(true),
+                "ibv_reg_dmabuf_mr accepted descriptor -1 (unexpected)".to_string(),
+            );
         }
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EPROTONOSUPPORT) => {
-                Err(format!(
-                    "ibv_reg_dmabuf_mr is not implemented by this provider or kernel driver ({e})"
-                ))
-            }
-            _ => Ok(format!(
-                "ibv_reg_dmabuf_mr is implemented (a probe with descriptor -1 failed with: {e})"
-            )),
+            Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT) => (
+                Some(false),
+                format!("ibv_reg_dmabuf_mr is not implemented by this provider or kernel driver ({e})"),
+            ),
+            Some(libc::EBADF | libc::EINVAL) => (
+                Some(true),
+                format!("ibv_reg_dmabuf_mr is implemented (a probe with descriptor -1 failed with: {e})"),
+            ),
+            _ => (
+                None,
+                format!("a probe of ibv_reg_dmabuf_mr with descriptor -1 failed with: {e}"),
+            ),
         }
     }
 

@@ -138,10 +138,13 @@ pub fn direct_layout(world: usize, opts: &VerbsOptions, send_slots: usize) -> Di
 #[derive(Debug)]
 pub struct HostRegion {
     mem: Memory,
+    /// Serialises the host's copies: `read` and `write` are safe methods reachable from any
+    /// thread (the NIC's writes are kept apart by the protocol, not by this lock).
+    copies: std::sync::Mutex<()>,
 }
 
-// SAFETY: the memory is plain process memory; every access is a raw copy of a range that the
-// protocol says nobody else writes at that moment (see `RegionAccess`).
+// SAFETY: the memory is plain process memory; host accesses are raw copies made under
+// `copies`, and the NIC writes only ranges the protocol keeps apart from them.
 unsafe impl Sync for HostRegion {}
 
 impl RegionAccess for HostRegion {
@@ -155,6 +158,7 @@ impl RegionAccess for HostRegion {
         {
             return;
         }
+        let _copying = self.copies.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: in bounds (checked); the NIC finished writing this range (its completion
         // was polled) and does not write it again before the slot is released.
         unsafe {
@@ -168,6 +172,7 @@ impl RegionAccess for HostRegion {
         {
             return;
         }
+        let _copying = self.copies.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: in bounds (checked); send slots are read by the NIC only between a post
         // and its completion, and the engine writes a slot only outside that window.
         unsafe {
@@ -183,8 +188,24 @@ struct DirectOwn {
     mr: Mr,
     host: Option<Arc<HostRegion>>,
     kind: DirectKind,
-    addr: u64,
     layout: DirectLayout,
+}
+
+impl DirectOwn {
+    /// The region as announced to the other ranks.
+    fn info(&self) -> DirectInfo {
+        DirectInfo::Region {
+            kind: self.kind,
+            addr: self.mr.addr,
+            rkey: self.mr.rkey,
+            slot_bytes: self.layout.slot_bytes as u32,
+        }
+    }
+
+    fn announced(self) -> (Option<DirectOwn>, DirectInfo) {
+        let info = self.info();
+        (Some(self), info)
+    }
 }
 
 fn register_direct(
@@ -207,23 +228,16 @@ fn register_direct(
             // SAFETY: the memory is owned by the `DirectOwn` (through the Arc), whose MR is
             // dropped first; accesses are copies (HostRegion).
             match unsafe { pd.register(mem.as_ptr(), layout.len(), Access::RemoteWrite) } {
-                Ok(mr) => {
-                    let addr = mem.as_ptr() as u64;
-                    let info = DirectInfo::Region {
-                        kind: DirectKind::HostEmulated,
-                        addr,
-                        rkey: mr.rkey,
-                        slot_bytes: layout.slot_bytes as u32,
-                    };
-                    let own = DirectOwn {
-                        mr,
-                        host: Some(Arc::new(HostRegion { mem })),
-                        kind: DirectKind::HostEmulated,
-                        addr,
-                        layout,
-                    };
-                    (Some(own), info)
+                Ok(mr) => DirectOwn {
+                    mr,
+                    host: Some(Arc::new(HostRegion {
+                        mem,
+                        copies: std::sync::Mutex::new(()),
+                    })),
+                    kind: DirectKind::HostEmulated,
+                    layout,
                 }
+                .announced(),
                 Err(e) => (None, DirectInfo::Unavailable(reg_hint(&e))),
             }
         }
@@ -256,20 +270,13 @@ fn register_direct(
                 };
                 match r {
                     Ok(mr) => {
-                        let info = DirectInfo::Region {
-                            kind: dk,
-                            addr: *addr,
-                            rkey: mr.rkey,
-                            slot_bytes: layout.slot_bytes as u32,
-                        };
-                        let own = DirectOwn {
+                        return DirectOwn {
                             mr,
                             host: None,
                             kind: dk,
-                            addr: *addr,
                             layout,
-                        };
-                        return (Some(own), info);
+                        }
+                        .announced()
                     }
                     Err(e) => {
                         let name = if dk == DirectKind::DmaBuf {
@@ -403,9 +410,18 @@ impl VerbsOptions {
         (HEADER_LEN + self.slot_payload).div_ceil(64) * 64
     }
 
+    /// Bytes of the two memories registered per peer: (remote, local). Remote: the receive
+    /// slots, the control slot and the CTS ring the peer writes; local: the staging slots,
+    /// the outgoing CTS entries and the outgoing control frame.
+    fn peer_memory(&self) -> (usize, usize) {
+        let (n, sb) = (self.slots, self.slot_bytes());
+        (n * sb + CTRL_BYTES + n * CTS_LEN, n * sb + n * CTS_LEN + CTRL_BYTES)
+    }
+
     /// Bytes of memory this rank pins per peer.
     pub fn pinned_per_peer(&self) -> usize {
-        2 * self.slots * self.slot_bytes() + 2 * CTRL_BYTES + 2 * self.slots * CTS_LEN
+        let (remote, local) = self.peer_memory();
+        remote + local
     }
 }
 
@@ -423,21 +439,14 @@ pub struct NicDmaBuf {
 
 /// Opens `device`, allocates a protection domain and probes dma-buf registration on it.
 pub fn probe_nic_dmabuf(device: &str) -> NicDmaBuf {
-    // The protection domain must be dropped before the context it was allocated in.
-    let probe = || -> std::result::Result<std::result::Result<String, String>, String> {
+    let probe = || -> std::result::Result<(Option<bool>, String), String> {
         let lib = ib::load()?;
         let ctx = Context::open(&lib, device).map_err(|e| e.to_string())?;
+        // Declared after the context, so dropped before it.
         let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
-        let r = pd.probe_dmabuf();
-        drop(pd);
-        drop(ctx);
-        Ok(r)
+        Ok(pd.probe_dmabuf())
     };
-    let (supported, detail) = match probe() {
-        Err(e) => (None, format!("could not probe: {e}")),
-        Ok(Ok(d)) => (Some(true), d),
-        Ok(Err(d)) => (Some(false), d),
-    };
+    let (supported, detail) = probe().unwrap_or_else(|e| (None, format!("could not probe: {e}")));
     NicDmaBuf {
         device: device.to_string(),
         supported,
@@ -733,15 +742,13 @@ fn prepare(
     let rq_depth = (2 * n + 4) as u32;
     let cq_depth = ((sq_depth + rq_depth) as usize * world.saturating_sub(1)).max(16) as i32;
     let cq = Cq::new(&local.ctx, cq_depth).map_err(|e| format!("{dev}: {e}"))?;
-    let sb = opts.slot_bytes();
     let mut halves = Vec::with_capacity(world);
     for peer in 0..world {
         if peer == rank {
             halves.push(None);
             continue;
         }
-        let remote_len = n * sb + CTRL_BYTES + n * CTS_LEN;
-        let local_len = n * sb + n * CTS_LEN + CTRL_BYTES;
+        let (remote_len, local_len) = opts.peer_memory();
         let (Some(remote_mem), Some(local_mem)) = (Memory::new(remote_len), Memory::new(local_len))
         else {
             return Err(format!(
@@ -1301,8 +1308,23 @@ impl VerbsTransport {
             if kind != WrKind::Recv {
                 p.sq.complete(idx);
             }
-            // Flushes after this rank moved its QPs to ERR, and anything from a peer that
-            // already left or failed, are expected.
+            // A frame that failed after the peer's goodbye never reached it: a peer leaves
+            // only once it has every frame it needs, so the job's ranks disagree. Fail the
+            // connection, so that the send waiting for this write reports it.
+            if !finished && kind == WrKind::Data && matches!(p.state, PeerState::Closed(_)) {
+                let status = ib::wc_status_string(&self.lib, wc.status);
+                p.state = PeerState::Failed(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: kind.describe().into(),
+                    detail: format!(
+                        "peer closed its communicator, and a frame to it then failed: {status}"
+                    ),
+                });
+                return Ok(());
+            }
+            // Flushes after this rank moved its QPs to ERR, and anything else from a peer
+            // that already left or failed, are expected.
             if finished
                 || !p.is_open()
                 || wc.status == st::IBV_WC_WR_FLUSH_ERR && p.qp.state == qp::QpState::Err
@@ -1361,9 +1383,7 @@ impl VerbsTransport {
         }
         // SAFETY: for RECV_RDMA_WITH_IMM completions the union holds the immediate.
         let raw = u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data });
-        let Some(imm) = Imm::decode(raw) else {
-            return Err(self.protocol_error(peer, format!("unknown immediate {raw:#010x}")));
-        };
+        let imm = Imm::decode(raw);
         let landing_bytes = self.direct.as_ref().map_or(0, |d| d.layout.slot_bytes);
         match imm {
             Imm::Data { seq, len } | Imm::Direct { seq, len } => {
@@ -1510,6 +1530,18 @@ impl VerbsTransport {
         Ok(())
     }
 
+    /// Frees the receive slots of `peer` that nothing holds any more (every slot before the
+    /// oldest held landing slot) and re-advertises them.
+    fn settle(&mut self, peer: usize, op: &str) -> Result<()> {
+        let p = self.peer_mut(peer, op)?;
+        let oldest = p.held.front().copied();
+        p.recv.settle(oldest);
+        if self.finished {
+            return Ok(());
+        }
+        self.flush_cts(peer)
+    }
+
     /// Whether the send-queue entry `token − 1` to `peer` (a signalled write) has completed,
     /// polling completions if it has not yet.
     ///
@@ -1519,18 +1551,22 @@ impl VerbsTransport {
     /// polled in either order. So a goodbye does not fail a posted write at once: its
     /// completion is awaited for [`CLOSED_GRACE`] more.
     fn retired(&mut self, peer: usize, token: u64, op: &str) -> Result<bool> {
-        if self.peer_ref(peer, op)?.sq.retired >= token {
-            return Ok(true);
-        }
-        let polled = self.progress();
+        let polled = if self.peer_ref(peer, op)?.sq.retired >= token {
+            Ok(0)
+        } else {
+            self.progress()
+        };
         let rank = self.rank;
         let p = self.peer_ref(peer, op)?;
+        // A failed connection wins even over a retired entry: a failed write retires too.
+        if let PeerState::Failed(e) = &p.state {
+            return Err(e.clone());
+        }
         if p.sq.retired >= token {
             return Ok(true);
         }
-        match &p.state {
-            PeerState::Failed(e) => return Err(e.clone()),
-            PeerState::Closed(at) if at.elapsed() >= CLOSED_GRACE => {
+        if let PeerState::Closed(at) = &p.state {
+            if at.elapsed() >= CLOSED_GRACE {
                 return Err(Error::PeerLost {
                     rank,
                     peer,
@@ -1542,7 +1578,6 @@ impl VerbsTransport {
                     ),
                 });
             }
-            PeerState::Open | PeerState::Closed(_) => {}
         }
         polled.map(|_| false)
     }
@@ -1637,26 +1672,12 @@ impl VerbsTransport {
             }
         }
         polled?;
-        let rank = self.rank;
-        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
-            return Err(Error::invalid(
-                Some(rank),
-                op,
-                format!("no connection to rank {peer}"),
-            ));
-        };
-        let Some(slot) = p.recv.next_frame() else {
-            if matches!(p.state, PeerState::Closed(_)) {
-                return Err(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: op.into(),
-                    detail: "peer closed its communicator".into(),
-                });
-            }
-            return Ok(None);
-        };
         let sb = self.opts.slot_bytes();
+        let p = self.peer_mut(peer, op)?;
+        let Some(slot) = p.recv.next_frame() else {
+            // Nothing more will come from a peer that left.
+            return self.peer_err(peer, op).map_or(Ok(None), Err);
+        };
         let len = p.rx_len[slot] as usize;
         let is_direct = p.rx_direct[slot];
         let mut hb = [0u8; HEADER_LEN];
@@ -1738,7 +1759,15 @@ impl VerbsTransport {
         let sb = self.opts.slot_bytes();
         for (peer, p) in self.peers.iter_mut().enumerate() {
             let Some(p) = p else { continue };
-            if !p.is_open() || !p.sq.has_room() || p.their_ctrl_bytes < HEADER_LEN {
+            if !p.is_open() || p.their_ctrl_bytes < HEADER_LEN {
+                continue;
+            }
+            if !p.sq.has_room() {
+                tracing::warn!(
+                    peer,
+                    "no room in the send queue for a goodbye/abort frame: the peer will see this \
+                     rank vanish instead"
+                );
                 continue;
             }
             let n = p.send.n as usize;
@@ -1949,7 +1978,9 @@ impl Transport for VerbsTransport {
             return Ok(false);
         };
         let expected = sink.on_header(&hdr)?;
-        if is_direct && expected > 0 {
+        // Classified by the frame, as `mem` does: a payload in a landing slot is a device
+        // collective's, whatever this rank expected.
+        if is_direct {
             return Err(direct_mismatch(self.rank, peer, true));
         }
         if expected != hdr.len as usize {
@@ -1981,11 +2012,8 @@ impl Transport for VerbsTransport {
         progress.header = None;
         progress.expected = expected;
         progress.got += expected;
-        let p = self.peer_mut(peer, OP)?;
-        p.recv.taken += 1;
-        let oldest = p.held.front().copied();
-        p.recv.settle(oldest);
-        self.flush_cts(peer)?;
+        self.peer_mut(peer, OP)?.recv.taken += 1;
+        self.settle(peer, OP)?;
         Ok(true)
     }
 
@@ -1994,7 +2022,7 @@ impl Transport for VerbsTransport {
     }
 
     fn direct_base(&self) -> Option<u64> {
-        self.direct.as_ref().map(|d| d.addr)
+        self.direct.as_ref().map(|d| d.mr.addr)
     }
 
     fn direct_host_region(&self) -> Option<Arc<dyn RegionAccess>> {
@@ -2027,8 +2055,10 @@ impl Transport for VerbsTransport {
         }
         let rank = self.rank;
         let len = hdr.len as usize;
-        let Some((base, lkey, layout)) =
-            self.direct.as_ref().map(|d| (d.addr, d.mr.lkey, d.layout))
+        let Some((base, lkey, layout)) = self
+            .direct
+            .as_ref()
+            .map(|d| (d.mr.addr, d.mr.lkey, d.layout))
         else {
             return Err(Error::invalid(
                 Some(rank),
@@ -2129,7 +2159,7 @@ impl Transport for VerbsTransport {
             return Ok(None);
         };
         let expected = sink.on_header(&hdr)?;
-        if !is_direct && expected > 0 {
+        if !is_direct && hdr.len > 0 {
             return Err(direct_mismatch(self.rank, peer, false));
         }
         if expected != hdr.len as usize {
@@ -2150,12 +2180,10 @@ impl Transport for VerbsTransport {
             }
             _ => Landed { offset: 0, len: 0 },
         };
-        let oldest = p.held.front().copied();
-        p.recv.settle(oldest);
         progress.header = None;
         progress.expected = expected;
         progress.got = expected;
-        self.flush_cts(peer)?;
+        self.settle(peer, OP)?;
         Ok(Some(landed))
     }
 
@@ -2170,12 +2198,7 @@ impl Transport for VerbsTransport {
                 format!("no landing slot from rank {peer} is held"),
             ));
         }
-        let oldest = p.held.front().copied();
-        p.recv.settle(oldest);
-        if self.finished {
-            return Ok(());
-        }
-        self.flush_cts(peer)
+        self.settle(peer, OP)
     }
 
     fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
@@ -2218,10 +2241,7 @@ impl Transport for VerbsTransport {
                 let Some(p) = p else { continue };
                 if let (true, Some(s)) = (p.is_open(), &p.stream) {
                     watched.push(i);
-                    fds.push(PollFd::new(
-                        s.as_fd(),
-                        PollFlags::POLLIN | PollFlags::from_bits_retain(libc::POLLRDHUP),
-                    ));
+                    fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN | super::rdhup()));
                 }
             }
             let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
@@ -2599,6 +2619,11 @@ mod tests {
             o.pinned_per_peer(),
             2 * 4 * o.slot_bytes() + 2 * CTRL_BYTES + 2 * 4 * CTS_LEN
         );
+        // Worked by hand for the default 512 KiB segment: 524288 + 32 header bytes round up
+        // to 524352-byte slots; 4 slots each way (4194816) + two 4 KiB control slots (8192)
+        // + 4 CTS entries of 32 bytes each way (256).
+        assert_eq!(o.slot_bytes(), 524_352);
+        assert_eq!(o.pinned_per_peer(), 4_203_264);
     }
 
     #[test]

@@ -474,21 +474,17 @@ impl Imm {
         }
     }
 
-    /// Parses an immediate; `None` for an unknown kind.
-    pub fn decode(v: u32) -> Option<Imm> {
+    /// Parses an immediate. Total: the top two bits name one of the four kinds.
+    pub fn decode(v: u32) -> Imm {
+        let seq = ((v >> 26) & 0xf) as u8;
+        let len = v & MAX_FRAME;
         match v >> 30 {
-            0 => Some(Imm::Data {
-                seq: ((v >> 26) & 0xf) as u8,
-                len: v & MAX_FRAME,
-            }),
-            1 => Some(Imm::Cts {
+            0 => Imm::Data { seq, len },
+            1 => Imm::Cts {
                 seq: v & 0x3fff_ffff,
-            }),
-            2 => Some(Imm::Ctrl { len: v & MAX_FRAME }),
-            _ => Some(Imm::Direct {
-                seq: ((v >> 26) & 0xf) as u8,
-                len: v & MAX_FRAME,
-            }),
+            },
+            2 => Imm::Ctrl { len },
+            _ => Imm::Direct { seq, len },
         }
     }
 }
@@ -664,12 +660,12 @@ mod tests {
                 len: MAX_FRAME,
             },
         ] {
-            assert_eq!(Imm::decode(imm.encode()), Some(imm));
+            assert_eq!(Imm::decode(imm.encode()), imm);
         }
         // Only the low 4 bits of a data sequence number travel.
         assert_eq!(
             Imm::decode(Imm::Data { seq: 17, len: 40 }.encode()),
-            Some(Imm::Data { seq: 1, len: 40 })
+            Imm::Data { seq: 1, len: 40 }
         );
     }
 
