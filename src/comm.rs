@@ -178,8 +178,8 @@ impl Communicator {
         // The direct region is set up only once verbs found a usable port (no GPU context or
         // allocation on machines that end up on TCP).
         let mut region = None;
-        let mut direct = |opts: &verbs::VerbsOptions| {
-            let (spec, r) = crate::comm_device::direct_spec(&config, opts);
+        let mut direct = |opts: &verbs::VerbsOptions, nic: &str| {
+            let (spec, r) = crate::comm_device::direct_spec(&config, opts, nic);
             region = r;
             spec
         };
@@ -405,11 +405,21 @@ impl Communicator {
         ))
     }
 
-    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`). An empty call
-    /// (other than a barrier) moves nothing and only reports an earlier failure.
-    fn run<T: Element>(&self, call: Call, src: &[T], dst: &mut [T]) -> Result<()> {
+    /// The rule for empty calls, host and device alike: a call of no elements (other than a
+    /// barrier) moves nothing and only reports an earlier failure. `Some(result)` for such a
+    /// call, `None` for a call that must run.
+    pub(crate) fn empty_call(&self, call: &Call) -> Option<Result<()>> {
         if call.count == 0 && call.coll != Collective::Barrier {
-            return self.poisoned().map_or(Ok(()), Err);
+            return Some(self.poisoned().map_or(Ok(()), Err));
+        }
+        None
+    }
+
+    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`); see
+    /// [`Communicator::empty_call`] for calls of no elements.
+    fn run<T: Element>(&self, call: Call, src: &[T], dst: &mut [T]) -> Result<()> {
+        if let Some(res) = self.empty_call(&call) {
+            return res;
         }
         let call = Call {
             dtype: T::DATA_TYPE,
@@ -437,8 +447,8 @@ impl Communicator {
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,
     ) -> Result<()> {
-        if call.count == 0 && call.coll != Collective::Barrier {
-            return self.poisoned().map_or(Ok(()), Err);
+        if let Some(res) = self.empty_call(&call) {
+            return res;
         }
         let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
         let _g = span.enter();

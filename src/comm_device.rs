@@ -54,6 +54,7 @@ pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
 pub(crate) fn direct_spec(
     config: &Config,
     opts: &VerbsOptions,
+    nic: &str,
 ) -> (DirectSpec, Option<DirectRegion>) {
     if config.emulate_gpu_direct {
         return (
@@ -72,7 +73,7 @@ pub(crate) fn direct_spec(
     if config.world_size < 2 {
         return (DirectSpec::None, None);
     }
-    match gpu_region(config, opts) {
+    match gpu_region(config, opts, nic) {
         Ok(g) => {
             let (candidates, reasons) = g.registration_candidates();
             let spec = DirectSpec::Device {
@@ -88,8 +89,14 @@ pub(crate) fn direct_spec(
 }
 
 /// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
-/// GPUs), sized for the verbs transport's slots.
-fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<DirectRegion, String> {
+/// GPUs), sized for the verbs transport's slots, unless the GPU is farther from `nic` than
+/// [`path::GDR_MAX_DISTANCE`] and the path was left to `auto` (an explicit `gpu-direct` is
+/// honoured with a warning).
+fn gpu_region(
+    config: &Config,
+    opts: &VerbsOptions,
+    nic: &str,
+) -> std::result::Result<DirectRegion, String> {
     if !crate::gpu::probe::libcuda_present() {
         return Err("no CUDA driver (libcuda.so.1 not found)".into());
     }
@@ -104,6 +111,19 @@ fn gpu_region(config: &Config, opts: &VerbsOptions) -> std::result::Result<Direc
         ));
     }
     let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
+    let far = probe
+        .devices
+        .get(ordinal)
+        .and_then(|d| d.pci)
+        .and_then(|pci| crate::gpu::sysfs::Sysfs::default().distance(pci, nic).ok())
+        .and_then(|r| path::distance_blocker(r.distance, path::GDR_MAX_DISTANCE));
+    if let Some(why) = far {
+        let why = format!("GPU {ordinal} and {nic}: {why}");
+        if config.data_path != PathPolicy::GpuDirect {
+            return Err(why);
+        }
+        tracing::warn!("DSPARK_DATA_PATH=gpu-direct: using GPUDirect although {why}");
+    }
     let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
     let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
     DirectRegion::new(&ctx, layout)
@@ -238,11 +258,9 @@ impl Communicator {
         S: DevicePtr<T>,
         D: DevicePtrMut<T>,
     {
-        if let Some(e) = self.poisoned() {
-            return Err(e);
-        }
-        if call.count == 0 {
-            return Ok(());
+        // A poisoned communicator is reported by the engine for a call that runs.
+        if let Some(res) = self.empty_call(&call) {
+            return res;
         }
         let reducer = self.reducer(stream)?;
         let call = Call {

@@ -133,7 +133,7 @@ pub struct DataPath {
 impl DataPath {
     /// Short text for a bench column: `verbs/gdr-dmabuf`, `tcp/staged`, `tcp/host`.
     pub fn short(&self) -> String {
-        format!("{}/{}", self.transport, self.memory)
+        self.to_string()
     }
 }
 
@@ -333,6 +333,11 @@ fn symmetric(peer: usize, path: DataPath) -> ConnectionPath {
     }
 }
 
+/// `path` both ways on the connection to every one of `peers`.
+fn all_symmetric(peers: &[usize], path: &DataPath) -> Vec<ConnectionPath> {
+    peers.iter().map(|&q| symmetric(q, path.clone())).collect()
+}
+
 /// Whether device payloads move with GPUDirect RDMA under `policy`: over verbs, unless staging
 /// was asked for, when every rank can (the job-wide rule of [`decide`], without building its
 /// report — cheap enough for every call).
@@ -383,7 +388,7 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
             reason: None,
         };
         return Ok(PathPlan {
-            connections: peers.iter().map(|&q| symmetric(q, p.clone())).collect(),
+            connections: all_symmetric(peers, &p),
             warnings: vec![],
         });
     }
@@ -407,7 +412,7 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
             }
             let p = staged(transport, reason);
             Ok(PathPlan {
-                connections: peers.iter().map(|&q| symmetric(q, p.clone())).collect(),
+                connections: all_symmetric(peers, &p),
                 warnings: vec![],
             })
         }
@@ -415,7 +420,7 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
             if policy == PathPolicy::HostStaged {
                 let p = staged(transport, REQUESTED_STAGED_REASON);
                 return Ok(PathPlan {
-                    connections: peers.iter().map(|&q| symmetric(q, p.clone())).collect(),
+                    connections: all_symmetric(peers, &p),
                     warnings: vec![],
                 });
             }
@@ -434,46 +439,38 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
                 })
                 .collect();
             let everywhere = uses_gpu_direct(policy, transport, capabilities);
-            let connections: Vec<ConnectionPath> = match mine.memory_path() {
-                Some(m) if everywhere => peers
-                    .iter()
-                    .map(|&q| {
-                        symmetric(
-                            q,
-                            DataPath {
-                                transport,
-                                memory: m,
-                                reason: None,
-                            },
-                        )
-                    })
-                    .collect(),
-                _ => {
-                    let why: Vec<String> = lacking
-                        .iter()
-                        .map(|(r, w)| format!("rank {r}: {w}"))
-                        .collect();
-                    let p = staged(
-                        transport,
-                        format!(
-                            "GPUDirect RDMA unavailable (it is used only when every rank can): {}",
-                            why.join("; ")
-                        ),
-                    );
-                    peers.iter().map(|&q| symmetric(q, p.clone())).collect()
-                }
-            };
+            // `rank r: why; ...` for every rank that cannot (empty when all can).
+            let why = lacking
+                .iter()
+                .map(|(r, w)| format!("rank {r}: {w}"))
+                .collect::<Vec<_>>()
+                .join("; ");
             if policy == PathPolicy::GpuDirect && !lacking.is_empty() {
-                let list: Vec<String> = lacking
-                    .iter()
-                    .map(|(r, why)| format!("rank {r}: {why}"))
-                    .collect();
                 return Err(forced(&format!(
-                    "GPUDirect RDMA cannot be used on every connection of rank {rank}: {} \
-                     (set {DATA_PATH_ENV}=auto to stage those connections instead)",
-                    list.join("; ")
+                    "GPUDirect RDMA cannot be used on every connection of rank {rank}: {why} \
+                     (set {DATA_PATH_ENV}=auto to stage those connections instead)"
                 )));
             }
+            let connections = match mine.memory_path() {
+                Some(m) if everywhere => all_symmetric(
+                    peers,
+                    &DataPath {
+                        transport,
+                        memory: m,
+                        reason: None,
+                    },
+                ),
+                _ => all_symmetric(
+                    peers,
+                    &staged(
+                        transport,
+                        format!(
+                            "GPUDirect RDMA unavailable (it is used only when every rank can): \
+                             {why}"
+                        ),
+                    ),
+                ),
+            };
             let warnings = lacking
                 .iter()
                 .map(|(r, why)| {
@@ -514,6 +511,27 @@ pub struct GpuNicFacts {
     pub max_distance: crate::gpu::sysfs::PcieDistance,
 }
 
+/// The farthest GPU↔NIC distance at which GPUDirect is used by default (NCCL's default
+/// too): beyond it, traffic crosses the CPU and GPUDirect is usually slower than staging.
+pub const GDR_MAX_DISTANCE: crate::gpu::sysfs::PcieDistance = crate::gpu::sysfs::PcieDistance::Pxb;
+
+/// Why a GPU and a NIC `d` apart should not use GPUDirect (`None` within `max`). The same
+/// rule for the doctor's pairs and for the region a communicator sets up.
+pub fn distance_blocker(
+    d: crate::gpu::sysfs::PcieDistance,
+    max: crate::gpu::sysfs::PcieDistance,
+) -> Option<String> {
+    (d > max).then(|| {
+        format!(
+            "GPU and NIC are {} apart ({}), beyond {}: GPUDirect would cross the CPU and is \
+             usually slower than staging",
+            d.short(),
+            d.describe(),
+            max.short()
+        )
+    })
+}
+
 /// One pair's GPUDirect capability from its facts (pure): the NIC must be usable and close
 /// enough; then dma-buf when the GPU supports it and the NIC is not known to refuse it, else
 /// nvidia-peermem when loaded and the GPU does not refuse GPUDirect RDMA; otherwise unavailable,
@@ -522,16 +540,8 @@ pub fn gpu_direct_capability(f: &GpuNicFacts) -> GpuDirectCapability {
     if let Err(why) = &f.nic_usable {
         return GpuDirectCapability::Unavailable(why.clone());
     }
-    if let Some(d) = f.distance {
-        if d > f.max_distance {
-            return GpuDirectCapability::Unavailable(format!(
-                "GPU and NIC are {} apart ({}), beyond {}: GPUDirect would cross the CPU and is \
-                 usually slower than staging",
-                d.short(),
-                d.describe(),
-                f.max_distance.short()
-            ));
-        }
+    if let Some(why) = f.distance.and_then(|d| distance_blocker(d, f.max_distance)) {
+        return GpuDirectCapability::Unavailable(why);
     }
     let dma_buf_why = match (f.gpu_dma_buf, f.nic_dma_buf) {
         (Some(true), Some(false)) => {
@@ -591,6 +601,18 @@ mod tests {
             transport,
             buffers,
             capabilities,
+        }
+    }
+
+    #[test]
+    fn gpudirect_stops_at_pxb_like_nccl() {
+        use PcieDistance::*;
+        for d in [Same, Pix, Pxb] {
+            assert_eq!(distance_blocker(d, GDR_MAX_DISTANCE), None, "{d:?}");
+        }
+        for (d, name) in [(Phb, "PHB"), (Sys, "SYS")] {
+            let why = distance_blocker(d, GDR_MAX_DISTANCE).expect("blocked");
+            assert!(why.contains(name) && why.contains("beyond PXB"), "{why}");
         }
     }
 

@@ -549,7 +549,7 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
     ] {
         let (mut boot, streams) = dspark::bootstrap::rendezvous(&cfg).unwrap();
         let addr = stand_in.as_ptr() as u64;
-        let mut provider = |_: &verbs::VerbsOptions| DirectSpec::Device {
+        let mut provider = |_: &verbs::VerbsOptions, _: &str| DirectSpec::Device {
             addr,
             send_slots: 4,
             candidates: candidates.clone(),

@@ -513,7 +513,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
                 gpu_rdma: g.rdma,
                 peermem_loaded: peermem.loaded,
                 distance,
-                max_distance: PcieDistance::Pxb,
+                max_distance: path::GDR_MAX_DISTANCE,
             });
             // Without a driver nothing GPU-side works, whatever else holds; list every blocker.
             let capability = match (&g.driver_missing, facts) {
@@ -787,8 +787,9 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
          connection's path is decided from both ends' facts (comm.data_paths(), bench path column)"
             .to_string(),
         format!(
-            "GPUDirect is not used beyond PCIe distance {} (NCCL's default limit)",
-            PcieDistance::Pxb.short()
+            "GPUDirect is not used beyond PCIe distance {} (NCCL's default limit) unless \
+             DSPARK_DATA_PATH=gpu-direct asks for it",
+            path::GDR_MAX_DISTANCE.short()
         ),
     ];
     if !on_real_root {

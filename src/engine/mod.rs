@@ -362,6 +362,8 @@ struct Scratch {
     send_prog: Vec<SendProgress>,
     recv_prog: Vec<RecvProgress>,
     interest: Vec<Interest>,
+    /// The device (staged and direct) path's own bookkeeping.
+    staged: staged::StagedScratch,
 }
 
 /// Executes collectives for one rank over one transport.

@@ -146,10 +146,50 @@ fn dev_range(loc: &crate::plan::Loc, esz: usize) -> DevRange {
     }
 }
 
+/// The staged path's per-call bookkeeping, kept in the engine's [`Scratch`] between calls so
+/// that a collective allocates nothing once the vectors have grown to size.
+#[derive(Debug, Default)]
+pub(super) struct StagedScratch {
+    /// Per step: how far its send slot is.
+    send_state: Vec<SendState>,
+    /// Steps of `send_state` in [`SendState::Staging`] (device copies in flight).
+    staging: usize,
+    free_send: Vec<usize>,
+    free_recv: Vec<usize>,
+    /// Per peer: the receive slot its head receive is landing in.
+    recv_slot: Vec<Option<usize>>,
+    /// What frees up when each device mark is reached, in mark order.
+    landing: VecDeque<(Held, u64)>,
+    /// Direct send slots posted but still being read by the NIC: (slot, peer, token).
+    draining: Vec<(usize, usize, u64)>,
+}
+
+impl StagedScratch {
+    /// Resets for a call of `steps` steps on a device with the given slot pools.
+    fn reset(&mut self, steps: usize, send_slots: usize, recv_slots: usize, world: usize) {
+        self.send_state.clear();
+        self.send_state.resize(steps, SendState::Idle);
+        self.staging = 0;
+        self.free_send.clear();
+        self.free_send.extend((0..send_slots).rev());
+        self.free_recv.clear();
+        self.free_recv
+            .extend((send_slots..send_slots + recv_slots).rev());
+        self.recv_slot.clear();
+        self.recv_slot.resize(world, None);
+        self.landing.clear();
+        self.draining.clear();
+    }
+}
+
 impl Engine {
     /// Runs `call` on device buffers through `dev` (the host-staged path). Same semantics,
     /// frames and errors as [`Engine::run`]; the peers cannot tell the difference.
     pub fn run_staged(&mut self, call: &Call, dev: &mut dyn StagedDevice) -> Result<()> {
+        // An earlier failure first, before anything about the device is judged.
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
         if dev.send_slots() == 0
             || (dev.recv_slots() == 0 && !dev.direct())
             || dev.slot_bytes() < self.opts.segment_bytes
@@ -158,38 +198,45 @@ impl Engine {
                 "staging device has no slots or slots smaller than a segment",
             ));
         }
-        if dev.direct() {
-            if dev.direct_base().is_none() || dev.direct_base() != self.transport.direct_base() {
-                return Err(internal(&format!(
-                    "the device's direct region ({:?}) is not the one registered with the \
-                     transport ({:?}): the NIC would move other memory",
-                    dev.direct_base(),
-                    self.transport.direct_base()
-                )));
-            }
-            match self.transport.direct_layout() {
-                Some(l) if l.send_slots >= dev.send_slots() && l.slot_bytes >= dev.slot_bytes() => {
-                }
-                Some(l) => {
-                    return Err(internal(&format!(
-                        "the device's {} send slots of {} bytes do not fit the transport's \
-                         direct region ({l:?})",
-                        dev.send_slots(),
-                        dev.slot_bytes()
-                    )))
-                }
-                None => return Err(Error::invalid(
-                    Some(self.rank),
-                    "direct device collective",
-                    "the transport has no direct region (GPUDirect RDMA was not set up at init)",
-                )),
-            }
-        }
+        let direct = if dev.direct() {
+            Some(self.direct_layout_for(dev)?)
+        } else {
+            None
+        };
         let lens = dev.buffer_bytes();
         self.guarded(call, lens, |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
-            eng.execute_staged(&prog, &desc, full, dev)
+            eng.execute_staged(&prog, &desc, full, dev, direct)
         })
+    }
+
+    /// The transport's direct region layout, checked to be the region `dev` (a direct device)
+    /// stages into and to hold its send slots.
+    fn direct_layout_for(&self, dev: &dyn StagedDevice) -> Result<DirectLayout> {
+        let Some(l) = self.transport.direct_layout() else {
+            return Err(Error::invalid(
+                Some(self.rank),
+                "direct device collective",
+                "the transport has no direct region (GPUDirect RDMA was not set up at init)",
+            ));
+        };
+        if dev.direct_base().is_none() || dev.direct_base() != self.transport.direct_base() {
+            return Err(internal(&format!(
+                "the device's direct region ({:?}) is not the one registered with the \
+                 transport ({:?}): the NIC would move other memory",
+                dev.direct_base(),
+                self.transport.direct_base()
+            )));
+        }
+        if l.send_slots < dev.send_slots() || l.slot_bytes < dev.slot_bytes() {
+            return Err(internal(&format!(
+                "the device's {} send slots of {} bytes do not fit the transport's \
+                 direct region ({l:?})",
+                dev.send_slots(),
+                dev.slot_bytes()
+            )));
+        }
+        Ok(l)
     }
 
     fn execute_staged(
@@ -198,12 +245,26 @@ impl Engine {
         desc: &Desc,
         full_op: ReduceOp,
         dev: &mut dyn StagedDevice,
+        direct: Option<DirectLayout>,
     ) -> Result<()> {
         self.with_scratch(prog, |eng, s, start, deadline| {
-            eng.drive_staged(prog, desc, full_op, dev, start, deadline, s)
+            let mut st = std::mem::take(&mut s.staged);
+            st.reset(
+                prog.steps.len(),
+                dev.send_slots(),
+                dev.recv_slots(),
+                eng.world,
+            );
+            let res = eng.drive_staged(
+                prog, desc, full_op, dev, direct, start, deadline, s, &mut st,
+            );
+            s.staged = st;
+            res
         })
     }
 
+    /// The staged drive loop; `direct` is the transport's direct layout when `dev` moves data
+    /// directly (checked by [`Engine::run_staged`]), `None` for pinned host slots.
     #[allow(clippy::too_many_arguments)]
     fn drive_staged(
         &mut self,
@@ -211,24 +272,24 @@ impl Engine {
         desc: &Desc,
         full_op: ReduceOp,
         dev: &mut dyn StagedDevice,
+        direct: Option<DirectLayout>,
         start: Instant,
         deadline: Instant,
         s: &mut Scratch,
+        st: &mut StagedScratch,
     ) -> Result<()> {
         let esz = desc.dtype.size();
         let op = full_op.step_op();
-        let n = prog.steps.len();
-        let mut send_state = vec![SendState::Idle; n];
-        let mut free_send: Vec<usize> = (0..dev.send_slots()).rev().collect();
-        let base = dev.send_slots();
-        let mut free_recv: Vec<usize> = (base..base + dev.recv_slots()).rev().collect();
-        let mut recv_slot: Vec<Option<usize>> = vec![None; self.world];
-        let mut landing: VecDeque<(Held, u64)> = VecDeque::new();
-        // Direct send slots posted but still being read by the NIC: (slot, peer, token).
-        let mut draining: Vec<(usize, usize, u64)> = Vec::new();
-        let direct = dev.direct();
-        let layout = self.transport.direct_layout();
-        if direct {
+        let StagedScratch {
+            send_state,
+            staging,
+            free_send,
+            free_recv,
+            recv_slot,
+            landing,
+            draining,
+        } = st;
+        if direct.is_some() {
             for &p in &s.active {
                 if !self.transport.direct_peer(p) {
                     return Err(Error::invalid(
@@ -307,6 +368,7 @@ impl Engine {
                     dev.d2h(&dev_range(&src, esz), slot)?;
                     let mark = dev.mark()?;
                     send_state[iu] = SendState::Staging { slot, mark };
+                    *staging += 1;
                     moved = true;
                 }
 
@@ -325,15 +387,21 @@ impl Engine {
                             break;
                         }
                         send_state[iu] = SendState::Ready { slot };
+                        *staging = staging.saturating_sub(1);
                     }
                     let hdr = desc.header(len);
                     let before = s.send_prog[p].written;
-                    let fin = match (send_state[iu], layout) {
-                        (SendState::Ready { slot }, Some(l)) if direct => self
-                            .transport
-                            .send_direct(p, &hdr, l.send(slot), &mut s.send_prog[p])?,
-                        (SendState::Ready { slot }, _) => {
-                            let data = &dev.slot(slot)[..len];
+                    let fin = match (send_state[iu], direct) {
+                        (SendState::Ready { slot }, Some(l)) => self.transport.send_direct(
+                            p,
+                            &hdr,
+                            l.send(slot),
+                            &mut s.send_prog[p],
+                        )?,
+                        (SendState::Ready { slot }, None) => {
+                            let data = dev.slot(slot).get(..len).ok_or_else(|| {
+                                internal("a send slot is smaller than its segment")
+                            })?;
                             self.transport.send(p, &hdr, data, &mut s.send_prog[p])?
                         }
                         (SendState::Idle, _) if len == 0 => {
@@ -347,7 +415,7 @@ impl Engine {
                     }
                     if let SendState::Ready { slot } = send_state[iu] {
                         match s.send_prog[p].token {
-                            t if direct && t != 0 => draining.push((slot, p, t)),
+                            t if direct.is_some() && t != 0 => draining.push((slot, p, t)),
                             _ => free_send.push(slot),
                         }
                     }
@@ -365,7 +433,7 @@ impl Engine {
                         return Err(internal("non-receive step in a receive queue"));
                     };
                     let len = dst.len * esz;
-                    if direct {
+                    if direct.is_some() {
                         let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
                         let landed = {
                             let mut sink = Sink {
@@ -407,7 +475,9 @@ impl Engine {
                     let fin = {
                         let mut empty: [u8; 0] = [];
                         let buf: &mut [u8] = match recv_slot[p] {
-                            Some(slot) => &mut dev.slot_mut(slot)[..len],
+                            Some(slot) => dev.slot_mut(slot).get_mut(..len).ok_or_else(|| {
+                                internal("a receive slot is smaller than its segment")
+                            })?,
                             None => &mut empty,
                         };
                         let mut sink = Sink {
@@ -470,11 +540,7 @@ impl Engine {
             // Device completions are not file descriptors, and copying one segment takes
             // microseconds: while device work is in flight, keep polling (yielding the CPU)
             // instead of sleeping in the transport.
-            let device_busy = !landing.is_empty()
-                || !draining.is_empty()
-                || send_state
-                    .iter()
-                    .any(|st| matches!(st, SendState::Staging { .. }));
+            let device_busy = !landing.is_empty() || !draining.is_empty() || *staging > 0;
             if device_busy {
                 std::thread::yield_now();
                 continue;
@@ -509,6 +575,8 @@ pub struct EmulatedDevice {
     region: Option<(Arc<dyn RegionAccess>, DirectLayout)>,
     /// Direct mode: landed payloads consumed so far.
     pub landed: usize,
+    /// A region access that failed in a deferred operation, reported by the next poll.
+    fault: Option<String>,
 }
 
 #[derive(Debug)]
@@ -572,6 +640,15 @@ impl EmulatedDevice {
             performed: 0,
             region: None,
             landed: 0,
+            fault: None,
+        }
+    }
+
+    /// The failure of a deferred region access, if one happened.
+    fn fault_check(&self) -> Result<()> {
+        match &self.fault {
+            Some(f) => Err(internal(&format!("emulated device: {f}"))),
+            None => Ok(()),
         }
     }
 
@@ -617,7 +694,11 @@ impl EmulatedDevice {
             EmuOp::D2h { src, slot } => {
                 let data = self.read(&src).to_vec();
                 match &self.region {
-                    Some((r, l)) => r.write(l.send(slot), &data),
+                    Some((r, l)) => {
+                        if !r.write(l.send(slot), &data) {
+                            self.fault = Some(format!("send slot {slot} is outside the region"));
+                        }
+                    }
                     None => self.slots[slot][..data.len()].copy_from_slice(&data),
                 }
             }
@@ -630,7 +711,12 @@ impl EmulatedDevice {
             } => {
                 let mut incoming = vec![0u8; dst.len()];
                 if let Some((r, _)) = &self.region {
-                    r.read(offset, &mut incoming);
+                    if !r.read(offset, &mut incoming) {
+                        self.fault = Some(format!(
+                            "{} bytes at offset {offset} are outside the region",
+                            incoming.len()
+                        ));
+                    }
                 }
                 self.landed += 1;
                 match acc {
@@ -682,8 +768,42 @@ impl EmulatedDevice {
     }
 
     fn check(&self, r: &Range<usize>, len: usize, what: &str) -> Result<()> {
-        if r.end > len {
+        if r.start > r.end || r.end > len {
             return Err(internal(&format!("{what} range {r:?} beyond {len} bytes")));
+        }
+        Ok(())
+    }
+
+    /// Checks a range of a device buffer.
+    fn check_dev(&self, r: &DevRange, what: &str) -> Result<()> {
+        let len = match r.buf {
+            Buf::Src => self.src.len(),
+            Buf::Dst => self.dst.len(),
+        };
+        self.check(&r.bytes, len, what)
+    }
+
+    /// Checks that `len` bytes fit slot `slot`: a copy-out (`send`) in direct mode goes to a
+    /// send slot of the region; everything else uses the pinned host slots (none in direct
+    /// mode).
+    fn check_slot(&self, slot: usize, len: usize, send: bool, what: &str) -> Result<()> {
+        let fits = match &self.region {
+            Some(_) if send => slot < self.send_slots && len <= self.slot_bytes,
+            _ => self.slots.get(slot).is_some_and(|s| len <= s.len()),
+        };
+        if !fits {
+            return Err(internal(&format!(
+                "{what}: {len} bytes in slot {slot}, outside the device's slots"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that an accumulator (or copy source) has as many bytes as its destination.
+    fn check_same_len(&self, r: &DevRange, dst: &Range<usize>, what: &str) -> Result<()> {
+        self.check_dev(r, what)?;
+        if r.bytes.len() != dst.len() {
+            return Err(internal(&format!("{what}: {r:?} does not match {dst:?}")));
         }
         Ok(())
     }
@@ -699,22 +819,20 @@ impl StagedDevice for EmulatedDevice {
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
+    /// Empty for a slot that does not exist (as the CUDA devices do).
     fn slot(&self, i: usize) -> &[u8] {
-        &self.slots[i]
+        self.slots.get(i).map_or(&[], Vec::as_slice)
     }
+    /// Empty for a slot that does not exist (as the CUDA devices do).
     fn slot_mut(&mut self, i: usize) -> &mut [u8] {
-        &mut self.slots[i]
+        match self.slots.get_mut(i) {
+            Some(s) => s,
+            None => &mut [],
+        }
     }
     fn d2h(&mut self, src: &DevRange, slot: usize) -> Result<()> {
-        self.check(
-            &src.bytes,
-            if src.buf == Buf::Src {
-                self.src.len()
-            } else {
-                self.dst.len()
-            },
-            "d2h",
-        )?;
+        self.check_dev(src, "d2h")?;
+        self.check_slot(slot, src.bytes.len(), true, "d2h")?;
         self.queue.push_back(EmuOp::D2h {
             src: src.clone(),
             slot,
@@ -723,6 +841,7 @@ impl StagedDevice for EmulatedDevice {
     }
     fn h2d(&mut self, slot: usize, dst: Range<usize>) -> Result<()> {
         self.check(&dst, self.dst.len(), "h2d")?;
+        self.check_slot(slot, dst.len(), false, "h2d")?;
         self.queue.push_back(EmuOp::H2d { slot, dst });
         Ok(())
     }
@@ -735,6 +854,8 @@ impl StagedDevice for EmulatedDevice {
         op: ReduceOp,
     ) -> Result<()> {
         self.check(&dst, self.dst.len(), "h2d_reduce")?;
+        self.check_slot(slot, dst.len(), false, "h2d_reduce")?;
+        self.check_same_len(acc, &dst, "h2d_reduce")?;
         self.queue.push_back(EmuOp::H2dReduce {
             slot,
             dst,
@@ -746,6 +867,7 @@ impl StagedDevice for EmulatedDevice {
     }
     fn copy(&mut self, src: &DevRange, dst: Range<usize>) -> Result<()> {
         self.check(&dst, self.dst.len(), "copy")?;
+        self.check_same_len(src, &dst, "copy")?;
         self.queue.push_back(EmuOp::Copy {
             src: src.clone(),
             dst,
@@ -777,13 +899,14 @@ impl StagedDevice for EmulatedDevice {
         for _ in 0..self.lag() {
             self.perform_one();
         }
+        self.fault_check()?;
         Ok(self.done_mark >= mark)
     }
     fn synchronize(&mut self, _deadline: Instant) -> Result<()> {
         while !self.queue.is_empty() {
             self.perform_one();
         }
-        Ok(())
+        self.fault_check()
     }
     fn buffer_bytes(&self) -> (usize, usize) {
         (self.src.len(), self.dst.len())
@@ -803,8 +926,14 @@ impl StagedDevice for EmulatedDevice {
         op: ReduceOp,
     ) -> Result<()> {
         self.check(&dst, self.dst.len(), "land")?;
+        if let Some(a) = acc {
+            self.check_same_len(a, &dst, "land")?;
+        }
         match &self.region {
-            Some((_, l)) if offset + dst.len() <= l.len() => {}
+            Some((_, l))
+                if offset
+                    .checked_add(dst.len())
+                    .is_some_and(|end| end <= l.len()) => {}
             _ => {
                 return Err(internal(&format!(
                     "landing offset {offset} outside the region"
@@ -836,5 +965,85 @@ impl StagedDevice for EmulatedDevice {
             self.recv_slots(),
             self.slot_bytes / 1024
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Collective;
+    use crate::transport::mem::MemFabric;
+    use crate::transport::Transport;
+
+    fn range(buf: Buf, bytes: Range<usize>) -> DevRange {
+        DevRange { buf, bytes }
+    }
+
+    #[test]
+    fn a_bad_slot_or_range_is_an_error_not_a_panic() {
+        let mut d = EmulatedDevice::new(vec![0; 64], vec![0; 64], 1, 1, 16, 7);
+        assert!(d.d2h(&range(Buf::Src, 0..8), 2).is_err());
+        assert!(d.d2h(&range(Buf::Src, 0..32), 0).is_err());
+        assert!(d.h2d(9, 0..8).is_err());
+        assert!(d.h2d(1, 0..32).is_err());
+        assert!(d
+            .h2d_reduce(
+                5,
+                0..8,
+                &range(Buf::Src, 0..8),
+                DataType::F32,
+                ReduceOp::Sum
+            )
+            .is_err());
+        assert!(d
+            .h2d_reduce(
+                1,
+                0..8,
+                &range(Buf::Src, 0..4),
+                DataType::F32,
+                ReduceOp::Sum
+            )
+            .is_err());
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 8..4;
+        assert!(d.copy(&range(Buf::Src, 0..0), backwards).is_err());
+        assert!(d.copy(&range(Buf::Src, 0..4), 0..8).is_err());
+        assert!(d.slot(9).is_empty() && d.slot_mut(9).is_empty());
+        // Valid operations still complete.
+        d.d2h(&range(Buf::Src, 0..8), 0).unwrap();
+        d.h2d(1, 0..8).unwrap();
+        d.synchronize(Instant::now()).unwrap();
+        assert_eq!(d.performed, 2);
+    }
+
+    #[test]
+    fn a_direct_landing_offset_that_overflows_is_an_error() {
+        let t = MemFabric::with_direct(1, 4, 2, 64, 2).transport(0);
+        let (region, layout) = (t.direct_host_region().unwrap(), t.direct_layout().unwrap());
+        let mut d = EmulatedDevice::direct(Vec::new(), vec![0; 64], region, layout, 2, 1);
+        let e = d.land(usize::MAX, 0..8, None, DataType::F32, ReduceOp::Sum);
+        assert!(e.is_err());
+        assert!(d.h2d(0, 0..8).is_err(), "a direct device has no host slots");
+    }
+
+    #[test]
+    fn a_direct_device_on_a_transport_without_a_region_is_told_so() {
+        let other = MemFabric::with_direct(1, 4, 2, 1 << 16, 2).transport(0);
+        let region = other.direct_host_region().unwrap();
+        let layout = other.direct_layout().unwrap();
+        let opts = super::super::EngineOptions {
+            segment_bytes: 1 << 16,
+            ..Default::default()
+        };
+        let mut eng = Engine::new(0, 1, Box::new(MemFabric::new(1, 4).transport(0)), opts);
+        let mut d = EmulatedDevice::direct(Vec::new(), vec![0; 32], region, layout, 2, 1);
+        let mut call = Call::new(Collective::AllReduce, Some(ReduceOp::Sum), 8, 0, false);
+        call.dtype = DataType::F32;
+        match eng.run_staged(&call, &mut d) {
+            Err(Error::InvalidArgument { what, .. }) => {
+                assert!(what.contains("no direct region"), "{what}")
+            }
+            other => panic!("expected an invalid-usage error, got {other:?}"),
+        }
     }
 }

@@ -53,7 +53,8 @@ const CONTEXT_SYMBOLS: [&str; 22] = [
     "cuGetErrorString",
 ];
 
-fn driver_err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+/// Maps a cudarc driver error to [`Error::Cuda`] naming `op` (for `map_err`).
+pub(crate) fn driver_err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda {
         op: op.to_string(),
         what: cu_error_text(e.0),
@@ -505,9 +506,18 @@ pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Res
 /// (an RDMA READ on a loop-back QP, as NCCL does).
 pub fn flush_gpudirect_writes(ctx: &Arc<CudaContext>) -> Result<()> {
     require_driver_symbols(&["cuFlushGPUDirectRDMAWrites"])?;
+    flush_gpudirect_writes_prechecked(ctx)
+}
+
+/// [`flush_gpudirect_writes`] without looking the driver function up again (a `dlsym`), for
+/// the data path: only for callers that know `cuFlushGPUDirectRDMAWrites` was found (a
+/// [`DirectRegion`](super::direct::DirectRegion) checks it when it is created); cudarc would
+/// panic on a missing symbol.
+pub(crate) fn flush_gpudirect_writes_prechecked(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
-    // SAFETY: the symbol exists and a context is current; the call takes two enum values.
+    // SAFETY: the symbol exists (checked by the caller's constructor, see above) and a context
+    // is current; the call takes two enum values.
     cu_check("cuFlushGPUDirectRDMAWrites", unsafe {
         sys::cuFlushGPUDirectRDMAWrites(
             sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,

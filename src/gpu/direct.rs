@@ -40,9 +40,12 @@ use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 };
 
-use super::device::{flush_gpudirect_writes, DeviceAllocation, GpuReducer};
+use super::device::{
+    driver_err, flush_gpudirect_writes, flush_gpudirect_writes_prechecked, DeviceAllocation,
+    GpuReducer,
+};
 use super::probe::{cu_check, cu_error_text, require_driver_symbols};
-use super::staged::{DevBuffers, Marks};
+use super::staged::{check_contexts, DevBuffers, Marks};
 use super::sysfs::Sysfs;
 use super::MemoryKind;
 use crate::engine::staged::{DevRange, StagedDevice};
@@ -67,13 +70,6 @@ const SLOT_ALIGN: usize = 8;
 
 fn bad(op: &str, what: impl Into<String>) -> Error {
     Error::invalid(None, format!("direct {op}"), what)
-}
-
-fn cuda(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
-    move |e| Error::Cuda {
-        op: op.to_string(),
-        what: cu_error_text(e.0),
-    }
 }
 
 /// The size in bytes of a region with `layout`, after checking that it can live in GPU memory:
@@ -144,7 +140,8 @@ impl DirectRegion {
         let mem = DeviceAllocation::new(ctx, len)?;
         // Zeroed once so that nothing of a previous owner of the memory can leak to a peer;
         // correctness never depends on it (every byte read was written first).
-        ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the symbol was checked, the context is current, and `mem` is a live
         // allocation of exactly `mem.len()` bytes in it.
         cu_check("cuMemsetD8_v2", unsafe {
@@ -152,7 +149,7 @@ impl DirectRegion {
         })?;
         // The memset runs on the legacy default stream, which the library's non-blocking
         // streams do not wait for: finish it here.
-        ctx.synchronize().map_err(cuda("cuCtxSynchronize"))?;
+        ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
         Ok(DirectRegion {
             dmabuf: OnceLock::new(),
             events: Mutex::new(Vec::new()),
@@ -260,14 +257,18 @@ impl DirectRegion {
         if src.is_empty() {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the symbol was checked at construction; `offset + src.len()` lies inside the
         // live allocation (checked) and `src` is readable for `src.len()` bytes.
         cu_check("cuMemcpyHtoD_v2", unsafe {
             sys::cuMemcpyHtoD_v2(self.ptr() + offset as u64, src.as_ptr().cast(), src.len())
         })?;
         // A copy from pageable memory may still be in flight when the call returns.
-        self.ctx.synchronize().map_err(cuda("cuCtxSynchronize"))
+        self.ctx
+            .synchronize()
+            .map_err(driver_err("cuCtxSynchronize"))
     }
 
     /// Copies `dst.len()` bytes of the region at `offset` into `dst`, after synchronising the
@@ -278,7 +279,9 @@ impl DirectRegion {
         if dst.is_empty() {
             return Ok(());
         }
-        self.ctx.synchronize().map_err(cuda("cuCtxSynchronize"))?;
+        self.ctx
+            .synchronize()
+            .map_err(driver_err("cuCtxSynchronize"))?;
         // SAFETY: as in `write_from_host`; `dst` is writable for `dst.len()` bytes, and a copy
         // to pageable memory has completed when the call returns.
         cu_check("cuMemcpyDtoH_v2", unsafe {
@@ -329,14 +332,13 @@ pub struct CudaDirectDevice<'a> {
     send_slots: usize,
     marks: Marks,
     events: Vec<CudaEvent>,
-    description: String,
     // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
     bufs: DevBuffers<'a>,
 }
 
 impl std::fmt::Debug for CudaDirectDevice<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.description)
+        f.write_str(&self.describe())
     }
 }
 
@@ -358,39 +360,17 @@ impl<'a> CudaDirectDevice<'a> {
         S: DevicePtr<T>,
         D: DevicePtrMut<T>,
     {
-        require_driver_symbols(&SYMBOLS)?;
-        let (theirs, ours) = (stream.context(), &region.ctx);
-        if theirs.ordinal() != ours.ordinal() {
-            return Err(bad(
-                "device",
-                format!(
-                    "this rank registered GPU {} with the NIC at init but the collective runs \
-                     on a stream of GPU {}: set DSPARK_CUDA_DEVICE (or the launcher's local \
-                     rank) to the GPU this rank uses, or DSPARK_DATA_PATH=host-staged",
-                    ours.ordinal(),
-                    theirs.ordinal()
-                ),
-            ));
-        }
-        if theirs.as_ref() != ours.as_ref() {
-            return Err(bad(
-                "device",
-                format!(
-                    "the stream belongs to another CUDA context of GPU {} than the direct region",
-                    ours.ordinal()
-                ),
-            ));
-        }
-        if reducer.context().as_ref() != ours.as_ref() {
-            return Err(bad(
-                "device",
-                format!(
-                    "reduction kernels loaded on GPU {} used with the direct region of GPU {}",
-                    reducer.context().ordinal(),
-                    ours.ordinal()
-                ),
-            ));
-        }
+        // The driver functions used here were checked when the region was created.
+        check_contexts(
+            "direct",
+            "direct region",
+            &region.ctx,
+            stream,
+            reducer,
+            " (this rank registered the region's GPU with the NIC at init): set \
+             DSPARK_CUDA_DEVICE (or the launcher's local rank) to the GPU this rank uses, or \
+             DSPARK_DATA_PATH=host-staged",
+        )?;
         let layout = region.layout;
         if send_slots == 0 || send_slots > layout.send_slots {
             return Err(bad(
@@ -402,14 +382,6 @@ impl<'a> CudaDirectDevice<'a> {
             ));
         }
         let bufs = DevBuffers::borrow("direct", stream, src, dst);
-        let description = format!(
-            "CUDA device {} ({}): direct (GPUDirect RDMA), {send_slots} send slots of {} KiB \
-             and {} landing slots per peer in GPU memory",
-            ours.ordinal(),
-            reducer.arch(),
-            layout.slot_bytes / 1024,
-            layout.slots
-        );
         Ok(CudaDirectDevice {
             reducer,
             stream,
@@ -417,7 +389,6 @@ impl<'a> CudaDirectDevice<'a> {
             send_slots,
             marks: Marks::new(),
             events: region.take_events(),
-            description,
             bufs,
         })
     }
@@ -535,7 +506,16 @@ impl StagedDevice for CudaDirectDevice<'_> {
     }
 
     fn describe(&self) -> String {
-        self.description.clone()
+        let layout = self.region.layout;
+        format!(
+            "CUDA device {} ({}): direct (GPUDirect RDMA), {} send slots of {} KiB and {} \
+             landing slots per peer in GPU memory",
+            self.region.ctx.ordinal(),
+            self.reducer.arch(),
+            self.send_slots,
+            layout.slot_bytes / 1024,
+            layout.slots
+        )
     }
 
     fn buffer_bytes(&self) -> (usize, usize) {
@@ -591,8 +571,9 @@ impl StagedDevice for CudaDirectDevice<'_> {
             return Ok(());
         }
         // The NIC's writes completed before the transport reported the payload; make them
-        // visible to the copy or kernel enqueued next.
-        flush_gpudirect_writes(&self.region.ctx)?;
+        // visible to the copy or kernel enqueued next. (The region checked at creation that the
+        // driver has the flush, so it is not looked up again per segment.)
+        flush_gpudirect_writes_prechecked(&self.region.ctx)?;
         let incoming = self.region.ptr() + offset as u64;
         match a {
             // SAFETY: `d` covers `n` bytes of the borrowed destination and `incoming` `n` bytes
@@ -624,8 +605,12 @@ impl Drop for CudaDirectDevice<'_> {
     fn drop(&mut self) {
         // Copies into the send slots and reads of the landing slots must finish before the
         // region is used by the next collective; errors cannot be reported from Drop.
-        let _ = self.stream.synchronize();
-        self.marks.recycle(&mut self.events);
+        self.marks.settle_for_drop(
+            &self.region.ctx,
+            self.stream,
+            &mut self.events,
+            "direct device drop",
+        );
         self.region.give_events(&mut self.events);
     }
 }

@@ -30,8 +30,8 @@ use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
 };
 
-use super::device::{DeviceAllocation, GpuReducer};
-use super::probe::{cu_check, cu_error_text, require_driver_symbols};
+use super::device::{driver_err, DeviceAllocation, GpuReducer};
+use super::probe::{cu_check, require_driver_symbols};
 use crate::engine::staged::{DevRange, StagedDevice};
 use crate::error::{Error, Result};
 use crate::plan::Buf;
@@ -64,10 +64,8 @@ unsafe impl Send for Pinned {}
 
 impl Pinned {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
-        ctx.bind_to_thread().map_err(|e| Error::Cuda {
-            op: "cuCtxSetCurrent".into(),
-            what: cu_error_text(e.0),
-        })?;
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: the symbol was checked by the caller and a context is current; the driver
         // writes one pointer; flags 0 = plain page-locked memory of this context.
@@ -110,15 +108,54 @@ pub struct CudaStagedDevice<'a> {
     stream: &'a Arc<CudaStream>,
     pool: &'a mut StagingPool,
     marks: Marks,
-    description: String,
     // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
     bufs: DevBuffers<'a>,
 }
 
 impl std::fmt::Debug for CudaStagedDevice<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.description)
+        f.write_str(&self.describe())
     }
+}
+
+/// How long dropping a device waits, bounded, for its stream's work before it reports that
+/// the work is still running and waits without a bound (which memory safety requires).
+const DROP_WAIT: Duration = Duration::from_secs(10);
+
+/// Checks that `stream` and `reducer` belong to `ours`, the context of the memory a `kind`
+/// (`staged` or `direct`) device stages through (`memory`: a staging pool, a direct region);
+/// `hint` follows the message when the GPUs differ.
+pub(crate) fn check_contexts(
+    kind: &str,
+    memory: &str,
+    ours: &Arc<CudaContext>,
+    stream: &CudaStream,
+    reducer: &GpuReducer,
+    hint: &str,
+) -> Result<()> {
+    let bad = |what: String| Error::invalid(None, format!("{kind} device"), what);
+    let theirs = stream.context();
+    if theirs.ordinal() != ours.ordinal() {
+        return Err(bad(format!(
+            "the {memory} is on GPU {} but the collective runs on a stream of GPU {}{hint}",
+            ours.ordinal(),
+            theirs.ordinal()
+        )));
+    }
+    if theirs.as_ref() != ours.as_ref() {
+        return Err(bad(format!(
+            "the stream belongs to another CUDA context of GPU {} than the {memory}",
+            ours.ordinal()
+        )));
+    }
+    if reducer.context().as_ref() != ours.as_ref() {
+        return Err(bad(format!(
+            "reduction kernels loaded on GPU {} used with the {memory} of GPU {}",
+            reducer.context().ordinal(),
+            ours.ordinal()
+        )));
+    }
+    Ok(())
 }
 
 impl<'a> CudaStagedDevice<'a> {
@@ -137,32 +174,14 @@ impl<'a> CudaStagedDevice<'a> {
         S: DevicePtr<T>,
         D: DevicePtrMut<T>,
     {
-        require_driver_symbols(&SYMBOLS)?;
-        if pool.ctx.ordinal() != stream.context().ordinal() {
-            return Err(bad(
-                "device",
-                format!(
-                    "staging pool of GPU {} used with a stream of GPU {}",
-                    pool.ctx.ordinal(),
-                    stream.context().ordinal()
-                ),
-            ));
-        }
+        // The driver functions used here were checked when the pool was created.
+        check_contexts("staged", "staging pool", &pool.ctx, stream, reducer, "")?;
         let bufs = DevBuffers::borrow("staged", stream, src, dst);
-        let description = format!(
-            "CUDA device {} ({}): {} send + {} receive pinned slots of {} KiB",
-            pool.ctx.ordinal(),
-            reducer.arch(),
-            pool.send_slots,
-            pool.recv_slots,
-            pool.slot_bytes / 1024
-        );
         Ok(CudaStagedDevice {
             reducer,
             stream,
             pool,
             marks: Marks::new(),
-            description,
             bufs,
         })
     }
@@ -327,7 +346,14 @@ impl StagedDevice for CudaStagedDevice<'_> {
     }
 
     fn describe(&self) -> String {
-        self.description.clone()
+        format!(
+            "CUDA device {} ({}): {} send + {} receive pinned slots of {} KiB",
+            self.pool.ctx.ordinal(),
+            self.reducer.arch(),
+            self.pool.send_slots,
+            self.pool.recv_slots,
+            self.pool.slot_bytes / 1024
+        )
     }
 
     fn buffer_bytes(&self) -> (usize, usize) {
@@ -339,8 +365,12 @@ impl Drop for CudaStagedDevice<'_> {
     fn drop(&mut self) {
         // Copies into or out of the pinned slots and the scratch must finish before the pool
         // is used again; errors cannot be reported from Drop.
-        let _ = self.stream.synchronize();
-        self.marks.recycle(&mut self.pool.events);
+        self.marks.settle_for_drop(
+            &self.pool.ctx,
+            self.stream,
+            &mut self.pool.events,
+            "staged device drop",
+        );
     }
 }
 
@@ -493,15 +523,9 @@ impl Marks {
     ) -> Result<u64> {
         let ev = match spare.pop() {
             Some(ev) => ev,
-            None => ctx.new_event(None).map_err(|e| Error::Cuda {
-                op: "cuEventCreate".into(),
-                what: cu_error_text(e.0),
-            })?,
+            None => ctx.new_event(None).map_err(driver_err("cuEventCreate"))?,
         };
-        ev.record(stream).map_err(|e| Error::Cuda {
-            op: "cuEventRecord".into(),
-            what: cu_error_text(e.0),
-        })?;
+        ev.record(stream).map_err(driver_err("cuEventRecord"))?;
         self.next += 1;
         self.pending.push_back((self.next, ev));
         Ok(self.next)
@@ -511,10 +535,7 @@ impl Marks {
     pub(crate) fn reached(&mut self, mark: u64, spare: &mut Vec<CudaEvent>) -> Result<bool> {
         // Events complete in stream order: pop every completed one from the front.
         while let Some((m, ev)) = self.pending.front() {
-            let done = ev.try_is_complete().map_err(|e| Error::Cuda {
-                op: "cuEventQuery".into(),
-                what: cu_error_text(e.0),
-            })?;
+            let done = ev.try_is_complete().map_err(driver_err("cuEventQuery"))?;
             if !done {
                 break;
             }
@@ -558,6 +579,35 @@ impl Marks {
     /// Gives every pending event back to `spare` (call after synchronising the stream).
     pub(crate) fn recycle(&mut self, spare: &mut Vec<CudaEvent>) {
         spare.extend(self.pending.drain(..).map(|(_, ev)| ev));
+    }
+
+    /// For a device's `Drop`: waits until everything enqueued on `stream` has finished, then
+    /// recycles the events. Where marks are still pending (a call failed, typically with a
+    /// timeout, while device work was in flight) it first waits for them for at most
+    /// [`DROP_WAIT`] and, if the work is still running then, logs an error before waiting
+    /// without a bound — the borrowed buffers and slots must not be released under running
+    /// device work, so a stuck stream hangs here, but not silently.
+    pub(crate) fn settle_for_drop(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        spare: &mut Vec<CudaEvent>,
+        op: &str,
+    ) {
+        if !self.pending.is_empty() {
+            let deadline = crate::config::deadline(Instant::now(), DROP_WAIT);
+            if let Err(e) = self.wait_all(ctx, stream, spare, op, deadline) {
+                tracing::error!(
+                    "{op}: device work on GPU {} did not finish within {:?} ({e}); now waiting \
+                     for the stream without a deadline, since its buffers cannot be released \
+                     under running device work",
+                    ctx.ordinal(),
+                    DROP_WAIT
+                );
+            }
+        }
+        let _ = stream.synchronize();
+        self.recycle(spare);
     }
 }
 

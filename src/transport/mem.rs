@@ -208,13 +208,27 @@ impl RegionAccess for MemRegion {
     fn id(&self) -> u64 {
         region_id(&self.fabric, self.rank)
     }
-    fn read(&self, off: usize, dst: &mut [u8]) {
+    fn read(&self, off: usize, dst: &mut [u8]) -> bool {
         let st = self.fabric.lock();
-        dst.copy_from_slice(&st.regions[self.rank][off..off + dst.len()]);
+        let range = off..off.saturating_add(dst.len());
+        match st.regions.get(self.rank).and_then(|r| r.get(range)) {
+            Some(from) => {
+                dst.copy_from_slice(from);
+                true
+            }
+            None => false,
+        }
     }
-    fn write(&self, off: usize, src: &[u8]) {
+    fn write(&self, off: usize, src: &[u8]) -> bool {
         let mut st = self.fabric.lock();
-        st.regions[self.rank][off..off + src.len()].copy_from_slice(src);
+        let range = off..off.saturating_add(src.len());
+        match st.regions.get_mut(self.rank).and_then(|r| r.get_mut(range)) {
+            Some(to) => {
+                to.copy_from_slice(src);
+                true
+            }
+            None => false,
+        }
     }
 }
 

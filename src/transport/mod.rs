@@ -321,10 +321,12 @@ pub(crate) fn rdhup() -> nix::poll::PollFlags {
 /// Host access to a direct region that lives in host memory (the emulated path in tests):
 /// copies only, because the NIC may be writing other parts of it at any time.
 pub trait RegionAccess: Send + Sync + fmt::Debug {
-    /// Copies `dst.len()` bytes from offset `off` into `dst`.
-    fn read(&self, off: usize, dst: &mut [u8]);
-    /// Copies `src` to offset `off`.
-    fn write(&self, off: usize, src: &[u8]);
+    /// Copies `dst.len()` bytes from offset `off` into `dst`; `false`, copying nothing, when
+    /// that range is not inside the region.
+    fn read(&self, off: usize, dst: &mut [u8]) -> bool;
+    /// Copies `src` to offset `off`; `false`, copying nothing, when that range is not inside
+    /// the region.
+    fn write(&self, off: usize, src: &[u8]) -> bool;
     /// The region's identity, equal to [`Transport::direct_base`] of the transport that owns
     /// it (its address for a NIC).
     fn id(&self) -> u64;

@@ -151,12 +151,12 @@ impl RegionAccess for HostRegion {
     fn id(&self) -> u64 {
         self.mem.as_ptr() as u64
     }
-    fn read(&self, off: usize, dst: &mut [u8]) {
+    fn read(&self, off: usize, dst: &mut [u8]) -> bool {
         if off
             .checked_add(dst.len())
             .is_none_or(|e| e > self.mem.len())
         {
-            return;
+            return false;
         }
         let _copying = self.copies.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: in bounds (checked); the NIC finished writing this range (its completion
@@ -164,13 +164,14 @@ impl RegionAccess for HostRegion {
         unsafe {
             std::ptr::copy_nonoverlapping(self.mem.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
         }
+        true
     }
-    fn write(&self, off: usize, src: &[u8]) {
+    fn write(&self, off: usize, src: &[u8]) -> bool {
         if off
             .checked_add(src.len())
             .is_none_or(|e| e > self.mem.len())
         {
-            return;
+            return false;
         }
         let _copying = self.copies.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: in bounds (checked); send slots are read by the NIC only between a post
@@ -178,6 +179,7 @@ impl RegionAccess for HostRegion {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.mem.as_ptr().add(off), src.len())
         }
+        true
     }
 }
 
@@ -415,7 +417,10 @@ impl VerbsOptions {
     /// the outgoing CTS entries and the outgoing control frame.
     fn peer_memory(&self) -> (usize, usize) {
         let (n, sb) = (self.slots, self.slot_bytes());
-        (n * sb + CTRL_BYTES + n * CTS_LEN, n * sb + n * CTS_LEN + CTRL_BYTES)
+        (
+            n * sb + CTRL_BYTES + n * CTS_LEN,
+            n * sb + n * CTS_LEN + CTRL_BYTES,
+        )
     }
 
     /// Bytes of memory this rank pins per peer.
@@ -727,7 +732,7 @@ fn prepare(
     rank: usize,
     world: usize,
     opts: VerbsOptions,
-    direct: &mut dyn FnMut(&VerbsOptions) -> DirectSpec,
+    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
 ) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
@@ -781,7 +786,7 @@ fn prepare(
         }));
     }
     // Only now, with a usable port, is it worth setting up device memory for the NIC.
-    let spec = direct(&opts);
+    let spec = direct(&opts, &local.ctx.name);
     let (direct, direct_info) = register_direct(&pd, world, &opts, &spec);
     Ok(Prepared {
         lib,
@@ -2373,7 +2378,7 @@ pub fn select(
     boot: &mut Bootstrap,
     cfg: &Config,
     streams: Vec<Option<TcpStream>>,
-    direct: &mut dyn FnMut(&VerbsOptions) -> DirectSpec,
+    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
 ) -> Result<Selected> {
     let rank = cfg.rank;
     let world = cfg.world_size;
@@ -2642,7 +2647,7 @@ mod tests {
         // probe runs. Either way: a sentence, never a panic.
         let cfg = Config::new(0, 2, "h:1");
         let o = VerbsOptions::from_lookup(&cfg, |_| None).unwrap();
-        if let Err(reason) = prepare(0, 2, o, &mut |_| DirectSpec::None) {
+        if let Err(reason) = prepare(0, 2, o, &mut |_, _| DirectSpec::None) {
             assert!(!reason.is_empty());
         }
     }
