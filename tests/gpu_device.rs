@@ -486,9 +486,11 @@ fn staged_rank(
     }
     // Timed: the staged all-reduce (values keep growing but stay exact for a few calls).
     comm.barrier().map_err(e("barrier"))?;
-    let total = wall_ms(|| {
-        let _ = run(&mut buf);
-    });
+    // The timed call's result is checked: an erroring run would finish early and make the
+    // overlap ratio look good.
+    let mut timed = Ok(());
+    let total = wall_ms(|| timed = run(&mut buf));
+    timed.map_err(|x| format!("timed staged all-reduce: {x}"))?;
     // Stage: device -> pinned host, every segment.
     let bytes = count * 4;
     let mut scratch_dst = stream
@@ -534,9 +536,9 @@ fn staged_rank(
     // Stage: the wire (host all-reduce of the same bytes over the same transport).
     let mut host = input.clone();
     comm.barrier().map_err(e("barrier"))?;
-    let wire = wall_ms(|| {
-        let _ = comm.all_reduce(&mut host, ReduceOp::Sum);
-    });
+    let mut wired = Ok(());
+    let wire = wall_ms(|| wired = comm.all_reduce(&mut host, ReduceOp::Sum));
+    wired.map_err(e("wire all-reduce"))?;
     Ok((total, d2h.0, wire, d2h.1))
 }
 

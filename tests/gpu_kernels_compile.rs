@@ -11,7 +11,9 @@
 //! ```
 //!
 //! With `DSPARK_REQUIRE_NVRTC=1` a missing libnvrtc is a failure instead of a skip. The
-//! host-emulation test needs a C++17 compiler (`c++`, or `$CXX`) and skips without one.
+//! host-emulation test needs a C++17 compiler (`c++`, or `$CXX`) and the harness source; it
+//! skips without them (printing `SUMMARY: host emulation: SKIPPED ...`), and fails instead
+//! under `DSPARK_REQUIRE_NVRTC=1` too.
 
 #[path = "gpu/reference.rs"]
 mod reference;
@@ -28,13 +30,18 @@ const HOW_TO_RUN: &str =
     "export LD_LIBRARY_PATH=\"$(bash tests/gpu/install_nvrtc.sh | tail -n1)\" \
      and rerun (DSPARK_REQUIRE_NVRTC=1 turns this skip into a failure)";
 
+/// Whether `DSPARK_REQUIRE_NVRTC=1`: every test of this file must run, none may skip.
+fn nvrtc_required() -> bool {
+    std::env::var("DSPARK_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
 /// Whether libnvrtc can be used; prints why not (or panics when it is required).
 fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc::libnvrtc_present() {
         return true;
     }
     let msg = format!("{test}: SKIPPED: libnvrtc.so could not be loaded. To run it: {HOW_TO_RUN}");
-    if std::env::var("DSPARK_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+    if nvrtc_required() {
         panic!("{msg}");
     }
     eprintln!("{msg}");
@@ -239,14 +246,23 @@ fn repo_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
+/// Reports why the host-emulation test cannot run: a `SUMMARY:` line (collected by
+/// tests/gpu/run_all.sh), and a panic under `DSPARK_REQUIRE_NVRTC=1`.
+fn host_emulation_skipped(reason: &str) {
+    eprintln!("SUMMARY: host emulation: SKIPPED {reason}");
+    if nvrtc_required() {
+        panic!("host emulation cannot run (DSPARK_REQUIRE_NVRTC=1 forbids skipping): {reason}");
+    }
+}
+
 fn build_harness(dir: &Path) -> Option<PathBuf> {
     let manifest = repo_root();
     let src = manifest.join("tests/gpu/host_harness.cpp");
     if !src.exists() {
-        eprintln!(
-            "SKIPPED: {} not found (set DSPARK_REPO to the repository root)",
+        host_emulation_skipped(&format!(
+            "{} not found (set DSPARK_REPO to the repository root)",
             src.display()
-        );
+        ));
         return None;
     }
     let exe = dir.join("dspark_host_harness");
@@ -268,10 +284,10 @@ fn build_harness(dir: &Path) -> Option<PathBuf> {
         .output();
     match out {
         Err(e) => {
-            eprintln!(
-                "SKIPPED: no C++ compiler ({}: {e}); install g++ or set CXX",
+            host_emulation_skipped(&format!(
+                "no C++ compiler ({}: {e}); install g++ or set CXX",
                 cxx()
-            );
+            ));
             None
         }
         Ok(o) if !o.status.success() => {

@@ -20,29 +20,38 @@ const CAPS: [usize; 2] = [1, 4];
 /// send/recv spread their roots (pairs) over at least this many runs.
 const SEEDS: usize = 5;
 
-/// Every algorithm (the match makes adding a variant a compile error here).
+/// Every algorithm: `Algorithm::ALL`, checked against the exhaustive `match` below, so that a
+/// new variant is a compile error here until it gets an arm (its wire code) and `VARIANTS` is
+/// bumped, and then a test failure until `Algorithm::ALL` lists it.
 fn all_algorithms() -> Vec<Algorithm> {
-    let all = [
-        Algorithm::Ring,
-        Algorithm::RecursiveDoubling,
-        Algorithm::Chain,
-        Algorithm::BinomialTree,
-        Algorithm::Pairwise,
-        Algorithm::Dissemination,
-        Algorithm::Direct,
-    ];
-    for a in all {
+    /// The wire code of each variant, which is also its position in `Algorithm::ALL`.
+    fn expected_code(a: Algorithm) -> u8 {
         match a {
-            Algorithm::Ring
-            | Algorithm::RecursiveDoubling
-            | Algorithm::Chain
-            | Algorithm::BinomialTree
-            | Algorithm::Pairwise
-            | Algorithm::Dissemination
-            | Algorithm::Direct => {}
+            Algorithm::Ring => 0,
+            Algorithm::RecursiveDoubling => 1,
+            Algorithm::Chain => 2,
+            Algorithm::BinomialTree => 3,
+            Algorithm::Pairwise => 4,
+            Algorithm::Dissemination => 5,
+            Algorithm::Direct => 6,
         }
     }
-    all.to_vec()
+    /// The number of arms of the match above.
+    const VARIANTS: usize = 7;
+    assert_eq!(
+        Algorithm::ALL.len(),
+        VARIANTS,
+        "Algorithm::ALL does not list every variant"
+    );
+    for (i, a) in Algorithm::ALL.into_iter().enumerate() {
+        assert_eq!(
+            usize::from(expected_code(a)),
+            i,
+            "{a:?} is out of wire-code order in Algorithm::ALL"
+        );
+        assert_eq!(a.code(), expected_code(a), "{a:?}.code()");
+    }
+    Algorithm::ALL.to_vec()
 }
 
 /// The counts every world is tried with: tiny, around the world size, primes, larger.

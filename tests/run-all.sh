@@ -7,7 +7,8 @@
 #
 # Stages: system packages -> NVRTC wheel (kernels compile without a GPU) -> cargo tests
 # (unit, simulator, threads over mem, multi-process TCP, network namespaces, NVRTC compile,
-# doctor, doc tests) -> Soft-RoCE VM suite (verbs on a real verbs stack in QEMU).
+# doctor, doc tests) -> release-only unit tests -> Soft-RoCE VM suite (verbs on a real verbs
+# stack in QEMU).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log() { echo "[run-all $(date +%T)] $*" >&2; }
@@ -48,6 +49,20 @@ log "cargo test (profile ci: optimised, with debug assertions)"
 cargo test --workspace --profile ci --all-targets
 log "doc tests"
 cargo test --workspace --doc
+# The ci profile keeps debug assertions, so the #[cfg(not(debug_assertions))] unit tests (the
+# release behaviour of unequal-length reductions) only run in a release build of the lib tests.
+log "release-only unit tests (cargo test --release --lib unequal_lengths)"
+release_out=$(cargo test --release --lib unequal_lengths 2>&1) || {
+    echo "$release_out" >&2
+    log "release-only unit tests FAILED"
+    exit 1
+}
+echo "$release_out" >&2
+# A filter that matches nothing passes too: insist that the release-only test really ran.
+if ! grep -q 'unequal_lengths_reduce_the_common_prefix_in_release_builds \.\.\. ok' <<<"$release_out"; then
+    log "release-only unit tests FAILED: unequal_lengths_reduce_the_common_prefix_in_release_builds did not run"
+    exit 1
+fi
 
 # ---------------------------------------------------------------- Soft-RoCE VM suite
 if [ -n "${SKIP_VM:-}" ]; then

@@ -778,6 +778,51 @@ impl Hazards {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
+
+    /// Wire codes round-trip and fit the header byte, which packs the collective in the low
+    /// four bits and the algorithm in the high four (engine `coll_byte`).
+    #[test]
+    fn wire_codes_round_trip_and_fit_in_four_bits() {
+        let mut seen = BTreeSet::new();
+        for a in Algorithm::ALL {
+            assert_eq!(Algorithm::from_code(a.code()), Some(a), "{a:?}");
+            assert!(a.code() < 16, "{a:?} code {} does not fit 4 bits", a.code());
+            assert!(seen.insert(a.code()), "{a:?} reuses code {}", a.code());
+        }
+        for code in 0..=u8::MAX {
+            if !seen.contains(&code) {
+                assert_eq!(
+                    Algorithm::from_code(code),
+                    None,
+                    "unused algorithm code {code}"
+                );
+            }
+        }
+        let mut seen = BTreeSet::new();
+        for c in Collective::ALL {
+            assert_eq!(Collective::from_code(c.code()), Some(c), "{c:?}");
+            assert!(c.code() < 16, "{c:?} code {} does not fit 4 bits", c.code());
+            assert!(seen.insert(c.code()), "{c:?} reuses code {}", c.code());
+        }
+        for code in 0..=u8::MAX {
+            if !seen.contains(&code) {
+                assert_eq!(
+                    Collective::from_code(code),
+                    None,
+                    "unused collective code {code}"
+                );
+            }
+        }
+        // Literal spot checks, independent of ALL's order.
+        assert_eq!(Algorithm::Ring.code(), 0);
+        assert_eq!(Algorithm::Direct.code(), 6);
+        assert_eq!(Algorithm::from_code(7), None);
+        assert_eq!(Algorithm::from_code(15), None);
+        assert_eq!(Collective::AllReduce.code(), 0);
+        assert_eq!(Collective::Barrier.code(), 7);
+        assert_eq!(Collective::from_code(8), None);
+    }
 
     #[test]
     fn blocks_cover_the_buffer_with_larger_blocks_first() {

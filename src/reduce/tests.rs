@@ -32,11 +32,80 @@ impl Rng {
 }
 
 /// The levels this CPU can run: every one of them is tested, not only the dispatched one.
+///
+/// A level this CPU lacks is left untested; that is reported once per test process on stderr
+/// (written to `std::io::stderr()` directly, not with `eprintln!`, so that libtest's output
+/// capture does not hide it in a passing run), so a CI runner without, say, AVX-512 shows it.
+///
+/// `DSPARK_REQUIRE_SIMD`: a comma-separated list of level names (`scalar`, `avx2`, `avx512`,
+/// or the full [`SimdLevel::name`], e.g. `avx512f+avx512bw`). Every test that runs kernels
+/// panics when a listed level is unavailable on this CPU (or the name is unknown), so a runner
+/// that is meant to test, e.g., the AVX-512 kernels cannot pass without running them.
 fn levels() -> Vec<SimdLevel> {
-    SimdLevel::ALL
-        .into_iter()
-        .filter(|l| l.is_supported())
-        .collect()
+    use std::io::Write;
+    let (run, missing): (Vec<SimdLevel>, Vec<SimdLevel>) =
+        SimdLevel::ALL.into_iter().partition(|l| l.is_supported());
+    let why = if cfg!(target_arch = "x86_64") {
+        "this CPU lacks its instructions"
+    } else {
+        "not an x86_64 build"
+    };
+    static REPORTED: std::sync::Once = std::sync::Once::new();
+    REPORTED.call_once(|| {
+        for l in &missing {
+            let _ = writeln!(
+                std::io::stderr(),
+                "reduce tests: SIMD level {} ({:?}) UNTESTED: {why}",
+                l.name(),
+                l
+            );
+        }
+    });
+    if let Ok(required) = std::env::var("DSPARK_REQUIRE_SIMD") {
+        if let Err(e) = check_required_levels(&required, &run) {
+            panic!("DSPARK_REQUIRE_SIMD={required:?}: {e} ({why})");
+        }
+    }
+    run
+}
+
+/// Checks a `DSPARK_REQUIRE_SIMD` value against the levels that will be tested.
+fn check_required_levels(required: &str, run: &[SimdLevel]) -> Result<(), String> {
+    for want in required.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        let want = want.to_ascii_lowercase();
+        let level = SimdLevel::ALL
+            .into_iter()
+            .find(|l| want == l.name() || want == format!("{l:?}").to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown SIMD level {want:?}"))?;
+        if !run.contains(&level) {
+            return Err(format!("SIMD level {} is unavailable", level.name()));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn required_simd_levels_must_be_known_and_available() {
+    use SimdLevel::*;
+    assert_eq!(check_required_levels("", &[Scalar]), Ok(()));
+    assert_eq!(check_required_levels("scalar", &[Scalar]), Ok(()));
+    assert_eq!(
+        check_required_levels(" AVX2 , avx512", &[Scalar, Avx2, Avx512]),
+        Ok(())
+    );
+    assert_eq!(check_required_levels("avx2+f16c", &[Scalar, Avx2]), Ok(()));
+    assert_eq!(
+        check_required_levels("avx2,avx512", &[Scalar, Avx2]),
+        Err("SIMD level avx512f+avx512bw is unavailable".into())
+    );
+    assert_eq!(
+        check_required_levels("avx2", &[Scalar]),
+        Err("SIMD level avx2+f16c is unavailable".into())
+    );
+    assert_eq!(
+        check_required_levels("avx9", &[Scalar, Avx2, Avx512]),
+        Err("unknown SIMD level \"avx9\"".into())
+    );
 }
 
 trait TestElem: Element + Copy {
@@ -730,6 +799,24 @@ fn unequal_lengths_reduce_the_common_prefix_in_release_builds() {
     let mut d = [0u32; 5];
     reduce_slice_into(ReduceOp::Sum, &mut d, &[1u32; 4], &[2u32; 2]);
     assert_eq!(d, [3, 3, 0, 0, 0]);
+}
+
+/// The debug-build twin of the test above: there the length mismatch is a `debug_assert`.
+#[cfg(debug_assertions)]
+#[test]
+#[should_panic(expected = "reduce_inplace: buffer lengths differ")]
+fn unequal_lengths_panic_in_reduce_slice_in_debug_builds() {
+    let mut d = [1u32; 5];
+    reduce_slice(ReduceOp::Sum, &mut d, &[1u32; 3]);
+}
+
+/// As above, for the out-of-place form.
+#[cfg(debug_assertions)]
+#[test]
+#[should_panic(expected = "reduce_into: buffer lengths differ")]
+fn unequal_lengths_panic_in_reduce_slice_into_in_debug_builds() {
+    let mut d = [0u32; 5];
+    reduce_slice_into(ReduceOp::Sum, &mut d, &[1u32; 4], &[2u32; 2]);
 }
 
 #[test]

@@ -7,14 +7,18 @@
 # 1. builds the `verbs` integration test (tests/verbs.rs) on the host:
 #    cargo test --no-run --test verbs   (profile: $SOFTROCE_PROFILE, default dev)
 # 2. ONE VM: runs every test of that binary except the two-node ones:
-#      verbs-HASH --test-threads=1 --include-ignored --skip two_node
+#      verbs-HASH --test-threads=1 --include-ignored --show-output --skip two_node
 #    (several ranks in one VM share rxe0)
 # 3. TWO VMs joined by a virtual wire: every test whose name contains
 #    "two_node", one at a time, in both VMs at once:
-#      verbs-HASH --exact NAME --include-ignored --test-threads=1
+#      verbs-HASH --exact NAME --include-ignored --test-threads=1 --show-output
 #    with, in each VM: DSPARK_NODE=0|1 DSPARK_NODES=2 DSPARK_NODE_IP DSPARK_PEER_IP
 #    DSPARK_RANK=$DSPARK_NODE DSPARK_WORLD_SIZE=2 DSPARK_ROOT_ADDR=10.78.0.1:PORT
 #    (a fresh port per test). A test passes when it passes on both nodes.
+#    In steps 2 and 3 a test that printed a "skipped: needs an RDMA device" or
+#    "skipped: a two-node test" line (tests/verbs.rs, when RXE_VM or DSPARK_NODE
+#    is missing) fails the step: it passed without running. --show-output makes
+#    libtest print the (captured) output of passing tests, so the line is seen.
 # 4. with --ratio: tests/softroce/perftest-ratio.sh (dspark send/recv vs ib_write_bw)
 # and prints a summary with wall times.
 #
@@ -35,6 +39,10 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 TWO_NODE_PORT_BASE=29500
+# what tests/verbs.rs prints when it returns early because the VM lacks RXE_VM / DSPARK_NODE
+SKIP_RE='skipped: (needs an RDMA device|a two-node test)'
+# vm_skips DIR: how many such lines the VM whose logs are in DIR printed
+vm_skips() { cat "$1/rxe-vm.stdout" "$1/rxe-vm.stderr" 2>/dev/null | grep -cE "$SKIP_RE" || true; }
 
 # ------------------------------------------------------------ guest side: one node
 if [[ ${1:-} == --inside-node ]]; then
@@ -50,7 +58,7 @@ if [[ ${1:-} == --inside-node ]]; then
     echo "=== node $node: $name (DSPARK_ROOT_ADDR=$DSPARK_ROOT_ADDR)"
     t=$(sr_now_ms) rc=0
     timeout -k 5 "${SOFTROCE_NODE_TEST_TIMEOUT:-120}" \
-      "$bin" --exact "$name" --include-ignored --test-threads=1 || rc=$?
+      "$bin" --exact "$name" --include-ignored --test-threads=1 --show-output || rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$(sr_secs "$t")" >>"$RXE_OUT/results.tsv"
     [[ $rc == 0 ]] || failed=1
     i=$((i + 1))
@@ -136,7 +144,7 @@ sr_log "$N1 single-VM tests, $N2 two-node tests"
 SR_VM_OPTS=(-t "${SOFTROCE_SINGLE_TIMEOUT:-420}")
 sr_log "step 2: one VM, $N1 tests"
 t=$(sr_now_ms) rc=0
-sr_one_vm "$LOGDIR/single" "$BIN" --test-threads=1 --include-ignored --skip two_node || rc=$?
+sr_one_vm "$LOGDIR/single" "$BIN" --test-threads=1 --include-ignored --show-output --skip two_node || rc=$?
 out=$LOGDIR/single/rxe-vm.stdout
 note=$(grep -E '^test result:' "$out" 2>/dev/null | tail -n1 || true)
 failed=$(sed -n 's/^test \(.*\) \.\.\. FAILED$/\1/p' "$out" 2>/dev/null | tr '\n' ' ' || true)
@@ -144,6 +152,11 @@ failed=$(sed -n 's/^test \(.*\) \.\.\. FAILED$/\1/p' "$out" 2>/dev/null | tr '\n
 [[ -n $note ]] || note="no libtest result line (see $LOGDIR/single)"
 if [[ $rc == 0 ]] && ! grep -qE '^test result: ok\. [1-9]' "$out"; then
   rc=1 note="no test ran: $note"
+fi
+skips=$(vm_skips "$LOGDIR/single")
+if [[ $skips != 0 ]]; then
+  [[ $rc != 0 ]] || rc=1
+  note="$skips test(s) skipped instead of running (\"skipped: ...\" in $LOGDIR/single): $note"
 fi
 step "one VM ($N1 tests)" "$rc" "$(sr_secs "$t")" "$note"
 RCS=("$rc")
@@ -168,6 +181,8 @@ if [[ ${SOFTROCE_TWO_NODE:-1} == 1 ]]; then
       r1=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$LOGDIR/two/node1/results.tsv" 2>/dev/null || true)
       [[ ${r0:-x} == 0 && ${r1:-x} == 0 ]] || note+="$name(node0 ${r0:-not run}, node1 ${r1:-not run}) "
     done
+    skips=$(( $(vm_skips "$LOGDIR/two/node0") + $(vm_skips "$LOGDIR/two/node1") ))
+    [[ $skips == 0 ]] || note+="$skips test run(s) skipped instead of running (\"skipped: ...\" in $LOGDIR/two) "
     rc=$(sr_worst "$SR_RC0" "$SR_RC1")
     [[ -z $note || $rc != 0 ]] || rc=1
     step "two VMs ($N2 tests)" "$rc" "$(sr_secs "$t")" "${note:+FAILED: }${note:-all passed on both nodes}"

@@ -154,6 +154,66 @@ mod tests {
         assert_eq!(s, Rts);
     }
 
+    /// The masks of the connect path, written out from `man ibv_modify_qp` (RC, IB spec table
+    /// 95) with the bit values of `enum ibv_qp_attr_mask` in rdma-core's verbs.h, independent
+    /// of the `AttrMask` constants and of the table in `required_attrs`.
+    #[test]
+    fn connect_path_requires_exactly_the_attributes_of_ibv_modify_qp() {
+        // verbs.h: STATE 1<<0, ACCESS_FLAGS 1<<3, PKEY_INDEX 1<<4, PORT 1<<5.
+        const RESET_TO_INIT: u32 = 1 | 1 << 3 | 1 << 4 | 1 << 5;
+        // verbs.h: STATE 1<<0, AV 1<<7, PATH_MTU 1<<8, RQ_PSN 1<<12, MIN_RNR_TIMER 1<<15,
+        // MAX_DEST_RD_ATOMIC 1<<17, DEST_QPN 1<<20.
+        const INIT_TO_RTR: u32 = 1 | 1 << 7 | 1 << 8 | 1 << 12 | 1 << 15 | 1 << 17 | 1 << 20;
+        // verbs.h: STATE 1<<0, TIMEOUT 1<<9, RETRY_CNT 1<<10, RNR_RETRY 1<<11,
+        // MAX_QP_RD_ATOMIC 1<<13, SQ_PSN 1<<16.
+        const RTR_TO_RTS: u32 = 1 | 1 << 9 | 1 << 10 | 1 << 11 | 1 << 13 | 1 << 16;
+        assert_eq!(RESET_TO_INIT, 0x39);
+        assert_eq!(INIT_TO_RTR, 0x12_9181);
+        assert_eq!(RTR_TO_RTS, 0x1_2e01);
+        assert_eq!(required_attrs(Reset, Init), Some(AttrMask(RESET_TO_INIT)));
+        assert_eq!(required_attrs(Init, Rtr), Some(AttrMask(INIT_TO_RTR)));
+        assert_eq!(required_attrs(Rtr, Rts), Some(AttrMask(RTR_TO_RTS)));
+        // The same masks by the names of the man page, so that a wrong constant shows too.
+        assert_eq!(
+            AttrMask::STATE | AttrMask::PKEY_INDEX | AttrMask::PORT | AttrMask::ACCESS_FLAGS,
+            AttrMask(RESET_TO_INIT)
+        );
+        assert_eq!(
+            AttrMask::STATE
+                | AttrMask::AV
+                | AttrMask::PATH_MTU
+                | AttrMask::DEST_QPN
+                | AttrMask::RQ_PSN
+                | AttrMask::MAX_DEST_RD_ATOMIC
+                | AttrMask::MIN_RNR_TIMER,
+            AttrMask(INIT_TO_RTR)
+        );
+        assert_eq!(
+            AttrMask::STATE
+                | AttrMask::SQ_PSN
+                | AttrMask::TIMEOUT
+                | AttrMask::RETRY_CNT
+                | AttrMask::RNR_RETRY
+                | AttrMask::MAX_QP_RD_ATOMIC,
+            AttrMask(RTR_TO_RTS)
+        );
+        // Each step of the connect path is refused without any one of its attributes.
+        let mut s = Reset;
+        for (next, need) in CONNECT_PATH
+            .into_iter()
+            .zip([RESET_TO_INIT, INIT_TO_RTR, RTR_TO_RTS])
+        {
+            assert!(check_transition(s, next, AttrMask(need)).is_ok());
+            for bit in (0..32).map(|b| 1u32 << b).filter(|b| need & b != 0) {
+                assert!(
+                    check_transition(s, next, AttrMask(need & !bit)).is_err(),
+                    "{s} → {next} accepted without bit {bit:#x}"
+                );
+            }
+            s = next;
+        }
+    }
+
     #[test]
     fn skipping_a_state_is_not_a_transition() {
         assert!(required_attrs(Reset, Rtr).is_none());
