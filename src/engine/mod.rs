@@ -8,7 +8,7 @@
 //! outnumber cores), then blocks in [`Transport::wait`] — never past the call's deadline.
 //!
 //! Receiving segment k overlaps reducing segment k−1 and sending: the transport hands
-//! reducing receives to the [`reduce`](crate::reduce) kernels straight out of its receive
+//! reducing receives to the [`reduce`](mod@crate::reduce) kernels straight out of its receive
 //! buffer, and the kernel keeps receiving meanwhile. The engine allocates nothing per byte:
 //! its extra memory per collective is the transports' per-peer buffers, never a copy of the
 //! message.
