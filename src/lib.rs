@@ -5,7 +5,6 @@
 
 pub mod bootstrap;
 pub mod comm;
-mod comm_device;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -17,6 +17,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod store;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
@@ -318,6 +319,20 @@ fn is_local_ip(ip: IpAddr) -> bool {
 /// ranks missing by the deadline), [`Error::Mismatch`] (another world size, job or protocol),
 /// [`Error::PeerLost`], [`Error::Io`].
 pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
+    rendezvous_with(cfg, None)
+}
+
+/// [`rendezvous`], where rank 0 accepts the other ranks on `root` — a listener it bound
+/// itself, typically on an ephemeral port whose address it published through a key-value
+/// store or a parent communicator — instead of binding `cfg.root_addr`. The other ranks
+/// connect to `cfg.root_addr` as usual.
+///
+/// # Errors
+/// As [`rendezvous`].
+pub fn rendezvous_with(
+    cfg: &Config,
+    root: Option<TcpListener>,
+) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     cfg.validate()?;
     let start = Instant::now();
     let ctx = Ctx {
@@ -358,7 +373,7 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
         .map_err(|e| ctx.io(None, "data listener address", e))?
         .port();
     let (star, peers) = if cfg.rank == 0 {
-        root_rendezvous(&ctx, &host, data_port, iface_ip)?
+        root_rendezvous(&ctx, &host, data_port, iface_ip, root)?
     } else {
         leaf_rendezvous(&ctx, &host, data_port, iface_ip)?
     };
@@ -389,9 +404,28 @@ fn root_rendezvous(
     host: &str,
     data_port: u16,
     iface: Option<IpAddr>,
+    pre_bound: Option<TcpListener>,
 ) -> Result<Star> {
     let cfg = ctx.cfg;
     let world = cfg.world_size;
+    let (listener, bind_addr) = match pre_bound {
+        Some(l) => {
+            let a = l
+                .local_addr()
+                .map_err(|e| ctx.io(None, "listener address", e))?;
+            (l, a)
+        }
+        None => bind_root(ctx)?,
+    };
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ctx.io(None, "listener", e))?;
+    root_accept(ctx, host, data_port, iface, listener, bind_addr, world)
+}
+
+/// Binds rank 0's rendezvous listener on the configured root address.
+fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
+    let cfg = ctx.cfg;
     let (rhost, port) =
         split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
     let resolved = resolve(&rhost, port).unwrap_or_default();
@@ -418,9 +452,20 @@ fn root_rendezvous(
             )
         }
     })?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| ctx.io(None, "listener", e))?;
+    Ok((listener, bind_addr))
+}
+
+/// Rank 0's side of the rendezvous on `listener`.
+fn root_accept(
+    ctx: &Ctx<'_>,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+    listener: TcpListener,
+    bind_addr: SocketAddr,
+    world: usize,
+) -> Result<Star> {
+    let cfg = ctx.cfg;
     tracing::debug!(%bind_addr, world, "rank 0 waiting for the other ranks");
 
     let mut star: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();

@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,21 @@ pub struct EngineOptions {
     pub thresholds: Option<Thresholds>,
     /// Force one algorithm for every collective it supports (`DSPARK_ALGO`).
     pub force_algo: Option<Algorithm>,
+}
+
+impl EngineOptions {
+    /// The algorithm a call of `coll` on `bytes` bytes runs with on a world of `world`.
+    pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
+        match self.force_algo {
+            Some(a) if a.supports(coll) => a,
+            _ => {
+                let t = self
+                    .thresholds
+                    .unwrap_or_else(|| Thresholds::for_world(world));
+                plan::choose(coll, bytes, world, &t)
+            }
+        }
+    }
 }
 
 impl Default for EngineOptions {
@@ -145,6 +161,11 @@ impl Desc {
         s += &Algorithm::from_code(algo)
             .map_or(format!(", algorithm #{algo}"), |a| format!(", {a}"));
         s + ")"
+    }
+
+    /// "all_reduce #7", for errors.
+    fn op_name(&self) -> String {
+        format!("{} #{}", self.coll.name(), self.seq)
     }
 
     fn describe_self(&self) -> String {
@@ -298,7 +319,13 @@ enum Pace {
     Block,
     /// The call's deadline passed; it has run this long.
     TimedOut(Duration),
+    /// [`Engine::abort_flag`] was raised (from another thread): stop now.
+    Aborted,
 }
+
+/// The longest a drive loop blocks in [`Transport::wait`] before it looks at the abort flag
+/// again: an abort from another thread is noticed within this (plus one pass).
+const ABORT_POLL: Duration = Duration::from_millis(50);
 
 /// Spin-then-block pacing of a drive loop, and its deadline.
 struct Pacer {
@@ -308,10 +335,16 @@ struct Pacer {
     yield_while_spinning: bool,
     idle_since: Option<Instant>,
     busy_rounds: u64,
+    abort: Arc<AtomicBool>,
 }
 
 impl Pacer {
-    fn new(opts: &EngineOptions, start: Instant, deadline: Instant) -> Self {
+    fn new(
+        opts: &EngineOptions,
+        abort: &Arc<AtomicBool>,
+        start: Instant,
+        deadline: Instant,
+    ) -> Self {
         Pacer {
             start,
             deadline,
@@ -319,7 +352,14 @@ impl Pacer {
             yield_while_spinning: opts.yield_while_spinning,
             idle_since: None,
             busy_rounds: 0,
+            abort: Arc::clone(abort),
         }
+    }
+
+    /// How long the next [`Transport::wait`] may block: until the deadline, but never so
+    /// long that an abort goes unnoticed.
+    fn wait_until(&self) -> Instant {
+        self.deadline.min(Instant::now() + ABORT_POLL)
     }
 
     fn after_pass(&mut self, moved: bool) -> Pace {
@@ -327,10 +367,18 @@ impl Pacer {
             self.idle_since = None;
             // A peer trickling bytes must not keep a call alive past its deadline either.
             self.busy_rounds += 1;
-            if self.busy_rounds.is_multiple_of(256) && Instant::now() >= self.deadline {
-                return Pace::TimedOut(self.start.elapsed());
+            if self.busy_rounds.is_multiple_of(256) {
+                if self.abort.load(Ordering::Relaxed) {
+                    return Pace::Aborted;
+                }
+                if Instant::now() >= self.deadline {
+                    return Pace::TimedOut(self.start.elapsed());
+                }
             }
             return Pace::Again;
+        }
+        if self.abort.load(Ordering::Relaxed) {
+            return Pace::Aborted;
         }
         let now = Instant::now();
         if now >= self.deadline {
@@ -380,6 +428,10 @@ pub struct Engine {
     cache: Vec<CacheEntry>,
     clock: u64,
     scratch: Scratch,
+    /// Raised by another thread to stop the call in progress ([`Engine::abort_flag`]).
+    abort: Arc<AtomicBool>,
+    /// The deadline of the next call, when it overrides [`EngineOptions::timeout`].
+    call_timeout: Option<Duration>,
 }
 
 fn byte_range(loc: &Loc, esz: usize) -> std::ops::Range<usize> {
@@ -406,7 +458,46 @@ impl Engine {
             cache: Vec::new(),
             clock: 0,
             scratch: Scratch::default(),
+            abort: Arc::new(AtomicBool::new(false)),
+            call_timeout: None,
         }
+    }
+
+    /// The flag another thread raises to make the call in progress (and every later one)
+    /// fail with [`Error::Aborted`]: the drive loops look at it at least every
+    /// 50 ms, also while blocked in the transport. The next call of [`Engine::fail`]-path
+    /// then tells every peer.
+    pub fn abort_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.abort)
+    }
+
+    /// Overrides the deadline of the calls that follow ([`EngineOptions::timeout`] when
+    /// `None`).
+    pub fn set_call_timeout(&mut self, timeout: Option<Duration>) {
+        self.call_timeout = timeout;
+    }
+
+    /// The error of an abort requested through [`Engine::abort_flag`], for the operation `op`.
+    pub fn aborted_error(&self, op: impl Into<String>) -> Error {
+        Error::Aborted {
+            rank: self.rank,
+            by: self.rank,
+            op: op.into(),
+            reason: format!(
+                "rank {} aborted its communicator (Communicator::abort)",
+                self.rank
+            ),
+        }
+    }
+
+    /// Fails the engine as aborted if the abort flag is raised and it has not failed yet
+    /// (then every peer is told). Returns whether the engine is aborted or poisoned.
+    pub fn honour_abort(&mut self) -> bool {
+        if self.abort.load(Ordering::Acquire) && self.poison.is_none() {
+            let e = self.aborted_error("communicator");
+            self.fail(e);
+        }
+        self.poison.is_some()
     }
 
     /// This rank.
@@ -441,16 +532,7 @@ impl Engine {
 
     /// The algorithm `call` runs with.
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
-        match self.opts.force_algo {
-            Some(a) if a.supports(coll) => a,
-            _ => {
-                let t = self
-                    .opts
-                    .thresholds
-                    .unwrap_or_else(|| Thresholds::for_world(self.world));
-                plan::choose(coll, bytes, self.world, &t)
-            }
-        }
+        self.opts.algorithm(self.world, coll, bytes)
     }
 
     /// Runs one call. `src` is the input of out-of-place collectives and of `send` (empty
@@ -473,6 +555,7 @@ impl Engine {
         (src_len, dst_len): (usize, usize),
         body: impl FnOnce(&mut Self, Arc<Program>, Desc) -> Result<()>,
     ) -> Result<()> {
+        self.honour_abort();
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
@@ -695,7 +778,8 @@ impl Engine {
         drive: impl FnOnce(&mut Self, &mut Scratch, Instant, Instant) -> Result<()>,
     ) -> Result<()> {
         let start = Instant::now();
-        let deadline = crate::config::deadline(start, self.opts.timeout);
+        let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
+        let deadline = crate::config::deadline(start, timeout);
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
         let res = drive(self, &mut s, start, deadline);
@@ -717,7 +801,7 @@ impl Engine {
         deadline: Instant,
         s: &mut Scratch,
     ) -> Result<()> {
-        let mut pacer = Pacer::new(&self.opts, start, deadline);
+        let mut pacer = Pacer::new(&self.opts, &self.abort, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
         loop {
             let mut moved = false;
@@ -822,10 +906,11 @@ impl Engine {
             match pacer.after_pass(moved) {
                 Pace::Again => continue,
                 Pace::TimedOut(waited) => return Err(self.timeout_error(prog, desc, s, waited)),
+                Pace::Aborted => return Err(self.aborted_error(desc.op_name())),
                 Pace::Block => {}
             }
             s.collect_interest(prog);
-            self.transport.wait(&s.interest, deadline)?;
+            self.transport.wait(&s.interest, pacer.wait_until())?;
         }
     }
 

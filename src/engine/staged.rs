@@ -300,7 +300,7 @@ impl Engine {
                 }
             }
         }
-        let mut pacer = Pacer::new(&self.opts, start, deadline);
+        let mut pacer = Pacer::new(&self.opts, &self.abort, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
         loop {
@@ -535,6 +535,7 @@ impl Engine {
             match pacer.after_pass(moved) {
                 Pace::Again => continue,
                 Pace::TimedOut(waited) => return Err(self.timeout_error(prog, desc, s, waited)),
+                Pace::Aborted => return Err(self.aborted_error(desc.op_name())),
                 Pace::Block => {}
             }
             // Device completions are not file descriptors, and copying one segment takes
@@ -546,7 +547,7 @@ impl Engine {
                 continue;
             }
             s.collect_interest(prog);
-            self.transport.wait(&s.interest, deadline)?;
+            self.transport.wait(&s.interest, pacer.wait_until())?;
         }
     }
 }

@@ -1,13 +1,36 @@
-//! The communicator: the public API.
+//! The communicator: the public API — host collectives (blocking, and non-blocking in a
+//! [`Communicator::scope`]), device collectives, and setup.
+//!
+//! # Non-blocking operations and why they are sound
+//!
+//! Every operation runs in issue order on one engine per communicator (see [`work`]), driven
+//! by the communicator's progress thread or by a thread that waits. Non-blocking operations
+//! on borrowed buffers are started inside [`Communicator::scope`], in the style of
+//! [`std::thread::scope`]: the scope waits for every operation started in it before it
+//! returns, also when its closure panics. A buffer borrowed by an operation therefore stays
+//! borrowed until the library is done with it, and leaking a [`Work`] (`mem::forget`) only
+//! loses its result, never the borrow: the library never touches a buffer after its borrow
+//! has ended. The `unsafe` raw-pointer forms ([`Communicator::start_raw`]) are for the C ABI
+//! and the Python binding, whose callers promise the same by contract.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::fmt;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
+mod device;
+mod raw;
+mod scope;
+mod split;
+pub mod work;
+
+pub use raw::{RawCall, RawOp};
+pub use scope::Scope;
+pub use work::Work;
+
 use crate::bootstrap;
-use crate::comm_device::GpuState;
 use crate::config::Config;
 use crate::engine::{Call, Engine, EngineOptions};
 use crate::error::{Error, Result};
@@ -17,6 +40,7 @@ use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::verbs;
 use crate::transport::{Transport, TransportKind};
 use crate::types::{Element, ReduceOp};
+use device::GpuState;
 
 /// Facts about one rank's connections, for bench headers and debugging.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,6 +91,9 @@ pub(crate) enum Target {
 
 /// What init learned besides the transport, for [`CommInfo`].
 struct Facts {
+    /// The address of this rank's data listener (None for a world of one or a given
+    /// transport).
+    data_ip: Option<std::net::IpAddr>,
     hosts: Vec<String>,
     local_ranks: usize,
     transport_reason: Option<String>,
@@ -82,9 +109,11 @@ struct Facts {
 /// every surviving rank within it. The first such error *poisons* the communicator: later
 /// calls return it at once. Argument errors ([`Error::InvalidArgument`]) do not.
 ///
-/// Methods take `&self` and serialise on an internal lock; calling collectives on one
-/// communicator from several threads at once is safe but their order across ranks is then
-/// up to chance, which is a mismatch waiting to happen.
+/// Methods take `&self`. Operations run one at a time in the order they were issued, on
+/// every rank; calling collectives on one communicator from several threads at once is safe,
+/// but their order across ranks is then up to chance, which is a mismatch waiting to happen.
+/// Non-blocking forms are in [`Communicator::scope`]; [`Communicator::abort`] may be called
+/// from any thread; [`Communicator::with_timeout`] gives one call its own deadline.
 ///
 /// # Example
 ///
@@ -109,7 +138,18 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     info: CommInfo,
-    engine: Mutex<Engine>,
+    opts: EngineOptions,
+    /// The engine, its operation queue and the driver role.
+    shared: Arc<work::Shared>,
+    /// The progress thread (joined on drop).
+    progress: Option<JoinHandle<()>>,
+    /// The transport's direct region, fixed at init.
+    direct_layout: Option<crate::transport::DirectLayout>,
+    direct_host: Option<Arc<dyn crate::transport::RegionAccess>>,
+    /// The configuration it was built from (for [`Communicator::split`]).
+    config: Config,
+    /// The address peers reach this rank at (for [`Communicator::split`]).
+    data_ip: Option<std::net::IpAddr>,
     gpu: Mutex<GpuState>,
     /// The device-memory path policy in effect (init's, or one set with `set_data_path`).
     pub(crate) policy: Mutex<PathPolicy>,
@@ -169,8 +209,14 @@ impl Communicator {
     /// another world size, job or version), [`Error::Unavailable`] (`DSPARK_TRANSPORT=verbs`
     /// that cannot be honoured).
     pub fn init(config: Config) -> Result<Self> {
+        Self::init_inner(config, None)
+    }
+
+    /// [`Communicator::init`], where rank 0 accepts the others on `root` (already bound)
+    /// instead of binding `config.root_addr`.
+    fn init_inner(config: Config, root: Option<std::net::TcpListener>) -> Result<Self> {
         config.validate()?;
-        let (mut boot, streams) = bootstrap::rendezvous(&config)?;
+        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root)?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap: verbs where every rank
@@ -179,7 +225,7 @@ impl Communicator {
         // allocation on machines that end up on TCP).
         let mut region = None;
         let mut direct = |opts: &verbs::VerbsOptions, nic: &str| {
-            let (spec, r) = crate::comm_device::direct_spec(&config, opts, nic);
+            let (spec, r) = device::direct_spec(&config, opts, nic);
             region = r;
             spec
         };
@@ -192,7 +238,7 @@ impl Communicator {
         let (transport, reason): (Box<dyn Transport>, Option<String>) =
             match verbs::select(&mut boot, &config, streams, &mut direct)? {
                 verbs::Selected::Verbs(t) => {
-                    gpu_direct = crate::comm_device::capabilities_of(t.direct_infos());
+                    gpu_direct = device::capabilities_of(t.direct_infos());
                     (t, None)
                 }
                 verbs::Selected::Tcp { streams, reason } => {
@@ -205,6 +251,7 @@ impl Communicator {
             };
         let opts = engine_options(&config, oversubscribed);
         let facts = Facts {
+            data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
             transport_reason: reason,
@@ -212,7 +259,7 @@ impl Communicator {
             gpu_direct,
         };
         drop(boot);
-        let mut comm = Self::assemble(config.rank, config.world_size, transport, opts, facts);
+        let mut comm = Self::assemble(&config, transport, opts, facts)?;
         comm.region = region;
         comm.check_path_policy()?;
         Ok(comm)
@@ -238,6 +285,7 @@ impl Communicator {
         }
         let opts = engine_options(config, false);
         let facts = Facts {
+            data_ip: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
             transport_reason: None,
@@ -249,18 +297,23 @@ impl Communicator {
                 world
             ],
         };
-        let comm = Self::assemble(rank, world, transport, opts, facts);
+        let config = Config {
+            rank,
+            world_size: world,
+            ..config.clone()
+        };
+        let comm = Self::assemble(&config, transport, opts, facts)?;
         comm.check_path_policy()?;
         Ok(comm)
     }
 
     fn assemble(
-        rank: usize,
-        world: usize,
+        config: &Config,
         transport: Box<dyn Transport>,
         opts: EngineOptions,
         facts: Facts,
-    ) -> Self {
+    ) -> Result<Self> {
+        let (rank, world) = (config.rank, config.world_size);
         let info = CommInfo {
             transport: transport.kind(),
             transport_detail: transport.describe(),
@@ -273,16 +326,39 @@ impl Communicator {
             data_path: facts.data_path,
             gpu_direct: facts.gpu_direct,
         };
-        let engine = Engine::new(rank, world, transport, opts);
-        Communicator {
+        let direct_layout = transport.direct_layout();
+        let direct_host = transport.direct_host_region();
+        let engine = Engine::new(rank, world, transport, opts.clone());
+        let shared = work::Shared::new(engine);
+        let progress = {
+            let s = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("dspark-progress-{rank}"))
+                .spawn(move || s.progress())
+                .map_err(|e| {
+                    Error::io(
+                        Some(rank),
+                        None,
+                        "starting the communicator's progress thread",
+                        e,
+                    )
+                })?
+        };
+        Ok(Communicator {
             rank,
             world,
             info,
-            engine: Mutex::new(engine),
+            opts,
+            shared,
+            progress: Some(progress),
+            direct_layout,
+            direct_host,
+            config: config.clone(),
+            data_ip: facts.data_ip,
             gpu: Mutex::new(GpuState::default()),
             policy: Mutex::new(facts.data_path),
             region: None,
-        }
+        })
     }
 
     pub(crate) fn gpu_state(&self) -> MutexGuard<'_, GpuState> {
@@ -307,25 +383,36 @@ impl Communicator {
     /// The algorithm `coll` would use for a buffer of `bytes` bytes (the threshold is visible
     /// here and in the bench header; `DSPARK_ALGO` forces one).
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
-        self.lock().algorithm(coll, bytes)
+        self.opts.algorithm(self.world, coll, bytes)
     }
 
     /// The error that poisoned this communicator, if any.
     pub fn poisoned(&self) -> Option<Error> {
-        self.lock().poisoned().cloned()
+        self.shared.poisoned()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Engine> {
-        // A panic while holding the lock cannot leave the engine inconsistent in a way that
-        // matters more than the panic itself; keep serving (the engine is poisoned on error).
-        self.engine.lock().unwrap_or_else(|e| e.into_inner())
+    /// Aborts the communicator, from any thread: the operation in progress on this rank
+    /// fails within about 50 ms with [`Error::Aborted`], so do every queued and every later
+    /// one, and every peer is told (they fail with an error naming this rank). Returns at
+    /// once; never waits for a peer. Like `ncclCommAbort`, it is final: make a new
+    /// communicator to go on.
+    pub fn abort(&self) {
+        self.shared.abort();
+    }
+
+    /// The blocking collectives with a deadline of their own, overriding the communicator's
+    /// ([`Config::timeout`]) for one call: `comm.with_timeout(d).all_reduce(&mut buf, op)`.
+    pub fn with_timeout(&self, timeout: Duration) -> Timed<'_> {
+        Timed {
+            comm: self,
+            timeout,
+        }
     }
 
     /// Checks the buffers of a call of `coll` — `send` and `recv` elements (an in-place
     /// buffer counts as both; a send has no `recv`, a receive no `send`) and its root or
-    /// peer —
-    /// and builds the call. The host and device APIs share it, so they accept and refuse
-    /// exactly the same calls.
+    /// peer — and builds the call. Every API (host, device, non-blocking, raw) shares it, so
+    /// they accept and refuse exactly the same calls.
     pub(crate) fn shape(
         &self,
         api: Api,
@@ -415,23 +502,20 @@ impl Communicator {
         None
     }
 
-    /// Runs `coll` with element type `T` (`call.dtype` is filled in from `T`); see
-    /// [`Communicator::empty_call`] for calls of no elements.
-    fn run<T: Element>(&self, call: Call, src: &[T], dst: &mut [T]) -> Result<()> {
-        if let Some(res) = self.empty_call(&call) {
+    /// Runs a host call on the caller's thread, after everything issued before it.
+    fn exec(&self, op: HostOp<'_>, timeout: Option<Duration>) -> Result<()> {
+        if let Some(res) = self.empty_call(&op.call) {
             return res;
         }
-        let call = Call {
-            dtype: T::DATA_TYPE,
-            ..call
-        };
-        let span = tracing::trace_span!("collective", coll = call.coll.name(), count = call.count);
+        let span = tracing::trace_span!(
+            "collective",
+            coll = op.call.coll.name(),
+            count = op.call.count
+        );
         let _g = span.enter();
-        self.lock().run(
-            &call,
-            bytemuck::cast_slice(src),
-            bytemuck::cast_slice_mut(dst),
-        )
+        let HostOp { call, src, dst } = op;
+        self.shared
+            .exclusive(timeout, |eng| eng.run(&call, src, dst))
     }
 
     /// Runs one call on device buffers through the host-staged path (`dev` holds the buffers
@@ -452,19 +536,20 @@ impl Communicator {
         }
         let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
         let _g = span.enter();
-        self.lock().run_staged(&call, dev)
+        self.shared
+            .exclusive(None, |eng| eng.run_staged(&call, dev))
     }
 
     /// The layout of this rank's direct region, when the transport was set up with one
     /// (GPUDirect RDMA, or its host-memory emulation in tests).
     pub fn direct_layout(&self) -> Option<crate::transport::DirectLayout> {
-        self.lock().direct_layout()
+        self.direct_layout
     }
 
     /// Host access to the direct region when it is host memory (the emulated GPUDirect path:
     /// [`crate::engine::staged::EmulatedDevice::direct`]); `None` otherwise.
-    pub fn direct_host_region(&self) -> Option<std::sync::Arc<dyn crate::transport::RegionAccess>> {
-        self.lock().direct_host_region()
+    pub fn direct_host_region(&self) -> Option<Arc<dyn crate::transport::RegionAccess>> {
+        self.direct_host.clone()
     }
 
     /// Registers `buf` with the transport so that sends from it move zero-copy (RDMA verbs:
@@ -482,7 +567,10 @@ impl Communicator {
     /// [`Error::Transport`] when the transport cannot register it (for example the memlock
     /// limit; the message says how to raise it).
     pub fn register_buffer<T: Element>(&self, buf: &[T]) -> Result<Registration<'_>> {
-        let id = self.lock().register_host(bytemuck::cast_slice(buf))?;
+        let bytes: &[u8] = bytemuck::cast_slice(buf);
+        let id = self
+            .shared
+            .exclusive(None, |eng| eng.register_host(bytes))?;
         Ok(Registration {
             comm: self,
             id,
@@ -494,15 +582,12 @@ impl Communicator {
     /// [`Communicator::register_buffer`] (0 on transports that always copy) — the check that a
     /// registration is really used.
     pub fn zero_copy_frames(&self) -> u64 {
-        self.lock().zero_copy_frames()
+        self.shared
+            .exclusive(None, |eng| Ok(eng.zero_copy_frames()))
+            .unwrap_or(0)
     }
 
-    /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
-    /// same result.
-    ///
-    /// # Errors
-    /// See [`Communicator`]: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, transport errors.
-    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    fn op_all_reduce<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<HostOp<'a>> {
         let n = buf.len();
         let call = self.shape(
             Api::Host,
@@ -512,7 +597,119 @@ impl Communicator {
             n,
             Target::None,
         )?;
-        self.run(call, &[], buf)
+        Ok(HostOp::new(call, &[], buf))
+    }
+
+    fn op_all_gather<'a, T: Element>(
+        &self,
+        send: &'a [T],
+        recv: &'a mut [T],
+    ) -> Result<HostOp<'a>> {
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Host, Collective::AllGather, None, s, r, Target::None)?;
+        Ok(HostOp::new(call, send, recv))
+    }
+
+    fn op_reduce_scatter<'a, T: Element>(
+        &self,
+        send: &'a [T],
+        recv: &'a mut [T],
+        op: ReduceOp,
+    ) -> Result<HostOp<'a>> {
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(
+            Api::Host,
+            Collective::ReduceScatter,
+            Some(op),
+            s,
+            r,
+            Target::None,
+        )?;
+        Ok(HostOp::new(call, send, recv))
+    }
+
+    fn op_all_to_all<'a, T: Element>(
+        &self,
+        send: &'a [T],
+        recv: &'a mut [T],
+    ) -> Result<HostOp<'a>> {
+        let (s, r) = (send.len(), recv.len());
+        let call = self.shape(Api::Host, Collective::AllToAll, None, s, r, Target::None)?;
+        Ok(HostOp::new(call, send, recv))
+    }
+
+    fn op_broadcast<'a, T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<HostOp<'a>> {
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::Broadcast,
+            None,
+            n,
+            n,
+            Target::Root(root),
+        )?;
+        Ok(HostOp::new(call, &[], buf))
+    }
+
+    fn op_reduce<'a, T: Element>(
+        &self,
+        buf: &'a mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<HostOp<'a>> {
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::Reduce,
+            Some(op),
+            n,
+            n,
+            Target::Root(root),
+        )?;
+        Ok(HostOp::new(call, &[], buf))
+    }
+
+    fn op_send<'a, T: Element>(&self, buf: &'a [T], peer: usize) -> Result<HostOp<'a>> {
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            n,
+            0,
+            Target::SendTo(peer),
+        )?;
+        Ok(HostOp::new::<T>(call, buf, &mut []))
+    }
+
+    fn op_recv<'a, T: Element>(&self, buf: &'a mut [T], peer: usize) -> Result<HostOp<'a>> {
+        let n = buf.len();
+        let call = self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            0,
+            n,
+            Target::RecvFrom(peer),
+        )?;
+        Ok(HostOp::new::<T>(call, &[], buf))
+    }
+
+    fn op_barrier(&self) -> HostOp<'static> {
+        HostOp::new::<u8>(
+            Call::new(Collective::Barrier, None, 0, 0, false),
+            &[],
+            &mut [],
+        )
+    }
+
+    /// Reduces `buf` elementwise over all ranks, in place: afterwards every rank holds the
+    /// same result.
+    ///
+    /// # Errors
+    /// See [`Communicator`]: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, transport errors.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.exec(self.op_all_reduce(buf, op)?, None)
     }
 
     /// Gathers every rank's `send` into `recv` in rank order (`recv.len() == send.len() ×
@@ -521,9 +718,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Host, Collective::AllGather, None, s, r, Target::None)?;
-        self.run(call, send, recv)
+        self.exec(self.op_all_gather(send, recv)?, None)
     }
 
     /// Reduces `send` (world blocks of `recv.len()`) over all ranks; rank r receives block r
@@ -537,16 +732,7 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(
-            Api::Host,
-            Collective::ReduceScatter,
-            Some(op),
-            s,
-            r,
-            Target::None,
-        )?;
-        self.run(call, send, recv)
+        self.exec(self.op_reduce_scatter(send, recv, op)?, None)
     }
 
     /// Block j of `send` goes to rank j; block j of `recv` comes from rank j (both have world
@@ -555,9 +741,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` on wrong lengths; otherwise as [`Communicator::all_reduce`].
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Host, Collective::AllToAll, None, s, r, Target::None)?;
-        self.run(call, send, recv)
+        self.exec(self.op_all_to_all(send, recv)?, None)
     }
 
     /// Copies `root`'s `buf` into every other rank's `buf`.
@@ -565,16 +749,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::Broadcast,
-            None,
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        self.run(call, &[], buf)
+        self.exec(self.op_broadcast(buf, root)?, None)
     }
 
     /// Reduces `buf` over all ranks into `root`'s `buf`. Other ranks' buffers are unspecified
@@ -583,16 +758,7 @@ impl Communicator {
     /// # Errors
     /// `InvalidArgument` when `root` is not a rank; otherwise as [`Communicator::all_reduce`].
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::Reduce,
-            Some(op),
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        self.run(call, &[], buf)
+        self.exec(self.op_reduce(buf, op, root)?, None)
     }
 
     /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length.
@@ -602,15 +768,7 @@ impl Communicator {
     /// `InvalidArgument` when `peer` is not another rank; otherwise as
     /// [`Communicator::all_reduce`].
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        let call = self.shape(
-            Api::Host,
-            Collective::SendRecv,
-            None,
-            buf.len(),
-            0,
-            Target::SendTo(peer),
-        )?;
-        self.run(call, buf, &mut [])
+        self.exec(self.op_send(buf, peer)?, None)
     }
 
     /// Receives `buf.len()` elements from `peer`.
@@ -619,15 +777,7 @@ impl Communicator {
     /// `InvalidArgument` when `peer` is not another rank; `Mismatch` when the sender sent
     /// another length or type; otherwise as [`Communicator::all_reduce`].
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let call = self.shape(
-            Api::Host,
-            Collective::SendRecv,
-            None,
-            0,
-            buf.len(),
-            Target::RecvFrom(peer),
-        )?;
-        self.run::<T>(call, &[], buf)
+        self.exec(self.op_recv(buf, peer)?, None)
     }
 
     /// Returns once every rank has entered the barrier.
@@ -635,11 +785,81 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce`].
     pub fn barrier(&self) -> Result<()> {
-        self.run::<u8>(
-            Call::new(Collective::Barrier, None, 0, 0, false),
-            &[],
-            &mut [],
-        )
+        self.exec(self.op_barrier(), None)
+    }
+}
+
+/// One host call, shaped and checked, on borrowed buffers (input, output or in place).
+pub(crate) struct HostOp<'a> {
+    call: Call,
+    src: &'a [u8],
+    dst: &'a mut [u8],
+}
+
+impl<'a> HostOp<'a> {
+    fn new<T: Element>(call: Call, src: &'a [T], dst: &'a mut [T]) -> Self {
+        HostOp {
+            call: Call {
+                dtype: T::DATA_TYPE,
+                ..call
+            },
+            src: bytemuck::cast_slice(src),
+            dst: bytemuck::cast_slice_mut(dst),
+        }
+    }
+}
+
+/// The blocking collectives with a deadline of their own ([`Communicator::with_timeout`]).
+/// Each behaves as the [`Communicator`] method of the same name, except that it fails with
+/// [`Error::Timeout`] after this deadline instead of the communicator's.
+#[derive(Clone, Copy, Debug)]
+pub struct Timed<'c> {
+    comm: &'c Communicator,
+    timeout: Duration,
+}
+
+#[allow(missing_docs)]
+impl Timed<'_> {
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_all_reduce(buf, op)?, Some(self.timeout))
+    }
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_all_gather(send, recv)?, Some(self.timeout))
+    }
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_reduce_scatter(send, recv, op)?, Some(self.timeout))
+    }
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_all_to_all(send, recv)?, Some(self.timeout))
+    }
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_broadcast(buf, root)?, Some(self.timeout))
+    }
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_reduce(buf, op, root)?, Some(self.timeout))
+    }
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_send(buf, peer)?, Some(self.timeout))
+    }
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_recv(buf, peer)?, Some(self.timeout))
+    }
+    pub fn barrier(&self) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_barrier(), Some(self.timeout))
     }
 }
 
@@ -672,13 +892,22 @@ impl Registration<'_> {
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            self.comm.lock().deregister(id);
+            let _ = self.comm.shared.exclusive(None, |eng| {
+                eng.deregister(id);
+                Ok(())
+            });
         }
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.lock().close();
+        // Everything issued runs first (in order, each by its deadline), then the progress
+        // thread exits, then the peers hear a goodbye.
+        self.shared.shutdown();
+        if let Some(t) = self.progress.take() {
+            let _ = t.join();
+        }
+        self.shared.with_engine(|eng| eng.close());
     }
 }

@@ -1,0 +1,403 @@
+//! Host buffers as raw pointers, for operations that run on another thread than the one that
+//! issued them (the progress thread), and for the C ABI and the Python binding. This is the
+//! one place in `comm/` that turns pointers back into slices; the safe APIs built on it
+//! ([`Communicator::scope`](crate::Communicator::scope)) guarantee its contract by their
+//! borrows.
+
+#![allow(unsafe_code)]
+
+use std::ptr;
+use std::time::Duration;
+
+use super::work::{Completion, Task, Work};
+use super::{Api, Communicator, Target};
+use crate::engine::{Call, Engine};
+use crate::error::{Error, Result};
+use crate::plan::Collective;
+use crate::types::{DataType, ReduceOp};
+
+/// How a call's buffers are prepared when it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Prepare {
+    /// Run with `src` and `dst` as given (a copy of `src` is taken first when they overlap).
+    AsGiven,
+    /// Copy `src` over `dst` first (unless they are the same buffer), then run in place on
+    /// `dst`: out-of-place all_reduce, broadcast at its root, reduce at its root.
+    CopyIntoDst,
+    /// Run in place on a temporary copy of `src`; `dst` is not touched: reduce away from its
+    /// root, where the out-of-place receive buffer means nothing.
+    InPlaceOnCopy,
+}
+
+/// One call's host buffers.
+#[derive(Debug)]
+pub(crate) struct RawBuffers {
+    call: Call,
+    src: *const u8,
+    src_len: usize,
+    dst: *mut u8,
+    dst_len: usize,
+    prepare: Prepare,
+}
+
+// SAFETY: a `RawBuffers` is only run through `RawBuffers::run`, whose caller guarantees that
+// both buffers stay valid and are not used by anybody else until the operation completes;
+// the driver role makes exactly one thread run it. Moving the pointers to that thread is
+// therefore no different from moving the borrows they came from.
+unsafe impl Send for RawBuffers {}
+
+impl RawBuffers {
+    /// The buffers of `call`: `src` of `src_len` bytes (read), `dst` of `dst_len` bytes (read
+    /// and written). Either may be null when its length is 0.
+    pub(crate) fn new(
+        call: Call,
+        (src, src_len): (*const u8, usize),
+        (dst, dst_len): (*mut u8, usize),
+        prepare: Prepare,
+    ) -> Self {
+        RawBuffers {
+            call,
+            src,
+            src_len,
+            dst,
+            dst_len,
+            prepare,
+        }
+    }
+
+    /// The buffers of a call on borrowed slices (the borrow checker keeps them apart).
+    pub(crate) fn from_slices(call: Call, src: &[u8], dst: &mut [u8]) -> Self {
+        Self::new(
+            call,
+            (src.as_ptr(), src.len()),
+            (dst.as_mut_ptr(), dst.len()),
+            Prepare::AsGiven,
+        )
+    }
+
+    pub(crate) fn call(&self) -> &Call {
+        &self.call
+    }
+
+    fn overlap(&self) -> bool {
+        let (s, d) = (self.src as usize, self.dst as usize);
+        self.src_len > 0 && self.dst_len > 0 && s < d + self.dst_len && d < s + self.src_len
+    }
+
+    /// Runs the call on `eng`.
+    ///
+    /// # Safety
+    /// Until this returns, `src` must be valid for reads of `src_len` bytes and `dst` valid
+    /// for reads and writes of `dst_len` bytes (each may be null when its length is 0), and
+    /// no other thread may write `src` or access `dst`. The two may overlap.
+    pub(crate) unsafe fn run(self, eng: &mut Engine) -> Result<()> {
+        let src: &[u8] = if self.src_len == 0 {
+            &[]
+        } else {
+            // SAFETY: valid for reads of src_len bytes and not written meanwhile (contract).
+            unsafe { std::slice::from_raw_parts(self.src, self.src_len) }
+        };
+        match self.prepare {
+            Prepare::InPlaceOnCopy => {
+                let mut tmp = src.to_vec();
+                eng.run(&self.call, &[], &mut tmp)
+            }
+            Prepare::CopyIntoDst => {
+                let n = self.src_len.min(self.dst_len);
+                if n > 0 && !ptr::eq(self.src, self.dst) {
+                    // SAFETY: both valid for n bytes (contract); `copy` allows overlap.
+                    unsafe { ptr::copy(self.src, self.dst, n) };
+                }
+                // SAFETY: valid for reads and writes of dst_len bytes, used by nobody else
+                // (contract); `src` is not used past this point, so no shared view aliases it.
+                let dst = unsafe { dst_slice(self.dst, self.dst_len) };
+                eng.run(&self.call, &[], dst)
+            }
+            Prepare::AsGiven if self.overlap() => {
+                // In-place all_gather / reduce_scatter / all_to_all (NCCL's convention: the
+                // send buffer is a part of the receive buffer): read a copy.
+                let tmp = src.to_vec();
+                // SAFETY: as above; `src` is no longer used.
+                let dst = unsafe { dst_slice(self.dst, self.dst_len) };
+                eng.run(&self.call, &tmp, dst)
+            }
+            Prepare::AsGiven => {
+                // SAFETY: as above; the buffers do not overlap, so the shared `src` and the
+                // exclusive `dst` do not alias.
+                let dst = unsafe { dst_slice(self.dst, self.dst_len) };
+                eng.run(&self.call, src, dst)
+            }
+        }
+    }
+}
+
+/// # Safety
+/// `p` valid for reads and writes of `len` bytes (or `len == 0`), accessed by nobody else
+/// for the lifetime chosen.
+unsafe fn dst_slice<'a>(p: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        &mut []
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(p, len) }
+    }
+}
+
+/// A collective of the raw-pointer API ([`Communicator::start_raw`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawOp {
+    /// [`Communicator::all_reduce`]; out of place unless `send == recv`.
+    AllReduce(ReduceOp),
+    /// [`Communicator::all_gather`]; `count` is the send count.
+    AllGather,
+    /// [`Communicator::reduce_scatter`]; `count` is the receive count.
+    ReduceScatter(ReduceOp),
+    /// [`Communicator::broadcast`] from `send` at the root into `recv` everywhere.
+    Broadcast {
+        /// The root.
+        root: usize,
+    },
+    /// [`Communicator::reduce`] of `send` into the root's `recv` (`recv` is only written at
+    /// the root).
+    Reduce {
+        /// The operator.
+        op: ReduceOp,
+        /// The root.
+        root: usize,
+    },
+    /// [`Communicator::all_to_all`]; `count` is the count per rank.
+    AllToAll,
+    /// [`Communicator::send`] of `send`.
+    Send {
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// [`Communicator::recv`] into `recv`.
+    Recv {
+        /// The sending rank.
+        peer: usize,
+    },
+    /// [`Communicator::barrier`] (no buffers).
+    Barrier,
+}
+
+/// One call on raw host buffers, with NCCL's conventions: separate send and receive
+/// buffers, in place when they are equal (for all_gather in place means `send` is block
+/// `rank` of `recv`; for reduce_scatter, `recv` is block `rank` of `send`).
+#[derive(Clone, Copy, Debug)]
+pub struct RawCall {
+    /// The collective.
+    pub op: RawOp,
+    /// The element type of both buffers.
+    pub dtype: DataType,
+    /// The send buffer (may be null where the collective reads none or `count` is 0).
+    pub send: *const u8,
+    /// The receive buffer (may be null where the collective writes none or `count` is 0).
+    pub recv: *mut u8,
+    /// Elements, as [`RawOp`] says for each collective.
+    pub count: usize,
+    /// The call's own deadline, overriding the communicator's.
+    pub timeout: Option<Duration>,
+}
+
+impl Communicator {
+    /// Queues `bufs`; it runs on whichever thread drives the queue.
+    ///
+    /// # Safety
+    /// [`RawBuffers::run`]'s contract, until the returned [`Work`] completes.
+    pub(crate) unsafe fn submit_raw(
+        &self,
+        bufs: RawBuffers,
+        timeout: Option<Duration>,
+        what: &'static str,
+    ) -> Work {
+        // SAFETY: the caller's contract covers the run, which happens before completion.
+        let task: Task = Box::new(move |eng| unsafe { bufs.run(eng) });
+        self.shared.submit(task, timeout, what)
+    }
+
+    /// Checks `c` and turns it into the call and buffers the engine runs.
+    fn raw_buffers(&self, c: &RawCall) -> Result<RawBuffers> {
+        let n = self.world_size();
+        let me = self.rank();
+        let esz = c.dtype.size();
+        let name = match c.op {
+            RawOp::AllReduce(_) => Collective::AllReduce,
+            RawOp::AllGather => Collective::AllGather,
+            RawOp::ReduceScatter(_) => Collective::ReduceScatter,
+            RawOp::Broadcast { .. } => Collective::Broadcast,
+            RawOp::Reduce { .. } => Collective::Reduce,
+            RawOp::AllToAll => Collective::AllToAll,
+            RawOp::Send { .. } | RawOp::Recv { .. } => Collective::SendRecv,
+            RawOp::Barrier => Collective::Barrier,
+        };
+        let bad = |what: String| Error::invalid(Some(me), name.name(), what);
+        let bytes = |elems: usize| {
+            elems
+                .checked_mul(esz)
+                .filter(|&b| b <= isize::MAX as usize)
+                .ok_or_else(|| bad(format!("{elems} elements of {} overflow", c.dtype)))
+        };
+        let times_world = |elems: usize| {
+            elems
+                .checked_mul(n)
+                .ok_or_else(|| bad(format!("{elems} elements × world {n} overflows")))
+        };
+        let need = |p: *const u8, len: usize, which: &str| -> Result<(*const u8, usize)> {
+            if len > 0 && p.is_null() {
+                return Err(bad(format!("{which} is NULL with {len} bytes to move")));
+            }
+            Ok((p, len))
+        };
+        let (send, recv) = (c.send, c.recv);
+        let none = (ptr::null::<u8>(), 0usize);
+        let (call, src, dst, prepare) = match c.op {
+            RawOp::AllReduce(op) => {
+                let call = self.shape(Api::Host, name, Some(op), c.count, c.count, Target::None)?;
+                let b = bytes(c.count)?;
+                (
+                    call,
+                    need(send, b, "sendbuf")?,
+                    need(recv, b, "recvbuf")?,
+                    Prepare::CopyIntoDst,
+                )
+            }
+            RawOp::AllGather => {
+                let total = times_world(c.count)?;
+                let call = self.shape(Api::Host, name, None, c.count, total, Target::None)?;
+                let (s, r) = (bytes(c.count)?, bytes(total)?);
+                (
+                    call,
+                    need(send, s, "sendbuf")?,
+                    need(recv, r, "recvbuf")?,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::ReduceScatter(op) => {
+                let total = times_world(c.count)?;
+                let call = self.shape(Api::Host, name, Some(op), total, c.count, Target::None)?;
+                let (s, r) = (bytes(total)?, bytes(c.count)?);
+                (
+                    call,
+                    need(send, s, "sendbuf")?,
+                    need(recv, r, "recvbuf")?,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::AllToAll => {
+                let total = times_world(c.count)?;
+                let call = self.shape(Api::Host, name, None, total, total, Target::None)?;
+                let b = bytes(total)?;
+                (
+                    call,
+                    need(send, b, "sendbuf")?,
+                    need(recv, b, "recvbuf")?,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::Broadcast { root } => {
+                let t = Target::Root(root);
+                let call = self.shape(Api::Host, name, None, c.count, c.count, t)?;
+                let b = bytes(c.count)?;
+                let r = need(recv, b, "recvbuf")?;
+                if root == me {
+                    (call, need(send, b, "sendbuf")?, r, Prepare::CopyIntoDst)
+                } else {
+                    (call, none, r, Prepare::AsGiven)
+                }
+            }
+            RawOp::Reduce { op, root } => {
+                let t = Target::Root(root);
+                let call = self.shape(Api::Host, name, Some(op), c.count, c.count, t)?;
+                let b = bytes(c.count)?;
+                let s = need(send, b, "sendbuf")?;
+                if root == me {
+                    (call, s, need(recv, b, "recvbuf")?, Prepare::CopyIntoDst)
+                } else if ptr::eq(send, recv) {
+                    (call, none, need(recv, b, "recvbuf")?, Prepare::AsGiven)
+                } else {
+                    (call, s, none, Prepare::InPlaceOnCopy)
+                }
+            }
+            RawOp::Send { peer } => {
+                let t = Target::SendTo(peer);
+                let call = self.shape(Api::Host, name, None, c.count, 0, t)?;
+                (
+                    call,
+                    need(send, bytes(c.count)?, "buf")?,
+                    none,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::Recv { peer } => {
+                let t = Target::RecvFrom(peer);
+                let call = self.shape(Api::Host, name, None, 0, c.count, t)?;
+                (
+                    call,
+                    none,
+                    need(recv, bytes(c.count)?, "buf")?,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::Barrier => (
+                Call::new(name, None, 0, 0, false),
+                none,
+                none,
+                Prepare::AsGiven,
+            ),
+        };
+        let call = Call {
+            dtype: c.dtype,
+            ..call
+        };
+        Ok(RawBuffers::new(
+            call,
+            src,
+            (dst.0.cast_mut(), dst.1),
+            prepare,
+        ))
+    }
+
+    /// Starts `c` without blocking: it runs on the progress thread after every operation
+    /// issued before it. This is the entry point of the C ABI and the Python binding; Rust
+    /// code uses [`Communicator::scope`], which is safe.
+    ///
+    /// # Safety
+    /// Until the returned [`Work`] has completed (waited for, or tested complete — it runs to
+    /// completion even if the `Work` is dropped):
+    /// * `c.send` must be valid for reads, and `c.recv` for reads and writes, of as many
+    ///   elements of `c.dtype` as the collective uses ([`RawOp`]);
+    /// * nothing else may write `c.send` or access `c.recv`.
+    ///
+    /// # Errors
+    /// Argument errors ([`Error::InvalidArgument`]) at once; the operation's errors from the
+    /// [`Work`].
+    pub unsafe fn start_raw(&self, c: &RawCall) -> Result<Work> {
+        let bufs = self.raw_buffers(c)?;
+        let what = bufs.call().coll.name();
+        if let Some(r) = self.empty_call(bufs.call()) {
+            return Ok(Work::new(&self.shared, Completion::done(r), what));
+        }
+        // SAFETY: the caller's contract is `submit_raw`'s.
+        Ok(unsafe { self.submit_raw(bufs, c.timeout, what) })
+    }
+
+    /// Runs `c` and returns when it is complete (on the caller's thread, after every
+    /// operation issued before it).
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw`], until this returns.
+    ///
+    /// # Errors
+    /// As the blocking collectives.
+    pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
+        let bufs = self.raw_buffers(c)?;
+        if let Some(r) = self.empty_call(bufs.call()) {
+            return r;
+        }
+        self.shared.exclusive(c.timeout, |eng| {
+            // SAFETY: the caller's contract, for as long as this call runs.
+            unsafe { bufs.run(eng) }
+        })
+    }
+}

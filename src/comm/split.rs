@@ -1,0 +1,121 @@
+//! Sub-communicators: [`Communicator::split`], with `ncclCommSplit`'s semantics.
+
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+
+use super::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// Bytes each rank contributes to the split exchange: colour, key, listener port, IP.
+const RECORD: usize = 8 + 8 + 2 + 16;
+
+/// The colour of a rank that opts out.
+const NO_COLOUR: i64 = i64::MIN;
+
+fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
+    let mut b = [0u8; RECORD];
+    b[0..8].copy_from_slice(&colour.to_le_bytes());
+    b[8..16].copy_from_slice(&key.to_le_bytes());
+    if let Some(a) = addr {
+        b[16..18].copy_from_slice(&a.port().to_le_bytes());
+        let ip = match a.ip() {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+            IpAddr::V6(v6) => v6,
+        };
+        b[18..34].copy_from_slice(&ip.octets());
+    }
+    b
+}
+
+fn decode(b: &[u8]) -> (i64, i64, SocketAddr) {
+    let i64_at = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i..i + 8]);
+        i64::from_le_bytes(w)
+    };
+    let port = u16::from_le_bytes([b[16], b[17]]);
+    let mut ip = [0u8; 16];
+    ip.copy_from_slice(&b[18..34]);
+    let v6 = std::net::Ipv6Addr::from(ip);
+    let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
+    (i64_at(0), i64_at(8), SocketAddr::new(ip, port))
+}
+
+impl Communicator {
+    /// Splits the communicator into groups, as `ncclCommSplit` and torch's `new_group` do:
+    /// ranks that pass the same `colour` form a new communicator, ordered by `key`, then by
+    /// their rank here. A rank that passes `None` or a negative colour opts out and gets
+    /// `Ok(None)`. Every rank of this communicator must call it (it is a collective here).
+    ///
+    /// The new communicators need no rendezvous port: each group's first rank listens on an
+    /// ephemeral port and the address travels through this communicator. Each has its own
+    /// sequence numbers, mismatch checks, progress thread and connections, so groups run
+    /// collectives at the same time, and this communicator stays usable.
+    ///
+    /// # Errors
+    /// The errors of a collective on this communicator (then no rank gets a new one), and
+    /// those of [`Communicator::init`] for the new one.
+    pub fn split(&self, colour: Option<i32>, key: i32) -> Result<Option<Communicator>> {
+        let colour = colour.filter(|&c| c >= 0).map(i64::from);
+        let bind_ip = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let listener = match colour {
+            Some(_) => Some(TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| {
+                Error::io(
+                    Some(self.rank()),
+                    None,
+                    format!("split: listening on {bind_ip} for the new communicator"),
+                    e,
+                )
+            })?),
+            None => None,
+        };
+        let addr = listener
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()
+            .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
+        let mine = encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr);
+        let mut all = vec![0u8; RECORD * self.world_size()];
+        self.all_gather(&mine, &mut all)?;
+        let Some(colour) = colour else {
+            return Ok(None);
+        };
+        // Members of this rank's colour, ordered by (key, old rank).
+        let mut members: Vec<(i64, usize, SocketAddr)> = all
+            .chunks_exact(RECORD)
+            .enumerate()
+            .map(|(r, b)| (r, decode(b)))
+            .filter(|(_, (c, _, _))| *c == colour)
+            .map(|(r, (_, k, a))| (k, r, a))
+            .collect();
+        members.sort_unstable_by_key(|&(k, r, _)| (k, r));
+        let new_rank = members
+            .iter()
+            .position(|&(_, r, _)| r == self.rank())
+            .ok_or_else(|| {
+                Error::invalid(
+                    Some(self.rank()),
+                    "split",
+                    "this rank is not in its own group",
+                )
+            })?;
+        let leader = members[0].2;
+        let config = Config {
+            rank: new_rank,
+            world_size: members.len(),
+            root_addr: leader.to_string(),
+            sources: vec![(
+                "root address".into(),
+                format!(
+                    "the split of rank {}'s communicator (colour {colour})",
+                    self.rank()
+                ),
+            )],
+            ..self.config.clone()
+        };
+        let root = if new_rank == 0 { listener } else { None };
+        Communicator::init_inner(config, root).map(Some)
+    }
+}

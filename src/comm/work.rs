@@ -1,0 +1,434 @@
+//! The operation queue of a communicator, its progress thread, and [`Work`] handles.
+//!
+//! Every operation of a communicator — blocking or not, from any thread — runs in the order it
+//! was issued, on one engine. Whoever holds the *driver role* runs queued operations, one at a
+//! time, on its own thread: the communicator's progress thread (so that operations progress
+//! while the caller computes), a thread that waits for a [`Work`] it issued and finds nobody
+//! driving (no hand-off latency), or a blocking call, which first runs whatever is queued
+//! ahead of it and then its own operation on the caller's thread with borrowed buffers, as a
+//! call without a queue would.
+//!
+//! Abort ([`Shared::abort`]) raises a flag that the running operation looks at while it
+//! waits; then every queued and later operation fails at once with the same error.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+
+/// An operation, run by whoever holds the driver role.
+pub(crate) type Task = Box<dyn FnOnce(&mut Engine) -> Result<()> + Send>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Tasks run under catch_unwind, so a poisoned lock only means a panic between two
+    // statements of this module that touch no shared invariant.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The completion of one queued operation.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    state: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Completion {
+    fn finish(&self, r: Result<()>) {
+        *lock(&self.state) = Some(r);
+        self.cv.notify_all();
+    }
+
+    /// The result, once complete.
+    pub(crate) fn get(&self) -> Option<Result<()>> {
+        lock(&self.state).clone()
+    }
+
+    /// Blocks until complete or `until` (then `None`).
+    fn wait_until(&self, until: Option<Instant>) -> Option<Result<()>> {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(r) = st.as_ref() {
+                return Some(r.clone());
+            }
+            match until {
+                None => st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let now = Instant::now();
+                    if now >= t {
+                        return None;
+                    }
+                    st = self
+                        .cv
+                        .wait_timeout(st, t - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    /// A completion that is already complete.
+    pub(crate) fn done(r: Result<()>) -> Arc<Self> {
+        let c = Completion::default();
+        *lock(&c.state) = Some(r);
+        Arc::new(c)
+    }
+}
+
+struct Job {
+    task: Task,
+    timeout: Option<Duration>,
+    done: Arc<Completion>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Someone holds the driver role (and so the engine).
+    driving: bool,
+    /// The progress thread sleeps waiting for work.
+    progress_sleeping: bool,
+    /// Threads waiting for the driver role (blocking calls).
+    role_waiters: usize,
+    /// The communicator is being dropped: the progress thread drains the queue and exits.
+    shutdown: bool,
+}
+
+/// A communicator's engine, the queue in front of it and the driver role.
+pub(crate) struct Shared {
+    rank: usize,
+    engine: Mutex<Engine>,
+    q: Mutex<Queue>,
+    /// Wakes the progress thread.
+    wake_progress: Condvar,
+    /// Wakes threads waiting for the driver role.
+    role_free: Condvar,
+    /// The engine's abort flag.
+    abort: Arc<AtomicBool>,
+    /// The error that poisoned the engine, mirrored for readers that do not drive.
+    poison: Mutex<Option<Error>>,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared").field("rank", &self.rank).finish()
+    }
+}
+
+impl Shared {
+    pub(crate) fn new(engine: Engine) -> Arc<Self> {
+        Arc::new(Shared {
+            rank: engine.rank(),
+            abort: engine.abort_flag(),
+            engine: Mutex::new(engine),
+            q: Mutex::new(Queue::default()),
+            wake_progress: Condvar::new(),
+            role_free: Condvar::new(),
+            poison: Mutex::new(None),
+        })
+    }
+
+    /// The error that poisoned the engine, if any (without waiting for the driver role).
+    pub(crate) fn poisoned(&self) -> Option<Error> {
+        lock(&self.poison).clone()
+    }
+
+    /// Queues `task`; it runs after every operation issued before it.
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        task: Task,
+        timeout: Option<Duration>,
+        what: &'static str,
+    ) -> Work {
+        let done = Arc::new(Completion::default());
+        let mut q = lock(&self.q);
+        q.jobs.push_back(Job {
+            task,
+            timeout,
+            done: Arc::clone(&done),
+        });
+        if !q.driving && q.progress_sleeping {
+            self.wake_progress.notify_one();
+        }
+        drop(q);
+        Work::new(self, done, what)
+    }
+
+    /// Runs `f` on the caller's thread with the engine, after every operation issued before
+    /// it, and with `timeout` as its deadline (the communicator's when `None`).
+    pub(crate) fn exclusive<R>(
+        &self,
+        timeout: Option<Duration>,
+        f: impl FnOnce(&mut Engine) -> Result<R>,
+    ) -> Result<R> {
+        let mut q = lock(&self.q);
+        while q.driving {
+            q.role_waiters += 1;
+            q = self.role_free.wait(q).unwrap_or_else(|e| e.into_inner());
+            q.role_waiters -= 1;
+        }
+        q.driving = true;
+        let ahead = !q.jobs.is_empty();
+        drop(q);
+        let mut eng = lock(&self.engine);
+        if ahead {
+            self.drive(&mut eng, None);
+        }
+        let r = self.run_one(&mut eng, timeout, f);
+        self.release(&mut eng);
+        r
+    }
+
+    /// Runs one operation with the engine: honours a pending abort first, contains panics,
+    /// and mirrors the poison.
+    fn run_one<R>(
+        &self,
+        eng: &mut Engine,
+        timeout: Option<Duration>,
+        f: impl FnOnce(&mut Engine) -> Result<R>,
+    ) -> Result<R> {
+        eng.honour_abort();
+        eng.set_call_timeout(timeout);
+        let r = match catch_unwind(AssertUnwindSafe(|| f(eng))) {
+            Ok(r) => r,
+            Err(_) => {
+                // Half-sent frames and an advanced sequence number: this rank can no longer
+                // agree with its peers. Fail for good, and tell them.
+                let e = Error::Transport {
+                    rank: Some(self.rank),
+                    peer: None,
+                    op: "collective".into(),
+                    what: "internal error: a panic inside the operation (a dspark bug; please \
+                           report it); the communicator is unusable"
+                        .into(),
+                };
+                eng.fail(e.clone());
+                Err(e)
+            }
+        };
+        eng.set_call_timeout(None);
+        if let Some(p) = eng.poisoned() {
+            let mut mirror = lock(&self.poison);
+            if mirror.is_none() {
+                *mirror = Some(p.clone());
+            }
+        }
+        r
+    }
+
+    /// Runs queued operations until the queue is empty or `target` is complete. The caller
+    /// holds the driver role.
+    fn drive(&self, eng: &mut Engine, target: Option<&Completion>) {
+        loop {
+            if target.is_some_and(|t| t.get().is_some()) {
+                return;
+            }
+            let Some(job) = lock(&self.q).jobs.pop_front() else {
+                return;
+            };
+            let r = self.run_one(eng, job.timeout, job.task);
+            job.done.finish(r);
+        }
+    }
+
+    /// Gives the driver role up: to the progress thread when operations are queued, else to
+    /// a thread waiting for it. A pending abort is honoured first (so that peers hear of it
+    /// even when nothing runs).
+    fn release(&self, eng: &mut Engine) {
+        let mut q = lock(&self.q);
+        if self.abort.load(Ordering::Acquire) && eng.poisoned().is_none() {
+            drop(q);
+            self.run_one(eng, None, |_| Ok(())).ok();
+            q = lock(&self.q);
+        }
+        q.driving = false;
+        if !q.jobs.is_empty() || q.shutdown {
+            self.wake_progress.notify_one();
+        }
+        if q.role_waiters > 0 {
+            self.role_free.notify_all();
+        }
+    }
+
+    /// Waits for `done`, driving the queue when nobody does.
+    fn wait(&self, done: &Completion, until: Option<Instant>) -> Option<Result<()>> {
+        loop {
+            if let Some(r) = done.get() {
+                return Some(r);
+            }
+            let mut q = lock(&self.q);
+            if !q.driving && until.is_none() {
+                q.driving = true;
+                drop(q);
+                let mut eng = lock(&self.engine);
+                self.drive(&mut eng, Some(done));
+                self.release(&mut eng);
+                continue;
+            }
+            drop(q);
+            return done.wait_until(until);
+        }
+    }
+
+    /// Makes the operation in progress and every later one fail with `Aborted`, and tells
+    /// the peers. Returns without waiting for the operation in progress.
+    pub(crate) fn abort(&self) {
+        self.abort.store(true, Ordering::Release);
+        let mut q = lock(&self.q);
+        if q.driving {
+            // The driver notices the flag within the engine's abort poll, and at the latest
+            // when it gives the role up.
+            return;
+        }
+        q.driving = true;
+        drop(q);
+        let mut eng = lock(&self.engine);
+        self.drive(&mut eng, None);
+        self.release(&mut eng);
+    }
+
+    /// The progress thread: drives whenever operations are queued and nobody drives.
+    pub(crate) fn progress(self: Arc<Self>) {
+        loop {
+            let mut q = lock(&self.q);
+            while q.driving || (q.jobs.is_empty() && !q.shutdown) {
+                q.progress_sleeping = true;
+                q = self
+                    .wake_progress
+                    .wait(q)
+                    .unwrap_or_else(|e| e.into_inner());
+                q.progress_sleeping = false;
+            }
+            if q.jobs.is_empty() {
+                // Shut down, and everything issued has run.
+                return;
+            }
+            q.driving = true;
+            drop(q);
+            let mut eng = lock(&self.engine);
+            self.drive(&mut eng, None);
+            self.release(&mut eng);
+        }
+    }
+
+    /// Tells the progress thread to drain the queue and exit.
+    pub(crate) fn shutdown(&self) {
+        lock(&self.q).shutdown = true;
+        self.wake_progress.notify_all();
+    }
+
+    /// Runs `f` with the engine once nothing else can use it (after the progress thread
+    /// exited): for closing the communicator.
+    pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
+        f(&mut lock(&self.engine))
+    }
+}
+
+/// A non-blocking operation in flight: wait for it, or poll it.
+///
+/// Dropping or leaking a `Work` does not stop the operation: it runs to completion in issue
+/// order whether or not anybody waits for it. For operations started in a
+/// [`Communicator::scope`](crate::Communicator::scope), the scope waits for every one of them
+/// before it returns, so the borrowed buffers are never touched after their borrow ends —
+/// even when a `Work` is forgotten.
+#[must_use = "an operation's error is only reported by wait() or test()"]
+pub struct Work {
+    /// Weak: a `Work` must not keep the transport alive past its communicator.
+    shared: Weak<Shared>,
+    rank: usize,
+    done: Arc<Completion>,
+    what: &'static str,
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.what)
+            .field("done", &self.done.get().is_some())
+            .finish()
+    }
+}
+
+impl Work {
+    pub(crate) fn new(shared: &Arc<Shared>, done: Arc<Completion>, what: &'static str) -> Self {
+        Work {
+            shared: Arc::downgrade(shared),
+            rank: shared.rank,
+            done,
+            what,
+        }
+    }
+
+    /// Waits for the operation, driving the queue when nobody does.
+    fn wait_for(&self, until: Option<Instant>) -> Option<Result<()>> {
+        match self.shared.upgrade() {
+            Some(s) => s.wait(&self.done, until),
+            // The communicator is gone: it ran everything issued before it went.
+            None => self.done.get(),
+        }
+    }
+
+    pub(crate) fn completion(&self) -> &Arc<Completion> {
+        &self.done
+    }
+
+    /// `Ok(true)` once the operation completed, `Ok(false)` while it is in flight, its error
+    /// if it failed. Never blocks.
+    ///
+    /// # Errors
+    /// The operation's error.
+    pub fn test(&self) -> Result<bool> {
+        match self.done.get() {
+            None => Ok(false),
+            Some(r) => r.map(|()| true),
+        }
+    }
+
+    /// Waits for the operation. It cannot wait forever: the operation itself fails by its
+    /// deadline (the communicator's, or the one it was issued with).
+    ///
+    /// # Errors
+    /// The operation's error: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, ...
+    pub fn wait(self) -> Result<()> {
+        self.wait_for(None).unwrap_or_else(|| Err(self.lost()))
+    }
+
+    /// Waits for the operation at most `timeout`.
+    ///
+    /// # Errors
+    /// The operation's error; [`Error::Timeout`] when it is still in flight after
+    /// `timeout`. The operation then goes on (wait again, or
+    /// [`Communicator::abort`](crate::Communicator::abort) the communicator to stop it).
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let until = crate::config::deadline(start, timeout);
+        match self.wait_for(Some(until)) {
+            Some(r) => r,
+            None => Err(Error::Timeout {
+                rank: self.rank,
+                peer: None,
+                op: format!("waiting for {}", self.what),
+                waited: start.elapsed(),
+                detail: "the operation is still in flight; it goes on until it completes or \
+                         its own deadline passes"
+                    .into(),
+            }),
+        }
+    }
+
+    fn lost(&self) -> Error {
+        Error::Transport {
+            rank: Some(self.rank),
+            peer: None,
+            op: self.what.into(),
+            what: "internal error: the operation never completed".into(),
+        }
+    }
+}

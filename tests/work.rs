@@ -1,0 +1,440 @@
+//! Non-blocking operations (`Communicator::scope`, `Work`), abort, per-call deadlines and
+//! `split`, with ranks as threads over the in-process `mem` transport (the children of a
+//! split connect over TCP on 127.0.0.1). Results are checked against the independent
+//! reference in `common`.
+
+mod common;
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use common::{check, inputs, reduced};
+use dspark::transport::mem::MemFabric;
+use dspark::{Communicator, Config, Error, ReduceOp};
+
+fn config(timeout: Duration, segment_bytes: usize) -> Config {
+    let mut c = Config::new(0, 1, "");
+    c.timeout = timeout;
+    c.segment_bytes = segment_bytes;
+    c
+}
+
+fn run_ranks<R: Send>(world: usize, cfg: &Config, f: impl Fn(&Communicator) -> R + Sync) -> Vec<R> {
+    let fabric = MemFabric::new(world, 2);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let f = &f;
+                let t = fabric.transport(r);
+                s.spawn(move || {
+                    let comm = Communicator::from_transport(r, world, Box::new(t), cfg).unwrap();
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+fn all_ok(res: Vec<Result<(), String>>, what: &str) {
+    for (r, x) in res.into_iter().enumerate() {
+        if let Err(e) = x {
+            panic!("{what}: rank {r}: {e}");
+        }
+    }
+}
+
+/// Many operations of different collectives and sizes in flight at once, waited for in an
+/// order other than the issue order; every result checked.
+fn many_in_flight(comm: &Communicator, seed: u64) -> Result<(), String> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let counts = [0usize, 1, 3, 7, 13, 1000, 65_537];
+    let mut sums: Vec<Vec<f32>> = counts
+        .iter()
+        .map(|&c| inputs::<f32>(ReduceOp::Sum, seed, r, c))
+        .collect();
+    let mut maxes: Vec<Vec<i64>> = counts
+        .iter()
+        .map(|&c| inputs::<i64>(ReduceOp::Max, seed ^ 1, r, c))
+        .collect();
+    let gather_in = inputs::<u8>(ReduceOp::Sum, seed ^ 2, r, 11);
+    let mut gather_out = vec![0u8; 11 * n];
+    let rs_in = inputs::<f64>(ReduceOp::Sum, seed ^ 3, r, 5 * n);
+    let mut rs_out = vec![0f64; 5];
+    let mut bcast = if r == n - 1 {
+        inputs::<u32>(ReduceOp::Sum, seed ^ 4, n - 1, 257)
+    } else {
+        vec![0u32; 257]
+    };
+    let a2a_in = inputs::<i32>(ReduceOp::Sum, seed ^ 5, r, 3 * n);
+    let mut a2a_out = vec![0i32; 3 * n];
+    comm.scope(|s| -> Result<(), String> {
+        let e = |x: Error| x.to_string();
+        let mut works = Vec::new();
+        for (a, b) in sums.iter_mut().zip(maxes.iter_mut()) {
+            works.push(s.all_reduce(a, ReduceOp::Sum).map_err(e)?);
+            works.push(s.all_reduce(b, ReduceOp::Max).map_err(e)?);
+        }
+        works.push(s.all_gather(&gather_in, &mut gather_out).map_err(e)?);
+        works.push(
+            s.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum)
+                .map_err(e)?,
+        );
+        works.push(s.broadcast(&mut bcast, n - 1).map_err(e)?);
+        works.push(s.all_to_all(&a2a_in, &mut a2a_out).map_err(e)?);
+        works.push(s.barrier().map_err(e)?);
+        // Wait in reverse: completion does not depend on the order of waiting.
+        for w in works.into_iter().rev() {
+            w.wait().map_err(e)?;
+        }
+        Ok(())
+    })?;
+    for (i, &c) in counts.iter().enumerate() {
+        check(
+            "all_reduce sum",
+            &sums[i],
+            &reduced::<f32>(ReduceOp::Sum, seed, n, c),
+        )?;
+        check(
+            "all_reduce max",
+            &maxes[i],
+            &reduced::<i64>(ReduceOp::Max, seed ^ 1, n, c),
+        )?;
+    }
+    let want: Vec<u8> = (0..n)
+        .flat_map(|q| inputs::<u8>(ReduceOp::Sum, seed ^ 2, q, 11))
+        .collect();
+    check("all_gather", &gather_out, &want)?;
+    let full = reduced::<f64>(ReduceOp::Sum, seed ^ 3, n, 5 * n);
+    check("reduce_scatter", &rs_out, &full[r * 5..(r + 1) * 5])?;
+    check(
+        "broadcast",
+        &bcast,
+        &inputs::<u32>(ReduceOp::Sum, seed ^ 4, n - 1, 257),
+    )?;
+    let want: Vec<i32> = (0..n)
+        .flat_map(|j| inputs::<i32>(ReduceOp::Sum, seed ^ 5, j, 3 * n)[r * 3..(r + 1) * 3].to_vec())
+        .collect();
+    check("all_to_all", &a2a_out, &want)?;
+    Ok(())
+}
+
+#[test]
+fn in_flight_operations_of_different_collectives_and_sizes_complete_correctly_on_worlds_1_to_5() {
+    for world in 1..=5 {
+        let cfg = config(Duration::from_secs(60), 4096);
+        let res = run_ranks(world, &cfg, |c| many_in_flight(c, 0x0a11 + world as u64));
+        all_ok(res, &format!("world {world}"));
+    }
+}
+
+#[test]
+fn blocking_calls_interleave_with_in_flight_operations_in_issue_order() {
+    let cfg = config(Duration::from_secs(60), 1024);
+    let res = run_ranks(3, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let mut a = inputs::<f32>(ReduceOp::Sum, 1, r, 10_001);
+        let mut b = inputs::<f32>(ReduceOp::Sum, 2, r, 333);
+        comm.scope(|s| -> Result<(), String> {
+            let w = s
+                .all_reduce(&mut a, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            // Issued after `w`: runs after it, on the caller's thread.
+            comm.all_reduce(&mut b, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            if !w.test().map_err(|e| e.to_string())? {
+                return Err(
+                    "an operation issued earlier is not complete after a later blocking call"
+                        .into(),
+                );
+            }
+            Ok(())
+        })?;
+        check("a", &a, &reduced::<f32>(ReduceOp::Sum, 1, 3, 10_001))?;
+        check("b", &b, &reduced::<f32>(ReduceOp::Sum, 2, 3, 333))
+    });
+    all_ok(res, "interleaved");
+}
+
+#[test]
+fn a_forgotten_work_still_completes_before_its_scope_returns() {
+    let cfg = config(Duration::from_secs(60), 512);
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let n = 50_000;
+        let mut a = inputs::<f64>(ReduceOp::Sum, 3, r, n);
+        comm.scope(|s| -> Result<(), String> {
+            let w = s
+                .all_reduce(&mut a, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            std::mem::forget(w);
+            Ok(())
+        })?;
+        // The borrow of `a` ended with the scope: the library is done with it, and the
+        // result is complete.
+        check("forgotten", &a, &reduced::<f64>(ReduceOp::Sum, 3, 2, n))
+    });
+    all_ok(res, "forget");
+}
+
+#[test]
+fn operations_progress_while_the_caller_does_not_wait() {
+    // Rank 1 starts a receive and then only polls `test()`: the progress thread must move it.
+    let cfg = config(Duration::from_secs(30), 4096);
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        let data = inputs::<u32>(ReduceOp::Sum, 9, 0, 100_003);
+        if comm.rank() == 0 {
+            comm.send(&data, 1).map_err(|e| e.to_string())?;
+            return Ok(());
+        }
+        let mut got = vec![0u32; data.len()];
+        comm.scope(|s| -> Result<(), String> {
+            let w = s.recv(&mut got, 0).map_err(|e| e.to_string())?;
+            let t0 = Instant::now();
+            while !w.test().map_err(|e| e.to_string())? {
+                if t0.elapsed() > Duration::from_secs(20) {
+                    return Err("a receive nobody waits for never completed".into());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        })?;
+        check("received", &got, &data)
+    });
+    all_ok(res, "progress");
+}
+
+#[test]
+fn abort_from_another_thread_ends_a_blocked_receive_within_a_second_and_peers_hear_of_it() {
+    let cfg = config(Duration::from_secs(60), 4096);
+    let go = Barrier::new(2);
+    let res = run_ranks(3, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let mut buf = vec![0f32; 1000];
+        match r {
+            0 => {
+                // Blocked: rank 1 never sends.
+                std::thread::scope(|t| {
+                    t.spawn(|| {
+                        go.wait();
+                        std::thread::sleep(Duration::from_millis(300));
+                        comm.abort();
+                    });
+                    go.wait();
+                    let t0 = Instant::now();
+                    let e = comm
+                        .recv(&mut buf, 1)
+                        .expect_err("recv must fail after abort");
+                    let took = t0.elapsed();
+                    if !matches!(e, Error::Aborted { by: 0, .. }) {
+                        return Err(format!("expected Aborted by rank 0, got {e}"));
+                    }
+                    if took > Duration::from_millis(300) + Duration::from_secs(1) {
+                        return Err(format!("abort took {took:?} to end the receive"));
+                    }
+                    // Later calls fail at once with the same error.
+                    let t1 = Instant::now();
+                    let e2 = comm.barrier().expect_err("a call after abort must fail");
+                    if !matches!(e2, Error::Aborted { .. })
+                        || t1.elapsed() > Duration::from_millis(200)
+                    {
+                        return Err(format!("after abort: {e2} in {:?}", t1.elapsed()));
+                    }
+                    Ok(())
+                })
+            }
+            _ => {
+                // The others wait for rank 0, which never sends: they must fail with an error
+                // naming rank 0, long before their 60 s deadline.
+                let t0 = Instant::now();
+                let e = comm.recv(&mut buf, 0).expect_err("peers must fail");
+                let text = e.to_string();
+                if !text.contains("rank 0") || t0.elapsed() > Duration::from_secs(10) {
+                    return Err(format!("peer error after {:?}: {text}", t0.elapsed()));
+                }
+                Ok(())
+            }
+        }
+    });
+    all_ok(res, "abort");
+}
+
+#[test]
+fn abort_fails_in_flight_and_queued_operations_promptly() {
+    let cfg = config(Duration::from_secs(60), 4096);
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        if comm.rank() == 1 {
+            // Never takes part; only waits to hear of the abort.
+            let mut b = vec![0u8; 4];
+            let e = comm.with_timeout(Duration::from_secs(20)).recv(&mut b, 0);
+            return match e {
+                Err(Error::Aborted { by: 0, .. }) => Ok(()),
+                other => Err(format!("rank 1: expected Aborted by 0, got {other:?}")),
+            };
+        }
+        let mut bufs = vec![vec![0f32; 100]; 4];
+        comm.scope(|s| -> Result<(), String> {
+            let works: Vec<_> = bufs
+                .iter_mut()
+                .map(|b| s.recv(b, 1).map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?;
+            std::thread::sleep(Duration::from_millis(100));
+            let t0 = Instant::now();
+            comm.abort();
+            for w in works {
+                match w.wait() {
+                    Err(Error::Aborted { .. }) => {}
+                    other => return Err(format!("expected Aborted, got {other:?}")),
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(1) {
+                return Err(format!("queued operations took {:?} to fail", t0.elapsed()));
+            }
+            Ok(())
+        })
+    });
+    all_ok(res, "abort queued");
+}
+
+#[test]
+fn a_call_with_its_own_timeout_fails_by_that_deadline() {
+    let cfg = config(Duration::from_secs(120), 4096);
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        if comm.rank() == 1 {
+            // Silent until rank 0 has timed out; then hears rank 0's failure.
+            let mut b = vec![0u8; 1];
+            let _ = comm.with_timeout(Duration::from_secs(20)).recv(&mut b, 0);
+            return Ok(());
+        }
+        let mut b = vec![0u8; 8];
+        let t0 = Instant::now();
+        let e = comm
+            .with_timeout(Duration::from_millis(300))
+            .recv(&mut b, 1)
+            .expect_err("must time out");
+        let took = t0.elapsed();
+        match e {
+            Error::Timeout { peer: Some(1), .. }
+                if took >= Duration::from_millis(300) && took < Duration::from_secs(5) =>
+            {
+                Ok(())
+            }
+            e => Err(format!(
+                "expected a timeout after 300 ms, got {e} after {took:?}"
+            )),
+        }
+    });
+    all_ok(res, "per-call timeout");
+}
+
+#[test]
+fn wait_timeout_reports_an_operation_still_in_flight_and_a_later_wait_gets_its_result() {
+    let cfg = config(Duration::from_secs(60), 4096);
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        let data = inputs::<i32>(ReduceOp::Sum, 4, 1, 77);
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+            return comm.send(&data, 0).map_err(|e| e.to_string());
+        }
+        let mut got = vec![0i32; 77];
+        comm.scope(|s| -> Result<(), String> {
+            let w = s.recv(&mut got, 1).map_err(|e| e.to_string())?;
+            match w.wait_timeout(Duration::from_millis(50)) {
+                Err(Error::Timeout { .. }) => {}
+                other => return Err(format!("expected a wait timeout, got {other:?}")),
+            }
+            w.wait().map_err(|e| e.to_string())
+        })?;
+        check("late receive", &got, &data)
+    });
+    all_ok(res, "wait_timeout");
+}
+
+#[test]
+fn split_into_two_colours_runs_both_groups_at_once_with_their_own_mismatch_checks() {
+    let cfg = config(Duration::from_secs(60), 4096);
+    let res = run_ranks(5, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        // Colour by parity; keys reverse the order inside each group.
+        let colour = (r % 2) as i32;
+        let key = -(r as i32);
+        let sub = comm
+            .split(Some(colour), key)
+            .map_err(|e| format!("split: {e}"))?
+            .ok_or("a rank with a colour got no communicator")?;
+        let members: Vec<usize> = (0..5).filter(|q| q % 2 == r % 2).rev().collect();
+        let size = members.len();
+        if sub.world_size() != size {
+            return Err(format!("group of {} ranks, want {size}", sub.world_size()));
+        }
+        let want_rank = members.iter().position(|&q| q == r).unwrap();
+        if sub.rank() != want_rank {
+            return Err(format!("new rank {}, want {want_rank}", sub.rank()));
+        }
+        // Both groups at once, and the parent at the same time from another thread.
+        let mut v = vec![r as u64 + 1; 1001];
+        let mut p = vec![1u32; 99];
+        std::thread::scope(|t| -> Result<(), String> {
+            let h = t.spawn(|| comm.all_reduce(&mut p, ReduceOp::Sum));
+            sub.all_reduce(&mut v, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            h.join().unwrap().map_err(|e| format!("parent: {e}"))
+        })?;
+        let want: u64 = members.iter().map(|&q| q as u64 + 1).sum();
+        if v.iter().any(|&x| x != want) {
+            return Err(format!("group sum {} want {want}", v[0]));
+        }
+        if p.iter().any(|&x| x != 5) {
+            return Err(format!("parent sum {} want 5", p[0]));
+        }
+        // A mismatch inside the new communicator is found there: group rank 0 reduces 10
+        // elements, the others 11.
+        let mut m = vec![1f32; if sub.rank() == 0 { 10 } else { 11 }];
+        match sub.all_reduce(&mut m, ReduceOp::Sum) {
+            Err(Error::Mismatch { .. }) => {}
+            other => return Err(format!("expected a mismatch in the group, got {other:?}")),
+        }
+        // The parent is untouched by the group's failure.
+        let mut q = vec![2i64; 3];
+        comm.all_reduce(&mut q, ReduceOp::Sum)
+            .map_err(|e| format!("parent after group mismatch: {e}"))?;
+        if q != [10, 10, 10] {
+            return Err(format!("parent {q:?}"));
+        }
+        Ok(())
+    });
+    all_ok(res, "split");
+}
+
+#[test]
+fn split_with_no_colour_opts_out_and_the_rest_form_a_group() {
+    let cfg = config(Duration::from_secs(60), 4096);
+    let res = run_ranks(4, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let colour = match r {
+            0 => None,
+            1 => Some(-1),
+            _ => Some(7),
+        };
+        let sub = comm.split(colour, 0).map_err(|e| e.to_string())?;
+        match (r, sub) {
+            (0 | 1, None) => Ok(()),
+            (0 | 1, Some(_)) => Err("an opted-out rank got a communicator".into()),
+            (_, None) => Err("a rank with a colour got none".into()),
+            (_, Some(s)) => {
+                let mut x = vec![r as i32; 5];
+                s.all_reduce(&mut x, ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
+                if s.world_size() != 2 || s.rank() != r - 2 || x != [5; 5] {
+                    return Err(format!("group {}:{} sum {x:?}", s.rank(), s.world_size()));
+                }
+                Ok(())
+            }
+        }
+    });
+    all_ok(res, "split opt-out");
+}
