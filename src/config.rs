@@ -101,8 +101,35 @@ pub struct Config {
     /// in host memory, so that the GPUDirect protocol runs on machines without a GPU. Reported
     /// as emulation, never as GPUDirect.
     pub emulate_gpu_direct: bool,
+    /// How the ranks find rank 0 (`DSPARK_RENDEZVOUS`; torchrun's agent store by default
+    /// under torchrun).
+    pub rendezvous: Rendezvous,
     /// Where each setting came from, for messages (`rank from RANK`, ...).
     pub sources: Vec<(String, String)>,
+}
+
+/// How the ranks of a job find rank 0 at init.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// Rank 0 listens on [`Config::root_addr`]; the others connect to it.
+    #[default]
+    Listen,
+    /// [`Config::root_addr`] is a PyTorch c10d TCPStore — the one torchrun's agent serves on
+    /// `MASTER_ADDR:MASTER_PORT`, or rank 0's `init_process_group` — and every rank is its
+    /// client: rank 0 listens on an ephemeral port and publishes it there, under keys that
+    /// start with `prefix` ([`crate::Communicator::init_with_store`]). No fixed port is bound.
+    TorchStore {
+        /// Key prefix (per job and restart, so that restarts do not meet stale addresses).
+        prefix: String,
+    },
+}
+
+/// Whether a launcher flag variable is set to true (`True`, `true`, `1`, `yes`).
+fn truthy(v: &str) -> bool {
+    matches!(
+        v.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
 }
 
 /// Default deadline.
@@ -130,6 +157,7 @@ impl Config {
             data_path: PathPolicy::Auto,
             cuda_device: None,
             emulate_gpu_direct: false,
+            rendezvous: Rendezvous::Listen,
             sources: Vec::new(),
         }
     }
@@ -223,6 +251,43 @@ impl Config {
         };
 
         let mut c = Config::new(rank, world_size, root_addr);
+        // Under torchrun the agent already serves its c10d TCPStore on MASTER_PORT: meet
+        // through it as a client instead of binding the same port. DSPARK_ROOT_ADDR keeps its
+        // meaning wherever it is set; DSPARK_RENDEZVOUS chooses explicitly.
+        let prefix = || {
+            let run = get("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into());
+            let restart = get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+            format!("dspark/{}/{}", run.trim(), restart.trim())
+        };
+        let from_master = sources
+            .iter()
+            .any(|(k, v)| k == "root address" && v == "MASTER_ADDR:MASTER_PORT");
+        match pick(&["DSPARK_RENDEZVOUS"]) {
+            Some((n, v)) => match v.trim() {
+                "listen" | "root" => {}
+                "store" | "torch-store" => {
+                    c.rendezvous = Rendezvous::TorchStore { prefix: prefix() };
+                    sources.push(("rendezvous".into(), format!("{n}={v}")));
+                }
+                _ => {
+                    return Err(Error::config(
+                        n,
+                        format!("{v:?}: expected listen (rank 0 binds the root address) or store (a torch TCPStore serves it)"),
+                    ))
+                }
+            },
+            None if from_master
+                && world_size > 1
+                && get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| truthy(&v)) =>
+            {
+                c.rendezvous = Rendezvous::TorchStore { prefix: prefix() };
+                sources.push((
+                    "rendezvous".into(),
+                    "TORCHELASTIC_USE_AGENT_STORE (torchrun's agent store at MASTER_ADDR:MASTER_PORT)".into(),
+                ));
+            }
+            None => {}
+        }
         c.sources = sources;
         if let Some((n, v)) = pick(&["DSPARK_TIMEOUT"]) {
             let secs: f64 = v

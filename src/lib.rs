@@ -4,6 +4,8 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap;
+/// The C ABI (`include/dspark.h`).
+pub mod capi;
 pub mod comm;
 pub mod config;
 pub mod engine;

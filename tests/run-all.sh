@@ -20,6 +20,7 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v python3 >/dev/null || need+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v mpirun >/dev/null || need+=(openmpi-bin)   # the mpirun launcher test
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         log "apt-get install ${need[*]}"
@@ -43,6 +44,15 @@ if [ -f tests/gpu/install_nvrtc.sh ]; then
         log "NVRTC wheel not installed ($NVRTC_DIR): kernel compile tests will be skipped"
     fi
 fi
+
+# ---------------------------------------------------------------- torch (torchrun, TCPStore)
+# torch from PyPI into a cached venv (~3 GB download and 5.4 GB on disk the first time; reused
+# afterwards): torchrun for the launcher tests, torch's TCPStore server for the store client.
+log "torch venv (tests/torch/venv.sh)"
+DSPARK_TORCH_PYTHON=$(bash tests/torch/venv.sh | tail -n 1)
+export DSPARK_TORCH_PYTHON
+export DSPARK_REQUIRE_TORCH=1 DSPARK_REQUIRE_MPI=1
+log "torch from $DSPARK_TORCH_PYTHON"
 
 # ---------------------------------------------------------------- cargo tests
 log "cargo test (profile ci: optimised, with debug assertions)"

@@ -438,3 +438,41 @@ fn split_with_no_colour_opts_out_and_the_rest_form_a_group() {
     });
     all_ok(res, "split opt-out");
 }
+
+#[test]
+fn init_with_store_meets_through_the_store_twice_in_a_row_without_a_fixed_port() {
+    use dspark::bootstrap::store::MemStore;
+    let store = MemStore::new();
+    let world = 3;
+    std::thread::scope(|t| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let store = &store;
+                t.spawn(move || -> Result<(), String> {
+                    for round in 0..2u64 {
+                        let mut cfg = Config::new(0, 1, "");
+                        cfg.timeout = Duration::from_secs(30);
+                        let comm = Communicator::init_with_store(store, r, world, cfg)
+                            .map_err(|e| format!("round {round}: {e}"))?;
+                        let mut x = vec![r as u64 + round; 17];
+                        comm.all_reduce(&mut x, ReduceOp::Sum)
+                            .map_err(|e| e.to_string())?;
+                        if x != vec![3 + 3 * round; 17] || !comm.info().rendezvous.contains("store")
+                        {
+                            return Err(format!(
+                                "round {round}: {x:?} via {}",
+                                comm.info().rendezvous
+                            ));
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join().unwrap() {
+                panic!("rank {r}: {e}");
+            }
+        }
+    });
+}

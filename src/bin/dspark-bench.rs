@@ -123,6 +123,11 @@ struct Args {
     /// print them side by side with their ratio.
     #[arg(long)]
     compare_paths: bool,
+    /// Which API the timed calls go through: the blocking calls, or the non-blocking ones
+    /// (each call started in a `Communicator::scope` and waited for with `Work::wait`), to
+    /// measure what the non-blocking path costs.
+    #[arg(long, value_enum, default_value = "blocking")]
+    api: CallApi,
     /// Machine-readable output.
     #[arg(long)]
     csv: bool,
@@ -133,6 +138,15 @@ struct Args {
     /// Explicit size list for --peer-rows (comma-separated bytes).
     #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
     sizes: Vec<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "kebab-case")]
+enum CallApi {
+    /// `comm.all_reduce(...)`.
+    Blocking,
+    /// `comm.scope(|s| s.all_reduce(...)?.wait())`.
+    Nonblocking,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -493,6 +507,9 @@ struct Bufs<T> {
 }
 
 fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> dspark::Result<()> {
+    if args.api == CallApi::Nonblocking {
+        return run_host_nonblocking(args, comm, b);
+    }
     let n = comm.world_size();
     let r = comm.rank();
     match args.collective {
@@ -513,6 +530,30 @@ fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
             }
         }
     }
+}
+
+/// [`run_host`] through the non-blocking API: start in a scope, then wait.
+fn run_host_nonblocking<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    b: &mut Bufs<T>,
+) -> dspark::Result<()> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    comm.scope(|s| {
+        let w = match args.collective {
+            Coll::AllReduce => s.all_reduce(&mut b.recv, args.op)?,
+            Coll::AllGather => s.all_gather(&b.send, &mut b.recv)?,
+            Coll::ReduceScatter => s.reduce_scatter(&b.send, &mut b.recv, args.op)?,
+            Coll::Broadcast => s.broadcast(&mut b.recv, args.root)?,
+            Coll::Reduce => s.reduce(&mut b.recv, args.op, args.root)?,
+            Coll::AllToAll => s.all_to_all(&b.send, &mut b.recv)?,
+            Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => s.send(&b.send, r + 1)?,
+            Coll::SendRecv if r % 2 == 1 => s.recv(&mut b.recv, r - 1)?,
+            Coll::SendRecv => return Ok(()),
+        };
+        w.wait()
+    })
 }
 
 /// The engine call for the emulated device (`None`: this rank idles in send/recv).
@@ -887,6 +928,10 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
     let mut uniq = hosts.clone();
     uniq.sort_unstable();
     uniq.dedup();
+    println!("# rendezvous: {}", info.rendezvous);
+    if args.api == CallApi::Nonblocking {
+        println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
+    }
     println!(
         "# ranks     : {n} on {} host(s) [{}]; {} on this host; spin {} µs then block; segment {}; timeout {:?}",
         uniq.len(),

@@ -275,7 +275,7 @@ fn hostname() -> String {
 }
 
 /// The IPv4 address of interface `name`.
-fn interface_ip(name: &str) -> Result<IpAddr> {
+pub(crate) fn interface_ip(name: &str) -> Result<IpAddr> {
     let addrs = nix::ifaddrs::getifaddrs().map_err(|e| {
         Error::config(
             "DSPARK_SOCKET_IFNAME",
@@ -307,7 +307,7 @@ fn resolve(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
     Ok((host, port).to_socket_addrs()?.collect())
 }
 
-fn is_local_ip(ip: IpAddr) -> bool {
+pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
     TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 

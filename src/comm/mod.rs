@@ -22,6 +22,7 @@ use std::time::Duration;
 
 mod device;
 mod raw;
+mod rendezvous;
 mod scope;
 mod split;
 pub mod work;
@@ -65,6 +66,9 @@ pub struct CommInfo {
     pub data_path: PathPolicy,
     /// Every rank's GPUDirect RDMA capability, as announced at init (indexed by rank).
     pub gpu_direct: Vec<crate::path::GpuDirectCapability>,
+    /// How the ranks met: rank 0's address and where it came from (`DSPARK_ROOT_ADDR`,
+    /// `MASTER_ADDR:MASTER_PORT`, torchrun's agent store, a parent communicator).
+    pub rendezvous: String,
 }
 
 /// Which API a call came through (for the operation named in errors).
@@ -215,6 +219,12 @@ impl Communicator {
     /// [`Communicator::init`], where rank 0 accepts the others on `root` (already bound)
     /// instead of binding `config.root_addr`.
     fn init_inner(config: Config, root: Option<std::net::TcpListener>) -> Result<Self> {
+        if let crate::config::Rendezvous::TorchStore { prefix } = &config.rendezvous {
+            if config.world_size > 1 {
+                let prefix = prefix.clone();
+                return Self::init_through_torch_store(config, &prefix);
+            }
+        }
         config.validate()?;
         let (mut boot, streams) = bootstrap::rendezvous_with(&config, root)?;
         let local = boot.local_ranks();
@@ -325,6 +335,21 @@ impl Communicator {
             timeout: opts.timeout,
             data_path: facts.data_path,
             gpu_direct: facts.gpu_direct,
+            rendezvous: if world == 1 {
+                "none (a world of one)".into()
+            } else {
+                let source = config
+                    .sources
+                    .iter()
+                    .find(|(k, _)| k == "root address")
+                    .map_or("Config::root_addr", |(_, v)| v.as_str());
+                match config.sources.iter().find(|(k, _)| k == "rendezvous") {
+                    Some((_, via)) => {
+                        format!("rank 0 at {} from {source}, via {via}", config.root_addr)
+                    }
+                    None => format!("rank 0 at {} from {source}", config.root_addr),
+                }
+            },
         };
         let direct_layout = transport.direct_layout();
         let direct_host = transport.direct_host_region();

@@ -19,6 +19,54 @@ const PRUNE_AT: usize = 64;
 /// communicator's progress thread, after every operation issued before it, while the caller
 /// goes on computing. The buffers stay borrowed until the scope ends, and the scope does not
 /// end before every operation started in it has completed.
+///
+/// The borrow checker enforces what the library relies on. A buffer cannot be touched while
+/// an operation on it may still run, even after its `Work` is forgotten:
+///
+/// ```compile_fail
+/// # use dspark::{Communicator, ReduceOp};
+/// # fn f(comm: &Communicator) -> dspark::Result<()> {
+/// let mut grads = vec![1.0f32; 1024];
+/// comm.scope(|s| -> dspark::Result<()> {
+///     let w = s.all_reduce(&mut grads, ReduceOp::Sum)?;
+///     std::mem::forget(w);
+///     grads[0] = 2.0; // error: `grads` is still borrowed by the operation
+///     Ok(())
+/// })
+/// # }
+/// ```
+///
+/// nor freed before the scope has waited for it — a buffer made inside the scope cannot be
+/// lent to an operation at all:
+///
+/// ```compile_fail
+/// # use dspark::{Communicator, ReduceOp};
+/// # fn f(comm: &Communicator) -> dspark::Result<()> {
+/// comm.scope(|s| -> dspark::Result<()> {
+///     let mut tmp = vec![1.0f32; 1024];
+///     let w = s.all_reduce(&mut tmp, ReduceOp::Sum)?; // error: `tmp` does not live long enough
+///     std::mem::forget(w);
+///     drop(tmp);
+///     Ok(())
+/// })
+/// # }
+/// ```
+///
+/// while the same code with the buffer outside the scope compiles and is sound:
+///
+/// ```no_run
+/// # use dspark::{Communicator, ReduceOp};
+/// # fn f(comm: &Communicator) -> dspark::Result<()> {
+/// let mut grads = vec![1.0f32; 1024];
+/// comm.scope(|s| -> dspark::Result<()> {
+///     let w = s.all_reduce(&mut grads, ReduceOp::Sum)?;
+///     std::mem::forget(w); // the scope still waits for the operation
+///     Ok(())
+/// })?;
+/// grads[0] = 2.0; // the library is done with `grads`
+/// # Ok(())
+/// # }
+/// ```
 pub struct Scope<'scope, 'env: 'scope> {
     comm: &'env Communicator,
     started: Mutex<Vec<Arc<Completion>>>,

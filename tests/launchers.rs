@@ -1,0 +1,184 @@
+//! The launcher lines of the README, run as typed: `torchrun --standalone`, torchrun's
+//! static rendezvous and Open MPI's `mpirun`, each starting `dspark-bench` as its ranks.
+//! torchrun comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON`
+//! names its python), mpirun from Debian's `openmpi-bin`. Without them the tests print why
+//! and pass, unless `DSPARK_REQUIRE_TORCH=1` / `DSPARK_REQUIRE_MPI=1` (as in CI).
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn torchrun() -> Option<PathBuf> {
+    let python = std::env::var_os("DSPARK_TORCH_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/dspark/torch-venv/bin/python"))
+        })?;
+    let t = python.parent()?.join("torchrun");
+    if t.exists() {
+        return Some(t);
+    }
+    if std::env::var_os("DSPARK_REQUIRE_TORCH").is_some() {
+        panic!(
+            "DSPARK_REQUIRE_TORCH is set but {} does not exist",
+            t.display()
+        );
+    }
+    eprintln!(
+        "SKIP: no torchrun at {} (run bash tests/torch/venv.sh)",
+        t.display()
+    );
+    None
+}
+
+fn mpirun() -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("mpirun"))
+            .find(|c| c.exists())
+    });
+    if found.is_none() {
+        if std::env::var_os("DSPARK_REQUIRE_MPI").is_some() {
+            panic!(
+                "DSPARK_REQUIRE_MPI is set but mpirun is not on PATH (apt-get install openmpi-bin)"
+            );
+        }
+        eprintln!("SKIP: mpirun not found (apt-get install openmpi-bin)");
+    }
+    found
+}
+
+/// Runs `cmd` with a deadline; returns its stdout+stderr after asserting it succeeded.
+fn run(mut cmd: Command, what: &str) -> String {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    // A rank that hangs must not hang the test: dspark's own deadline, then ours.
+    cmd.env("DSPARK_TIMEOUT", "60");
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(150) {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
+    text
+}
+
+fn bench_args(cmd: &mut Command) {
+    cmd.args([
+        BENCH,
+        "all_reduce",
+        "-b",
+        "8",
+        "-e",
+        "1M",
+        "-f",
+        "32",
+        "-n",
+        "5",
+        "-w",
+        "2",
+    ]);
+}
+
+fn assert_bench_ok(text: &str, ranks: usize, what: &str) {
+    assert!(
+        text.contains(&format!("# dspark-bench all_reduce: {ranks} ranks")),
+        "{what}: no bench header for {ranks} ranks:\n{text}"
+    );
+    assert!(
+        text.contains("Out of bounds values : 0 OK"),
+        "{what}: results not checked OK:\n{text}"
+    );
+}
+
+#[test]
+fn torchrun_standalone_runs_dspark_bench_through_the_agent_store() {
+    let Some(t) = torchrun() else { return };
+    let mut cmd = Command::new(t);
+    cmd.args(["--standalone", "--nproc-per-node", "2", "--no-python"]);
+    bench_args(&mut cmd);
+    let text = run(cmd, "torchrun --standalone");
+    assert_bench_ok(&text, 2, "torchrun --standalone");
+    assert!(
+        text.contains("TORCHELASTIC_USE_AGENT_STORE"),
+        "the header should say the rendezvous went through torchrun's agent store:\n{text}"
+    );
+}
+
+#[test]
+fn torchrun_static_rendezvous_as_in_the_readme_works() {
+    let Some(t) = torchrun() else { return };
+    let port = free_port().to_string();
+    let mut cmd = Command::new(t);
+    cmd.args([
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "static",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--no-python",
+    ]);
+    bench_args(&mut cmd);
+    let text = run(cmd, "torchrun static");
+    assert_bench_ok(&text, 2, "torchrun static");
+}
+
+#[test]
+fn mpirun_as_in_the_readme_works() {
+    let Some(m) = mpirun() else { return };
+    let addr = format!("DSPARK_ROOT_ADDR=127.0.0.1:{}", free_port());
+    let mut cmd = Command::new(m);
+    cmd.args(["-np", "3", "--oversubscribe", "-x", &addr]);
+    if nix_is_root() {
+        cmd.arg("--allow-run-as-root");
+    }
+    bench_args(&mut cmd);
+    let text = run(cmd, "mpirun");
+    assert_bench_ok(&text, 3, "mpirun");
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
