@@ -8,7 +8,7 @@
 //! ahead of it and then its own operation on the caller's thread with borrowed buffers, as a
 //! call without a queue would.
 //!
-//! Abort ([`Shared::abort`]) raises a flag that the running operation looks at while it
+//! Abort (`Shared::abort`, behind [`Communicator::abort`](crate::Communicator::abort)) raises a flag that the running operation looks at while it
 //! waits; then every queued and later operation fails at once with the same error.
 
 #![forbid(unsafe_code)]
