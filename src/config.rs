@@ -264,8 +264,8 @@ impl Config {
             .any(|(k, v)| k == "root address" && v == "MASTER_ADDR:MASTER_PORT");
         match pick(&["DSPARK_RENDEZVOUS"]) {
             Some((n, v)) => match v.trim() {
-                "listen" | "root" => {}
-                "store" | "torch-store" => {
+                "listen" => {}
+                "store" => {
                     c.rendezvous = Rendezvous::TorchStore { prefix: prefix() };
                     sources.push(("rendezvous".into(), format!("{n}={v}")));
                 }
@@ -507,6 +507,66 @@ mod tests {
 
     fn err_of(vars: &[(&str, &str)]) -> String {
         Config::from_lookup(env(vars)).unwrap_err().to_string()
+    }
+
+    const TORCHRUN: [(&str, &str); 7] = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RUN_ID", "job7"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+    ];
+
+    #[test]
+    fn under_torchrun_ranks_meet_through_the_agent_store_keyed_by_run_and_restart() {
+        let c = Config::from_lookup(env(&TORCHRUN)).unwrap();
+        assert_eq!(c.root_addr, "127.0.0.1:29500");
+        assert_eq!(
+            c.rendezvous,
+            Rendezvous::TorchStore {
+                prefix: "dspark/job7/2".into()
+            }
+        );
+    }
+
+    #[test]
+    fn dspark_root_addr_or_an_explicit_listen_overrides_the_agent_store() {
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("DSPARK_ROOT_ADDR", "10.0.0.1:4000"));
+        let c = Config::from_lookup(env(&vars)).unwrap();
+        assert_eq!(
+            (c.root_addr.as_str(), &c.rendezvous),
+            ("10.0.0.1:4000", &Rendezvous::Listen)
+        );
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("DSPARK_RENDEZVOUS", "listen"));
+        assert_eq!(
+            Config::from_lookup(env(&vars)).unwrap().rendezvous,
+            Rendezvous::Listen
+        );
+        // Without torchrun's flag, MASTER_ADDR:MASTER_PORT is where rank 0 listens ...
+        let plain = &TORCHRUN[..4];
+        assert_eq!(
+            Config::from_lookup(env(plain)).unwrap().rendezvous,
+            Rendezvous::Listen
+        );
+        // ... unless a torch TCPStore is said to serve it.
+        let mut vars = plain.to_vec();
+        vars.push(("DSPARK_RENDEZVOUS", "store"));
+        assert!(matches!(
+            Config::from_lookup(env(&vars)).unwrap().rendezvous,
+            Rendezvous::TorchStore { .. }
+        ));
+    }
+
+    #[test]
+    fn an_unknown_rendezvous_is_an_error_naming_the_variable() {
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("DSPARK_RENDEZVOUS", "etcd"));
+        let e = err_of(&vars);
+        assert!(e.contains("DSPARK_RENDEZVOUS") && e.contains("etcd"), "{e}");
     }
 
     #[test]

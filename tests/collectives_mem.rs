@@ -8,39 +8,9 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use dspark::transport::mem::{Fault, MemFabric};
-use dspark::{Communicator, Config, Error, ReduceOp};
+use dspark::{Communicator, Error, ReduceOp};
 
-fn config(timeout: Duration, segment_bytes: usize) -> Config {
-    let mut c = Config::new(0, 1, "");
-    c.timeout = timeout;
-    c.segment_bytes = segment_bytes;
-    c
-}
-
-/// Runs `f` on `world` ranks (threads) over one fabric and returns each rank's result.
-fn run_ranks<R: Send>(
-    fabric: &MemFabric,
-    world: usize,
-    cfg: &Config,
-    f: impl Fn(&Communicator) -> R + Sync,
-) -> Vec<R> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|r| {
-                let f = &f;
-                let t = fabric.transport(r);
-                s.spawn(move || {
-                    let comm = Communicator::from_transport(r, world, Box::new(t), cfg).unwrap();
-                    f(&comm)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
+use common::{mem_config as config, run_mem_ranks as run_ranks};
 
 #[test]
 fn every_collective_type_and_op_matches_the_reference_on_worlds_1_to_5() {

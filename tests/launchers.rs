@@ -1,8 +1,13 @@
 //! The launcher lines of the README, run as typed: `torchrun --standalone`, torchrun's
-//! static rendezvous and Open MPI's `mpirun`, each starting `dspark-bench` as its ranks.
-//! torchrun comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON`
-//! names its python), mpirun from Debian's `openmpi-bin`. Without them the tests print why
-//! and pass, unless `DSPARK_REQUIRE_TORCH=1` / `DSPARK_REQUIRE_MPI=1` (as in CI).
+//! static rendezvous, Open MPI's `mpirun` and Slurm's `srun` inside an allocation, each
+//! starting `dspark-bench` as its ranks. torchrun comes from the torch venv
+//! (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its python), mpirun from
+//! Debian's `openmpi-bin`, srun from a one-node Slurm cluster that
+//! `tests/slurm/local-cluster.sh` starts (`SLURM_CONF` names it). Without them the tests
+//! print why and pass, unless `DSPARK_REQUIRE_TORCH=1` / `DSPARK_REQUIRE_MPI=1` /
+//! `DSPARK_REQUIRE_SLURM=1` (as in CI).
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -10,12 +15,7 @@ use std::time::{Duration, Instant};
 
 const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use common::procs::free_port;
 
 fn torchrun() -> Option<PathBuf> {
     let python = std::env::var_os("DSPARK_TORCH_PYTHON")
@@ -164,7 +164,7 @@ fn mpirun_as_in_the_readme_works() {
     let addr = format!("DSPARK_ROOT_ADDR=127.0.0.1:{}", free_port());
     let mut cmd = Command::new(m);
     cmd.args(["-np", "3", "--oversubscribe", "-x", &addr]);
-    if nix_is_root() {
+    if is_root() {
         cmd.arg("--allow-run-as-root");
     }
     bench_args(&mut cmd);
@@ -172,13 +172,32 @@ fn mpirun_as_in_the_readme_works() {
     assert_bench_ok(&text, 3, "mpirun");
 }
 
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
+#[test]
+fn srun_inside_an_allocation_as_in_the_readme_works() {
+    let Some(conf) = std::env::var_os("SLURM_CONF").filter(|c| PathBuf::from(c).exists()) else {
+        if std::env::var_os("DSPARK_REQUIRE_SLURM").is_some() {
+            panic!("DSPARK_REQUIRE_SLURM is set but SLURM_CONF names no cluster (bash tests/slurm/local-cluster.sh)");
+        }
+        eprintln!("SKIP: no Slurm cluster (export SLURM_CONF=$(bash tests/slurm/local-cluster.sh | tail -n1))");
+        return;
+    };
+    // The README's two lines, inside an allocation; 3 tasks on this machine's cores need
+    // --overcommit.
+    let script = format!(
+        "export DSPARK_ROOT_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1):{}\n\
+         srun --ntasks 3 --overcommit {BENCH} all_reduce -b 8 -e 1M -f 32 -n 5 -w 2\n",
+        free_port()
+    );
+    let mut cmd = Command::new("salloc");
+    cmd.env("SLURM_CONF", conf)
+        .args(["--ntasks", "3", "--overcommit", "bash", "-c", &script]);
+    let text = run(cmd, "salloc + srun");
+    assert_bench_ok(&text, 3, "srun");
+}
+
+/// Whether this process runs as root (Open MPI refuses to, unless told).
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // /proc/self is owned by the process's effective user.
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }

@@ -21,6 +21,7 @@ command -v python3 >/dev/null || need+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 command -v cc >/dev/null || need+=(gcc libc6-dev)
 command -v mpirun >/dev/null || need+=(openmpi-bin)   # the mpirun launcher test
+command -v slurmd >/dev/null || need+=(slurmd slurmctld slurm-client munge)   # the srun test
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         log "apt-get install ${need[*]}"
@@ -53,6 +54,13 @@ DSPARK_TORCH_PYTHON=$(bash tests/torch/venv.sh | tail -n 1)
 export DSPARK_TORCH_PYTHON
 export DSPARK_REQUIRE_TORCH=1 DSPARK_REQUIRE_MPI=1
 log "torch from $DSPARK_TORCH_PYTHON"
+
+# ---------------------------------------------------------------- Slurm (srun)
+# A one-node Slurm cluster on this machine, so that the README's srun lines run as typed.
+log "one-node Slurm cluster (tests/slurm/local-cluster.sh)"
+SLURM_CONF=$(bash tests/slurm/local-cluster.sh | tail -n 1)
+export SLURM_CONF DSPARK_REQUIRE_SLURM=1
+trap 'bash tests/slurm/local-cluster.sh stop' EXIT
 
 # ---------------------------------------------------------------- cargo tests
 log "cargo test (profile ci: optimised, with debug assertions)"

@@ -78,52 +78,27 @@ pub trait Store: Send + Sync + fmt::Debug {
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
 }
 
-impl<S: Store + ?Sized> Store for Arc<S> {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        (**self).set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        (**self).get(key, timeout)
-    }
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        (**self).add(key, delta)
-    }
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        (**self).wait(keys, timeout)
-    }
+/// A store behind a pointer is a store: `Arc<S>`, `Box<S>` and `&S` forward every call.
+macro_rules! forward_store {
+    ($($ptr:ty),*) => {$(
+        impl<S: Store + ?Sized> Store for $ptr {
+            fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+                (**self).set(key, value)
+            }
+            fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+                (**self).get(key, timeout)
+            }
+            fn add(&self, key: &str, delta: i64) -> Result<i64> {
+                (**self).add(key, delta)
+            }
+            fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+                (**self).wait(keys, timeout)
+            }
+        }
+    )*};
 }
+forward_store!(Arc<S>, Box<S>, &S);
 
-impl<S: Store + ?Sized> Store for Box<S> {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        (**self).set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        (**self).get(key, timeout)
-    }
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        (**self).add(key, delta)
-    }
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        (**self).wait(keys, timeout)
-    }
-}
-
-impl<S: Store + ?Sized> Store for &S {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        (**self).set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        (**self).get(key, timeout)
-    }
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        (**self).add(key, delta)
-    }
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        (**self).wait(keys, timeout)
-    }
-}
-
-/// `now + d`, saturating far in the future instead of overflowing.
 fn deadline_after(d: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(d)

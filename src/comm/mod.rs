@@ -612,17 +612,34 @@ impl Communicator {
             .unwrap_or(0)
     }
 
-    fn op_all_reduce<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<HostOp<'a>> {
+    /// A call whose one buffer is input and output.
+    fn in_place<'a, T: Element>(
+        &self,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        buf: &'a mut [T],
+        target: Target,
+    ) -> Result<HostOp<'a>> {
         let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::AllReduce,
-            Some(op),
-            n,
-            n,
-            Target::None,
-        )?;
+        let call = self.shape(Api::Host, coll, op, n, n, target)?;
         Ok(HostOp::new(call, &[], buf))
+    }
+
+    /// A call that reads `send` and writes `recv`.
+    fn out_of_place<'a, T: Element>(
+        &self,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        send: &'a [T],
+        recv: &'a mut [T],
+        target: Target,
+    ) -> Result<HostOp<'a>> {
+        let call = self.shape(Api::Host, coll, op, send.len(), recv.len(), target)?;
+        Ok(HostOp::new(call, send, recv))
+    }
+
+    fn op_all_reduce<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<HostOp<'a>> {
+        self.in_place(Collective::AllReduce, Some(op), buf, Target::None)
     }
 
     fn op_all_gather<'a, T: Element>(
@@ -630,9 +647,7 @@ impl Communicator {
         send: &'a [T],
         recv: &'a mut [T],
     ) -> Result<HostOp<'a>> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Host, Collective::AllGather, None, s, r, Target::None)?;
-        Ok(HostOp::new(call, send, recv))
+        self.out_of_place(Collective::AllGather, None, send, recv, Target::None)
     }
 
     fn op_reduce_scatter<'a, T: Element>(
@@ -641,16 +656,13 @@ impl Communicator {
         recv: &'a mut [T],
         op: ReduceOp,
     ) -> Result<HostOp<'a>> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(
-            Api::Host,
+        self.out_of_place(
             Collective::ReduceScatter,
             Some(op),
-            s,
-            r,
+            send,
+            recv,
             Target::None,
-        )?;
-        Ok(HostOp::new(call, send, recv))
+        )
     }
 
     fn op_all_to_all<'a, T: Element>(
@@ -658,22 +670,11 @@ impl Communicator {
         send: &'a [T],
         recv: &'a mut [T],
     ) -> Result<HostOp<'a>> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Host, Collective::AllToAll, None, s, r, Target::None)?;
-        Ok(HostOp::new(call, send, recv))
+        self.out_of_place(Collective::AllToAll, None, send, recv, Target::None)
     }
 
     fn op_broadcast<'a, T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<HostOp<'a>> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::Broadcast,
-            None,
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        Ok(HostOp::new(call, &[], buf))
+        self.in_place(Collective::Broadcast, None, buf, Target::Root(root))
     }
 
     fn op_reduce<'a, T: Element>(
@@ -682,42 +683,21 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<HostOp<'a>> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::Reduce,
-            Some(op),
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        Ok(HostOp::new(call, &[], buf))
+        self.in_place(Collective::Reduce, Some(op), buf, Target::Root(root))
     }
 
     fn op_send<'a, T: Element>(&self, buf: &'a [T], peer: usize) -> Result<HostOp<'a>> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
+        self.out_of_place::<T>(
             Collective::SendRecv,
             None,
-            n,
-            0,
+            buf,
+            &mut [],
             Target::SendTo(peer),
-        )?;
-        Ok(HostOp::new::<T>(call, buf, &mut []))
+        )
     }
 
     fn op_recv<'a, T: Element>(&self, buf: &'a mut [T], peer: usize) -> Result<HostOp<'a>> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Host,
-            Collective::SendRecv,
-            None,
-            0,
-            n,
-            Target::RecvFrom(peer),
-        )?;
-        Ok(HostOp::new::<T>(call, &[], buf))
+        self.out_of_place::<T>(Collective::SendRecv, None, &[], buf, Target::RecvFrom(peer))
     }
 
     fn op_barrier(&self) -> HostOp<'static> {

@@ -34,10 +34,24 @@ fn publish_ip(config: &Config, towards: Option<&str>) -> Result<IpAddr> {
         s.connect(target).ok()?;
         Some(s.local_addr().ok()?.ip())
     };
-    Ok(towards
+    let routed = towards
         .and_then(|a| split_host_port(a).ok())
-        .and_then(|(h, p)| route(&h, p))
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+        .and_then(|(h, p)| route(&h, p));
+    Ok(match routed {
+        Some(ip) => ip,
+        None => {
+            // Only ranks on this host can reach it: say so, since ranks elsewhere would
+            // time out trying.
+            let why = towards.map_or("no address to route towards".to_string(), |a| {
+                format!("no IPv4 route towards {a}")
+            });
+            tracing::warn!(
+                "rank 0 publishes 127.0.0.1 for the rendezvous ({why}): only ranks on this \
+                 host can join; set DSPARK_SOCKET_IFNAME to publish another interface's address"
+            );
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        }
+    })
 }
 
 impl Communicator {
@@ -140,12 +154,7 @@ impl Communicator {
     pub(super) fn init_through_torch_store(config: Config, prefix: &str) -> Result<Self> {
         let (host, port) = split_host_port(&config.root_addr)
             .map_err(|w| Error::config("MASTER_ADDR/MASTER_PORT", w))?;
-        let store = TcpStore::connect(&host, port, config.timeout)
-            .map_err(|e| {
-                tracing::debug!("torch store at {host}:{port}: {e}");
-                e
-            })?
-            .with_rank(config.rank);
+        let store = TcpStore::connect(&host, port, config.timeout)?.with_rank(config.rank);
         let store = PrefixStore::new(prefix, store);
         let (rank, world) = (config.rank, config.world_size);
         Self::init_with_store(&store, rank, world, config)

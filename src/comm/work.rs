@@ -35,49 +35,62 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The completion of one queued operation.
 #[derive(Debug, Default)]
 pub(crate) struct Completion {
-    state: Mutex<Option<Result<()>>>,
+    state: Mutex<Outcome>,
     cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    result: Option<Result<()>>,
+    /// Threads blocked in `wait_until` (the finisher makes no wake-up call without one).
+    sleepers: usize,
 }
 
 impl Completion {
     fn finish(&self, r: Result<()>) {
-        *lock(&self.state) = Some(r);
-        self.cv.notify_all();
+        let mut st = lock(&self.state);
+        st.result = Some(r);
+        if st.sleepers > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// The result, once complete.
     pub(crate) fn get(&self) -> Option<Result<()>> {
-        lock(&self.state).clone()
+        lock(&self.state).result.clone()
     }
 
-    /// Blocks until complete or `until` (then `None`).
+    /// Blocks until complete or `until` (then `None`). Without `until` it waits for the
+    /// operation itself, which ends by its own deadline.
     fn wait_until(&self, until: Option<Instant>) -> Option<Result<()>> {
         let mut st = lock(&self.state);
         loop {
-            if let Some(r) = st.as_ref() {
+            if let Some(r) = st.result.as_ref() {
                 return Some(r.clone());
             }
-            match until {
-                None => st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+            st.sleepers += 1;
+            st = match until {
+                None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
                 Some(t) => {
-                    let now = Instant::now();
-                    if now >= t {
+                    let left = t.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        st.sleepers -= 1;
                         return None;
                     }
-                    st = self
-                        .cv
-                        .wait_timeout(st, t - now)
+                    self.cv
+                        .wait_timeout(st, left)
                         .unwrap_or_else(|e| e.into_inner())
-                        .0;
+                        .0
                 }
-            }
+            };
+            st.sleepers -= 1;
         }
     }
 
     /// A completion that is already complete.
     pub(crate) fn done(r: Result<()>) -> Arc<Self> {
         let c = Completion::default();
-        *lock(&c.state) = Some(r);
+        lock(&c.state).result = Some(r);
         Arc::new(c)
     }
 }
@@ -214,13 +227,18 @@ impl Shared {
             }
         };
         eng.set_call_timeout(None);
+        self.mirror_poison(eng);
+        r
+    }
+
+    /// Copies the engine's poison where readers that do not drive see it.
+    fn mirror_poison(&self, eng: &Engine) {
         if let Some(p) = eng.poisoned() {
             let mut mirror = lock(&self.poison);
             if mirror.is_none() {
                 *mirror = Some(p.clone());
             }
         }
-        r
     }
 
     /// Runs queued operations until the queue is empty or `target` is complete. The caller
@@ -243,9 +261,12 @@ impl Shared {
     /// even when nothing runs).
     fn release(&self, eng: &mut Engine) {
         let mut q = lock(&self.q);
+        // Checked under the queue lock: `abort` raises the flag before it looks at
+        // `driving`, so either it sees this driver or this driver sees the flag.
         if self.abort.load(Ordering::Acquire) && eng.poisoned().is_none() {
             drop(q);
-            self.run_one(eng, None, |_| Ok(())).ok();
+            eng.honour_abort();
+            self.mirror_poison(eng);
             q = lock(&self.q);
         }
         q.driving = false;

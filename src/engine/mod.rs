@@ -464,9 +464,8 @@ impl Engine {
     }
 
     /// The flag another thread raises to make the call in progress (and every later one)
-    /// fail with [`Error::Aborted`]: the drive loops look at it at least every
-    /// 50 ms, also while blocked in the transport. The next call of [`Engine::fail`]-path
-    /// then tells every peer.
+    /// fail with [`Error::Aborted`]: the drive loops look at it at least every 50 ms, also
+    /// while blocked in the transport, and the failure tells every peer ([`Engine::fail`]).
     pub fn abort_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.abort)
     }
@@ -491,13 +490,12 @@ impl Engine {
     }
 
     /// Fails the engine as aborted if the abort flag is raised and it has not failed yet
-    /// (then every peer is told). Returns whether the engine is aborted or poisoned.
-    pub fn honour_abort(&mut self) -> bool {
+    /// (then every peer is told).
+    pub fn honour_abort(&mut self) {
         if self.abort.load(Ordering::Acquire) && self.poison.is_none() {
             let e = self.aborted_error("communicator");
             self.fail(e);
         }
-        self.poison.is_some()
     }
 
     /// This rank.

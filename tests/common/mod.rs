@@ -7,7 +7,10 @@
 
 pub mod procs;
 
-use dspark::{Communicator, Element, ReduceOp};
+use std::time::Duration;
+
+use dspark::transport::mem::MemFabric;
+use dspark::{Communicator, Config, Element, ReduceOp};
 use half::{bf16, f16};
 
 /// SplitMix64: deterministic per (seed, rank, index).
@@ -341,4 +344,37 @@ pub fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<()
         }
     }
     Ok(())
+}
+
+/// A configuration for ranks over `mem`: this deadline and segment size, defaults otherwise.
+pub fn mem_config(timeout: Duration, segment_bytes: usize) -> Config {
+    let mut c = Config::new(0, 1, "");
+    c.timeout = timeout;
+    c.segment_bytes = segment_bytes;
+    c
+}
+
+/// Runs `f` on `world` ranks (threads) over one `mem` fabric and returns each rank's result.
+pub fn run_mem_ranks<R: Send>(
+    fabric: &MemFabric,
+    world: usize,
+    cfg: &Config,
+    f: impl Fn(&Communicator) -> R + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let f = &f;
+                let t = fabric.transport(r);
+                s.spawn(move || {
+                    let comm = Communicator::from_transport(r, world, Box::new(t), cfg).unwrap();
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
 }
