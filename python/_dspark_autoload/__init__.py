@@ -1,0 +1,39 @@
+"""The ``torch.backends`` autoload hook of the dspark package.
+
+torch runs every entry point of the group ``torch.backends`` at ``import torch``, and an
+exception there makes ``import torch`` itself fail. So this hook lives in its own tiny
+package (importing it does not import dspark's native module), does nothing on torch >= 2.14
+(whose ``torch.distributed.backends`` entry point registers dspark lazily, the first time
+the name is asked for), and never raises. ``DSPARK_TORCH_AUTOLOAD=0`` turns it off.
+"""
+
+
+def hook():
+    try:
+        import os
+        import sys
+
+        if os.environ.get("DSPARK_TORCH_AUTOLOAD", "1") == "0":
+            return
+        version = getattr(sys.modules.get("torch"), "__version__", "")
+        parts = version.split("+")[0].split(".")
+        try:
+            if (int(parts[0]), int(parts[1])) >= (2, 14):
+                return
+        except (ValueError, IndexError):
+            pass
+        import dspark.torch
+
+        dspark.torch.register()
+    except Exception as e:  # never break `import torch`
+        try:
+            import warnings
+
+            warnings.warn(
+                f"dspark: the torch backend was not registered at import torch ({e!r}); "
+                "`import dspark.torch` registers it explicitly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        except Exception:
+            pass

@@ -1,0 +1,233 @@
+"""``dspark.Communicator``: dspark's collectives on numpy arrays and torch CPU tensors."""
+
+from . import _dspark
+from ._buffers import describe
+from ._dspark import InvalidArgumentError
+
+_OPS = {"sum", "prod", "min", "max", "avg"}
+
+
+def _op_name(op):
+    name = str(op).lower()
+    if name == "product":
+        name = "prod"
+    if name not in _OPS:
+        raise InvalidArgumentError(
+            f"dspark: unknown reduce op {op!r} (expected one of sum, prod, min, max, avg)"
+        )
+    return name
+
+
+class Work:
+    """A non-blocking operation in flight, returned by ``async_op=True`` calls.
+
+    The operation runs to completion in issue order whether or not anybody waits for it;
+    the communicator keeps its arrays alive until then, so dropping a ``Work`` is safe.
+    """
+
+    __slots__ = ("_w", "_result")
+
+    def __init__(self, w, result):
+        self._w = w
+        self._result = result
+
+    def wait(self, timeout=None):
+        """Waits (GIL released) and returns the output array; raises the operation's error.
+        With ``timeout`` (seconds), ``dspark.TimeoutError`` means it is still in flight."""
+        self._w.wait(timeout)
+        return self._result
+
+    def test(self):
+        """``True`` once done, ``False`` while in flight; raises the operation's error."""
+        return self._w.test()
+
+    def is_completed(self):
+        """Whether it finished, successfully or not. Never raises."""
+        return self._w.is_completed()
+
+    def __repr__(self):
+        return repr(self._w)
+
+
+class Communicator:
+    """A group of ranks running collectives together.
+
+    Build one with :meth:`from_env` (under torchrun, mpirun, srun, or with ``DSPARK_*``
+    variables, exactly as ``dspark-bench``) or :meth:`from_store` (through a torch
+    ``Store``). Every rank must call the same collectives in the same order with matching
+    arguments; mismatches raise ``MismatchError`` instead of corrupting data, and every call
+    has a deadline (``DSPARK_TIMEOUT``, or ``timeout=`` per call), so a dead peer raises
+    instead of hanging.
+
+    Buffers are C-contiguous numpy arrays or contiguous torch CPU tensors of one of
+    float32, float64, float16, bfloat16, int8, uint8, int32, uint32, int64, uint64. They
+    are used in place, without copies, and the GIL is released while dspark communicates.
+    ``async_op=True`` returns a :class:`Work` instead of waiting.
+    """
+
+    def __init__(self, raw):
+        if not isinstance(raw, _dspark.Communicator):
+            raise TypeError("use Communicator.from_env() or Communicator.from_store()")
+        self._c = raw
+
+    @classmethod
+    def from_env(cls):
+        """Joins the job the environment describes (see the README's launcher section)."""
+        return cls(_dspark.Communicator.from_env())
+
+    @classmethod
+    def from_store(cls, store, rank, world_size, timeout=None):
+        """Joins through a key-value store with torch's interface (``torch.distributed``'s
+        ``TCPStore``, ``FileStore``, ``HashStore``, ``PrefixStore``): rank 0 listens on an
+        ephemeral port and publishes its address there. ``timeout``: seconds, the deadline
+        of every call (default ``DSPARK_TIMEOUT`` or 60 s)."""
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        return cls(_dspark.Communicator.init_with_store(store, rank, world_size, timeout))
+
+    @property
+    def rank(self):
+        return self._c.rank
+
+    @property
+    def world_size(self):
+        return self._c.world_size
+
+    def info(self):
+        """Transport, why not a faster one, hosts, timeout, data path, rendezvous."""
+        return self._c.info()
+
+    # -- the collectives ---------------------------------------------------------------
+    def _go(self, coll, dtype, send, recv, count, keep, result, op=None, peer=0,
+            async_op=False, timeout=None):
+        if async_op:
+            return Work(
+                self._c._start(coll, dtype, send, recv, count, keep, op, peer, timeout),
+                result,
+            )
+        self._c._run(coll, dtype, send, recv, count, op, peer, timeout)
+        return result
+
+    def _same(self, coll, a, b):
+        if a[2] != b[2]:
+            raise InvalidArgumentError(
+                f"dspark: {coll}: send is {a[2]} but recv is {b[2]}"
+            )
+
+    def all_reduce(self, buf, op="sum", *, async_op=False, timeout=None):
+        """Reduces ``buf`` across the ranks, in place, with ``op`` (sum, prod, min, max,
+        avg)."""
+        p, n, dt = describe(buf, True, "all_reduce buffer")
+        return self._go("all_reduce", dt, p, p, n, buf, buf, _op_name(op),
+                        async_op=async_op, timeout=timeout)
+
+    def all_gather(self, send, recv, *, async_op=False, timeout=None):
+        """Gathers every rank's ``send`` into ``recv`` (``world_size`` times as long), in
+        rank order."""
+        s = describe(send, False, "all_gather send")
+        r = describe(recv, True, "all_gather recv")
+        self._same("all_gather", s, r)
+        if r[1] != s[1] * self.world_size:
+            raise InvalidArgumentError(
+                f"dspark: all_gather: recv has {r[1]} elements, expected {s[1]} x world "
+                f"{self.world_size} = {s[1] * self.world_size}"
+            )
+        return self._go("all_gather", s[2], s[0], r[0], s[1], (send, recv), recv,
+                        async_op=async_op, timeout=timeout)
+
+    def reduce_scatter(self, send, recv, op="sum", *, async_op=False, timeout=None):
+        """Reduces ``send`` (``world_size`` blocks) across the ranks; this rank gets block
+        ``rank`` of the result in ``recv``."""
+        s = describe(send, False, "reduce_scatter send")
+        r = describe(recv, True, "reduce_scatter recv")
+        self._same("reduce_scatter", s, r)
+        if s[1] != r[1] * self.world_size:
+            raise InvalidArgumentError(
+                f"dspark: reduce_scatter: send has {s[1]} elements, expected recv's {r[1]} "
+                f"x world {self.world_size} = {r[1] * self.world_size}"
+            )
+        return self._go("reduce_scatter", s[2], s[0], r[0], r[1], (send, recv), recv,
+                        _op_name(op), async_op=async_op, timeout=timeout)
+
+    def broadcast(self, buf, root=0, *, async_op=False, timeout=None):
+        """Copies the root's ``buf`` into every rank's ``buf``."""
+        p, n, dt = describe(buf, True, "broadcast buffer")
+        return self._go("broadcast", dt, p, p, n, buf, buf, peer=self._rank_arg(root, "root"),
+                        async_op=async_op, timeout=timeout)
+
+    def reduce(self, buf, op="sum", root=0, *, async_op=False, timeout=None):
+        """Reduces ``buf`` across the ranks into the root's ``buf`` (in place; other ranks'
+        buffers are left as they were)."""
+        p, n, dt = describe(buf, True, "reduce buffer")
+        return self._go("reduce", dt, p, p, n, buf, buf, _op_name(op),
+                        peer=self._rank_arg(root, "root"), async_op=async_op, timeout=timeout)
+
+    def all_to_all(self, send, recv, *, async_op=False, timeout=None):
+        """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` comes from rank
+        ``i`` (equal blocks)."""
+        s = describe(send, False, "all_to_all send")
+        r = describe(recv, True, "all_to_all recv")
+        self._same("all_to_all", s, r)
+        if s[1] != r[1] or s[1] % self.world_size:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all: send ({s[1]}) and recv ({r[1]}) must have the same "
+                f"number of elements, a multiple of world {self.world_size}"
+            )
+        return self._go("all_to_all", s[2], s[0], r[0], s[1] // self.world_size,
+                        (send, recv), recv, async_op=async_op, timeout=timeout)
+
+    def send(self, buf, peer, *, async_op=False, timeout=None):
+        """Sends ``buf`` to ``peer`` (which calls :meth:`recv` with as many elements)."""
+        p, n, dt = describe(buf, False, "send buffer")
+        return self._go("send", dt, p, 0, n, buf, None, peer=self._rank_arg(peer, "peer"),
+                        async_op=async_op, timeout=timeout)
+
+    def recv(self, buf, peer, *, async_op=False, timeout=None):
+        """Receives into ``buf`` from ``peer``."""
+        p, n, dt = describe(buf, True, "recv buffer")
+        return self._go("recv", dt, 0, p, n, buf, buf, peer=self._rank_arg(peer, "peer"),
+                        async_op=async_op, timeout=timeout)
+
+    def barrier(self, *, async_op=False, timeout=None):
+        """Returns once every rank entered it."""
+        return self._go("barrier", "u8", 0, 0, 0, None, None, async_op=async_op,
+                        timeout=timeout)
+
+    def _rank_arg(self, r, what):
+        r = int(r)
+        if not 0 <= r < self.world_size:
+            raise InvalidArgumentError(
+                f"dspark: {what} {r} is not a rank of this communicator (world "
+                f"{self.world_size})"
+            )
+        return r
+
+    # -- groups, abort, close ----------------------------------------------------------
+    def split(self, colour, key=0):
+        """Sub-communicators, as ``ncclCommSplit``: same ``colour`` → one group, ordered by
+        ``key`` then rank; ``None`` or a negative colour opts out (returns ``None``)."""
+        c = self._c.split(colour, key)
+        return None if c is None else Communicator(c)
+
+    def abort(self):
+        """Every operation in flight and every later one fails with ``AbortedError``; the
+        peers are told. Any thread; returns at once."""
+        self._c.abort()
+
+    def close(self):
+        """Runs what was issued to completion, says goodbye to the peers, and frees the
+        connections. Later calls raise ``AbortedError``."""
+        self._c.close()
+
+    @property
+    def closed(self):
+        return self._c.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<dspark.Communicator rank {self.rank}/{self.world_size}>"

@@ -1,0 +1,642 @@
+//! `dspark._dspark`: the native half of the `dspark` Python package.
+//!
+//! It is deliberately small. Python code (`python/dspark/`) turns numpy arrays and torch
+//! tensors into (data pointer, element count, dtype) and keeps them alive; this module runs
+//! the collectives on those pointers through dspark's raw-pointer API
+//! ([`dspark::Communicator::run_raw`] / [`start_raw`](dspark::Communicator::start_raw)),
+//! always with the GIL released. It never links libtorch, so one abi3 wheel serves every
+//! CPython ≥ 3.9 and every torch 2.x.
+//!
+//! # Lifetimes (why the raw pointers are safe to use)
+//! A non-blocking call is given a `keepalive` object (the arrays or tensors it reads and
+//! writes). The communicator itself holds that object until the operation completes: the
+//! `Work` returned to Python may be dropped or leaked at any time without the buffers being
+//! freed under the operation. Operations complete in issue order, so completed ones are
+//! released from the front of the list at the next call, and all of them when the
+//! communicator closes (closing runs every issued operation to completion first).
+//!
+//! Errors become Python exceptions, one class per kind, all under `dspark.Error`.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use dspark::bootstrap::store::Store;
+use dspark::{Communicator, Config, DataType, RawCall, RawOp, ReduceOp};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+create_exception!(
+    _dspark,
+    Error,
+    PyRuntimeError,
+    "Every dspark error. The message names the rank, the peer and the operation."
+);
+create_exception!(
+    _dspark,
+    TimeoutError,
+    Error,
+    "An operation did not finish before its deadline (a silent, stopped or overloaded peer)."
+);
+create_exception!(
+    _dspark,
+    PeerLostError,
+    Error,
+    "A peer closed its connection or died."
+);
+create_exception!(
+    _dspark,
+    MismatchError,
+    Error,
+    "Ranks disagree about a call (collective, count, dtype, op, root) or about the job."
+);
+create_exception!(
+    _dspark,
+    InvalidArgumentError,
+    Error,
+    "A bad argument: a wrong size, root, dtype or a buffer dspark cannot use."
+);
+create_exception!(
+    _dspark,
+    ConfigError,
+    Error,
+    "A missing, unparsable or inconsistent setting (the message names the variable)."
+);
+create_exception!(_dspark, IoError, Error, "An operating-system I/O error.");
+create_exception!(
+    _dspark,
+    AbortedError,
+    Error,
+    "The communicator was aborted, here or by another rank."
+);
+create_exception!(
+    _dspark,
+    UnavailableError,
+    Error,
+    "Something asked for cannot be had on this machine (verbs, GPUDirect RDMA, CUDA)."
+);
+create_exception!(
+    _dspark,
+    InternalError,
+    Error,
+    "A bug in dspark: please report it with the message."
+);
+
+/// The Python exception for a dspark error.
+fn py_err(e: dspark::Error) -> PyErr {
+    use dspark::Error as E;
+    let msg = e.to_string();
+    match e {
+        E::Timeout { .. } => TimeoutError::new_err(msg),
+        E::PeerLost { .. } => PeerLostError::new_err(msg),
+        E::Mismatch { .. } => MismatchError::new_err(msg),
+        E::InvalidArgument { .. } => InvalidArgumentError::new_err(msg),
+        E::Config { .. } => ConfigError::new_err(msg),
+        E::Io { .. } => IoError::new_err(msg),
+        E::Aborted { .. } => AbortedError::new_err(msg),
+        E::Transport { ref what, .. } if what.starts_with("internal error") => {
+            InternalError::new_err(msg)
+        }
+        E::Transport { .. } => IoError::new_err(msg),
+        E::Unavailable { .. } | E::Cuda { .. } => UnavailableError::new_err(msg),
+        _ => Error::new_err(msg),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn secs(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "dspark: timeout {s} is not a number of seconds > 0"
+        ))),
+    }
+}
+
+// ------------------------------------------------------------------------------- the store
+
+/// A Python key-value store with torch's `Store` interface (`set`, `get`, `add`,
+/// `wait(keys, timedelta)`): torch's `TCPStore`, `FileStore`, `HashStore`, `PrefixStore`.
+/// Each call takes the GIL for its duration; the rendezvous itself runs without it.
+#[derive(Debug)]
+struct PyStore {
+    store: Py<PyAny>,
+    rank: usize,
+}
+
+impl PyStore {
+    fn fail(&self, what: &str, key: &str, e: PyErr, started: Instant) -> dspark::Error {
+        let text = Python::attach(|py| e.value(py).to_string());
+        let name = Python::attach(|py| {
+            e.get_type(py)
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        });
+        if text.to_ascii_lowercase().contains("timeout")
+            || text.to_ascii_lowercase().contains("timed out")
+        {
+            dspark::Error::Timeout {
+                rank: self.rank,
+                peer: None,
+                op: format!("rendezvous: store {what} of {key:?}"),
+                waited: started.elapsed(),
+                detail: format!("the store said {name}: {text}"),
+            }
+        } else {
+            dspark::Error::io(
+                Some(self.rank),
+                None,
+                format!("rendezvous: store {what} of {key:?}"),
+                io::Error::other(format!("{name}: {text}")),
+            )
+        }
+    }
+
+    fn wait_keys(&self, py: Python<'_>, keys: &[&str], timeout: Duration) -> PyResult<()> {
+        let td = py
+            .import("datetime")?
+            .getattr("timedelta")?
+            .call1((0, timeout.as_secs_f64()))?;
+        let list = PyList::new(py, keys)?;
+        self.store.bind(py).call_method1("wait", (list, td))?;
+        Ok(())
+    }
+}
+
+impl Store for PyStore {
+    fn set(&self, key: &str, value: &[u8]) -> dspark::Result<()> {
+        let t = Instant::now();
+        Python::attach(|py| {
+            self.store
+                .bind(py)
+                .call_method1("set", (key, PyBytes::new(py, value)))
+                .map(drop)
+        })
+        .map_err(|e| self.fail("set", key, e, t))
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> dspark::Result<Vec<u8>> {
+        let t = Instant::now();
+        Python::attach(|py| -> PyResult<Vec<u8>> {
+            self.wait_keys(py, &[key], timeout)?;
+            let v = self.store.bind(py).call_method1("get", (key,))?;
+            v.extract::<Vec<u8>>()
+        })
+        .map_err(|e| self.fail("get", key, e, t))
+    }
+
+    fn add(&self, key: &str, delta: i64) -> dspark::Result<i64> {
+        let t = Instant::now();
+        Python::attach(|py| {
+            self.store
+                .bind(py)
+                .call_method1("add", (key, delta))?
+                .extract::<i64>()
+        })
+        .map_err(|e| self.fail("add", key, e, t))
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> dspark::Result<()> {
+        let t = Instant::now();
+        Python::attach(|py| self.wait_keys(py, keys, timeout))
+            .map_err(|e| self.fail("wait", &keys.join(","), e, t))
+    }
+}
+
+// ------------------------------------------------------------------------- communicators
+
+/// A dspark communicator (`dspark._dspark.Communicator`). Use `dspark.Communicator`, which
+/// takes numpy arrays and torch tensors; the methods here take data pointers.
+#[pyclass(module = "dspark._dspark", name = "Communicator", frozen)]
+struct PyComm {
+    /// `None` once closed. Each call clones the `Arc` under a short read lock, so `close`
+    /// and `abort` never wait for a call in progress.
+    comm: RwLock<Option<Arc<Communicator>>>,
+    /// Non-blocking operations in flight with the objects that own their buffers, in issue
+    /// (= completion) order. Declared after `comm`: dropped after it, i.e. after every
+    /// issued operation has run.
+    pending: Mutex<VecDeque<(Arc<dspark::Work>, Py<PyAny>)>>,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for PyComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(rank {}/{})", self.rank, self.world)
+    }
+}
+
+impl PyComm {
+    fn new(c: Communicator) -> Self {
+        PyComm {
+            rank: c.rank(),
+            world: c.world_size(),
+            comm: RwLock::new(Some(Arc::new(c))),
+            pending: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn get(&self) -> PyResult<Arc<Communicator>> {
+        self.comm
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| {
+                AbortedError::new_err(format!("rank {}: the communicator is closed", self.rank))
+            })
+    }
+
+    /// Releases the keepalives of operations that completed (from the front: they complete
+    /// in order).
+    fn prune(pending: &mut VecDeque<(Arc<dspark::Work>, Py<PyAny>)>) {
+        while let Some((w, _)) = pending.front() {
+            if matches!(w.test(), Ok(false)) {
+                break;
+            }
+            pending.pop_front();
+        }
+    }
+}
+
+impl Drop for PyComm {
+    fn drop(&mut self) {
+        let c = self
+            .comm
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        // Closing runs what was issued (each by its deadline): without the GIL, so other
+        // Python threads go on meanwhile.
+        Python::attach(|py| py.detach(move || drop(c)));
+    }
+}
+
+fn parse_dtype(s: &str) -> PyResult<DataType> {
+    s.parse::<DataType>()
+        .map_err(|e| InvalidArgumentError::new_err(format!("dspark: {e}")))
+}
+
+fn parse_op(s: &str) -> PyResult<ReduceOp> {
+    s.parse::<ReduceOp>()
+        .map_err(|e| InvalidArgumentError::new_err(format!("dspark: {e}")))
+}
+
+/// The call the Python layer describes. `peer` is the root or the peer, as the collective
+/// needs.
+#[allow(clippy::too_many_arguments)]
+fn raw_call(
+    coll: &str,
+    dtype: &str,
+    send: usize,
+    recv: usize,
+    count: usize,
+    op: Option<&str>,
+    peer: usize,
+    timeout: Option<f64>,
+) -> PyResult<RawCall> {
+    let red = || parse_op(op.unwrap_or("sum"));
+    let op = match coll {
+        "all_reduce" => RawOp::AllReduce(red()?),
+        "all_gather" => RawOp::AllGather,
+        "reduce_scatter" => RawOp::ReduceScatter(red()?),
+        "broadcast" => RawOp::Broadcast { root: peer },
+        "reduce" => RawOp::Reduce {
+            op: red()?,
+            root: peer,
+        },
+        "all_to_all" => RawOp::AllToAll,
+        "send" => RawOp::Send { peer },
+        "recv" => RawOp::Recv { peer },
+        "barrier" => RawOp::Barrier,
+        other => {
+            return Err(InvalidArgumentError::new_err(format!(
+                "dspark: no collective named {other:?}"
+            )))
+        }
+    };
+    Ok(RawCall {
+        op,
+        dtype: parse_dtype(dtype)?,
+        send: send as *const u8,
+        recv: recv as *mut u8,
+        count,
+        timeout: secs(timeout)?,
+    })
+}
+
+fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Config> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    // Rank 0's address comes from the store; MASTER_ADDR / DSPARK_ROOT_ADDR, where set,
+    // only choose the interface rank 0 publishes. Without them, a placeholder satisfies the
+    // parser and is removed again below.
+    let hint = env("DSPARK_ROOT_ADDR").is_some() || env("MASTER_ADDR").is_some();
+    let t = timeout.map(|s| s.to_string());
+    let mut c = Config::from_lookup(|k| match k {
+        "DSPARK_RANK" => Some(rank.to_string()),
+        "DSPARK_WORLD_SIZE" => Some(world.to_string()),
+        "DSPARK_TIMEOUT" if t.is_some() => t.clone(),
+        "DSPARK_ROOT_ADDR" if !hint => Some("127.0.0.1:1".into()),
+        _ => env(k),
+    })
+    .map_err(py_err)?;
+    if !hint {
+        c.root_addr.clear();
+    }
+    c.sources.retain(|(k, _)| k != "rank" && k != "world size");
+    c.sources
+        .push(("rank".into(), "the caller (a torch backend factory)".into()));
+    if timeout.is_some() {
+        c.sources.retain(|(k, _)| k != "timeout");
+        c.sources
+            .push(("timeout".into(), "the caller (init_process_group)".into()));
+    }
+    Ok(c)
+}
+
+#[pymethods]
+impl PyComm {
+    /// Joins the job described by the environment (`DSPARK_*`, torchrun's, mpirun's or
+    /// srun's variables), exactly as `dspark-bench` does.
+    #[staticmethod]
+    fn from_env(py: Python<'_>) -> PyResult<Self> {
+        py.detach(Communicator::from_env)
+            .map(PyComm::new)
+            .map_err(py_err)
+    }
+
+    /// Joins a job through a key-value store with torch's interface (`set`, `get`, `add`,
+    /// `wait`): rank 0 listens on an ephemeral port and publishes its address there.
+    /// `timeout` (seconds) is the deadline of every call; the environment gives the rest of
+    /// the configuration.
+    #[staticmethod]
+    #[pyo3(signature = (store, rank, world_size, timeout=None))]
+    fn init_with_store(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        world_size: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        secs(timeout)?;
+        let config = config_for(rank, world_size, timeout)?;
+        let store = PyStore { store, rank };
+        py.detach(|| Communicator::init_with_store(&store, rank, world_size, config))
+            .map(PyComm::new)
+            .map_err(py_err)
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Facts about the connections: transport, why not a faster one, hosts, timeout,
+    /// data-path policy, rendezvous.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.get()?;
+        let i = c.info();
+        let d = PyDict::new(py);
+        d.set_item("rank", self.rank)?;
+        d.set_item("world_size", self.world)?;
+        d.set_item("transport", i.transport.to_string())?;
+        d.set_item("transport_detail", &i.transport_detail)?;
+        d.set_item("transport_reason", i.transport_reason.clone())?;
+        d.set_item("hosts", i.hosts.clone())?;
+        d.set_item("local_ranks", i.local_ranks)?;
+        d.set_item("timeout", i.timeout.as_secs_f64())?;
+        d.set_item("segment_bytes", i.segment_bytes)?;
+        d.set_item("data_path", i.data_path.to_string())?;
+        d.set_item("rendezvous", &i.rendezvous)?;
+        Ok(d)
+    }
+
+    /// Runs one collective on raw buffers and waits for it, without the GIL.
+    ///
+    /// Private to the package: the pointers must be those of live, contiguous buffers of
+    /// the sizes the collective needs, which nothing here can check. `dspark.Communicator`
+    /// and the torch backend pass pointers of objects they hold for the call's duration.
+    #[pyo3(signature = (coll, dtype, send, recv, count, op=None, peer=0, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _run(
+        &self,
+        py: Python<'_>,
+        coll: &str,
+        dtype: &str,
+        send: usize,
+        recv: usize,
+        count: usize,
+        op: Option<&str>,
+        peer: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let c = self.get()?;
+        // Raw pointers are not Send; their addresses are.
+        let call = SendCall(call);
+        py.detach(move || {
+            let call = call;
+            // SAFETY: the Python caller (dspark/_buffers.py) passes the data pointers and
+            // sizes of live contiguous arrays or tensors that it references until this call
+            // returns, and this call returns only after the operation completed.
+            unsafe { c.run_raw(&call.0) }
+        })
+        .map_err(py_err)
+    }
+
+    /// Starts one collective on raw buffers and returns its `Work`. `keepalive` (the
+    /// objects owning the buffers) is held by the communicator until the operation
+    /// completes, whatever happens to the `Work`.
+    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, op=None, peer=0, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _start(
+        &self,
+        coll: &str,
+        dtype: &str,
+        send: usize,
+        recv: usize,
+        count: usize,
+        keepalive: Py<PyAny>,
+        op: Option<&str>,
+        peer: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let c = self.get()?;
+        let mut pending = lock(&self.pending);
+        Self::prune(&mut pending);
+        // SAFETY: as in `_run`, the pointers are those of the objects in `keepalive`, which
+        // `pending` holds until the operation completes: it is released only by `prune`
+        // (after `test` saw the operation finished) or when the communicator is dropped
+        // (after its drop ran every issued operation to completion).
+        let w = Arc::new(unsafe { c.start_raw(&call) }.map_err(py_err)?);
+        pending.push_back((Arc::clone(&w), keepalive));
+        Ok(PyWork {
+            w,
+            what: coll.to_string(),
+        })
+    }
+
+    /// Splits into sub-communicators, as `ncclCommSplit`: ranks with the same `colour` form
+    /// one, ordered by `key` then by rank; `None` or a negative colour opts out (returns
+    /// `None`). Collective over this communicator.
+    #[pyo3(signature = (colour, key=0))]
+    fn split(&self, py: Python<'_>, colour: Option<i32>, key: i32) -> PyResult<Option<Self>> {
+        let c = self.get()?;
+        py.detach(move || c.split(colour, key))
+            .map(|o| o.map(PyComm::new))
+            .map_err(py_err)
+    }
+
+    /// Makes every operation in flight and every later one fail with `AbortedError` on this
+    /// rank, and tells the peers. Any thread, any time; returns at once.
+    fn abort(&self) {
+        if let Some(c) = self
+            .comm
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            c.abort();
+        }
+    }
+
+    /// Closes the communicator: runs what was issued to completion (each by its deadline),
+    /// says goodbye to the peers, stops the progress thread. Later calls fail.
+    fn close(&self, py: Python<'_>) {
+        let c = self
+            .comm
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(c) = c {
+            let last = py.detach(move || Arc::try_unwrap(c).map(drop).is_ok());
+            if last {
+                lock(&self.pending).clear();
+            }
+        }
+    }
+
+    /// Whether the communicator is closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.comm
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// The error that poisoned the communicator, if one did (as text).
+    fn poisoned(&self) -> PyResult<Option<String>> {
+        Ok(self.get()?.poisoned().map(|e| e.to_string()))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<dspark._dspark.Communicator rank {}/{}>",
+            self.rank, self.world
+        )
+    }
+}
+
+/// `RawCall` holds raw pointers, which are not `Send`; the closure that carries it to the
+/// detached section runs before `_run` returns, while the buffers are alive.
+struct SendCall(RawCall);
+// SAFETY: the pointers are only dereferenced by `run_raw` inside `_run`'s detached section,
+// whose contract (above) keeps the buffers alive; nothing else is shared.
+unsafe impl Send for SendCall {}
+
+// -------------------------------------------------------------------------------- Work
+
+/// A non-blocking operation in flight (`dspark._dspark.Work`).
+#[pyclass(module = "dspark._dspark", name = "Work", frozen)]
+struct PyWork {
+    w: Arc<dspark::Work>,
+    what: String,
+}
+
+impl std::fmt::Debug for PyWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Work({})", self.what)
+    }
+}
+
+#[pymethods]
+impl PyWork {
+    /// `True` once the operation completed, `False` while it is in flight; raises its
+    /// error if it failed. Never blocks.
+    fn test(&self) -> PyResult<bool> {
+        self.w.test().map_err(py_err)
+    }
+
+    /// Whether the operation finished, successfully or not. Never blocks, never raises.
+    fn is_completed(&self) -> bool {
+        !matches!(self.w.test(), Ok(false))
+    }
+
+    /// Waits for the operation, without the GIL, and raises its error. Without `timeout`
+    /// the operation's own deadline bounds the wait; with one, `TimeoutError` after
+    /// `timeout` seconds means it is still in flight (it goes on).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let t = secs(timeout)?;
+        let w = Arc::clone(&self.w);
+        py.detach(move || match t {
+            Some(t) => w.wait_timeout(t),
+            // The operation fails by its own deadline; the slice only bounds one wait.
+            None => loop {
+                match w.wait_timeout(Duration::from_secs(3600)) {
+                    Err(_) if matches!(w.test(), Ok(false)) => continue,
+                    r => break r,
+                }
+            },
+        })
+        .map_err(py_err)
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match self.w.test() {
+            Ok(false) => "in flight",
+            Ok(true) => "done",
+            Err(_) => "failed",
+        };
+        format!("<dspark._dspark.Work {} {state}>", self.what)
+    }
+}
+
+/// The module.
+#[pymodule]
+fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyComm>()?;
+    m.add_class::<PyWork>()?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("PeerLostError", py.get_type::<PeerLostError>())?;
+    m.add("MismatchError", py.get_type::<MismatchError>())?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("IoError", py.get_type::<IoError>())?;
+    m.add("AbortedError", py.get_type::<AbortedError>())?;
+    m.add("UnavailableError", py.get_type::<UnavailableError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
