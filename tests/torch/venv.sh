@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs PyTorch (the PyPI wheel, which runs on CPU) and numpy into a private virtual
-# environment, for the tests that talk to torch's own c10d TCPStore (tests/store_torch.rs).
-# Idempotent: when the environment already imports torch, it is reused as it is.
+# Installs PyTorch (the PyPI wheel, which runs on CPU), numpy, and what the Python tests use
+# (maturin to build the dspark package, expecttest and pytest for torch's own distributed
+# test suite) into a private virtual environment, then builds and installs the dspark
+# package (`pip install ./python`) into it. Used by the tests that talk to torch's c10d
+# TCPStore (tests/store_torch.rs), the launcher tests and the torch backend tests
+# (tests/torch_backend.rs). Idempotent: an environment that already imports torch is reused;
+# the dspark package is rebuilt every time (it is this checkout's code).
 #
 # Prints, as its LAST line of standard output, the path of the environment's python:
 #
@@ -15,6 +19,7 @@
 #                         (default: $HOME/.cache/dspark/torch-venv)
 #   DSPARK_TORCH_VERSION  torch version to install (default: 2.15.0)
 #   PYTHON                the interpreter that creates the environment (default: python3)
+#   DSPARK_SKIP_PACKAGE   set: do not (re)build the dspark package
 # Exit status: 0 with the path printed; 1 (and a reason on stderr) when it cannot install.
 set -euo pipefail
 
@@ -28,8 +33,33 @@ has_torch() {
         >/dev/null 2>&1
 }
 
+test_deps=(maturin expecttest pytest)
+
+install_dspark() {
+    "$py" -c 'import maturin, expecttest, pytest' >/dev/null 2>&1 || {
+        echo "torch venv: installing ${test_deps[*]}" >&2
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "${test_deps[@]}" >&2 || {
+            echo "torch venv: pip install ${test_deps[*]} failed" >&2
+            exit 1
+        }
+    }
+    if [ -z "${DSPARK_SKIP_PACKAGE:-}" ]; then
+        echo "torch venv: building and installing the dspark package (pip install ./python)" >&2
+        PATH="$venv/bin:$PATH" "$venv/bin/pip" install --quiet --disable-pip-version-check --no-build-isolation \
+            "$(dirname "${BASH_SOURCE[0]}")/../../python" >&2 || {
+            echo "torch venv: pip install ./python failed" >&2
+            exit 1
+        }
+        "$py" -c 'import dspark.torch' >&2 || {
+            echo "torch venv: the dspark package was installed but does not import" >&2
+            exit 1
+        }
+    fi
+}
+
 if has_torch; then
     echo "torch venv: reusing $venv (torch $("$py" -c 'import torch; print(torch.__version__)'))" >&2
+    install_dspark
     echo "$py"
     exit 0
 fi
@@ -57,4 +87,5 @@ if ! has_torch; then
     exit 1
 fi
 echo "torch venv: installed torch $("$py" -c 'import torch; print(torch.__version__)') in $venv" >&2
+install_dspark
 echo "$py"
