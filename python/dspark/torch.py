@@ -51,6 +51,16 @@ _OPS = {
 _UNSUPPORTED_OPS = {
     getattr(_RED, n): n for n in ("BAND", "BOR", "BXOR") if hasattr(_RED, n)
 }
+_UNSET_TIMEOUT = dist.AllreduceOptions().timeout
+# The fast path's tables: dtype objects and plain ops (no premultiply, no bool/complex).
+_FAST_OPS = dict(_OPS)
+_FAST_DTYPES = {
+    getattr(torch, name): code
+    for name, code in (
+        ("float32", "f32"), ("float64", "f64"), ("float16", "f16"), ("bfloat16", "bf16"),
+        ("int8", "i8"), ("uint8", "u8"), ("int32", "i32"), ("int64", "i64"),
+    )
+}
 # bool: OR for sum and max, AND for product and min (what NCCL and Gloo compute).
 _BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
 
@@ -93,6 +103,40 @@ class _Completer:
                 w._complete(None)
             except BaseException:  # noqa: BLE001 - the error went to the future
                 pass
+
+
+class _Done(dist._Work):
+    """A completed operation (the synchronous calls): nothing to wait for."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def source_rank(self):
+        return -1
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
 
 
 class _Work(dist._Work):
@@ -254,6 +298,7 @@ class _Ops:
         self._n = size
         self._group_id = group_id
         self._completer = _Completer()
+        self._sync_done = _Done(None)
 
     # -- plumbing ----------------------------------------------------------------------
     def _op(self, red, dtype, what):
@@ -313,7 +358,9 @@ class _Ops:
         if not async_op:
             for coll, dt, sp, rp, count, op, peer in prepared:
                 c._run(coll, dt, sp, rp, count, op, peer, timeout)
-            return _Work((), result, finish, self._completer)
+            if finish is not None:
+                finish()
+            return _Done(result)
         raws = [
             c._start(coll, dt, sp, rp, count, keep, op, peer, timeout)
             for coll, dt, sp, rp, count, op, peer in prepared
@@ -335,6 +382,26 @@ class _Ops:
     # -- all_reduce --------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
+        # The common case (one contiguous CPU tensor, a plain op: every DDP bucket, every
+        # dist.all_reduce) without the general path's bookkeeping.
+        if len(tensors) == 1:
+            t = tensors[0]
+            op = _FAST_OPS.get(opts.reduceOp.op)
+            dt = _FAST_DTYPES.get(t.dtype)
+            if op is not None and dt is not None and t.is_cpu and t.is_contiguous():
+                p = t.data_ptr()
+                td = opts.timeout
+                timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
+                if opts.asyncOp:
+                    w = self._comm._start("all_reduce", dt, p, p, t.numel(), tensors, op, 0,
+                                          timeout)
+                    return _Work([w], tensors, None, self._completer)
+                self._comm._run("all_reduce", dt, p, p, t.numel(), op, 0, timeout)
+                # A synchronous call's Work is only waited for (torch's wrapper drops it):
+                # one completed Work per backend serves them all.
+                done = self._sync_done
+                done._result = tensors
+                return done
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             op, factor = self._op(opts.reduceOp, t.dtype, "allreduce")

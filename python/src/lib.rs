@@ -30,56 +30,56 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 create_exception!(
-    _dspark,
+    dspark,
     Error,
     PyRuntimeError,
     "Every dspark error. The message names the rank, the peer and the operation."
 );
 create_exception!(
-    _dspark,
+    dspark,
     TimeoutError,
     Error,
     "An operation did not finish before its deadline (a silent, stopped or overloaded peer)."
 );
 create_exception!(
-    _dspark,
+    dspark,
     PeerLostError,
     Error,
     "A peer closed its connection or died."
 );
 create_exception!(
-    _dspark,
+    dspark,
     MismatchError,
     Error,
     "Ranks disagree about a call (collective, count, dtype, op, root) or about the job."
 );
 create_exception!(
-    _dspark,
+    dspark,
     InvalidArgumentError,
     Error,
     "A bad argument: a wrong size, root, dtype or a buffer dspark cannot use."
 );
 create_exception!(
-    _dspark,
+    dspark,
     ConfigError,
     Error,
     "A missing, unparsable or inconsistent setting (the message names the variable)."
 );
-create_exception!(_dspark, IoError, Error, "An operating-system I/O error.");
+create_exception!(dspark, IoError, Error, "An operating-system I/O error.");
 create_exception!(
-    _dspark,
+    dspark,
     AbortedError,
     Error,
     "The communicator was aborted, here or by another rank."
 );
 create_exception!(
-    _dspark,
+    dspark,
     UnavailableError,
     Error,
     "Something asked for cannot be had on this machine (verbs, GPUDirect RDMA, CUDA)."
 );
 create_exception!(
-    _dspark,
+    dspark,
     InternalError,
     Error,
     "A bug in dspark: please report it with the message."
