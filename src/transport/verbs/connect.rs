@@ -17,6 +17,7 @@ use super::protocol::POLL_BATCH;
 use super::slots::{RecvSide, SendQueue, SendSide};
 use super::wire::{self, wr_id, Blob, DirectInfo, DirectKind, LinkLayer, QpInfo, WrKind};
 use super::{Peer, PeerState, VerbsTransport};
+use crate::error::{Error, Result};
 
 /// This rank's memory and queue pair for one peer, before connecting.
 struct Half {
@@ -28,8 +29,10 @@ struct Half {
     psn: u32,
 }
 
-/// Local resources created before the connection round.
-pub(super) struct Prepared {
+/// This rank's verbs resources, created by [`prepare`] before the connection round: the
+/// device, protection domain, completion queue, one queue pair (in INIT, receives posted) and
+/// the slot memory for every peer, and the direct region.
+pub struct Prepared {
     lib: Lib,
     local: Local,
     pd: Pd,
@@ -47,12 +50,19 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
     (t ^ ((rank as u32) << 12) ^ (peer as u32).wrapping_mul(0x9e37)) & 0x00ff_ffff
 }
 
-pub(super) fn prepare(
+/// Opens this rank's RDMA device and port under `opts` and creates everything a connection
+/// to each of the other `world − 1` ranks needs, then asks `direct` (given the options and
+/// the device's name) for this rank's direct region and registers it.
+///
+/// # Errors
+/// Why verbs cannot be used here, as a sentence naming the device (no library, no device,
+/// no ACTIVE port, a memlock limit too small, a failed verb).
+pub fn prepare(
     rank: usize,
     world: usize,
     opts: VerbsOptions,
     direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
-) -> Result<Prepared, String> {
+) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
     let dev = format!("{}:{}", local.ctx.name, local.port);
@@ -119,8 +129,20 @@ pub(super) fn prepare(
     })
 }
 
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("device", &self.local.ctx.name)
+            .field("port", &self.local.port)
+            .field("direct", &self.direct_info)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Prepared {
-    pub(super) fn blob(&self) -> Blob {
+    /// This rank's connection information, for every other rank: the port's address, the
+    /// queue pairs and slot memory for each peer, and the direct region.
+    pub fn blob(&self) -> Blob {
         let n = self.opts.slots;
         let sb = self.opts.slot_bytes();
         let qps = self
@@ -153,7 +175,7 @@ impl Prepared {
     }
 
     /// Moves every queue pair to RTS towards its peer.
-    pub(super) fn connect(&mut self, rank: usize, blobs: &[Blob]) -> Result<(), String> {
+    pub fn connect(&mut self, rank: usize, blobs: &[Blob]) -> std::result::Result<(), String> {
         let rel = self.opts.reliability;
         for (peer, h) in self.halves.iter_mut().enumerate() {
             let Some(h) = h else { continue };
@@ -188,7 +210,11 @@ impl Prepared {
 }
 
 impl VerbsTransport {
-    pub(super) fn build(
+    /// The transport of rank `rank` of `world` from its connected resources (`prep` after
+    /// [`Prepared::connect`], or unconnected in a world of one), every rank's connection
+    /// information `blobs` (indexed by rank; empty in a world of one) and the bootstrap's
+    /// TCP connections, kept as liveness signals (`streams`, indexed by peer).
+    pub fn build(
         rank: usize,
         world: usize,
         prep: Prepared,
@@ -337,17 +363,81 @@ impl VerbsTransport {
     }
 }
 
+/// Whether the connection information of every rank (`blobs`, indexed by rank) allows a queue
+/// pair between every two ranks: `Ok(None)` when it does, `Ok(Some(why))` when a rank cannot
+/// use verbs or two ranks' ports cannot be connected (their link layers differ). `host(r)`
+/// names rank `r`'s host in the reasons (`" on node7"`, or nothing).
+///
+/// # Errors
+/// [`Error::Config`] when the ranks' slot layouts differ: both ends of a queue pair index the
+/// same slot ring, so that is a misconfiguration to fix, not a reason to fall back to TCP.
+pub fn why_not_connectable(
+    blobs: &[Blob],
+    host: &dyn Fn(usize) -> String,
+) -> Result<Option<String>> {
+    let mut why_not: Option<String> = None;
+    for (r, b) in blobs.iter().enumerate() {
+        if let Blob::Incapable { reason } = b {
+            why_not = Some(format!("rank {r}{}: {reason}", host(r)));
+            break;
+        }
+    }
+    if why_not.is_none() {
+        let links: Vec<(usize, LinkLayer)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| match b {
+                Blob::Capable { port, .. } => Some((r, port.link)),
+                Blob::Incapable { .. } => None,
+            })
+            .collect();
+        if let Some(&(r, l)) = links.iter().find(|(_, l)| *l != links[0].1) {
+            why_not = Some(format!(
+                "rank 0's RDMA port is {} but rank {r}'s is {}: they cannot be connected",
+                links[0].1.name(),
+                l.name()
+            ));
+        }
+    }
+    if why_not.is_none() {
+        // Both ends of a queue pair index the same slot ring: the slot layout must agree.
+        let layout: Vec<(usize, u32, u32)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| match b {
+                Blob::Capable {
+                    slots, slot_bytes, ..
+                } => Some((r, *slots, *slot_bytes)),
+                Blob::Incapable { .. } => None,
+            })
+            .collect();
+        if let Some(&(r, n, b)) = layout
+            .iter()
+            .find(|(_, n, b)| (*n, *b) != (layout[0].1, layout[0].2))
+        {
+            let msg = format!(
+                "rank 0 uses {} slots of {} bytes per peer but rank {r}{} uses {n} of {b}: set the \
+                 same DSPARK_IB_SLOTS, DSPARK_IB_SLOT_BYTES and DSPARK_CHUNK_BYTES on every rank",
+                layout[0].1,
+                layout[0].2,
+                host(r)
+            );
+            return Err(Error::config("DSPARK_IB_SLOTS", msg));
+        }
+    }
+    Ok(why_not)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
+    use crate::transport::verbs::options::test_options;
 
     #[test]
     fn missing_library_or_device_is_a_reason_not_a_panic() {
         // On machines without rdma-core this is the "cannot load" path; with it, the device
         // probe runs. Either way: a sentence, never a panic.
-        let cfg = Config::new(0, 2, "h:1");
-        let o = VerbsOptions::from_lookup(&cfg, |_| None).unwrap();
+        let o = test_options(8);
         if let Err(reason) = prepare(0, 2, o, &mut |_, _| DirectSpec::None) {
             assert!(!reason.is_empty());
         }

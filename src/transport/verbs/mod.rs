@@ -45,6 +45,9 @@
 //!
 //! # Tunables (environment)
 //!
+//! Read by the communicator's setup into [`VerbsOptions`] (`VerbsOptions::from_lookup`, in
+//! `src/comm/setup.rs`); the transport itself reads no environment and no configuration.
+//!
 //! | variable | meaning | default |
 //! | --- | --- | --- |
 //! | `DSPARK_IB_DEVICE` | device, optionally `:port` (`mlx5_0`, `mlx5_0:1`) | first ACTIVE port |
@@ -62,15 +65,15 @@
 //!
 //! # Layout
 //!
-//! * `mod.rs`: the transport's state ([`VerbsTransport`], one `Peer` per connection) and the
-//!   job-wide transport choice ([`select`]);
+//! * `mod.rs`: the transport's state ([`VerbsTransport`], one `Peer` per connection);
 //! * `options.rs`: [`VerbsOptions`] and what they imply: slot sizes, pinned memory,
 //!   [`direct_layout`], the memlock check;
 //! * `device.rs`: device, port and GID selection; the dma-buf probe ([`probe_nic_dmabuf`]);
 //! * `memory.rs`: the direct region ([`DirectSpec`] and its registration) and caller buffers
 //!   registered for zero-copy sends;
-//! * `connect.rs`: queue-pair setup and the connection exchange (prepare, connection
-//!   information, connect, build);
+//! * `connect.rs`: queue-pair setup and the connection exchange: [`prepare`], the connection
+//!   information of every rank ([`Prepared::blob`], [`why_not_connectable`]),
+//!   [`Prepared::connect`], [`VerbsTransport::build`];
 //! * `protocol.rs`: the slot protocol (credits, frame writes, arrivals, re-advertised slots,
 //!   completions) and the `Transport` implementation;
 //! * `liveness.rs`: the liveness connections, waiting on completions and liveness together,
@@ -105,15 +108,13 @@ use std::time::Instant;
 
 use dspark_sys as ffi;
 
-use self::connect::prepare;
 use self::ib::{Context, Cq, Lib, Memory, Mr, Pd, Qp};
 use self::memory::{DirectOwn, UserMr};
 use self::slots::{RecvSide, SendQueue, SendSide};
-use self::wire::{Blob, DirectInfo, LinkLayer, QpInfo};
-use crate::bootstrap::Bootstrap;
-use crate::config::{Config, TransportChoice};
-use crate::error::{Error, Result};
+use self::wire::{DirectInfo, QpInfo};
+use crate::error::Error;
 
+pub use self::connect::{prepare, why_not_connectable, Prepared};
 pub use self::device::{probe_nic_dmabuf, NicDmaBuf};
 pub use self::memory::{DirectSpec, HostRegion};
 pub use self::options::{direct_layout, memlock_shortfall, parse_device, VerbsOptions};
@@ -227,209 +228,4 @@ impl VerbsTransport {
     pub fn options(&self) -> &VerbsOptions {
         &self.opts
     }
-}
-
-/// What the transport negotiation decided.
-#[derive(Debug)]
-pub enum Selected {
-    /// Verbs on every rank.
-    Verbs(Box<VerbsTransport>),
-    /// TCP on every rank, over these streams; `reason` says why not verbs (when there were
-    /// peers to reach and verbs was not ruled out by `DSPARK_TRANSPORT=tcp`).
-    Tcp {
-        /// The bootstrap's data connections.
-        streams: Vec<Option<TcpStream>>,
-        /// Why verbs is not used.
-        reason: Option<String>,
-    },
-}
-
-fn mode_code(c: TransportChoice) -> u8 {
-    match c {
-        TransportChoice::Auto => 0,
-        TransportChoice::Tcp => 1,
-        TransportChoice::Verbs => 2,
-    }
-}
-
-fn unavailable(reason: &str) -> Error {
-    Error::unavailable("the verbs transport (DSPARK_TRANSPORT=verbs)", reason)
-}
-
-/// Agrees with every other rank on the transport, through the bootstrap (see
-/// [`crate::comm::Communicator::init`]): verbs when every rank has a usable port and no rank
-/// asks for TCP; otherwise TCP everywhere, or — when some rank asked for verbs —
-/// [`Error::Unavailable`] on every rank, naming the rank and the reason.
-///
-/// # Errors
-/// [`Error::Unavailable`], bootstrap errors ([`Error::Timeout`], [`Error::PeerLost`]),
-/// [`Error::Config`] for bad `DSPARK_IB_*` settings.
-pub fn select(
-    boot: &mut Bootstrap,
-    cfg: &Config,
-    streams: Vec<Option<TcpStream>>,
-    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
-) -> Result<Selected> {
-    let rank = cfg.rank;
-    let world = cfg.world_size;
-    let opts = VerbsOptions::from_lookup(cfg, |k| std::env::var(k).ok())?;
-    if world == 1 {
-        return match cfg.transport {
-            TransportChoice::Verbs => {
-                let prep = prepare(rank, world, opts, direct).map_err(|r| unavailable(&r))?;
-                Ok(Selected::Verbs(Box::new(VerbsTransport::build(
-                    rank,
-                    world,
-                    prep,
-                    &[],
-                    streams,
-                ))))
-            }
-            _ => Ok(Selected::Tcp {
-                streams,
-                reason: None,
-            }),
-        };
-    }
-    // Round 1: requested mode + capability (+ connection information).
-    let mut prep = None;
-    let blob = if cfg.transport == TransportChoice::Tcp {
-        Blob::Incapable {
-            reason: "DSPARK_TRANSPORT=tcp".into(),
-        }
-    } else {
-        match prepare(rank, world, opts, direct) {
-            Ok(p) => {
-                let b = p.blob();
-                prep = Some(p);
-                b
-            }
-            Err(reason) => Blob::Incapable { reason },
-        }
-    };
-    let mut msg = vec![mode_code(cfg.transport)];
-    msg.extend_from_slice(&blob.encode());
-    let all = boot.all_gather(&msg)?;
-    let mut modes = Vec::with_capacity(world);
-    let mut blobs = Vec::with_capacity(world);
-    for (r, m) in all.iter().enumerate() {
-        let (mode, rest) = m.split_first().map_or((0, &[][..]), |(a, b)| (*a, b));
-        modes.push(mode);
-        blobs.push(Blob::decode(rest).unwrap_or_else(|w| Blob::Incapable {
-            reason: format!("(rank {r}) {w}"),
-        }));
-    }
-    let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
-    let host = |r: usize| hosts.get(r).map_or(String::new(), |h| format!(" on {h}"));
-    let someone_wants_verbs = modes.contains(&mode_code(TransportChoice::Verbs));
-    let mut why_not: Option<String> = None;
-    for (r, b) in blobs.iter().enumerate() {
-        if let Blob::Incapable { reason } = b {
-            why_not = Some(format!("rank {r}{}: {reason}", host(r)));
-            break;
-        }
-    }
-    if why_not.is_none() {
-        let links: Vec<(usize, LinkLayer)> = blobs
-            .iter()
-            .enumerate()
-            .filter_map(|(r, b)| match b {
-                Blob::Capable { port, .. } => Some((r, port.link)),
-                Blob::Incapable { .. } => None,
-            })
-            .collect();
-        if let Some(&(r, l)) = links.iter().find(|(_, l)| *l != links[0].1) {
-            why_not = Some(format!(
-                "rank 0's RDMA port is {} but rank {r}'s is {}: they cannot be connected",
-                links[0].1.name(),
-                l.name()
-            ));
-        }
-    }
-    if why_not.is_none() {
-        // Both ends of a queue pair index the same slot ring: the slot layout must agree.
-        let layout: Vec<(usize, u32, u32)> = blobs
-            .iter()
-            .enumerate()
-            .filter_map(|(r, b)| match b {
-                Blob::Capable {
-                    slots, slot_bytes, ..
-                } => Some((r, *slots, *slot_bytes)),
-                Blob::Incapable { .. } => None,
-            })
-            .collect();
-        if let Some(&(r, n, b)) = layout
-            .iter()
-            .find(|(_, n, b)| (*n, *b) != (layout[0].1, layout[0].2))
-        {
-            let msg = format!(
-                "rank 0 uses {} slots of {} bytes per peer but rank {r}{} uses {n} of {b}: set the \
-                 same DSPARK_IB_SLOTS, DSPARK_IB_SLOT_BYTES and DSPARK_CHUNK_BYTES on every rank",
-                layout[0].1,
-                layout[0].2,
-                host(r)
-            );
-            return Err(Error::config("DSPARK_IB_SLOTS", msg));
-        }
-    }
-    // Round 2 (only when round 1 found every rank capable): connect and agree it worked.
-    if why_not.is_none() {
-        let mut prep = prep
-            .take()
-            .ok_or_else(|| unavailable("internal: capable without resources"))?;
-        let res = prep.connect(rank, &blobs);
-        let mine = match &res {
-            Ok(()) => vec![1u8],
-            Err(w) => {
-                let mut v = vec![0u8];
-                v.extend_from_slice(w.as_bytes());
-                v
-            }
-        };
-        let all = boot.all_gather(&mine)?;
-        for (r, m) in all.iter().enumerate() {
-            if m.first() != Some(&1) {
-                let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
-                why_not = Some(format!(
-                    "rank {r}{}: connecting queue pairs failed: {w}",
-                    host(r)
-                ));
-                break;
-            }
-        }
-        if why_not.is_none() {
-            let t = VerbsTransport::build(rank, world, prep, &blobs, streams);
-            tracing::info!(rank, transport = %t.desc, "using RDMA verbs");
-            return Ok(Selected::Verbs(Box::new(t)));
-        }
-    }
-    let why = why_not.unwrap_or_default();
-    if someone_wants_verbs {
-        let who: Vec<String> = modes
-            .iter()
-            .enumerate()
-            .filter(|(_, &m)| m == mode_code(TransportChoice::Verbs))
-            .map(|(r, _)| r.to_string())
-            .collect();
-        return Err(unavailable(&format!(
-            "{why} (DSPARK_TRANSPORT=verbs on rank(s) {})",
-            who.join(", ")
-        )));
-    }
-    let any_capable = blobs.iter().any(|b| matches!(b, Blob::Capable { .. }));
-    let asked_tcp = modes.contains(&mode_code(TransportChoice::Tcp));
-    if any_capable && !asked_tcp {
-        // Some ranks could do RDMA but not all: the job silently runs slower. Say so.
-        tracing::warn!(rank, reason = %why, "falling back to TCP on every rank: not every rank can use RDMA verbs");
-    } else {
-        tracing::info!(rank, reason = %why, "using TCP");
-    }
-    let reason = if cfg.transport == TransportChoice::Tcp
-        && modes.iter().all(|&m| m == mode_code(TransportChoice::Tcp))
-    {
-        None
-    } else {
-        Some(format!("verbs unavailable: {why}"))
-    };
-    Ok(Selected::Tcp { streams, reason })
 }

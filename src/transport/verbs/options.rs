@@ -1,20 +1,18 @@
-//! Settings of the verbs transport: [`VerbsOptions`] (parsed from the `DSPARK_IB_*`
-//! variables), the memory they imply (slot sizes, pinned bytes per peer, the direct region's
-//! [`DirectLayout`]), the device specification syntax, and the checks of what they ask of the
-//! machine (the memlock limit).
+//! Settings of the verbs transport: [`VerbsOptions`] (plain data; the communicator's setup
+//! builds them from the job's configuration and the `DSPARK_IB_*` variables), the memory they
+//! imply (slot sizes, pinned bytes per peer, the direct region's [`DirectLayout`]), the device
+//! specification syntax, and the checks of what they ask of the machine (the memlock limit).
 
 use std::time::Duration;
 
 use super::ib;
-use super::wire::{self, CTS_LEN};
-use crate::config::{parse_size, Config};
-use crate::error::{Error, Result};
+use super::wire::CTS_LEN;
 use crate::transport::{DirectLayout, HEADER_LEN};
 
 /// Bytes of the control slot (abort / goodbye frames).
 pub(super) const CTRL_BYTES: usize = 4096;
 
-/// Settings of the verbs transport (see the module docs for the environment variables).
+/// Settings of the verbs transport (the environment variables are listed in [`super`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VerbsOptions {
     /// Device name and optional port (`DSPARK_IB_DEVICE`).
@@ -34,85 +32,6 @@ pub struct VerbsOptions {
 }
 
 impl VerbsOptions {
-    /// The options for `cfg`, with `DSPARK_IB_*` tunables read through `get`.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the variable.
-    pub fn from_lookup(cfg: &Config, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let num = |name: &str, lo: u64, hi: u64, default: u64| -> Result<u64> {
-            match get(name).filter(|v| !v.trim().is_empty()) {
-                None => Ok(default),
-                Some(v) => match v.trim().parse::<u64>() {
-                    Ok(x) if (lo..=hi).contains(&x) => Ok(x),
-                    _ => Err(Error::config(
-                        name,
-                        format!("{v:?}: expected an integer in {lo}..={hi}"),
-                    )),
-                },
-            }
-        };
-        let device = match &cfg.ib_device {
-            None => None,
-            Some(spec) => {
-                Some(parse_device(spec).map_err(|w| Error::config("DSPARK_IB_DEVICE", w))?)
-            }
-        };
-        let slots = num("DSPARK_IB_SLOTS", 2, 256, 8)? as usize;
-        let seg = cfg.segment_bytes.max(64);
-        let slot_payload = match get("DSPARK_IB_SLOT_BYTES").filter(|v| !v.trim().is_empty()) {
-            None => seg,
-            Some(v) => {
-                let b = parse_size(&v).ok_or_else(|| {
-                    Error::config(
-                        "DSPARK_IB_SLOT_BYTES",
-                        format!("{v:?} is not a size (e.g. 1M)"),
-                    )
-                })?;
-                if b < seg {
-                    return Err(Error::config(
-                        "DSPARK_IB_SLOT_BYTES",
-                        format!(
-                            "{b} bytes is smaller than the segment size {seg} (DSPARK_CHUNK_BYTES): \
-                             a slot must hold a whole segment"
-                        ),
-                    ));
-                }
-                b
-            }
-        };
-        if (slot_payload + HEADER_LEN) as u64 > u64::from(wire::MAX_FRAME) {
-            return Err(Error::config(
-                "DSPARK_CHUNK_BYTES",
-                format!(
-                    "verbs slots hold at most {} payload bytes; {slot_payload} is too large",
-                    wire::MAX_FRAME as usize - HEADER_LEN
-                ),
-            ));
-        }
-        let reliability = ib::Reliability {
-            timeout: num("DSPARK_IB_TIMEOUT", 1, 31, 16)? as u8,
-            retry_cnt: num("DSPARK_IB_RETRY_CNT", 0, 7, 7)? as u8,
-            rnr_retry: num("DSPARK_IB_RNR_RETRY", 0, 6, 6)? as u8,
-            min_rnr_timer: 12,
-        };
-        let spin = Duration::from_micros(num("DSPARK_IB_SPIN_US", 0, 1_000_000, 20)?);
-        let zero_copy_min = match get("DSPARK_IB_ZERO_COPY_MIN").filter(|v| !v.trim().is_empty()) {
-            None => 64 * 1024,
-            Some(v) => parse_size(&v).ok_or_else(|| {
-                Error::config("DSPARK_IB_ZERO_COPY_MIN", format!("{v:?} is not a size"))
-            })?,
-        };
-        Ok(VerbsOptions {
-            device,
-            gid_index: cfg.ib_gid_index,
-            slots,
-            slot_payload,
-            reliability,
-            spin,
-            zero_copy_min,
-        })
-    }
-
     /// Bytes of one slot (header + payload, rounded up to 64).
     pub fn slot_bytes(&self) -> usize {
         (HEADER_LEN + self.slot_payload).div_ceil(64) * 64
@@ -148,7 +67,7 @@ pub fn direct_layout(world: usize, opts: &VerbsOptions, send_slots: usize) -> Di
 }
 
 /// Parses `DSPARK_IB_DEVICE`: `name` or `name:port`.
-pub fn parse_device(spec: &str) -> std::result::Result<(String, Option<u8>), String> {
+pub fn parse_device(spec: &str) -> Result<(String, Option<u8>), String> {
     let s = spec.trim();
     let (name, port) = match s.rsplit_once(':') {
         Some((n, p)) => {
@@ -218,52 +137,29 @@ pub(super) fn timeout_ms(t: u8) -> f64 {
     4.096e-3 * f64::from(1u32 << t.min(31))
 }
 
+/// The options the defaults give for the default 512 KiB segment, with `slots` slots (for the
+/// transport's unit tests: the defaults are parsed in the communicator's setup).
+#[cfg(test)]
+pub(super) fn test_options(slots: usize) -> VerbsOptions {
+    VerbsOptions {
+        device: None,
+        gid_index: None,
+        slots,
+        slot_payload: 512 * 1024,
+        reliability: ib::Reliability {
+            timeout: 16,
+            retry_cnt: 7,
+            rnr_retry: 6,
+            min_rnr_timer: 12,
+        },
+        spin: Duration::from_micros(20),
+        zero_copy_min: 64 * 1024,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-
-    fn opts_of(vars: &[(&str, &str)]) -> Result<VerbsOptions> {
-        let cfg = Config::new(0, 2, "h:1");
-        let m: std::collections::HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        VerbsOptions::from_lookup(&cfg, |k| m.get(k).cloned())
-    }
-
-    #[test]
-    fn default_options_surface_a_dead_peer_within_seconds() {
-        let o = opts_of(&[]).unwrap();
-        let r = o.reliability;
-        let worst_ms = timeout_ms(r.timeout) * f64::from(r.retry_cnt + 1);
-        assert!(worst_ms < 5_000.0, "{worst_ms} ms");
-        assert!(r.rnr_retry < 7, "RNR retry 7 means forever");
-        assert_eq!(o.slot_payload, 512 * 1024);
-        assert_eq!(o.slot_bytes() % 64, 0);
-        assert!(o.slot_bytes() >= o.slot_payload + HEADER_LEN);
-    }
-
-    #[test]
-    fn bad_tunables_name_their_variable() {
-        let e = opts_of(&[("DSPARK_IB_SLOTS", "1")])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("DSPARK_IB_SLOTS"), "{e}");
-        let e = opts_of(&[("DSPARK_IB_SLOT_BYTES", "4K")])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("DSPARK_IB_SLOT_BYTES") && e.contains("segment"),
-            "{e}"
-        );
-        let e = opts_of(&[("DSPARK_IB_RETRY_CNT", "8")])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("DSPARK_IB_RETRY_CNT"), "{e}");
-        let o = opts_of(&[("DSPARK_IB_SLOTS", "4"), ("DSPARK_IB_SLOT_BYTES", "1M")]).unwrap();
-        assert_eq!((o.slots, o.slot_payload), (4, 1 << 20));
-    }
 
     #[test]
     fn device_specs_parse_with_optional_port() {
@@ -294,7 +190,7 @@ mod tests {
 
     #[test]
     fn pinned_memory_accounts_for_both_directions() {
-        let o = opts_of(&[("DSPARK_IB_SLOTS", "4")]).unwrap();
+        let o = test_options(4);
         assert_eq!(
             o.pinned_per_peer(),
             2 * 4 * o.slot_bytes() + 2 * CTRL_BYTES + 2 * 4 * CTS_LEN
