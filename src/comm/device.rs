@@ -171,7 +171,7 @@ impl Communicator {
             };
             let mut dev =
                 CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?;
-            return self.run_staged(call, &mut dev);
+            return self.exec_staged(call, &mut dev);
         }
         let slot = self.info().segment_bytes;
         let ctx = stream.context();
@@ -185,7 +185,7 @@ impl Communicator {
             Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
         };
         let mut dev = CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)?;
-        self.run_staged(call, &mut dev)
+        self.exec_staged(call, &mut dev)
     }
 
     /// [`Communicator::all_reduce`] on device memory, ordered on `stream`.

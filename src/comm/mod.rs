@@ -328,9 +328,23 @@ impl Communicator {
     /// collectives; `call.dtype` must be set. Peers see exactly the frames of the host call,
     /// so host and device ranks can be mixed.
     ///
+    /// A test hook, with the `testing` feature: the device collectives
+    /// ([`Communicator::all_reduce_device`] and the rest) are the public way in.
+    ///
     /// # Errors
     /// As the host collectives.
+    #[cfg(feature = "testing")]
     pub fn run_staged(
+        &self,
+        call: Call,
+        dev: &mut dyn crate::engine::staged::StagedDevice,
+    ) -> Result<()> {
+        self.exec_staged(call, dev)
+    }
+
+    /// Runs a call on device buffers through the staged engine: the body of `run_staged`
+    /// (feature `testing`) and of the device collectives.
+    pub(crate) fn exec_staged(
         &self,
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,

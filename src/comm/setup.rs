@@ -150,8 +150,34 @@ impl Communicator {
     /// [`crate::transport::mem`] in tests). `config` supplies the deadline, segment size,
     /// spin time and algorithm; its rendezvous fields are ignored.
     ///
+    /// A test hook, with the `testing` feature.
+    ///
+    /// # Example
+    ///
+    /// Three ranks as threads over the in-process transport:
+    ///
+    /// ```
+    /// use dspark::transport::mem::MemFabric;
+    /// use dspark::{Communicator, Config, ReduceOp};
+    ///
+    /// let fabric = MemFabric::new(3, 4);
+    /// let cfg = Config::new(0, 1, "");
+    /// std::thread::scope(|s| {
+    ///     for r in 0..3 {
+    ///         let (t, cfg) = (fabric.transport(r), &cfg);
+    ///         s.spawn(move || {
+    ///             let comm = Communicator::from_transport(r, 3, Box::new(t), cfg).unwrap();
+    ///             let mut v = vec![r as f32; 5];
+    ///             comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+    ///             assert_eq!(v, vec![3.0; 5]);
+    ///         });
+    ///     }
+    /// });
+    /// ```
+    ///
     /// # Errors
     /// [`Error::Config`] when `rank`/`world` are inconsistent.
+    #[cfg(feature = "testing")]
     pub fn from_transport(
         rank: usize,
         world: usize,

@@ -46,7 +46,7 @@ pub enum DirectSpec {
 
 /// Host memory that a NIC writes into, accessed only by copies (the emulated direct region).
 #[derive(Debug)]
-pub struct HostRegion {
+pub(super) struct HostRegion {
     mem: Memory,
     /// Serialises the host's copies: `read` and `write` are safe methods reachable from any
     /// thread (the NIC's writes are kept apart by the protocol, not by this lock).

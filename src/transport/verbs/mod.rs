@@ -116,7 +116,7 @@ use crate::error::Error;
 
 pub use self::connect::{prepare, why_not_connectable, Prepared};
 pub use self::device::{probe_nic_dmabuf, NicDmaBuf};
-pub use self::memory::{DirectSpec, HostRegion};
+pub use self::memory::DirectSpec;
 pub use self::options::{direct_layout, memlock_shortfall, parse_device, VerbsOptions};
 pub use crate::gpu::MemoryKind;
 
