@@ -530,8 +530,7 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
     if !in_vm() {
         return;
     }
-    let mut cfg = Config::new(0, 1, "127.0.0.1:1");
-    cfg.transport = TransportChoice::Verbs;
+    let cfg = Config::new(0, 1, "127.0.0.1:1");
     let opts = verbs::VerbsOptions::from_lookup(&cfg, |k| std::env::var(k).ok()).unwrap();
     // World 1 has no peers, but the region is registered all the same; ask for a 2-rank
     // layout so that it has landing slots.
@@ -547,7 +546,6 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
         ),
         (vec![MemoryKind::CudaDmaBuf { fd: -1, offset: 0 }], None),
     ] {
-        let (mut boot, streams) = dspark::bootstrap::rendezvous(&cfg).unwrap();
         let addr = stand_in.as_ptr() as u64;
         let mut provider = |_: &verbs::VerbsOptions, _: &str| DirectSpec::Device {
             addr,
@@ -555,10 +553,9 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
             candidates: candidates.clone(),
             reasons: vec!["peermem: not probed in this test".into()],
         };
-        let t = match verbs::select(&mut boot, &cfg, streams, &mut provider).unwrap() {
-            verbs::Selected::Verbs(t) => t,
-            other => panic!("expected verbs, got {other:?}"),
-        };
+        // A world of one: the resources need no connection round.
+        let prep = verbs::prepare(0, 1, opts.clone(), &mut provider).unwrap();
+        let t = verbs::VerbsTransport::build(0, 1, prep, &[], Vec::new());
         let info = t.direct_infos()[0].clone();
         eprintln!("candidates {candidates:?}: {info:?}");
         match (want, info) {

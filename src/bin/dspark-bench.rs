@@ -113,7 +113,8 @@ struct Args {
     transport: String,
     /// Where the buffers live: host (RAM), device (CUDA GPU memory, through the data path
     /// reported in the header), or emulated (host memory driven through the host-staged
-    /// device pipeline — tests the pipeline on machines without a GPU).
+    /// device pipeline — tests the pipeline on machines without a GPU; needs a build with
+    /// `--features testing`).
     #[arg(long, value_enum, default_value = "host")]
     mem: Mem,
     /// Data path for device memory: auto, gpu-direct, host-staged (DSPARK_DATA_PATH).
@@ -192,6 +193,13 @@ fn main() -> ExitCode {
         eprintln!(
             "dspark-bench: --transport {:?}: expected auto, tcp or verbs",
             args.transport
+        );
+        return ExitCode::from(2);
+    }
+    if args.mem == Mem::Emulated && !cfg!(feature = "testing") {
+        eprintln!(
+            "dspark-bench: --mem emulated drives the staged pipeline through a test hook: build \
+             dspark-bench with `--features testing` to use it"
         );
         return ExitCode::from(2);
     }
@@ -684,7 +692,7 @@ impl<T: BenchElem> Runner<T> {
         match self {
             Runner::Host(b) => run_host(args, comm, b),
             Runner::Emulated(call, dev) => match call {
-                Some(c) => comm.run_staged(*c, dev),
+                Some(c) => run_emulated(comm, *c, dev),
                 None => Ok(()),
             },
             Runner::Device { stream, send, recv } => run_device(args, comm, stream, send, recv),
@@ -708,6 +716,20 @@ impl<T: BenchElem> Runner<T> {
             },
         }
     }
+}
+
+/// One call on the emulated device (`--mem emulated`, refused at start without `testing`).
+#[cfg(feature = "testing")]
+fn run_emulated(comm: &Communicator, call: Call, dev: &mut EmulatedDevice) -> dspark::Result<()> {
+    comm.run_staged(call, dev)
+}
+
+#[cfg(not(feature = "testing"))]
+fn run_emulated(_: &Communicator, _: Call, _: &mut EmulatedDevice) -> dspark::Result<()> {
+    Err(dspark::Error::unavailable(
+        "dspark-bench --mem emulated",
+        "this dspark-bench was built without the `testing` feature",
+    ))
 }
 
 fn missing() -> dspark::Error {

@@ -28,16 +28,13 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::comm::{Api, Communicator, Target};
-use crate::config::Config;
 use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::gpu::device::GpuReducer;
-use crate::gpu::direct::{CudaDirectDevice, DirectRegion};
+use crate::gpu::direct::CudaDirectDevice;
 use crate::gpu::staged::{CudaStagedDevice, StagingPool};
-use crate::path::{self, BufferLocation, GpuDirectCapability, PathInputs, PathPlan, PathPolicy};
+use crate::path::{self, BufferLocation, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
-use crate::transport::verbs::wire::{DirectInfo, DirectKind};
-use crate::transport::verbs::{self, DirectSpec, VerbsOptions};
 use crate::types::{Element, ReduceOp};
 
 /// Pinned slots per direction for staged device collectives.
@@ -46,90 +43,6 @@ const STAGE_SLOTS: usize = 4;
 /// Send slots of the direct region.
 pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
 
-/// What this rank brings to the verbs transport as its direct region (called by the verbs
-/// transport once it found a usable port): the host-memory emulation when asked for (tests),
-/// nothing when device memory is to be staged anyway, otherwise GPU memory of the configured
-/// device with its registration candidates — the region, which the communicator keeps for as
-/// long as its transport lives — or why there is none.
-pub(crate) fn direct_spec(
-    config: &Config,
-    opts: &VerbsOptions,
-    nic: &str,
-) -> (DirectSpec, Option<DirectRegion>) {
-    if config.emulate_gpu_direct {
-        return (
-            DirectSpec::HostEmulated {
-                send_slots: DIRECT_SEND_SLOTS,
-            },
-            None,
-        );
-    }
-    if config.data_path == PathPolicy::HostStaged {
-        return (
-            DirectSpec::Unavailable(path::REQUESTED_STAGED_REASON.into()),
-            None,
-        );
-    }
-    if config.world_size < 2 {
-        return (DirectSpec::None, None);
-    }
-    match gpu_region(config, opts, nic) {
-        Ok(g) => {
-            let (candidates, reasons) = g.registration_candidates();
-            let spec = DirectSpec::Device {
-                addr: g.ptr(),
-                send_slots: DIRECT_SEND_SLOTS,
-                candidates,
-                reasons,
-            };
-            (spec, Some(g))
-        }
-        Err(why) => (DirectSpec::Unavailable(why), None),
-    }
-}
-
-/// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
-/// GPUs), sized for the verbs transport's slots, unless the GPU is farther from `nic` than
-/// [`path::GDR_MAX_DISTANCE`] and the path was left to `auto` (an explicit `gpu-direct` is
-/// honoured with a warning).
-fn gpu_region(
-    config: &Config,
-    opts: &VerbsOptions,
-    nic: &str,
-) -> std::result::Result<DirectRegion, String> {
-    if !crate::gpu::probe::libcuda_present() {
-        return Err("no CUDA driver (libcuda.so.1 not found)".into());
-    }
-    let probe = crate::gpu::probe::probe_cuda().map_err(|e| e.to_string())?;
-    if probe.devices.is_empty() {
-        return Err(format!(
-            "no CUDA GPU visible{}",
-            probe
-                .init_error
-                .map(|e| format!(" ({e})"))
-                .unwrap_or_default()
-        ));
-    }
-    let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
-    let far = probe
-        .devices
-        .get(ordinal)
-        .and_then(|d| d.pci)
-        .and_then(|pci| crate::gpu::sysfs::Sysfs::default().distance(pci, nic).ok())
-        .and_then(|r| path::distance_blocker(r.distance, path::GDR_MAX_DISTANCE));
-    if let Some(why) = far {
-        let why = format!("GPU {ordinal} and {nic}: {why}");
-        if config.data_path != PathPolicy::GpuDirect {
-            return Err(why);
-        }
-        tracing::warn!("DSPARK_DATA_PATH=gpu-direct: using GPUDirect although {why}");
-    }
-    let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
-    let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
-    DirectRegion::new(&ctx, layout)
-        .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
-}
-
 /// Per-communicator CUDA state: the reduction kernels, loaded once per GPU.
 #[derive(Debug, Default)]
 pub(crate) struct GpuState {
@@ -137,33 +50,6 @@ pub(crate) struct GpuState {
     /// Pinned staging memory per GPU, reused by every call.
     pools: HashMap<usize, StagingPool>,
     warned: bool,
-}
-
-/// Every rank's GPUDirect capability from the direct regions announced at init.
-pub(crate) fn capabilities_of(infos: &[DirectInfo]) -> Vec<GpuDirectCapability> {
-    infos
-        .iter()
-        .map(|d| match d {
-            DirectInfo::Region {
-                kind: DirectKind::DmaBuf,
-                ..
-            } => GpuDirectCapability::DmaBuf,
-            DirectInfo::Region {
-                kind: DirectKind::PeerMem,
-                ..
-            } => GpuDirectCapability::PeerMem,
-            DirectInfo::Region {
-                kind: DirectKind::HostEmulated,
-                ..
-            } => GpuDirectCapability::Unavailable(
-                "its direct region is host memory (DSPARK_EMULATE_GPU_DIRECT, for tests)".into(),
-            ),
-            DirectInfo::None => {
-                GpuDirectCapability::Unavailable("no GPU memory was set up at init".into())
-            }
-            DirectInfo::Unavailable(why) => GpuDirectCapability::Unavailable(why.clone()),
-        })
-        .collect()
 }
 
 impl Communicator {
@@ -285,7 +171,7 @@ impl Communicator {
             };
             let mut dev =
                 CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?;
-            return self.run_staged(call, &mut dev);
+            return self.exec_staged(call, &mut dev);
         }
         let slot = self.info().segment_bytes;
         let ctx = stream.context();
@@ -299,7 +185,7 @@ impl Communicator {
             Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
         };
         let mut dev = CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)?;
-        self.run_staged(call, &mut dev)
+        self.exec_staged(call, &mut dev)
     }
 
     /// [`Communicator::all_reduce`] on device memory, ordered on `stream`.

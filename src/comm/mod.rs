@@ -1,6 +1,12 @@
 //! The communicator: the public API — host collectives (blocking, and non-blocking in a
 //! [`Communicator::scope`]), device collectives, and setup.
 //!
+//! Where things are: `setup.rs` builds a communicator (bootstrap → transport choice → direct
+//! region → path decision → engine: [`Communicator::init`]); `rendezvous.rs` and `split.rs`
+//! find rank 0 another way and then build it the same way; this file holds the host
+//! collectives, `device.rs` the device collectives and the data-path report, `scope.rs`,
+//! [`work`] and `raw.rs` the non-blocking forms.
+//!
 //! # Non-blocking operations and why they are sound
 //!
 //! Every operation runs in issue order on one engine per communicator (see [`work`]), driven
@@ -24,6 +30,7 @@ mod device;
 mod raw;
 mod rendezvous;
 mod scope;
+mod setup;
 mod split;
 pub mod work;
 
@@ -31,15 +38,12 @@ pub use raw::{RawCall, RawOp};
 pub use scope::Scope;
 pub use work::Work;
 
-use crate::bootstrap;
 use crate::config::Config;
-use crate::engine::{Call, Engine, EngineOptions};
+use crate::engine::{Call, EngineOptions};
 use crate::error::{Error, Result};
 use crate::path::PathPolicy;
 use crate::plan::{Algorithm, Collective};
-use crate::transport::tcp::{TcpOptions, TcpTransport};
-use crate::transport::verbs;
-use crate::transport::{Transport, TransportKind};
+use crate::transport::TransportKind;
 use crate::types::{Element, ReduceOp};
 use device::GpuState;
 
@@ -91,18 +95,6 @@ pub(crate) enum Target {
     SendTo(usize),
     /// The peer of a receive.
     RecvFrom(usize),
-}
-
-/// What init learned besides the transport, for [`CommInfo`].
-struct Facts {
-    /// The address of this rank's data listener (None for a world of one or a given
-    /// transport).
-    data_ip: Option<std::net::IpAddr>,
-    hosts: Vec<String>,
-    local_ranks: usize,
-    transport_reason: Option<String>,
-    data_path: PathPolicy,
-    gpu_direct: Vec<crate::path::GpuDirectCapability>,
 }
 
 /// A group of ranks that run collectives together.
@@ -172,220 +164,7 @@ impl fmt::Debug for Communicator {
     }
 }
 
-/// Spin time when ranks do not outnumber cores / when they do.
-const SPIN: Duration = Duration::from_micros(50);
-const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
-
-fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
-    EngineOptions {
-        timeout: cfg.timeout,
-        segment_bytes: cfg.segment_bytes,
-        spin: cfg.spin.unwrap_or(if oversubscribed {
-            SPIN_OVERSUBSCRIBED
-        } else {
-            SPIN
-        }),
-        yield_while_spinning: oversubscribed,
-        force_algo: cfg.algo,
-        ..EngineOptions::default()
-    }
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 impl Communicator {
-    /// Joins the job described by the environment (see [`crate::config`]).
-    ///
-    /// # Errors
-    /// [`Error::Config`] for bad or missing variables; the errors of [`Communicator::init`].
-    pub fn from_env() -> Result<Self> {
-        Self::init(Config::from_env()?)
-    }
-
-    /// Joins the job described by `config`: rendezvous with the other ranks, connect to every
-    /// one of them, agree on the transport.
-    ///
-    /// # Errors
-    /// [`Error::Config`] (inconsistent settings, rendezvous port in use), [`Error::Timeout`]
-    /// (rank 0 unreachable, ranks missing by the deadline), [`Error::Mismatch`] (ranks of
-    /// another world size, job or version), [`Error::Unavailable`] (`DSPARK_TRANSPORT=verbs`
-    /// that cannot be honoured).
-    pub fn init(config: Config) -> Result<Self> {
-        Self::init_inner(config, None)
-    }
-
-    /// [`Communicator::init`], where rank 0 accepts the others on `root` (already bound)
-    /// instead of binding `config.root_addr`.
-    fn init_inner(config: Config, root: Option<std::net::TcpListener>) -> Result<Self> {
-        if let crate::config::Rendezvous::TorchStore { prefix } = &config.rendezvous {
-            if config.world_size > 1 {
-                let prefix = prefix.clone();
-                return Self::init_through_torch_store(config, &prefix);
-            }
-        }
-        config.validate()?;
-        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root)?;
-        let local = boot.local_ranks();
-        let oversubscribed = local > cores();
-        // Every rank agrees on the transport through the bootstrap: verbs where every rank
-        // has a usable RDMA port, else TCP everywhere (or Unavailable where verbs was asked).
-        // The direct region is set up only once verbs found a usable port (no GPU context or
-        // allocation on machines that end up on TCP).
-        let mut region = None;
-        let mut direct = |opts: &verbs::VerbsOptions, nic: &str| {
-            let (spec, r) = device::direct_spec(&config, opts, nic);
-            region = r;
-            spec
-        };
-        let mut gpu_direct = vec![
-            crate::path::GpuDirectCapability::Unavailable(
-                crate::path::TCP_STAGED_REASON.into()
-            );
-            config.world_size
-        ];
-        let (transport, reason): (Box<dyn Transport>, Option<String>) =
-            match verbs::select(&mut boot, &config, streams, &mut direct)? {
-                verbs::Selected::Verbs(t) => {
-                    gpu_direct = device::capabilities_of(t.direct_infos());
-                    (t, None)
-                }
-                verbs::Selected::Tcp { streams, reason } => {
-                    let opts = TcpOptions {
-                        socket_buffer: config.socket_buffer,
-                    };
-                    let tcp = TcpTransport::new(config.rank, config.world_size, streams, opts)?;
-                    (Box::new(tcp), reason)
-                }
-            };
-        let opts = engine_options(&config, oversubscribed);
-        let facts = Facts {
-            data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
-            hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
-            local_ranks: local,
-            transport_reason: reason,
-            data_path: config.data_path,
-            gpu_direct,
-        };
-        drop(boot);
-        let mut comm = Self::assemble(&config, transport, opts, facts)?;
-        comm.region = region;
-        comm.check_path_policy()?;
-        Ok(comm)
-    }
-
-    /// A communicator over an already connected transport (for example
-    /// [`crate::transport::mem`] in tests). `config` supplies the deadline, segment size,
-    /// spin time and algorithm; its rendezvous fields are ignored.
-    ///
-    /// # Errors
-    /// [`Error::Config`] when `rank`/`world` are inconsistent.
-    pub fn from_transport(
-        rank: usize,
-        world: usize,
-        transport: Box<dyn Transport>,
-        config: &Config,
-    ) -> Result<Self> {
-        if world == 0 || rank >= world {
-            return Err(Error::config(
-                "rank",
-                format!("rank {rank} of world size {world}"),
-            ));
-        }
-        let opts = engine_options(config, false);
-        let facts = Facts {
-            data_ip: None,
-            hosts: vec![String::new(); world],
-            local_ranks: world,
-            transport_reason: None,
-            data_path: config.data_path,
-            gpu_direct: vec![
-                crate::path::GpuDirectCapability::Unavailable(
-                    crate::path::MEM_STAGED_REASON.into()
-                );
-                world
-            ],
-        };
-        let config = Config {
-            rank,
-            world_size: world,
-            ..config.clone()
-        };
-        let comm = Self::assemble(&config, transport, opts, facts)?;
-        comm.check_path_policy()?;
-        Ok(comm)
-    }
-
-    fn assemble(
-        config: &Config,
-        transport: Box<dyn Transport>,
-        opts: EngineOptions,
-        facts: Facts,
-    ) -> Result<Self> {
-        let (rank, world) = (config.rank, config.world_size);
-        let info = CommInfo {
-            transport: transport.kind(),
-            transport_detail: transport.describe(),
-            transport_reason: facts.transport_reason,
-            hosts: facts.hosts,
-            local_ranks: facts.local_ranks,
-            spin: opts.spin,
-            segment_bytes: opts.segment_bytes,
-            timeout: opts.timeout,
-            data_path: facts.data_path,
-            gpu_direct: facts.gpu_direct,
-            rendezvous: if world == 1 {
-                "none (a world of one)".into()
-            } else {
-                let source = config
-                    .sources
-                    .iter()
-                    .find(|(k, _)| k == "root address")
-                    .map_or("Config::root_addr", |(_, v)| v.as_str());
-                match config.sources.iter().find(|(k, _)| k == "rendezvous") {
-                    Some((_, via)) => {
-                        format!("rank 0 at {} from {source}, via {via}", config.root_addr)
-                    }
-                    None => format!("rank 0 at {} from {source}", config.root_addr),
-                }
-            },
-        };
-        let direct_layout = transport.direct_layout();
-        let direct_host = transport.direct_host_region();
-        let engine = Engine::new(rank, world, transport, opts.clone());
-        let shared = work::Shared::new(engine);
-        let progress = {
-            let s = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name(format!("dspark-progress-{rank}"))
-                .spawn(move || s.progress())
-                .map_err(|e| {
-                    Error::io(
-                        Some(rank),
-                        None,
-                        "starting the communicator's progress thread",
-                        e,
-                    )
-                })?
-        };
-        Ok(Communicator {
-            rank,
-            world,
-            info,
-            opts,
-            shared,
-            progress: Some(progress),
-            direct_layout,
-            direct_host,
-            config: config.clone(),
-            data_ip: facts.data_ip,
-            gpu: Mutex::new(GpuState::default()),
-            policy: Mutex::new(facts.data_path),
-            region: None,
-        })
-    }
-
     pub(crate) fn gpu_state(&self) -> MutexGuard<'_, GpuState> {
         self.gpu.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -549,9 +328,23 @@ impl Communicator {
     /// collectives; `call.dtype` must be set. Peers see exactly the frames of the host call,
     /// so host and device ranks can be mixed.
     ///
+    /// A test hook, with the `testing` feature: the device collectives
+    /// ([`Communicator::all_reduce_device`] and the rest) are the public way in.
+    ///
     /// # Errors
     /// As the host collectives.
+    #[cfg(feature = "testing")]
     pub fn run_staged(
+        &self,
+        call: Call,
+        dev: &mut dyn crate::engine::staged::StagedDevice,
+    ) -> Result<()> {
+        self.exec_staged(call, dev)
+    }
+
+    /// Runs a call on device buffers through the staged engine: the body of `run_staged`
+    /// (feature `testing`) and of the device collectives.
+    pub(crate) fn exec_staged(
         &self,
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,

@@ -27,7 +27,7 @@
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
 //! let mut dev = CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
 //!     &reducer, &stream, None, Some(&mut grads), &region, 4)?;
-//! // comm.run_staged(call, &mut dev)?;
+//! // comm.run_staged(call, &mut dev)?; // (feature `testing`; the device collectives do this)
 //! # Ok(()) }
 //! ```
 
@@ -318,9 +318,9 @@ impl DirectRegion {
     }
 }
 
-/// Device buffers moved directly (GPUDirect RDMA) through a [`DirectRegion`], for
-/// [`Communicator::run_staged`](crate::Communicator::run_staged) on a transport whose direct
-/// region is that region.
+/// Device buffers moved directly (GPUDirect RDMA) through a [`DirectRegion`], for the device
+/// collectives (`Communicator::run_staged` with the `testing` feature) on a transport whose
+/// direct region is that region.
 ///
 /// Like [`CudaStagedDevice`](super::staged::CudaStagedDevice), it borrows the collective's
 /// device buffers and the stream the work is ordered on for as long as the call runs; everything

@@ -16,7 +16,7 @@
 //! let mut pool = StagingPool::new(&ctx, 4, 4, 1 << 20)?;
 //! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
 //!     &reducer, &stream, None, Some(&mut grads), &mut pool)?;
-//! // comm.run_staged(call, &mut dev)?;
+//! // comm.run_staged(call, &mut dev)?; // (feature `testing`; the device collectives do this)
 //! # Ok(()) }
 //! ```
 
@@ -96,8 +96,9 @@ impl Drop for Pinned {
     }
 }
 
-/// Device buffers staged through pinned host slots, for
-/// [`Communicator::run_staged`](crate::Communicator::run_staged).
+/// Device buffers staged through pinned host slots, for the device collectives
+/// ([`Communicator::all_reduce_device`](crate::Communicator::all_reduce_device) and the rest;
+/// `Communicator::run_staged` with the `testing` feature).
 ///
 /// Borrows the collective's device buffers (`src` optional: in-place calls only have `dst`) and
 /// the stream the work is ordered on, for as long as the call runs. Everything is queued on that

@@ -1,6 +1,7 @@
 //! In-process transport: ranks are threads, links are bounded frame queues. For tests of the
 //! engine and the collectives, with fault injection (dropped, delayed and reordered-away
-//! frames, killed ranks). A silent rank needs no support here: its thread just stops calling.
+//! frames, killed ranks: `Fault`, `MemFabric::inject` and `MemFabric::kill`, with the
+//! `testing` feature). A silent rank needs no support here: its thread just stops calling.
 
 #![forbid(unsafe_code)]
 
@@ -14,7 +15,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-/// A fault to inject into a [`MemFabric`].
+/// A fault to inject into a [`MemFabric`] (feature `testing`).
+#[cfg(feature = "testing")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
     /// Silently drop the `nth` (0-based) data frame sent from `from` to `to`.
@@ -41,6 +43,8 @@ pub enum Fault {
 enum RankState {
     Alive,
     Closed,
+    /// Killed by [`MemFabric::kill`].
+    #[cfg(feature = "testing")]
     Dead,
     Aborted {
         by: usize,
@@ -63,8 +67,11 @@ struct State {
     world: usize,
     capacity: usize,
     links: Vec<VecDeque<Frame>>,
+    /// Data frames sent, per link (which frame a [`Fault::Drop`] drops).
+    #[cfg(feature = "testing")]
     sent: Vec<u64>,
     ranks: Vec<RankState>,
+    #[cfg(feature = "testing")]
     faults: Vec<Fault>,
     /// Emulated direct regions (one per rank), when the fabric has them.
     direct: Option<DirectLayout>,
@@ -81,6 +88,7 @@ impl State {
 
     /// Counts the next data frame `from` → `to` and says what the injected faults do to it:
     /// (dropped, delayed by).
+    #[cfg(feature = "testing")]
     fn next_faults(&mut self, from: usize, to: usize) -> (bool, Option<Duration>) {
         let idx = from * self.world + to;
         let nth = self.sent[idx];
@@ -93,6 +101,12 @@ impl State {
             _ => None,
         });
         (dropped, delay)
+    }
+
+    /// Without the `testing` feature nothing is injected: every frame goes through at once.
+    #[cfg(not(feature = "testing"))]
+    fn next_faults(&mut self, _from: usize, _to: usize) -> (bool, Option<Duration>) {
+        (false, None)
     }
 }
 
@@ -109,8 +123,10 @@ impl MemFabric {
             world,
             capacity: capacity.max(1),
             links: (0..world * world).map(|_| VecDeque::new()).collect(),
+            #[cfg(feature = "testing")]
             sent: vec![0; world * world],
             ranks: vec![RankState::Alive; world],
+            #[cfg(feature = "testing")]
             faults: Vec::new(),
             direct: None,
             regions: Vec::new(),
@@ -167,13 +183,16 @@ impl MemFabric {
         }
     }
 
-    /// Adds a fault.
+    /// Adds a fault (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn inject(&self, fault: Fault) {
         self.lock().faults.push(fault);
         self.inner.1.notify_all();
     }
 
-    /// Kills `rank`: its peers see a lost connection, as if its process died.
+    /// Kills `rank`: its peers see a lost connection, as if its process died (feature
+    /// `testing`).
+    #[cfg(feature = "testing")]
     pub fn kill(&self, rank: usize) {
         self.lock().ranks[rank] = RankState::Dead;
         self.inner.1.notify_all();
@@ -242,6 +261,7 @@ impl MemTransport {
                 op: op.into(),
                 detail: "peer closed its communicator".into(),
             }),
+            #[cfg(feature = "testing")]
             RankState::Dead => Some(Error::PeerLost {
                 rank: self.rank,
                 peer,

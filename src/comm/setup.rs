@@ -1,0 +1,680 @@
+//! Setup: how a communicator is built, in one place.
+//!
+//! 1. **Bootstrap**: the rendezvous with the other ranks ([`crate::bootstrap`]); rank 0 is
+//!    found through `DSPARK_ROOT_ADDR`/`MASTER_ADDR`, a key-value store (`rendezvous.rs`) or
+//!    a parent communicator (`split.rs`), which all end in [`Communicator::init_inner`].
+//! 2. **Transport choice**, job-wide, through the bootstrap: verbs where every rank has a
+//!    usable RDMA port and no rank asks for TCP, else TCP everywhere (or
+//!    [`Error::Unavailable`] everywhere where a rank asked for verbs).
+//! 3. **Direct region**: once verbs found a usable port, the memory this rank brings for
+//!    GPUDirect RDMA (GPU memory, its host emulation in tests, or why there is none),
+//!    registered by the transport before the connection information is exchanged.
+//! 4. **Path decision**: `DSPARK_DATA_PATH` checked against every rank's announced
+//!    capability (`gpu-direct` that cannot be had is an error here, naming the rank).
+//! 5. **Engine**: the engine over the transport, its operation queue and progress thread.
+//!
+//! Transports know nothing of this: they take plain options ([`VerbsOptions`],
+//! [`TcpOptions`]) built here from the [`Config`].
+
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::device::{GpuState, DIRECT_SEND_SLOTS};
+use super::{work, CommInfo, Communicator};
+use crate::bootstrap::{self, Bootstrap};
+use crate::config::{parse_size, Config, TransportChoice};
+use crate::engine::{Engine, EngineOptions};
+use crate::error::{Error, Result};
+use crate::gpu::direct::DirectRegion;
+use crate::path::{self, GpuDirectCapability, PathPolicy};
+use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::transport::verbs::wire::{self, Blob, DirectInfo, DirectKind};
+use crate::transport::verbs::{self, DirectSpec, VerbsOptions, VerbsTransport};
+use crate::transport::{Transport, HEADER_LEN};
+
+/// What init learned besides the transport, for [`CommInfo`].
+struct Facts {
+    /// The address of this rank's data listener (None for a world of one or a given
+    /// transport).
+    data_ip: Option<std::net::IpAddr>,
+    hosts: Vec<String>,
+    local_ranks: usize,
+    transport_reason: Option<String>,
+    data_path: PathPolicy,
+    gpu_direct: Vec<GpuDirectCapability>,
+}
+
+/// Spin time when ranks do not outnumber cores / when they do.
+const SPIN: Duration = Duration::from_micros(50);
+const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
+
+fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
+    EngineOptions {
+        timeout: cfg.timeout,
+        segment_bytes: cfg.segment_bytes,
+        spin: cfg.spin.unwrap_or(if oversubscribed {
+            SPIN_OVERSUBSCRIBED
+        } else {
+            SPIN
+        }),
+        yield_while_spinning: oversubscribed,
+        force_algo: cfg.algo,
+        ..EngineOptions::default()
+    }
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (see [`crate::config`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for bad or missing variables; the errors of [`Communicator::init`].
+    pub fn from_env() -> Result<Self> {
+        Self::init(Config::from_env()?)
+    }
+
+    /// Joins the job described by `config`: rendezvous with the other ranks, connect to every
+    /// one of them, agree on the transport.
+    ///
+    /// # Errors
+    /// [`Error::Config`] (inconsistent settings, rendezvous port in use), [`Error::Timeout`]
+    /// (rank 0 unreachable, ranks missing by the deadline), [`Error::Mismatch`] (ranks of
+    /// another world size, job or version), [`Error::Unavailable`] (`DSPARK_TRANSPORT=verbs`
+    /// that cannot be honoured).
+    pub fn init(config: Config) -> Result<Self> {
+        Self::init_inner(config, None)
+    }
+
+    /// [`Communicator::init`], where rank 0 accepts the others on `root` (already bound)
+    /// instead of binding `config.root_addr`.
+    pub(super) fn init_inner(config: Config, root: Option<std::net::TcpListener>) -> Result<Self> {
+        if let crate::config::Rendezvous::TorchStore { prefix } = &config.rendezvous {
+            if config.world_size > 1 {
+                let prefix = prefix.clone();
+                return Self::init_through_torch_store(config, &prefix);
+            }
+        }
+        config.validate()?;
+        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root)?;
+        let local = boot.local_ranks();
+        let oversubscribed = local > cores();
+        // Every rank agrees on the transport through the bootstrap: verbs where every rank
+        // has a usable RDMA port, else TCP everywhere (or Unavailable where verbs was asked).
+        // The direct region is set up only once verbs found a usable port (no GPU context or
+        // allocation on machines that end up on TCP).
+        let mut region = None;
+        let mut direct = |opts: &VerbsOptions, nic: &str| {
+            let (spec, r) = direct_spec(&config, opts, nic);
+            region = r;
+            spec
+        };
+        let mut gpu_direct = vec![
+            GpuDirectCapability::Unavailable(path::TCP_STAGED_REASON.into());
+            config.world_size
+        ];
+        let (transport, reason): (Box<dyn Transport>, Option<String>) =
+            match select_transport(&mut boot, &config, streams, &mut direct)? {
+                Selected::Verbs(t) => {
+                    gpu_direct = capabilities_of(t.direct_infos());
+                    (t, None)
+                }
+                Selected::Tcp { streams, reason } => {
+                    let opts = TcpOptions {
+                        socket_buffer: config.socket_buffer,
+                    };
+                    let tcp = TcpTransport::new(config.rank, config.world_size, streams, opts)?;
+                    (Box::new(tcp), reason)
+                }
+            };
+        let opts = engine_options(&config, oversubscribed);
+        let facts = Facts {
+            data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
+            hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
+            local_ranks: local,
+            transport_reason: reason,
+            data_path: config.data_path,
+            gpu_direct,
+        };
+        drop(boot);
+        let mut comm = Self::assemble(&config, transport, opts, facts)?;
+        comm.region = region;
+        comm.check_path_policy()?;
+        Ok(comm)
+    }
+
+    /// A communicator over an already connected transport (for example
+    /// [`crate::transport::mem`] in tests). `config` supplies the deadline, segment size,
+    /// spin time and algorithm; its rendezvous fields are ignored.
+    ///
+    /// A test hook, with the `testing` feature.
+    ///
+    /// # Example
+    ///
+    /// Three ranks as threads over the in-process transport:
+    ///
+    /// ```
+    /// use dspark::transport::mem::MemFabric;
+    /// use dspark::{Communicator, Config, ReduceOp};
+    ///
+    /// let fabric = MemFabric::new(3, 4);
+    /// let cfg = Config::new(0, 1, "");
+    /// std::thread::scope(|s| {
+    ///     for r in 0..3 {
+    ///         let (t, cfg) = (fabric.transport(r), &cfg);
+    ///         s.spawn(move || {
+    ///             let comm = Communicator::from_transport(r, 3, Box::new(t), cfg).unwrap();
+    ///             let mut v = vec![r as f32; 5];
+    ///             comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+    ///             assert_eq!(v, vec![3.0; 5]);
+    ///         });
+    ///     }
+    /// });
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `rank`/`world` are inconsistent.
+    #[cfg(feature = "testing")]
+    pub fn from_transport(
+        rank: usize,
+        world: usize,
+        transport: Box<dyn Transport>,
+        config: &Config,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(Error::config(
+                "rank",
+                format!("rank {rank} of world size {world}"),
+            ));
+        }
+        let opts = engine_options(config, false);
+        let facts = Facts {
+            data_ip: None,
+            hosts: vec![String::new(); world],
+            local_ranks: world,
+            transport_reason: None,
+            data_path: config.data_path,
+            gpu_direct: vec![
+                GpuDirectCapability::Unavailable(path::MEM_STAGED_REASON.into());
+                world
+            ],
+        };
+        let config = Config {
+            rank,
+            world_size: world,
+            ..config.clone()
+        };
+        let comm = Self::assemble(&config, transport, opts, facts)?;
+        comm.check_path_policy()?;
+        Ok(comm)
+    }
+
+    fn assemble(
+        config: &Config,
+        transport: Box<dyn Transport>,
+        opts: EngineOptions,
+        facts: Facts,
+    ) -> Result<Self> {
+        let (rank, world) = (config.rank, config.world_size);
+        let info = CommInfo {
+            transport: transport.kind(),
+            transport_detail: transport.describe(),
+            transport_reason: facts.transport_reason,
+            hosts: facts.hosts,
+            local_ranks: facts.local_ranks,
+            spin: opts.spin,
+            segment_bytes: opts.segment_bytes,
+            timeout: opts.timeout,
+            data_path: facts.data_path,
+            gpu_direct: facts.gpu_direct,
+            rendezvous: if world == 1 {
+                "none (a world of one)".into()
+            } else {
+                let source = config
+                    .sources
+                    .iter()
+                    .find(|(k, _)| k == "root address")
+                    .map_or("Config::root_addr", |(_, v)| v.as_str());
+                match config.sources.iter().find(|(k, _)| k == "rendezvous") {
+                    Some((_, via)) => {
+                        format!("rank 0 at {} from {source}, via {via}", config.root_addr)
+                    }
+                    None => format!("rank 0 at {} from {source}", config.root_addr),
+                }
+            },
+        };
+        let direct_layout = transport.direct_layout();
+        let direct_host = transport.direct_host_region();
+        let engine = Engine::new(rank, world, transport, opts.clone());
+        let shared = work::Shared::new(engine);
+        let progress = {
+            let s = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("dspark-progress-{rank}"))
+                .spawn(move || s.progress())
+                .map_err(|e| {
+                    Error::io(
+                        Some(rank),
+                        None,
+                        "starting the communicator's progress thread",
+                        e,
+                    )
+                })?
+        };
+        Ok(Communicator {
+            rank,
+            world,
+            info,
+            opts,
+            shared,
+            progress: Some(progress),
+            direct_layout,
+            direct_host,
+            config: config.clone(),
+            data_ip: facts.data_ip,
+            gpu: Mutex::new(GpuState::default()),
+            policy: Mutex::new(facts.data_path),
+            region: None,
+        })
+    }
+}
+
+/// What the transport negotiation decided.
+#[derive(Debug)]
+enum Selected {
+    /// Verbs on every rank.
+    Verbs(Box<VerbsTransport>),
+    /// TCP on every rank, over these streams; `reason` says why not verbs (when there were
+    /// peers to reach and verbs was not ruled out by `DSPARK_TRANSPORT=tcp`).
+    Tcp {
+        /// The bootstrap's data connections.
+        streams: Vec<Option<TcpStream>>,
+        /// Why verbs is not used.
+        reason: Option<String>,
+    },
+}
+
+fn mode_code(c: TransportChoice) -> u8 {
+    match c {
+        TransportChoice::Auto => 0,
+        TransportChoice::Tcp => 1,
+        TransportChoice::Verbs => 2,
+    }
+}
+
+fn unavailable(reason: &str) -> Error {
+    Error::unavailable("the verbs transport (DSPARK_TRANSPORT=verbs)", reason)
+}
+
+/// Agrees with every other rank on the transport, through the bootstrap (see
+/// [`Communicator::init`]): verbs when every rank has a usable port and no rank
+/// asks for TCP; otherwise TCP everywhere, or — when some rank asked for verbs —
+/// [`Error::Unavailable`] on every rank, naming the rank and the reason.
+///
+/// # Errors
+/// [`Error::Unavailable`], bootstrap errors ([`Error::Timeout`], [`Error::PeerLost`]),
+/// [`Error::Config`] for bad `DSPARK_IB_*` settings.
+fn select_transport(
+    boot: &mut Bootstrap,
+    cfg: &Config,
+    streams: Vec<Option<TcpStream>>,
+    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
+) -> Result<Selected> {
+    let rank = cfg.rank;
+    let world = cfg.world_size;
+    let opts = VerbsOptions::from_lookup(cfg, |k| std::env::var(k).ok())?;
+    if world == 1 {
+        return match cfg.transport {
+            TransportChoice::Verbs => {
+                let prep =
+                    verbs::prepare(rank, world, opts, direct).map_err(|r| unavailable(&r))?;
+                Ok(Selected::Verbs(Box::new(VerbsTransport::build(
+                    rank,
+                    world,
+                    prep,
+                    &[],
+                    streams,
+                ))))
+            }
+            _ => Ok(Selected::Tcp {
+                streams,
+                reason: None,
+            }),
+        };
+    }
+    // Round 1: requested mode + capability (+ connection information).
+    let mut prep = None;
+    let blob = if cfg.transport == TransportChoice::Tcp {
+        Blob::Incapable {
+            reason: "DSPARK_TRANSPORT=tcp".into(),
+        }
+    } else {
+        match verbs::prepare(rank, world, opts, direct) {
+            Ok(p) => {
+                let b = p.blob();
+                prep = Some(p);
+                b
+            }
+            Err(reason) => Blob::Incapable { reason },
+        }
+    };
+    let mut msg = vec![mode_code(cfg.transport)];
+    msg.extend_from_slice(&blob.encode());
+    let all = boot.all_gather(&msg)?;
+    let mut modes = Vec::with_capacity(world);
+    let mut blobs = Vec::with_capacity(world);
+    for (r, m) in all.iter().enumerate() {
+        let (mode, rest) = m.split_first().map_or((0, &[][..]), |(a, b)| (*a, b));
+        modes.push(mode);
+        blobs.push(Blob::decode(rest).unwrap_or_else(|w| Blob::Incapable {
+            reason: format!("(rank {r}) {w}"),
+        }));
+    }
+    let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
+    let host = |r: usize| hosts.get(r).map_or(String::new(), |h| format!(" on {h}"));
+    let someone_wants_verbs = modes.contains(&mode_code(TransportChoice::Verbs));
+    let mut why_not = verbs::why_not_connectable(&blobs, &host)?;
+    // Round 2 (only when round 1 found every rank capable): connect and agree it worked.
+    if why_not.is_none() {
+        let mut prep = prep
+            .take()
+            .ok_or_else(|| unavailable("internal: capable without resources"))?;
+        let res = prep.connect(rank, &blobs);
+        let mine = match &res {
+            Ok(()) => vec![1u8],
+            Err(w) => {
+                let mut v = vec![0u8];
+                v.extend_from_slice(w.as_bytes());
+                v
+            }
+        };
+        let all = boot.all_gather(&mine)?;
+        for (r, m) in all.iter().enumerate() {
+            if m.first() != Some(&1) {
+                let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+                why_not = Some(format!(
+                    "rank {r}{}: connecting queue pairs failed: {w}",
+                    host(r)
+                ));
+                break;
+            }
+        }
+        if why_not.is_none() {
+            let t = VerbsTransport::build(rank, world, prep, &blobs, streams);
+            tracing::info!(rank, transport = %t.describe(), "using RDMA verbs");
+            return Ok(Selected::Verbs(Box::new(t)));
+        }
+    }
+    let why = why_not.unwrap_or_default();
+    if someone_wants_verbs {
+        let who: Vec<String> = modes
+            .iter()
+            .enumerate()
+            .filter(|(_, &m)| m == mode_code(TransportChoice::Verbs))
+            .map(|(r, _)| r.to_string())
+            .collect();
+        return Err(unavailable(&format!(
+            "{why} (DSPARK_TRANSPORT=verbs on rank(s) {})",
+            who.join(", ")
+        )));
+    }
+    let any_capable = blobs.iter().any(|b| matches!(b, Blob::Capable { .. }));
+    let asked_tcp = modes.contains(&mode_code(TransportChoice::Tcp));
+    if any_capable && !asked_tcp {
+        // Some ranks could do RDMA but not all: the job silently runs slower. Say so.
+        tracing::warn!(rank, reason = %why, "falling back to TCP on every rank: not every rank can use RDMA verbs");
+    } else {
+        tracing::info!(rank, reason = %why, "using TCP");
+    }
+    let reason = if cfg.transport == TransportChoice::Tcp
+        && modes.iter().all(|&m| m == mode_code(TransportChoice::Tcp))
+    {
+        None
+    } else {
+        Some(format!("verbs unavailable: {why}"))
+    };
+    Ok(Selected::Tcp { streams, reason })
+}
+
+impl VerbsOptions {
+    /// The options for `cfg`, with `DSPARK_IB_*` tunables read through `get`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable.
+    pub fn from_lookup(cfg: &Config, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let num = |name: &str, lo: u64, hi: u64, default: u64| -> Result<u64> {
+            match get(name).filter(|v| !v.trim().is_empty()) {
+                None => Ok(default),
+                Some(v) => match v.trim().parse::<u64>() {
+                    Ok(x) if (lo..=hi).contains(&x) => Ok(x),
+                    _ => Err(Error::config(
+                        name,
+                        format!("{v:?}: expected an integer in {lo}..={hi}"),
+                    )),
+                },
+            }
+        };
+        let device = match &cfg.ib_device {
+            None => None,
+            Some(spec) => {
+                Some(verbs::parse_device(spec).map_err(|w| Error::config("DSPARK_IB_DEVICE", w))?)
+            }
+        };
+        let slots = num("DSPARK_IB_SLOTS", 2, 256, 8)? as usize;
+        let seg = cfg.segment_bytes.max(64);
+        let slot_payload = match get("DSPARK_IB_SLOT_BYTES").filter(|v| !v.trim().is_empty()) {
+            None => seg,
+            Some(v) => {
+                let b = parse_size(&v).ok_or_else(|| {
+                    Error::config(
+                        "DSPARK_IB_SLOT_BYTES",
+                        format!("{v:?} is not a size (e.g. 1M)"),
+                    )
+                })?;
+                if b < seg {
+                    return Err(Error::config(
+                        "DSPARK_IB_SLOT_BYTES",
+                        format!(
+                            "{b} bytes is smaller than the segment size {seg} (DSPARK_CHUNK_BYTES): \
+                             a slot must hold a whole segment"
+                        ),
+                    ));
+                }
+                b
+            }
+        };
+        if (slot_payload + HEADER_LEN) as u64 > u64::from(wire::MAX_FRAME) {
+            return Err(Error::config(
+                "DSPARK_CHUNK_BYTES",
+                format!(
+                    "verbs slots hold at most {} payload bytes; {slot_payload} is too large",
+                    wire::MAX_FRAME as usize - HEADER_LEN
+                ),
+            ));
+        }
+        let reliability = verbs::ib::Reliability {
+            timeout: num("DSPARK_IB_TIMEOUT", 1, 31, 16)? as u8,
+            retry_cnt: num("DSPARK_IB_RETRY_CNT", 0, 7, 7)? as u8,
+            rnr_retry: num("DSPARK_IB_RNR_RETRY", 0, 6, 6)? as u8,
+            min_rnr_timer: 12,
+        };
+        let spin = Duration::from_micros(num("DSPARK_IB_SPIN_US", 0, 1_000_000, 20)?);
+        let zero_copy_min = match get("DSPARK_IB_ZERO_COPY_MIN").filter(|v| !v.trim().is_empty()) {
+            None => 64 * 1024,
+            Some(v) => parse_size(&v).ok_or_else(|| {
+                Error::config("DSPARK_IB_ZERO_COPY_MIN", format!("{v:?} is not a size"))
+            })?,
+        };
+        Ok(VerbsOptions {
+            device,
+            gid_index: cfg.ib_gid_index,
+            slots,
+            slot_payload,
+            reliability,
+            spin,
+            zero_copy_min,
+        })
+    }
+}
+
+/// What this rank brings to the verbs transport as its direct region (called by the verbs
+/// transport once it found a usable port): the host-memory emulation when asked for (tests),
+/// nothing when device memory is to be staged anyway, otherwise GPU memory of the configured
+/// device with its registration candidates — the region, which the communicator keeps for as
+/// long as its transport lives — or why there is none.
+pub(crate) fn direct_spec(
+    config: &Config,
+    opts: &VerbsOptions,
+    nic: &str,
+) -> (DirectSpec, Option<DirectRegion>) {
+    if config.emulate_gpu_direct {
+        return (
+            DirectSpec::HostEmulated {
+                send_slots: DIRECT_SEND_SLOTS,
+            },
+            None,
+        );
+    }
+    if config.data_path == PathPolicy::HostStaged {
+        return (
+            DirectSpec::Unavailable(path::REQUESTED_STAGED_REASON.into()),
+            None,
+        );
+    }
+    if config.world_size < 2 {
+        return (DirectSpec::None, None);
+    }
+    match gpu_region(config, opts, nic) {
+        Ok(g) => {
+            let (candidates, reasons) = g.registration_candidates();
+            let spec = DirectSpec::Device {
+                addr: g.ptr(),
+                send_slots: DIRECT_SEND_SLOTS,
+                candidates,
+                reasons,
+            };
+            (spec, Some(g))
+        }
+        Err(why) => (DirectSpec::Unavailable(why), None),
+    }
+}
+
+/// Allocates this rank's direct region on its GPU (`Config::cuda_device` modulo the number of
+/// GPUs), sized for the verbs transport's slots, unless the GPU is farther from `nic` than
+/// [`path::GDR_MAX_DISTANCE`] and the path was left to `auto` (an explicit `gpu-direct` is
+/// honoured with a warning).
+fn gpu_region(
+    config: &Config,
+    opts: &VerbsOptions,
+    nic: &str,
+) -> std::result::Result<DirectRegion, String> {
+    if !crate::gpu::probe::libcuda_present() {
+        return Err("no CUDA driver (libcuda.so.1 not found)".into());
+    }
+    let probe = crate::gpu::probe::probe_cuda().map_err(|e| e.to_string())?;
+    if probe.devices.is_empty() {
+        return Err(format!(
+            "no CUDA GPU visible{}",
+            probe
+                .init_error
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        ));
+    }
+    let ordinal = config.cuda_device.unwrap_or(0) % probe.devices.len();
+    let far = probe
+        .devices
+        .get(ordinal)
+        .and_then(|d| d.pci)
+        .and_then(|pci| crate::gpu::sysfs::Sysfs::default().distance(pci, nic).ok())
+        .and_then(|r| path::distance_blocker(r.distance, path::GDR_MAX_DISTANCE));
+    if let Some(why) = far {
+        let why = format!("GPU {ordinal} and {nic}: {why}");
+        if config.data_path != PathPolicy::GpuDirect {
+            return Err(why);
+        }
+        tracing::warn!("DSPARK_DATA_PATH=gpu-direct: using GPUDirect although {why}");
+    }
+    let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
+    let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
+    DirectRegion::new(&ctx, layout)
+        .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
+}
+
+/// Every rank's GPUDirect capability from the direct regions announced at init.
+pub(crate) fn capabilities_of(infos: &[DirectInfo]) -> Vec<GpuDirectCapability> {
+    infos
+        .iter()
+        .map(|d| match d {
+            DirectInfo::Region {
+                kind: DirectKind::DmaBuf,
+                ..
+            } => GpuDirectCapability::DmaBuf,
+            DirectInfo::Region {
+                kind: DirectKind::PeerMem,
+                ..
+            } => GpuDirectCapability::PeerMem,
+            DirectInfo::Region {
+                kind: DirectKind::HostEmulated,
+                ..
+            } => GpuDirectCapability::Unavailable(
+                "its direct region is host memory (DSPARK_EMULATE_GPU_DIRECT, for tests)".into(),
+            ),
+            DirectInfo::None => {
+                GpuDirectCapability::Unavailable("no GPU memory was set up at init".into())
+            }
+            DirectInfo::Unavailable(why) => GpuDirectCapability::Unavailable(why.clone()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts_of(vars: &[(&str, &str)]) -> Result<VerbsOptions> {
+        let cfg = Config::new(0, 2, "h:1");
+        let m: std::collections::HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        VerbsOptions::from_lookup(&cfg, |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn default_options_surface_a_dead_peer_within_seconds() {
+        let o = opts_of(&[]).unwrap();
+        let r = o.reliability;
+        // The ACK timeout is 4.096 µs × 2^t, tried retry_cnt + 1 times.
+        let worst_ms = 4.096e-3 * f64::from(1u32 << r.timeout) * f64::from(r.retry_cnt + 1);
+        assert!(worst_ms < 5_000.0, "{worst_ms} ms");
+        assert!(r.rnr_retry < 7, "RNR retry 7 means forever");
+        assert_eq!(o.slot_payload, 512 * 1024);
+        assert_eq!(o.slot_bytes() % 64, 0);
+        assert!(o.slot_bytes() >= o.slot_payload + HEADER_LEN);
+    }
+
+    #[test]
+    fn bad_tunables_name_their_variable() {
+        let e = opts_of(&[("DSPARK_IB_SLOTS", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("DSPARK_IB_SLOTS"), "{e}");
+        let e = opts_of(&[("DSPARK_IB_SLOT_BYTES", "4K")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("DSPARK_IB_SLOT_BYTES") && e.contains("segment"),
+            "{e}"
+        );
+        let e = opts_of(&[("DSPARK_IB_RETRY_CNT", "8")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("DSPARK_IB_RETRY_CNT"), "{e}");
+        let o = opts_of(&[("DSPARK_IB_SLOTS", "4"), ("DSPARK_IB_SLOT_BYTES", "1M")]).unwrap();
+        assert_eq!((o.slots, o.slot_payload), (4, 1 << 20));
+    }
+}

@@ -1,0 +1,445 @@
+//! Queue-pair setup and the connection exchange: [`prepare`] opens the device, registers the
+//! slot memory and the direct region and creates one queue pair per peer; its connection
+//! information ([`Prepared::blob`]) travels to every other rank through the bootstrap;
+//! [`Prepared::connect`] moves every queue pair to RTS towards its peer; and
+//! [`VerbsTransport::build`] turns the connected resources into the transport.
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+
+use dspark_sys as ffi;
+
+use super::device::{choose_port, gid_string, Local};
+use super::ib::{self, Access, Cq, Lib, Memory, Mr, Pd, Qp};
+use super::memory::{register_direct, DirectOwn, DirectSpec};
+use super::options::{memlock_problem, reg_hint, timeout_ms, VerbsOptions, CTRL_BYTES};
+use super::protocol::POLL_BATCH;
+use super::slots::{RecvSide, SendQueue, SendSide};
+use super::wire::{self, wr_id, Blob, DirectInfo, DirectKind, LinkLayer, QpInfo, WrKind};
+use super::{Peer, PeerState, VerbsTransport};
+use crate::error::{Error, Result};
+
+/// This rank's memory and queue pair for one peer, before connecting.
+struct Half {
+    qp: Qp,
+    remote_mr: Mr,
+    local_mr: Mr,
+    remote_mem: Memory,
+    local_mem: Memory,
+    psn: u32,
+}
+
+/// This rank's verbs resources, created by [`prepare`] before the connection round: the
+/// device, protection domain, completion queue, one queue pair (in INIT, receives posted) and
+/// the slot memory for every peer, and the direct region.
+pub struct Prepared {
+    lib: Lib,
+    local: Local,
+    pd: Pd,
+    cq: Cq,
+    halves: Vec<Option<Half>>,
+    opts: VerbsOptions,
+    direct: Option<DirectOwn>,
+    direct_info: DirectInfo,
+}
+
+fn psn_for(rank: usize, peer: usize) -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    (t ^ ((rank as u32) << 12) ^ (peer as u32).wrapping_mul(0x9e37)) & 0x00ff_ffff
+}
+
+/// Opens this rank's RDMA device and port under `opts` and creates everything a connection
+/// to each of the other `world − 1` ranks needs, then asks `direct` (given the options and
+/// the device's name) for this rank's direct region and registers it.
+///
+/// # Errors
+/// Why verbs cannot be used here, as a sentence naming the device (no library, no device,
+/// no ACTIVE port, a memlock limit too small, a failed verb).
+pub fn prepare(
+    rank: usize,
+    world: usize,
+    opts: VerbsOptions,
+    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
+) -> std::result::Result<Prepared, String> {
+    let lib = ib::load()?;
+    let local = choose_port(&lib, &opts)?;
+    let dev = format!("{}:{}", local.ctx.name, local.port);
+    let need = (opts.pinned_per_peer() * world.saturating_sub(1)) as u64;
+    if let Some(p) = memlock_problem(need) {
+        return Err(format!("{dev}: {p}"));
+    }
+    let pd = Pd::new(&local.ctx).map_err(|e| format!("{dev}: {e}"))?;
+    let n = opts.slots;
+    let sq_depth = (2 * n + 8) as u32;
+    let rq_depth = (2 * n + 4) as u32;
+    let cq_depth = ((sq_depth + rq_depth) as usize * world.saturating_sub(1)).max(16) as i32;
+    let cq = Cq::new(&local.ctx, cq_depth).map_err(|e| format!("{dev}: {e}"))?;
+    let mut halves = Vec::with_capacity(world);
+    for peer in 0..world {
+        if peer == rank {
+            halves.push(None);
+            continue;
+        }
+        let (remote_len, local_len) = opts.peer_memory();
+        let (Some(remote_mem), Some(local_mem)) = (Memory::new(remote_len), Memory::new(local_len))
+        else {
+            return Err(format!(
+                "{dev}: cannot allocate {} KiB of slot memory",
+                (remote_len + local_len) / 1024
+            ));
+        };
+        // SAFETY: both ranges are owned by the `Half` together with their MRs, which are
+        // dropped before the memory (field order of `Peer`); Rust only forms references to
+        // parts the protocol says the NIC is not writing at that moment.
+        let remote_mr =
+            unsafe { pd.register(remote_mem.as_ptr(), remote_len, Access::RemoteWrite) }
+                .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
+        // SAFETY: as above.
+        let local_mr = unsafe { pd.register(local_mem.as_ptr(), local_len, Access::LocalWrite) }
+            .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
+        let mut qp = Qp::new(&pd, &cq, sq_depth, rq_depth).map_err(|e| format!("{dev}: {e}"))?;
+        qp.to_init(local.port).map_err(|e| format!("{dev}: {e}"))?;
+        for _ in 0..rq_depth {
+            qp.post_recv(wr_id(peer, WrKind::Recv, 0))
+                .map_err(|e| format!("{dev}: {e}"))?;
+        }
+        halves.push(Some(Half {
+            qp,
+            remote_mr,
+            local_mr,
+            remote_mem,
+            local_mem,
+            psn: psn_for(rank, peer),
+        }));
+    }
+    // Only now, with a usable port, is it worth setting up device memory for the NIC.
+    let spec = direct(&opts, &local.ctx.name);
+    let (direct, direct_info) = register_direct(&pd, world, &opts, &spec);
+    Ok(Prepared {
+        lib,
+        local,
+        pd,
+        cq,
+        halves,
+        opts,
+        direct,
+        direct_info,
+    })
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("device", &self.local.ctx.name)
+            .field("port", &self.local.port)
+            .field("direct", &self.direct_info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Prepared {
+    /// This rank's connection information, for every other rank: the port's address, the
+    /// queue pairs and slot memory for each peer, and the direct region.
+    pub fn blob(&self) -> Blob {
+        let n = self.opts.slots;
+        let sb = self.opts.slot_bytes();
+        let qps = self
+            .halves
+            .iter()
+            .map(|h| match h {
+                None => QpInfo::default(),
+                Some(h) => {
+                    let base = h.remote_mem.as_ptr() as u64;
+                    QpInfo {
+                        qpn: h.qp.qpn,
+                        psn: h.psn,
+                        rkey: h.remote_mr.rkey,
+                        rx_addr: base,
+                        ctrl_addr: base + (n * sb) as u64,
+                        cts_addr: base + (n * sb + CTRL_BYTES) as u64,
+                    }
+                }
+            })
+            .collect();
+        Blob::Capable {
+            device: format!("{}:{}", self.local.ctx.name, self.local.port),
+            port: self.local.addr,
+            slots: n as u32,
+            slot_bytes: sb as u32,
+            ctrl_bytes: CTRL_BYTES as u32,
+            qps,
+            direct: self.direct_info.clone(),
+        }
+    }
+
+    /// Moves every queue pair to RTS towards its peer.
+    pub fn connect(&mut self, rank: usize, blobs: &[Blob]) -> std::result::Result<(), String> {
+        let rel = self.opts.reliability;
+        for (peer, h) in self.halves.iter_mut().enumerate() {
+            let Some(h) = h else { continue };
+            let Blob::Capable { port, qps, .. } = &blobs[peer] else {
+                return Err(format!("rank {peer} has no verbs connection information"));
+            };
+            let Some(theirs) = qps.get(rank) else {
+                return Err(format!(
+                    "rank {peer} sent connection information for {} ranks",
+                    qps.len()
+                ));
+            };
+            let remote = ib::Remote {
+                qpn: theirs.qpn,
+                psn: theirs.psn,
+                lid: port.lid,
+                gid: port.gid,
+                sgid_index: match (self.local.addr.link, port.gid_index) {
+                    (LinkLayer::Ethernet, _) => self.local.addr.gid_index,
+                    (LinkLayer::InfiniBand, Some(_)) => self.local.addr.gid_index,
+                    (LinkLayer::InfiniBand, None) => None,
+                },
+                mtu: wire::path_mtu(self.local.addr.mtu, port.mtu),
+            };
+            h.qp.to_rtr(self.local.port, &remote, &rel)
+                .map_err(|e| format!("queue pair to rank {peer}: {e}"))?;
+            h.qp.to_rts(h.psn, &rel)
+                .map_err(|e| format!("queue pair to rank {peer}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl VerbsTransport {
+    /// The transport of rank `rank` of `world` from its connected resources (`prep` after
+    /// [`Prepared::connect`], or unconnected in a world of one), every rank's connection
+    /// information `blobs` (indexed by rank; empty in a world of one) and the bootstrap's
+    /// TCP connections, kept as liveness signals (`streams`, indexed by peer).
+    pub fn build(
+        rank: usize,
+        world: usize,
+        prep: Prepared,
+        blobs: &[Blob],
+        streams: Vec<Option<TcpStream>>,
+    ) -> Self {
+        let Prepared {
+            lib,
+            local,
+            pd,
+            cq,
+            halves,
+            opts,
+            direct,
+            direct_info,
+        } = prep;
+        let mut direct_infos: Vec<DirectInfo> = (0..world)
+            .map(|r| match blobs.get(r) {
+                Some(Blob::Capable { direct, .. }) => direct.clone(),
+                _ => DirectInfo::None,
+            })
+            .collect();
+        if let Some(d) = direct_infos.get_mut(rank) {
+            *d = direct_info;
+        }
+        let n = opts.slots;
+        let mut streams = streams;
+        streams.resize_with(world, || None);
+        let mut peers = Vec::with_capacity(world);
+        let mut mtus = Vec::new();
+        for (peer, (h, stream)) in halves.into_iter().zip(streams).enumerate() {
+            let Some(h) = h else {
+                peers.push(None);
+                continue;
+            };
+            let (theirs, their_slot_bytes, their_ctrl_bytes, their_mtu) = match &blobs[peer] {
+                Blob::Capable {
+                    qps,
+                    slot_bytes,
+                    ctrl_bytes,
+                    port,
+                    ..
+                } => (
+                    qps.get(rank).copied().unwrap_or_default(),
+                    *slot_bytes as usize,
+                    *ctrl_bytes as usize,
+                    port.mtu,
+                ),
+                Blob::Incapable { .. } => (QpInfo::default(), 0, 0, 0),
+            };
+            let their_landing = match (&direct, &direct_infos[peer]) {
+                (
+                    Some(mine),
+                    DirectInfo::Region {
+                        kind,
+                        addr,
+                        rkey,
+                        slot_bytes,
+                    },
+                ) if (mine.kind == DirectKind::HostEmulated)
+                    == (*kind == DirectKind::HostEmulated) =>
+                {
+                    let sb = *slot_bytes as usize;
+                    Some((addr + (rank * n * sb) as u64, *rkey, sb))
+                }
+                _ => None,
+            };
+            let path_mtu = wire::path_mtu(local.addr.mtu, their_mtu);
+            mtus.push(path_mtu);
+            if let Some(s) = &stream {
+                let _ = s.set_nonblocking(true);
+            }
+            peers.push(Some(Peer {
+                qp: h.qp,
+                remote_mr: h.remote_mr,
+                local_mr: h.local_mr,
+                remote_mem: h.remote_mem,
+                local_mem: h.local_mem,
+                stream,
+                theirs,
+                their_slot_bytes,
+                their_ctrl_bytes,
+                send: SendSide::new(n as u64),
+                recv: RecvSide::new(n as u64),
+                sq: SendQueue::new((2 * n + 8) as u64),
+                rx_len: vec![0; n],
+                rx_direct: vec![false; n],
+                held: VecDeque::new(),
+                their_landing,
+                state: PeerState::Open,
+                farewell: None,
+            }));
+        }
+        let a = &local.addr;
+        let addressing = match a.gid_index {
+            Some(gi) => format!("GID index {gi} {}", gid_string(&a.gid)),
+            None => format!("LID {}", a.lid),
+        };
+        let path = match (mtus.iter().min(), mtus.iter().max()) {
+            (Some(lo), Some(hi)) if lo == hi => format!(", path MTU {}", wire::mtu_bytes(*lo)),
+            (Some(lo), Some(hi)) => {
+                format!(
+                    ", path MTU {}–{}",
+                    wire::mtu_bytes(*lo),
+                    wire::mtu_bytes(*hi)
+                )
+            }
+            _ => String::new(),
+        };
+        let r = &opts.reliability;
+        let desc = format!(
+            "verbs {}:{} ({} {addressing}, active MTU {}{path}), RC, {} slots × {} KiB per peer \
+             and direction, ACK timeout {} (~{:.0} ms) × {} retries, zero-copy sends from \
+             registered buffers ≥ {} KiB",
+            local.ctx.name,
+            local.port,
+            a.link.name(),
+            wire::mtu_bytes(a.mtu),
+            n,
+            opts.slot_payload / 1024,
+            r.timeout,
+            timeout_ms(r.timeout),
+            r.retry_cnt,
+            opts.zero_copy_min / 1024,
+        );
+        // SAFETY: all-zero is a valid ibv_wc (integers and a union of integers).
+        let wc = vec![unsafe { std::mem::zeroed::<ffi::ibv_wc>() }; POLL_BATCH];
+        VerbsTransport {
+            rank,
+            world,
+            peers,
+            user_mrs: Vec::new(),
+            direct,
+            direct_infos,
+            cq,
+            pd,
+            _ctx: local.ctx,
+            lib,
+            wc,
+            opts,
+            desc,
+            next_mr_id: 1,
+            finished: false,
+            zero_copy_frames: 0,
+        }
+    }
+}
+
+/// Whether the connection information of every rank (`blobs`, indexed by rank) allows a queue
+/// pair between every two ranks: `Ok(None)` when it does, `Ok(Some(why))` when a rank cannot
+/// use verbs or two ranks' ports cannot be connected (their link layers differ). `host(r)`
+/// names rank `r`'s host in the reasons (`" on node7"`, or nothing).
+///
+/// # Errors
+/// [`Error::Config`] when the ranks' slot layouts differ: both ends of a queue pair index the
+/// same slot ring, so that is a misconfiguration to fix, not a reason to fall back to TCP.
+pub fn why_not_connectable(
+    blobs: &[Blob],
+    host: &dyn Fn(usize) -> String,
+) -> Result<Option<String>> {
+    let mut why_not: Option<String> = None;
+    for (r, b) in blobs.iter().enumerate() {
+        if let Blob::Incapable { reason } = b {
+            why_not = Some(format!("rank {r}{}: {reason}", host(r)));
+            break;
+        }
+    }
+    if why_not.is_none() {
+        let links: Vec<(usize, LinkLayer)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| match b {
+                Blob::Capable { port, .. } => Some((r, port.link)),
+                Blob::Incapable { .. } => None,
+            })
+            .collect();
+        if let Some(&(r, l)) = links.iter().find(|(_, l)| *l != links[0].1) {
+            why_not = Some(format!(
+                "rank 0's RDMA port is {} but rank {r}'s is {}: they cannot be connected",
+                links[0].1.name(),
+                l.name()
+            ));
+        }
+    }
+    if why_not.is_none() {
+        // Both ends of a queue pair index the same slot ring: the slot layout must agree.
+        let layout: Vec<(usize, u32, u32)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, b)| match b {
+                Blob::Capable {
+                    slots, slot_bytes, ..
+                } => Some((r, *slots, *slot_bytes)),
+                Blob::Incapable { .. } => None,
+            })
+            .collect();
+        if let Some(&(r, n, b)) = layout
+            .iter()
+            .find(|(_, n, b)| (*n, *b) != (layout[0].1, layout[0].2))
+        {
+            let msg = format!(
+                "rank 0 uses {} slots of {} bytes per peer but rank {r}{} uses {n} of {b}: set the \
+                 same DSPARK_IB_SLOTS, DSPARK_IB_SLOT_BYTES and DSPARK_CHUNK_BYTES on every rank",
+                layout[0].1,
+                layout[0].2,
+                host(r)
+            );
+            return Err(Error::config("DSPARK_IB_SLOTS", msg));
+        }
+    }
+    Ok(why_not)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::verbs::options::test_options;
+
+    #[test]
+    fn missing_library_or_device_is_a_reason_not_a_panic() {
+        // On machines without rdma-core this is the "cannot load" path; with it, the device
+        // probe runs. Either way: a sentence, never a panic.
+        let o = test_options(8);
+        if let Err(reason) = prepare(0, 2, o, &mut |_, _| DirectSpec::None) {
+            assert!(!reason.is_empty());
+        }
+    }
+}
