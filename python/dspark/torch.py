@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _dspark
 from ._buffers import TORCH_DTYPES
@@ -76,33 +77,88 @@ def _seconds(td):
 # ------------------------------------------------------------------------------- Work
 
 
+class _Failure:
+    """What the inner future of a failed operation holds (see `_unwrap`)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc):
+        self.exc = exc
+
+
+def _unwrap(fut):
+    # Runs as a `then` callback: raising here marks the outer future failed in C++, which is
+    # what C++ consumers (DDP's reducer) see. `Future.set_exception` only stores the
+    # exception as the value (re-raised by Python's `wait` alone): DDP would take it for its
+    # tensors and crash.
+    v = fut.value()
+    if isinstance(v, _Failure):
+        raise v.exc
+    return v
+
+
+class _Pending:
+    """A started operation (or several: list and coalesced forms) and its future."""
+
+    __slots__ = ("raws", "result", "finish", "inner")
+
+    def __init__(self, raws, result, finish):
+        self.raws = raws
+        self.result = result
+        self.finish = finish
+        self.inner = torch.futures.Future()
+
+    def complete(self):
+        try:
+            for w in self.raws:
+                w.wait()
+            if self.finish is not None:
+                self.finish()
+        except BaseException as e:  # noqa: BLE001 - it goes to the future
+            self.inner.set_result(_Failure(e))
+        else:
+            self.inner.set_result(self.result)
+        self.raws = self.finish = None
+
+
 class _Completer:
-    """One thread per backend that completes futures in issue order (operations complete
-    in issue order, so waiting for them one after another is exact). Made on first use."""
+    """One thread per backend that completes the futures of asynchronous operations, in
+    issue order (they complete in issue order, so waiting for one after another is exact).
+    Made on first use; it waits without the GIL."""
 
     def __init__(self):
         self._q = queue.SimpleQueue()
         self._t = None
         self._lock = threading.Lock()
 
-    def put(self, work):
+    def put(self, pending):
         with self._lock:
             if self._t is None:
                 self._t = threading.Thread(
                     target=self._run, name="dspark-futures", daemon=True
                 )
                 self._t.start()
-        self._q.put(work)
+        self._q.put(pending)
 
     def _run(self):
         while True:
-            w = self._q.get()
-            if w is None:
+            p = self._q.get()
+            if p is None:
                 return
-            try:
-                w._complete(None)
-            except BaseException:  # noqa: BLE001 - the error went to the future
-                pass
+            p.complete()
+
+    def stop(self):
+        self._q.put(None)
+
+
+def _async_work(completer, raws, result, finish):
+    """torch's Work for started operations: a future-wrapping Work, so that `wait`,
+    `is_completed` and `get_future` all answer from the future (torch's wrapper around a
+    Python Work only forwards `wait` and `get_future`)."""
+    p = _Pending(raws, result, finish)
+    outer = p.inner.then(_unwrap)
+    completer.put(p)
+    return _create_work_from_future(outer)
 
 
 class _Done(dist._Work):
@@ -137,94 +193,6 @@ class _Done(dist._Work):
         fut = torch.futures.Future()
         fut.set_result(self._result)
         return fut
-
-
-class _Work(dist._Work):
-    """A dspark operation (or several, for list and coalesced forms) as torch's Work."""
-
-    def __init__(self, raws, result, finish=None, completer=None, err=None):
-        super().__init__()
-        self._raws = raws
-        self._result = result
-        self._finish = finish
-        self._completer = completer
-        self._lock = threading.Lock()
-        self._done = not raws and err is None
-        self._exc = err
-        self._fut = None
-        self._fut_set = False
-        if not raws and err is None and finish is not None:
-            finish()
-            self._finish = None
-
-    # Completes (waits, copies results back) at most once; later calls return its outcome.
-    def _complete(self, timeout):
-        with self._lock:
-            if not self._done:
-                try:
-                    for w in self._raws:
-                        w.wait(timeout)
-                    if self._finish is not None:
-                        self._finish()
-                except _dspark.TimeoutError as e:
-                    if timeout is not None and not all(
-                        w.is_completed() for w in self._raws
-                    ):
-                        raise  # only this wait timed out; the operation goes on
-                    self._exc = e
-                except BaseException as e:  # noqa: BLE001
-                    self._exc = e
-                self._done = True
-                self._raws = ()
-                self._finish = None
-            self._settle()
-            if self._exc is not None:
-                raise self._exc
-
-    def _settle(self):
-        if self._fut is not None and not self._fut_set:
-            self._fut_set = True
-            if self._exc is not None:
-                self._fut.set_exception(self._exc)
-            else:
-                self._fut.set_result(self._result)
-
-    def wait(self, timeout=None):
-        self._complete(_seconds(timeout))
-        return True
-
-    def is_completed(self):
-        return self._done or all(w.is_completed() for w in self._raws)
-
-    def is_success(self):
-        return self.is_completed() and self._exc is None
-
-    def exception(self):
-        return self._exc
-
-    def result(self):
-        self.wait()
-        return self._result
-
-    def source_rank(self):
-        return -1
-
-    def synchronize(self):
-        self.wait()
-
-    def get_future(self):
-        with self._lock:
-            if self._fut is None:
-                self._fut = torch.futures.Future()
-                if self._done:
-                    self._settle()
-                    return self._fut
-                pending = True
-            else:
-                return self._fut
-        if pending:
-            self._completer.put(self)
-        return self._fut
 
 
 # ---------------------------------------------------------------------------- buffers
@@ -299,6 +267,20 @@ class _Ops:
         self._group_id = group_id
         self._completer = _Completer()
         self._sync_done = _Done(None)
+        self._collect = None
+        # Point-to-point messages travel on two more communicators, one per direction
+        # (lower to higher rank, higher to lower): each runs its operations in order, so
+        # with a single queue an irecv posted before the matching isend (every rank
+        # receiving from its left, then sending to its right) would wait for a send queued
+        # behind it. Split here, at init, because only the ranks of a send and its recv
+        # take part in it later.
+        self._p2p = None
+        if size > 1:
+            self._p2p = (self._comm.split(0, rank), self._comm.split(0, rank))
+
+    def _p2p_comm(self, coll, peer):
+        lo_to_hi = (self._r < peer) if coll == "send" else (peer < self._r)
+        return self._p2p[0 if lo_to_hi else 1]
 
     # -- plumbing ----------------------------------------------------------------------
     def _op(self, red, dtype, what):
@@ -337,11 +319,15 @@ class _Ops:
 
     def _go(self, opts, calls, keep, result, finishers=(), sync=None):
         """Runs or starts `calls`: (collective, send tensor|None, recv tensor|None, count,
-        op, root/peer). `keep` holds every tensor the calls touch."""
+        op, root/peer). `keep` holds every tensor the calls touch; `finishers` run once the
+        calls completed (copies back into non-contiguous outputs). Synchronous calls return a
+        completed Work; asynchronous ones a future-backed one."""
+        if self._collect is not None:  # inside a coalesced call: gathered, run at its end
+            self._collect.append((calls, keep, finishers))
+            return None
         async_op = getattr(opts, "asyncOp", True) if sync is None else not sync
         timeout = _seconds(getattr(opts, "timeout", None))
         finish = _chain(list(finishers))
-        c = self._comm
         prepared = []
         for coll, s, r, count, op, peer in calls:
             dt = "u8"
@@ -354,18 +340,35 @@ class _Ops:
                 rp = r.data_ptr()
             if count is None:
                 count = (s if s is not None else r).numel()
-            prepared.append((coll, dt, sp, rp, count, op, peer))
+            c = self._p2p_comm(coll, peer) if coll in ("send", "recv") else self._comm
+            prepared.append((c, coll, dt, sp, rp, count, op, peer))
         if not async_op:
-            for coll, dt, sp, rp, count, op, peer in prepared:
+            for c, coll, dt, sp, rp, count, op, peer in prepared:
                 c._run(coll, dt, sp, rp, count, op, peer, timeout)
             if finish is not None:
                 finish()
             return _Done(result)
         raws = [
             c._start(coll, dt, sp, rp, count, keep, op, peer, timeout)
-            for coll, dt, sp, rp, count, op, peer in prepared
+            for c, coll, dt, sp, rp, count, op, peer in prepared
         ]
-        return _Work(raws, result, finish, self._completer)
+        return _async_work(self._completer, raws, result, finish)
+
+    def _coalesced(self, opts, result, issue):
+        """Runs `issue()` (several single-op calls) as one operation: their calls are
+        gathered and started together, with one Work."""
+        self._collect = []
+        try:
+            issue()
+            parts = self._collect
+        finally:
+            self._collect = None
+        calls, keep, fins = [], [], []
+        for c, k, f in parts:
+            calls += c
+            keep += k
+            fins += f
+        return self._go(opts, calls, keep, result, fins)
 
     def _root(self, root, what):
         root = int(root)
@@ -384,7 +387,7 @@ class _Ops:
         opts = opts if opts is not None else dist.AllreduceOptions()
         # The common case (one contiguous CPU tensor, a plain op: every DDP bucket, every
         # dist.all_reduce) without the general path's bookkeeping.
-        if len(tensors) == 1:
+        if len(tensors) == 1 and self._collect is None:
             t = tensors[0]
             op = _FAST_OPS.get(opts.reduceOp.op)
             dt = _FAST_DTYPES.get(t.dtype)
@@ -395,7 +398,7 @@ class _Ops:
                 if opts.asyncOp:
                     w = self._comm._start("all_reduce", dt, p, p, t.numel(), tensors, op, 0,
                                           timeout)
-                    return _Work([w], tensors, None, self._completer)
+                    return _async_work(self._completer, [w], tensors, None)
                 self._comm._run("all_reduce", dt, p, p, t.numel(), op, 0, timeout)
                 # A synchronous call's Work is only waited for (torch's wrapper drops it):
                 # one completed Work per backend serves them all.
@@ -487,12 +490,24 @@ class _Ops:
         return self._go(opts, calls, keep, list(output_lists), fin)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        # output_lists[rank][j] receives input j of that rank (the transpose of allgather's
+        # layout, where outputs[j][rank] does).
+        if len(output_lists) != self._n or any(len(o) != len(inputs) for o in output_lists):
+            raise InvalidArgumentError(
+                f"dspark: all_gather_coalesced: expected {self._n} output lists of "
+                f"{len(inputs)} tensors each"
+            )
+        per_input = [[output_lists[r][j] for r in range(self._n)] for j in range(len(inputs))]
+        return self._coalesced(opts, list(output_lists),
+                               lambda: self.allgather(per_input, inputs, opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._join(works, list(outputs))
+        def issue():
+            for o, i in zip(outputs, inputs):
+                self.all_gather_single(o, i, opts)
+
+        return self._coalesced(opts, list(outputs), issue)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -544,8 +559,11 @@ class _Ops:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._join(works, list(outputs))
+        def issue():
+            for o, i in zip(outputs, inputs):
+                self.reduce_scatter_single(o, i, opts)
+
+        return self._coalesced(opts, list(outputs), issue)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -595,7 +613,7 @@ class _Ops:
         in_counts = [s * in_row for s in ins]
         out_counts = [s * out_row for s in outs]
         return self._all_to_allv(opts, input.reshape(-1), in_counts, output.reshape(-1),
-                                 out_counts, output)
+                                 out_counts, [output])
 
     alltoall_base = all_to_all_single
 
@@ -739,24 +757,20 @@ class _Ops:
         return self._go(opts, [("barrier", None, None, 0, None, 0)], [], [])
 
     # -- the rest ----------------------------------------------------------------------
-    def _join(self, works, result):
-        """One Work for several: waits for each in order."""
-        raws, fins, errs = [], [], None
-        for w in works:
-            raws += list(w._raws)
-            if w._finish is not None:
-                fins.append(w._finish)
-            errs = errs or w._exc
-        return _Work(raws, result, _chain(fins), self._completer, errs)
-
     def getBackendName(self):
         return NAME
 
+    def _comms(self):
+        return [self._comm, *(self._p2p or ())]
+
     def abort(self):
-        self._comm.abort()
+        for c in self._comms():
+            c.abort()
 
     def shutdown(self):
-        self._comm.close()
+        for c in self._comms():
+            c.close()
+        self._completer.stop()
 
     def dspark_info(self):
         """The dspark communicator's facts (transport, path, rendezvous, timeout)."""

@@ -337,6 +337,8 @@ fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Confi
     // Rank 0's address comes from the store; MASTER_ADDR / DSPARK_ROOT_ADDR, where set,
     // only choose the interface rank 0 publishes. Without them, a placeholder satisfies the
     // parser and is removed again below.
+    // (torch's file:// and tcp:// init methods set MASTER_ADDR without MASTER_PORT: the
+    // port is not needed to choose an interface.)
     let hint = env("DSPARK_ROOT_ADDR").is_some() || env("MASTER_ADDR").is_some();
     let t = timeout.map(|s| s.to_string());
     let mut c = Config::from_lookup(|k| match k {
@@ -344,6 +346,7 @@ fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Confi
         "DSPARK_WORLD_SIZE" => Some(world.to_string()),
         "DSPARK_TIMEOUT" if t.is_some() => t.clone(),
         "DSPARK_ROOT_ADDR" if !hint => Some("127.0.0.1:1".into()),
+        "MASTER_PORT" => env(k).or_else(|| Some("1".into())),
         _ => env(k),
     })
     .map_err(py_err)?;

@@ -5,7 +5,7 @@ and torch CPU tensors, checked against numpy references computed from every rank
     torchrun --standalone --nproc-per-node 3 tests/torch/package_check.py
 
 Joins through torchrun's agent store (Communicator.from_env). Exits non-zero naming the
-first failing check. Prints "package_check: OK <n> checks" at the end on every rank.
+first failing check; every rank ends with "PACKAGE_CHECK world=N rank=R checks=K RESULT=PASS".
 """
 
 import gc
@@ -225,4 +225,4 @@ if N > 1:
 
 comm.close()
 expect_raises(dspark.AbortedError, lambda: comm.barrier(), "after close")
-print(f"package_check: OK {checks} checks", flush=True)
+print(f"PACKAGE_CHECK world={N} rank={RANK} checks={checks} RESULT=PASS", flush=True)

@@ -1,0 +1,470 @@
+//! The `dspark` torch.distributed backend, driven from Python scripts in `tests/torch/`:
+//! every operation x dtype x reduce op against gloo on 1, 2 and 3 ranks (`ops_check.py`), DDP
+//! against gloo on 2 and 3 ranks (`ddp_check.py`), FSDP2 on 2 ranks (`fsdp_check.py`), killed
+//! ranks and mismatched collectives (`failure_check.py`) and a curated list of PyTorch's own
+//! distributed suite (`distributed_suite.py --ci`).
+//!
+//! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
+//! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
+//! Without them the tests print why and pass, unless `DSPARK_REQUIRE_TORCH=1` (as in CI). The
+//! scripts never `import dspark`: `init_process_group(backend="dspark")` must find the backend
+//! through its entry point alone.
+//!
+//! At most one torch job runs at a time (the tests of this file share a lock): each starts up
+//! to three Python processes, and CI machines have two cores. Every run has a hard wall-clock
+//! limit, after which its whole process group is killed, so nothing hangs CI.
+
+mod common;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::procs::free_port;
+
+/// One torch job at a time.
+static TORCH: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    // A failed test panics while holding the lock; the next one may still run.
+    TORCH.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn required() -> bool {
+    std::env::var_os("DSPARK_REQUIRE_TORCH").is_some()
+}
+
+/// Skips (prints why, returns `None`) or, when torch is required, panics.
+fn missing<T>(why: String) -> Option<T> {
+    if required() {
+        panic!("DSPARK_REQUIRE_TORCH is set but {why}");
+    }
+    eprintln!("SKIP: {why}");
+    None
+}
+
+/// The torch venv: its python and torchrun (as tests/launchers.rs finds them).
+struct Torch {
+    python: PathBuf,
+    torchrun: PathBuf,
+}
+
+fn torch() -> Option<Torch> {
+    let python = std::env::var_os("DSPARK_TORCH_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/dspark/torch-venv/bin/python"))
+        });
+    let Some(python) = python else {
+        return missing("neither DSPARK_TORCH_PYTHON nor HOME is set".into());
+    };
+    let torchrun = python
+        .parent()
+        .map(|d| d.join("torchrun"))
+        .unwrap_or_default();
+    if !python.exists() || !torchrun.exists() {
+        return missing(format!(
+            "no torch venv at {} (run bash tests/torch/venv.sh)",
+            python.display()
+        ));
+    }
+    Some(Torch { python, torchrun })
+}
+
+/// The torch venv, if it also has the dspark package installed.
+fn torch_with_dspark() -> Option<Torch> {
+    let t = torch()?;
+    let out = Command::new(&t.python)
+        .args(["-c", "import dspark"])
+        .output()
+        .expect("run the venv's python");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("").to_string();
+        return missing(format!(
+            "`{} -c \"import dspark\"` fails ({last}): run `{} -m pip install ./python` \
+             into the torch venv",
+            t.python.display(),
+            t.python.display()
+        ));
+    }
+    Some(t)
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/torch/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// How a run ended.
+struct Run {
+    status: Option<ExitStatus>,
+    out: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn ok(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+
+    /// The first line that starts with `prefix`.
+    fn line(&self, prefix: &str) -> Option<&str> {
+        self.out.lines().find(|l| l.starts_with(prefix))
+    }
+
+    /// The output for a failure message: every line naming a problem, then the tail.
+    fn report(&self) -> String {
+        let problems: Vec<&str> = self
+            .out
+            .lines()
+            .filter(|l| {
+                l.contains("MISMATCH")
+                    || l.contains("PROBLEM")
+                    || l.starts_with("FAILED ")
+                    || l.contains("Error")
+            })
+            .take(200)
+            .collect();
+        let lines: Vec<&str> = self.out.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(150)..];
+        format!(
+            "status {:?} after {:.1?}\n--- problem lines ({}) ---\n{}\n--- last {} lines ---\n{}",
+            self.status,
+            self.elapsed,
+            problems.len(),
+            problems.join("\n"),
+            tail.len(),
+            tail.join("\n")
+        )
+    }
+}
+
+/// Runs `cmd` in a process group of its own, output to a file (a full pipe would block the
+/// ranks), killing the whole group after `limit`.
+fn run(mut cmd: Command, limit: Duration) -> Run {
+    let log_path = std::env::temp_dir().join(format!(
+        "dspark-torch-{}-{}.log",
+        std::process::id(),
+        free_port()
+    ));
+    let log = File::create(&log_path).expect("log file");
+    cmd.stdout(Stdio::from(log.try_clone().expect("dup log")))
+        .stderr(Stdio::from(log))
+        .stdin(Stdio::null())
+        .process_group(0);
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().expect("start the torch job");
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break Some(st);
+        }
+        if t0.elapsed() > limit {
+            let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let elapsed = t0.elapsed();
+    let mut out = String::new();
+    if let Ok(mut f) = File::open(&log_path) {
+        let mut bytes = Vec::new();
+        let _ = f.read_to_end(&mut bytes);
+        out = String::from_utf8_lossy(&bytes).into_owned();
+    }
+    let _ = std::fs::remove_file(&log_path);
+    if status.is_none() {
+        out.push_str(&format!(
+            "\n[torch_backend.rs] killed the process group after the {limit:?} limit\n"
+        ));
+    }
+    // Shown with --nocapture; the summary lines are what a reader wants.
+    for l in out.lines().filter(|l| {
+        l.starts_with("OPS_CHECK")
+            || l.starts_with("DDP_CHECK")
+            || l.starts_with("FSDP_CHECK")
+            || l.starts_with("FAILURE_CHECK")
+            || l.starts_with("DIST_SUITE mode")
+    }) {
+        println!("{l}");
+    }
+    Run {
+        status,
+        out,
+        elapsed,
+    }
+}
+
+/// A command of the venv, without the variables of an outer run that would change what the
+/// scripts do.
+fn command(program: &Path, backend: &str) -> Command {
+    let mut cmd = Command::new(program);
+    for v in [
+        "DSPARK_TEST_CORRUPT",
+        "DSPARK_OPS_ONLY",
+        "BACKEND",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TEMP_DIR",
+        "INIT_METHOD",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    ] {
+        cmd.env_remove(v);
+    }
+    cmd.env("PYTHONUNBUFFERED", "1")
+        .env("DSPARK_TEST_BACKEND", backend);
+    cmd
+}
+
+/// `torchrun --standalone --nproc-per-node n script`, backend `backend`.
+fn torchrun_standalone(t: &Torch, n: usize, script_name: &str, backend: &str) -> Command {
+    let mut cmd = command(&t.torchrun, backend);
+    cmd.args(["--standalone", "--nproc-per-node", &n.to_string()])
+        .arg(script(script_name));
+    cmd
+}
+
+/// torchrun's static rendezvous on a free port, as the README's multi-node lines use it.
+fn torchrun_static(t: &Torch, n: usize, script_name: &str, backend: &str) -> Command {
+    let port = free_port().to_string();
+    let mut cmd = command(&t.torchrun, backend);
+    cmd.args([
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        &n.to_string(),
+        "--rdzv-backend",
+        "static",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+    ])
+    .arg(script(script_name));
+    cmd
+}
+
+fn python(t: &Torch, script_name: &str, args: &[&str], backend: &str) -> Command {
+    let mut cmd = command(&t.python, backend);
+    cmd.arg(script(script_name)).args(args);
+    cmd
+}
+
+/// Asserts the run succeeded and printed a summary line with `prefix` ending in RESULT=PASS.
+fn assert_pass(r: &Run, prefix: &str, what: &str) {
+    let line = r.line(prefix);
+    assert!(
+        r.ok() && line.is_some_and(|l| l.ends_with("RESULT=PASS")),
+        "{what}: no `{prefix} ... RESULT=PASS` line with exit status 0 (summary: {line:?})\n{}",
+        r.report()
+    );
+}
+
+fn ops_check(ranks: usize) {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let mut cmd = torchrun_standalone(&t, ranks, "ops_check.py", "dspark");
+    // a hung operation fails after 60 s (and stops the run) instead of torch's 30 minutes
+    cmd.env("DSPARK_OPS_TIMEOUT", "60");
+    let r = run(cmd, Duration::from_secs(180 + 90 * ranks as u64));
+    assert_pass(
+        &r,
+        &format!("OPS_CHECK backend=dspark world={ranks} "),
+        &format!("ops_check.py on {ranks} ranks"),
+    );
+}
+
+/// The package without torch.distributed: numpy arrays and CPU tensors against numpy
+/// references, the error classes, the GIL release, a leaked Work.
+fn package_check(ranks: usize) {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        torchrun_standalone(&t, ranks, "package_check.py", "dspark"),
+        Duration::from_secs(240),
+    );
+    assert_pass(
+        &r,
+        &format!("PACKAGE_CHECK world={ranks} rank=0 "),
+        &format!("package_check.py on {ranks} ranks"),
+    );
+}
+
+#[test]
+fn the_package_runs_every_collective_on_numpy_and_tensors_on_1_rank() {
+    package_check(1);
+}
+
+#[test]
+fn the_package_runs_every_collective_on_numpy_and_tensors_on_3_ranks() {
+    package_check(3);
+}
+
+/// torch before 2.14 has no Python `Backend` trampoline: there dspark is a Python
+/// `ProcessGroup`. `DSPARK_TORCH_ROUTE=pg` takes that route on the torch installed here.
+#[test]
+fn ddp_and_fsdp2_work_through_the_process_group_route_of_older_torch() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    for (script_name, prefix) in [
+        ("ddp_check.py", "DDP_CHECK backend=dspark world=2 "),
+        ("fsdp_check.py", "FSDP_CHECK backend=dspark "),
+    ] {
+        let mut cmd = torchrun_standalone(&t, 2, script_name, "dspark");
+        cmd.env("DSPARK_TORCH_ROUTE", "pg");
+        let r = run(cmd, Duration::from_secs(240));
+        assert_pass(
+            &r,
+            prefix,
+            &format!("{script_name} through the ProcessGroup route"),
+        );
+        assert!(
+            r.out.contains("BACKEND_IMPL DsparkProcessGroup"),
+            "{script_name} did not run through DsparkProcessGroup\n{}",
+            r.report()
+        );
+    }
+}
+
+#[test]
+fn every_operation_dtype_and_op_matches_gloo_on_1_rank() {
+    ops_check(1);
+}
+
+#[test]
+fn every_operation_dtype_and_op_matches_gloo_on_2_ranks() {
+    ops_check(2);
+}
+
+#[test]
+fn every_operation_dtype_and_op_matches_gloo_on_3_ranks() {
+    ops_check(3);
+}
+
+#[test]
+fn ddp_through_dspark_ends_bit_identical_to_gloo_on_2_ranks_under_torchrun_standalone() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        torchrun_standalone(&t, 2, "ddp_check.py", "dspark"),
+        Duration::from_secs(240),
+    );
+    assert_pass(
+        &r,
+        "DDP_CHECK backend=dspark world=2 ",
+        "ddp_check.py on 2 ranks",
+    );
+    assert!(r.out.contains("criterion=bit-identical"), "{}", r.report());
+}
+
+#[test]
+fn ddp_through_dspark_matches_gloo_within_1e_6_on_3_ranks_under_the_static_rendezvous() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        torchrun_static(&t, 3, "ddp_check.py", "dspark"),
+        Duration::from_secs(300),
+    );
+    assert_pass(
+        &r,
+        "DDP_CHECK backend=dspark world=3 ",
+        "ddp_check.py on 3 ranks",
+    );
+}
+
+#[test]
+fn fsdp2_fully_shard_trains_through_dspark_like_gloo_on_2_ranks() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        torchrun_standalone(&t, 2, "fsdp_check.py", "dspark"),
+        Duration::from_secs(240),
+    );
+    assert_pass(&r, "FSDP_CHECK backend=dspark world=2 ", "fsdp_check.py");
+}
+
+#[test]
+fn killed_ranks_and_mismatched_collectives_make_every_survivor_raise_within_the_timeout() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    // five launches, each bounded by its own limit inside the script (~95 s at worst)
+    let r = run(
+        python(&t, "failure_check.py", &[], "dspark"),
+        Duration::from_secs(600),
+    );
+    assert_pass(&r, "FAILURE_CHECK backend=dspark ", "failure_check.py");
+}
+
+#[test]
+fn pytorch_distributed_suite_curated_tests_pass_on_dspark() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    // The suite's ranks meet through a file:// store; torch sets MASTER_ADDR but no
+    // MASTER_PORT, and a backend must not need one (it is given the store).
+    let mut cmd = python(&t, "distributed_suite.py", &["--ci"], "dspark");
+    cmd.env("WORLD_SIZE", "2");
+    let r = run(cmd, Duration::from_secs(600));
+    assert_pass(
+        &r,
+        "DIST_SUITE mode=ci backend=dspark ",
+        "distributed_suite.py --ci",
+    );
+}
+
+/// The checker itself, without dspark: gloo against gloo passes, and one corrupted element on
+/// one rank is caught and named (op, dtype, size, rank).
+#[test]
+fn ops_check_names_the_op_dtype_size_and_rank_of_a_corrupted_result() {
+    let _g = serial();
+    let Some(t) = torch() else { return };
+    let mut cmd = torchrun_standalone(&t, 2, "ops_check.py", "gloo");
+    cmd.env(
+        "DSPARK_OPS_ONLY",
+        "^(all_reduce/SUM float32|reduce_scatter/MAX int8|all_to_all int64)$",
+    );
+    let clean = run(cmd, Duration::from_secs(240));
+    assert_pass(
+        &clean,
+        "OPS_CHECK backend=gloo world=2 ",
+        "ops_check.py, gloo, clean",
+    );
+
+    let mut cmd = torchrun_standalone(&t, 2, "ops_check.py", "gloo");
+    cmd.env(
+        "DSPARK_OPS_ONLY",
+        "^(all_reduce/SUM float32|reduce_scatter/MAX int8|all_to_all int64)$",
+    )
+    .env(
+        "DSPARK_TEST_CORRUPT",
+        "op=(all_reduce/SUM dtype=float32 size=13|reduce_scatter_tensor/MAX dtype=int8 size=7):1",
+    );
+    let bad = run(cmd, Duration::from_secs(240));
+    assert!(
+        !bad.ok(),
+        "a corrupted result went unnoticed:\n{}",
+        bad.report()
+    );
+    for want in [
+        "MISMATCH op=all_reduce/SUM dtype=float32 size=13 rank=1",
+        "MISMATCH op=reduce_scatter_tensor/MAX dtype=int8 size=7 rank=1",
+        "GROUP all_to_all int64: OK",
+        "RESULT=FAIL",
+    ] {
+        assert!(
+            bad.out.contains(want),
+            "missing `{want}`:\n{}",
+            bad.report()
+        );
+    }
+}
