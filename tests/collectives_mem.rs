@@ -221,6 +221,56 @@ fn mismatched_counts_are_reported_on_every_rank() {
     expect_mismatch_everywhere(&res, "count");
 }
 
+/// An empty call still takes its place in the sequence: a rank that calls all_reduce with
+/// count 0 and then 1000, against one that calls it twice with 1000, is a mismatch on both
+/// ranks at once, not a deadline's wait for the second rank (issue #11, item 2).
+#[test]
+fn an_empty_call_against_a_full_one_is_a_prompt_mismatch_on_every_rank() {
+    let cfg = config(Duration::from_secs(20), 1024);
+    // (An empty call as a rank's *last* call cannot be told from a full one without a round
+    // trip per empty call; the others then learn of it when that rank closes or calls again.)
+    for (coll, empty_first) in [("all_reduce", true), ("all_gather", true)] {
+        let t0 = Instant::now();
+        let res = run_ranks(&MemFabric::new(2, 1), 2, &cfg, |c| {
+            let counts: [usize; 2] = match (c.rank(), empty_first) {
+                (0, true) => [0, 1000],
+                (0, false) => [1000, 0],
+                _ => [1000, 1000],
+            };
+            let mut first_ok = Vec::new();
+            for n in counts {
+                let r = if coll == "all_reduce" {
+                    c.all_reduce(&mut vec![1.0f32; n], ReduceOp::Sum)
+                } else {
+                    c.all_gather(&vec![1u8; n], &mut vec![0u8; 2 * n])
+                };
+                match r {
+                    Ok(()) => first_ok.push(n),
+                    Err(e) => return Err((e, first_ok)),
+                }
+            }
+            Ok(first_ok)
+        });
+        let took = t0.elapsed();
+        for (r, x) in res.iter().enumerate() {
+            match x {
+                Err((e @ Error::Mismatch { .. }, _)) => assert!(
+                    e.to_string().contains(coll),
+                    "{coll}: rank {r}: {e} does not name the collective"
+                ),
+                other => panic!(
+                    "{coll} (empty first: {empty_first}): rank {r}: expected a \
+                                 Mismatch, got {other:?}"
+                ),
+            }
+        }
+        assert!(
+            took < Duration::from_secs(10),
+            "{coll}: the mismatch took {took:?}: it waited for the deadline"
+        );
+    }
+}
+
 #[test]
 fn mismatched_types_ops_roots_and_collectives_are_reported() {
     let cfg = config(Duration::from_secs(5), 1024);

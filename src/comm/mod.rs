@@ -297,18 +297,36 @@ impl Communicator {
     }
 
     /// The rule for empty calls, host and device alike: a call of no elements (other than a
-    /// barrier) moves nothing and only reports an earlier failure. `Some(result)` for such a
-    /// call, `None` for a call that must run.
-    pub(crate) fn empty_call(&self, call: &Call) -> Option<Result<()>> {
-        if call.count == 0 && call.coll != Collective::Barrier {
-            return Some(self.poisoned().map_or(Ok(()), Err));
+    /// barrier) moves nothing, but takes its place in the issue order and its sequence
+    /// number ([`Engine::skip_empty`](crate::engine::Engine::skip_empty)), so that a rank
+    /// calling with 0 elements where the others call with N is a prompt mismatch.
+    pub(crate) fn is_empty_call(call: &Call) -> bool {
+        call.count == 0 && call.coll != Collective::Barrier
+    }
+
+    /// Runs an empty call (blocking): `Some(result)` for one, `None` for a call that must
+    /// run.
+    pub(crate) fn empty_call(&self, call: &Call, timeout: Option<Duration>) -> Option<Result<()>> {
+        if !Self::is_empty_call(call) {
+            return None;
         }
-        None
+        let call = *call;
+        Some(self.shared.exclusive(timeout, |eng| eng.skip_empty(&call)))
+    }
+
+    /// Queues an empty call (non-blocking): `Some(work)` for one.
+    pub(crate) fn empty_work(&self, call: &Call, timeout: Option<Duration>) -> Option<Work> {
+        if !Self::is_empty_call(call) {
+            return None;
+        }
+        let call = *call;
+        let task: work::Task = Box::new(move |eng| eng.skip_empty(&call));
+        Some(self.shared.submit(task, timeout, call.coll.name()))
     }
 
     /// Runs a host call on the caller's thread, after everything issued before it.
     fn exec(&self, op: HostOp<'_>, timeout: Option<Duration>) -> Result<()> {
-        if let Some(res) = self.empty_call(&op.call) {
+        if let Some(res) = self.empty_call(&op.call, timeout) {
             return res;
         }
         let span = tracing::trace_span!(
@@ -349,7 +367,7 @@ impl Communicator {
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,
     ) -> Result<()> {
-        if let Some(res) = self.empty_call(&call) {
+        if let Some(res) = self.empty_call(&call, None) {
             return res;
         }
         let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);

@@ -9,7 +9,7 @@
 use std::ptr;
 use std::time::Duration;
 
-use super::work::{Completion, Task, Work};
+use super::work::{Task, Work};
 use super::{Api, Communicator, Target};
 use crate::engine::{Call, Engine};
 use crate::error::{Error, Result};
@@ -375,8 +375,8 @@ impl Communicator {
     pub unsafe fn start_raw(&self, c: &RawCall) -> Result<Work> {
         let bufs = self.raw_buffers(c)?;
         let what = bufs.call().coll.name();
-        if let Some(r) = self.empty_call(bufs.call()) {
-            return Ok(Work::new(&self.shared, Completion::done(r), what));
+        if let Some(w) = self.empty_work(bufs.call(), c.timeout) {
+            return Ok(w);
         }
         // SAFETY: the caller's contract is `submit_raw`'s.
         Ok(unsafe { self.submit_raw(bufs, c.timeout, what) })
@@ -392,7 +392,7 @@ impl Communicator {
     /// As the blocking collectives.
     pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
         let bufs = self.raw_buffers(c)?;
-        if let Some(r) = self.empty_call(bufs.call()) {
+        if let Some(r) = self.empty_call(bufs.call(), c.timeout) {
             return r;
         }
         self.shared.exclusive(c.timeout, |eng| {

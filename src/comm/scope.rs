@@ -142,12 +142,9 @@ impl<'scope> Scope<'scope, '_> {
 
     fn start(&self, op: Result<HostOp<'scope>>) -> Result<Work> {
         let op = op?;
-        if let Some(r) = self.comm.empty_call(&op.call) {
-            return Ok(Work::new(
-                &self.comm.shared,
-                Completion::done(r),
-                op.call.coll.name(),
-            ));
+        if let Some(w) = self.comm.empty_work(&op.call, None) {
+            // Nothing borrowed: no need to track it for `join`.
+            return Ok(w);
         }
         let what = op.call.coll.name();
         let bufs = RawBuffers::from_slices(op.call, op.src, op.dst);

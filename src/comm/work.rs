@@ -86,13 +86,6 @@ impl Completion {
             st.sleepers -= 1;
         }
     }
-
-    /// A completion that is already complete.
-    pub(crate) fn done(r: Result<()>) -> Arc<Self> {
-        let c = Completion::default();
-        lock(&c.state).result = Some(r);
-        Arc::new(c)
-    }
 }
 
 struct Job {

@@ -571,21 +571,7 @@ impl Engine {
         let esz = call.dtype.size();
         let bytes = call.count.saturating_mul(esz);
         let algo = self.algorithm(call.coll, bytes);
-        let seq = match call.coll {
-            Collective::SendRecv => {
-                let ctr = if call.is_send {
-                    &mut self.p2p_sent[call.root]
-                } else {
-                    &mut self.p2p_received[call.root]
-                };
-                *ctr += 1;
-                *ctr
-            }
-            _ => {
-                self.seq += 1;
-                self.seq
-            }
-        };
+        let seq = self.next_seq(call);
         let req = Request {
             coll: call.coll,
             algo,
@@ -637,6 +623,39 @@ impl Engine {
             self.fail(e.clone());
         }
         result
+    }
+
+    /// The sequence number of `call`: communicator-wide for collectives, per peer and
+    /// direction for send/recv.
+    fn next_seq(&mut self, call: &Call) -> u64 {
+        match call.coll {
+            Collective::SendRecv => {
+                let ctr = if call.is_send {
+                    &mut self.p2p_sent[call.root]
+                } else {
+                    &mut self.p2p_received[call.root]
+                };
+                *ctr += 1;
+                *ctr
+            }
+            _ => {
+                self.seq += 1;
+                self.seq
+            }
+        }
+    }
+
+    /// A call of no elements (other than a barrier): it moves nothing and sends nothing, but
+    /// takes its sequence number like any call, so that ranks that disagree about it (count
+    /// 0 here, N elsewhere) meet a mismatch at their next call that exchanges data, instead
+    /// of one of them waiting for a deadline. Reports an earlier failure.
+    pub fn skip_empty(&mut self, call: &Call) -> Result<()> {
+        self.honour_abort();
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        self.next_seq(call);
+        Ok(())
     }
 
     /// Poisons the engine with `e` and tells every peer.
