@@ -188,6 +188,27 @@ impl Error {
         }
     }
 
+    /// Names the call an error happened in: a transport reports `send` or `receive`; the
+    /// engine knows it was `all_reduce #41`. Errors whose operation already carries a
+    /// sequence number (timeouts, mismatches) are left as they are.
+    pub fn in_op(mut self, call: &str) -> Self {
+        let op = match &mut self {
+            Error::PeerLost { op, .. }
+            | Error::Io { op, .. }
+            | Error::Transport { op, .. }
+            | Error::Aborted { op, .. } => op,
+            _ => return self,
+        };
+        if !op.contains('#') {
+            *op = if op.is_empty() {
+                call.to_string()
+            } else {
+                format!("{call} ({op})")
+            };
+        }
+        self
+    }
+
     /// Builds an [`Error::InvalidArgument`].
     pub fn invalid(rank: Option<usize>, op: impl Into<String>, what: impl Into<String>) -> Self {
         Error::InvalidArgument {

@@ -72,7 +72,12 @@ fn killed_rank_makes_every_survivor_fail_fast_instead_of_hanging() {
             continue;
         }
         match x {
-            Err(Error::PeerLost { .. }) | Err(Error::Aborted { .. }) => {}
+            // The error names the collective and its sequence number (the second all_reduce
+            // of the communicator), not only the transport's "receive" (issue #11, item 10).
+            Err(e @ Error::PeerLost { .. }) | Err(e @ Error::Aborted { .. }) => assert!(
+                e.to_string().contains("all_reduce #2"),
+                "rank {r}: {e} does not name all_reduce #2"
+            ),
             other => panic!("rank {r}: expected PeerLost/Aborted, got {other:?}"),
         }
     }

@@ -611,7 +611,8 @@ impl Engine {
                         ),
                     ))
                 } else {
-                    body(self, c.prog, desc)
+                    let name = desc.op_name();
+                    body(self, c.prog, desc).map_err(|e| e.in_op(&name))
                 }
             }
             Err(e) => Err(e),
