@@ -191,6 +191,44 @@ fn a_stray_connection_to_the_root_does_not_break_the_rendezvous() {
     });
 }
 
+/// A stray connection that announces a huge hello and sends nothing more is dropped at
+/// once: rank 0 allocates nothing for an unvalidated connection beyond a hello's size (it
+/// used to allocate up to 64 MiB and then wait the hello's 5 s for the bytes; issue #11,
+/// item 9).
+#[test]
+fn a_stray_connection_announcing_a_huge_hello_is_dropped_at_once() {
+    use std::io::{Read, Write};
+    let port = free_port();
+    let h = std::thread::spawn(move || Communicator::init(cfg(0, 2, port, 20_000)));
+    let t0 = Instant::now();
+    let mut s = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if t0.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    s.write_all(&(60u32 << 20).to_le_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let asked = Instant::now();
+    let mut b = [0u8; 1];
+    // EOF (or a reset): rank 0 closed it without waiting for 60 MiB.
+    let _ = s.read(&mut b);
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "rank 0 held a connection that announced 60 MiB for {took:?} (the hello wait is 5 s)"
+    );
+    let leaf = Communicator::init(cfg(1, 2, port, 20_000)).unwrap();
+    let root = h.join().unwrap().unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| root.barrier().unwrap());
+        sc.spawn(|| leaf.barrier().unwrap());
+    });
+}
+
 #[test]
 fn a_silent_stray_connection_does_not_hold_the_rendezvous_for_the_whole_deadline() {
     let port = free_port();

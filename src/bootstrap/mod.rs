@@ -45,6 +45,10 @@ const REJECT_CONFIG: u8 = 2;
 
 const MAX_MSG: usize = 64 << 20;
 
+/// The largest hello (a few numbers and a host name): what an unvalidated connection may
+/// make this rank allocate, so a port scanner or a stray client costs no memory.
+const MAX_HELLO: usize = 64 << 10;
+
 /// How long an accepted connection may take to say hello: a stray client that connects and
 /// stays silent (a port scanner, a health check, a wedged leftover) must not hold the
 /// rendezvous for the whole deadline.
@@ -224,16 +228,18 @@ impl Ctx<'_> {
     }
 
     fn recv(&self, s: &mut TcpStream, peer: Option<usize>, what: &str) -> Result<Vec<u8>> {
-        self.recv_within(s, peer, what, Duration::MAX)
+        self.recv_within(s, peer, what, Duration::MAX, MAX_MSG)
     }
 
     /// [`Ctx::recv`] waiting at most `limit` (and never past the deadline).
+    /// Messages longer than `max` bytes are refused before anything is allocated for them.
     fn recv_within(
         &self,
         s: &mut TcpStream,
         peer: Option<usize>,
         what: &str,
         limit: Duration,
+        max: usize,
     ) -> Result<Vec<u8>> {
         let rem = self
             .remaining()
@@ -244,7 +250,7 @@ impl Ctx<'_> {
         let mut len = [0u8; 4];
         s.read_exact(&mut len).map_err(|e| self.io(peer, what, e))?;
         let n = u32::from_le_bytes(len) as usize;
-        if n == 0 || n > MAX_MSG {
+        if n == 0 || n > max {
             return Err(Error::Transport {
                 rank: Some(self.rank()),
                 peer,
@@ -494,7 +500,7 @@ fn root_accept(
         let _ = s.set_nodelay(true);
         let _ = s.set_nonblocking(false);
         // A stray connection must not eat the whole deadline.
-        let hello = match ctx.recv_within(&mut s, None, "reading a hello", HELLO_WAIT) {
+        let hello = match ctx.recv_within(&mut s, None, "reading a hello", HELLO_WAIT, MAX_HELLO) {
             Ok(m) => m,
             Err(e) => {
                 refused.push(format!("{from}: {e}"));
@@ -851,7 +857,7 @@ fn connect_mesh(
         })?;
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
-        let m = match ctx.recv_within(&mut s, None, "reading a peer hello", HELLO_WAIT) {
+        let m = match ctx.recv_within(&mut s, None, "reading a peer hello", HELLO_WAIT, MAX_HELLO) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(%from, "dropped a data connection: {e}");
