@@ -113,8 +113,13 @@ impl Run {
     }
 
     /// The first line that starts with `prefix`.
+    /// The summary line that starts with `prefix`. Ranks of one job share torchrun's
+    /// stdout, and two ranks' lines can land on one line, so the prefix may also start in
+    /// the middle of a line: the summary is then the rest of that line.
     fn line(&self, prefix: &str) -> Option<&str> {
-        self.out.lines().find(|l| l.starts_with(prefix))
+        self.out
+            .lines()
+            .find_map(|l| l.find(prefix).map(|i| &l[i..]))
     }
 
     /// The output for a failure message: every line naming a problem, then the tail.

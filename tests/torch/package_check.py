@@ -25,7 +25,8 @@ checks = 0
 
 
 def fail(msg):
-    print(f"package_check: FAIL rank {RANK}: {msg}", flush=True)
+    sys.stdout.write(f"package_check: FAIL rank {RANK}: {msg}\n")
+    sys.stdout.flush()
     sys.exit(1)
 
 
@@ -225,4 +226,6 @@ if N > 1:
 
 comm.close()
 expect_raises(dspark.AbortedError, lambda: comm.barrier(), "after close")
-print(f"PACKAGE_CHECK world={N} rank={RANK} checks={checks} RESULT=PASS", flush=True)
+# One write per line, so that the ranks' summaries do not run into each other.
+sys.stdout.write(f"PACKAGE_CHECK world={N} rank={RANK} checks={checks} RESULT=PASS\n")
+sys.stdout.flush()
