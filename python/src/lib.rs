@@ -133,16 +133,12 @@ struct PyStore {
 
 impl PyStore {
     fn fail(&self, what: &str, key: &str, e: PyErr, started: Instant) -> dspark::Error {
-        let text = Python::attach(|py| e.value(py).to_string());
-        let name = Python::attach(|py| {
-            e.get_type(py)
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
+        let (name, text) = Python::attach(|py| {
+            let name = e.get_type(py).name().map(|n| n.to_string());
+            (name.unwrap_or_default(), e.value(py).to_string())
         });
-        if text.to_ascii_lowercase().contains("timeout")
-            || text.to_ascii_lowercase().contains("timed out")
-        {
+        let lower = text.to_ascii_lowercase();
+        if lower.contains("timeout") || lower.contains("timed out") {
             dspark::Error::Timeout {
                 rank: self.rank,
                 peer: None,
