@@ -16,9 +16,17 @@
 //! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
 //! | `DSPARK_ALGO` | force an algorithm (`ring`, `recursive_doubling`, `chain`, `binomial_tree`) | by size |
 //! | `DSPARK_CHUNK_BYTES` | pipeline segment size | 512 KiB |
-//! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs | 50 (100, yielding the CPU, when ranks outnumber cores) |
+//! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs (at most 1 s) | 50 (100, yielding the CPU, when ranks outnumber cores) |
+//! | `DSPARK_SOCKET_BUFFER` | TCP socket buffer size (0: the kernel's autotuning; at most 1 GiB) | 4 MiB |
+//! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |
+//! | `DSPARK_CACHE_DIR` | disk cache of compiled CUDA kernels | `$XDG_CACHE_HOME/dspark`, `$HOME/.cache/dspark` |
+//!
+//! [`Config::from_env`] is the only place the environment is read: [`crate::Communicator::init`]
+//! takes every setting from the `Config` it is given, and [`Config::validate`] checks their
+//! bounds for a configuration built by hand too.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -78,6 +86,12 @@ pub struct Config {
     pub ib_device: Option<String>,
     /// Verbs GID index.
     pub ib_gid_index: Option<u32>,
+    /// The verbs transport's other tunables (`DSPARK_IB_*`).
+    pub ib: IbSettings,
+    /// Where compiled CUDA kernels are cached on disk (`DSPARK_CACHE_DIR`, else
+    /// `$XDG_CACHE_HOME/dspark`, else `$HOME/.cache/dspark`, resolved by [`Config::from_env`]).
+    /// `None`: no disk cache (the default of [`Config::new`], which reads no environment).
+    pub cache_dir: Option<PathBuf>,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
     /// Launcher job identity (`SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`) checked in the handshake.
@@ -106,6 +120,59 @@ pub struct Config {
     pub rendezvous: Rendezvous,
     /// Where each setting came from, for messages (`rank from RANK`, ...).
     pub sources: Vec<(String, String)>,
+}
+
+/// Tunables of the verbs transport, carried by [`Config`] so that [`crate::Communicator::init`]
+/// reads no environment: [`Config::from_env`] parses them from the `DSPARK_IB_*` variables,
+/// and [`Config::validate`] checks their bounds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IbSettings {
+    /// Slots per peer and direction (`DSPARK_IB_SLOTS`, 2–256).
+    pub slots: usize,
+    /// Payload bytes per slot (`DSPARK_IB_SLOT_BYTES`, at least the segment size); `None`:
+    /// the segment size.
+    pub slot_bytes: Option<usize>,
+    /// Local ACK timeout exponent, 4.096 µs × 2^t (`DSPARK_IB_TIMEOUT`, 1–31).
+    pub timeout: u8,
+    /// Transport retries after an ACK timeout (`DSPARK_IB_RETRY_CNT`, 0–7).
+    pub retry_cnt: u8,
+    /// Retries after a receiver-not-ready NAK (`DSPARK_IB_RNR_RETRY`, 0–6; 7 would retry
+    /// forever and is refused).
+    pub rnr_retry: u8,
+    /// InfiniBand service level, which lossless (PFC) RoCE fabrics map to a priority
+    /// (`DSPARK_IB_SL`, 0–15).
+    pub service_level: u8,
+    /// Traffic class of the global route header: the DSCP/ECN byte of RoCE v2 packets
+    /// (`DSPARK_IB_TC`, 0–255; DSCP 26 is 104).
+    pub traffic_class: u8,
+    /// Busy-poll time of the completion queue before sleeping (`DSPARK_IB_SPIN_US`, at most
+    /// 1 s).
+    pub spin: Duration,
+    /// Smallest payload sent zero-copy from a registered buffer (`DSPARK_IB_ZERO_COPY_MIN`).
+    pub zero_copy_min: usize,
+}
+
+/// The default ACK timeout exponent: 4.096 µs × 2^20 ≈ 4.3 s, × (7 retries + 1) ≈ 34 s before
+/// a queue pair gives up — NCCL's default, field-tested against congestion and PFC pauses. A
+/// short budget turns a congestion stall into a job failure, and dspark needs none to find a
+/// dead peer: a process that dies closes its liveness socket at once, and a node that dies
+/// stops answering that socket's keepalive probes within seconds.
+pub const DEFAULT_IB_TIMEOUT: u8 = 20;
+
+impl Default for IbSettings {
+    fn default() -> Self {
+        IbSettings {
+            slots: 8,
+            slot_bytes: None,
+            timeout: DEFAULT_IB_TIMEOUT,
+            retry_cnt: 7,
+            rnr_retry: 6,
+            service_level: 0,
+            traffic_class: 0,
+            spin: Duration::from_micros(20),
+            zero_copy_min: 64 * 1024,
+        }
+    }
 }
 
 /// How the ranks of a job find rank 0 at init.
@@ -148,6 +215,8 @@ impl Config {
             socket_ifname: None,
             ib_device: None,
             ib_gid_index: None,
+            ib: IbSettings::default(),
+            cache_dir: None,
             job_token: None,
             job_id: None,
             algo: None,
@@ -315,6 +384,56 @@ impl Config {
                     .map_err(|_| Error::config(n, format!("{v:?} is not a GID index")))?,
             );
         }
+        let num = |name: &'static str| -> Result<Option<u64>> {
+            pick(&[name])
+                .map(|(n, v)| {
+                    v.trim().parse::<u64>().map_err(|_| {
+                        Error::config(n, format!("{v:?} is not a non-negative integer"))
+                    })
+                })
+                .transpose()
+        };
+        // Out-of-range values are refused by `validate`, which names the variable; here they
+        // only must fit the field (saturated so that `validate` sees them as too large).
+        let small = |x: u64| u8::try_from(x).unwrap_or(u8::MAX);
+        if let Some(x) = num("DSPARK_IB_SLOTS")? {
+            c.ib.slots = usize::try_from(x).unwrap_or(usize::MAX);
+        }
+        if let Some((n, v)) = pick(&["DSPARK_IB_SLOT_BYTES"]) {
+            c.ib.slot_bytes = Some(
+                parse_size(&v)
+                    .ok_or_else(|| Error::config(n, format!("{v:?} is not a size (e.g. 1M)")))?,
+            );
+        }
+        if let Some(x) = num("DSPARK_IB_TIMEOUT")? {
+            c.ib.timeout = small(x);
+        }
+        if let Some(x) = num("DSPARK_IB_RETRY_CNT")? {
+            c.ib.retry_cnt = small(x);
+        }
+        if let Some(x) = num("DSPARK_IB_RNR_RETRY")? {
+            c.ib.rnr_retry = small(x);
+        }
+        if let Some(x) = num("DSPARK_IB_SL")? {
+            c.ib.service_level = small(x);
+        }
+        if let Some(x) = num("DSPARK_IB_TC")? {
+            if x > 255 {
+                return Err(Error::config(
+                    "DSPARK_IB_TC",
+                    format!("{x}: expected 0..=255"),
+                ));
+            }
+            c.ib.traffic_class = small(x);
+        }
+        if let Some(x) = num("DSPARK_IB_SPIN_US")? {
+            c.ib.spin = Duration::from_micros(x.min(u64::from(u32::MAX)));
+        }
+        if let Some((n, v)) = pick(&["DSPARK_IB_ZERO_COPY_MIN"]) {
+            c.ib.zero_copy_min =
+                parse_size(&v).ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
+        }
+        c.cache_dir = cache_dir_from(|k| get(k).map(std::ffi::OsString::from));
         c.job_token = get("DSPARK_JOB_TOKEN").filter(|t| !t.is_empty());
         c.job_id = pick(&["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v);
         if let Some((n, v)) = pick(&["DSPARK_ALGO"]) {
@@ -332,12 +451,6 @@ impl Config {
             let b = parse_size(&v).ok_or_else(|| {
                 Error::config(n, format!("{v:?} is not a size (e.g. 524288, 512K, 1M)"))
             })?;
-            if !(64..=(1 << 30)).contains(&b) {
-                return Err(Error::config(
-                    n,
-                    format!("{v}: must be between 64 B and 1 GiB"),
-                ));
-            }
             c.segment_bytes = b;
         }
         if let Some((n, v)) = pick(&["DSPARK_SOCKET_BUFFER"]) {
@@ -365,7 +478,7 @@ impl Config {
         }
         if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
             let us = parse_usize(n, &v)?;
-            c.spin = Some(Duration::from_micros(us as u64));
+            c.spin = Some(Duration::from_micros((us as u64).min(u64::from(u32::MAX))));
         }
         c.validate()?;
         Ok(c)
@@ -406,9 +519,98 @@ impl Config {
         if self.timeout.is_zero() {
             return Err(Error::config("DSPARK_TIMEOUT", "the timeout must be > 0"));
         }
+        if !(MIN_SEGMENT..=MAX_SEGMENT).contains(&self.segment_bytes) {
+            return Err(Error::config(
+                "DSPARK_CHUNK_BYTES",
+                format!(
+                    "a segment of {} bytes: it must be between 64 B and 1 GiB",
+                    self.segment_bytes
+                ),
+            ));
+        }
+        if self.socket_buffer > MAX_SOCKET_BUFFER {
+            return Err(Error::config(
+                "DSPARK_SOCKET_BUFFER",
+                format!(
+                    "{} bytes: at most 1 GiB (0 leaves the kernel's autotuning)",
+                    self.socket_buffer
+                ),
+            ));
+        }
+        if self.spin.is_some_and(|s| s > MAX_SPIN) || self.ib.spin > MAX_SPIN {
+            let var = if self.ib.spin > MAX_SPIN {
+                "DSPARK_IB_SPIN_US"
+            } else {
+                "DSPARK_SPIN_US"
+            };
+            return Err(Error::config(
+                var,
+                "a busy-poll time of at most 1 s (1000000 µs)",
+            ));
+        }
+        self.ib.validate(self.segment_bytes)
+    }
+}
+
+/// The disk cache directory of compiled kernels from an environment: `$DSPARK_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/dspark`, else `$HOME/.cache/dspark`; `None` when none is set.
+pub fn cache_dir_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    nonempty("DSPARK_CACHE_DIR")
+        .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("dspark")))
+        .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("dspark")))
+}
+
+/// Bounds of the segment size (`DSPARK_CHUNK_BYTES`).
+const MIN_SEGMENT: usize = 64;
+const MAX_SEGMENT: usize = 1 << 30;
+const MAX_SOCKET_BUFFER: usize = 1 << 30;
+const MAX_SPIN: Duration = Duration::from_secs(1);
+
+impl IbSettings {
+    /// Checks the bounds of every setting, naming its variable; `segment` is the pipeline
+    /// segment size, which a slot must hold.
+    ///
+    /// # Errors
+    /// [`Error::Config`].
+    pub fn validate(&self, segment: usize) -> Result<()> {
+        let range = |name: &str, v: u64, lo: u64, hi: u64| -> Result<()> {
+            if (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(Error::config(
+                    name,
+                    format!("{v}: expected an integer in {lo}..={hi}"),
+                ))
+            }
+        };
+        range("DSPARK_IB_SLOTS", self.slots as u64, 2, 256)?;
+        range("DSPARK_IB_TIMEOUT", self.timeout.into(), 1, 31)?;
+        range("DSPARK_IB_RETRY_CNT", self.retry_cnt.into(), 0, 7)?;
+        range("DSPARK_IB_RNR_RETRY", self.rnr_retry.into(), 0, 6)?;
+        range("DSPARK_IB_SL", self.service_level.into(), 0, 15)?;
+        if let Some(b) = self.slot_bytes {
+            if b < segment {
+                return Err(Error::config(
+                    "DSPARK_IB_SLOT_BYTES",
+                    format!(
+                        "{b} bytes is smaller than the segment size {segment} (DSPARK_CHUNK_BYTES): \
+                         a slot must hold a whole segment"
+                    ),
+                ));
+            }
+            if b > MAX_SEGMENT {
+                return Err(Error::config(
+                    "DSPARK_IB_SLOT_BYTES",
+                    format!("{b} bytes: a slot holds at most 1 GiB"),
+                ));
+            }
+        }
         Ok(())
     }
+}
 
+impl Config {
     /// A 64-bit identity of the job for the handshake: FNV-1a of the token and the launcher's
     /// job id (0 when neither is set). Not a cryptographic protection: it keeps ranks of
     /// different jobs from joining each other by accident.
@@ -694,6 +896,89 @@ mod tests {
         );
         let e = err_of(&[]);
         assert!(e.contains("DSPARK_RANK"), "{e}");
+    }
+
+    const ONE: [(&str, &str); 2] = [("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "1")];
+
+    fn with_one(vars: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        ONE.iter().chain(vars).copied().collect()
+    }
+
+    #[test]
+    fn every_verbs_and_cache_setting_is_parsed_into_the_config() {
+        let c = Config::from_lookup(env(&with_one(&[
+            ("DSPARK_IB_SLOTS", "4"),
+            ("DSPARK_IB_SLOT_BYTES", "1M"),
+            ("DSPARK_IB_TIMEOUT", "18"),
+            ("DSPARK_IB_RETRY_CNT", "5"),
+            ("DSPARK_IB_RNR_RETRY", "3"),
+            ("DSPARK_IB_SL", "3"),
+            ("DSPARK_IB_TC", "104"),
+            ("DSPARK_IB_SPIN_US", "7"),
+            ("DSPARK_IB_ZERO_COPY_MIN", "128K"),
+            ("DSPARK_CACHE_DIR", "/cache/here"),
+        ])))
+        .unwrap();
+        assert_eq!(
+            c.ib,
+            IbSettings {
+                slots: 4,
+                slot_bytes: Some(1 << 20),
+                timeout: 18,
+                retry_cnt: 5,
+                rnr_retry: 3,
+                service_level: 3,
+                traffic_class: 104,
+                spin: Duration::from_micros(7),
+                zero_copy_min: 128 << 10,
+            }
+        );
+        assert_eq!(c.cache_dir, Some(PathBuf::from("/cache/here")));
+        let c = Config::from_lookup(env(&with_one(&[("HOME", "/home/u")]))).unwrap();
+        assert_eq!(c.cache_dir, Some(PathBuf::from("/home/u/.cache/dspark")));
+        // A hand-built configuration reads nothing: defaults, and no disk cache.
+        let c = Config::new(0, 1, "");
+        assert_eq!((c.ib.clone(), c.cache_dir), (IbSettings::default(), None));
+    }
+
+    #[test]
+    fn out_of_range_settings_are_refused_naming_the_variable() {
+        for (var, v) in [
+            ("DSPARK_IB_SLOTS", "1"),
+            ("DSPARK_IB_SLOTS", "257"),
+            ("DSPARK_IB_TIMEOUT", "0"),
+            ("DSPARK_IB_TIMEOUT", "32"),
+            ("DSPARK_IB_TIMEOUT", "300"),
+            ("DSPARK_IB_RETRY_CNT", "8"),
+            ("DSPARK_IB_RNR_RETRY", "7"),
+            ("DSPARK_IB_SL", "16"),
+            ("DSPARK_IB_TC", "256"),
+            ("DSPARK_IB_SPIN_US", "2000000"),
+            ("DSPARK_IB_SLOT_BYTES", "4K"),
+            ("DSPARK_IB_SLOT_BYTES", "2G"),
+            ("DSPARK_IB_ZERO_COPY_MIN", "some"),
+            ("DSPARK_CHUNK_BYTES", "0"),
+            ("DSPARK_CHUNK_BYTES", "8G"),
+            ("DSPARK_SOCKET_BUFFER", "2G"),
+            ("DSPARK_SPIN_US", "5000000"),
+        ] {
+            let e = err_of(&with_one(&[(var, v)]));
+            assert!(e.contains(var), "{var}={v}: {e}");
+        }
+        // The same bounds hold for a configuration built by hand.
+        let bad = |f: &dyn Fn(&mut Config), var: &str| {
+            let mut c = Config::new(0, 1, "");
+            f(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(var), "{var}: {e}");
+        };
+        bad(&|c| c.segment_bytes = 0, "DSPARK_CHUNK_BYTES");
+        bad(&|c| c.segment_bytes = 5 << 30, "DSPARK_CHUNK_BYTES");
+        bad(&|c| c.ib.slots = 0, "DSPARK_IB_SLOTS");
+        bad(&|c| c.ib.retry_cnt = 9, "DSPARK_IB_RETRY_CNT");
+        bad(&|c| c.ib.slot_bytes = Some(100), "DSPARK_IB_SLOT_BYTES");
+        bad(&|c| c.spin = Some(Duration::from_secs(5)), "DSPARK_SPIN_US");
+        assert!(Config::new(0, 1, "").validate().is_ok());
     }
 
     #[test]

@@ -531,7 +531,7 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
         return;
     }
     let cfg = Config::new(0, 1, "127.0.0.1:1");
-    let opts = verbs::VerbsOptions::from_lookup(&cfg, |k| std::env::var(k).ok()).unwrap();
+    let opts = verbs::VerbsOptions::from_config(&cfg).unwrap();
     // World 1 has no peers, but the region is registered all the same; ask for a 2-rank
     // layout so that it has landing slots.
     let layout = verbs::direct_layout(2, &opts, 4);

@@ -32,6 +32,7 @@ use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::gpu::device::GpuReducer;
 use crate::gpu::direct::CudaDirectDevice;
+use crate::gpu::nvrtc::DiskCache;
 use crate::gpu::staged::{CudaStagedDevice, StagingPool};
 use crate::path::{self, BufferLocation, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
@@ -127,7 +128,11 @@ impl Communicator {
         if let Some(r) = st.reducers.get(&ordinal) {
             return Ok(Arc::clone(r));
         }
-        let r = Arc::new(GpuReducer::new(stream.context())?);
+        let disk = match &self.config.cache_dir {
+            Some(d) => DiskCache::Dir(d.clone()),
+            None => DiskCache::Off,
+        };
+        let r = Arc::new(GpuReducer::with_cache(stream.context(), &disk)?);
         st.reducers.insert(ordinal, Arc::clone(&r));
         Ok(r)
     }

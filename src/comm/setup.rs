@@ -23,7 +23,7 @@ use std::time::Duration;
 use super::device::{GpuState, DIRECT_SEND_SLOTS};
 use super::{work, CommInfo, Communicator};
 use crate::bootstrap::{self, Bootstrap};
-use crate::config::{parse_size, Config, TransportChoice};
+use crate::config::{Config, TransportChoice};
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
@@ -325,7 +325,7 @@ fn select_transport(
 ) -> Result<Selected> {
     let rank = cfg.rank;
     let world = cfg.world_size;
-    let opts = VerbsOptions::from_lookup(cfg, |k| std::env::var(k).ok())?;
+    let opts = VerbsOptions::from_config(cfg)?;
     if world == 1 {
         return match cfg.transport {
             TransportChoice::Verbs => {
@@ -440,52 +440,21 @@ fn select_transport(
 }
 
 impl VerbsOptions {
-    /// The options for `cfg`, with `DSPARK_IB_*` tunables read through `get`.
+    /// The options for `cfg` (its `DSPARK_IB_*` settings, [`Config::ib`]); no environment is
+    /// read.
     ///
     /// # Errors
     /// [`Error::Config`] naming the variable.
-    pub fn from_lookup(cfg: &Config, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let num = |name: &str, lo: u64, hi: u64, default: u64| -> Result<u64> {
-            match get(name).filter(|v| !v.trim().is_empty()) {
-                None => Ok(default),
-                Some(v) => match v.trim().parse::<u64>() {
-                    Ok(x) if (lo..=hi).contains(&x) => Ok(x),
-                    _ => Err(Error::config(
-                        name,
-                        format!("{v:?}: expected an integer in {lo}..={hi}"),
-                    )),
-                },
-            }
-        };
+    pub fn from_config(cfg: &Config) -> Result<Self> {
+        cfg.ib.validate(cfg.segment_bytes)?;
         let device = match &cfg.ib_device {
             None => None,
             Some(spec) => {
                 Some(verbs::parse_device(spec).map_err(|w| Error::config("DSPARK_IB_DEVICE", w))?)
             }
         };
-        let slots = num("DSPARK_IB_SLOTS", 2, 256, 8)? as usize;
         let seg = cfg.segment_bytes.max(64);
-        let slot_payload = match get("DSPARK_IB_SLOT_BYTES").filter(|v| !v.trim().is_empty()) {
-            None => seg,
-            Some(v) => {
-                let b = parse_size(&v).ok_or_else(|| {
-                    Error::config(
-                        "DSPARK_IB_SLOT_BYTES",
-                        format!("{v:?} is not a size (e.g. 1M)"),
-                    )
-                })?;
-                if b < seg {
-                    return Err(Error::config(
-                        "DSPARK_IB_SLOT_BYTES",
-                        format!(
-                            "{b} bytes is smaller than the segment size {seg} (DSPARK_CHUNK_BYTES): \
-                             a slot must hold a whole segment"
-                        ),
-                    ));
-                }
-                b
-            }
-        };
+        let slot_payload = cfg.ib.slot_bytes.unwrap_or(seg).max(seg);
         if (slot_payload + HEADER_LEN) as u64 > u64::from(wire::MAX_FRAME) {
             return Err(Error::config(
                 "DSPARK_CHUNK_BYTES",
@@ -495,27 +464,22 @@ impl VerbsOptions {
                 ),
             ));
         }
-        let reliability = verbs::ib::Reliability {
-            timeout: num("DSPARK_IB_TIMEOUT", 1, 31, 16)? as u8,
-            retry_cnt: num("DSPARK_IB_RETRY_CNT", 0, 7, 7)? as u8,
-            rnr_retry: num("DSPARK_IB_RNR_RETRY", 0, 6, 6)? as u8,
-            min_rnr_timer: 12,
-        };
-        let spin = Duration::from_micros(num("DSPARK_IB_SPIN_US", 0, 1_000_000, 20)?);
-        let zero_copy_min = match get("DSPARK_IB_ZERO_COPY_MIN").filter(|v| !v.trim().is_empty()) {
-            None => 64 * 1024,
-            Some(v) => parse_size(&v).ok_or_else(|| {
-                Error::config("DSPARK_IB_ZERO_COPY_MIN", format!("{v:?} is not a size"))
-            })?,
-        };
+        let ib = &cfg.ib;
         Ok(VerbsOptions {
             device,
             gid_index: cfg.ib_gid_index,
-            slots,
+            slots: ib.slots,
             slot_payload,
-            reliability,
-            spin,
-            zero_copy_min,
+            reliability: verbs::ib::Reliability {
+                timeout: ib.timeout,
+                retry_cnt: ib.retry_cnt,
+                rnr_retry: ib.rnr_retry,
+                min_rnr_timer: 12,
+                service_level: ib.service_level,
+                traffic_class: ib.traffic_class,
+            },
+            spin: ib.spin,
+            zero_copy_min: ib.zero_copy_min,
         })
     }
 }
@@ -636,25 +600,37 @@ mod tests {
     use super::*;
 
     fn opts_of(vars: &[(&str, &str)]) -> Result<VerbsOptions> {
-        let cfg = Config::new(0, 2, "h:1");
-        let m: std::collections::HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        VerbsOptions::from_lookup(&cfg, |k| m.get(k).cloned())
+        let m: std::collections::HashMap<String, String> = [
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "h:1"),
+        ]
+        .iter()
+        .chain(vars)
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let cfg = Config::from_lookup(|k| m.get(k).cloned())?;
+        VerbsOptions::from_config(&cfg)
     }
 
     #[test]
-    fn default_options_surface_a_dead_peer_within_seconds() {
+    fn default_ack_budget_rides_out_congestion_like_nccls() {
         let o = opts_of(&[]).unwrap();
         let r = o.reliability;
-        // The ACK timeout is 4.096 µs × 2^t, tried retry_cnt + 1 times.
+        // The ACK timeout is 4.096 µs × 2^t, tried retry_cnt + 1 times: about 34 s, NCCL's
+        // budget (a dead peer is found by the liveness connection, not by this).
         let worst_ms = 4.096e-3 * f64::from(1u32 << r.timeout) * f64::from(r.retry_cnt + 1);
-        assert!(worst_ms < 5_000.0, "{worst_ms} ms");
+        assert!((20_000.0..60_000.0).contains(&worst_ms), "{worst_ms} ms");
         assert!(r.rnr_retry < 7, "RNR retry 7 means forever");
+        assert_eq!((r.service_level, r.traffic_class), (0, 0));
         assert_eq!(o.slot_payload, 512 * 1024);
         assert_eq!(o.slot_bytes() % 64, 0);
         assert!(o.slot_bytes() >= o.slot_payload + HEADER_LEN);
+        let o = opts_of(&[("DSPARK_IB_SL", "5"), ("DSPARK_IB_TC", "106")]).unwrap();
+        assert_eq!(
+            (o.reliability.service_level, o.reliability.traffic_class),
+            (5, 106)
+        );
     }
 
     #[test]

@@ -541,13 +541,7 @@ pub fn cache_dir() -> Option<PathBuf> {
     cache_dir_from(|k| std::env::var_os(k))
 }
 
-/// [`cache_dir`] with the environment injected (for tests).
-pub fn cache_dir_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
-    let nonempty = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    nonempty(CACHE_DIR_ENV)
-        .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("dspark")))
-        .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("dspark")))
-}
+pub use crate::config::cache_dir_from;
 
 /// FNV-1a, 64 bits: a stable hash for cache keys (std's hasher may change between releases).
 pub fn fnv1a64(data: &[u8]) -> u64 {

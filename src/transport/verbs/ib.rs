@@ -803,6 +803,10 @@ pub struct Reliability {
     pub rnr_retry: u8,
     /// Minimum RNR NAK timer code.
     pub min_rnr_timer: u8,
+    /// Service level of the address vector (lossless RoCE maps it to a priority).
+    pub service_level: u8,
+    /// Traffic class of the global route header (RoCE v2: the DSCP/ECN byte).
+    pub traffic_class: u8,
 }
 
 /// A reliable-connected queue pair.
@@ -882,7 +886,7 @@ impl Qp {
         a.max_dest_rd_atomic = 1;
         a.min_rnr_timer = rel.min_rnr_timer;
         a.ah_attr.dlid = r.lid;
-        a.ah_attr.sl = 0;
+        a.ah_attr.sl = rel.service_level;
         a.ah_attr.src_path_bits = 0;
         a.ah_attr.port_num = port;
         if let Some(gi) = r.sgid_index {
@@ -891,7 +895,7 @@ impl Qp {
             a.ah_attr.grh.sgid_index = gi;
             a.ah_attr.grh.hop_limit = 64;
             a.ah_attr.grh.flow_label = 0;
-            a.ah_attr.grh.traffic_class = 0;
+            a.ah_attr.grh.traffic_class = rel.traffic_class;
         }
         let m = AttrMask::STATE
             | AttrMask::AV

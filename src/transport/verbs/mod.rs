@@ -45,8 +45,10 @@
 //!
 //! # Tunables (environment)
 //!
-//! Read by the communicator's setup into [`VerbsOptions`] (`VerbsOptions::from_lookup`, in
-//! `src/comm/setup.rs`); the transport itself reads no environment and no configuration.
+//! Parsed by [`crate::Config::from_env`] into [`crate::config::IbSettings`] (bounds checked by
+//! [`crate::Config::validate`]) and turned into [`VerbsOptions`] by the communicator's setup
+//! (`VerbsOptions::from_config`, in `src/comm/setup.rs`); the transport itself reads no
+//! environment and no configuration.
 //!
 //! | variable | meaning | default |
 //! | --- | --- | --- |
@@ -54,14 +56,18 @@
 //! | `DSPARK_IB_GID_INDEX` | GID index (RoCE; global routing on IB) | the IPv4-mapped RoCE v2 GID |
 //! | `DSPARK_IB_SLOTS` | slots per peer and direction | 8 |
 //! | `DSPARK_IB_SLOT_BYTES` | payload bytes per slot (≥ `DSPARK_CHUNK_BYTES`) | the segment size |
-//! | `DSPARK_IB_TIMEOUT` | ACK timeout exponent (4.096 µs × 2^t) | 16 (≈ 268 ms) |
-//! | `DSPARK_IB_RETRY_CNT` | transport retries | 7 |
+//! | `DSPARK_IB_TIMEOUT` | ACK timeout exponent (4.096 µs × 2^t, 1–31) | 20 (≈ 4.3 s) |
+//! | `DSPARK_IB_RETRY_CNT` | transport retries (0–7) | 7 |
 //! | `DSPARK_IB_RNR_RETRY` | RNR retries (0–6) | 6 |
+//! | `DSPARK_IB_SL` | service level (0–15): the priority lossless RoCE maps it to | 0 |
+//! | `DSPARK_IB_TC` | traffic class (0–255): RoCE v2's DSCP/ECN byte (DSCP 26 → 104) | 0 |
 //! | `DSPARK_IB_SPIN_US` | busy-poll of the CQ in `wait` before sleeping | 20 |
 //! | `DSPARK_IB_ZERO_COPY_MIN` | smallest frame sent zero-copy from a registered buffer | 64 KiB |
 //!
-//! With the defaults a dead peer surfaces after about 8 × 268 ms ≈ 2 s of retries (or at once
-//! through the closed bootstrap connection), not after the 30 s of common defaults.
+//! With the defaults a queue pair gives up after about 8 × 4.3 s ≈ 34 s without
+//! acknowledgements — NCCL's budget, so that congestion and PFC pauses do not fail a job. A
+//! dead peer is found by the liveness connection instead: at once when its process dies
+//! (the kernel closes the socket), within seconds when its node does (keepalive).
 //!
 //! # Layout
 //!

@@ -151,6 +151,8 @@ pub(super) fn test_options(slots: usize) -> VerbsOptions {
             retry_cnt: 7,
             rnr_retry: 6,
             min_rnr_timer: 12,
+            service_level: 0,
+            traffic_class: 0,
         },
         spin: Duration::from_micros(20),
         zero_copy_min: 64 * 1024,
