@@ -452,3 +452,63 @@ fn every_argument_rule_is_checked_before_anything_moves() {
     });
     assert_eq!(res.len(), 3);
 }
+
+/// #11 item 8: a panic inside a collective (a bug, a failed assertion in a dependency) leaves
+/// half-sent frames and an advanced sequence on that rank. It must poison the communicator —
+/// the call and every later one fail — and tell the peers, which fail promptly naming the
+/// rank, not at the deadline; both for a blocking call and for one run by the progress
+/// thread.
+#[test]
+fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_promptly() {
+    let world = 3;
+    for nonblocking in [false, true] {
+        let fabric = MemFabric::new(world, 4);
+        // Rank 1's second frame to rank 2, in the middle of a ring all_reduce.
+        fabric.inject(Fault::Panic {
+            from: 1,
+            to: 2,
+            nth: 1,
+        });
+        let mut cfg = config(Duration::from_secs(60), 64);
+        cfg.algo = Some(dspark::plan::Algorithm::Ring);
+        let start = Instant::now();
+        let res = run_ranks(&fabric, world, &cfg, |c| {
+            let mut buf = vec![1.0f32; 1000];
+            let first = if nonblocking {
+                c.scope(|s| s.all_reduce(&mut buf, ReduceOp::Sum)?.wait())
+            } else {
+                c.all_reduce(&mut buf, ReduceOp::Sum)
+            };
+            let at = start.elapsed();
+            let second = c.all_reduce(&mut buf, ReduceOp::Sum);
+            (first, at, second, c.poisoned())
+        });
+        for (r, (first, at, second, poisoned)) in res.iter().enumerate() {
+            let e = first
+                .as_ref()
+                .expect_err(&format!("rank {r}: the call must fail"));
+            let text = e.to_string();
+            if r == 1 {
+                assert!(
+                    text.contains("panic") && text.contains("rank 1"),
+                    "rank 1 (nonblocking {nonblocking}): {text}"
+                );
+            } else {
+                assert!(
+                    text.contains("rank 1"),
+                    "rank {r} (nonblocking {nonblocking}) must name rank 1: {text}"
+                );
+            }
+            // Far below the 60 s deadline: the peers were told, they did not wait it out.
+            assert!(
+                *at < Duration::from_secs(20),
+                "rank {r} (nonblocking {nonblocking}) failed only after {at:?}"
+            );
+            assert!(
+                second.is_err() && poisoned.is_some(),
+                "rank {r} (nonblocking {nonblocking}): the communicator must stay poisoned: \
+                 {second:?}"
+            );
+        }
+    }
+}

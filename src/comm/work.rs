@@ -28,8 +28,21 @@ pub(crate) type Task = Box<dyn FnOnce(&mut Engine) -> Result<()> + Send>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Tasks run under catch_unwind, so a poisoned lock only means a panic between two
-    // statements of this module that touch no shared invariant.
+    // statements of this module that touch no shared invariant. The engine's lock is the
+    // exception: see `Shared::engine`.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The error a communicator fails with after a panic inside one of its operations.
+fn panicked(rank: usize) -> Error {
+    Error::Transport {
+        rank: Some(rank),
+        peer: None,
+        op: "collective".into(),
+        what: "internal error: a panic inside the operation (a dspark bug; please report it); \
+               the communicator is unusable"
+            .into(),
+    }
 }
 
 /// The completion of one queued operation.
@@ -183,7 +196,7 @@ impl Shared {
         q.driving = true;
         let ahead = !q.jobs.is_empty();
         drop(q);
-        let mut eng = lock(&self.engine);
+        let mut eng = self.engine();
         if ahead {
             self.drive(&mut eng, None);
         }
@@ -207,14 +220,7 @@ impl Shared {
             Err(_) => {
                 // Half-sent frames and an advanced sequence number: this rank can no longer
                 // agree with its peers. Fail for good, and tell them.
-                let e = Error::Transport {
-                    rank: Some(self.rank),
-                    peer: None,
-                    op: "collective".into(),
-                    what: "internal error: a panic inside the operation (a dspark bug; please \
-                           report it); the communicator is unusable"
-                        .into(),
-                };
+                let e = panicked(self.rank);
                 eng.fail(e.clone());
                 Err(e)
             }
@@ -222,6 +228,23 @@ impl Shared {
         eng.set_call_timeout(None);
         self.mirror_poison(eng);
         r
+    }
+
+    /// The engine, locked. A poisoned lock means a panic while the engine was held outside
+    /// the guarded operation: its state may be half-updated, so the communicator fails for
+    /// good and tells its peers, as after a panic inside an operation.
+    fn engine(&self) -> MutexGuard<'_, Engine> {
+        match self.engine.lock() {
+            Ok(g) => g,
+            Err(poisoned) => {
+                let mut g = poisoned.into_inner();
+                if g.poisoned().is_none() {
+                    g.fail(panicked(self.rank));
+                }
+                self.mirror_poison(&g);
+                g
+            }
+        }
     }
 
     /// Copies the engine's poison where readers that do not drive see it.
@@ -281,7 +304,7 @@ impl Shared {
             if !q.driving && until.is_none() {
                 q.driving = true;
                 drop(q);
-                let mut eng = lock(&self.engine);
+                let mut eng = self.engine();
                 self.drive(&mut eng, Some(done));
                 self.release(&mut eng);
                 continue;
@@ -303,7 +326,7 @@ impl Shared {
         }
         q.driving = true;
         drop(q);
-        let mut eng = lock(&self.engine);
+        let mut eng = self.engine();
         self.drive(&mut eng, None);
         self.release(&mut eng);
     }
@@ -326,7 +349,7 @@ impl Shared {
             }
             q.driving = true;
             drop(q);
-            let mut eng = lock(&self.engine);
+            let mut eng = self.engine();
             self.drive(&mut eng, None);
             self.release(&mut eng);
         }
@@ -341,7 +364,7 @@ impl Shared {
     /// Runs `f` with the engine once nothing else can use it (after the progress thread
     /// exited): for closing the communicator.
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
-        f(&mut lock(&self.engine))
+        f(&mut self.engine())
     }
 }
 
@@ -444,5 +467,56 @@ impl Work {
             op: self.what.into(),
             what: "internal error: the operation never completed".into(),
         }
+    }
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::time::{Duration, Instant};
+
+    use crate::transport::mem::MemFabric;
+    use crate::{Communicator, Config, ReduceOp};
+
+    /// A panic while the engine is held outside a guarded operation poisons its lock: the
+    /// communicator must then fail for good and tell its peer, not run on a state that may
+    /// be half-updated (#11 item 8).
+    #[test]
+    fn a_poisoned_engine_lock_fails_the_communicator_and_its_peers() {
+        let fabric = MemFabric::new(2, 4);
+        let mut cfg = Config::new(0, 1, "");
+        cfg.timeout = Duration::from_secs(60);
+        let start = Instant::now();
+        let res: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let (t, cfg) = (fabric.transport(r), &cfg);
+                    s.spawn(move || {
+                        let c = Communicator::from_transport(r, 2, Box::new(t), cfg).unwrap();
+                        let mut v = vec![1u32; 100];
+                        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                        if r == 0 {
+                            let _ = catch_unwind(AssertUnwindSafe(|| {
+                                c.shared
+                                    .with_engine(|_| panic!("a bug while holding the engine"))
+                            }));
+                        }
+                        let e = c.all_reduce(&mut v, ReduceOp::Sum).map(|_| v[0]);
+                        (e, start.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let (e0, _) = &res[0];
+        let e0 = e0.as_ref().unwrap_err().to_string();
+        assert!(e0.contains("panic") && e0.contains("rank 0"), "{e0}");
+        let (e1, at) = &res[1];
+        let e1 = e1.as_ref().unwrap_err().to_string();
+        assert!(e1.contains("rank 0"), "rank 1 must name rank 0: {e1}");
+        assert!(
+            *at < Duration::from_secs(20),
+            "rank 1 failed only after {at:?}"
+        );
     }
 }

@@ -37,6 +37,17 @@ pub enum Fault {
         /// Delay.
         by: Duration,
     },
+    /// Panic on the sender's thread, inside the collective, when `from` sends its `nth`
+    /// (0-based) data frame to `to` (the frame is not sent): a stand-in for a bug or a failed
+    /// assertion in the middle of an operation.
+    Panic {
+        /// Sender.
+        from: usize,
+        /// Receiver.
+        to: usize,
+        /// Which frame.
+        nth: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,26 +98,41 @@ impl State {
     }
 
     /// Counts the next data frame `from` → `to` and says what the injected faults do to it:
-    /// (dropped, delayed by).
+    /// (dropped, delayed by). Panics (a [`Fault::Panic`]) once the fabric's lock is released:
+    /// the other ranks must go on and see this rank's abort, not a poisoned fabric.
     #[cfg(feature = "testing")]
-    fn next_faults(&mut self, from: usize, to: usize) -> (bool, Option<Duration>) {
-        let idx = from * self.world + to;
-        let nth = self.sent[idx];
-        self.sent[idx] += 1;
-        let dropped = self.faults.iter().any(
+    fn next_faults(
+        mut st: MutexGuard<'_, State>,
+        from: usize,
+        to: usize,
+    ) -> (MutexGuard<'_, State>, bool, Option<Duration>) {
+        let idx = from * st.world + to;
+        let nth = st.sent[idx];
+        st.sent[idx] += 1;
+        if st.faults.iter().any(
+            |f| matches!(*f, Fault::Panic { from: a, to: b, nth: k } if a == from && b == to && k == nth),
+        ) {
+            drop(st);
+            panic!("injected panic: rank {from} sending frame {nth} to rank {to}");
+        }
+        let dropped = st.faults.iter().any(
             |f| matches!(*f, Fault::Drop { from: a, to: b, nth: k } if a == from && b == to && k == nth),
         );
-        let delay = self.faults.iter().find_map(|f| match *f {
+        let delay = st.faults.iter().find_map(|f| match *f {
             Fault::Delay { from: a, to: b, by } if a == from && b == to => Some(by),
             _ => None,
         });
-        (dropped, delay)
+        (st, dropped, delay)
     }
 
     /// Without the `testing` feature nothing is injected: every frame goes through at once.
     #[cfg(not(feature = "testing"))]
-    fn next_faults(&mut self, _from: usize, _to: usize) -> (bool, Option<Duration>) {
-        (false, None)
+    fn next_faults(
+        st: MutexGuard<'_, State>,
+        _from: usize,
+        _to: usize,
+    ) -> (MutexGuard<'_, State>, bool, Option<Duration>) {
+        (st, false, None)
     }
 }
 
@@ -363,7 +389,7 @@ impl Transport for MemTransport {
         if st.link(self.rank, peer).len() >= cap {
             return Ok(false);
         }
-        let (dropped, delay) = st.next_faults(self.rank, peer);
+        let (mut st, dropped, delay) = State::next_faults(st, self.rank, peer);
         if !dropped {
             let frame = Frame {
                 hdr: *hdr,
@@ -497,7 +523,7 @@ impl Transport for MemTransport {
             return Ok(false);
         }
         st.direct_sent[link] += 1;
-        let (dropped, delay) = st.next_faults(me, peer);
+        let (mut st, dropped, delay) = State::next_faults(st, me, peer);
         if !dropped {
             let at = layout.landing(me, (k % layout.slots as u64) as usize);
             let data = st.regions[me][offset..offset + len].to_vec();
