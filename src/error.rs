@@ -25,6 +25,12 @@ impl fmt::Display for RankName {
     }
 }
 
+/// `rank 3: ` where the rank is known, nothing otherwise (errors of a GPU or NIC probe run
+/// outside a communicator).
+fn rank_prefix(rank: &Option<usize>) -> String {
+    rank.map_or(String::new(), |r| format!("rank {r}: "))
+}
+
 fn peer_suffix(peer: &Option<usize>) -> String {
     match peer {
         Some(p) => format!(" (peer rank {p})"),
@@ -146,8 +152,10 @@ pub enum Error {
 
     /// Something requested cannot be had on this machine (verbs transport, GPUDirect RDMA,
     /// CUDA): `reason` says why.
-    #[error("{what} is unavailable: {reason}")]
+    #[error("{}{what} is unavailable: {reason}", rank_prefix(rank))]
     Unavailable {
+        /// The rank that asked (None outside a communicator, e.g. a probe).
+        rank: Option<usize>,
         /// What was asked for.
         what: String,
         /// Why it cannot be had.
@@ -155,8 +163,10 @@ pub enum Error {
     },
 
     /// A CUDA driver, runtime or NVRTC error.
-    #[error("CUDA error in {op}: {what}")]
+    #[error("{}CUDA error in {op}: {what}", rank_prefix(rank))]
     Cuda {
+        /// The rank (None outside a communicator: a kernel compiled or a GPU probed alone).
+        rank: Option<usize>,
         /// The call.
         op: String,
         /// The error text (for NVRTC compile errors, the compiler log).
@@ -218,12 +228,42 @@ impl Error {
         }
     }
 
-    /// Builds an [`Error::Unavailable`].
+    /// Builds an [`Error::Unavailable`] (the rank is filled in by [`Error::at_rank`]).
     pub fn unavailable(what: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Unavailable {
+            rank: None,
             what: what.into(),
             reason: reason.into(),
         }
+    }
+
+    /// Builds an [`Error::Cuda`] (the rank is filled in by [`Error::at_rank`]).
+    pub fn cuda(op: impl Into<String>, what: impl Into<String>) -> Self {
+        Error::Cuda {
+            rank: None,
+            op: op.into(),
+            what: what.into(),
+        }
+    }
+
+    /// Names the rank that saw this error. A communicator applies it to every error of its
+    /// calls: layers below it (a GPU stream's completion marks, a kernel compile, a probe)
+    /// do not know their rank. Every error a rank's call returns was observed by that rank,
+    /// so the rank is set wherever the error has one.
+    pub fn at_rank(mut self, me: usize) -> Self {
+        match &mut self {
+            Error::Timeout { rank, .. }
+            | Error::PeerLost { rank, .. }
+            | Error::Aborted { rank, .. } => *rank = me,
+            Error::Mismatch { rank, .. }
+            | Error::InvalidArgument { rank, .. }
+            | Error::Io { rank, .. }
+            | Error::Transport { rank, .. }
+            | Error::Unavailable { rank, .. }
+            | Error::Cuda { rank, .. } => *rank = Some(me),
+            Error::Config { .. } => {}
+        }
+        self
     }
 
     /// Whether this error leaves the communicator unusable (every later call fails with it).
@@ -288,6 +328,61 @@ mod tests {
             s.contains("rank 1") && s.contains("peer rank 0") && s.contains("count"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn at_rank_names_the_rank_of_every_kind() {
+        let all = [
+            Error::Timeout {
+                rank: 0,
+                peer: Some(1),
+                op: "staged synchronize".into(),
+                waited: Duration::from_secs(1),
+                detail: String::new(),
+            },
+            Error::PeerLost {
+                rank: 0,
+                peer: 1,
+                op: "x".into(),
+                detail: String::new(),
+            },
+            Error::Aborted {
+                rank: 0,
+                by: 1,
+                op: "x".into(),
+                reason: String::new(),
+            },
+            Error::invalid(None, "x", "y"),
+            Error::io(None, None, "x", io::Error::other("e")),
+            Error::Transport {
+                rank: None,
+                peer: None,
+                op: "x".into(),
+                what: "y".into(),
+            },
+            Error::Mismatch {
+                rank: None,
+                peer: None,
+                op: "x".into(),
+                what: "y".into(),
+            },
+            Error::unavailable("GPUDirect RDMA", "no peermem"),
+            Error::cuda("cuMemAlloc", "out of memory"),
+        ];
+        for e in all {
+            let before = e.to_string();
+            let s = e.at_rank(7).to_string();
+            assert!(s.contains("rank 7"), "{before} -> {s}");
+        }
+        // Outside a communicator a CUDA error has no rank, and says none.
+        assert_eq!(
+            Error::cuda("cuInit", "no driver").to_string(),
+            "CUDA error in cuInit: no driver"
+        );
+        assert!(Error::config("DSPARK_RANK", "x")
+            .at_rank(3)
+            .to_string()
+            .contains("DSPARK_RANK"));
     }
 
     #[test]

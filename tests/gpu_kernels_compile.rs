@@ -157,7 +157,7 @@ fn a_compile_error_is_reported_with_the_full_nvrtc_log() {
     let src =
         "extern \"C\" __global__ void broken(float* x) {\n  x[0] = undefined_helper_42(x[1]);\n}\n";
     let e = nvrtc::compile_uncached(src, "broken.cu", GpuArch::sm(9, 0), &[]).unwrap_err();
-    let Error::Cuda { op, what } = &e else {
+    let Error::Cuda { op, what, .. } = &e else {
         panic!("expected Error::Cuda, got {e:?}")
     };
     assert!(op.contains("broken.cu") && op.contains("sm_90"), "{op}");

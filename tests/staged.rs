@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::TestElem;
 use dspark::engine::staged::EmulatedDevice;
@@ -419,4 +419,57 @@ fn a_device_over_another_region_is_refused_before_anything_moves() {
     });
     let e = res[0].as_ref().unwrap_err().to_string();
     assert!(e.contains("not the one registered"), "{e}");
+}
+
+/// #11 item 3: a device call that fails on one rank before its data moves (here: staging
+/// slots smaller than a segment, or a direct device over a region the NIC does not know —
+/// stand-ins for a failed staging allocation, a kernel compile error, a stream on the wrong
+/// GPU) must fail through the same path as a failure mid-call: the communicator is poisoned
+/// and the peers, which are in the call, fail promptly naming the rank — not at the deadline.
+#[test]
+fn a_device_call_failing_before_data_moves_fails_its_peers_promptly() {
+    use dspark::transport::Transport;
+    for direct in [false, true] {
+        let start = Instant::now();
+        let count = 40;
+        let body = |comm: &Communicator| {
+            let r = comm.rank();
+            let mut b = common::inputs::<f32>(ReduceOp::Sum, 3, r, count);
+            let first = if r == 0 {
+                comm.all_reduce(&mut b, ReduceOp::Sum)
+            } else {
+                let c = call::<f32>(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false);
+                if direct {
+                    let other = MemFabric::with_direct(1, 4, 2, SEG, 3).transport(0);
+                    let region = other.direct_host_region().unwrap();
+                    let layout = comm.direct_layout().unwrap();
+                    let mut d = EmulatedDevice::direct(Vec::new(), bytes(&b), region, layout, 2, 1);
+                    comm.run_staged(c, &mut d)
+                } else {
+                    let mut d = EmulatedDevice::new(Vec::new(), bytes(&b), 2, 2, SEG / 2, 1);
+                    comm.run_staged(c, &mut d)
+                }
+            };
+            let at = start.elapsed();
+            // No later call: a rank left one call behind would meet its peer's call there.
+            (first, at, comm.poisoned())
+        };
+        let res = if direct {
+            run_direct(2, 2, body)
+        } else {
+            run_world(2, body)
+        };
+        for (r, (first, at, later)) in res.iter().enumerate() {
+            let e = first
+                .as_ref()
+                .expect_err(&format!("rank {r} (direct {direct}): the call must fail"))
+                .to_string();
+            assert!(e.contains("rank 1"), "rank {r} (direct {direct}): {e}");
+            assert!(
+                *at < Duration::from_secs(10),
+                "rank {r} (direct {direct}) failed only after {at:?} (deadline 30 s)"
+            );
+            assert!(later.is_some(), "rank {r} (direct {direct}): not poisoned");
+        }
+    }
 }

@@ -153,11 +153,35 @@ impl Communicator {
         if let Some(res) = self.empty_call(&call, None) {
             return res;
         }
-        let reducer = self.reducer(stream)?;
         let call = Call {
             dtype: T::DATA_TYPE,
             ..call
         };
+        // Every failure from here on — a kernel that does not compile, a staging allocation,
+        // a stream on another GPU than the buffers — happens while the peers are in the call:
+        // it poisons the communicator and tells them, like a failure half-way.
+        match self.device_call_on(&call, stream, src, dst) {
+            Err(e) if self.poisoned().is_none() => self
+                .shared
+                .exclusive(None, |eng| Err(eng.fail_before_start(&call, e))),
+            r => r,
+        }
+    }
+
+    fn device_call_on<T, S, D>(
+        &self,
+        call: &Call,
+        stream: &Arc<CudaStream>,
+        src: Option<&S>,
+        dst: Option<&mut D>,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        S: DevicePtr<T>,
+        D: DevicePtrMut<T>,
+    {
+        let call = *call;
+        let reducer = self.reducer(stream)?;
         let direct = self.world_size() > 1
             && path::uses_gpu_direct(
                 self.data_path(),

@@ -86,7 +86,8 @@ impl Communicator {
     /// another world size, job or version), [`Error::Unavailable`] (`DSPARK_TRANSPORT=verbs`
     /// that cannot be honoured).
     pub fn init(config: Config) -> Result<Self> {
-        Self::init_inner(config, None)
+        let rank = config.rank;
+        Self::init_inner(config, None).map_err(|e| e.at_rank(rank))
     }
 
     /// [`Communicator::init`], where rank 0 accepts the others on `root` (already bound)

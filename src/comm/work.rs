@@ -227,7 +227,7 @@ impl Shared {
         };
         eng.set_call_timeout(None);
         self.mirror_poison(eng);
-        r
+        r.map_err(|e| e.at_rank(self.rank))
     }
 
     /// The engine, locked. A poisoned lock means a panic while the engine was held outside

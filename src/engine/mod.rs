@@ -617,6 +617,7 @@ impl Engine {
             }
             Err(e) => Err(e),
         };
+        let result = result.map_err(|e| e.at_rank(self.rank));
         // Once the call has its sequence number, any failure — even an argument problem found
         // by a device or transport half-way — leaves this rank out of step with its peers
         // (and maybe half a frame on a wire): poison, and tell them.
@@ -624,6 +625,19 @@ impl Engine {
             self.fail(e.clone());
         }
         result
+    }
+
+    /// Fails `call` on this rank before it started (a device that cannot run it, a kernel
+    /// that did not compile, a staging buffer that could not be had): the peers are in the
+    /// call already, so this poisons the engine and tells them, as a failure half-way does.
+    /// Returns the error, named after the call and this rank.
+    pub fn fail_before_start(&mut self, call: &Call, e: Error) -> Error {
+        if let Some(p) = &self.poison {
+            return p.clone();
+        }
+        let e = e.in_op(call.coll.name()).at_rank(self.rank);
+        self.fail(e.clone());
+        e
     }
 
     /// The sequence number of `call`: communicator-wide for collectives, per peer and

@@ -190,6 +190,23 @@ impl Engine {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
+        // A device that cannot run the call fails it here, on this rank, while the peers are
+        // in it already: the same fail-and-tell path as a failure half-way, never a quiet
+        // return that leaves them waiting out the deadline and this rank a call behind.
+        let direct = match self.check_device(dev) {
+            Ok(d) => d,
+            Err(e) => return Err(self.fail_before_start(call, e)),
+        };
+        let lens = dev.buffer_bytes();
+        self.guarded(call, lens, |eng, prog, desc| {
+            let full = call.op.unwrap_or(ReduceOp::Sum);
+            eng.execute_staged(&prog, &desc, full, dev, direct)
+        })
+    }
+
+    /// Whether `dev` can run a call: slots that hold a segment, and for a direct device, the
+    /// transport's direct region (its layout is returned).
+    fn check_device(&self, dev: &dyn StagedDevice) -> Result<Option<DirectLayout>> {
         if dev.send_slots() == 0
             || (dev.recv_slots() == 0 && !dev.direct())
             || dev.slot_bytes() < self.opts.segment_bytes
@@ -198,16 +215,11 @@ impl Engine {
                 "staging device has no slots or slots smaller than a segment",
             ));
         }
-        let direct = if dev.direct() {
-            Some(self.direct_layout_for(dev)?)
+        if dev.direct() {
+            Ok(Some(self.direct_layout_for(dev)?))
         } else {
-            None
-        };
-        let lens = dev.buffer_bytes();
-        self.guarded(call, lens, |eng, prog, desc| {
-            let full = call.op.unwrap_or(ReduceOp::Sum);
-            eng.execute_staged(&prog, &desc, full, dev, direct)
-        })
+            Ok(None)
+        }
     }
 
     /// The transport's direct region layout, checked to be the region `dev` (a direct device)

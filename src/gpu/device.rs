@@ -56,6 +56,7 @@ const CONTEXT_SYMBOLS: [&str; 22] = [
 /// Maps a cudarc driver error to [`Error::Cuda`] naming `op` (for `map_err`).
 pub(crate) fn driver_err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda {
+        rank: None,
         op: op.to_string(),
         what: cu_error_text(e.0),
     }
@@ -163,6 +164,7 @@ impl GpuReducer {
     fn function(&self, kind: KernelKind, dtype: DataType, op: ReduceOp) -> Result<&CudaFunction> {
         let name = kernels::kernel_name(kind, dtype, op);
         self.functions.get(&name).ok_or_else(|| Error::Cuda {
+            rank: None,
             op: "cuModuleGetFunction".into(),
             what: format!("{name} not loaded"),
         })
@@ -486,7 +488,7 @@ pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Res
             Ok(unsafe { OwnedFd::from_raw_fd(fd) })
         }
         sys::CUresult::CUDA_SUCCESS => {
-            Err(Error::Cuda { op: "cuMemGetHandleForAddressRange".into(), what: format!("returned fd {fd}") })
+            Err(Error::Cuda { rank: None, op: "cuMemGetHandleForAddressRange".into(), what: format!("returned fd {fd}") })
         }
         sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => Err(Error::unavailable(
             "dma-buf export of device memory",
@@ -496,7 +498,7 @@ pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Res
                 cu_error_text(r)
             ),
         )),
-        other => Err(Error::Cuda { op: "cuMemGetHandleForAddressRange".into(), what: cu_error_text(other) }),
+        other => Err(Error::Cuda { rank: None, op: "cuMemGetHandleForAddressRange".into(), what: cu_error_text(other) }),
     }
 }
 

@@ -20,7 +20,7 @@
 //! use dspark::transport::DirectLayout;
 //! let ctx = device::open_context(0)?;
 //! let reducer = device::GpuReducer::new(&ctx)?;
-//! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { op: "stream".into(), what: format!("{e:?}") })?;
+//! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { rank: None, op: "stream".into(), what: format!("{e:?}") })?;
 //! let layout = DirectLayout { world: 2, slots: 4, slot_bytes: 1 << 20, send_slots: 4 };
 //! let region = DirectRegion::new(&ctx, layout)?;
 //! let (kinds, why_not) = region.registration_candidates(); // for the transport

@@ -146,6 +146,7 @@ pub fn compile_all(arch: GpuArch, disk: &DiskCache) -> Result<KernelBuild> {
         .collect();
     if !missing.is_empty() {
         return Err(Error::Cuda {
+            rank: None,
             op: format!("nvrtcCompileProgram({PROGRAM_NAME}, {arch})"),
             what: format!(
                 "{} of {} kernels missing from the image (first: {}); NVRTC log:\n{}",

@@ -57,6 +57,7 @@ fn require_nvrtc() -> Result<()> {
 
 fn nvrtc_err(op: &str, r: sys::nvrtcResult) -> Error {
     Error::Cuda {
+        rank: None,
         op: op.to_string(),
         what: format!("{r:?}"),
     }
@@ -432,6 +433,7 @@ pub fn compile_uncached(
     require_nvrtc()?;
     let nvrtc_version = version()?;
     let src = CString::new(source).map_err(|_| Error::Cuda {
+        rank: None,
         op: "nvrtcCreateProgram".into(),
         what: "kernel source contains a NUL byte".into(),
     })?;
@@ -443,6 +445,7 @@ pub fn compile_uncached(
         .map(|o| CString::new(o.as_str()))
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::Cuda {
+            rank: None,
             op: "nvrtcCompileProgram".into(),
             what: "option contains NUL".into(),
         })?;
@@ -472,6 +475,7 @@ pub fn compile_uncached(
     let log = program_log(&prog);
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(Error::Cuda {
+            rank: None,
             op: format!("nvrtcCompileProgram({name}, {arch})"),
             what: format!(
                 "{r:?}; options: {}; NVRTC log:\n{log}",
@@ -513,6 +517,7 @@ pub fn compile_uncached(
     drop(cname);
     if image.is_empty() {
         return Err(Error::Cuda {
+            rank: None,
             op: format!("nvrtcCompileProgram({name}, {arch})"),
             what: "empty image".into(),
         });

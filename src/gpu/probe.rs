@@ -61,6 +61,7 @@ pub(crate) fn cu_check(op: &str, r: sys::CUresult) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Cuda {
+            rank: None,
             op: op.to_string(),
             what: cu_error_text(r),
         })

@@ -11,7 +11,7 @@
 //! use dspark::gpu::{device, staged::{CudaStagedDevice, StagingPool}};
 //! let ctx = device::open_context(0)?;
 //! let reducer = device::GpuReducer::new(&ctx)?;
-//! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { op: "stream".into(), what: format!("{e:?}") })?;
+//! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { rank: None, op: "stream".into(), what: format!("{e:?}") })?;
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
 //! let mut pool = StagingPool::new(&ctx, 4, 4, 1 << 20)?;
 //! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
@@ -74,6 +74,7 @@ impl Pinned {
         })?;
         if p.is_null() {
             return Err(Error::Cuda {
+                rank: None,
                 op: "cuMemHostAlloc".into(),
                 what: "null pointer".into(),
             });
@@ -564,6 +565,8 @@ impl Marks {
         while !self.reached(last, spare)? {
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
+                    // This layer does not know its rank: the engine names it
+                    // (`Error::at_rank`) before the error leaves the call.
                     rank: 0,
                     peer: None,
                     op: op.into(),
