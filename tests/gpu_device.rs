@@ -776,3 +776,50 @@ fn direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory() {
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// #11 item 4: the safe `slot`/`slot_mut` of the staged device never show pinned memory that
+/// a queued asynchronous copy may still be writing: empty until the mark after the copy is
+/// reached, the copied bytes after it.
+#[test]
+fn a_staging_slot_is_hidden_while_a_copy_into_it_may_run() {
+    use dspark::engine::staged::{DevRange, StagedDevice};
+    use dspark::gpu::staged::{CudaStagedDevice, StagingPool};
+    use dspark::plan::Buf;
+    let test = "a_staging_slot_is_hidden_while_a_copy_into_it_may_run";
+    let Some((ctx, r)) = reducer(test) else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let seg = 1 << 20;
+    let mut pool = StagingPool::new(&ctx, 2, 2, seg).unwrap();
+    let input: Vec<u8> = (0..seg).map(|i| (i % 251) as u8).collect();
+    let mut buf = stream.clone_htod(&input).unwrap();
+    let mut dev = CudaStagedDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
+        &r,
+        &stream,
+        None,
+        Some(&mut buf),
+        &mut pool,
+    )
+    .unwrap();
+    assert_eq!(dev.slot(0).len(), seg, "an untouched slot is visible");
+    let range = DevRange {
+        buf: Buf::Dst,
+        bytes: 0..seg,
+    };
+    dev.d2h(&range, 0).unwrap();
+    assert!(
+        dev.slot(0).is_empty(),
+        "a slot under a queued copy must be hidden"
+    );
+    assert!(
+        dev.slot_mut(0).is_empty(),
+        "a slot under a queued copy must be hidden"
+    );
+    assert_eq!(dev.slot(1).len(), seg, "other slots stay visible");
+    let m = dev.mark().unwrap();
+    dev.synchronize(Instant::now() + std::time::Duration::from_secs(60))
+        .unwrap();
+    assert!(dev.reached(m).unwrap());
+    assert_eq!(dev.slot(0), &input[..], "after the mark: the copied bytes");
+}

@@ -110,6 +110,11 @@ pub struct CudaStagedDevice<'a> {
     stream: &'a Arc<CudaStream>,
     pool: &'a mut StagingPool,
     marks: Marks,
+    /// Per slot, the mark that must be reached before the host may look at it: the first
+    /// mark recorded after the last copy into or out of it was enqueued (0: none pending).
+    /// `slot`/`slot_mut` check it, so that safe code cannot see pinned memory that a queued
+    /// asynchronous copy may still be writing or reading.
+    busy: Vec<u64>,
     // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
     bufs: DevBuffers<'a>,
 }
@@ -179,17 +184,33 @@ impl<'a> CudaStagedDevice<'a> {
         // The driver functions used here were checked when the pool was created.
         check_contexts("staged", "staging pool", &pool.ctx, stream, reducer, "")?;
         let bufs = DevBuffers::borrow("staged", stream, src, dst);
+        let slots = pool.slots.len / pool.slot_bytes;
         Ok(CudaStagedDevice {
             reducer,
             stream,
             pool,
             marks: Marks::new(),
+            busy: vec![0; slots],
             bufs,
         })
     }
 
     fn slot_count(&self) -> usize {
         self.pool.slots.len / self.pool.slot_bytes
+    }
+
+    /// Records that an asynchronous copy touching `slot` was just enqueued: the host may look
+    /// at the slot again once the next mark is reached.
+    fn enqueued(&mut self, slot: usize) {
+        if let Some(b) = self.busy.get_mut(slot) {
+            *b = self.marks.next + 1;
+        }
+    }
+
+    /// Whether no enqueued copy may still touch `slot` (the mark after the last one is known
+    /// to be reached).
+    fn settled(&self, slot: usize) -> bool {
+        self.busy.get(slot).is_some_and(|&b| b <= self.marks.done)
     }
 
     fn slot_ptr(&self, op: &str, slot: usize, len: usize) -> Result<*mut u8> {
@@ -229,20 +250,28 @@ impl StagedDevice for CudaStagedDevice<'_> {
         self.pool.slot_bytes
     }
 
+    /// Host view of slot `i`; empty while a copy into or out of it may still run (the engine
+    /// polls the mark after the copy first, so it never sees that).
     fn slot(&self, i: usize) -> &[u8] {
+        if !self.settled(i) {
+            return &[];
+        }
         match self.slot_ptr("slot", i, self.pool.slot_bytes) {
-            // SAFETY: the slot lies inside the live pinned allocation; the engine reads a slot
-            // only after the mark following its last asynchronous write has been reached, so
-            // no copy writes it while this borrow lives.
+            // SAFETY: the slot lies inside the live pinned allocation, and the mark after the
+            // last copy that touched it has been reached (`settled`): no copy runs on it, and
+            // none can be enqueued while this borrow of `self` lives.
             Ok(p) => unsafe { std::slice::from_raw_parts(p, self.pool.slot_bytes) },
             Err(_) => &[],
         }
     }
 
+    /// Mutable host view of slot `i`; empty while a copy into or out of it may still run.
     fn slot_mut(&mut self, i: usize) -> &mut [u8] {
+        if !self.settled(i) {
+            return &mut [];
+        }
         match self.slot_ptr("slot", i, self.pool.slot_bytes) {
-            // SAFETY: as in `slot`; `&mut self` makes this the only borrow of the slots, and the
-            // engine reuses a slot only after the mark following its last copy was reached.
+            // SAFETY: as in `slot`; `&mut self` makes this the only borrow of the slots.
             Ok(p) => unsafe { std::slice::from_raw_parts_mut(p, self.pool.slot_bytes) },
             Err(_) => &mut [],
         }
@@ -255,6 +284,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         if n == 0 {
             return Ok(());
         }
+        self.enqueued(slot);
         // SAFETY: `host` has `n` bytes of pinned memory and `dev` `n` bytes of a borrowed device
         // buffer (both checked); the copy is ordered on the stream, which is synchronised
         // before either buffer is released.
@@ -270,6 +300,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         if n == 0 {
             return Ok(());
         }
+        self.enqueued(slot);
         // SAFETY: as in `d2h`, in the other direction.
         cu_check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(dev, host.cast_const().cast(), n, self.cu_stream())
@@ -297,6 +328,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         if n == 0 {
             return Ok(());
         }
+        self.enqueued(slot);
         let scratch = self.pool.scratch.ptr();
         // SAFETY: the scratch allocation holds `slot_bytes >= n` bytes (checked by
         // `slot_ptr`); the slot holds `n` bytes; ordered on the stream before the kernel that
