@@ -193,13 +193,15 @@ fn zero_copy() -> Result<i32, String> {
     let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
     let n = 4 << 20;
     let payload: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
-    let reg = comm.register_buffer(&payload).map_err(|e| e.to_string())?;
-    if !reg.is_registered() || reg.len() != n {
+    let reg = comm
+        .register_buffer(payload.clone())
+        .map_err(|e| e.to_string())?;
+    if !reg.is_registered() || reg.bytes() != n {
         return Err(format!("verbs did not register the buffer: {reg:?}"));
     }
     for round in 0..5 {
         if comm.rank() == 0 {
-            comm.send(&payload, 1).map_err(|e| e.to_string())?;
+            comm.send(&reg, 1).map_err(|e| e.to_string())?;
         } else {
             let mut got = vec![0u8; n];
             comm.recv(&mut got, 0).map_err(|e| e.to_string())?;
@@ -248,9 +250,9 @@ fn last_write() -> Result<i32, String> {
         let payload: Vec<u8> = (0..n).map(|i| (i * 13 + round) as u8).collect();
         if comm.rank() == 0 {
             let reg = comm
-                .register_buffer(&payload)
+                .register_buffer(payload.clone())
                 .map_err(|e| format!("round {round}: {e}"))?;
-            comm.send(&payload, 1)
+            comm.send(&reg, 1)
                 .map_err(|e| format!("round {round}: send: {e}"))?;
             if comm.zero_copy_frames() == 0 {
                 return Err(format!("round {round}: the send did not go zero-copy"));

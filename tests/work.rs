@@ -459,3 +459,27 @@ fn init_with_store_meets_through_the_store_twice_in_a_row_without_a_fixed_port()
         }
     });
 }
+
+/// #11 item 4: a registered buffer is owned by its registration, used through it in any
+/// collective, and given back intact; on a transport without registrations (here the
+/// in-process one) it is simply not registered.
+#[test]
+fn a_registered_buffer_is_used_through_its_registration_and_given_back() {
+    let world = 3;
+    let fabric = MemFabric::new(world, 4);
+    let cfg = config(Duration::from_secs(30), 256);
+    let res = common::run_mem_ranks(&fabric, world, &cfg, |c| {
+        let mut reg = c.register_buffer(vec![c.rank() as u32 + 1; 1001]).unwrap();
+        assert!(!reg.is_registered());
+        assert_eq!(reg.bytes(), 1001 * 4);
+        c.all_reduce(&mut reg, ReduceOp::Sum).unwrap();
+        // As the source of another collective.
+        let mut all = vec![0u32; 1001 * 3];
+        c.all_gather(&reg, &mut all).unwrap();
+        assert!(all.iter().all(|&x| x == 6), "rank {}", c.rank());
+        reg.into_inner()
+    });
+    for (r, v) in res.into_iter().enumerate() {
+        assert_eq!(v, vec![6u32; 1001], "rank {r}");
+    }
+}

@@ -391,26 +391,51 @@ impl Communicator {
     /// Registers `buf` with the transport so that sends from it move zero-copy (RDMA verbs:
     /// the NIC reads the buffer directly instead of a pinned bounce slot; on TCP this does
     /// nothing). Registration happens once; every later collective on this buffer reuses it, so
-    /// the steady state never registers memory. Dropping the returned [`Registration`]
-    /// deregisters it.
+    /// the steady state never registers memory.
     ///
-    /// Keep the buffer allocated, at the same address, while it is registered: the NIC holds
-    /// the pages the buffer had when it was registered, and a new allocation that reuses the
-    /// address would be sent from the old pages (wrong data, silently). This is why dspark
-    /// never registers caller memory behind the caller's back.
+    /// The returned [`Registration`] owns the buffer and derefs to it (`&reg[..]`,
+    /// `&mut reg[..]`: use it in any collective); dropping it, or
+    /// [`Registration::into_inner`], deregisters it first. The NIC holds the pages the buffer
+    /// had when it was registered, so owning the buffer is what makes this sound: it cannot be
+    /// freed, or reallocated so that a new allocation reuses the address, while the NIC may
+    /// still send from it. The pages are pinned writable (`IBV_ACCESS_LOCAL_WRITE`), as NCCL
+    /// does: a read-only pin can hold the shared zero page or, after a `fork`, a page the
+    /// process no longer writes.
+    ///
+    /// ```no_run
+    /// # fn f(comm: &dspark::Communicator) -> dspark::Result<()> {
+    /// let mut grads = comm.register_buffer(vec![0f32; 1 << 20])?;
+    /// for _step in 0..100 {
+    ///     // ... fill grads[..] ...
+    ///     comm.all_reduce(&mut grads, dspark::ReduceOp::Avg)?;
+    /// }
+    /// let grads: Vec<f32> = grads.into_inner();
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// What made the old borrowed form unsound cannot be written: the buffer is not freed
+    /// while registered.
+    ///
+    /// ```compile_fail
+    /// # fn f(comm: &dspark::Communicator) -> dspark::Result<()> {
+    /// let buf = vec![1u8; 4096];
+    /// let reg = comm.register_buffer(buf)?;
+    /// drop(buf); // error: `buf` moved into the registration
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// [`Error::Transport`] when the transport cannot register it (for example the memlock
-    /// limit; the message says how to raise it).
-    pub fn register_buffer<T: Element>(&self, buf: &[T]) -> Result<Registration<'_>> {
-        let bytes: &[u8] = bytemuck::cast_slice(buf);
+    /// limit; the message says how to raise it). The buffer is dropped then.
+    pub fn register_buffer<T: Element>(&self, buf: Vec<T>) -> Result<Registration<'_, T>> {
+        let bytes: &[u8] = bytemuck::cast_slice(&buf);
         let id = self
             .shared
             .exclusive(None, |eng| eng.register_host(bytes))?;
         Ok(Registration {
             comm: self,
             id,
-            bytes: size_of_val(buf),
+            buf,
         })
     }
 
@@ -679,40 +704,60 @@ impl Timed<'_> {
     }
 }
 
-/// A buffer registered with the transport by [`Communicator::register_buffer`];
-/// deregistered when dropped.
+/// A buffer registered with the transport by [`Communicator::register_buffer`]: it owns the
+/// buffer, derefs to it, and deregisters it before giving it back ([`Registration::into_inner`])
+/// or freeing it (drop).
 #[derive(Debug)]
-pub struct Registration<'a> {
+pub struct Registration<'a, T: Element> {
     comm: &'a Communicator,
     id: Option<u64>,
-    bytes: usize,
+    buf: Vec<T>,
 }
 
-impl Registration<'_> {
+impl<T: Element> Registration<'_, T> {
     /// Whether the transport registered the buffer (RDMA); `false` when it has no use for it.
     pub fn is_registered(&self) -> bool {
         self.id.is_some()
     }
 
     /// Size of the registered buffer in bytes.
-    pub fn len(&self) -> usize {
-        self.bytes
+    pub fn bytes(&self) -> usize {
+        size_of_val(self.buf.as_slice())
     }
 
-    /// Whether the registered buffer is empty.
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
+    /// Deregisters the buffer and gives it back.
+    pub fn into_inner(mut self) -> Vec<T> {
+        self.deregister();
+        std::mem::take(&mut self.buf)
     }
-}
 
-impl Drop for Registration<'_> {
-    fn drop(&mut self) {
+    fn deregister(&mut self) {
         if let Some(id) = self.id.take() {
             let _ = self.comm.shared.exclusive(None, |eng| {
                 eng.deregister(id);
                 Ok(())
             });
         }
+    }
+}
+
+impl<T: Element> std::ops::Deref for Registration<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Registration<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf
+    }
+}
+
+impl<T: Element> Drop for Registration<'_, T> {
+    fn drop(&mut self) {
+        // Before the buffer is freed (fields drop after this).
+        self.deregister();
     }
 }
 

@@ -203,11 +203,13 @@ pub fn wc_status_name(status: u32) -> &'static str {
 pub enum Access {
     /// Peers RDMA-write into it (receive slots, CTS ring): local + remote write.
     RemoteWrite,
-    /// Staging memory this rank writes and the NIC reads: local write.
+    /// Staging memory this rank writes and the NIC reads, and a caller's buffer that is the
+    /// source of RDMA writes: local write. A read-only pin would be unsound in practice, as
+    /// NCCL found: pinning never-written memory pins the shared zero page, and after a
+    /// `fork` the process's next write moves to a copy — either way the NIC keeps sending
+    /// the old page. Asking for write access makes the kernel break copy-on-write at
+    /// registration, so the pinned pages are the ones the process writes.
     LocalWrite,
-    /// A caller's buffer that is only ever the source of RDMA writes: no write access at all,
-    /// so read-only pages register too.
-    SendSource,
 }
 
 impl Access {
@@ -217,7 +219,6 @@ impl Access {
         match self {
             Access::RemoteWrite => a::IBV_ACCESS_LOCAL_WRITE | a::IBV_ACCESS_REMOTE_WRITE,
             Access::LocalWrite => a::IBV_ACCESS_LOCAL_WRITE,
-            Access::SendSource => 0,
         }
     }
 }
@@ -1086,10 +1087,9 @@ mod tests {
             Access::RemoteWrite.flags(),
             a::IBV_ACCESS_LOCAL_WRITE | a::IBV_ACCESS_REMOTE_WRITE
         );
+        // Caller buffers too: a read-only pin can hold the zero page or a pre-fork page.
         assert_eq!(Access::LocalWrite.flags(), a::IBV_ACCESS_LOCAL_WRITE);
-        // A send-only buffer asks for no write access, so read-only pages register.
-        assert_eq!(Access::SendSource.flags(), 0);
-        for acc in [Access::RemoteWrite, Access::LocalWrite, Access::SendSource] {
+        for acc in [Access::RemoteWrite, Access::LocalWrite] {
             assert_eq!(
                 acc.flags() & a::IBV_ACCESS_REMOTE_READ,
                 0,

@@ -234,12 +234,12 @@ impl VerbsTransport {
         let r = match kind {
             // SAFETY: the caller's contract.
             MemoryKind::Host | MemoryKind::CudaPeerMem => unsafe {
-                self.pd.register(addr as *mut u8, len, Access::SendSource)
+                self.pd.register(addr as *mut u8, len, Access::LocalWrite)
             },
             // SAFETY: the caller's contract covers the dma-buf range.
             MemoryKind::CudaDmaBuf { fd, offset } => unsafe {
                 self.pd
-                    .register_dmabuf(fd, offset, len, addr, Access::SendSource)
+                    .register_dmabuf(fd, offset, len, addr, Access::LocalWrite)
             },
         };
         let mr = r.map_err(|e| Error::Transport {
