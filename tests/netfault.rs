@@ -353,3 +353,42 @@ fn a_host_that_goes_silent_while_a_rank_waits_to_receive_from_it_is_found_in_sec
         outs[0].out
     );
 }
+
+/// The other side of the checks: a stopped process's kernel keeps acknowledging (and then
+/// answers zero-window probes), so neither keepalive nor the retransmission check may take it
+/// for a dead host. Its peer, whose sends filled the stopped rank's receive window, fails at
+/// its deadline with `Timeout`, not earlier with `PeerLost`. (A short `TCP_USER_TIMEOUT` would
+/// fail this: Linux applies it to zero-window probing.) Runs on loopback, without root.
+#[test]
+fn a_stopped_rank_whose_window_is_full_is_not_taken_for_a_dead_host() {
+    let test = "a_stopped_rank_whose_window_is_full_is_not_taken_for_a_dead_host";
+    // Longer than keepalive (about 7 s) and the retransmission check (at least 25 s).
+    let deadline = Duration::from_secs(35);
+    let secs = deadline.as_secs().to_string();
+    let env = move |_| vars(&[("DSPARK_TIMEOUT", secs.as_str())]);
+    let mut ranks = spawn(2, "stream", &env, None);
+    ranks.wait_ready(2);
+    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    let t0 = Instant::now();
+    while t0.elapsed() < deadline * 2 {
+        if ranks.children[0].try_wait().ok().flatten().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waited = t0.elapsed();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    let outs = ranks.wait(Duration::from_secs(5));
+    let o = &outs[0];
+    eprintln!(
+        "{test}: rank 0 ended {waited:.1?} after SIGSTOP: {}",
+        failure(o)
+    );
+    assert_eq!(o.code, Some(TIMED_OUT), "{test}: want Timeout:\n{}", o.out);
+    assert!(
+        waited + Duration::from_secs(3) >= deadline,
+        "{test}: rank 0 gave up after {waited:.1?}, before its {deadline:?} deadline:\n{}",
+        o.out
+    );
+}
