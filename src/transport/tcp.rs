@@ -21,9 +21,9 @@
 //!   after the last byte it sent ("no answer from its host ..."). The kernel probes only a
 //!   connection with no unacknowledged data of ours, the case of a rank waiting to receive.
 //! * **Retransmission stall**: for a connection with unacknowledged data, keepalive does not
-//!   run; there `wait` reads the kernel's count of
-//!   consecutive retransmission timeouts (`/proc/net/tcp`) at most once a second and fails the peer
-//!   after [`STALL_RETRANSMITS`] (7) without an acknowledgement: at Linux's smallest RTO of
+//!   run; there `wait` reads the kernel's count of consecutive retransmission timeouts
+//!   (`/proc/net/tcp`) at most once a second and fails the peer after
+//!   [`STALL_RETRANSMITS`] (7) without an acknowledgement: at Linux's smallest RTO of
 //!   200 ms that is at least 25 s of total silence from the peer's host, the order of NCCL's
 //!   tolerance on InfiniBand (about 30 s), so congestion (which delays acknowledgements but
 //!   does not stop them) does not fail a job. The same count of unanswered zero-window probes
@@ -77,7 +77,7 @@ pub const KEEPALIVE_PROBES: u32 = 5;
 /// acknowledgement after which a peer with unacknowledged data is lost: RTOs double from
 /// at least 200 ms, so 7 mean at least 25 s without a word from the peer's host.
 pub const STALL_RETRANSMITS: u32 = 7;
-/// How often a waiting transport looks at the retransmission counters while nothing happens.
+/// How often, at most, a waiting transport reads the retransmission counters.
 const STALL_CHECK: Duration = Duration::from_secs(1);
 
 /// Socket options for the data connections.
