@@ -17,6 +17,7 @@ T0=$SECONDS
 # ---------------------------------------------------------------- system packages
 need=()
 command -v ip >/dev/null || need+=(iproute2)
+command -v nft >/dev/null || need+=(nftables)   # tests/netfault.rs: silent drops and resets (no tc netem here)
 command -v python3 >/dev/null || need+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 command -v cc >/dev/null || need+=(gcc libc6-dev)

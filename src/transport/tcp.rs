@@ -9,7 +9,39 @@
 //! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] at once; one
 //!   that sent an abort frame fails every survivor with [`Error::Aborted`].
 //!
-//! No `unsafe` here: sockets come from `std`, `poll` and `sendmsg` from `nix`.
+//! # Dead hosts
+//!
+//! A host that loses power, or whose network is cut, sends no FIN and no RST: without help
+//! its peers would learn of it only at the deadline. Two checks find it in seconds, both
+//! answered by the peer's *kernel*, so a live host answers them however busy its rank is:
+//!
+//! * **Keepalive** on every connection ([`KEEPALIVE_IDLE`], [`KEEPALIVE_INTERVAL`],
+//!   [`KEEPALIVE_PROBES`]): a connection that has heard nothing for 2 s is probed once a
+//!   second; 5 unanswered probes fail it, so a silent host is [`Error::PeerLost`] about 7 s
+//!   after the last byte it sent ("no answer from its host ..."). The kernel probes only a
+//!   connection with no unacknowledged data of ours, the case of a rank waiting to receive.
+//! * **Retransmission stall**: for a connection with unacknowledged data, keepalive does not
+//!   run; there `wait` reads the kernel's count of consecutive retransmission timeouts
+//!   (`/proc/net/tcp`) at most once a second and fails the peer after
+//!   [`STALL_RETRANSMITS`] (7) without an acknowledgement: at Linux's smallest RTO of
+//!   200 ms that is at least 25 s of total silence from the peer's host, the order of NCCL's
+//!   tolerance on InfiniBand (about 30 s), so congestion (which delays acknowledgements but
+//!   does not stop them) does not fail a job. The same count of unanswered zero-window probes
+//!   fails a peer whose host died while its receive window was closed.
+//!
+//! `TCP_USER_TIMEOUT` is deliberately not set. Linux lets it override the keepalive count (a
+//! keepalive-probed connection then fails only after the user timeout), so a generous value
+//! would slow the 7 s detection down to it; and Linux applies it to zero-window probing too,
+//! so a short value would fail the connection to a live rank that is merely late (busy with a
+//! checkpoint while its peers' sends filled its receive window) after that short time.
+//!
+//! A **stopped** process (SIGSTOP, a debugger, a swapped-out host that still runs its kernel)
+//! is *not* found by either check: its kernel keeps acknowledging data and probes until its
+//! receive buffer is full, and then answers zero-window probes. That case is the deadline's
+//! (the operation times out naming the peer it waited for).
+//!
+//! No `unsafe` here: sockets come from `std`, `poll`, `sendmsg` and the socket options from
+//! `nix`.
 
 #![forbid(unsafe_code)]
 
@@ -31,6 +63,22 @@ use crate::error::{Error, Result};
 const RX_CAP: usize = 256 * 1024;
 /// Copying receives of at least this many remaining bytes read straight into the destination.
 const DIRECT_MIN: usize = 32 * 1024;
+
+/// Keepalive: a connection silent this long gets its first probe (`TCP_KEEPIDLE`). A live
+/// host's kernel answers at once, however loaded, so a short idle time costs one small
+/// packet per idle connection every 2 s and detects nothing that is alive.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(2);
+/// Keepalive: time between unanswered probes (`TCP_KEEPINTVL`).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// Keepalive: unanswered probes that fail the connection (`TCP_KEEPCNT`): 5 s of silence
+/// after the first probe, so a few lost probes on a congested path do not fail it.
+pub const KEEPALIVE_PROBES: u32 = 5;
+/// Consecutive retransmission timeouts (or unanswered zero-window probes) without an
+/// acknowledgement after which a peer with unacknowledged data is lost: RTOs double from
+/// at least 200 ms, so 7 mean at least 25 s without a word from the peer's host.
+pub const STALL_RETRANSMITS: u32 = 7;
+/// How often, at most, a waiting transport reads the retransmission counters.
+const STALL_CHECK: Duration = Duration::from_secs(1);
 
 /// Socket options for the data connections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +117,10 @@ struct Peer {
     state: PeerState,
     /// The peer shut down its sending side and everything readable has been examined.
     eof_seen: bool,
+    /// The socket's inode, its key in `/proc/net/tcp` (None: unknown, no stall check).
+    inode: Option<u64>,
+    /// IPv6 (`/proc/net/tcp6`) rather than IPv4.
+    v6: bool,
 }
 
 enum Fill {
@@ -132,12 +184,94 @@ pub struct TcpTransport {
     peers: Vec<Option<Peer>>,
     desc: String,
     aborted: bool,
+    /// When `wait` last read the retransmission counters.
+    stall_checked: Instant,
+}
+
+/// What the kernel says about one connection's timers (a line of `/proc/net/tcp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TimerState {
+    /// `tr`: 1 retransmission, 2 keepalive, 4 zero-window probe, 0 none.
+    timer: u32,
+    /// `retrnsmt`: consecutive retransmission timeouts without an acknowledgement.
+    retransmits: u32,
+    /// `timeout`: unanswered (keepalive or zero-window) probes.
+    probes: u32,
+}
+
+impl TimerState {
+    /// Whether the peer's host has answered nothing for long enough to be given up.
+    fn stalled(&self) -> Option<String> {
+        match self.timer {
+            1 if self.retransmits >= STALL_RETRANSMITS => Some(format!(
+                "no acknowledgement from its host for {} retransmissions of unacknowledged \
+                 data (at least {} s): host down or network cut",
+                self.retransmits,
+                stall_seconds(self.retransmits)
+            )),
+            4 if self.probes >= STALL_RETRANSMITS => Some(format!(
+                "no answer from its host to {} zero-window probes: host down or network cut",
+                self.probes
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// The least time `n` consecutive retransmission timeouts take (RTO from 200 ms, doubling).
+fn stall_seconds(n: u32) -> u64 {
+    (200u64 * ((1u64 << n.min(20)) - 1)) / 1000
+}
+
+/// Parses `/proc/net/tcp` (or `tcp6`) text into the timer state of the sockets in `inodes`.
+fn parse_proc_net_tcp(text: &str, inodes: &[u64]) -> Vec<(u64, TimerState)> {
+    let mut found = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 {
+            continue;
+        }
+        let Ok(inode) = f[9].parse::<u64>() else {
+            continue;
+        };
+        if !inodes.contains(&inode) {
+            continue;
+        }
+        let timer = f[5]
+            .split(':')
+            .next()
+            .and_then(|t| u32::from_str_radix(t, 16).ok());
+        let retransmits = u32::from_str_radix(f[6], 16).ok();
+        let probes = f[8].parse::<u32>().ok();
+        if let (Some(timer), Some(retransmits), Some(probes)) = (timer, retransmits, probes) {
+            found.push((
+                inode,
+                TimerState {
+                    timer,
+                    retransmits,
+                    probes,
+                },
+            ));
+        }
+    }
+    found
 }
 
 fn lost_detail(e: &io::Error) -> String {
     match e.kind() {
         io::ErrorKind::ConnectionReset => "connection reset by peer (process died?)".into(),
         io::ErrorKind::BrokenPipe => "broken pipe (peer closed the connection)".into(),
+        io::ErrorKind::TimedOut => format!(
+            "no answer from its host ({e}: {KEEPALIVE_PROBES} keepalive probes {} s apart \
+             after {} s of silence): host down or network cut",
+            KEEPALIVE_INTERVAL.as_secs(),
+            KEEPALIVE_IDLE.as_secs()
+        ),
+        io::ErrorKind::HostUnreachable
+        | io::ErrorKind::NetworkUnreachable
+        | io::ErrorKind::NetworkDown => {
+            format!("{e} (a link is down or the network is cut)")
+        }
         _ => e.to_string(),
     }
 }
@@ -150,12 +284,17 @@ fn is_disconnect(e: &io::Error) -> bool {
             | io::ErrorKind::ConnectionAborted
             | io::ErrorKind::NotConnected
             | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::TimedOut
+            | io::ErrorKind::HostUnreachable
+            | io::ErrorKind::NetworkUnreachable
+            | io::ErrorKind::NetworkDown
     )
 }
 
 impl TcpTransport {
     /// Wraps connected streams (`streams[p]` is the connection to rank `p`; `None` for this
-    /// rank) and configures them: non-blocking, `TCP_NODELAY`, socket buffers.
+    /// rank) and configures them: non-blocking, `TCP_NODELAY`, socket buffers, keepalive
+    /// (see the module docs).
     pub fn new(
         rank: usize,
         world: usize,
@@ -186,6 +325,13 @@ impl TcpTransport {
             stream.set_nodelay(true).map_err(io_err)?;
             {
                 use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+                let nix_err = |e: nix::errno::Errno| io_err(io::Error::from(e));
+                setsockopt(&stream, sockopt::KeepAlive, &true).map_err(nix_err)?;
+                let idle = KEEPALIVE_IDLE.as_secs() as u32;
+                setsockopt(&stream, sockopt::TcpKeepIdle, &idle).map_err(nix_err)?;
+                let intvl = KEEPALIVE_INTERVAL.as_secs() as u32;
+                setsockopt(&stream, sockopt::TcpKeepInterval, &intvl).map_err(nix_err)?;
+                setsockopt(&stream, sockopt::TcpKeepCount, &KEEPALIVE_PROBES).map_err(nix_err)?;
                 if fixed {
                     let b = opts.socket_buffer;
                     let _ = setsockopt(&stream, sockopt::SndBuf, &b);
@@ -204,6 +350,8 @@ impl TcpTransport {
             if local.is_none() {
                 local = stream.local_addr().ok();
             }
+            let inode = nix::sys::stat::fstat(&stream).ok().map(|st| st.st_ino);
+            let v6 = stream.local_addr().is_ok_and(|a| a.is_ipv6());
             peers.push(Some(Peer {
                 stream,
                 rx: vec![0u8; RX_CAP].into_boxed_slice(),
@@ -213,6 +361,8 @@ impl TcpTransport {
                 tx_in_frame: false,
                 state: PeerState::Open,
                 eof_seen: false,
+                inode,
+                v6,
             }));
         }
         let buffers = match (fixed, actual) {
@@ -240,8 +390,11 @@ impl TcpTransport {
         };
         let desc = match local {
             Some(a) => format!(
-                "tcp {} (TCP_NODELAY, {buffers}, one stream per peer)",
-                a.ip()
+                "tcp {} (TCP_NODELAY, {buffers}, keepalive {}+{}x{} s, one stream per peer)",
+                a.ip(),
+                KEEPALIVE_IDLE.as_secs(),
+                KEEPALIVE_PROBES,
+                KEEPALIVE_INTERVAL.as_secs()
             ),
             None => "tcp (no peers)".to_string(),
         };
@@ -251,7 +404,49 @@ impl TcpTransport {
             peers,
             desc,
             aborted: false,
+            stall_checked: Instant::now(),
         })
+    }
+
+    /// Fails the first open peer whose host has stopped acknowledging (see the module docs).
+    /// Without `/proc/net/tcp` it finds nothing and the deadline stays the only limit.
+    fn check_stalls(&mut self) -> Result<()> {
+        self.stall_checked = Instant::now();
+        for v6 in [false, true] {
+            let inodes: Vec<u64> = self
+                .peers
+                .iter()
+                .flatten()
+                .filter(|p| p.v6 == v6 && p.state == PeerState::Open)
+                .filter_map(|p| p.inode)
+                .collect();
+            if inodes.is_empty() {
+                continue;
+            }
+            let file = if v6 {
+                "/proc/net/tcp6"
+            } else {
+                "/proc/net/tcp"
+            };
+            let Ok(text) = std::fs::read_to_string(file) else {
+                continue;
+            };
+            for (inode, st) in parse_proc_net_tcp(&text, &inodes) {
+                let Some(detail) = st.stalled() else { continue };
+                let Some(peer) = self
+                    .peers
+                    .iter()
+                    .position(|p| p.as_ref().is_some_and(|p| p.inode == Some(inode)))
+                else {
+                    continue;
+                };
+                if let Some(p) = self.peers[peer].as_mut() {
+                    p.state = PeerState::Lost(detail.clone());
+                }
+                return Err(self.lost(peer, "communicator", detail));
+            }
+        }
+        Ok(())
     }
 
     fn peer_mut(&mut self, p: usize, op: &str) -> Result<&mut Peer> {
@@ -600,7 +795,9 @@ impl Transport for TcpTransport {
             return Ok(());
         }
         // Round up so that a sub-millisecond remainder does not turn into a busy loop.
+        // Wake at least once a second to look for stalled connections.
         let ms = (deadline - now)
+            .min(STALL_CHECK)
             .as_micros()
             .div_ceil(1000)
             .min(i32::MAX as u128) as i32;
@@ -649,6 +846,11 @@ impl Transport for TcpTransport {
         for i in flagged {
             self.examine(i)?;
         }
+        // At most once a second (a read of /proc/net/tcp): has a peer's host stopped
+        // acknowledging?
+        if self.stall_checked.elapsed() >= STALL_CHECK {
+            self.check_stalls()?;
+        }
         Ok(())
     }
 
@@ -696,5 +898,63 @@ impl Transport for TcpTransport {
             let _ = p.stream.shutdown(Shutdown::Write);
         }
         self.aborted = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Lines as Linux 6.x prints them: an established connection retransmitting (tr 1, 7
+    // timeouts), one probing a zero window (tr 4, 2 unanswered probes), and a listener.
+    const TEXT: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100E80A:7445 0200E80A:D1C2 01 00040000:00000000 01:00000C80 00000007     0        0 4242 2 0000000000000000 3200 4 30 10 -1
+   1: 0100E80A:7445 0300E80A:D1C4 01 00040000:00000000 04:00000C80 00000000     0        2 4343 2 0000000000000000 201 4 30 10 -1
+   2: 00000000:7445 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0
+";
+
+    #[test]
+    fn proc_net_tcp_lines_give_timer_retransmissions_and_probes_of_the_asked_sockets() {
+        let got = parse_proc_net_tcp(TEXT, &[4242, 4343]);
+        assert_eq!(
+            got,
+            vec![
+                (
+                    4242,
+                    TimerState {
+                        timer: 1,
+                        retransmits: 7,
+                        probes: 0
+                    }
+                ),
+                (
+                    4343,
+                    TimerState {
+                        timer: 4,
+                        retransmits: 0,
+                        probes: 2
+                    }
+                ),
+            ]
+        );
+        assert!(parse_proc_net_tcp(TEXT, &[9]).is_empty());
+        assert!(parse_proc_net_tcp("header only\n", &[4242]).is_empty());
+    }
+
+    #[test]
+    fn a_connection_is_stalled_only_after_seven_unanswered_retransmissions_or_probes() {
+        let st = |timer, retransmits, probes| TimerState {
+            timer,
+            retransmits,
+            probes,
+        };
+        assert!(st(1, 6, 0).stalled().is_none());
+        let d = st(1, 7, 0).stalled().expect("stalled");
+        assert!(d.contains("at least 25 s"), "{d}");
+        assert!(st(4, 0, 6).stalled().is_none());
+        assert!(st(4, 0, 7).stalled().is_some());
+        // Keepalive is the kernel's own business; no timer is nothing.
+        assert!(st(2, 0, 9).stalled().is_none());
+        assert!(st(0, 9, 9).stalled().is_none());
     }
 }

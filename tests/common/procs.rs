@@ -206,3 +206,114 @@ pub fn assert_all(outs: &[Outcome], want: i32, what: &str) {
         );
     }
 }
+
+/// Runs `cmd`, returning its stderr on failure.
+pub fn sh(cmd: &[&str]) -> Result<(), String> {
+    let out = Command::new(cmd[0])
+        .args(&cmd[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", cmd[0]))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Why network-namespace tests cannot run here (not root, a tool missing), or `None` where
+/// they can. Where they can, a failure to set them up is a test failure, not a skip.
+pub fn netns_unavailable(tools: &[&str]) -> Option<String> {
+    // The effective uid, second on the `Uid:` line.
+    let euid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(str::to_string))
+        });
+    if euid.as_deref() != Some("0") {
+        return Some("not root (network namespaces need CAP_SYS_ADMIN)".into());
+    }
+    for t in tools {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {t}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Some(format!("`{t}` is not installed"));
+        }
+    }
+    None
+}
+
+/// "Hosts": network namespaces, each with one interface `eth0` at 10.232.0.(i+1)/24, joined by
+/// a bridge in a further "switch" namespace. Everything is deleted on drop.
+pub struct Hosts {
+    /// The hosts' namespaces.
+    pub names: Vec<String>,
+    /// The switch's namespace.
+    pub switch: String,
+}
+
+impl Hosts {
+    /// Creates `n` hosts named after `tag` (unique per test and process).
+    pub fn new(n: usize, tag: &str) -> Result<Hosts, String> {
+        let tag = format!("{tag}{}", std::process::id() % 100_000);
+        let mut hosts = Hosts {
+            names: Vec::new(),
+            switch: format!("{tag}sw"),
+        };
+        sh(&["ip", "netns", "add", &hosts.switch])?;
+        let sw = hosts.switch.clone();
+        sh(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        sh(&["ip", "-n", &sw, "link", "set", "br0", "up"])?;
+        for i in 0..n {
+            let ns = format!("{tag}h{i}");
+            sh(&["ip", "netns", "add", &ns])?;
+            hosts.names.push(ns.clone());
+            let port = format!("p{i}");
+            sh(&[
+                "ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &port,
+                "netns", &sw,
+            ])?;
+            sh(&["ip", "-n", &sw, "link", "set", &port, "master", "br0"])?;
+            sh(&["ip", "-n", &sw, "link", "set", &port, "up"])?;
+            let addr = format!("{}/24", Hosts::addr(i));
+            sh(&["ip", "-n", &ns, "addr", "add", &addr, "dev", "eth0"])?;
+            sh(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;
+            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    /// Host `i`'s address.
+    pub fn addr(i: usize) -> String {
+        format!("10.232.0.{}", i + 1)
+    }
+
+    /// Runs `cmd` inside host `i`'s namespace.
+    pub fn exec(&self, i: usize, cmd: &[&str]) -> Result<(), String> {
+        let mut argv = vec!["ip", "netns", "exec", self.names[i].as_str()];
+        argv.extend_from_slice(cmd);
+        sh(&argv)
+    }
+
+    /// The command prefix that starts a process in host `i`.
+    pub fn wrap(&self, i: usize) -> Vec<String> {
+        ["ip", "netns", "exec", self.names[i].as_str()]
+            .map(String::from)
+            .to_vec()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in self.names.iter().chain([&self.switch]) {
+            let _ = sh(&["ip", "netns", "del", ns]);
+        }
+    }
+}
