@@ -53,7 +53,7 @@ fi
 log "torch venv (tests/torch/venv.sh)"
 DSPARK_TORCH_PYTHON=$(bash tests/torch/venv.sh | tail -n 1)
 export DSPARK_TORCH_PYTHON
-export DSPARK_REQUIRE_TORCH=1 DSPARK_REQUIRE_MPI=1
+export DSPARK_REQUIRE_TORCH=1 DSPARK_REQUIRE_MPI=1 DSPARK_REQUIRE_NETFAULT=1
 log "torch from $DSPARK_TORCH_PYTHON"
 
 # ---------------------------------------------------------------- Slurm (srun)
