@@ -121,9 +121,20 @@ impl Communicator {
             match select_transport(&mut boot, &config, streams, &mut direct)? {
                 Selected::Verbs(t) => {
                     gpu_direct = capabilities_of(t.direct_infos());
+                    if !matches!(
+                        t.direct_infos().get(config.rank),
+                        Some(DirectInfo::Region { .. })
+                    ) {
+                        // Not registered with the NIC here: the region would only hold GPU
+                        // memory (and a context) for nothing. Nothing refers to it.
+                        free_unused_region(&mut region, config.rank, "it could not be registered");
+                    }
                     (t, None)
                 }
                 Selected::Tcp { streams, reason } => {
+                    // The verbs transport, and with it any registration of the region, is
+                    // gone: device memory is staged over TCP.
+                    free_unused_region(&mut region, config.rank, "the job runs over TCP");
                     let opts = TcpOptions {
                         socket_buffer: config.socket_buffer,
                     };
@@ -567,6 +578,18 @@ fn gpu_region(
     let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);
     DirectRegion::new(&ctx, layout)
         .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
+}
+
+/// Frees a direct region that nothing will use (its registration failed, or the job fell back
+/// to TCP), so that the GPU memory does not stay allocated for the communicator's lifetime.
+fn free_unused_region(region: &mut Option<DirectRegion>, rank: usize, why: &str) {
+    if let Some(r) = region.take() {
+        tracing::info!(
+            rank,
+            bytes = r.len(),
+            "freeing the GPUDirect region at init: {why}"
+        );
+    }
 }
 
 /// Every rank's GPUDirect capability from the direct regions announced at init.
