@@ -121,10 +121,7 @@ impl Communicator {
             match select_transport(&mut boot, &config, streams, &mut direct)? {
                 Selected::Verbs(t) => {
                     gpu_direct = capabilities_of(t.direct_infos());
-                    if !matches!(
-                        t.direct_infos().get(config.rank),
-                        Some(DirectInfo::Region { .. })
-                    ) {
+                    if !region_registered(t.direct_infos(), config.rank) {
                         // Not registered with the NIC here: the region would only hold GPU
                         // memory (and a context) for nothing. Nothing refers to it.
                         free_unused_region(&mut region, config.rank, "it could not be registered");
@@ -580,6 +577,12 @@ fn gpu_region(
         .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
 }
 
+/// Whether this rank's direct region was registered with the NIC (what the verbs transport
+/// announced for `rank`); a region that was not is freed at init.
+fn region_registered(infos: &[DirectInfo], rank: usize) -> bool {
+    matches!(infos.get(rank), Some(DirectInfo::Region { .. }))
+}
+
 /// Frees a direct region that nothing will use (its registration failed, or the job fell back
 /// to TCP), so that the GPU memory does not stay allocated for the communicator's lifetime.
 fn free_unused_region(region: &mut Option<DirectRegion>, rank: usize, why: &str) {
@@ -635,6 +638,23 @@ mod tests {
         .collect();
         let cfg = Config::from_lookup(|k| m.get(k).cloned())?;
         VerbsOptions::from_config(&cfg)
+    }
+
+    /// #11 item 7: the direct region is kept only where this rank registered it.
+    #[test]
+    fn only_a_registered_direct_region_is_kept_after_init() {
+        let region = DirectInfo::Region {
+            kind: DirectKind::PeerMem,
+            addr: 1 << 20,
+            rkey: 7,
+            slot_bytes: 512 << 10,
+        };
+        let why = DirectInfo::Unavailable("ibv_reg_mr: EFAULT".into());
+        let infos = [region, why, DirectInfo::None];
+        assert!(region_registered(&infos, 0));
+        assert!(!region_registered(&infos, 1), "registration failed: freed");
+        assert!(!region_registered(&infos, 2), "no region announced: freed");
+        assert!(!region_registered(&infos, 3), "no information: freed");
     }
 
     #[test]

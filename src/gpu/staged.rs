@@ -110,11 +110,9 @@ pub struct CudaStagedDevice<'a> {
     stream: &'a Arc<CudaStream>,
     pool: &'a mut StagingPool,
     marks: Marks,
-    /// Per slot, the mark that must be reached before the host may look at it: the first
-    /// mark recorded after the last copy into or out of it was enqueued (0: none pending).
-    /// `slot`/`slot_mut` check it, so that safe code cannot see pinned memory that a queued
-    /// asynchronous copy may still be writing or reading.
-    busy: Vec<u64>,
+    /// Which slots a queued asynchronous copy may still touch; `slot`/`slot_mut` check it, so
+    /// that safe code cannot see pinned memory a copy may still be writing or reading.
+    busy: BusySlots,
     // Last: cudarc's bookkeeping for the borrowed buffers, recorded when the device is dropped.
     bufs: DevBuffers<'a>,
 }
@@ -190,7 +188,7 @@ impl<'a> CudaStagedDevice<'a> {
             stream,
             pool,
             marks: Marks::new(),
-            busy: vec![0; slots],
+            busy: BusySlots::new(slots),
             bufs,
         })
     }
@@ -199,18 +197,12 @@ impl<'a> CudaStagedDevice<'a> {
         self.pool.slots.len / self.pool.slot_bytes
     }
 
-    /// Records that an asynchronous copy touching `slot` was just enqueued: the host may look
-    /// at the slot again once the next mark is reached.
     fn enqueued(&mut self, slot: usize) {
-        if let Some(b) = self.busy.get_mut(slot) {
-            *b = self.marks.next + 1;
-        }
+        self.busy.enqueued(slot, self.marks.next);
     }
 
-    /// Whether no enqueued copy may still touch `slot` (the mark after the last one is known
-    /// to be reached).
     fn settled(&self, slot: usize) -> bool {
-        self.busy.get(slot).is_some_and(|&b| b <= self.marks.done)
+        self.busy.settled(slot, self.marks.done)
     }
 
     fn slot_ptr(&self, op: &str, slot: usize, len: usize) -> Result<*mut u8> {
@@ -533,6 +525,31 @@ impl<'a> DevBuffers<'a> {
 /// Progress marks on one stream: CUDA events recorded in stream order, so they complete in
 /// order; events are taken from and given back to a caller-owned spare list, so that
 /// collectives reuse them instead of creating and destroying events per call.
+/// Per slot, the mark that must be reached before the host may look at it: the first mark
+/// recorded after the last copy into or out of it was enqueued (0: none pending).
+#[derive(Debug)]
+struct BusySlots(Vec<u64>);
+
+impl BusySlots {
+    fn new(slots: usize) -> Self {
+        BusySlots(vec![0; slots])
+    }
+
+    /// A copy touching `slot` was just enqueued, after mark `last` (the latest recorded): the
+    /// host may look at the slot again once mark `last + 1` is reached.
+    fn enqueued(&mut self, slot: usize, last: u64) {
+        if let Some(b) = self.0.get_mut(slot) {
+            *b = last + 1;
+        }
+    }
+
+    /// Whether no enqueued copy may still touch `slot`, given that marks up to `done` are
+    /// reached. A slot that does not exist is never settled.
+    fn settled(&self, slot: usize, done: u64) -> bool {
+        self.0.get(slot).is_some_and(|&b| b <= done)
+    }
+}
+
 pub(crate) struct Marks {
     pending: VecDeque<(u64, CudaEvent)>,
     next: u64,
@@ -714,5 +731,36 @@ impl StagingPool {
         self.ctx.ordinal() == ctx.ordinal()
             && (self.send_slots, self.recv_slots, self.slot_bytes)
                 == (send_slots, recv_slots, slot_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BusySlots;
+
+    /// #11 item 4: the bookkeeping behind `slot`/`slot_mut` — a slot is hidden from the host
+    /// from the moment a copy on it is enqueued until the first mark recorded after that copy
+    /// is reached, and never shown out of range. (The CUDA device itself is checked on a GPU:
+    /// `a_staging_slot_is_hidden_while_a_copy_into_it_may_run` in tests/gpu_device.rs.)
+    #[test]
+    fn a_slot_is_hidden_from_its_copy_until_the_next_mark_is_reached() {
+        let mut b = BusySlots::new(3);
+        assert!(
+            b.settled(0, 0) && b.settled(2, 0),
+            "untouched slots are visible"
+        );
+        assert!(!b.settled(3, u64::MAX), "out of range is never visible");
+        // Marks 1..=4 recorded so far, 2 reached; a copy into slot 1 is enqueued now.
+        b.enqueued(1, 4);
+        assert!(
+            !b.settled(1, 2) && !b.settled(1, 4),
+            "the copy runs until mark 5"
+        );
+        assert!(b.settled(0, 2), "other slots are unaffected");
+        assert!(b.settled(1, 5) && b.settled(1, 9));
+        // A second copy on the same slot after mark 7 hides it again until mark 8.
+        b.enqueued(1, 7);
+        assert!(!b.settled(1, 7) && b.settled(1, 8));
+        b.enqueued(9, 1); // out of range: ignored, no panic
     }
 }
