@@ -512,3 +512,34 @@ fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_pro
         }
     }
 }
+
+/// #10 (a forced algorithm must be said, not silently replaced): what `DSPARK_ALGO` forces,
+/// and what it does not apply to, is visible to the bench header through the communicator.
+#[test]
+fn a_forced_algorithm_is_reported_with_the_collectives_it_applies_to() {
+    use dspark::plan::{Algorithm, Collective};
+    let fabric = MemFabric::new(2, 4);
+    let mut cfg = config(Duration::from_secs(30), 256);
+    cfg.algo = Some(Algorithm::BinomialTree);
+    let res = run_ranks(&fabric, 2, &cfg, |c| {
+        let mut v = vec![1.0f32; 100];
+        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        (
+            c.forced_algorithm(),
+            c.algorithm(Collective::AllReduce, 400),
+            c.algorithm(Collective::Broadcast, 1 << 20),
+            v[0],
+        )
+    });
+    for (forced, ar, bc, v) in res {
+        assert_eq!(forced, Some(Algorithm::BinomialTree));
+        assert_ne!(ar, Algorithm::BinomialTree, "all_reduce keeps its default");
+        assert_eq!(bc, Algorithm::BinomialTree);
+        assert_eq!(v, 2.0);
+    }
+    assert_eq!(Algorithm::BinomialTree.collectives(), "broadcast, reduce");
+    assert_eq!(
+        Algorithm::Ring.collectives(),
+        "all_reduce, all_gather, reduce_scatter"
+    );
+}

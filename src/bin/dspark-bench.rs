@@ -1003,10 +1003,16 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
             algos.push(format!("{a} from {}", human(b)));
         }
     }
-    println!(
-        "# algorithm : {} (DSPARK_ALGO forces one)",
-        algos.join(", ")
-    );
+    let forced = match comm.forced_algorithm() {
+        None => "DSPARK_ALGO forces one".to_string(),
+        Some(f) if f.supports(c) => format!("forced by DSPARK_ALGO={f}"),
+        Some(f) => format!(
+            "DSPARK_ALGO={f} does not implement {}, which runs its default; {f} applies to {}",
+            c.name(),
+            f.collectives()
+        ),
+    };
+    println!("# algorithm : {} ({forced})", algos.join(", "));
     println!("#");
     println!(
         "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} path",

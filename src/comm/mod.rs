@@ -190,6 +190,12 @@ impl Communicator {
         self.opts.algorithm(self.world, coll, bytes)
     }
 
+    /// The algorithm `DSPARK_ALGO` (or [`crate::Config::algo`]) forces for the collectives that
+    /// have it, if any.
+    pub fn forced_algorithm(&self) -> Option<Algorithm> {
+        self.opts.force_algo
+    }
+
     /// The error that poisoned this communicator, if any.
     pub fn poisoned(&self) -> Option<Error> {
         self.shared.poisoned()

@@ -421,6 +421,9 @@ pub struct Engine {
     world: usize,
     transport: Box<dyn Transport>,
     opts: EngineOptions,
+    /// Collectives (bit per `Collective as usize`) already warned about a forced algorithm
+    /// that does not implement them.
+    forced_warned: u16,
     poison: Option<Error>,
     seq: u64,
     p2p_sent: Vec<u64>,
@@ -451,6 +454,7 @@ impl Engine {
             world,
             transport,
             opts,
+            forced_warned: 0,
             poison: None,
             seq: 0,
             p2p_sent: vec![0; world],
@@ -571,6 +575,24 @@ impl Engine {
         let esz = call.dtype.size();
         let bytes = call.count.saturating_mul(esz);
         let algo = self.algorithm(call.coll, bytes);
+        if let Some(f) = self.opts.force_algo {
+            let bit = 1u16 << (call.coll as usize);
+            // Only where there was a choice: a barrier has one algorithm whatever is forced.
+            let has_choice = matches!(
+                call.coll,
+                Collective::AllReduce | Collective::Broadcast | Collective::Reduce
+            );
+            if has_choice && !f.supports(call.coll) && self.forced_warned & bit == 0 {
+                self.forced_warned |= bit;
+                tracing::warn!(
+                    rank = self.rank,
+                    "DSPARK_ALGO={f} does not implement {}: it runs {algo}, its default here \
+                     ({f} applies to {})",
+                    call.coll.name(),
+                    f.collectives()
+                );
+            }
+        }
         let seq = self.next_seq(call);
         let req = Request {
             coll: call.coll,

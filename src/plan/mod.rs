@@ -441,6 +441,16 @@ impl Algorithm {
         }
     }
 
+    /// The collectives this algorithm implements, by name (`"broadcast, reduce"`).
+    pub fn collectives(self) -> String {
+        Collective::ALL
+            .iter()
+            .filter(|c| self.supports(**c))
+            .map(|c| c.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Whether this algorithm implements `coll`.
     pub fn supports(self, coll: Collective) -> bool {
         use Algorithm::*;
