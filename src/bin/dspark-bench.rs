@@ -15,6 +15,9 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
+
+mod bind;
+use bind::Bind;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
@@ -129,6 +132,11 @@ struct Args {
     /// measure what the non-blocking path costs.
     #[arg(long, value_enum, default_value = "blocking")]
     api: CallApi,
+    /// CPU binding of the local ranks this bench spawns: core (a distinct core each, the
+    /// NIC's NUMA node first, as mpirun does), numa (a NUMA node each) or none. Ranks started
+    /// by a launcher keep the binding they found; the header shows every rank's CPUs.
+    #[arg(long, value_enum, default_value = "core")]
+    bind: Bind,
     /// Machine-readable output.
     #[arg(long)]
     csv: bool,
@@ -237,9 +245,16 @@ fn spawn_local(args: &Args, n: usize) -> ExitCode {
         }
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
+    let plan = bind::plan(args.bind, n, &bind::allowed(), std::path::Path::new("/sys"));
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
+        match &plan {
+            Some(p) => cmd.env(bind::CPUS_ENV, bind::format_list(&p[r])),
+            // Asked for but impossible: say why in the header.
+            None if args.bind != Bind::None => cmd.env(bind::CPUS_ENV, ""),
+            None => cmd.env_remove(bind::CPUS_ENV),
+        };
         cmd.args(&argv)
             .env(CHILD, "1")
             .env("DSPARK_RANK", r.to_string())
@@ -331,7 +346,58 @@ fn human(b: usize) -> String {
     }
 }
 
+/// The binding line of the header (every rank's CPUs), gathered right after init.
+static BINDING: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Applies the binding the parent chose for this spawned rank; returns how it was bound.
+fn apply_binding(args: &Args) -> String {
+    match std::env::var(bind::CPUS_ENV) {
+        Ok(list) if list.is_empty() => format!(
+            "--bind {}: not bound ({} ranks outnumber the {} CPUs this may use; mpirun does not \
+             bind oversubscribed ranks either)",
+            args.bind.name(),
+            std::env::var("DSPARK_WORLD_SIZE").unwrap_or_default(),
+            bind::allowed().len()
+        ),
+        Ok(list) => {
+            let cpus = bind::parse_list(&list);
+            match bind::bind_to(&cpus) {
+                Ok(()) => format!("--bind {}", args.bind.name()),
+                Err(e) => format!("--bind {} FAILED ({e})", args.bind.name()),
+            }
+        }
+        Err(_) if std::env::var_os(CHILD).is_some() => "--bind none".into(),
+        Err(_) => "as the launcher started it".into(),
+    }
+}
+
+/// Every rank's CPUs, as one header line (one all_gather).
+fn gather_binding(comm: &Communicator, how: &str) -> Result<String, String> {
+    let mine = bind::to_words(&bind::allowed());
+    let mut all = vec![0u64; 16 * comm.world_size()];
+    comm.all_gather(&mine, &mut all)
+        .map_err(|e| e.to_string())?;
+    let total = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let per: Vec<String> = all
+        .chunks(16)
+        .enumerate()
+        .take(8)
+        .map(|(r, w)| {
+            let cpus = bind::from_words(w);
+            let list = if cpus.len() >= total && total > 1 {
+                format!("any of {}", bind::format_list(&cpus))
+            } else {
+                bind::format_list(&cpus)
+            };
+            format!("rank {r} cpu {list}")
+        })
+        .collect();
+    let more = if comm.world_size() > 8 { ", …" } else { "" };
+    Ok(format!("{how}: {}{more}", per.join(", ")))
+}
+
 fn run_rank(args: &Args) -> Result<ExitCode, String> {
+    let how = apply_binding(args);
     let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
     if let Some(t) = TransportChoice::parse(&args.transport) {
         if std::env::var_os("DSPARK_TRANSPORT").is_none() {
@@ -346,6 +412,7 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
         cfg.data_path = PathPolicy::Auto;
     }
     let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
+    let _ = BINDING.set(gather_binding(&comm, &how)?);
     if args.root >= comm.world_size() {
         return Err(format!(
             "--root {} is not a rank (world size {})",
@@ -951,6 +1018,9 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
     uniq.sort_unstable();
     uniq.dedup();
     println!("# rendezvous: {}", info.rendezvous);
+    if let Some(b) = BINDING.get() {
+        println!("# binding   : {b}");
+    }
     if args.api == CallApi::Nonblocking {
         println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
     }
