@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
+#[path = "bench/bind.rs"]
 mod bind;
 use bind::Bind;
 use std::sync::Arc;
