@@ -75,7 +75,11 @@ pub fn bootstrap_hello(data: &[u8]) {
 /// A data connection's hello (canonical).
 pub fn bootstrap_peer_hello(data: &[u8]) {
     if let Ok(h) = PeerHello::decode(data) {
-        assert_eq!(h.encode().0, data, "peer hello does not re-encode to its bytes");
+        assert_eq!(
+            h.encode().0,
+            data,
+            "peer hello does not re-encode to its bytes"
+        );
     }
 }
 
@@ -115,10 +119,7 @@ pub fn bootstrap_proofs(data: &[u8]) {
     for kind in [msg::MSG_PROOF, msg::MSG_PEER_PROOF] {
         match msg::decode_proof(data, kind) {
             Ok(Ok(tag)) => assert_eq!(msg::encode_proof(kind, &tag).0, data),
-            Ok(Err(r)) => assert_eq!(
-                msg::decode_proof(&r.encode().0, kind),
-                Ok(Err(r.clone()))
-            ),
+            Ok(Err(r)) => assert_eq!(msg::decode_proof(&r.encode().0, kind), Ok(Err(r.clone()))),
             Err(_) => {}
         }
     }
@@ -142,7 +143,10 @@ pub fn bootstrap_blobs(data: &[u8]) {
         assert_eq!(msg::encode_blob(&b).0, data);
     }
     let (world, m) = if data.len() >= 2 {
-        (usize::from(u16::from_le_bytes([data[0], data[1]])), &data[2..])
+        (
+            usize::from(u16::from_le_bytes([data[0], data[1]])),
+            &data[2..],
+        )
     } else {
         (0, data)
     };
@@ -161,7 +165,11 @@ pub fn frame_header(data: &[u8]) {
     let n = data.len().min(HEADER_LEN);
     b[..n].copy_from_slice(&data[..n]);
     if let Ok(h) = FrameHeader::decode(&b) {
-        assert_eq!(h.encode(), b, "frame header does not re-encode to its bytes");
+        assert_eq!(
+            h.encode(),
+            b,
+            "frame header does not re-encode to its bytes"
+        );
     }
 }
 
@@ -184,14 +192,22 @@ pub fn verbs_words(data: &[u8]) {
     let n = data.len().min(CTS_LEN);
     c[..n].copy_from_slice(&data[..n]);
     if let Some(e) = Cts::decode(&c) {
-        assert_eq!(e.encode(), c, "clear-to-send entry does not re-encode to its bytes");
+        assert_eq!(
+            e.encode(),
+            c,
+            "clear-to-send entry does not re-encode to its bytes"
+        );
     }
     let mut w = [0u8; 8];
     let n = data.len().min(8);
     w[..n].copy_from_slice(&data[..n]);
     let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
     let imm = Imm::decode(v);
-    assert_eq!(Imm::decode(imm.encode()), imm, "immediate changed on re-encoding");
+    assert_eq!(
+        Imm::decode(imm.encode()),
+        imm,
+        "immediate changed on re-encoding"
+    );
     // Only a control immediate has bits (its 4 sequence bits) that nothing reads.
     let read = if matches!(imm, Imm::Ctrl { .. }) {
         v & !(0xf << 26)
@@ -305,7 +321,10 @@ pub fn env_bytes(vars: &[(&str, &str)]) -> Vec<u8> {
 pub fn config_env(data: &[u8]) {
     let env = env_of(data);
     if let Ok(c) = Config::from_lookup(|k| env.get(k).cloned()) {
-        assert!(c.validate().is_ok(), "from_lookup returned an invalid {c:?}");
+        assert!(
+            c.validate().is_ok(),
+            "from_lookup returned an invalid {c:?}"
+        );
         assert!(c.rank < c.world_size && !c.timeout.is_zero());
     }
 }
@@ -382,7 +401,16 @@ fn nonce(r: &mut dyn Rng) -> [u8; 32] {
 
 fn text(r: &mut dyn Rng, max: usize) -> String {
     const WORDS: &[&str] = &[
-        "node-1", "gpu07.cluster", "localhost", "é", "日本", "", "mlx5_0", "rxe0", "a b", "x:y",
+        "node-1",
+        "gpu07.cluster",
+        "localhost",
+        "é",
+        "日本",
+        "",
+        "mlx5_0",
+        "rxe0",
+        "a b",
+        "x:y",
     ];
     if r.below(3) == 0 {
         let n = r.below(max + 1);
@@ -609,11 +637,41 @@ pub fn sample(name: &str, r: &mut dyn Rng) -> Vec<u8> {
     match name {
         "config_env" => {
             const VALUES: &[&str] = &[
-                "0", "1", "2", "3", "-1", "18446744073709551616", "127.0.0.1", "29500",
-                "127.0.0.1:29500", "[::1]:1", "host:0", "True", "false", "store", "listen",
-                "tcp", "verbs", "auto", "ring", "tree", "64", "63", "1G", "2G", "512K",
-                "0.5", "1e308", "NaN", "inf", "mlx5_0:1", "gpu-direct", "host_staged", " ",
-                "é", "1\u{0}",
+                "0",
+                "1",
+                "2",
+                "3",
+                "-1",
+                "18446744073709551616",
+                "127.0.0.1",
+                "29500",
+                "127.0.0.1:29500",
+                "[::1]:1",
+                "host:0",
+                "True",
+                "false",
+                "store",
+                "listen",
+                "tcp",
+                "verbs",
+                "auto",
+                "ring",
+                "tree",
+                "64",
+                "63",
+                "1G",
+                "2G",
+                "512K",
+                "0.5",
+                "1e308",
+                "NaN",
+                "inf",
+                "mlx5_0:1",
+                "gpu-direct",
+                "host_staged",
+                " ",
+                "é",
+                "1\u{0}",
             ];
             let n = r.below(12);
             let mut vars = vec![("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2")];
@@ -630,10 +688,33 @@ pub fn sample(name: &str, r: &mut dyn Rng) -> Vec<u8> {
         }
         "config_values" => {
             const VALUES: &[&str] = &[
-                "64K", "1MiB", "2gb", "12", " 7 ", "18446744073709551615K", "host:80",
-                "[::1]:8080", "[::1]80", "a:b:c", ":1", "h:", "h:65536", "tcp", "IB",
-                "mlx5_0:1", "mlx5_0:0", "dev:", "ring", "RD", "binomial-tree", "gdr",
-                "host_staged", "K", "KiB", "é:1", "ßK",
+                "64K",
+                "1MiB",
+                "2gb",
+                "12",
+                " 7 ",
+                "18446744073709551615K",
+                "host:80",
+                "[::1]:8080",
+                "[::1]80",
+                "a:b:c",
+                ":1",
+                "h:",
+                "h:65536",
+                "tcp",
+                "IB",
+                "mlx5_0:1",
+                "mlx5_0:0",
+                "dev:",
+                "ring",
+                "RD",
+                "binomial-tree",
+                "gdr",
+                "host_staged",
+                "K",
+                "KiB",
+                "é:1",
+                "ßK",
             ];
             VALUES[r.below(VALUES.len())].as_bytes().to_vec()
         }

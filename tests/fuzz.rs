@@ -176,9 +176,10 @@ fn mutate(r: &mut XorShift, b: &mut Vec<u8>, other: &[u8]) {
 fn fuzz(name: &str) {
     let target = fuzzing::target(name).expect("a target of dspark::fuzzing");
     let n = cases();
-    let run_seed = seed() ^ name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let run_seed = seed()
+        ^ name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
     let mut r = XorShift(run_seed | 1);
     let messages = fuzzing::is_message_target(name);
     let mut corpus: Vec<Vec<u8>> = (0..64).map(|_| fuzzing::sample(name, &mut r)).collect();

@@ -29,7 +29,8 @@ fn main() {
                 std::fs::create_dir_all(&d).expect("seed directory");
                 for i in 0..16 {
                     let mut f = std::fs::File::create(d.join(format!("{i:03}"))).expect("seed");
-                    f.write_all(&dspark::fuzzing::sample(name, &mut r)).expect("seed");
+                    f.write_all(&dspark::fuzzing::sample(name, &mut r))
+                        .expect("seed");
                 }
             }
         }
