@@ -10,6 +10,10 @@ pub mod comm;
 pub mod config;
 pub mod engine;
 pub mod error;
+/// Fuzz targets over the decoders and parsers (`testing` feature only; not part of the API).
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gpu;
 pub mod path;
 pub mod plan;

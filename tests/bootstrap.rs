@@ -255,3 +255,322 @@ fn a_silent_stray_connection_does_not_hold_the_rendezvous_for_the_whole_deadline
         sc.spawn(|| leaf.barrier().unwrap());
     });
 }
+
+// ------------------------------------------------------------------ job token (issue #11, 9)
+
+fn with_token(mut c: Config, token: &str) -> Config {
+    c.job_token = Some(token.into());
+    c
+}
+
+fn connect_retrying(port: u16) -> std::net::TcpStream {
+    let t0 = Instant::now();
+    loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if t0.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Splits a recorded byte stream into its bootstrap messages (`u32` length, then the bytes).
+fn frames(mut b: &[u8]) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    while b.len() >= 4 {
+        let n = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        if b.len() < 4 + n {
+            break;
+        }
+        out.push(b[4..4 + n].to_vec());
+        b = &b[4 + n..];
+    }
+    out
+}
+
+fn send_frame(s: &mut std::net::TcpStream, m: &[u8]) {
+    use std::io::Write;
+    s.write_all(&(m.len() as u32).to_le_bytes()).unwrap();
+    s.write_all(m).unwrap();
+}
+
+/// The next message, or `None` at EOF, a reset or after 10 s.
+fn read_frame(s: &mut std::net::TcpStream) -> Option<Vec<u8>> {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut m = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut m).ok()?;
+    Some(m)
+}
+
+/// What a rank sent to rank 0 and what rank 0 sent back, message by message, in a real
+/// rendezvous of two ranks with `token` (rank 1 reaches rank 0 through a recording proxy).
+fn record_a_handshake(token: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    let root_port = free_port();
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    let root_cfg = with_token(cfg(0, 2, root_port, 20_000), token);
+    let root = std::thread::spawn(move || dspark::bootstrap::rendezvous(&root_cfg).map(|_| ()));
+    let up = Arc::new(Mutex::new(Vec::new()));
+    let down = Arc::new(Mutex::new(Vec::new()));
+    let (up2, down2) = (up.clone(), down.clone());
+    let pump = std::thread::spawn(move || {
+        let (client, _) = proxy.accept().unwrap();
+        let server = connect_retrying(root_port);
+        let copy = |mut from: std::net::TcpStream,
+                    mut to: std::net::TcpStream,
+                    log: Arc<Mutex<Vec<u8>>>| {
+            std::thread::spawn(move || {
+                let mut b = [0u8; 4096];
+                while let Ok(n) = from.read(&mut b) {
+                    if n == 0 || to.write_all(&b[..n]).is_err() {
+                        break;
+                    }
+                    log.lock().unwrap().extend_from_slice(&b[..n]);
+                }
+                let _ = to.shutdown(std::net::Shutdown::Write);
+            })
+        };
+        let a = copy(
+            client.try_clone().unwrap(),
+            server.try_clone().unwrap(),
+            up2,
+        );
+        let b = copy(server, client, down2);
+        a.join().unwrap();
+        b.join().unwrap();
+    });
+    let leaf_cfg = with_token(cfg(1, 2, proxy_port, 20_000), token);
+    let leaf = dspark::bootstrap::rendezvous(&leaf_cfg).map(|_| ());
+    root.join().unwrap().unwrap();
+    leaf.unwrap();
+    // Both ends are dropped: the proxy sees EOF both ways and stops.
+    pump.join().unwrap();
+    let up = frames(&up.lock().unwrap());
+    let down = frames(&down.lock().unwrap());
+    (up, down)
+}
+
+/// Someone who recorded a rank's handshake replays it to a rank 0 of the same job (same
+/// token): rank 0 refuses it, because the proof covered another nonce. With version 1 the
+/// recorded hello (a hash of the token) was admitted.
+#[test]
+fn a_replayed_handshake_of_a_rank_is_refused() {
+    let (up, _) = record_a_handshake("s3cret");
+    let port = free_port();
+    let c = with_token(cfg(0, 2, port, 4000), "s3cret");
+    let root = std::thread::spawn(move || Communicator::init(c));
+    let mut s = connect_retrying(port);
+    let mut outcome = None;
+    for m in &up {
+        send_frame(&mut s, m);
+        match read_frame(&mut s) {
+            Some(reply) if reply[0] == 2 => {
+                outcome = Some("admitted (a welcome)".to_string());
+                break;
+            }
+            Some(reply) if reply[0] == 3 => {
+                outcome = Some(String::from_utf8_lossy(&reply).into_owned());
+                break;
+            }
+            Some(_) => continue, // a challenge: answer with the next recorded message
+            None => {
+                outcome = Some("connection closed".into());
+                break;
+            }
+        }
+    }
+    let outcome = outcome.unwrap_or_default();
+    assert!(
+        outcome.contains("did not prove") && outcome.contains("DSPARK_JOB_TOKEN"),
+        "a replayed handshake got: {outcome}"
+    );
+    drop(s);
+    let e = root.join().unwrap().unwrap_err().to_string();
+    assert!(
+        e.contains("refused") && e.contains("did not prove"),
+        "rank 0: {e}"
+    );
+}
+
+/// Something at rank 0's address replays what a real rank 0 answered: the rank refuses the
+/// rank table, because rank 0's proof covered another nonce of the rank's.
+#[test]
+fn a_replayed_rank_0_is_refused_by_the_rank() {
+    let (_, down) = record_a_handshake("s3cret");
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let imposter = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        for m in &down {
+            if read_frame(&mut s).is_none() {
+                break;
+            }
+            send_frame(&mut s, m);
+        }
+        // Hold the connection until the rank gives up.
+        let _ = read_frame(&mut s);
+    });
+    let c = with_token(cfg(1, 2, port, 4000), "s3cret");
+    // A mismatch, not the deadline's timeout: refused as soon as the table arrived.
+    let e = dspark::bootstrap::rendezvous(&c).map(|_| ()).unwrap_err();
+    let s = e.to_string();
+    assert!(
+        matches!(e, Error::Mismatch { peer: Some(0), .. })
+            && s.contains("did not prove")
+            && s.contains("rank 0"),
+        "{s}"
+    );
+    imposter.join().unwrap();
+}
+
+#[test]
+fn a_wrong_token_is_refused_with_the_reason_on_both_sides() {
+    let port = free_port();
+    let res = init_all(vec![
+        with_token(cfg(0, 2, port, 2500), "alpha"),
+        with_token(cfg(1, 2, port, 2500), "beta"),
+    ]);
+    let leaf = res[1].as_ref().unwrap_err();
+    let s = leaf.to_string();
+    assert!(
+        matches!(leaf, Error::Mismatch { peer: Some(0), .. })
+            && s.contains("rank 0 refused this rank")
+            && s.contains("DSPARK_JOB_TOKEN differs"),
+        "{s}"
+    );
+    let root = res[0].as_ref().unwrap_err().to_string();
+    assert!(
+        root.contains("refused")
+            && root.contains("claims rank 1")
+            && root.contains("DSPARK_JOB_TOKEN differs"),
+        "{root}"
+    );
+}
+
+#[test]
+fn a_token_on_one_side_only_is_named() {
+    let port = free_port();
+    let res = init_all(vec![
+        cfg(0, 2, port, 2500),
+        with_token(cfg(1, 2, port, 2500), "beta"),
+    ]);
+    let s = res[1].as_ref().unwrap_err().to_string();
+    assert!(
+        s.contains("rank 1 has DSPARK_JOB_TOKEN set but rank 0 has none"),
+        "{s}"
+    );
+    let root = res[0].as_ref().unwrap_err().to_string();
+    assert!(
+        root.contains("rank 1 has DSPARK_JOB_TOKEN set but rank 0 has none"),
+        "{root}"
+    );
+}
+
+#[test]
+fn ranks_with_the_same_token_meet_and_run_a_collective() {
+    let port = free_port();
+    let comms = init_all(
+        (0..4)
+            .map(|r| with_token(cfg(r, 4, port, 20_000), "shared secret"))
+            .collect(),
+    );
+    let comms: Vec<Communicator> = comms.into_iter().map(|c| c.unwrap()).collect();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let mut v = [c.rank() as i64 + 1; 3];
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                assert_eq!(v, [10; 3]);
+            });
+        }
+    });
+}
+
+/// A rank of version 1 (its hello: kind, magic, version 1, world, rank, job, port, host,
+/// segment) is refused with both versions named, not left waiting.
+#[test]
+fn a_rank_of_the_old_protocol_version_is_refused_naming_both_versions() {
+    let port = free_port();
+    let root = std::thread::spawn(move || Communicator::init(cfg(0, 2, port, 3000)));
+    let mut s = connect_retrying(port);
+    let mut hello = vec![1u8];
+    hello.extend_from_slice(&0x6473_7061_726b_0001u64.to_le_bytes());
+    hello.extend_from_slice(&1u32.to_le_bytes()); // version 1
+    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    hello.extend_from_slice(&0u64.to_le_bytes());
+    hello.extend_from_slice(&4242u16.to_le_bytes());
+    hello.extend_from_slice(&4u32.to_le_bytes());
+    hello.extend_from_slice(b"host");
+    hello.extend_from_slice(&(512u64 * 1024).to_le_bytes());
+    send_frame(&mut s, &hello);
+    let reply = read_frame(&mut s).expect("a reply, not a hang or a silent close");
+    let text = String::from_utf8_lossy(&reply);
+    assert!(
+        reply[0] == 3
+            && text.contains(&format!(
+                "protocol version 1 but rank 0 runs version {}",
+                dspark::bootstrap::VERSION
+            )),
+        "{text}"
+    );
+    let e = root.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("protocol version 1"), "{e}");
+}
+
+/// A rank 0 of version 1 reads this version's hello as its own (its fields come first) and
+/// refuses it naming the version, as version 1 did: the rank fails with that reason.
+#[test]
+fn a_rank_0_of_the_old_protocol_version_refuses_this_version_by_name() {
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let v1 = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let m = read_frame(&mut s).unwrap();
+        // Version 1's parse_hello: kind, magic, version, world, rank, job, port, host, segment.
+        let u32_at = |i: usize| u32::from_le_bytes(m[i..i + 4].try_into().unwrap());
+        assert_eq!(m[0], 1);
+        assert_eq!(
+            u64::from_le_bytes(m[1..9].try_into().unwrap()),
+            0x6473_7061_726b_0001
+        );
+        let version = u32_at(9);
+        assert_eq!(
+            (u32_at(13), u32_at(17)),
+            (2, 1),
+            "world and rank where version 1 reads them"
+        );
+        let host_len = u32_at(31) as usize;
+        assert!(
+            m.len() >= 35 + host_len + 8,
+            "version 1 reads a whole hello"
+        );
+        let why =
+            format!("protocol version {version} but rank 0 runs version 1 (mixed dspark builds?)");
+        let mut rej = vec![3u8, 1];
+        rej.extend_from_slice(&0u32.to_le_bytes());
+        rej.extend_from_slice(&(why.len() as u32).to_le_bytes());
+        rej.extend_from_slice(why.as_bytes());
+        send_frame(&mut s, &rej);
+    });
+    let e = dspark::bootstrap::rendezvous(&cfg(1, 2, port, 3000))
+        .map(|_| ())
+        .unwrap_err();
+    let s = e.to_string();
+    assert!(
+        matches!(e, Error::Mismatch { .. })
+            && s.contains(&format!(
+                "protocol version {} but rank 0 runs version 1",
+                dspark::bootstrap::VERSION
+            )),
+        "{s}"
+    );
+    v1.join().unwrap();
+}

@@ -1,16 +1,32 @@
 //! TCP rendezvous: how ranks find each other.
 //!
 //! 1. Rank 0 listens on the root address; every other rank connects to it, retrying until the
-//!    deadline, and sends a hello: magic number, protocol version, world size, rank, job
-//!    identity (a hash of `DSPARK_JOB_TOKEN` and the launcher's job id), the address of its
-//!    own data listener and its host name.
+//!    deadline, and sends a hello: magic number, protocol version, world size, rank, a hash
+//!    of the launcher's job id, whether it has a job token, the address of its own data
+//!    listener, its host name and a fresh random nonce.
 //! 2. Rank 0 checks every hello. A connection that is not a dspark rank of this protocol, or
 //!    of another job, is refused with a reason (the refused side fails with that reason; rank
-//!    0 logs it and keeps waiting for the right rank). Disagreement inside the job — another
-//!    world size, the same rank twice — fails the whole rendezvous with an error naming both.
-//! 3. Rank 0 sends everybody the table of data addresses; every rank connects to the ranks
-//!    below it and accepts the ranks above it (each connection opens with its own checked
-//!    hello), giving one TCP connection per pair of ranks.
+//!    0 logs it and keeps waiting for the right rank). Otherwise rank 0 answers with a nonce
+//!    of its own, and the rank proves that it knows the job token: an HMAC-SHA256, keyed with
+//!    `DSPARK_JOB_TOKEN` and the job id, over rank 0's nonce and its whole hello. A wrong
+//!    proof is refused like a rank of another job. Only then are the rank's claims acted on:
+//!    disagreement inside the job — another world size, the same rank twice — fails the whole
+//!    rendezvous with an error naming both.
+//! 3. Rank 0 sends everybody the table of data addresses, with its own proof (over that
+//!    rank's hello, rank 0's nonce and the table): a rank accepts a table only from a rank 0
+//!    that knows the token. Every rank then connects to the ranks below it and accepts the
+//!    ranks above it, giving one TCP connection per pair of ranks. Each connection opens with
+//!    its own hello and proves the token both ways, in the same way (see `connect_mesh`).
+//!
+//! The nonces are fresh for every connection (from `/dev/urandom`), so a recorded handshake
+//! proves nothing when it is replayed; the token itself never travels, not even hashed.
+//! Without `DSPARK_JOB_TOKEN` the key is the launcher's job id alone, which is no secret:
+//! the handshake then only keeps ranks of different jobs (or different protocol versions)
+//! from joining each other by accident. Nothing is encrypted; set a token wherever a stranger
+//! can reach the rendezvous port.
+//!
+//! A rank of another protocol version is refused with both versions named, in either
+//! direction: version 2's hello starts with version 1's fields.
 //!
 //! The connections to rank 0 stay open until init is over for small exchanges
 //! ([`Bootstrap::all_gather`]), e.g. the verbs connection information.
@@ -28,20 +44,14 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use crate::config::{split_host_port, Config};
 use crate::error::{Error, Result};
 
-/// Magic number opening every bootstrap message.
-pub const MAGIC: u64 = 0x6473_7061_726b_0001; // "dspark" + 1
-/// Bootstrap / wire protocol version.
-pub const VERSION: u32 = 1;
+pub(crate) mod auth;
+pub(crate) mod msg;
 
-const MSG_HELLO: u8 = 1;
-const MSG_WELCOME: u8 = 2;
-const MSG_REJECT: u8 = 3;
-const MSG_PEER_HELLO: u8 = 4;
-const MSG_PEER_ACK: u8 = 5;
-const MSG_BLOB: u8 = 6;
-
-const REJECT_MISMATCH: u8 = 1;
-const REJECT_CONFIG: u8 = 2;
+use msg::{
+    HelloError, Msg, PeerHello, Reject, Reply, MSG_PEER_PROOF, MSG_PROOF, REJECT_CONFIG,
+    REJECT_MISMATCH,
+};
+pub use msg::{MAGIC, VERSION};
 
 const MAX_MSG: usize = 64 << 20;
 
@@ -49,9 +59,9 @@ const MAX_MSG: usize = 64 << 20;
 /// make this rank allocate, so a port scanner or a stray client costs no memory.
 const MAX_HELLO: usize = 64 << 10;
 
-/// How long an accepted connection may take to say hello: a stray client that connects and
-/// stays silent (a port scanner, a health check, a wedged leftover) must not hold the
-/// rendezvous for the whole deadline.
+/// How long an accepted connection may take to say hello (and to answer the challenge): a
+/// stray client that connects and stays silent (a port scanner, a health check, a wedged
+/// leftover) must not hold the rendezvous for the whole deadline.
 const HELLO_WAIT: Duration = Duration::from_secs(5);
 
 /// What every rank knows about every other after the rendezvous.
@@ -77,93 +87,9 @@ pub struct Bootstrap {
     pub peers: Vec<PeerInfo>,
 }
 
-/// Little-endian message builder.
-#[derive(Default)]
-struct Msg(Vec<u8>);
-
-impl Msg {
-    fn new(kind: u8) -> Self {
-        let mut m = Msg(Vec::with_capacity(64));
-        m.0.push(kind);
-        m
-    }
-    fn u8(mut self, v: u8) -> Self {
-        self.0.push(v);
-        self
-    }
-    fn u16(mut self, v: u16) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn u32(mut self, v: u32) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn u64(mut self, v: u64) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn bytes(mut self, b: &[u8]) -> Self {
-        self.0.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        self.0.extend_from_slice(b);
-        self
-    }
-    fn str(self, s: &str) -> Self {
-        self.bytes(s.as_bytes())
-    }
-}
-
-/// Little-endian message reader; every getter fails cleanly on a short message.
-struct Rd<'a>(&'a [u8]);
-
-impl Rd<'_> {
-    fn take(&mut self, n: usize) -> std::result::Result<&[u8], String> {
-        if self.0.len() < n {
-            return Err("truncated bootstrap message".into());
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Ok(a)
-    }
-    fn u8(&mut self) -> std::result::Result<u8, String> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> std::result::Result<u16, String> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-    fn u32(&mut self) -> std::result::Result<u32, String> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> std::result::Result<u64, String> {
-        let b = self.take(8)?;
-        let mut w = [0u8; 8];
-        w.copy_from_slice(b);
-        Ok(u64::from_le_bytes(w))
-    }
-    fn bytes(&mut self) -> std::result::Result<Vec<u8>, String> {
-        let n = self.u32()? as usize;
-        Ok(self.take(n)?.to_vec())
-    }
-    fn str(&mut self) -> std::result::Result<String, String> {
-        String::from_utf8(self.bytes()?).map_err(|_| "bad string in bootstrap message".into())
-    }
-}
-
-struct Hello {
-    magic: u64,
-    version: u32,
-    world: u32,
-    rank: u32,
-    job: u64,
-    data_port: u16,
-    host: String,
-    segment: u64,
-}
-
 struct Ctx<'a> {
     cfg: &'a Config,
+    sec: Secret,
     deadline: Instant,
     start: Instant,
 }
@@ -343,6 +269,7 @@ pub fn rendezvous_with(
     let start = Instant::now();
     let ctx = Ctx {
         cfg,
+        sec: Secret::of(cfg),
         deadline: crate::config::deadline(start, cfg.timeout),
         start,
     };
@@ -461,6 +388,102 @@ fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
     Ok((listener, bind_addr))
 }
 
+/// The job's handshake secret (see [`auth`]) and what the hellos carry in the clear.
+struct Secret {
+    /// HMAC key: the job token and the launcher's job id.
+    key: Vec<u8>,
+    /// Hash of the launcher's job id alone (0 without one): the token never travels, not
+    /// even hashed.
+    job: u64,
+    /// Whether this rank has a job token.
+    token: bool,
+}
+
+impl Secret {
+    fn of(cfg: &Config) -> Secret {
+        // `job_hash` of a configuration with the job id and no token: the job id's hash.
+        let mut id_only = Config::new(0, 1, String::new());
+        id_only.job_id = cfg.job_id.clone();
+        Secret {
+            key: auth::job_key(cfg.job_token.as_deref(), cfg.job_id.as_deref()),
+            job: id_only.job_hash(),
+            token: cfg.job_token.is_some(),
+        }
+    }
+
+    /// A rank's proof to rank 0: over rank 0's nonce and the rank's whole hello (its own
+    /// nonce, rank, world size, address).
+    fn rank_proof(&self, nonce0: &auth::Nonce, hello: &[u8]) -> msg::Tag {
+        auth::hmac_sha256(&self.key, &[LABEL_RANK, nonce0, hello])
+    }
+
+    /// Rank 0's proof to a rank: over that rank's hello, rank 0's nonce and the welcome
+    /// (the rank table) it sends.
+    fn root_proof(&self, hello: &[u8], nonce0: &auth::Nonce, welcome: &[u8]) -> msg::Tag {
+        auth::hmac_sha256(&self.key, &[LABEL_ROOT, nonce0, hello, welcome])
+    }
+
+    /// A data connection's proofs, by the accepting (`LABEL_ACCEPTOR`) or the connecting
+    /// (`LABEL_CONNECTOR`) rank: over the connecting rank's hello and the acceptor's nonce.
+    fn peer_proof(&self, label: &[u8], hello: &[u8], nonce: &auth::Nonce) -> msg::Tag {
+        auth::hmac_sha256(&self.key, &[label, nonce, hello])
+    }
+
+    /// What to say when a peer's token flag differs from this rank's.
+    fn token_disagreement(&self, me: &str, them: &str) -> String {
+        let (has, hasnt) = if self.token { (me, them) } else { (them, me) };
+        format!(
+            "{has} has DSPARK_JOB_TOKEN set but {hasnt} has none (set the same DSPARK_JOB_TOKEN \
+             on every rank)"
+        )
+    }
+
+    /// What to say when a proof did not verify.
+    fn bad_proof(&self, who: &str, than: &str) -> String {
+        if self.token {
+            format!(
+                "{who} did not prove that it knows the job token: its DSPARK_JOB_TOKEN differs \
+                 from {than}'s (or a recorded handshake was replayed)"
+            )
+        } else {
+            format!(
+                "{who}'s handshake proof did not verify (no DSPARK_JOB_TOKEN is set: a replayed \
+                 or forged handshake, or a broken peer?)"
+            )
+        }
+    }
+}
+
+// The labels of the four proofs: no proof made for one purpose verifies for another.
+const LABEL_RANK: &[u8] = b"dspark/2 rank proves to rank 0\0";
+const LABEL_ROOT: &[u8] = b"dspark/2 rank 0 proves to a rank\0";
+const LABEL_ACCEPTOR: &[u8] = b"dspark/2 data acceptor proves\0";
+const LABEL_CONNECTOR: &[u8] = b"dspark/2 data connector proves\0";
+
+fn describe(e: &HelloError) -> String {
+    match e {
+        HelloError::Foreign(w) | HelloError::Malformed(w) => w.clone(),
+        HelloError::Version(v) => format!(
+            "protocol version {v} but this rank runs version {VERSION} (mixed dspark builds?)"
+        ),
+    }
+}
+
+fn fresh_nonce(ctx: &Ctx<'_>) -> Result<auth::Nonce> {
+    auth::nonce().map_err(|e| ctx.io(None, "reading a nonce from /dev/urandom", e))
+}
+
+/// What rank 0 keeps of each rank that joined.
+struct Joined {
+    host: String,
+    data_port: u16,
+    ip: IpAddr,
+    /// Its hello and the nonce rank 0 challenged it with: rank 0's proof in the welcome
+    /// covers both.
+    hello: Vec<u8>,
+    nonce0: auth::Nonce,
+}
+
 /// Rank 0's side of the rendezvous on `listener`.
 fn root_accept(
     ctx: &Ctx<'_>,
@@ -472,10 +495,11 @@ fn root_accept(
     world: usize,
 ) -> Result<Star> {
     let cfg = ctx.cfg;
+    let sec = &ctx.sec;
     tracing::debug!(%bind_addr, world, "rank 0 waiting for the other ranks");
 
     let mut star: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    let mut info: Vec<Option<(String, u16, IpAddr)>> = vec![None; world];
+    let mut info: Vec<Option<Joined>> = (0..world).map(|_| None).collect();
     let mut refused: Vec<String> = Vec::new();
     let mut joined = 1;
     while joined < world {
@@ -499,6 +523,14 @@ fn root_accept(
         };
         let _ = s.set_nodelay(true);
         let _ = s.set_nonblocking(false);
+        let reject = |s: &mut TcpStream, class: u8, var: &str, why: &str| {
+            let rej = Reject {
+                class,
+                var: var.into(),
+                why: why.into(),
+            };
+            let _ = ctx.send(s, None, rej.encode());
+        };
         // A stray connection must not eat the whole deadline.
         let hello = match ctx.recv_within(&mut s, None, "reading a hello", HELLO_WAIT, MAX_HELLO) {
             Ok(m) => m,
@@ -507,41 +539,81 @@ fn root_accept(
                 continue;
             }
         };
-        let h = match parse_hello(&hello) {
+        let h = match msg::Hello::decode(&hello) {
             Ok(h) => h,
-            Err(w) => {
-                refused.push(format!("{from}: {w}"));
-                tracing::warn!(%from, "refused a bootstrap connection: {w}");
+            Err(e) => {
+                let why = describe(&e);
+                if !matches!(e, HelloError::Foreign(_)) {
+                    // A dspark rank of another version, or a broken one: it hears why.
+                    reject(
+                        &mut s,
+                        REJECT_MISMATCH,
+                        "",
+                        &why.replace("this rank", "rank 0"),
+                    );
+                }
+                tracing::warn!(%from, "refused a bootstrap connection: {why}");
+                refused.push(format!("{from}: {}", why.replace("this rank", "rank 0")));
                 continue;
             }
         };
-        let reject = |s: &mut TcpStream, class: u8, var: &str, why: &str| {
-            let _ = ctx.send(s, None, Msg::new(MSG_REJECT).u8(class).str(var).str(why));
-        };
-        if h.magic != MAGIC {
-            refused.push(format!("{from}: not a dspark rank (bad magic)"));
-            continue;
-        }
-        if h.version != VERSION {
-            let why = format!(
-                "protocol version {} but rank 0 runs version {VERSION} (mixed dspark builds?)",
-                h.version
-            );
-            reject(&mut s, REJECT_MISMATCH, "", &why);
-            tracing::warn!(%from, "refused: {why}");
-            refused.push(format!("{from}: {why}"));
-            continue;
-        }
-        if h.job != cfg.job_hash() {
-            let why = "job identity differs from rank 0's (DSPARK_JOB_TOKEN or the launcher's job \
-                       id do not match: a rank of another job?)"
-                .to_string();
-            reject(&mut s, REJECT_MISMATCH, "", &why);
-            tracing::warn!(%from, "refused: {why}");
-            refused.push(format!("{from} (claims rank {}): {why}", h.rank));
-            continue;
-        }
         let r = h.rank as usize;
+        let mut refuse = |s: &mut TcpStream, why: String| {
+            reject(s, REJECT_MISMATCH, "", &why);
+            tracing::warn!(%from, "refused: {why}");
+            refused.push(format!("{from} (claims rank {r}): {why}"));
+        };
+        if h.job != sec.job {
+            refuse(
+                &mut s,
+                "the launcher's job id (SLURM_JOB_ID or TORCHELASTIC_RUN_ID) differs from rank \
+                 0's: a rank of another job?"
+                    .into(),
+            );
+            continue;
+        }
+        if h.token != sec.token {
+            refuse(
+                &mut s,
+                sec.token_disagreement("rank 0", &format!("rank {r}")),
+            );
+            continue;
+        }
+        // The challenge: the rank proves the token over a nonce of rank 0's, so that a
+        // recorded handshake proves nothing. Nothing it claims is acted on before that.
+        let nonce0 = fresh_nonce(ctx)?;
+        if let Err(e) = ctx.send(&mut s, None, Reply::encode_challenge(&nonce0)) {
+            refused.push(format!("{from} (claims rank {r}): {e}"));
+            continue;
+        }
+        let proof = match ctx.recv_within(
+            &mut s,
+            None,
+            "reading the answer to the challenge",
+            HELLO_WAIT,
+            MAX_HELLO,
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                refused.push(format!("{from} (claims rank {r}): {e}"));
+                continue;
+            }
+        };
+        match msg::decode_proof(&proof, MSG_PROOF) {
+            Ok(Ok(tag)) if auth::ct_eq(&tag, &sec.rank_proof(&nonce0, &hello)) => {}
+            Ok(Ok(_)) => {
+                refuse(&mut s, sec.bad_proof(&format!("rank {r}"), "rank 0"));
+                continue;
+            }
+            Ok(Err(gave_up)) => {
+                refused.push(format!("{from} (claims rank {r}): {}", gave_up.why));
+                continue;
+            }
+            Err(w) => {
+                refuse(&mut s, format!("bad answer to the challenge: {w}"));
+                continue;
+            }
+        }
         if h.world as usize != world {
             let why = format!(
                 "rank {r} (at {from}) has world size {} but rank 0 has {world}",
@@ -569,8 +641,8 @@ fn root_accept(
         if r == 0 || r >= world || star[r].is_some() {
             let prev = info[r.min(world - 1)]
                 .as_ref()
-                .map_or("this process".to_string(), |(hn, _, ip)| {
-                    format!("{hn} ({ip})")
+                .map_or("this process".to_string(), |j| {
+                    format!("{} ({})", j.host, j.ip)
                 });
             let why = format!(
                 "rank {r} joined twice: from {} ({from}) and earlier from {prev} — check \
@@ -581,21 +653,26 @@ fn root_accept(
             abort_all(ctx, &mut star, REJECT_CONFIG, "DSPARK_RANK", &why);
             return Err(Error::config("DSPARK_RANK", why));
         }
-        let peer_ip = from.ip();
-        info[r] = Some((h.host, h.data_port, peer_ip));
+        info[r] = Some(Joined {
+            host: h.host,
+            data_port: h.data_port,
+            ip: from.ip(),
+            hello,
+            nonce0,
+        });
         star[r] = Some(s);
         joined += 1;
     }
     // The table, as each peer should see it: rank 0's address is the one that peer reached.
     let mut peers = Vec::with_capacity(world);
-    for (r, joined) in info.into_iter().enumerate() {
+    for (r, joined) in info.iter().enumerate() {
         let (hn, port, ip) = match joined {
             _ if r == 0 => (
                 host.to_string(),
                 data_port,
                 iface.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
             ),
-            Some(x) => x,
+            Some(j) => (j.host.clone(), j.data_port, j.ip),
             None => return Err(ctx.bad(Some(r), "rank missing from the table".into())),
         };
         peers.push(PeerInfo {
@@ -605,23 +682,19 @@ fn root_accept(
         });
     }
     for (r, slot) in star.iter_mut().enumerate().skip(1) {
-        let Some(s) = slot.as_mut() else {
+        let (Some(s), Some(j)) = (slot.as_mut(), info[r].as_ref()) else {
             return Err(ctx.bad(Some(r), "no connection to this rank".into()));
         };
         let my_ip = iface.unwrap_or_else(|| {
             s.local_addr()
                 .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
         });
-        let mut m = Msg::new(MSG_WELCOME).u32(world as u32);
-        for p in &peers {
-            let ip = if p.rank == 0 { my_ip } else { p.addr.ip() };
-            m = m
-                .u32(p.rank as u32)
-                .str(&ip.to_string())
-                .u16(p.addr.port())
-                .str(&p.host);
-        }
-        ctx.send(s, Some(r), m)?;
+        let mut table = peers.clone();
+        table[0].addr = SocketAddr::new(my_ip, data_port);
+        let m = msg::encode_welcome(&table);
+        // Rank 0's own proof, over this rank's hello and nonce and the table itself.
+        let tag = sec.root_proof(&j.hello, &j.nonce0, &m.0);
+        ctx.send(s, Some(r), m.raw(&tag))?;
     }
     if let Some(s) = star[1].as_ref() {
         if iface.is_none() {
@@ -634,26 +707,29 @@ fn root_accept(
 }
 
 fn abort_all(ctx: &Ctx<'_>, star: &mut [Option<TcpStream>], class: u8, var: &str, why: &str) {
+    let rej = Reject {
+        class,
+        var: var.into(),
+        why: why.into(),
+    };
     for s in star.iter_mut().flatten() {
-        let _ = ctx.send(s, None, Msg::new(MSG_REJECT).u8(class).str(var).str(why));
+        let _ = ctx.send(s, None, rej.encode());
     }
 }
 
-fn parse_hello(m: &[u8]) -> std::result::Result<Hello, String> {
-    let mut r = Rd(m);
-    if r.u8()? != MSG_HELLO {
-        return Err("expected a hello".into());
+/// The error of a rank that rank 0 refused.
+fn refusal(cfg: &Config, rej: Reject) -> Error {
+    let what = format!("rank 0 refused this rank: {}", rej.why);
+    if rej.class == REJECT_CONFIG {
+        Error::config(rej.var, what)
+    } else {
+        Error::Mismatch {
+            rank: Some(cfg.rank),
+            peer: Some(0),
+            op: "bootstrap".into(),
+            what,
+        }
     }
-    Ok(Hello {
-        magic: r.u64()?,
-        version: r.u32()?,
-        world: r.u32()?,
-        rank: r.u32()?,
-        job: r.u64()?,
-        data_port: r.u16()?,
-        host: r.str()?,
-        segment: r.u64()?,
-    })
 }
 
 fn accept_until(ctx: &Ctx<'_>, l: &TcpListener) -> Result<(TcpStream, SocketAddr)> {
@@ -680,6 +756,7 @@ fn leaf_rendezvous(
     iface: Option<IpAddr>,
 ) -> Result<Star> {
     let cfg = ctx.cfg;
+    let sec = &ctx.sec;
     let world = cfg.world_size;
     let (rhost, port) =
         split_host_port(&cfg.root_addr).map_err(|w| Error::config(source_of(cfg), w))?;
@@ -719,64 +796,55 @@ fn leaf_rendezvous(
         std::thread::sleep(Duration::from_millis(50));
     };
     let _ = s.set_nodelay(true);
-    let hello = Msg::new(MSG_HELLO)
-        .u64(MAGIC)
-        .u32(VERSION)
-        .u32(world as u32)
-        .u32(cfg.rank as u32)
-        .u64(cfg.job_hash())
-        .u16(data_port)
-        .str(host)
-        .u64(cfg.segment_bytes as u64);
-    ctx.send(&mut s, Some(0), hello)?;
+    let root_at = s
+        .peer_addr()
+        .map_or_else(|_| cfg.root_addr.clone(), |a| a.to_string());
+    let hello = msg::Hello {
+        world: world as u32,
+        rank: cfg.rank as u32,
+        job: sec.job,
+        data_port,
+        host: host.to_string(),
+        segment: cfg.segment_bytes as u64,
+        token: sec.token,
+        nonce: fresh_nonce(ctx)?,
+    }
+    .encode();
+    ctx.send(&mut s, Some(0), hello.clone())?;
+    let reply = ctx.recv(&mut s, Some(0), "waiting for rank 0's challenge")?;
+    let nonce0 = match Reply::decode(&reply, world).map_err(|w| ctx.bad(Some(0), w))? {
+        Reply::Challenge(n) => n,
+        Reply::Reject(rej) => return Err(refusal(cfg, rej)),
+        Reply::Welcome { .. } => {
+            return Err(ctx.bad(
+                Some(0),
+                "rank 0 sent a rank table without a challenge".into(),
+            ))
+        }
+    };
+    let proof = sec.rank_proof(&nonce0, &hello.0);
+    ctx.send(&mut s, Some(0), msg::encode_proof(MSG_PROOF, &proof))?;
     let reply = ctx.recv(&mut s, Some(0), "waiting for rank 0 to admit this rank")?;
-    let mut rd = Rd(&reply);
-    match rd.u8().map_err(|w| ctx.bad(Some(0), w))? {
-        MSG_WELCOME => {}
-        MSG_REJECT => {
-            let class = rd.u8().unwrap_or(0);
-            let var = rd.str().unwrap_or_default();
-            let why = rd.str().unwrap_or_else(|_| "no reason given".into());
-            let what = format!("rank 0 refused this rank: {why}");
-            return Err(if class == REJECT_CONFIG {
-                Error::config(var, what)
-            } else {
-                Error::Mismatch {
+    let mut peers = match Reply::decode(&reply, world).map_err(|w| ctx.bad(Some(0), w))? {
+        Reply::Welcome { peers, signed, tag } => {
+            if !auth::ct_eq(&tag, &sec.root_proof(&hello.0, &nonce0, &reply[..signed])) {
+                return Err(Error::Mismatch {
                     rank: Some(cfg.rank),
                     peer: Some(0),
                     op: "bootstrap".into(),
-                    what,
-                }
-            });
+                    what: format!(
+                        "{}: refusing its rank table",
+                        sec.bad_proof(&format!("rank 0 at {root_at}"), "this rank")
+                    ),
+                });
+            }
+            peers
         }
-        k => return Err(ctx.bad(Some(0), format!("unexpected bootstrap message {k}"))),
-    }
-    let n = rd.u32().map_err(|w| ctx.bad(Some(0), w))? as usize;
-    if n != world {
-        return Err(ctx.bad(
-            Some(0),
-            format!("rank table has {n} entries, world size is {world}"),
-        ));
-    }
-    let mut peers = Vec::with_capacity(world);
-    for i in 0..world {
-        let r = rd.u32().map_err(|w| ctx.bad(Some(0), w))? as usize;
-        if r != i {
-            return Err(ctx.bad(Some(0), format!("rank table entry {i} is for rank {r}")));
+        Reply::Reject(rej) => return Err(refusal(cfg, rej)),
+        Reply::Challenge(_) => {
+            return Err(ctx.bad(Some(0), "rank 0 sent a second challenge".into()))
         }
-        let ip: IpAddr = rd
-            .str()
-            .map_err(|w| ctx.bad(Some(0), w))?
-            .parse()
-            .map_err(|_| ctx.bad(Some(0), "bad address in rank table".into()))?;
-        let port = rd.u16().map_err(|w| ctx.bad(Some(0), w))?;
-        let hn = rd.str().map_err(|w| ctx.bad(Some(0), w))?;
-        peers.push(PeerInfo {
-            rank: r,
-            host: hn,
-            addr: SocketAddr::new(ip, port),
-        });
-    }
+    };
     // Our own entry: rank 0 recorded the address it saw us connect from.
     let me = cfg.rank;
     if let Some(ip) = iface {
@@ -787,25 +855,37 @@ fn leaf_rendezvous(
     Ok((star, peers))
 }
 
+/// Connects every pair of ranks. Each connection proves the job token both ways, in steps
+/// that never wait on a rank that is itself waiting (every step of every rank depends only on
+/// earlier steps of the others):
+///
+/// 1. connect to every lower rank and send a hello with a fresh nonce;
+/// 2. accept every higher rank, check its hello and answer with a nonce of this rank's and
+///    this rank's proof (over the hello and that nonce);
+/// 3. check every lower rank's proof and send this rank's (over the same);
+/// 4. check every higher rank's proof and acknowledge;
+/// 5. read the lower ranks' acknowledgements.
 fn connect_mesh(
     ctx: &Ctx<'_>,
     listener: &TcpListener,
     peers: &[PeerInfo],
 ) -> Result<Vec<Option<TcpStream>>> {
     let cfg = ctx.cfg;
+    let sec = &ctx.sec;
     let world = cfg.world_size;
     let me = cfg.rank;
     let mut mesh: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    let peer_hello = |to: usize| {
-        Msg::new(MSG_PEER_HELLO)
-            .u64(MAGIC)
-            .u32(VERSION)
-            .u64(cfg.job_hash())
-            .u32(world as u32)
-            .u32(me as u32)
-            .u32(to as u32)
+    // The hellos this rank sent to the lower ranks, and what it received from the higher ones
+    // (hello, the nonce it challenged with, where it came from).
+    let mut sent: Vec<Vec<u8>> = vec![Vec::new(); world];
+    let mut challenged: Vec<Option<(Vec<u8>, auth::Nonce, SocketAddr)>> = vec![None; world];
+    let mismatch = |peer: usize, what: String| Error::Mismatch {
+        rank: Some(me),
+        peer: Some(peer),
+        op: "bootstrap".into(),
+        what,
     };
-    // 1. Connect to every lower rank and say hello (acks are read after accepting).
+    // 1. Connect to every lower rank and say hello.
     for p in peers.iter().take(me) {
         let mut s = loop {
             let rem = ctx.remaining().ok_or_else(|| {
@@ -833,10 +913,20 @@ fn connect_mesh(
             }
         };
         let _ = s.set_nodelay(true);
-        ctx.send(&mut s, Some(p.rank), peer_hello(p.rank))?;
+        let hello = PeerHello {
+            job: sec.job,
+            world: world as u32,
+            from: me as u32,
+            to: p.rank as u32,
+            token: sec.token,
+            nonce: fresh_nonce(ctx)?,
+        }
+        .encode();
+        ctx.send(&mut s, Some(p.rank), hello.clone())?;
+        sent[p.rank] = hello.0;
         mesh[p.rank] = Some(s);
     }
-    // 2. Accept every higher rank.
+    // 2. Accept every higher rank and challenge it.
     listener
         .set_nonblocking(true)
         .map_err(|e| ctx.io(None, "listener", e))?;
@@ -864,37 +954,90 @@ fn connect_mesh(
                 continue;
             }
         };
-        let parsed = (|| -> std::result::Result<(u64, u32, u64, u32, u32, u32), String> {
-            let mut r = Rd(&m);
-            if r.u8()? != MSG_PEER_HELLO {
-                return Err("not a peer hello".into());
+        let h = match PeerHello::decode(&m) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(%from, "dropped a data connection: {}", describe(&e));
+                continue;
             }
-            Ok((r.u64()?, r.u32()?, r.u64()?, r.u32()?, r.u32()?, r.u32()?))
-        })();
-        let Ok((magic, version, job, w, from_rank, to)) = parsed else {
-            tracing::warn!(%from, "dropped a data connection: not a dspark peer");
-            continue;
         };
-        let from_rank = from_rank as usize;
-        if magic != MAGIC || version != VERSION || job != cfg.job_hash() || w as usize != world {
-            tracing::warn!(%from, "dropped a data connection from another job or version");
+        let from_rank = h.from as usize;
+        if h.job != sec.job || h.world as usize != world || h.token != sec.token {
+            tracing::warn!(%from, "dropped a data connection from another job");
             continue;
         }
-        if to as usize != me || from_rank <= me || from_rank >= world || mesh[from_rank].is_some() {
-            return Err(Error::Mismatch {
-                rank: Some(me),
-                peer: Some(from_rank),
-                op: "bootstrap".into(),
-                what: format!(
-                    "rank {from_rank} at {from} connected for rank {to} (duplicate or confused rank)"
+        if h.to as usize != me || from_rank <= me || from_rank >= world || mesh[from_rank].is_some()
+        {
+            return Err(mismatch(
+                from_rank,
+                format!(
+                    "rank {from_rank} at {from} connected for rank {} (duplicate or confused rank)",
+                    h.to
                 ),
-            });
+            ));
         }
-        ctx.send(&mut s, Some(from_rank), Msg::new(MSG_PEER_ACK))?;
+        let nonce = fresh_nonce(ctx)?;
+        let mine = sec.peer_proof(LABEL_ACCEPTOR, &m, &nonce);
+        ctx.send(
+            &mut s,
+            Some(from_rank),
+            msg::encode_peer_challenge(&nonce, &mine),
+        )?;
         mesh[from_rank] = Some(s);
+        challenged[from_rank] = Some((m, nonce, from));
         pending -= 1;
     }
-    // 3. Read the acks of the lower ranks.
+    // 3. Check every lower rank's proof, and prove this rank's knowledge to it.
+    for (r, slot) in mesh.iter_mut().enumerate().take(me) {
+        let Some(s) = slot.as_mut() else {
+            return Err(ctx.bad(Some(r), "no connection to this rank".into()));
+        };
+        let m = ctx.recv(s, Some(r), &format!("waiting for rank {r}'s challenge"))?;
+        let (nonce, theirs) =
+            match msg::decode_peer_challenge(&m).map_err(|w| ctx.bad(Some(r), w))? {
+                Ok(x) => x,
+                Err(rej) => return Err(mismatch(r, format!("rank {r} refused: {}", rej.why))),
+            };
+        if !auth::ct_eq(&theirs, &sec.peer_proof(LABEL_ACCEPTOR, &sent[r], &nonce)) {
+            let at = peers[r].addr;
+            return Err(mismatch(
+                r,
+                sec.bad_proof(
+                    &format!("the data listener of rank {r} at {at}"),
+                    "this rank",
+                ),
+            ));
+        }
+        let proof = sec.peer_proof(LABEL_CONNECTOR, &sent[r], &nonce);
+        ctx.send(s, Some(r), msg::encode_proof(MSG_PEER_PROOF, &proof))?;
+    }
+    // 4. Check every higher rank's proof and acknowledge it.
+    for r in me + 1..world {
+        let (Some(s), Some((hello, nonce, from))) = (mesh[r].as_mut(), challenged[r].as_ref())
+        else {
+            return Err(ctx.bad(Some(r), "no connection to this rank".into()));
+        };
+        let m = ctx.recv(s, Some(r), &format!("waiting for rank {r}'s proof"))?;
+        match msg::decode_proof(&m, MSG_PEER_PROOF).map_err(|w| ctx.bad(Some(r), w))? {
+            Ok(tag) if auth::ct_eq(&tag, &sec.peer_proof(LABEL_CONNECTOR, hello, nonce)) => {}
+            Ok(_) => {
+                let why = sec.bad_proof(
+                    &format!("the data connection from {from} (rank {r}?)"),
+                    &format!("rank {me}"),
+                );
+                let rej = Reject {
+                    class: REJECT_MISMATCH,
+                    var: String::new(),
+                    why: why.clone(),
+                };
+                let _ = ctx.send(s, Some(r), rej.encode());
+                return Err(mismatch(r, why));
+            }
+            Err(rej) => return Err(mismatch(r, format!("rank {r} refused: {}", rej.why))),
+        }
+        ctx.send(s, Some(r), Msg::new(msg::MSG_PEER_ACK))?;
+    }
+    // 5. Read the acknowledgements of the lower ranks.
     for (r, slot) in mesh.iter_mut().enumerate().take(me) {
         let Some(s) = slot.as_mut() else {
             return Err(ctx.bad(Some(r), "no connection to this rank".into()));
@@ -904,8 +1047,8 @@ fn connect_mesh(
             Some(r),
             &format!("waiting for rank {r} to accept the connection"),
         )?;
-        if m.first() != Some(&MSG_PEER_ACK) {
-            return Err(ctx.bad(Some(r), "peer did not acknowledge the connection".into()));
+        if let Err(rej) = msg::decode_peer_ack(&m).map_err(|w| ctx.bad(Some(r), w))? {
+            return Err(mismatch(r, format!("rank {r} refused: {}", rej.why)));
         }
     }
     for s in mesh.iter().flatten() {
@@ -945,6 +1088,7 @@ impl Bootstrap {
         let cfg = Config::new(self.rank, self.world, String::new());
         let ctx = Ctx {
             cfg: &cfg,
+            sec: Secret::of(&cfg),
             deadline: crate::config::deadline(start, self.timeout),
             start,
         };
@@ -955,40 +1099,156 @@ impl Bootstrap {
                     .as_mut()
                     .ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
                 let m = ctx.recv(s, Some(r), "gathering init data")?;
-                let mut rd = Rd(&m);
-                if rd.u8().ok() != Some(MSG_BLOB) {
-                    return Err(ctx.bad(Some(r), "expected a blob".into()));
-                }
-                all.push(rd.bytes().map_err(|w| ctx.bad(Some(r), w))?);
+                all.push(msg::decode_blob(&m).map_err(|w| ctx.bad(Some(r), w))?);
             }
+            let m = msg::encode_blobs(&all);
             for (r, slot) in self.star.iter_mut().enumerate().skip(1) {
-                let mut m = Msg::new(MSG_BLOB).u32(self.world as u32);
-                for b in &all {
-                    m = m.bytes(b);
-                }
                 let s = slot
                     .as_mut()
                     .ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
-                ctx.send(s, Some(r), m)?;
+                ctx.send(s, Some(r), m.clone())?;
             }
             Ok(all)
         } else {
             let s = self.star[0]
                 .as_mut()
                 .ok_or_else(|| ctx.bad(Some(0), "no connection".into()))?;
-            ctx.send(s, Some(0), Msg::new(MSG_BLOB).bytes(mine))?;
+            ctx.send(s, Some(0), msg::encode_blob(mine))?;
             let m = ctx.recv(s, Some(0), "waiting for everybody's init data")?;
-            let mut rd = Rd(&m);
-            if rd.u8().ok() != Some(MSG_BLOB) {
-                return Err(ctx.bad(Some(0), "expected a blob".into()));
-            }
-            let n = rd.u32().map_err(|w| ctx.bad(Some(0), w))? as usize;
-            if n != self.world {
-                return Err(ctx.bad(Some(0), format!("{n} blobs for {} ranks", self.world)));
-            }
-            (0..n)
-                .map(|_| rd.bytes().map_err(|w| ctx.bad(Some(0), w)))
-                .collect()
+            msg::decode_blobs(&m, self.world).map_err(|w| ctx.bad(Some(0), w))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(rank: usize, world: usize, token: &str) -> Config {
+        let mut c = Config::new(rank, world, "127.0.0.1:1");
+        c.timeout = Duration::from_secs(10);
+        c.job_token = Some(token.into());
+        c
+    }
+
+    fn mesh_of(cfg: Config, listener: TcpListener, peers: Vec<PeerInfo>) -> Result<()> {
+        let start = Instant::now();
+        let ctx = Ctx {
+            cfg: &cfg,
+            sec: Secret::of(&cfg),
+            deadline: start + cfg.timeout,
+            start,
+        };
+        connect_mesh(&ctx, &listener, &peers).map(|_| ())
+    }
+
+    fn peer(rank: usize, addr: SocketAddr) -> PeerInfo {
+        PeerInfo {
+            rank,
+            host: "h".into(),
+            addr,
+        }
+    }
+
+    fn send(s: &mut TcpStream, m: &Msg) {
+        s.write_all(&(m.0.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(&m.0).unwrap();
+    }
+
+    fn recv(s: &mut TcpStream) -> Vec<u8> {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut m = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut m).unwrap();
+        m
+    }
+
+    /// Rank 0 of 2 accepts a data connection that claims to be rank 1 and answers the
+    /// challenge with `proof(secret of the impostor, hello, the challenge's nonce)`.
+    fn impostor_connects(
+        token: &str,
+        proof: impl Fn(&Secret, &[u8], &auth::Nonce) -> msg::Tag,
+    ) -> (Result<()>, Vec<u8>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr)];
+        let acceptor = std::thread::spawn(move || mesh_of(config(0, 2, "a"), listener, peers));
+        let sec = Secret::of(&config(1, 2, token));
+        let mut s = TcpStream::connect(addr).unwrap();
+        let hello = PeerHello {
+            job: sec.job,
+            world: 2,
+            from: 1,
+            to: 0,
+            token: true,
+            nonce: auth::nonce().unwrap(),
+        }
+        .encode();
+        send(&mut s, &hello);
+        let (nonce, _) = msg::decode_peer_challenge(&recv(&mut s)).unwrap().unwrap();
+        send(
+            &mut s,
+            &msg::encode_proof(MSG_PEER_PROOF, &proof(&sec, &hello.0, &nonce)),
+        );
+        let reply = recv(&mut s);
+        (acceptor.join().unwrap(), reply)
+    }
+
+    #[test]
+    fn a_data_connection_with_another_token_is_refused_on_both_ends() {
+        let (res, reply) = impostor_connects("b", |sec, hello, nonce| {
+            sec.peer_proof(LABEL_CONNECTOR, hello, nonce)
+        });
+        let e = res.unwrap_err();
+        let s = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { peer: Some(1), .. })
+                && s.contains("did not prove that it knows the job token"),
+            "{s}"
+        );
+        let rej = msg::decode_peer_ack(&reply).unwrap().unwrap_err();
+        assert!(rej.why.contains("DSPARK_JOB_TOKEN differs"), "{}", rej.why);
+    }
+
+    /// The right token, but a proof over another nonce: what replaying a recorded data
+    /// connection's answer amounts to.
+    #[test]
+    fn a_replayed_proof_on_a_data_connection_is_refused() {
+        let (res, reply) = impostor_connects("a", |sec, hello, _| {
+            sec.peer_proof(LABEL_CONNECTOR, hello, &[7; auth::TAG_LEN])
+        });
+        assert!(res.unwrap_err().to_string().contains("did not prove"));
+        assert!(msg::decode_peer_ack(&reply).unwrap().is_err());
+        // And the acceptor's own proof is no answer either (the labels differ).
+        let (res, _) = impostor_connects("a", |sec, hello, nonce| {
+            sec.peer_proof(LABEL_ACCEPTOR, hello, nonce)
+        });
+        assert!(res.unwrap_err().to_string().contains("did not prove"));
+    }
+
+    #[test]
+    fn a_data_listener_that_cannot_prove_the_token_is_refused() {
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fake_addr = fake.local_addr().unwrap();
+        let own = TcpListener::bind("127.0.0.1:0").unwrap();
+        let own_addr = own.local_addr().unwrap();
+        let peers = vec![peer(0, fake_addr), peer(1, own_addr)];
+        let connector = std::thread::spawn(move || mesh_of(config(1, 2, "a"), own, peers));
+        let (mut s, _) = fake.accept().unwrap();
+        let hello = recv(&mut s);
+        assert!(PeerHello::decode(&hello).is_ok());
+        let sec = Secret::of(&config(0, 2, "b"));
+        let nonce = auth::nonce().unwrap();
+        let tag = sec.peer_proof(LABEL_ACCEPTOR, &hello, &nonce);
+        send(&mut s, &msg::encode_peer_challenge(&nonce, &tag));
+        let e = connector.join().unwrap().unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { peer: Some(0), .. })
+                && text.contains(&format!("the data listener of rank 0 at {fake_addr}"))
+                && text.contains("did not prove"),
+            "{text}"
+        );
     }
 }
