@@ -196,13 +196,12 @@ impl Shared {
         q.driving = true;
         let ahead = !q.jobs.is_empty();
         drop(q);
-        let mut eng = self.engine();
+        let mut role = self.role();
         if ahead {
-            self.drive(&mut eng, None);
+            self.drive(&mut role.eng, None);
         }
-        let r = self.run_one(&mut eng, timeout, f);
-        self.release(&mut eng);
-        r
+        self.run_one(&mut role.eng, timeout, f)
+        // `role` gives the driver role up here, after the result is taken.
     }
 
     /// Runs one operation with the engine: honours a pending abort first, contains panics,
@@ -213,9 +212,11 @@ impl Shared {
         timeout: Option<Duration>,
         f: impl FnOnce(&mut Engine) -> Result<R>,
     ) -> Result<R> {
-        eng.honour_abort();
-        eng.set_call_timeout(timeout);
-        let r = match catch_unwind(AssertUnwindSafe(|| f(eng))) {
+        let r = match catch_unwind(AssertUnwindSafe(|| {
+            eng.honour_abort();
+            eng.set_call_timeout(timeout);
+            f(eng)
+        })) {
             Ok(r) => r,
             Err(_) => {
                 // Half-sent frames and an advanced sequence number: this rank can no longer
@@ -228,6 +229,16 @@ impl Shared {
         eng.set_call_timeout(None);
         self.mirror_poison(eng);
         r.map_err(|e| e.at_rank(self.rank))
+    }
+
+    /// The driver role's hold on the engine, for a caller that has just set `driving`. Its
+    /// drop gives the role up (`release`), also when a panic unwinds through the driver, so
+    /// that the next caller is never left waiting for a role nobody holds.
+    fn role(&self) -> Role<'_> {
+        Role {
+            shared: self,
+            eng: self.engine(),
+        }
     }
 
     /// The engine, locked. A poisoned lock means a panic while the engine was held outside
@@ -281,7 +292,11 @@ impl Shared {
         // `driving`, so either it sees this driver or this driver sees the flag.
         if self.abort.load(Ordering::Acquire) && eng.poisoned().is_none() {
             drop(q);
-            eng.honour_abort();
+            // Runs from `Role`'s drop, maybe while unwinding: a panic here must not abort
+            // the process, and the role must be given up all the same.
+            if catch_unwind(AssertUnwindSafe(|| eng.honour_abort())).is_err() {
+                eng.fail(panicked(self.rank));
+            }
             self.mirror_poison(eng);
             q = lock(&self.q);
         }
@@ -304,9 +319,9 @@ impl Shared {
             if !q.driving && until.is_none() {
                 q.driving = true;
                 drop(q);
-                let mut eng = self.engine();
-                self.drive(&mut eng, Some(done));
-                self.release(&mut eng);
+                let mut role = self.role();
+                self.drive(&mut role.eng, Some(done));
+                drop(role);
                 continue;
             }
             drop(q);
@@ -326,9 +341,9 @@ impl Shared {
         }
         q.driving = true;
         drop(q);
-        let mut eng = self.engine();
-        self.drive(&mut eng, None);
-        self.release(&mut eng);
+        let mut role = self.role();
+        self.drive(&mut role.eng, None);
+        drop(role);
     }
 
     /// The progress thread: drives whenever operations are queued and nobody drives.
@@ -349,9 +364,9 @@ impl Shared {
             }
             q.driving = true;
             drop(q);
-            let mut eng = self.engine();
-            self.drive(&mut eng, None);
-            self.release(&mut eng);
+            let mut role = self.role();
+            self.drive(&mut role.eng, None);
+            drop(role);
         }
     }
 
@@ -365,6 +380,18 @@ impl Shared {
     /// exited): for closing the communicator.
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
         f(&mut self.engine())
+    }
+}
+
+/// The driver role and the engine it holds (see [`Shared::role`]).
+struct Role<'a> {
+    shared: &'a Shared,
+    eng: MutexGuard<'a, Engine>,
+}
+
+impl Drop for Role<'_> {
+    fn drop(&mut self) {
+        self.shared.release(&mut self.eng);
     }
 }
 
