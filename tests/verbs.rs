@@ -181,6 +181,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "last_write" => last_write(),
         "direct" => direct(),
         "bandwidth" => bandwidth(),
+        "exit_after_call" => exit_after_call(),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -269,6 +270,112 @@ fn last_write() -> Result<i32, String> {
 }
 
 const LAST_WRITE_ROUNDS: usize = 30;
+
+/// Exit status of the rank that leaves by `process::exit` in [`exit_after_call`].
+const VICTIM_EXIT: i32 = 42;
+/// Element counts the lifetimes of the exit stress test cycle through: one element, less than
+/// one per rank, a few slots, and many times the slot ring (512 KiB segments, 8 slots).
+const EXIT_COUNTS: [usize; 6] = [1, 2, 1000, 4099, 70_001, 300_007];
+
+/// One lifetime of the exit stress test (#11 item 1): three ranks run two checked collectives
+/// and a final all_reduce; the victim (`DSPARK_TEST_VICTIM`) leaves by `process::exit` the
+/// moment that call returns, without dropping its communicator (no goodbye: as a crash
+/// right after the call would). The survivors' final all_reduce must still succeed with the
+/// right result (what the victim delivered counts), and their next call that needs the
+/// victim (a receive from it, or an all_reduce) must fail with `PeerLost` naming it (or be
+/// aborted by the other survivor, who saw that first), not wait for the deadline.
+fn exit_after_call() -> Result<i32, String> {
+    let var = |k: &str| -> Result<usize, String> {
+        std::env::var(k)
+            .map_err(|_| format!("{k} not set"))?
+            .parse()
+            .map_err(|e| format!("{k}: {e}"))
+    };
+    let life = var("DSPARK_TEST_LIFETIME")?;
+    let victim = var("DSPARK_TEST_VICTIM")?;
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = EXIT_COUNTS[life % EXIT_COUNTS.len()];
+    let seed = 0xe417 + life as u64;
+    let e = |what: &str| {
+        let what = format!("lifetime {life} {what} count {count}");
+        move |err: Error| format!("{what}: {err}")
+    };
+    let sum = ReduceOp::Sum;
+
+    let mut a = common::inputs::<i64>(sum, seed, r, count);
+    comm.all_reduce(&mut a, sum).map_err(e("all_reduce #1"))?;
+    common::check(
+        "all_reduce #1",
+        &a,
+        &common::reduced::<i64>(sum, seed, n, count),
+    )?;
+
+    let root = (life + 1) % n;
+    let mut b = if r == root {
+        common::inputs::<u32>(sum, seed ^ 1, root, count)
+    } else {
+        vec![0; count]
+    };
+    comm.broadcast(&mut b, root).map_err(e("broadcast"))?;
+    common::check(
+        "broadcast",
+        &b,
+        &common::inputs::<u32>(sum, seed ^ 1, root, count),
+    )?;
+
+    let mut c = common::inputs::<f32>(sum, seed ^ 2, r, count);
+    let last = comm.all_reduce(&mut c, sum);
+    if r == victim {
+        last.map_err(e("final all_reduce (victim)"))?;
+        // Gone at once: no goodbye, no destructor, frames possibly still on the wire.
+        std::process::exit(VICTIM_EXIT);
+    }
+    last.map_err(e("final all_reduce (survivor)"))?;
+    common::check(
+        "final all_reduce",
+        &c,
+        &common::reduced::<f32>(sum, seed ^ 2, n, count),
+    )?;
+
+    // The next call that needs the victim.
+    let t = Instant::now();
+    let next = if life.is_multiple_of(2) {
+        let mut buf = vec![0u8; 64];
+        comm.recv(&mut buf, victim).map(|_| "recv")
+    } else {
+        let mut buf = vec![1u64; count];
+        comm.all_reduce(&mut buf, sum).map(|_| "all_reduce")
+    };
+    match next {
+        Ok(what) => Err(format!(
+            "lifetime {life}: {what} needing the exited rank {victim} succeeded"
+        )),
+        Err(Error::PeerLost {
+            peer, ref detail, ..
+        }) if peer == victim => {
+            say(&format!(
+                "lifetime {life}: next call failed after {:.1?} as expected: lost rank {peer}: {detail}",
+                t.elapsed()
+            ));
+            Ok(OK)
+        }
+        // The other survivor may see the loss first and abort this rank's wait.
+        Err(Error::Aborted { by, ref reason, .. })
+            if by != victim && reason.contains(&format!("lost rank {victim}")) =>
+        {
+            say(&format!(
+                "lifetime {life}: next call aborted by rank {by} after {:.1?}: {reason}",
+                t.elapsed()
+            ));
+            Ok(OK)
+        }
+        Err(other) => Err(format!(
+            "lifetime {life}: the next call after rank {victim} exited failed with the wrong \
+             error (want PeerLost naming rank {victim}): {other}"
+        )),
+    }
+}
 
 fn emu_call<T: common::TestElem>(
     coll: dspark::plan::Collective,
@@ -662,6 +769,80 @@ fn a_goodbye_right_after_the_last_write_does_not_fail_the_writer() {
         Duration::from_secs(240),
     );
     assert_all(&outs, OK, "every short-lived communicator ends cleanly");
+}
+
+/// #11 item 1: a rank that finishes a call and exits without dropping its communicator must
+/// not fail the survivors' same call; their next call needing it fails with `PeerLost`.
+/// `DSPARK_STRESS_LIFETIMES` (default 50) lifetimes of three fresh rank processes each; the
+/// victim cycles through the ranks. Every lifetime runs, failures are counted and the first
+/// few are shown.
+#[test]
+fn a_rank_exiting_right_after_a_call_fails_no_survivor_call_before_the_next() {
+    if !in_vm() {
+        return;
+    }
+    let lifetimes: usize = std::env::var("DSPARK_STRESS_LIFETIMES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let t0 = Instant::now();
+    let mut failures = Vec::new();
+    for life in 0..lifetimes {
+        let victim = life % 3;
+        let env = |_: usize| {
+            vars(&[
+                ("DSPARK_TRANSPORT", "verbs"),
+                // A lifetime that goes wrong must end soon, not hold up the rest.
+                ("DSPARK_TIMEOUT", "30"),
+                ("DSPARK_TEST_LIFETIME", &life.to_string()),
+                ("DSPARK_TEST_VICTIM", &victim.to_string()),
+            ])
+        };
+        let outs = run_ranks(3, "exit_after_call", &env, Duration::from_secs(90));
+        let mut bad = Vec::new();
+        for (r, o) in outs.iter().enumerate() {
+            let want = if r == victim { VICTIM_EXIT } else { OK };
+            if o.code != Some(want) {
+                let why = o
+                    .out
+                    .lines()
+                    .find(|l| l.contains("RANK ERROR"))
+                    .unwrap_or("(no RANK ERROR line)");
+                bad.push(format!("rank {r} exited {:?}: {why}", o.code));
+            }
+        }
+        if bad.is_empty() {
+            eprintln!(
+                "lifetime {life} (victim {victim}) ok at {:.1?}",
+                t0.elapsed()
+            );
+            for o in &outs {
+                if let Some(l) = o.out.lines().find(|l| l.contains(": next call")) {
+                    eprintln!("  {l}");
+                }
+            }
+        } else {
+            eprintln!(
+                "lifetime {life} (victim {victim}) FAILED: {}",
+                bad.join("; ")
+            );
+            failures.push(format!(
+                "lifetime {life} (victim {victim}): {}",
+                bad.join("; ")
+            ));
+        }
+    }
+    eprintln!(
+        "{} of {lifetimes} lifetimes failed, {:.1?} in all",
+        failures.len(),
+        t0.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {lifetimes} lifetimes failed; the first:\n{}",
+        failures.len(),
+        failures[..failures.len().min(5)].join("\n")
+    );
 }
 
 #[test]
