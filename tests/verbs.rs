@@ -278,9 +278,9 @@ const VICTIM_EXIT: i32 = 42;
 const EXIT_COUNTS: [usize; 6] = [1, 2, 1000, 4099, 70_001, 300_007];
 
 /// One lifetime of the exit stress test (#11 item 1): three ranks run two checked collectives
-/// and a final all_reduce; the victim (`DSPARK_TEST_VICTIM`) leaves by `process::exit` the
+/// and a final all_reduce or broadcast from the victim; the victim (`DSPARK_TEST_VICTIM`) leaves by `process::exit` the
 /// moment that call returns, without dropping its communicator (no goodbye: as a crash
-/// right after the call would). The survivors' final all_reduce must still succeed with the
+/// right after the call would). The survivors' final call must still succeed with the
 /// right result (what the victim delivered counts), and their next call that needs the
 /// victim (a receive from it, or an all_reduce) must fail with `PeerLost` naming it (or be
 /// aborted by the other survivor, who saw that first), not wait for the deadline.
@@ -324,19 +324,36 @@ fn exit_after_call() -> Result<i32, String> {
         &common::inputs::<u32>(sum, seed ^ 1, root, count),
     )?;
 
-    let mut c = common::inputs::<f32>(sum, seed ^ 2, r, count);
-    let last = comm.all_reduce(&mut c, sum);
+    // The final call: an all_reduce, or a broadcast from the victim (whose part is sending
+    // only: its call is done once its frames are handed over).
+    let bcast = life % 4 >= 2;
+    let (what, mut c, want) = if bcast {
+        let mine = common::inputs::<f32>(sum, seed ^ 2, victim, count);
+        let start = if r == victim {
+            mine.clone()
+        } else {
+            vec![0.0; count]
+        };
+        ("final broadcast", start, mine)
+    } else {
+        (
+            "final all_reduce",
+            common::inputs::<f32>(sum, seed ^ 2, r, count),
+            common::reduced::<f32>(sum, seed ^ 2, n, count),
+        )
+    };
+    let last = if bcast {
+        comm.broadcast(&mut c, victim)
+    } else {
+        comm.all_reduce(&mut c, sum)
+    };
     if r == victim {
-        last.map_err(e("final all_reduce (victim)"))?;
+        last.map_err(e(&format!("{what} (victim)")))?;
         // Gone at once: no goodbye, no destructor, frames possibly still on the wire.
         std::process::exit(VICTIM_EXIT);
     }
-    last.map_err(e("final all_reduce (survivor)"))?;
-    common::check(
-        "final all_reduce",
-        &c,
-        &common::reduced::<f32>(sum, seed ^ 2, n, count),
-    )?;
+    last.map_err(e(&format!("{what} (survivor)")))?;
+    common::check(what, &c, &want)?;
 
     // The next call that needs the victim.
     let t = Instant::now();
@@ -1049,4 +1066,75 @@ fn two_node_gpu_direct_protocol_is_exact_across_the_wire() {
         }
     }
     assert!(landed > 0, "no payload consumed from the landing region");
+}
+
+/// #11 item 5: a peer *node* that goes silent (power lost: nothing comes back from it any
+/// more) while this rank waits to receive from it is noticed within seconds, through TCP
+/// keepalive on the liveness connection, not at the deadline. Each node drops every TCP
+/// segment from and to the other (nftables; RoCE is UDP and keeps flowing, but a rank that
+/// only receives writes nothing over it, so only the liveness connection can tell) and then
+/// receives from the other, which sends nothing. Whichever node notices first aborts the
+/// other over RDMA, so that one may report the abort instead; either way the error names
+/// the peer, long before the 60 s deadline.
+#[test]
+fn two_node_a_silent_peer_node_is_noticed_within_seconds_not_at_the_deadline() {
+    if std::env::var_os("DSPARK_NODE").is_none() {
+        eprintln!("skipped: a two-node test; tests/softroce/run-suite.sh runs it in two VMs");
+        return;
+    }
+    let mut cfg = Config::from_env().expect("config from the suite's environment");
+    cfg.transport = TransportChoice::Verbs;
+    cfg.timeout = Duration::from_secs(60);
+    let comm = Communicator::init(cfg).expect("verbs across two nodes");
+    let (me, peer) = (comm.rank(), 1 - comm.rank());
+    let mut v = vec![me as u64 + 1; 1000];
+    comm.all_reduce(&mut v, ReduceOp::Sum).expect("all_reduce");
+    assert!(v.iter().all(|&x| x == 3), "all_reduce result");
+
+    let peer_ip = std::env::var("DSPARK_PEER_IP").expect("DSPARK_PEER_IP");
+    /// Removes the rules again, also when the test fails.
+    struct Unblock;
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("nft")
+                .args(["delete", "table", "inet", "dspark_silent"])
+                .status();
+        }
+    }
+    let rules = format!(
+        "table inet dspark_silent {{\n\
+         chain in {{ type filter hook input priority 0; policy accept; ip saddr {peer_ip} meta l4proto tcp drop; }}\n\
+         chain out {{ type filter hook output priority 0; policy accept; ip daddr {peer_ip} meta l4proto tcp drop; }}\n\
+         }}\n"
+    );
+    let _unblock = Unblock;
+    let mut nft = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft (nftables) in the VM");
+    use std::io::Write;
+    nft.stdin
+        .take()
+        .unwrap()
+        .write_all(rules.as_bytes())
+        .unwrap();
+    assert!(nft.wait().unwrap().success(), "nft -f failed:\n{rules}");
+
+    let t = Instant::now();
+    let mut buf = vec![0u8; 64];
+    let r = comm.recv(&mut buf, peer);
+    let waited = t.elapsed();
+    println!("node {me}: recv from the silent node ended after {waited:.1?}: {r:?}");
+    match &r {
+        Err(Error::PeerLost { peer: p, .. }) if *p == peer => {}
+        Err(Error::Aborted { by, reason, .. })
+            if *by == peer && reason.contains(&format!("lost rank {me}")) => {}
+        other => panic!("want PeerLost naming rank {peer}, got {other:?} after {waited:.1?}"),
+    }
+    // Keepalive gives up after about 5 s of silence; the deadline is 60 s.
+    assert!(
+        waited < Duration::from_secs(30),
+        "noticed only after {waited:.1?}"
+    );
 }
