@@ -6,6 +6,8 @@
 //! * one VM, 2 and 3 ranks: every collective, type and operator against the independent
 //!   reference of `tests/common`, at counts that are not multiples of the slot size;
 //! * a rank killed mid-collective: the survivors fail promptly, well within the deadline;
+//! * a rank that exits right after a call without dropping its communicator (50 lifetimes):
+//!   the survivors' same call succeeds, their next call needing it fails with `PeerLost`;
 //! * transport agreement: one rank without a usable device makes `auto` fall back to TCP on
 //!   every rank (with the reason) and `verbs` fail on every rank;
 //! * zero-copy sends from a registered buffer;
@@ -15,7 +17,8 @@
 //!   landing slot, held until the device consumed it) with host memory standing in for GPU
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
-//!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set).
+//!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
+//!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
 
 mod common;
 
@@ -813,6 +816,11 @@ fn a_rank_exiting_right_after_a_call_fails_no_survivor_call_before_the_next() {
                 ("DSPARK_TIMEOUT", "30"),
                 ("DSPARK_TEST_LIFETIME", &life.to_string()),
                 ("DSPARK_TEST_VICTIM", &victim.to_string()),
+                // Less pinned memory to register per lifetime (4 × 128 KiB slots per peer
+                // and direction): init is most of a lifetime's time under TCG. The largest
+                // counts still wrap the slot ring many times.
+                ("DSPARK_CHUNK_BYTES", "131072"),
+                ("DSPARK_IB_SLOTS", "4"),
             ])
         };
         let outs = run_ranks(3, "exit_after_call", &env, Duration::from_secs(90));

@@ -90,15 +90,16 @@ impl VerbsTransport {
     /// the frames it delivered before are still taken, and only what needs more from it
     /// fails (a receive that finds nothing more, a send to it, see `next_header` and
     /// `peer_err`) — a rank that finished its call and exited fails no survivor's same call.
-    fn examine(&mut self, peer: usize) {
+    /// Errors are those of the completions polled here (an abort that came with it).
+    fn examine(&mut self, peer: usize) -> Result<()> {
         let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
-            return;
+            return Ok(());
         };
         if !p.is_open() {
-            return;
+            return Ok(());
         }
         let Some(s) = &mut p.stream else {
-            return;
+            return Ok(());
         };
         // Nothing is ever sent on this connection in verbs mode: discard whatever is there
         // (leftovers of the bootstrap) so that the end of the stream becomes visible.
@@ -122,22 +123,21 @@ impl VerbsTransport {
             }
         };
         let Some(detail) = gone else {
-            return;
+            return Ok(());
         };
         // A goodbye or abort written just before the process exited, and the frames before
-        // it, are in the CQ already. An error there is recorded in its peer's state.
-        let _ = self.progress();
-        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
-            return;
-        };
-        if !p.is_open() {
-            return;
+        // it, are in the CQ already.
+        let polled = self.progress();
+        if let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) {
+            if p.is_open() {
+                tracing::debug!(peer, %detail, "liveness connection closed: the peer is gone");
+                p.state = PeerState::Gone {
+                    at: Instant::now(),
+                    detail,
+                };
+            }
         }
-        tracing::debug!(peer, %detail, "liveness connection closed: the peer is gone");
-        p.state = PeerState::Gone {
-            at: Instant::now(),
-            detail,
-        };
+        polled.map(|_| ())
     }
 
     /// Writes a control frame (abort or goodbye) to every open peer and waits briefly for the
@@ -278,7 +278,7 @@ impl VerbsTransport {
         self.progress()?;
         // A flagged liveness connection that reads as closed means its process is gone.
         for i in watched {
-            self.examine(i);
+            self.examine(i)?;
         }
         Ok(())
     }
@@ -345,11 +345,14 @@ impl VerbsTransport {
                 );
                 return Ok(());
             }
-            // Errors of one connection are in its state (reported by the next call that
-            // needs it); only errors of the queue itself are this call's.
+            // A failed connection is in its state (reported by the next call that needs
+            // it); an abort from a peer (the job is going down) and errors of the queue
+            // itself are this call's.
             match self.wait_events(deadline) {
-                Err(e) if e.peer().is_none() => return Err(e),
-                _ => {}
+                Ok(())
+                | Err(Error::PeerLost { .. })
+                | Err(Error::Transport { peer: Some(_), .. }) => {}
+                Err(e) => return Err(e),
             }
         }
     }
@@ -358,7 +361,7 @@ impl VerbsTransport {
     pub(super) fn check_liveness(&mut self) -> Result<()> {
         self.progress()?;
         for i in 0..self.peers.len() {
-            self.examine(i);
+            self.examine(i)?;
             if let Some(p) = &self.peers[i] {
                 match &p.state {
                     PeerState::Failed(e) => return Err(e.clone()),

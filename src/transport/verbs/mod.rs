@@ -66,8 +66,9 @@
 //! | `DSPARK_IB_SPIN_US` | busy-poll of the CQ in `wait` before sleeping | 20 |
 //! | `DSPARK_IB_ZERO_COPY_MIN` | smallest frame sent zero-copy from a registered buffer | 64 KiB |
 //!
-//! With the defaults a dead peer surfaces after about 8 × 268 ms ≈ 2 s of retries (or at once
-//! through the closed bootstrap connection), not after the 30 s of common defaults.
+//! With the defaults a dead peer surfaces after about 8 × 268 ms ≈ 2 s of retries of a write to
+//! it, within about a second through the closed liveness connection (a dead process), or
+//! after about 5 s through its keepalive (a dead node), not after the 30 s of common defaults.
 //!
 //! # Layout
 //!
