@@ -6,6 +6,8 @@
 //! * one VM, 2 and 3 ranks: every collective, type and operator against the independent
 //!   reference of `tests/common`, at counts that are not multiples of the slot size;
 //! * a rank killed mid-collective: the survivors fail promptly, well within the deadline;
+//! * a rank that exits right after a call without dropping its communicator (50 lifetimes):
+//!   the survivors' same call succeeds, their next call needing it fails with `PeerLost`;
 //! * transport agreement: one rank without a usable device makes `auto` fall back to TCP on
 //!   every rank (with the reason) and `verbs` fail on every rank;
 //! * zero-copy sends from a registered buffer;
@@ -15,7 +17,8 @@
 //!   landing slot, held until the device consumed it) with host memory standing in for GPU
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
-//!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set).
+//!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
+//!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
 
 mod common;
 
@@ -181,6 +184,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "last_write" => last_write(),
         "direct" => direct(),
         "bandwidth" => bandwidth(),
+        "exit_after_call" => exit_after_call(),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -271,6 +275,129 @@ fn last_write() -> Result<i32, String> {
 }
 
 const LAST_WRITE_ROUNDS: usize = 30;
+
+/// Exit status of the rank that leaves by `process::exit` in [`exit_after_call`].
+const VICTIM_EXIT: i32 = 42;
+/// Element counts the lifetimes of the exit stress test cycle through: one element, less than
+/// one per rank, a few slots, and many times the slot ring (512 KiB segments, 8 slots).
+const EXIT_COUNTS: [usize; 6] = [1, 2, 1000, 4099, 70_001, 300_007];
+
+/// One lifetime of the exit stress test (#11 item 1): three ranks run two checked collectives
+/// and a final all_reduce or broadcast from the victim; the victim (`DSPARK_TEST_VICTIM`) leaves by `process::exit` the
+/// moment that call returns, without dropping its communicator (no goodbye: as a crash
+/// right after the call would). The survivors' final call must still succeed with the
+/// right result (what the victim delivered counts), and their next call that needs the
+/// victim (a receive from it, or an all_reduce) must fail with `PeerLost` naming it (or be
+/// aborted by the other survivor, who saw that first), not wait for the deadline.
+fn exit_after_call() -> Result<i32, String> {
+    let var = |k: &str| -> Result<usize, String> {
+        std::env::var(k)
+            .map_err(|_| format!("{k} not set"))?
+            .parse()
+            .map_err(|e| format!("{k}: {e}"))
+    };
+    let life = var("DSPARK_TEST_LIFETIME")?;
+    let victim = var("DSPARK_TEST_VICTIM")?;
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = EXIT_COUNTS[life % EXIT_COUNTS.len()];
+    let seed = 0xe417 + life as u64;
+    let e = |what: &str| {
+        let what = format!("lifetime {life} {what} count {count}");
+        move |err: Error| format!("{what}: {err}")
+    };
+    let sum = ReduceOp::Sum;
+
+    let mut a = common::inputs::<i64>(sum, seed, r, count);
+    comm.all_reduce(&mut a, sum).map_err(e("all_reduce #1"))?;
+    common::check(
+        "all_reduce #1",
+        &a,
+        &common::reduced::<i64>(sum, seed, n, count),
+    )?;
+
+    let root = (life + 1) % n;
+    let mut b = if r == root {
+        common::inputs::<u32>(sum, seed ^ 1, root, count)
+    } else {
+        vec![0; count]
+    };
+    comm.broadcast(&mut b, root).map_err(e("broadcast"))?;
+    common::check(
+        "broadcast",
+        &b,
+        &common::inputs::<u32>(sum, seed ^ 1, root, count),
+    )?;
+
+    // The final call: an all_reduce, or a broadcast from the victim (whose part is sending
+    // only: its call is done once its frames are handed over).
+    let bcast = life % 4 >= 2;
+    let (what, mut c, want) = if bcast {
+        let mine = common::inputs::<f32>(sum, seed ^ 2, victim, count);
+        let start = if r == victim {
+            mine.clone()
+        } else {
+            vec![0.0; count]
+        };
+        ("final broadcast", start, mine)
+    } else {
+        (
+            "final all_reduce",
+            common::inputs::<f32>(sum, seed ^ 2, r, count),
+            common::reduced::<f32>(sum, seed ^ 2, n, count),
+        )
+    };
+    let last = if bcast {
+        comm.broadcast(&mut c, victim)
+    } else {
+        comm.all_reduce(&mut c, sum)
+    };
+    if r == victim {
+        last.map_err(e(&format!("{what} (victim)")))?;
+        // Gone at once: no goodbye, no destructor, frames possibly still on the wire.
+        std::process::exit(VICTIM_EXIT);
+    }
+    last.map_err(e(&format!("{what} (survivor)")))?;
+    common::check(what, &c, &want)?;
+
+    // The next call that needs the victim.
+    let t = Instant::now();
+    let next = if life.is_multiple_of(2) {
+        let mut buf = vec![0u8; 64];
+        comm.recv(&mut buf, victim).map(|_| "recv")
+    } else {
+        let mut buf = vec![1u64; count];
+        comm.all_reduce(&mut buf, sum).map(|_| "all_reduce")
+    };
+    match next {
+        Ok(what) => Err(format!(
+            "lifetime {life}: {what} needing the exited rank {victim} succeeded"
+        )),
+        Err(Error::PeerLost {
+            peer, ref detail, ..
+        }) if peer == victim => {
+            say(&format!(
+                "lifetime {life}: next call failed after {:.1?} as expected: lost rank {peer}: {detail}",
+                t.elapsed()
+            ));
+            Ok(OK)
+        }
+        // The other survivor may see the loss first and abort this rank's wait.
+        Err(Error::Aborted { by, ref reason, .. })
+            if by != victim && reason.contains(&format!("lost rank {victim}")) =>
+        {
+            say(&format!(
+                "lifetime {life}: next call aborted by rank {by} after {:.1?}: {reason}",
+                t.elapsed()
+            ));
+            Ok(OK)
+        }
+        Err(other) => Err(format!(
+            "lifetime {life}: the next call after rank {victim} exited failed with the wrong \
+             error (want PeerLost naming rank {victim}): {other}"
+        )),
+    }
+}
 
 fn emu_call<T: common::TestElem>(
     coll: dspark::plan::Collective,
@@ -666,6 +793,85 @@ fn a_goodbye_right_after_the_last_write_does_not_fail_the_writer() {
     assert_all(&outs, OK, "every short-lived communicator ends cleanly");
 }
 
+/// #11 item 1: a rank that finishes a call and exits without dropping its communicator must
+/// not fail the survivors' same call; their next call needing it fails with `PeerLost`.
+/// `DSPARK_STRESS_LIFETIMES` (default 50) lifetimes of three fresh rank processes each; the
+/// victim cycles through the ranks. Every lifetime runs, failures are counted and the first
+/// few are shown.
+#[test]
+fn a_rank_exiting_right_after_a_call_fails_no_survivor_call_before_the_next() {
+    if !in_vm() {
+        return;
+    }
+    let lifetimes: usize = std::env::var("DSPARK_STRESS_LIFETIMES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let t0 = Instant::now();
+    let mut failures = Vec::new();
+    for life in 0..lifetimes {
+        let victim = life % 3;
+        let env = |_: usize| {
+            vars(&[
+                ("DSPARK_TRANSPORT", "verbs"),
+                // A lifetime that goes wrong must end soon, not hold up the rest.
+                ("DSPARK_TIMEOUT", "30"),
+                ("DSPARK_TEST_LIFETIME", &life.to_string()),
+                ("DSPARK_TEST_VICTIM", &victim.to_string()),
+                // Less pinned memory to register per lifetime (4 × 128 KiB slots per peer
+                // and direction): init is most of a lifetime's time under TCG. The largest
+                // counts still wrap the slot ring many times.
+                ("DSPARK_CHUNK_BYTES", "131072"),
+                ("DSPARK_IB_SLOTS", "4"),
+            ])
+        };
+        let outs = run_ranks(3, "exit_after_call", &env, Duration::from_secs(90));
+        let mut bad = Vec::new();
+        for (r, o) in outs.iter().enumerate() {
+            let want = if r == victim { VICTIM_EXIT } else { OK };
+            if o.code != Some(want) {
+                let why = o
+                    .out
+                    .lines()
+                    .find(|l| l.contains("RANK ERROR"))
+                    .unwrap_or("(no RANK ERROR line)");
+                bad.push(format!("rank {r} exited {:?}: {why}", o.code));
+            }
+        }
+        if bad.is_empty() {
+            eprintln!(
+                "lifetime {life} (victim {victim}) ok at {:.1?}",
+                t0.elapsed()
+            );
+            for o in &outs {
+                if let Some(l) = o.out.lines().find(|l| l.contains(": next call")) {
+                    eprintln!("  {l}");
+                }
+            }
+        } else {
+            eprintln!(
+                "lifetime {life} (victim {victim}) FAILED: {}",
+                bad.join("; ")
+            );
+            failures.push(format!(
+                "lifetime {life} (victim {victim}): {}",
+                bad.join("; ")
+            ));
+        }
+    }
+    eprintln!(
+        "{} of {lifetimes} lifetimes failed, {:.1?} in all",
+        failures.len(),
+        t0.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {lifetimes} lifetimes failed; the first:\n{}",
+        failures.len(),
+        failures[..failures.len().min(5)].join("\n")
+    );
+}
+
 #[test]
 fn every_collective_type_and_operator_is_exact_over_verbs_with_three_ranks() {
     if !in_vm() {
@@ -870,4 +1076,75 @@ fn two_node_gpu_direct_protocol_is_exact_across_the_wire() {
         }
     }
     assert!(landed > 0, "no payload consumed from the landing region");
+}
+
+/// #11 item 5: a peer *node* that goes silent (power lost: nothing comes back from it any
+/// more) while this rank waits to receive from it is noticed within seconds, through TCP
+/// keepalive on the liveness connection, not at the deadline. Each node drops every TCP
+/// segment from and to the other (nftables; RoCE is UDP and keeps flowing, but a rank that
+/// only receives writes nothing over it, so only the liveness connection can tell) and then
+/// receives from the other, which sends nothing. Whichever node notices first aborts the
+/// other over RDMA, so that one may report the abort instead; either way the error names
+/// the peer, long before the 60 s deadline.
+#[test]
+fn two_node_a_silent_peer_node_is_noticed_within_seconds_not_at_the_deadline() {
+    if std::env::var_os("DSPARK_NODE").is_none() {
+        eprintln!("skipped: a two-node test; tests/softroce/run-suite.sh runs it in two VMs");
+        return;
+    }
+    let mut cfg = Config::from_env().expect("config from the suite's environment");
+    cfg.transport = TransportChoice::Verbs;
+    cfg.timeout = Duration::from_secs(60);
+    let comm = Communicator::init(cfg).expect("verbs across two nodes");
+    let (me, peer) = (comm.rank(), 1 - comm.rank());
+    let mut v = vec![me as u64 + 1; 1000];
+    comm.all_reduce(&mut v, ReduceOp::Sum).expect("all_reduce");
+    assert!(v.iter().all(|&x| x == 3), "all_reduce result");
+
+    let peer_ip = std::env::var("DSPARK_PEER_IP").expect("DSPARK_PEER_IP");
+    /// Removes the rules again, also when the test fails.
+    struct Unblock;
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("nft")
+                .args(["delete", "table", "inet", "dspark_silent"])
+                .status();
+        }
+    }
+    let rules = format!(
+        "table inet dspark_silent {{\n\
+         chain in {{ type filter hook input priority 0; policy accept; ip saddr {peer_ip} meta l4proto tcp drop; }}\n\
+         chain out {{ type filter hook output priority 0; policy accept; ip daddr {peer_ip} meta l4proto tcp drop; }}\n\
+         }}\n"
+    );
+    let _unblock = Unblock;
+    let mut nft = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft (nftables) in the VM");
+    use std::io::Write;
+    nft.stdin
+        .take()
+        .unwrap()
+        .write_all(rules.as_bytes())
+        .unwrap();
+    assert!(nft.wait().unwrap().success(), "nft -f failed:\n{rules}");
+
+    let t = Instant::now();
+    let mut buf = vec![0u8; 64];
+    let r = comm.recv(&mut buf, peer);
+    let waited = t.elapsed();
+    println!("node {me}: recv from the silent node ended after {waited:.1?}: {r:?}");
+    match &r {
+        Err(Error::PeerLost { peer: p, .. }) if *p == peer => {}
+        Err(Error::Aborted { by, reason, .. })
+            if *by == peer && reason.contains(&format!("lost rank {me}")) => {}
+        other => panic!("want PeerLost naming rank {peer}, got {other:?} after {waited:.1?}"),
+    }
+    // Keepalive gives up after about 5 s of silence; the deadline is 60 s.
+    assert!(
+        waited < Duration::from_secs(30),
+        "noticed only after {waited:.1?}"
+    );
 }

@@ -838,7 +838,9 @@ impl Engine {
         s.prepare(self.world, prog);
         let res = drive(self, &mut s, start, deadline);
         self.scratch = s;
-        res
+        res?;
+        // Delivered before the call returns: this rank may exit at once (#11 item 1).
+        self.transport.flush(deadline)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -402,6 +402,17 @@ pub trait Transport: Send + fmt::Debug {
     /// Best effort: tells every peer this rank is leaving cleanly.
     fn close(&mut self);
 
+    /// Waits until every frame handed over so far is delivered to its peer, or that peer is
+    /// found gone or failed, or `deadline` passes; the engine calls it before a call returns.
+    /// So a rank that exits (or crashes) right after a call does not take with it frames its
+    /// peers still need for that call. Problems found here are not this call's: they are
+    /// recorded and returned by the next call that needs the peer. The default does nothing
+    /// (TCP's kernel keeps delivering a dead process's written bytes; `mem` is synchronous).
+    fn flush(&mut self, deadline: Instant) -> Result<()> {
+        let _ = deadline;
+        Ok(())
+    }
+
     /// Registers a caller buffer so that later sends from inside it can move zero-copy
     /// (RDMA transports); returns an id for [`Transport::deregister`], or `None` when this
     /// transport has no use for registrations (the default).

@@ -286,6 +286,15 @@ impl VerbsTransport {
             mtus.push(path_mtu);
             if let Some(s) = &stream {
                 let _ = s.set_nonblocking(true);
+                if let Err(e) = super::liveness::keep_alive(s) {
+                    tracing::warn!(
+                        peer,
+                        error = %e,
+                        "TCP keepalive on the liveness connection could not be set: a node \
+                         that loses power is noticed only by the transport's retries or the \
+                         deadline"
+                    );
+                }
             }
             peers.push(Some(Peer {
                 qp: h.qp,

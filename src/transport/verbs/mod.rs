@@ -25,8 +25,14 @@
 //!    Zero-copy writes are signalled: their completion releases the caller's buffer.
 //! 5. Abort and goodbye frames go to a separate control slot (so they never wait for a
 //!    clear-to-send). The bootstrap's TCP connections stay open as a liveness signal: a peer
-//!    process that dies closes them, and survivors report [`Error::PeerLost`] at once instead
-//!    of waiting for the transport's retry budget.
+//!    process that dies closes them (a node that loses power stops answering their TCP
+//!    keepalive, ≈ 5 s), and survivors report [`Error::PeerLost`] when they next need that
+//!    peer instead of waiting for the transport's retry budget or the deadline. What the peer
+//!    delivered before still counts: its arrived frames are taken first, so a rank that
+//!    finished a call and exited (no goodbye: `process::exit`, a crash) fails no survivor's
+//!    same call. For that, a call returns only once its writes were acknowledged
+//!    ([`Transport::flush`]). A stopped process (`SIGSTOP`) is not noticed this way: its
+//!    kernel answers keepalives and its NIC acknowledges writes; it meets the deadline.
 //!
 //! 6. *Direct frames* (GPUDirect RDMA): when both ranks registered a direct region at init
 //!    ([`DirectSpec`]; GPU memory through dma-buf or nvidia-peermem, or host memory standing in
@@ -66,8 +72,9 @@
 //!
 //! With the defaults a queue pair gives up after about 8 × 4.3 s ≈ 34 s without
 //! acknowledgements — NCCL's budget, so that congestion and PFC pauses do not fail a job. A
-//! dead peer is found by the liveness connection instead: at once when its process dies
-//! (the kernel closes the socket), within seconds when its node does (keepalive).
+//! dead peer is found by the liveness connection instead: within about a second when its
+//! process dies (the kernel closes the socket; frames it delivered still count), and after
+//! about 5 s when its node does (keepalive and a user timeout on that socket).
 //!
 //! # Layout
 //!
@@ -93,6 +100,7 @@
 //! [`RecvSink::direct`]: crate::transport::RecvSink::direct
 //! [`Transport::abort`]: crate::transport::Transport::abort
 //! [`Transport::direct_send_done`]: crate::transport::Transport::direct_send_done
+//! [`Transport::flush`]: crate::transport::Transport::flush
 //! [`Transport::register_host`]: crate::transport::Transport::register_host
 //! [`Transport::wait`]: crate::transport::Transport::wait
 
@@ -132,6 +140,14 @@ enum PeerState {
     /// The peer said goodbye (when it arrived: writes posted before it may still be
     /// waiting for their acknowledgement, see [`CLOSED_GRACE`](liveness::CLOSED_GRACE)).
     Closed(Instant),
+    /// The liveness connection closed without a goodbye (when that was seen, and what was
+    /// seen): the process is gone. Frames it wrote before are still taken (they may be
+    /// polled after the liveness signal, see [`GONE_GRACE`](liveness::GONE_GRACE)); what
+    /// needs more from it fails.
+    Gone {
+        at: Instant,
+        detail: String,
+    },
     /// The connection failed, or the peer aborted: the error every later use returns.
     Failed(Error),
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use dspark_sys as ffi;
 
 use super::ib;
-use super::liveness::CLOSED_GRACE;
+use super::liveness::{CLOSED_GRACE, GONE_GRACE};
 use super::options::{timeout_ms, CTRL_BYTES};
 use super::qp;
 use super::wire::{split_wr_id, wr_id, Cts, Imm, WrKind, CTS_LEN};
@@ -66,6 +66,12 @@ impl VerbsTransport {
                 peer,
                 op: op.into(),
                 detail: "peer closed its communicator".into(),
+            }),
+            Some(PeerState::Gone { detail, .. }) => Some(Error::PeerLost {
+                rank: self.rank,
+                peer,
+                op: op.into(),
+                detail: detail.clone(),
             }),
             Some(PeerState::Failed(e)) => Some(e.clone()),
         }
@@ -149,17 +155,23 @@ impl VerbsTransport {
             // A frame that failed after the peer's goodbye never reached it: a peer leaves
             // only once it has every frame it needs, so the job's ranks disagree. Fail the
             // connection, so that the send waiting for this write reports it.
-            if !finished && kind == WrKind::Data && matches!(p.state, PeerState::Closed(_)) {
-                let status = ib::wc_status_string(&self.lib, wc.status);
-                p.state = PeerState::Failed(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: kind.describe().into(),
-                    detail: format!(
-                        "peer closed its communicator, and a frame to it then failed: {status}"
-                    ),
-                });
-                return Ok(());
+            // Likewise for a peer whose process is gone: it did not get that frame.
+            if !finished && kind == WrKind::Data {
+                let why = match &p.state {
+                    PeerState::Closed(_) => Some("peer closed its communicator".to_string()),
+                    PeerState::Gone { detail, .. } => Some(detail.clone()),
+                    _ => None,
+                };
+                if let Some(why) = why {
+                    let status = ib::wc_status_string(&self.lib, wc.status);
+                    p.state = PeerState::Failed(Error::PeerLost {
+                        rank,
+                        peer,
+                        op: kind.describe().into(),
+                        detail: format!("{why}, and a frame to it then failed: {status}"),
+                    });
+                    return Ok(());
+                }
             }
             // Flushes after this rank moved its QPs to ERR, and anything else from a peer
             // that already left or failed, are expected.
@@ -403,19 +415,25 @@ impl VerbsTransport {
         if p.sq.retired >= token {
             return Ok(true);
         }
-        if let PeerState::Closed(at) = &p.state {
-            if at.elapsed() >= CLOSED_GRACE {
-                return Err(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: op.into(),
-                    detail: format!(
-                        "peer closed its communicator and our write to it was still \
-                         unacknowledged {:.1} s later",
-                        at.elapsed().as_secs_f64()
-                    ),
-                });
+        let late = match &p.state {
+            PeerState::Closed(at) if at.elapsed() >= CLOSED_GRACE => {
+                Some(("peer closed its communicator", at))
             }
+            PeerState::Gone { at, detail } if at.elapsed() >= GONE_GRACE => {
+                Some((detail.as_str(), at))
+            }
+            _ => None,
+        };
+        if let Some((why, at)) = late {
+            return Err(Error::PeerLost {
+                rank,
+                peer,
+                op: op.into(),
+                detail: format!(
+                    "{why}, and our write to it was still unacknowledged {:.1} s later",
+                    at.elapsed().as_secs_f64()
+                ),
+            });
         }
         polled.map(|_| false)
     }
@@ -511,9 +529,26 @@ impl VerbsTransport {
         }
         polled?;
         let sb = self.opts.slot_bytes();
+        let rank = self.rank;
         let p = self.peer_mut(peer, op)?;
         let Some(slot) = p.recv.next_frame() else {
-            // Nothing more will come from a peer that left.
+            // Nothing more will come from a peer that left. Frames from a peer whose process
+            // is gone may still be polled for a moment after its liveness connection closed.
+            if let PeerState::Gone { at, detail } = &p.state {
+                if at.elapsed() < GONE_GRACE {
+                    return Ok(None);
+                }
+                return Err(Error::PeerLost {
+                    rank,
+                    peer,
+                    op: op.into(),
+                    detail: format!(
+                        "{detail}; every frame it delivered was taken, and nothing more came \
+                         in the {:.1} s after",
+                        at.elapsed().as_secs_f64()
+                    ),
+                });
+            }
             return self.peer_err(peer, op).map_or(Ok(None), Err);
         };
         let len = p.rx_len[slot] as usize;
@@ -937,6 +972,10 @@ impl Transport for VerbsTransport {
 
     fn close(&mut self) {
         self.close_connections();
+    }
+
+    fn flush(&mut self, deadline: Instant) -> Result<()> {
+        self.flush_writes(deadline)
     }
 
     fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
