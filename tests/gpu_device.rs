@@ -464,13 +464,16 @@ fn staged_rank(
     let mut call = Call::new(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false);
     call.dtype = DataType::F32;
     let mut run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<(), String> {
-        let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-            r,
-            &stream,
-            None,
-            Some(buf),
-            &mut pool,
-        )
+        // SAFETY: the device is a local, dropped in this scope (never leaked).
+        let mut dev = unsafe {
+            CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+                r,
+                &stream,
+                None,
+                Some(buf),
+                &mut pool,
+            )
+        }
         .map_err(e("staged device"))?;
         comm.run_staged(call, &mut dev).map_err(e("run_staged"))
     };
@@ -498,13 +501,16 @@ fn staged_rank(
         .map_err(|x| format!("htod: {x:?}"))?;
     comm.barrier().map_err(e("barrier"))?;
     let d2h = {
-        let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-            r,
-            &stream,
-            None,
-            Some(&mut scratch_dst),
-            &mut pool,
-        )
+        // SAFETY: the device is a local, dropped in this scope (never leaked).
+        let mut dev = unsafe {
+            CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+                r,
+                &stream,
+                None,
+                Some(&mut scratch_dst),
+                &mut pool,
+            )
+        }
         .map_err(e("staged device"))?;
         let t = Instant::now();
         for (k, start) in (0..bytes).step_by(seg).enumerate() {
@@ -624,14 +630,17 @@ fn direct_case(
     let mut dst = stream.clone_htod(&dst0).unwrap();
     let case = format!("{dtype} {op} n={n}");
     {
-        let mut dev = CudaDirectDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
-            r,
-            stream,
-            Some(&src),
-            Some(&mut dst),
-            region,
-            2,
-        )
+        // SAFETY: the device is a local, dropped in this scope (never leaked).
+        let mut dev = unsafe {
+            CudaDirectDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
+                r,
+                stream,
+                Some(&src),
+                Some(&mut dst),
+                region,
+                2,
+            )
+        }
         .unwrap_or_else(|e| panic!("{case}: direct device: {e}"));
         assert!(dev.direct());
         assert_eq!((dev.send_slots(), dev.recv_slots()), (2, 0));
@@ -755,14 +764,17 @@ fn direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory() {
     if let Ok(other) = device::open_context(1) {
         let s1 = other.new_stream().unwrap();
         let mut buf = s1.alloc_zeros::<f32>(16).unwrap();
-        let e = CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-            &r,
-            &s1,
-            None,
-            Some(&mut buf),
-            &region,
-            1,
-        )
+        // SAFETY: the device is a local, dropped in this scope (never leaked).
+        let e = unsafe {
+            CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+                &r,
+                &s1,
+                None,
+                Some(&mut buf),
+                &region,
+                1,
+            )
+        }
         .unwrap_err();
         assert!(
             e.to_string().contains("GPU 0") && e.to_string().contains("GPU 1"),
@@ -794,13 +806,16 @@ fn a_staging_slot_is_hidden_while_a_copy_into_it_may_run() {
     let mut pool = StagingPool::new(&ctx, 2, 2, seg).unwrap();
     let input: Vec<u8> = (0..seg).map(|i| (i % 251) as u8).collect();
     let mut buf = stream.clone_htod(&input).unwrap();
-    let mut dev = CudaStagedDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
-        &r,
-        &stream,
-        None,
-        Some(&mut buf),
-        &mut pool,
-    )
+    // SAFETY: the device is a local, dropped in this scope (never leaked).
+    let mut dev = unsafe {
+        CudaStagedDevice::new::<u8, cudarc::driver::CudaSlice<u8>, _>(
+            &r,
+            &stream,
+            None,
+            Some(&mut buf),
+            &mut pool,
+        )
+    }
     .unwrap();
     assert_eq!(dev.slot(0).len(), seg, "an untouched slot is visible");
     let range = DevRange {

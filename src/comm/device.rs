@@ -160,21 +160,25 @@ impl Communicator {
         // Every failure from here on — a kernel that does not compile, a staging allocation,
         // a stream on another GPU than the buffers — happens while the peers are in the call:
         // it poisons the communicator and tells them, like a failure half-way.
+        // What the engine returns keeps the engine's rules (an argument error all ranks find
+        // alike, such as a bad root, does not poison).
         match self.device_call_on(&call, stream, src, dst) {
-            Err(e) if self.poisoned().is_none() => self
+            Ok(r) => r,
+            Err(e) => self
                 .shared
                 .exclusive(None, |eng| Err(eng.fail_before_start(&call, e))),
-            r => r,
         }
     }
 
+    /// Prepares the device for `call` and runs it: `Err` is a failure before the engine
+    /// started (the caller fails the call for every rank), `Ok` the engine's result.
     fn device_call_on<T, S, D>(
         &self,
         call: &Call,
         stream: &Arc<CudaStream>,
         src: Option<&S>,
         dst: Option<&mut D>,
-    ) -> Result<()>
+    ) -> Result<Result<()>>
     where
         T: Element + DeviceRepr,
         S: DevicePtr<T>,
@@ -198,9 +202,13 @@ impl Communicator {
                     "GPUDirect RDMA was agreed but this rank has no direct region",
                 ));
             };
-            let mut dev =
-                CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?;
-            return self.exec_staged(call, &mut dev);
+            #[allow(unsafe_code)]
+            // SAFETY: `dev` is a local of this function, dropped when it returns (never
+            // leaked), which waits for everything it queued.
+            let mut dev = unsafe {
+                CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?
+            };
+            return Ok(self.exec_staged(call, &mut dev));
         }
         let slot = self.info().segment_bytes;
         let ctx = stream.context();
@@ -213,8 +221,11 @@ impl Communicator {
             }
             Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
         };
-        let mut dev = CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)?;
-        self.exec_staged(call, &mut dev)
+        #[allow(unsafe_code)]
+        // SAFETY: as above: a local, dropped when this function returns.
+        let mut dev =
+            unsafe { CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)? };
+        Ok(self.exec_staged(call, &mut dev))
     }
 
     /// [`Communicator::all_reduce`] on device memory, ordered on `stream`.

@@ -25,8 +25,9 @@
 //! let region = DirectRegion::new(&ctx, layout)?;
 //! let (kinds, why_not) = region.registration_candidates(); // for the transport
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
-//! let mut dev = CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-//!     &reducer, &stream, None, Some(&mut grads), &region, 4)?;
+//! // SAFETY: `dev` is a local, dropped at the end of the scope (never leaked).
+//! let mut dev = unsafe { CudaDirectDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+//!     &reducer, &stream, None, Some(&mut grads), &region, 4)? };
 //! // comm.run_staged(call, &mut dev)?; // (feature `testing`; the device collectives do this)
 //! # Ok(()) }
 //! ```
@@ -347,7 +348,14 @@ impl<'a> CudaDirectDevice<'a> {
     /// separate input), using the first `send_slots` send slots of `region` (1 ..=
     /// `region.layout().send_slots`), ordered on `stream`, which must belong to the region's
     /// context, as must `reducer`.
-    pub fn new<T, S, D>(
+    ///
+    /// # Safety
+    /// The device must be dropped, never leaked (`mem::forget`, a reference cycle): its drop
+    /// waits for the copies and kernels it queued — on the pool's pinned memory, the region
+    /// and the borrowed device buffers — and records them with cudarc, so that none of that
+    /// memory is freed or reused (or a slot shown to the host again) while the GPU may still
+    /// read or write it. [`crate::Communicator`]'s device collectives keep it a local.
+    pub unsafe fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
         src: Option<&'a S>,

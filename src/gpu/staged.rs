@@ -14,8 +14,9 @@
 //! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { rank: None, op: "stream".into(), what: format!("{e:?}") })?;
 //! let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
 //! let mut pool = StagingPool::new(&ctx, 4, 4, 1 << 20)?;
-//! let mut dev = CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
-//!     &reducer, &stream, None, Some(&mut grads), &mut pool)?;
+//! // SAFETY: `dev` is a local, dropped at the end of the scope (never leaked).
+//! let mut dev = unsafe { CudaStagedDevice::new::<f32, cudarc::driver::CudaSlice<f32>, _>(
+//!     &reducer, &stream, None, Some(&mut grads), &mut pool)? };
 //! // comm.run_staged(call, &mut dev)?; // (feature `testing`; the device collectives do this)
 //! # Ok(()) }
 //! ```
@@ -167,7 +168,14 @@ impl<'a> CudaStagedDevice<'a> {
     /// A staged device over `dst` (absent for a send) and `src` (when the collective has a
     /// separate input), staging through `pool` (of the stream's GPU), ordered on `stream` (of
     /// `reducer`'s context).
-    pub fn new<T, S, D>(
+    ///
+    /// # Safety
+    /// The device must be dropped, never leaked (`mem::forget`, a reference cycle): its drop
+    /// waits for the copies and kernels it queued — on the pool's pinned memory, the region
+    /// and the borrowed device buffers — and records them with cudarc, so that none of that
+    /// memory is freed or reused (or a slot shown to the host again) while the GPU may still
+    /// read or write it. [`crate::Communicator`]'s device collectives keep it a local.
+    pub unsafe fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
         src: Option<&'a S>,

@@ -325,13 +325,22 @@ impl TcpTransport {
             stream.set_nodelay(true).map_err(io_err)?;
             {
                 use nix::sys::socket::{getsockopt, setsockopt, sockopt};
-                let nix_err = |e: nix::errno::Errno| io_err(io::Error::from(e));
-                setsockopt(&stream, sockopt::KeepAlive, &true).map_err(nix_err)?;
+                // Best effort, like the buffer sizes: without keepalive a dead host is found
+                // at the deadline instead, which is worth a warning, not a failed init.
                 let idle = KEEPALIVE_IDLE.as_secs() as u32;
-                setsockopt(&stream, sockopt::TcpKeepIdle, &idle).map_err(nix_err)?;
                 let intvl = KEEPALIVE_INTERVAL.as_secs() as u32;
-                setsockopt(&stream, sockopt::TcpKeepInterval, &intvl).map_err(nix_err)?;
-                setsockopt(&stream, sockopt::TcpKeepCount, &KEEPALIVE_PROBES).map_err(nix_err)?;
+                let keepalive = setsockopt(&stream, sockopt::KeepAlive, &true)
+                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepIdle, &idle))
+                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepInterval, &intvl))
+                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepCount, &KEEPALIVE_PROBES));
+                if let Err(e) = keepalive {
+                    tracing::warn!(
+                        rank,
+                        peer = p,
+                        "TCP keepalive could not be set ({e}): a host of rank {p} that dies \
+                         while this rank waits for it is found only at the deadline"
+                    );
+                }
                 if fixed {
                     let b = opts.socket_buffer;
                     let _ = setsockopt(&stream, sockopt::SndBuf, &b);
