@@ -676,17 +676,17 @@ fn a_stranger_on_a_data_listener_cannot_fail_the_init() {
         let (mut ranks, heard, root_port) = tap_rank_1(3, "s3cret", 60_000);
         let mut s = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
         send_frame(&mut s, &peer_hello(&heard, 3, from, to));
+        if forge {
+            // A proof made up without the token, sent at once (it needs no nonce): it is
+            // there to be read as soon as rank 1 has challenged the hello.
+            let mut proof = vec![10u8];
+            proof.extend_from_slice(&[0xa5; 32]);
+            send_frame(&mut s, &proof);
+        }
         let stranger = std::thread::spawn(move || {
-            if forge {
-                // Answers the challenge (if any) with a proof made up without the token.
-                if read_frame(&mut s).is_some() {
-                    let mut proof = vec![10u8];
-                    proof.extend_from_slice(&[0xa5; 32]);
-                    send_frame(&mut s, &proof);
-                }
-            }
-            // Whatever comes back (a refusal, EOF); holds the connection until then.
-            let _ = read_frame(&mut s);
+            // Whatever comes back (a challenge, a refusal, EOF); holds the connection until
+            // rank 1 closes it.
+            while read_frame(&mut s).is_some() {}
         });
         // Only now the real rank 2: rank 1 meets the stranger first.
         let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");
