@@ -574,3 +574,165 @@ fn a_rank_0_of_the_old_protocol_version_refuses_this_version_by_name() {
     );
     v1.join().unwrap();
 }
+
+// ------------------------------------- strangers on a data listener (issue #11, review of 9)
+
+/// What rank 1's hello to rank 0 shows anyone on the path, in the clear: the port of its
+/// data listener, the job hash and the token flag.
+struct Overheard {
+    data_port: u16,
+    job: u64,
+    token: u8,
+}
+
+/// Starts ranks 0 and 1 of a `world`-rank job with `token` (bootstrap only, each on its own
+/// thread); rank 1 reaches rank 0 through a proxy that reads rank 1's hello on the way.
+/// Returns the two ranks, what the hello showed, and rank 0's port (for the other ranks).
+#[allow(clippy::type_complexity)]
+fn tap_rank_1(
+    world: usize,
+    token: &str,
+    timeout_ms: u64,
+) -> (
+    Vec<std::thread::JoinHandle<dspark::Result<()>>>,
+    Overheard,
+    u16,
+) {
+    use std::io::{Read, Write};
+    let root_port = free_port();
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    let c0 = with_token(cfg(0, world, root_port, timeout_ms), token);
+    let c1 = with_token(cfg(1, world, proxy_port, timeout_ms), token);
+    let r0 = std::thread::spawn(move || dspark::bootstrap::rendezvous(&c0).map(|_| ()));
+    let r1 = std::thread::spawn(move || dspark::bootstrap::rendezvous(&c1).map(|_| ()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut client, _) = proxy.accept().unwrap();
+        let mut server = connect_retrying(root_port);
+        let hello = read_frame(&mut client).unwrap();
+        send_frame(&mut server, &hello);
+        // kind, magic, version, world, rank, job, data port, host, segment, token, nonce.
+        let n = hello.len();
+        tx.send(Overheard {
+            data_port: u16::from_le_bytes([hello[29], hello[30]]),
+            job: u64::from_le_bytes(hello[21..29].try_into().unwrap()),
+            token: hello[n - 33],
+        })
+        .unwrap();
+        client.set_read_timeout(None).unwrap();
+        let copy = |mut from: std::net::TcpStream, mut to: std::net::TcpStream| {
+            std::thread::spawn(move || {
+                let mut b = [0u8; 4096];
+                while let Ok(n) = from.read(&mut b) {
+                    if n == 0 || to.write_all(&b[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to.shutdown(std::net::Shutdown::Write);
+            })
+        };
+        let a = copy(client.try_clone().unwrap(), server.try_clone().unwrap());
+        let b = copy(server, client);
+        let _ = a.join();
+        let _ = b.join();
+    });
+    let heard = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    (vec![r0, r1], heard, root_port)
+}
+
+/// A well-formed data-connection hello, as anyone can write one from an overheard hello.
+fn peer_hello(heard: &Overheard, world: u32, from: u32, to: u32) -> Vec<u8> {
+    let mut m = vec![4u8];
+    m.extend_from_slice(&0x6473_7061_726b_0001u64.to_le_bytes());
+    m.extend_from_slice(&dspark::bootstrap::VERSION.to_le_bytes());
+    m.extend_from_slice(&heard.job.to_le_bytes());
+    m.extend_from_slice(&world.to_le_bytes());
+    m.extend_from_slice(&from.to_le_bytes());
+    m.extend_from_slice(&to.to_le_bytes());
+    m.push(heard.token);
+    m.extend_from_slice(&[0x5a; 32]); // its nonce
+    m
+}
+
+/// A stranger who can reach rank 1's data listener (but does not know the token) connects
+/// before the real rank 2 and sends a well-formed hello with claims that do not fit, or a
+/// plausible one and then a forged proof. None of it may fail the job's init: the
+/// connection is dropped, and the real rank 2 connects and proves. (Before the fix, each
+/// case failed rank 1's init at once with a `Mismatch`: the claims were acted on, and a bad
+/// proof was fatal, before anything was proved.)
+#[test]
+fn a_stranger_on_a_data_listener_cannot_fail_the_init() {
+    let cases: [(&str, u32, u32, bool); 5] = [
+        ("for another rank (to != me)", 2, 0, false),
+        ("from an out-of-range rank", 9, 1, false),
+        ("from a lower rank", 0, 1, false),
+        ("from this very rank", 1, 1, false),
+        ("as rank 2, with a forged proof", 2, 1, true),
+    ];
+    let mut failures = Vec::new();
+    for (what, from, to, forge) in cases {
+        let t0 = Instant::now();
+        let (mut ranks, heard, root_port) = tap_rank_1(3, "s3cret", 60_000);
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
+        send_frame(&mut s, &peer_hello(&heard, 3, from, to));
+        if forge {
+            // A proof made up without the token, sent at once (it needs no nonce): it is
+            // there to be read as soon as rank 1 has challenged the hello.
+            let mut proof = vec![10u8];
+            proof.extend_from_slice(&[0xa5; 32]);
+            send_frame(&mut s, &proof);
+        }
+        let stranger = std::thread::spawn(move || {
+            // Whatever comes back (a challenge, a refusal, EOF); holds the connection until
+            // rank 1 closes it.
+            while read_frame(&mut s).is_some() {}
+        });
+        // Only now the real rank 2: rank 1 meets the stranger first.
+        let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");
+        ranks.push(std::thread::spawn(move || {
+            dspark::bootstrap::rendezvous(&c2).map(|_| ())
+        }));
+        let res: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        for (r, e) in res.iter().enumerate() {
+            if let Err(e) = e {
+                failures.push(format!("stranger {what}: rank {r} failed: {e}"));
+            }
+        }
+        // Generous: the stranger may cost a few seconds (the hello wait), never the deadline.
+        if t0.elapsed() > Duration::from_secs(30) {
+            failures.push(format!("stranger {what}: init took {:?}", t0.elapsed()));
+        }
+        stranger.join().unwrap();
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A stranger claims rank 2 on rank 1's data listener before the real rank 2 does, with a
+/// plausible hello, and then says nothing. Rank 1 must not wait the whole deadline for its
+/// proof, and must still accept the real rank 2. (Before the fix rank 1 waited for the
+/// stranger's proof for the whole 60 s deadline, never accepting the real rank 2, and the
+/// init failed there.)
+#[test]
+fn a_silent_stranger_claiming_a_rank_does_not_hold_the_init_to_the_deadline() {
+    let t0 = Instant::now();
+    let (mut ranks, heard, root_port) = tap_rank_1(3, "s3cret", 60_000);
+    let mut silent = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
+    send_frame(&mut silent, &peer_hello(&heard, 3, 2, 1));
+    let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");
+    ranks.push(std::thread::spawn(move || {
+        dspark::bootstrap::rendezvous(&c2).map(|_| ())
+    }));
+    let res: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let took = t0.elapsed();
+    for (r, e) in res.iter().enumerate() {
+        assert!(
+            e.is_ok(),
+            "rank {r} after {took:?}: {}",
+            e.as_ref().unwrap_err()
+        );
+    }
+    // The stranger costs the hello wait (5 s), not the 60 s deadline; half of it is generous.
+    assert!(took < Duration::from_secs(30), "the init took {took:?}");
+    drop(silent);
+}

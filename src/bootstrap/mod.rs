@@ -17,6 +17,10 @@
 //!    that knows the token. Every rank then connects to the ranks below it and accepts the
 //!    ranks above it, giving one TCP connection per pair of ranks. Each connection opens with
 //!    its own hello and proves the token both ways, in the same way (see `connect_mesh`).
+//!    Here too nothing a connection claims is acted on before its proof: several connections
+//!    may claim a rank, the first that proves the token is that rank, and the others (a
+//!    stranger's) are dropped with a warning naming their address. Only a connection that
+//!    proved the token and does not fit (a rank twice, or for another rank) fails the init.
 //!
 //! The nonces are fresh for every connection (from `/dev/urandom`), so a recorded handshake
 //! proves nothing when it is replayed; the token itself never travels, not even hashed.
@@ -855,16 +859,378 @@ fn leaf_rendezvous(
     Ok((star, peers))
 }
 
+/// The most connections on a data listener that have not proved the job token yet, beyond
+/// one for each higher rank: what a stranger who floods the listener can make this rank hold.
+const MAX_STRANGERS: usize = 64;
+
+/// A connection on this rank's data listener that has not proved the job token yet.
+struct Candidate {
+    s: TcpStream,
+    from: SocketAddr,
+    accepted: Instant,
+    /// Once it sent a hello of this job: the hello, what it claims, and the nonce this rank
+    /// challenged it with. Nothing it claims counts before its proof has verified.
+    hello: Option<(Vec<u8>, PeerHello, auth::Nonce)>,
+}
+
+impl Candidate {
+    /// The rank it claims to be, if its hello arrived and fits this rank.
+    fn claims(&self, me: usize, world: usize) -> Option<usize> {
+        let (_, h, _) = self.hello.as_ref()?;
+        let r = h.from as usize;
+        (h.to as usize == me && r > me && r < world).then_some(r)
+    }
+}
+
+/// What [`Door::admit`] waits for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Every higher rank has proved itself or has a connection that said a hello for it.
+    Challenged,
+    /// Every higher rank has proved itself.
+    Proven,
+}
+
+/// This rank's data listener while the higher ranks connect (steps 2 and 4 of
+/// [`connect_mesh`]). Anyone who can reach it can connect and claim any rank: a connection
+/// is only a candidate until it proves the job token, and several can claim one rank; the
+/// first whose proof verifies is that rank's connection. A candidate that sends something
+/// else is dropped at once with a warning naming its address, one that says no hello within
+/// [`HELLO_WAIT`] too; one that never answers the challenge costs nothing more than its
+/// descriptor, since the real rank is still accepted and proved next to it. Only a connection
+/// that proved the token and then does not fit (for another rank, or a rank already
+/// connected) fails the init: that is a rank of this job, confused.
+struct Door<'l> {
+    listener: &'l TcpListener,
+    cands: Vec<Candidate>,
+    /// Where each proved rank connected from.
+    proven: Vec<Option<SocketAddr>>,
+    /// What was dropped, and why (for the error if the deadline passes).
+    refused: Vec<String>,
+}
+
+impl<'l> Door<'l> {
+    fn new(listener: &'l TcpListener, world: usize) -> Door<'l> {
+        Door {
+            listener,
+            cands: Vec::new(),
+            proven: vec![None; world],
+            refused: Vec::new(),
+        }
+    }
+
+    /// Drops a candidate with a warning naming its address.
+    fn refuse(&mut self, c: Candidate, why: &str) {
+        let claim = match &c.hello {
+            Some((_, h, _)) => format!(" (claims rank {} for rank {})", h.from, h.to),
+            None => String::new(),
+        };
+        tracing::warn!(from = %c.from, "dropped a data connection{claim}: {why}");
+        if self.refused.len() < 16 {
+            self.refused.push(format!("{}{claim}: {why}", c.from));
+        }
+    }
+
+    /// Accepts, challenges and checks connections until `until` holds.
+    fn admit(&mut self, ctx: &Ctx<'_>, mesh: &mut [Option<TcpStream>], until: Until) -> Result<()> {
+        let me = ctx.rank();
+        let world = mesh.len();
+        loop {
+            let done = (me + 1..world).all(|r| {
+                mesh[r].is_some()
+                    || (until == Until::Challenged
+                        && self.cands.iter().any(|c| c.claims(me, world) == Some(r)))
+            });
+            if done {
+                return Ok(());
+            }
+            // Connections that said nothing within the hello wait go.
+            let now = Instant::now();
+            let (silent, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.cands)
+                .into_iter()
+                .partition(|c| c.hello.is_none() && now >= c.accepted + HELLO_WAIT);
+            self.cands = rest;
+            for c in silent {
+                self.refuse(c, &format!("no hello within {HELLO_WAIT:?}"));
+            }
+            let Some(rem) = ctx.remaining() else {
+                return Err(self.timeout(ctx, mesh));
+            };
+            let next = self
+                .cands
+                .iter()
+                .filter(|c| c.hello.is_none())
+                .map(|c| (c.accepted + HELLO_WAIT).saturating_duration_since(now))
+                .min()
+                .unwrap_or(Duration::MAX);
+            let ms = rem.min(next).as_millis().clamp(1, 1000) as u16;
+            let ready: Vec<bool> = {
+                let mut fds = Vec::with_capacity(1 + self.cands.len());
+                fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+                for c in &self.cands {
+                    fds.push(PollFd::new(c.s.as_fd(), PollFlags::POLLIN));
+                }
+                match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => {
+                        return Err(ctx.io(None, "polling the data listener", io::Error::from(e)))
+                    }
+                }
+                fds.iter()
+                    .map(|f| f.revents().is_some_and(|e| !e.is_empty()))
+                    .collect()
+            };
+            // The ready candidates, in the order they were accepted.
+            let mut turn = Vec::new();
+            for i in (0..self.cands.len()).rev() {
+                if ready[1 + i] {
+                    turn.push(self.cands.remove(i));
+                }
+            }
+            turn.reverse();
+            for c in turn {
+                if let Some(c) = self.step(ctx, mesh, c)? {
+                    self.cands.push(c);
+                }
+            }
+            if ready[0] {
+                self.accept(ctx, me, world)?;
+            }
+        }
+    }
+
+    /// Takes every connection waiting on the listener.
+    fn accept(&mut self, ctx: &Ctx<'_>, me: usize, world: usize) -> Result<()> {
+        loop {
+            let (s, from) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(ctx.io(None, "accepting a data connection", e)),
+            };
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_nodelay(true);
+            if self.cands.len() >= world - me - 1 + MAX_STRANGERS {
+                // Full: the oldest connection that no rank needs goes (one still silent, or
+                // one whose claim does not fit or is claimed by another too), else this one.
+                let needed = |c: &Candidate, all: &[Candidate]| {
+                    c.claims(me, world).is_some_and(|r| {
+                        all.iter()
+                            .filter(|o| o.claims(me, world) == Some(r))
+                            .count()
+                            == 1
+                    })
+                };
+                let victim = (0..self.cands.len()).find(|&i| !needed(&self.cands[i], &self.cands));
+                let Some(i) = victim else {
+                    let c = Candidate {
+                        s,
+                        from,
+                        accepted: Instant::now(),
+                        hello: None,
+                    };
+                    self.refuse(c, "too many unproven connections");
+                    continue;
+                };
+                let old = self.cands.remove(i);
+                self.refuse(old, "too many unproven connections");
+            }
+            self.cands.push(Candidate {
+                s,
+                from,
+                accepted: Instant::now(),
+                hello: None,
+            });
+        }
+    }
+
+    /// Reads what candidate `c` sent: its hello (answered with the challenge) or its proof.
+    /// Gives it back while it is still a candidate.
+    fn step(
+        &mut self,
+        ctx: &Ctx<'_>,
+        mesh: &mut [Option<TcpStream>],
+        mut c: Candidate,
+    ) -> Result<Option<Candidate>> {
+        let sec = &ctx.sec;
+        let me = ctx.rank();
+        let world = mesh.len();
+        let Some((hello, h, nonce)) = c.hello.take() else {
+            let left = (c.accepted + HELLO_WAIT).saturating_duration_since(Instant::now());
+            let limit = left.max(Duration::from_millis(1));
+            let m = match ctx.recv_within(&mut c.s, None, "reading a peer hello", limit, MAX_HELLO)
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    self.refuse(c, &e.to_string());
+                    return Ok(None);
+                }
+            };
+            let h = match PeerHello::decode(&m) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.refuse(c, &describe(&e));
+                    return Ok(None);
+                }
+            };
+            if h.job != sec.job || h.world as usize != world || h.token != sec.token {
+                self.refuse(c, "a data connection of another job");
+                return Ok(None);
+            }
+            // The challenge, whatever it claims: its claims are judged once it proved the
+            // token.
+            let nonce = fresh_nonce(ctx)?;
+            let mine = sec.peer_proof(LABEL_ACCEPTOR, &m, &nonce);
+            if let Err(e) = ctx.send(&mut c.s, None, msg::encode_peer_challenge(&nonce, &mine)) {
+                self.refuse(c, &e.to_string());
+                return Ok(None);
+            }
+            c.hello = Some((m, h, nonce));
+            return Ok(Some(c));
+        };
+        let (r, to) = (h.from as usize, h.to as usize);
+        let m = match ctx.recv_within(
+            &mut c.s,
+            None,
+            "reading the answer to the challenge",
+            HELLO_WAIT,
+            MAX_HELLO,
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                c.hello = Some((hello, h, nonce));
+                self.refuse(c, &e.to_string());
+                return Ok(None);
+            }
+        };
+        let verdict = match msg::decode_proof(&m, MSG_PEER_PROOF) {
+            Ok(Ok(tag)) if auth::ct_eq(&tag, &sec.peer_proof(LABEL_CONNECTOR, &hello, &nonce)) => {
+                None
+            }
+            Ok(Ok(_)) => {
+                let why = sec.bad_proof(
+                    &format!("the data connection from {} (rank {r}?)", c.from),
+                    &format!("rank {me}"),
+                );
+                reject(ctx, &mut c.s, &why);
+                Some(why)
+            }
+            Ok(Err(rej)) => Some(format!("gave up: {}", rej.why)),
+            Err(w) => Some(format!("bad answer to the challenge: {w}")),
+        };
+        if let Some(why) = verdict {
+            c.hello = Some((hello, h, nonce));
+            self.refuse(c, &why);
+            return Ok(None);
+        }
+        // Proved: a rank of this job. Now what it claims counts.
+        if to != me || r <= me || r >= world || mesh[r].is_some() {
+            let why = match self.proven.get(r).copied().flatten() {
+                Some(prev) if to == me => format!(
+                    "rank {r} connected twice to rank {me}: from {} and earlier from {prev} \
+                     (the same rank on two processes?)",
+                    c.from
+                ),
+                _ => format!(
+                    "rank {r} at {} connected to rank {me} for rank {to} (duplicate or confused \
+                     rank)",
+                    c.from
+                ),
+            };
+            reject(ctx, &mut c.s, &why);
+            return Err(Error::Mismatch {
+                rank: Some(me),
+                peer: Some(r),
+                op: "bootstrap".into(),
+                what: why,
+            });
+        }
+        ctx.send(&mut c.s, Some(r), Msg::new(msg::MSG_PEER_ACK))?;
+        self.proven[r] = Some(c.from);
+        mesh[r] = Some(c.s);
+        Ok(None)
+    }
+
+    /// Every higher rank has proved itself: what is left claimed something and proved
+    /// nothing.
+    fn finish(mut self) {
+        for c in std::mem::take(&mut self.cands) {
+            let why = if c.hello.is_some() {
+                "no proof of the job token (every rank had connected and proved itself)"
+            } else {
+                "no hello (every rank had connected and proved itself)"
+            };
+            self.refuse(c, why);
+        }
+    }
+
+    /// The deadline passed with ranks unproven: which, and what was dropped meanwhile.
+    fn timeout(&self, ctx: &Ctx<'_>, mesh: &[Option<TcpStream>]) -> Error {
+        let me = ctx.rank();
+        let world = mesh.len();
+        let missing: Vec<usize> = (me + 1..world).filter(|&r| mesh[r].is_none()).collect();
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut detail = format!(
+            "waiting for rank(s) {} to connect and prove the job token",
+            list(&missing)
+        );
+        let unproven: Vec<String> = self
+            .cands
+            .iter()
+            .filter_map(|c| {
+                c.claims(me, world)
+                    .map(|r| format!("{} (claims rank {r})", c.from))
+            })
+            .collect();
+        if !unproven.is_empty() {
+            detail += &format!("; connected but not proved: {}", unproven.join(", "));
+        }
+        if !self.refused.is_empty() {
+            detail += &format!("; refused: {}", self.refused.join("; "));
+        }
+        ctx.timeout(missing.first().copied(), detail)
+    }
+}
+
+/// Tells a data connection why it is refused (best effort: it may be gone already).
+fn reject(ctx: &Ctx<'_>, s: &mut TcpStream, why: &str) {
+    let rej = Reject {
+        class: REJECT_MISMATCH,
+        var: String::new(),
+        why: why.into(),
+    };
+    let _ = ctx.send(s, None, rej.encode());
+}
+
 /// Connects every pair of ranks. Each connection proves the job token both ways, in steps
 /// that never wait on a rank that is itself waiting (every step of every rank depends only on
 /// earlier steps of the others):
 ///
 /// 1. connect to every lower rank and send a hello with a fresh nonce;
-/// 2. accept every higher rank, check its hello and answer with a nonce of this rank's and
-///    this rank's proof (over the hello and that nonce);
+/// 2. accept connections, answer every hello of this job with a nonce of this rank's and
+///    this rank's proof (over the hello and that nonce), until every higher rank has said a
+///    hello (or proved itself already);
 /// 3. check every lower rank's proof and send this rank's (over the same);
-/// 4. check every higher rank's proof and acknowledge;
+/// 4. check the higher ranks' proofs and acknowledge them, accepting and challenging further
+///    connections until every higher rank has proved itself;
 /// 5. read the lower ranks' acknowledgements.
+///
+/// Anyone who can reach the data listener can say a hello claiming any rank, so in steps 2
+/// and 4 a connection is only a candidate until its proof verifies (see [`Door`]): a
+/// stranger's connection is dropped, or outlived, and neither fails the init nor holds it.
 fn connect_mesh(
     ctx: &Ctx<'_>,
     listener: &TcpListener,
@@ -875,10 +1241,8 @@ fn connect_mesh(
     let world = cfg.world_size;
     let me = cfg.rank;
     let mut mesh: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    // The hellos this rank sent to the lower ranks, and what it received from the higher ones
-    // (hello, the nonce it challenged with, where it came from).
+    // The hellos this rank sent to the lower ranks.
     let mut sent: Vec<Vec<u8>> = vec![Vec::new(); world];
-    let mut challenged: Vec<Option<(Vec<u8>, auth::Nonce, SocketAddr)>> = vec![None; world];
     let mismatch = |peer: usize, what: String| Error::Mismatch {
         rank: Some(me),
         peer: Some(peer),
@@ -926,67 +1290,13 @@ fn connect_mesh(
         sent[p.rank] = hello.0;
         mesh[p.rank] = Some(s);
     }
-    // 2. Accept every higher rank and challenge it.
+    // 2. Accept the higher ranks and challenge them, until every one of them has answered
+    //    with a hello (or already proved itself).
     listener
         .set_nonblocking(true)
         .map_err(|e| ctx.io(None, "listener", e))?;
-    let mut pending = world - me - 1;
-    while pending > 0 {
-        let (mut s, from) = accept_until(ctx, listener).map_err(|e| match e {
-            Error::Timeout { .. } => {
-                let missing: Vec<String> = (me + 1..world)
-                    .filter(|&r| mesh[r].is_none())
-                    .map(|r| r.to_string())
-                    .collect();
-                ctx.timeout(
-                    missing.first().and_then(|m| m.parse().ok()),
-                    format!("waiting for rank(s) {} to connect", missing.join(", ")),
-                )
-            }
-            e => e,
-        })?;
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_nodelay(true);
-        let m = match ctx.recv_within(&mut s, None, "reading a peer hello", HELLO_WAIT, MAX_HELLO) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(%from, "dropped a data connection: {e}");
-                continue;
-            }
-        };
-        let h = match PeerHello::decode(&m) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(%from, "dropped a data connection: {}", describe(&e));
-                continue;
-            }
-        };
-        let from_rank = h.from as usize;
-        if h.job != sec.job || h.world as usize != world || h.token != sec.token {
-            tracing::warn!(%from, "dropped a data connection from another job");
-            continue;
-        }
-        if h.to as usize != me || from_rank <= me || from_rank >= world || mesh[from_rank].is_some()
-        {
-            return Err(mismatch(
-                from_rank,
-                format!(
-                    "rank {from_rank} at {from} connected for rank {} (duplicate or confused rank)",
-                    h.to
-                ),
-            ));
-        }
-        let nonce = fresh_nonce(ctx)?;
-        let mine = sec.peer_proof(LABEL_ACCEPTOR, &m, &nonce);
-        ctx.send(
-            &mut s,
-            Some(from_rank),
-            msg::encode_peer_challenge(&nonce, &mine),
-        )?;
-        mesh[from_rank] = Some(s);
-        challenged[from_rank] = Some((m, nonce, from));
-        pending -= 1;
-    }
+    let mut door = Door::new(listener, world);
+    door.admit(ctx, &mut mesh, Until::Challenged)?;
     // 3. Check every lower rank's proof, and prove this rank's knowledge to it.
     for (r, slot) in mesh.iter_mut().enumerate().take(me) {
         let Some(s) = slot.as_mut() else {
@@ -1011,32 +1321,10 @@ fn connect_mesh(
         let proof = sec.peer_proof(LABEL_CONNECTOR, &sent[r], &nonce);
         ctx.send(s, Some(r), msg::encode_proof(MSG_PEER_PROOF, &proof))?;
     }
-    // 4. Check every higher rank's proof and acknowledge it.
-    for r in me + 1..world {
-        let (Some(s), Some((hello, nonce, from))) = (mesh[r].as_mut(), challenged[r].as_ref())
-        else {
-            return Err(ctx.bad(Some(r), "no connection to this rank".into()));
-        };
-        let m = ctx.recv(s, Some(r), &format!("waiting for rank {r}'s proof"))?;
-        match msg::decode_proof(&m, MSG_PEER_PROOF).map_err(|w| ctx.bad(Some(r), w))? {
-            Ok(tag) if auth::ct_eq(&tag, &sec.peer_proof(LABEL_CONNECTOR, hello, nonce)) => {}
-            Ok(_) => {
-                let why = sec.bad_proof(
-                    &format!("the data connection from {from} (rank {r}?)"),
-                    &format!("rank {me}"),
-                );
-                let rej = Reject {
-                    class: REJECT_MISMATCH,
-                    var: String::new(),
-                    why: why.clone(),
-                };
-                let _ = ctx.send(s, Some(r), rej.encode());
-                return Err(mismatch(r, why));
-            }
-            Err(rej) => return Err(mismatch(r, format!("rank {r} refused: {}", rej.why))),
-        }
-        ctx.send(s, Some(r), Msg::new(msg::MSG_PEER_ACK))?;
-    }
+    // 4. Check the higher ranks' proofs and acknowledge them, still accepting connections
+    //    until every higher rank has proved itself: the first valid proof for a rank wins.
+    door.admit(ctx, &mut mesh, Until::Proven)?;
+    door.finish();
     // 5. Read the acknowledgements of the lower ranks.
     for (r, slot) in mesh.iter_mut().enumerate().take(me) {
         let Some(s) = slot.as_mut() else {
@@ -1164,64 +1452,142 @@ mod tests {
         m
     }
 
-    /// Rank 0 of 2 accepts a data connection that claims to be rank 1 and answers the
-    /// challenge with `proof(secret of the impostor, hello, the challenge's nonce)`.
-    fn impostor_connects(
+    /// Connects to a data listener at `addr` as rank `from` of a job of `world` ranks with
+    /// `token`, meaning to reach rank `to`; returns the connection, its hello and the nonce
+    /// of the challenge it got.
+    fn connect_as(
+        addr: SocketAddr,
         token: &str,
-        proof: impl Fn(&Secret, &[u8], &auth::Nonce) -> msg::Tag,
-    ) -> (Result<()>, Vec<u8>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let peers = vec![peer(0, addr), peer(1, addr)];
-        let acceptor = std::thread::spawn(move || mesh_of(config(0, 2, "a"), listener, peers));
-        let sec = Secret::of(&config(1, 2, token));
+        world: u32,
+        from: u32,
+        to: u32,
+    ) -> (TcpStream, Secret, Msg, auth::Nonce) {
+        let sec = Secret::of(&config(from as usize, world as usize, token));
         let mut s = TcpStream::connect(addr).unwrap();
         let hello = PeerHello {
             job: sec.job,
-            world: 2,
-            from: 1,
-            to: 0,
+            world,
+            from,
+            to,
             token: true,
             nonce: auth::nonce().unwrap(),
         }
         .encode();
         send(&mut s, &hello);
         let (nonce, _) = msg::decode_peer_challenge(&recv(&mut s)).unwrap().unwrap();
+        (s, sec, hello, nonce)
+    }
+
+    /// Rank 0 of 2 accepts a data connection that claims to be rank 1 and answers the
+    /// challenge with `proof(secret of the impostor, hello, the challenge's nonce)`. Returns
+    /// rank 0's result (the real rank 1 never comes: a timeout, after 1.5 s), the reply to
+    /// the proof, and where the impostor connected from.
+    fn impostor_connects(
+        token: &str,
+        proof: impl Fn(&Secret, &[u8], &auth::Nonce) -> msg::Tag,
+    ) -> (Result<()>, Vec<u8>, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr)];
+        let mut c = config(0, 2, "a");
+        c.timeout = Duration::from_millis(1500);
+        let acceptor = std::thread::spawn(move || mesh_of(c, listener, peers));
+        let (mut s, sec, hello, nonce) = connect_as(addr, token, 2, 1, 0);
         send(
             &mut s,
             &msg::encode_proof(MSG_PEER_PROOF, &proof(&sec, &hello.0, &nonce)),
         );
         let reply = recv(&mut s);
-        (acceptor.join().unwrap(), reply)
+        let me = s.local_addr().unwrap();
+        (acceptor.join().unwrap(), reply, me)
     }
 
+    /// A connection whose proof does not verify is refused with the reason, and rank 0 keeps
+    /// waiting for the real rank 1: a stranger's claims fail nothing (the deadline names it).
     #[test]
     fn a_data_connection_with_another_token_is_refused_on_both_ends() {
-        let (res, reply) = impostor_connects("b", |sec, hello, nonce| {
+        let (res, reply, from) = impostor_connects("b", |sec, hello, nonce| {
             sec.peer_proof(LABEL_CONNECTOR, hello, nonce)
         });
         let e = res.unwrap_err();
         let s = e.to_string();
         assert!(
-            matches!(e, Error::Mismatch { peer: Some(1), .. })
-                && s.contains("did not prove that it knows the job token"),
+            matches!(e, Error::Timeout { peer: Some(1), .. })
+                && s.contains("did not prove that it knows the job token")
+                && s.contains(&format!("refused: {from} (claims rank 1 for rank 0)")),
             "{s}"
         );
         let rej = msg::decode_peer_ack(&reply).unwrap().unwrap_err();
         assert!(rej.why.contains("DSPARK_JOB_TOKEN differs"), "{}", rej.why);
     }
 
+    /// A rank of this job (it proves the token) that connects for another rank is confused,
+    /// not a stranger: that fails the init, on both ends, with both named.
+    #[test]
+    fn a_proven_data_connection_for_another_rank_is_a_mismatch() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr)];
+        let acceptor = std::thread::spawn(move || mesh_of(config(0, 2, "a"), listener, peers));
+        let (mut s, sec, hello, nonce) = connect_as(addr, "a", 2, 1, 5);
+        let proof = sec.peer_proof(LABEL_CONNECTOR, &hello.0, &nonce);
+        send(&mut s, &msg::encode_proof(MSG_PEER_PROOF, &proof));
+        let rej = msg::decode_peer_ack(&recv(&mut s)).unwrap().unwrap_err();
+        let e = acceptor.join().unwrap().unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { peer: Some(1), .. })
+                && text.contains("connected to rank 0 for rank 5"),
+            "{text}"
+        );
+        assert!(rej.why.contains("for rank 5"), "{}", rej.why);
+    }
+
+    /// Two connections that both prove the token for rank 1: the same rank twice, which
+    /// fails the init naming both addresses.
+    #[test]
+    fn the_same_rank_proven_twice_on_a_data_listener_is_a_mismatch() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr), peer(2, addr)];
+        let acceptor = std::thread::spawn(move || mesh_of(config(0, 3, "a"), listener, peers));
+        let mut twice = Vec::new();
+        for _ in 0..2 {
+            let (mut s, sec, hello, nonce) = connect_as(addr, "a", 3, 1, 0);
+            let proof = sec.peer_proof(LABEL_CONNECTOR, &hello.0, &nonce);
+            send(&mut s, &msg::encode_proof(MSG_PEER_PROOF, &proof));
+            let ack = msg::decode_peer_ack(&recv(&mut s)).unwrap();
+            twice.push((s.local_addr().unwrap(), ack));
+        }
+        assert!(
+            twice[0].1.is_ok(),
+            "the first one is rank 1: {:?}",
+            twice[0].1
+        );
+        assert!(twice[1].1.is_err(), "the second one is refused");
+        let e = acceptor.join().unwrap().unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { peer: Some(1), .. })
+                && text.contains(&format!(
+                    "rank 1 connected twice to rank 0: from {} and earlier from {}",
+                    twice[1].0, twice[0].0
+                )),
+            "{text}"
+        );
+    }
+
     /// The right token, but a proof over another nonce: what replaying a recorded data
     /// connection's answer amounts to.
     #[test]
     fn a_replayed_proof_on_a_data_connection_is_refused() {
-        let (res, reply) = impostor_connects("a", |sec, hello, _| {
+        let (res, reply, _) = impostor_connects("a", |sec, hello, _| {
             sec.peer_proof(LABEL_CONNECTOR, hello, &[7; auth::TAG_LEN])
         });
         assert!(res.unwrap_err().to_string().contains("did not prove"));
         assert!(msg::decode_peer_ack(&reply).unwrap().is_err());
         // And the acceptor's own proof is no answer either (the labels differ).
-        let (res, _) = impostor_connects("a", |sec, hello, nonce| {
+        let (res, _, _) = impostor_connects("a", |sec, hello, nonce| {
             sec.peer_proof(LABEL_ACCEPTOR, hello, nonce)
         });
         assert!(res.unwrap_err().to_string().contains("did not prove"));
