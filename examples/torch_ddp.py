@@ -20,6 +20,7 @@ Options: --steps, --batch (per rank), --hidden, --layers, --warmup.
 """
 
 import argparse
+import copy
 import os
 import time
 
@@ -60,10 +61,13 @@ def batches(rank, batch, steps):
 def run_steps(model, opt, data, sync=True):
     """Trains on `data`; returns (seconds, last loss). With `sync=False` the steps run
     under `no_sync()` (no allreduce) with a learning rate of 0: the same computation, but
-    the parameters stay as they are, so the ranks stay in step."""
+    the parameters stay as they are, and the optimizer's state (momentum, fed by these
+    rank-local gradients) is put back afterwards, so the ranks stay in step."""
     loss_fn = nn.CrossEntropyLoss()
     lrs = [g["lr"] for g in opt.param_groups]
+    saved = None
     if not sync:
+        saved = copy.deepcopy(opt.state_dict())
         for g in opt.param_groups:
             g["lr"] = 0.0
     t0 = time.perf_counter()
@@ -79,6 +83,8 @@ def run_steps(model, opt, data, sync=True):
                 loss.backward()
         opt.step()
     secs = time.perf_counter() - t0
+    if saved is not None:
+        opt.load_state_dict(saved)
     for g, lr in zip(opt.param_groups, lrs):
         g["lr"] = lr
     return secs, loss.detach().item()
