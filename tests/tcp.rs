@@ -6,10 +6,11 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::procs::{assert_all, free_port, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK};
+use common::procs::{
+    assert_all, free_port, rank_entry, say, sh, spawn, vars, FAILED_AS_EXPECTED, OK,
+};
 use dspark::{Communicator, Error, ReduceOp};
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
@@ -233,23 +234,6 @@ fn mismatched_counts_fail_every_process_with_mismatch() {
             "rank {r} took {:?}",
             o.elapsed
         );
-    }
-}
-
-/// Runs `cmd`, returning its stderr on failure.
-fn sh(cmd: &[&str]) -> Result<(), String> {
-    let out = Command::new(cmd[0])
-        .args(&cmd[1..])
-        .output()
-        .map_err(|e| format!("{}: {e}", cmd[0]))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{}: {}",
-            cmd.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
     }
 }
 
