@@ -456,8 +456,8 @@ fn every_argument_rule_is_checked_before_anything_moves() {
 /// #11 item 8: a panic inside a collective (a bug, a failed assertion in a dependency) leaves
 /// half-sent frames and an advanced sequence on that rank. It must poison the communicator —
 /// the call and every later one fail — and tell the peers, which fail promptly naming the
-/// rank, not at the deadline; both for a blocking call and for one run by the progress
-/// thread.
+/// rank, not at the deadline; both for a blocking call (run on the caller's thread) and for a
+/// non-blocking one that is only polled (so the progress thread runs it).
 #[test]
 fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_promptly() {
     let world = 3;
@@ -475,7 +475,16 @@ fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_pro
         let res = run_ranks(&fabric, world, &cfg, |c| {
             let mut buf = vec![1.0f32; 1000];
             let first = if nonblocking {
-                c.scope(|s| s.all_reduce(&mut buf, ReduceOp::Sum)?.wait())
+                // Polled, never waited for: only the progress thread can have run it.
+                c.scope(|s| {
+                    let w = s.all_reduce(&mut buf, ReduceOp::Sum)?;
+                    let give_up = Instant::now() + Duration::from_secs(120);
+                    while !w.test()? {
+                        assert!(Instant::now() < give_up, "the operation never completed");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Ok(())
+                })
             } else {
                 c.all_reduce(&mut buf, ReduceOp::Sum)
             };
@@ -542,4 +551,62 @@ fn a_forced_algorithm_is_reported_with_the_collectives_it_applies_to() {
         Algorithm::Ring.collectives(),
         "all_reduce, all_gather, reduce_scatter"
     );
+}
+
+/// What the rank logs: a `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct LogBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// #10: a forced algorithm that does not implement a collective is said in the log once per
+/// collective (a warning per call would flood a training log), and not for collectives it
+/// implements or that have no choice of algorithm.
+#[test]
+fn a_forced_algorithm_that_does_not_apply_is_warned_about_once_per_collective() {
+    let fabric = MemFabric::new(2, 4);
+    let mut cfg = config(Duration::from_secs(30), 256);
+    cfg.algo = Some(dspark::plan::Algorithm::BinomialTree);
+    let logs = run_ranks(&fabric, 2, &cfg, |c| {
+        let log = LogBuf::default();
+        let writer = log.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            let mut v = vec![1.0f32; 100];
+            for _ in 0..3 {
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                c.broadcast(&mut v, 0).unwrap();
+                c.barrier().unwrap();
+            }
+            let mut big = vec![1.0f32; 300_000];
+            c.all_reduce(&mut big, ReduceOp::Sum).unwrap();
+        });
+        let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+        text
+    });
+    for (r, text) in logs.iter().enumerate() {
+        let said = text.matches("does not implement all_reduce").count();
+        assert_eq!(said, 1, "rank {r} must warn once about all_reduce:\n{text}");
+        assert!(
+            text.contains("binomial_tree") && text.contains("broadcast, reduce"),
+            "rank {r}: the warning names the algorithm and what it applies to:\n{text}"
+        );
+        assert_eq!(
+            text.matches("does not implement").count(),
+            1,
+            "rank {r}: no warning for broadcast (implemented) or barrier (no choice):\n{text}"
+        );
+    }
 }

@@ -197,6 +197,8 @@ impl Shared {
         let ahead = !q.jobs.is_empty();
         drop(q);
         let mut role = self.role();
+        #[cfg(test)]
+        tests::panic_here_if_asked();
         if ahead {
             self.drive(&mut role.eng, None);
         }
@@ -497,17 +499,36 @@ impl Work {
     }
 }
 
-#[cfg(all(test, feature = "testing"))]
+#[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+    #[cfg(feature = "testing")]
     use std::panic::{catch_unwind, AssertUnwindSafe};
+    #[cfg(feature = "testing")]
     use std::time::{Duration, Instant};
 
+    thread_local! {
+        /// Makes this thread's next `Shared::exclusive` panic while it holds the driver role,
+        /// outside the guarded operation: a stand-in for a bug between the role's taking and
+        /// the guarded call.
+        static PANIC_IN_ROLE: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(super) fn panic_here_if_asked() {
+        if PANIC_IN_ROLE.with(|p| p.replace(false)) {
+            panic!("a bug while holding the driver role");
+        }
+    }
+
+    #[cfg(feature = "testing")]
     use crate::transport::mem::MemFabric;
+    #[cfg(feature = "testing")]
     use crate::{Communicator, Config, ReduceOp};
 
     /// A panic while the engine is held outside a guarded operation poisons its lock: the
     /// communicator must then fail for good and tell its peer, not run on a state that may
     /// be half-updated (#11 item 8).
+    #[cfg(feature = "testing")]
     #[test]
     fn a_poisoned_engine_lock_fails_the_communicator_and_its_peers() {
         let fabric = MemFabric::new(2, 4);
@@ -544,6 +565,54 @@ mod tests {
         assert!(
             *at < Duration::from_secs(20),
             "rank 1 failed only after {at:?}"
+        );
+    }
+
+    /// #11 item 8 (review M2): a panic while a thread holds the driver role but outside the
+    /// guarded operation must still give the role up. Otherwise every later call of the
+    /// communicator waits forever for a role nobody holds. The next call must fail promptly
+    /// (the engine's lock is poisoned), and the peer must hear of it.
+    #[cfg(feature = "testing")]
+    #[test]
+    fn a_panic_while_holding_the_driver_role_gives_the_role_up_and_fails_the_next_call() {
+        let fabric = MemFabric::new(2, 4);
+        let mut cfg = Config::new(0, 1, "");
+        cfg.timeout = Duration::from_secs(60);
+        let start = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for r in 0..2 {
+            let (t, cfg, tx) = (fabric.transport(r), cfg.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let c = Communicator::from_transport(r, 2, Box::new(t), &cfg).unwrap();
+                let mut v = vec![1u32; 100];
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                if r == 0 {
+                    super::tests::PANIC_IN_ROLE.with(|p| p.set(true));
+                    let p = catch_unwind(AssertUnwindSafe(|| {
+                        let _ = c.all_reduce(&mut v, ReduceOp::Sum);
+                    }));
+                    assert!(p.is_err(), "the injected panic must have happened");
+                }
+                let e = c.all_reduce(&mut v, ReduceOp::Sum).map(|_| v[0]);
+                let _ = tx.send((r, e, start.elapsed()));
+            });
+        }
+        drop(tx);
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            // Without the role guard, rank 0's next call never returns.
+            let res = rx.recv_timeout(Duration::from_secs(30));
+            got.push(res.expect("a call after the panic hung: the driver role was never given up"));
+        }
+        got.sort_by_key(|g| g.0);
+        let e0 = got[0].1.as_ref().unwrap_err().to_string();
+        assert!(e0.contains("panic") && e0.contains("rank 0"), "{e0}");
+        let e1 = got[1].1.as_ref().unwrap_err().to_string();
+        assert!(e1.contains("rank 0"), "rank 1 must name rank 0: {e1}");
+        assert!(
+            got[1].2 < Duration::from_secs(20),
+            "rank 1 failed only after {:?}",
+            got[1].2
         );
     }
 }
