@@ -1,0 +1,304 @@
+//! Communication microbenchmarks (criterion): what each layer costs on its own.
+//!
+//! Groups:
+//! * `p2p/<transport>/<size>`: a send/recv ping-pong between two ranks (threads of this
+//!   process) over the in-process `mem` transport and over TCP loopback; the time is one
+//!   round trip, the throughput counts both directions. The limits: `memcpy` for `mem`, the
+//!   TCP ping-pong of `../shared/peers/limits.sh` for `tcp`.
+//! * `call/<api>/<world>`: the per-call cost of the engine, an 8-byte f32 all_reduce, through
+//!   the blocking call and through the non-blocking one (`scope` + `Work::wait`): on one rank
+//!   (no peer: pure call overhead) and on two ranks over `mem` (no wire). The difference
+//!   between the two APIs is what the non-blocking path adds (issue #8's target: ≤ 2 µs).
+//! * `plan/<collective>/<algorithm>/<world>`: building and compiling one rank's schedule of a
+//!   1 MiB all_reduce (or a barrier) into its segment program, as every call does.
+//! * `collective_mem/<collective>/<size>`: whole collectives on four ranks over `mem`.
+//!
+//! Every group runs its peers as threads that repeat rank 0's calls; rank 0's loop is timed.
+//! `DSPARK_BENCH_QUICK=1` shortens every measurement (a smoke run, as CI does:
+//! `DSPARK_BENCH_QUICK=1 cargo bench --bench comm`); without it `cargo bench --bench comm`
+//! gives steady numbers.
+
+use std::net::TcpListener;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use dspark::plan::{self, Algorithm, Collective, Request};
+use dspark::transport::mem::MemFabric;
+use dspark::{Communicator, Config, ReduceOp};
+
+/// One rank's part of an iteration: the same call on every rank (its rank tells it its role).
+type Step = Arc<dyn Fn(&Communicator, &mut Vec<f32>) + Send + Sync>;
+
+fn quick() -> bool {
+    std::env::var_os("DSPARK_BENCH_QUICK").is_some_and(|v| v != "0")
+}
+
+fn configure(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, big: bool) {
+    if quick() {
+        g.sample_size(10)
+            .warm_up_time(Duration::from_millis(50))
+            .measurement_time(Duration::from_millis(200));
+    } else if big {
+        g.sample_size(10)
+            .warm_up_time(Duration::from_secs(1))
+            .measurement_time(Duration::from_secs(3));
+    } else {
+        g.sample_size(50)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
+    }
+}
+
+fn config(timeout: Duration) -> Config {
+    let mut c = Config::new(0, 1, "");
+    c.timeout = timeout;
+    c
+}
+
+/// Communicators of `world` ranks over `mem`.
+fn mem_comms(world: usize) -> Vec<Communicator> {
+    let fabric = MemFabric::new(world, 4);
+    let cfg = config(Duration::from_secs(60));
+    let hs: Vec<JoinHandle<Communicator>> = (0..world)
+        .map(|r| {
+            let (t, cfg) = (fabric.transport(r), cfg.clone());
+            std::thread::spawn(move || {
+                Communicator::from_transport(r, world, Box::new(t), &cfg)
+                    .expect("a mem communicator")
+            })
+        })
+        .collect();
+    hs.into_iter()
+        .map(|h| h.join().expect("init thread"))
+        .collect()
+}
+
+/// Communicators of `world` ranks over TCP loopback (rendezvous on a free port).
+fn tcp_comms(world: usize) -> Vec<Communicator> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let hs: Vec<JoinHandle<Communicator>> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let mut c = Config::new(r, world, format!("127.0.0.1:{port}"));
+                c.timeout = Duration::from_secs(60);
+                c.transport = dspark::config::TransportChoice::Tcp;
+                Communicator::init(c).expect("a TCP communicator")
+            })
+        })
+        .collect();
+    hs.into_iter()
+        .map(|h| h.join().expect("init thread"))
+        .collect()
+}
+
+/// Ranks 1.. of a communicator, as threads that run `step` as often as rank 0 asks.
+struct Peers {
+    asks: Vec<mpsc::Sender<u64>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Peers {
+    fn start(comms: Vec<Communicator>, elems: usize, step: &Step) -> (Communicator, Peers) {
+        let mut it = comms.into_iter();
+        let first = it.next().expect("rank 0");
+        let (mut asks, mut threads) = (Vec::new(), Vec::new());
+        for c in it {
+            let (tx, rx) = mpsc::channel::<u64>();
+            let step = Arc::clone(step);
+            asks.push(tx);
+            threads.push(std::thread::spawn(move || {
+                let mut buf = vec![1.0f32; elems];
+                while let Ok(n) = rx.recv() {
+                    for _ in 0..n {
+                        step(&c, &mut buf);
+                    }
+                }
+            }));
+        }
+        (first, Peers { asks, threads })
+    }
+
+    /// Times `iters` steps on rank 0 while the peers run theirs.
+    fn run(&self, c: &Communicator, buf: &mut Vec<f32>, step: &Step, iters: u64) -> Duration {
+        for a in &self.asks {
+            a.send(iters).expect("peer alive");
+        }
+        let t = Instant::now();
+        for _ in 0..iters {
+            step(c, buf);
+        }
+        t.elapsed()
+    }
+
+    fn stop(self) {
+        drop(self.asks);
+        for t in self.threads {
+            t.join().expect("peer thread");
+        }
+    }
+}
+
+/// Runs `step` on every rank of `comms` as one benchmark.
+fn bench_ranks(
+    g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    id: &str,
+    comms: Vec<Communicator>,
+    elems: usize,
+    step: Step,
+) {
+    let (c0, peers) = Peers::start(comms, elems, &step);
+    let mut buf = vec![1.0f32; elems];
+    g.bench_function(id, |b| {
+        b.iter_custom(|iters| peers.run(&c0, &mut buf, &step, iters))
+    });
+    peers.stop();
+}
+
+const P2P_SIZES: [(usize, &str); 3] = [(8, "8B"), (64 << 10, "64KiB"), (4 << 20, "4MiB")];
+
+fn ping_pong() -> Step {
+    Arc::new(|c, buf| {
+        if c.rank() == 0 {
+            c.send(buf, 1).expect("send");
+            c.recv(buf, 1).expect("recv");
+        } else {
+            c.recv(buf, 0).expect("recv");
+            c.send(buf, 0).expect("send");
+        }
+    })
+}
+
+fn bench_p2p(c: &mut Criterion) {
+    for (name, make) in [
+        ("mem", mem_comms as fn(usize) -> Vec<Communicator>),
+        ("tcp", tcp_comms),
+    ] {
+        let mut g = c.benchmark_group(format!("p2p/{name}"));
+        for (bytes, label) in P2P_SIZES {
+            configure(&mut g, bytes >= 1 << 20);
+            g.throughput(Throughput::Bytes(2 * bytes as u64));
+            bench_ranks(&mut g, label, make(2), bytes / 4, ping_pong());
+        }
+        g.finish();
+    }
+}
+
+fn bench_call(c: &mut Criterion) {
+    let blocking: Step = Arc::new(|c, buf| c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce"));
+    let nonblocking: Step = Arc::new(|c, buf| {
+        c.scope(|s| s.all_reduce(buf, ReduceOp::Sum)?.wait())
+            .expect("all_reduce")
+    });
+    let mut g = c.benchmark_group("call");
+    configure(&mut g, false);
+    for world in [1, 2] {
+        for (api, step) in [("blocking", &blocking), ("nonblocking", &nonblocking)] {
+            let id = format!("{api}/world{world}_mem");
+            bench_ranks(&mut g, &id, mem_comms(world), 2, Arc::clone(step));
+        }
+    }
+    g.finish();
+}
+
+fn bench_plan(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan");
+    configure(&mut g, false);
+    let cases = [
+        (Collective::AllReduce, Algorithm::Ring),
+        (Collective::AllReduce, Algorithm::RecursiveDoubling),
+        (Collective::Broadcast, Algorithm::BinomialTree),
+        (Collective::Barrier, Algorithm::Dissemination),
+    ];
+    for (coll, algo) in cases {
+        for world in [8, 64, 512] {
+            let req = Request {
+                coll,
+                algo,
+                world,
+                rank: world / 3,
+                count: if coll == Collective::Barrier {
+                    0
+                } else {
+                    1 << 18
+                },
+                root: 0,
+                is_send: false,
+                finalize: false,
+            };
+            let id = format!("{}/{}/world{world}", coll.name(), algo.name());
+            g.bench_function(id, |b| {
+                b.iter(|| {
+                    let s = plan::schedule(std::hint::black_box(&req)).expect("supported");
+                    plan::compile(&s, 1 << 14)
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+fn bench_collectives(c: &mut Criterion) {
+    const WORLD: usize = 4;
+    // (name, step, buffer elements for a call that moves `e` elements in all)
+    type Case = (&'static str, Step, fn(usize) -> usize);
+    let whole = |e: usize| e;
+    // reduce_scatter and all_gather: a send and a receive part, split out of one buffer.
+    let plus_block = |e: usize| e + e / WORLD;
+    let cases: [Case; 4] = [
+        (
+            "all_reduce",
+            Arc::new(|c, buf| c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce")),
+            whole,
+        ),
+        (
+            "broadcast",
+            Arc::new(|c, buf| c.broadcast(buf, 0).expect("broadcast")),
+            whole,
+        ),
+        (
+            "reduce_scatter",
+            Arc::new(|c, buf| {
+                let block = buf.len() / (WORLD + 1);
+                let (send, recv) = buf.split_at_mut(block * WORLD);
+                c.reduce_scatter(send, &mut recv[..block], ReduceOp::Sum)
+                    .expect("reduce_scatter")
+            }),
+            plus_block,
+        ),
+        (
+            "all_gather",
+            Arc::new(|c, buf| {
+                let block = buf.len() / (WORLD + 1);
+                let (send, recv) = buf.split_at_mut(block);
+                c.all_gather(send, &mut recv[..block * WORLD])
+                    .expect("all_gather")
+            }),
+            plus_block,
+        ),
+    ];
+    for (name, step, elems) in cases {
+        let mut g = c.benchmark_group(format!("collective_mem/{name}"));
+        for (bytes, label) in [(64usize << 10, "64KiB"), (4 << 20, "4MiB")] {
+            configure(&mut g, bytes >= 1 << 20);
+            g.throughput(Throughput::Bytes(bytes as u64));
+            let e = elems(bytes / 4);
+            bench_ranks(&mut g, label, mem_comms(WORLD), e, Arc::clone(&step));
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(
+    benches,
+    bench_p2p,
+    bench_call,
+    bench_plan,
+    bench_collectives
+);
+criterion_main!(benches);
