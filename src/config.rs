@@ -20,6 +20,7 @@
 //! | `DSPARK_SOCKET_BUFFER` | TCP socket buffer size (0: the kernel's autotuning; at most 1 GiB) | 4 MiB |
 //! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |
 //! | `DSPARK_CACHE_DIR` | disk cache of compiled CUDA kernels | `$XDG_CACHE_HOME/dspark`, `$HOME/.cache/dspark` |
+//! | `DSPARK_TRACE` | write a Chrome / Perfetto trace per rank to `<prefix>.rank<r>.json` | off |
 //!
 //! [`Config::from_env`] is the only place the environment is read: [`crate::Communicator::init`]
 //! takes every setting from the `Config` it is given, and [`Config::validate`] checks their
@@ -92,6 +93,9 @@ pub struct Config {
     /// `$XDG_CACHE_HOME/dspark`, else `$HOME/.cache/dspark`, resolved by [`Config::from_env`]).
     /// `None`: no disk cache (the default of [`Config::new`], which reads no environment).
     pub cache_dir: Option<PathBuf>,
+    /// `DSPARK_TRACE`: write a Chrome / Perfetto trace of every call to
+    /// `<prefix>.rank<r>.json` (see [`crate::engine::trace`]). `None`: no trace.
+    pub trace: Option<PathBuf>,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
     /// Launcher job identity (`SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`) checked in the handshake.
@@ -217,6 +221,7 @@ impl Config {
             ib_gid_index: None,
             ib: IbSettings::default(),
             cache_dir: None,
+            trace: None,
             job_token: None,
             job_id: None,
             algo: None,
@@ -434,6 +439,9 @@ impl Config {
                 parse_size(&v).ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
         }
         c.cache_dir = cache_dir_from(|k| get(k).map(std::ffi::OsString::from));
+        c.trace = get("DSPARK_TRACE")
+            .filter(|t| !t.is_empty())
+            .map(PathBuf::from);
         c.job_token = get("DSPARK_JOB_TOKEN").filter(|t| !t.is_empty());
         c.job_id = pick(&["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v);
         if let Some((n, v)) = pick(&["DSPARK_ALGO"]) {
@@ -917,8 +925,10 @@ mod tests {
             ("DSPARK_IB_SPIN_US", "7"),
             ("DSPARK_IB_ZERO_COPY_MIN", "128K"),
             ("DSPARK_CACHE_DIR", "/cache/here"),
+            ("DSPARK_TRACE", "/tmp/run"),
         ])))
         .unwrap();
+        assert_eq!(c.trace, Some(PathBuf::from("/tmp/run")));
         assert_eq!(
             c.ib,
             IbSettings {
@@ -939,6 +949,7 @@ mod tests {
         // A hand-built configuration reads nothing: defaults, and no disk cache.
         let c = Config::new(0, 1, "");
         assert_eq!((c.ib.clone(), c.cache_dir), (IbSettings::default(), None));
+        assert_eq!(c.trace, None);
     }
 
     #[test]

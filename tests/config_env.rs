@@ -48,6 +48,8 @@ fn init_with_a_config_reads_no_environment() {
         .env("DSPARK_CHUNK_BYTES", "0")
         .env("DSPARK_TRANSPORT", "carrier-pigeon")
         .env("DSPARK_CACHE_DIR", "/proc/nonexistent/cache")
+        // A trace file cannot be created there: init would fail if it read this.
+        .env("DSPARK_TRACE", "/proc/nonexistent/trace")
         .output()
         .expect("spawn the child");
     let text = format!(

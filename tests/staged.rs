@@ -473,3 +473,56 @@ fn a_device_call_failing_before_data_moves_fails_its_peers_promptly() {
         }
     }
 }
+
+/// #10 ("seeing it"): on the staged path the trace's `device` lane shows the copies: every
+/// segment sent was first copied out of the device (`d2h`), every segment received was
+/// copied in, reduced exactly where the receive reduced.
+#[test]
+fn a_trace_of_a_staged_call_shows_every_device_copy() {
+    let world = 2;
+    let dir = std::env::temp_dir().join(format!("dspark-staged-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = MemFabric::new(world, 1);
+    let mut cfg = Config::new(0, 1, "");
+    cfg.timeout = Duration::from_secs(30);
+    cfg.segment_bytes = SEG;
+    cfg.trace = Some(dir.join("st"));
+    std::thread::scope(|s| {
+        for r in 0..world {
+            let (t, cfg) = (fabric.transport(r), &cfg);
+            s.spawn(move || {
+                let comm = Communicator::from_transport(r, world, Box::new(t), cfg).unwrap();
+                let input = vec![1.0f32 + r as f32; 100];
+                let mut d = EmulatedDevice::new(Vec::new(), bytes(&input), 2, 2, SEG, 7);
+                comm.run_staged(
+                    call::<f32>(Collective::AllReduce, Some(ReduceOp::Sum), 100, 0, false),
+                    &mut d,
+                )
+                .unwrap();
+                assert_eq!(typed::<f32>(&d.dst)[99], 3.0);
+            });
+        }
+    });
+    for r in 0..world {
+        let name = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .find(|n| n.starts_with(&format!("st.rank{r}.")))
+            .expect("a trace file");
+        let text = std::fs::read_to_string(dir.join(name)).unwrap();
+        let events: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+        let count = |cat: &str| events.iter().filter(|e| e["cat"] == cat).count();
+        let sends = count("send");
+        assert!(sends >= 2, "rank {r}: 400 B in 48 B segments: {text}");
+        assert_eq!(count("d2h"), sends, "rank {r}: a copy-out per send");
+        assert_eq!(
+            count("h2d") + count("h2d+reduce"),
+            count("recv") + count("recv+reduce"),
+            "rank {r}: a copy-in per receive"
+        );
+        assert_eq!(count("h2d+reduce"), count("recv+reduce"), "rank {r}");
+        assert!(count("h2d+reduce") > 0, "rank {r}: the all_reduce reduces");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -257,7 +257,11 @@ impl Communicator {
         };
         let direct_layout = transport.direct_layout();
         let direct_host = transport.direct_host_region();
-        let engine = Engine::new(rank, world, transport, opts.clone());
+        let mut engine = Engine::new(rank, world, transport, opts.clone());
+        if let Some(prefix) = &config.trace {
+            let path = engine.start_trace(prefix)?;
+            tracing::info!(rank, "DSPARK_TRACE: tracing to {}", path.display());
+        }
         let shared = work::Shared::new(engine);
         let progress = {
             let s = Arc::clone(&shared);

@@ -27,6 +27,7 @@ use crate::plan::{self, Algorithm, Buf, Collective, Loc, Op, Program, Request, T
 use crate::reduce;
 
 pub mod staged;
+pub mod trace;
 use crate::transport::{
     AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
     TransportKind, NO_OP,
@@ -410,6 +411,9 @@ struct Scratch {
     send_prog: Vec<SendProgress>,
     recv_prog: Vec<RecvProgress>,
     interest: Vec<Interest>,
+    /// When the head send / receive of each peer could first go (only while tracing).
+    send_started: Vec<Option<Instant>>,
+    recv_started: Vec<Option<Instant>>,
     /// The device (staged and direct) path's own bookkeeping.
     staged: staged::StagedScratch,
 }
@@ -435,6 +439,8 @@ pub struct Engine {
     abort: Arc<AtomicBool>,
     /// The deadline of the next call, when it overrides [`EngineOptions::timeout`].
     call_timeout: Option<Duration>,
+    /// `DSPARK_TRACE`: what this engine did, for Chrome / Perfetto.
+    trace: Option<trace::Trace>,
 }
 
 fn byte_range(loc: &Loc, esz: usize) -> std::ops::Range<usize> {
@@ -464,7 +470,29 @@ impl Engine {
             scratch: Scratch::default(),
             abort: Arc::new(AtomicBool::new(false)),
             call_timeout: None,
+            trace: None,
         }
+    }
+
+    /// Starts writing a trace of this engine's calls to the file under `prefix`
+    /// (`DSPARK_TRACE`, see [`trace`]); returns the file's path.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the file cannot be created.
+    pub(crate) fn start_trace(&mut self, prefix: &std::path::Path) -> Result<std::path::PathBuf> {
+        let t = trace::Trace::open(prefix, self.rank, self.world).map_err(|e| {
+            Error::config(
+                "DSPARK_TRACE",
+                format!(
+                    "cannot create the trace file of rank {} under {}: {e}",
+                    self.rank,
+                    prefix.display()
+                ),
+            )
+        })?;
+        let path = t.path().to_path_buf();
+        self.trace = Some(t);
+        Ok(path)
     }
 
     /// The flag another thread raises to make the call in progress (and every later one)
@@ -634,7 +662,28 @@ impl Engine {
                     ))
                 } else {
                     let name = desc.op_name();
-                    body(self, c.prog, desc).map_err(|e| e.in_op(&name))
+                    let t0 = self.trace.is_some().then(Instant::now);
+                    let r = body(self, c.prog, desc).map_err(|e| e.in_op(&name));
+                    if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
+                        let mut args = vec![
+                            ("algorithm", trace::json_str(algo.name())),
+                            ("bytes", bytes.to_string()),
+                            ("count", call.count.to_string()),
+                            ("dtype", trace::json_str(call.dtype.name())),
+                        ];
+                        if let Some(op) = call.op {
+                            args.push(("op", trace::json_str(op.name())));
+                        }
+                        if call.coll.rooted() || call.coll == Collective::SendRecv {
+                            args.push(("root or peer", call.root.to_string()));
+                        }
+                        if let Err(e) = &r {
+                            args.push(("error", trace::json_str(&e.to_string())));
+                        }
+                        t.span(trace::Lane::Calls, "call", &name, t0, Instant::now(), &args);
+                        t.flush();
+                    }
+                    r
                 }
             }
             Err(e) => Err(e),
@@ -743,6 +792,9 @@ impl Engine {
     pub fn close(&mut self) {
         if self.poison.is_none() {
             self.transport.close();
+        }
+        if let Some(t) = self.trace.as_mut() {
+            t.finish();
         }
     }
 
@@ -900,12 +952,16 @@ impl Engine {
                         Buf::Dst => &dst[r],
                     };
                     let hdr = desc.header(data.len());
+                    if self.trace.is_some() && s.send_started[p].is_none() {
+                        s.send_started[p] = Some(Instant::now());
+                    }
                     let before = s.send_prog[p].written;
                     let fin = self.transport.send(p, &hdr, data, &mut s.send_prog[p])?;
                     moved |= s.send_prog[p].written != before;
                     if !fin {
                         break;
                     }
+                    self.trace_send(s, p, i, data.len());
                     s.complete_send(p, i);
                     moved = true;
                 }
@@ -917,6 +973,9 @@ impl Engine {
                     let Op::Recv { dst: dloc, acc, .. } = prog.steps[i as usize].op else {
                         return Err(internal("non-receive step in a receive queue"));
                     };
+                    if self.trace.is_some() && s.recv_started[p].is_none() {
+                        s.recv_started[p] = Some(Instant::now());
+                    }
                     let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
                     let done_bytes = s.recv_prog[p].got;
                     let dr = byte_range(&dloc, esz);
@@ -951,6 +1010,7 @@ impl Engine {
                     if !fin {
                         break;
                     }
+                    self.trace_recv(s, p, i, len, acc.is_some());
                     s.complete_recv(p, i);
                     moved = true;
                 }
@@ -966,7 +1026,46 @@ impl Engine {
                 Pace::Block => {}
             }
             s.collect_interest(prog);
+            let t0 = self.trace.is_some().then(Instant::now);
             self.transport.wait(&s.interest, pacer.wait_until())?;
+            if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
+                let peers: Vec<String> = s.interest.iter().map(|i| i.peer.to_string()).collect();
+                let args = [("peers", format!("[{}]", peers.join(",")))];
+                t.span(
+                    trace::Lane::Waits,
+                    "wait",
+                    "wait",
+                    t0,
+                    Instant::now(),
+                    &args,
+                );
+            }
+        }
+    }
+
+    /// Ends the trace span of the head send to `p` (step `i`, `len` bytes).
+    fn trace_send(&mut self, s: &mut Scratch, p: usize, i: u32, len: usize) {
+        if let (Some(t), Some(t0)) = (self.trace.as_mut(), s.send_started[p].take()) {
+            let name = format!("send {}", trace_bytes(len));
+            let args = [("step", i.to_string()), ("bytes", len.to_string())];
+            t.span(
+                trace::Lane::Send(p),
+                "send",
+                &name,
+                t0,
+                Instant::now(),
+                &args,
+            );
+        }
+    }
+
+    /// Ends the trace span of the head receive from `p` (step `i`, `len` bytes).
+    fn trace_recv(&mut self, s: &mut Scratch, p: usize, i: u32, len: usize, reduces: bool) {
+        if let (Some(t), Some(t0)) = (self.trace.as_mut(), s.recv_started[p].take()) {
+            let kind = if reduces { "recv+reduce" } else { "recv" };
+            let name = format!("{kind} {}", trace_bytes(len));
+            let args = [("step", i.to_string()), ("bytes", len.to_string())];
+            t.span(trace::Lane::Recv(p), kind, &name, t0, Instant::now(), &args);
         }
     }
 
@@ -1058,6 +1157,8 @@ impl Scratch {
         self.done.resize(n, false);
         self.remaining = n;
         if self.sendq.len() != world {
+            self.send_started = vec![None; world];
+            self.recv_started = vec![None; world];
             self.sendq = (0..world).map(|_| VecDeque::new()).collect();
             self.recvq = (0..world).map(|_| VecDeque::new()).collect();
             self.send_prog = vec![SendProgress::default(); world];
@@ -1068,6 +1169,8 @@ impl Scratch {
         }
         self.send_prog.fill(SendProgress::default());
         self.recv_prog.fill(RecvProgress::default());
+        self.send_started.fill(None);
+        self.recv_started.fill(None);
         self.local.clear();
         self.active.clear();
         for (i, st) in prog.steps.iter().enumerate() {
@@ -1082,6 +1185,17 @@ impl Scratch {
                 self.active.push(p);
             }
         }
+    }
+}
+
+/// "64 KiB", for trace event names.
+fn trace_bytes(b: usize) -> String {
+    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
     }
 }
 

@@ -21,6 +21,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::trace::Lane;
 use super::{byte_range, internal, Acc, Call, Desc, Engine, Pace, Pacer, Scratch, Sink};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
@@ -162,6 +163,10 @@ pub(super) struct StagedScratch {
     landing: VecDeque<(Held, u64)>,
     /// Direct send slots posted but still being read by the NIC: (slot, peer, token).
     draining: Vec<(usize, usize, u64)>,
+    /// While tracing: per step, when its copy-out was enqueued; per `landing` entry (same
+    /// order), when its copy-in was enqueued, what it is and its bytes.
+    d2h_started: Vec<Option<Instant>>,
+    landing_t: VecDeque<(Instant, &'static str, usize)>,
 }
 
 impl StagedScratch {
@@ -179,6 +184,9 @@ impl StagedScratch {
         self.recv_slot.resize(world, None);
         self.landing.clear();
         self.draining.clear();
+        self.d2h_started.clear();
+        self.d2h_started.resize(steps, None);
+        self.landing_t.clear();
     }
 }
 
@@ -300,7 +308,10 @@ impl Engine {
             recv_slot,
             landing,
             draining,
+            d2h_started,
+            landing_t,
         } = st;
+        let tracing = self.trace.is_some();
         if direct.is_some() {
             for &p in &s.active {
                 if !self.transport.direct_peer(p) {
@@ -324,6 +335,13 @@ impl Engine {
                     break;
                 }
                 landing.pop_front();
+                if let (Some(t), Some((t0, what, bytes))) =
+                    (self.trace.as_mut(), landing_t.pop_front())
+                {
+                    let name = format!("{what} {}", super::trace_bytes(bytes));
+                    let args = [("bytes", bytes.to_string())];
+                    t.span(Lane::Device, what, &name, t0, Instant::now(), &args);
+                }
                 match held {
                     Held::Slot(slot) => free_recv.push(slot),
                     Held::Landing(p) => self.transport.release_direct(p)?,
@@ -377,6 +395,9 @@ impl Engine {
                         continue;
                     }
                     let Some(slot) = free_send.pop() else { break };
+                    if tracing {
+                        d2h_started[iu] = Some(Instant::now());
+                    }
                     dev.d2h(&dev_range(&src, esz), slot)?;
                     let mark = dev.mark()?;
                     send_state[iu] = SendState::Staging { slot, mark };
@@ -398,10 +419,18 @@ impl Engine {
                         if !dev.reached(mark)? {
                             break;
                         }
+                        if let (Some(t), Some(t0)) = (self.trace.as_mut(), d2h_started[iu].take()) {
+                            let name = format!("d2h {}", super::trace_bytes(len));
+                            let args = [("bytes", len.to_string()), ("step", i.to_string())];
+                            t.span(Lane::Device, "d2h", &name, t0, Instant::now(), &args);
+                        }
                         send_state[iu] = SendState::Ready { slot };
                         *staging = staging.saturating_sub(1);
                     }
                     let hdr = desc.header(len);
+                    if tracing && s.send_started[p].is_none() {
+                        s.send_started[p] = Some(Instant::now());
+                    }
                     let before = s.send_prog[p].written;
                     let fin = match (send_state[iu], direct) {
                         (SendState::Ready { slot }, Some(l)) => self.transport.send_direct(
@@ -425,6 +454,7 @@ impl Engine {
                     if !fin {
                         break;
                     }
+                    self.trace_send(s, p, i, len);
                     if let SendState::Ready { slot } = send_state[iu] {
                         match s.send_prog[p].token {
                             t if direct.is_some() && t != 0 => draining.push((slot, p, t)),
@@ -445,6 +475,9 @@ impl Engine {
                         return Err(internal("non-receive step in a receive queue"));
                     };
                     let len = dst.len * esz;
+                    if tracing && s.recv_started[p].is_none() {
+                        s.recv_started[p] = Some(Instant::now());
+                    }
                     if direct.is_some() {
                         let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
                         let landed = {
@@ -470,9 +503,15 @@ impl Engine {
                         if len > 0 {
                             let dr = byte_range(&dst, esz);
                             let acc = acc.map(|a| dev_range(&a, esz));
+                            let what = if acc.is_some() { "land+reduce" } else { "land" };
+                            let t0 = Instant::now();
                             dev.land(landed.offset, dr, acc.as_ref(), desc.dtype, op)?;
                             landing.push_back((Held::Landing(p), dev.mark()?));
+                            if tracing {
+                                landing_t.push_back((t0, what, len));
+                            }
                         }
+                        self.trace_recv(s, p, i, len, acc.is_some());
                         s.complete_recv(p, i);
                         moved = true;
                         continue;
@@ -511,6 +550,10 @@ impl Engine {
                     }
                     if let Some(slot) = recv_slot[p].take() {
                         let dr = byte_range(&dst, esz);
+                        if tracing {
+                            let what = if acc.is_some() { "h2d+reduce" } else { "h2d" };
+                            landing_t.push_back((Instant::now(), what, len));
+                        }
                         match acc {
                             None => dev.h2d(slot, dr)?,
                             Some(a) => {
@@ -519,6 +562,7 @@ impl Engine {
                         }
                         landing.push_back((Held::Slot(slot), dev.mark()?));
                     }
+                    self.trace_recv(s, p, i, len, acc.is_some());
                     s.complete_recv(p, i);
                     moved = true;
                 }
@@ -537,6 +581,14 @@ impl Engine {
                     e => e,
                 })?;
                 // Everything was consumed: landing slots still held go back to their senders.
+                if let Some(t) = self.trace.as_mut() {
+                    let now = Instant::now();
+                    for (t0, what, bytes) in landing_t.drain(..) {
+                        let name = format!("{what} {}", super::trace_bytes(bytes));
+                        let args = [("bytes", bytes.to_string())];
+                        t.span(Lane::Device, what, &name, t0, now, &args);
+                    }
+                }
                 for (held, _) in landing.drain(..) {
                     if let Held::Landing(p) = held {
                         self.transport.release_direct(p)?;
