@@ -70,6 +70,10 @@ log "cargo test (profile ci: optimised, with debug assertions)"
 DSPARK_FUZZ_CASES=${DSPARK_FUZZ_CASES:-200000} cargo test --workspace --profile ci --all-targets
 log "doc tests"
 cargo test --workspace --doc
+# The criterion benchmarks ran once each above (test mode); here they measure, briefly
+# (benches/comm.rs and benches/reduce.rs; numbers from a shared CI machine are indicative only).
+log "criterion benchmarks, quick mode (cargo bench --bench comm --bench reduce -- --quick)"
+DSPARK_BENCH_QUICK=1 cargo bench --profile ci --bench comm --bench reduce -- --quick
 # The ci profile keeps debug assertions, so the #[cfg(not(debug_assertions))] unit tests (the
 # release behaviour of unequal-length reductions) only run in a release build of the lib tests.
 log "release-only unit tests (cargo test --release --lib unequal_lengths)"
