@@ -18,6 +18,8 @@ use clap::{Parser, ValueEnum};
 
 #[path = "bench/bind.rs"]
 mod bind;
+#[path = "bench/plot.rs"]
+mod plot;
 use bind::Bind;
 use std::sync::Arc;
 
@@ -145,6 +147,15 @@ struct Args {
     /// benchmarks: median of samples of K back-to-back calls), labelled with this peer name.
     #[arg(long, value_name = "NAME")]
     peer_rows: Option<String>,
+    /// Draw bus bandwidth against size into this SVG file: a curve per data path (with
+    /// --compare-paths) or for this run.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
+    /// Curves to draw beside dspark's in --plot: a CSV of ../shared/peers (one curve per
+    /// peer) or of `dspark-bench --csv` (one per transport and path); rows of another world
+    /// size are left out.
+    #[arg(long, value_name = "CSV", requires = "plot")]
+    plot_peers: Option<std::path::PathBuf>,
     /// Explicit size list for --peer-rows (comma-separated bytes).
     #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
     sizes: Vec<usize>,
@@ -435,7 +446,9 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
             if args.compare_paths {
                 compare_paths::<$t>(args, &comm, gpu.as_ref())
             } else {
-                bench::<$t>(args, &comm, gpu.as_ref(), true)
+                let column = path_view(args, &comm, gpu.as_ref())?.column;
+                let label = format!("dspark {} {column}", comm.info().transport);
+                bench::<$t>(args, &comm, gpu.as_ref(), true).map(|rows| vec![(label, rows)])
             }
         };
     }
@@ -451,12 +464,60 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
         DataType::I64 => go!(i64),
         DataType::U64 => go!(u64),
     }?;
-    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if comm.rank() == 0 {
+        if let Some(file) = &args.plot {
+            write_plot(args, &comm, file, &rows)?;
+        }
+    }
+    let wrong: u64 = rows.iter().flat_map(|(_, r)| r).map(|r| r.wrong).sum();
     Ok(if wrong > 0 {
         ExitCode::from(2)
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `--plot`: this run's curves, and the peers' from `--plot-peers`, into an SVG.
+fn write_plot(
+    args: &Args,
+    comm: &Communicator,
+    file: &std::path::Path,
+    runs: &[(String, Vec<Row>)],
+) -> Result<(), String> {
+    let n = comm.world_size();
+    let factor = args.collective.bus_factor(n);
+    let mut series: Vec<plot::Series> = runs
+        .iter()
+        .map(|(label, rows)| plot::Series {
+            label: label.clone(),
+            points: rows
+                .iter()
+                .map(|r| (r.bytes as f64, bandwidths(r, factor).1))
+                .collect(),
+        })
+        .collect();
+    if let Some(csv) = &args.plot_peers {
+        let text = std::fs::read_to_string(csv)
+            .map_err(|e| format!("--plot-peers {}: {e}", csv.display()))?;
+        series.extend(
+            plot::read_csv(&text, n).map_err(|e| format!("--plot-peers {}: {e}", csv.display()))?,
+        );
+    }
+    let op = if args.collective.reduces() {
+        format!(" {}", args.op.name())
+    } else {
+        String::new()
+    };
+    let title = format!(
+        "{} {}{op}, {n} ranks, {} — bus bandwidth",
+        args.collective.collective().name(),
+        args.dtype.name(),
+        comm.info().transport
+    );
+    std::fs::write(file, plot::svg(&title, &series))
+        .map_err(|e| format!("--plot {}: {e}", file.display()))?;
+    eprintln!("# plot: {} ({} curves)", file.display(), series.len());
+    Ok(())
 }
 
 /// Values chosen so every result is exact in every type (nccl-tests' "verifiable" idea).
@@ -1272,7 +1333,7 @@ fn compare_paths<T: BenchElem>(
     args: &Args,
     comm: &Communicator,
     gpu: Option<&Gpu>,
-) -> Result<Vec<Row>, String> {
+) -> Result<Vec<(String, Vec<Row>)>, String> {
     let n = comm.world_size();
     let factor = args.collective.bus_factor(n);
     let rank0 = comm.rank() == 0;
@@ -1324,13 +1385,10 @@ fn compare_paths<T: BenchElem>(
             println!("  {bytes:>12} {dt:>12} {db:>9} {ht:>12} {hb:>9} {ratio:>14}");
         }
     }
-    let mut all = Vec::new();
-    for (_, res) in results {
-        if let Ok(rows) = res {
-            all.extend(rows);
-        }
-    }
-    Ok(all)
+    Ok(results
+        .into_iter()
+        .filter_map(|(policy, res)| res.ok().map(|rows| (policy.to_string(), rows)))
+        .collect())
 }
 
 /// The peer benchmarks' method (../shared/peers/README.md): allreduce f32 sum, rank r's input
