@@ -495,14 +495,17 @@ impl Thresholds {
     /// The defaults for `world` ranks. Recursive doubling sends the whole buffer log2(n)
     /// times in log2(n) steps, the ring 2(n−1)/n of it in 2(n−1) steps: with few ranks the
     /// ring's extra steps cost more than doubling's extra bytes up to megabytes (measured
-    /// over TCP loopback: with 2 ranks doubling is faster up to 1–2 MiB, with 4 ranks up to
-    /// about 512 KiB), with many ranks only for small buffers.
+    /// over TCP loopback: with 2 ranks doubling is faster up to 1–2 MiB), with more ranks only
+    /// for small buffers. With 3–8 ranks the ring wins from 128 KiB (measured 2026-12-01,
+    /// interleaved, on 2 cores: ring/doubling with 4 ranks 0.85 at 128 KiB, 0.72 at 256 KiB,
+    /// 0.70 at 512 KiB in time and 0.65–0.77 in CPU time; with 8 ranks 0.90 at 128 KiB, 0.75
+    /// at 256 KiB; doubling stays ahead at 64–96 KiB): with 4 ranks doubling moves and
+    /// reduces the whole buffer at each of its 2 steps, the ring 3/4 of those bytes and 3/8
+    /// of those reductions, which decides once ranks share cores.
     pub fn for_world(world: usize) -> Self {
         let allreduce_ring_bytes = match world {
             0..=2 => 2 << 20,
-            3..=4 => 512 << 10,
-            5..=8 => 256 << 10,
-            9..=16 => 128 << 10,
+            3..=16 => 128 << 10,
             _ => 64 << 10,
         };
         Thresholds {
