@@ -396,6 +396,58 @@ fn ranks_forced_to_different_algorithms_get_mismatch_not_wrong_data() {
     expect_mismatch_everywhere(&res, "recursive_doubling");
 }
 
+/// `Communicator::set_algorithm` (behind `dspark-bench --algo`): every rank switching together
+/// runs the new algorithm with the right results; a rank that switches alone gets a mismatch,
+/// as ranks forced differently at init do.
+#[test]
+fn switching_the_algorithm_on_every_rank_works_and_on_one_rank_is_a_mismatch() {
+    use dspark::plan::{Algorithm, Collective};
+    let world = 3;
+    let fabric = MemFabric::new(world, 4);
+    let cfg = config(Duration::from_secs(5), 1024);
+    let res = run_ranks(&fabric, world, &cfg, |c| {
+        let mut seen = Vec::new();
+        for a in [
+            Some(Algorithm::Ring),
+            Some(Algorithm::RecursiveDoubling),
+            None,
+        ] {
+            c.set_algorithm(a).unwrap();
+            let mut v: Vec<f64> = (0..101).map(|i| (i * (c.rank() + 1)) as f64).collect();
+            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            let want: Vec<f64> = (0..101).map(|i| (i * 6) as f64).collect();
+            assert_eq!(v, want, "rank {} under {a:?}", c.rank());
+            seen.push((
+                c.forced_algorithm(),
+                c.algorithm(Collective::AllReduce, 808),
+            ));
+        }
+        // Only rank 1 switches now.
+        if c.rank() == 1 {
+            c.set_algorithm(Some(Algorithm::Ring)).unwrap();
+        }
+        let mut v = vec![1.0f32; 512];
+        (seen, c.all_reduce(&mut v, ReduceOp::Sum))
+    });
+    let default = res[0].0[2].1;
+    for (seen, _) in &res {
+        assert_eq!(
+            seen,
+            &vec![
+                (Some(Algorithm::Ring), Algorithm::Ring),
+                (
+                    Some(Algorithm::RecursiveDoubling),
+                    Algorithm::RecursiveDoubling
+                ),
+                (None, default),
+            ]
+        );
+    }
+    assert_eq!(default, Algorithm::RecursiveDoubling, "808 B is small");
+    let last: Vec<dspark::Result<()>> = res.into_iter().map(|(_, r)| r).collect();
+    expect_mismatch_everywhere(&last, "ring");
+}
+
 #[test]
 fn every_argument_rule_is_checked_before_anything_moves() {
     let fabric = MemFabric::new(3, 1);

@@ -28,7 +28,7 @@ use dspark::config::{parse_size, TransportChoice};
 use dspark::engine::staged::EmulatedDevice;
 use dspark::engine::Call;
 use dspark::path::{BufferLocation, PathPolicy};
-use dspark::plan::Collective;
+use dspark::plan::{Algorithm, Collective};
 use dspark::{Communicator, Config, DataType, Element, ReduceOp};
 use half::{bf16, f16};
 
@@ -147,6 +147,11 @@ struct Args {
     /// benchmarks: median of samples of K back-to-back calls), labelled with this peer name.
     #[arg(long, value_name = "NAME")]
     peer_rows: Option<String>,
+    /// Force the algorithm of the timed collective (a `DSPARK_ALGO` name such as `ring`), or
+    /// `all`: the sweep once with every algorithm that implements the collective, printed
+    /// side by side (and a curve each in --plot).
+    #[arg(long, value_name = "NAME|all")]
+    algo: Option<String>,
     /// Draw bus bandwidth against size into this SVG file: a curve per data path (with
     /// --compare-paths) or for this run.
     #[arg(long, value_name = "FILE.svg")]
@@ -441,9 +446,32 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
     } else {
         None
     };
+    let all_algos = match args.algo.as_deref() {
+        None => false,
+        Some("all") => true,
+        Some(name) => {
+            let c = args.collective.collective();
+            let a = Algorithm::from_name(name)
+                .filter(|a| a.supports(c))
+                .ok_or_else(|| {
+                    format!(
+                        "--algo {name}: not an algorithm of {} (it has: {})",
+                        c.name(),
+                        algorithms_of(c).join(", ")
+                    )
+                })?;
+            comm.set_algorithm(Some(a)).map_err(|e| e.to_string())?;
+            false
+        }
+    };
+    if all_algos && args.compare_paths {
+        return Err("--algo all and --compare-paths cannot be combined".into());
+    }
     macro_rules! go {
         ($t:ty) => {
-            if args.compare_paths {
+            if all_algos {
+                compare_algorithms::<$t>(args, &comm, gpu.as_ref())
+            } else if args.compare_paths {
                 compare_paths::<$t>(args, &comm, gpu.as_ref())
             } else {
                 let column = path_view(args, &comm, gpu.as_ref())?.column;
@@ -475,6 +503,78 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The algorithms that implement `c`.
+fn algorithms_of(c: Collective) -> Vec<&'static str> {
+    Algorithm::ALL
+        .iter()
+        .filter(|a| a.supports(c))
+        .map(|a| a.name())
+        .collect()
+}
+
+/// `--algo all`: the same sweep with every algorithm that implements the collective, side by
+/// side, with the fastest per size.
+fn compare_algorithms<T: BenchElem>(
+    args: &Args,
+    comm: &Communicator,
+    gpu: Option<&Gpu>,
+) -> Result<Vec<(String, Vec<Row>)>, String> {
+    let c = args.collective.collective();
+    let factor = args.collective.bus_factor(comm.world_size());
+    let before = comm.forced_algorithm();
+    let mut runs: Vec<(Algorithm, Vec<Row>)> = Vec::new();
+    for &a in Algorithm::ALL.iter().filter(|a| a.supports(c)) {
+        // Every rank switches together: the same list in the same order.
+        comm.set_algorithm(Some(a)).map_err(|e| e.to_string())?;
+        let rows = bench::<T>(args, comm, gpu, false);
+        comm.set_algorithm(before).map_err(|e| e.to_string())?;
+        runs.push((a, rows?));
+    }
+    if comm.rank() == 0 {
+        let pv = path_view(args, comm, gpu)?;
+        header(args, comm, T::DATA_TYPE.size(), &pv);
+        println!(
+            "# --algo all: the same sweep with each algorithm of {} (time in us, busbw in GB/s)",
+            c.name()
+        );
+        let mut head = format!("# {:>12}", "size");
+        for (a, _) in &runs {
+            head += &format!(" {:>20} {:>8}", a.name(), "busbw");
+        }
+        println!("{head} {:>20} {:>20}", "fastest", "default");
+        for i in 0..runs.first().map_or(0, |r| r.1.len()) {
+            let bytes = runs[0].1[i].bytes;
+            let mut line = format!("  {bytes:>12}");
+            let mut best: Option<(Algorithm, f64)> = None;
+            for (a, rows) in &runs {
+                match rows.get(i) {
+                    Some(r) => {
+                        line += &format!(" {:>20.2} {:>8.3}", r.time_us, bandwidths(r, factor).1);
+                        if best.is_none_or(|(_, t)| r.time_us < t) {
+                            best = Some((*a, r.time_us));
+                        }
+                    }
+                    None => line += &format!(" {:>20} {:>8}", "-", "-"),
+                }
+            }
+            let default = default_algorithm(comm, c, bytes);
+            let fastest = best.map_or("-".to_string(), |(a, _)| a.name().to_string());
+            println!("{line} {fastest:>20} {default:>20}");
+        }
+    }
+    let transport = comm.info().transport;
+    Ok(runs
+        .into_iter()
+        .map(|(a, rows)| (format!("dspark {transport} {a}"), rows))
+        .collect())
+}
+
+/// The algorithm the choice by size (nothing forced) picks for `bytes` of `c`.
+fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize) -> &'static str {
+    let t = dspark::plan::Thresholds::for_world(comm.world_size());
+    dspark::plan::choose(c, bytes, comm.world_size(), &t).name()
 }
 
 /// `--plot`: this run's curves, and the peers' from `--plot-peers`, into an SVG.
@@ -980,16 +1080,19 @@ fn verify<T: BenchElem>(args: &Args, comm: &Communicator, send_len: usize, out: 
     }
 }
 
+// The bench's own bookkeeping goes through all_gather, which has one algorithm: an algorithm
+// forced for the timed collective (`--algo chain`) then never applies to it, nor warns.
+
 fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
-    let mut x = [v];
-    comm.all_reduce(&mut x, ReduceOp::Max)?;
-    Ok(x[0])
+    let mut all = vec![0.0f64; comm.world_size()];
+    comm.all_gather(&[v], &mut all)?;
+    Ok(all.into_iter().fold(f64::MIN, f64::max))
 }
 
 fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64> {
-    let mut x = [v];
-    comm.all_reduce(&mut x, ReduceOp::Sum)?;
-    Ok(x[0])
+    let mut all = vec![0u64; comm.world_size()];
+    comm.all_gather(&[v], &mut all)?;
+    Ok(all.iter().sum())
 }
 
 /// What the bench reports about the data path: the row column and the header lines.
@@ -1136,8 +1239,8 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
         }
     }
     let forced = match comm.forced_algorithm() {
-        None => "DSPARK_ALGO forces one".to_string(),
-        Some(f) if f.supports(c) => format!("forced by DSPARK_ALGO={f}"),
+        None => "DSPARK_ALGO or --algo forces one".to_string(),
+        Some(f) if f.supports(c) => format!("forced: {f}, by DSPARK_ALGO or --algo"),
         Some(f) => format!(
             "DSPARK_ALGO={f} does not implement {}, which runs its default; {f} applies to {}",
             c.name(),

@@ -135,6 +135,9 @@ pub struct Communicator {
     world: usize,
     info: CommInfo,
     opts: EngineOptions,
+    /// The algorithm forced for the collectives that have it: `opts.force_algo` at init,
+    /// then [`Communicator::set_algorithm`]'s.
+    forced: Mutex<Option<Algorithm>>,
     /// The engine, its operation queue and the driver role.
     shared: Arc<work::Shared>,
     /// The progress thread (joined on drop).
@@ -187,13 +190,38 @@ impl Communicator {
     /// The algorithm `coll` would use for a buffer of `bytes` bytes (the threshold is visible
     /// here and in the bench header; `DSPARK_ALGO` forces one).
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
-        self.opts.algorithm(self.world, coll, bytes)
+        let opts = EngineOptions {
+            force_algo: self.forced_algorithm(),
+            ..self.opts.clone()
+        };
+        opts.algorithm(self.world, coll, bytes)
     }
 
-    /// The algorithm `DSPARK_ALGO` (or [`crate::Config::algo`]) forces for the collectives that
-    /// have it, if any.
+    /// The algorithm `DSPARK_ALGO` (or [`crate::Config::algo`], or the last
+    /// [`Communicator::set_algorithm`]) forces for the collectives that have it, if any.
     pub fn forced_algorithm(&self) -> Option<Algorithm> {
-        self.opts.force_algo
+        *self.forced.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forces `algo` for the later calls of the collectives it implements (`None`: back to the
+    /// choice by size), as `DSPARK_ALGO` does at init: for side-by-side comparisons
+    /// (`dspark-bench --algo all`). It takes effect after every operation issued before it.
+    /// Every rank must make the same switch before its next call: ranks that run different
+    /// algorithms get a [`Error::Mismatch`] (the algorithm is part of every frame's
+    /// descriptor), never wrong data.
+    ///
+    /// # Errors
+    /// The communicator's error if it is poisoned.
+    pub fn set_algorithm(&self, algo: Option<Algorithm>) -> Result<()> {
+        self.shared.exclusive(None, |eng| {
+            eng.set_forced_algorithm(algo);
+            match eng.poisoned() {
+                Some(e) => Err(e.clone()),
+                None => Ok(()),
+            }
+        })?;
+        *self.forced.lock().unwrap_or_else(|e| e.into_inner()) = algo;
+        Ok(())
     }
 
     /// The error that poisoned this communicator, if any.

@@ -281,6 +281,7 @@ impl Communicator {
             rank,
             world,
             info,
+            forced: Mutex::new(opts.force_algo),
             opts,
             shared,
             progress: Some(progress),

@@ -495,6 +495,13 @@ impl Engine {
         Ok(path)
     }
 
+    /// Forces `algo` for later calls of the collectives it implements (`None`: the choice by
+    /// size), as [`EngineOptions::force_algo`] at init.
+    pub fn set_forced_algorithm(&mut self, algo: Option<Algorithm>) {
+        self.opts.force_algo = algo;
+        self.forced_warned = 0;
+    }
+
     /// The flag another thread raises to make the call in progress (and every later one)
     /// fail with [`Error::Aborted`]: the drive loops look at it at least every 50 ms, also
     /// while blocked in the transport, and the failure tells every peer ([`Engine::fail`]).
@@ -614,8 +621,8 @@ impl Engine {
                 self.forced_warned |= bit;
                 tracing::warn!(
                     rank = self.rank,
-                    "DSPARK_ALGO={f} does not implement {}: it runs {algo}, its default here \
-                     ({f} applies to {})",
+                    "the forced algorithm {f} (DSPARK_ALGO or set_algorithm) does not \
+                     implement {}: it runs {algo}, its default here ({f} applies to {})",
                     call.coll.name(),
                     f.collectives()
                 );
