@@ -11,7 +11,7 @@
 //! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
 //! | `DSPARK_HOST_ID` | this rank's host identity: ranks with equal ones share memory | the host name |
-//! | `DSPARK_SHM_RING_BYTES` | bytes of each shared-memory ring (one per ordered pair of ranks) | 2 MiB |
+//! | `DSPARK_SHM_RING_BYTES` | bytes of each shared-memory ring (one per ordered pair of ranks; at least two segments) | 2 MiB |
 //! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
@@ -91,7 +91,8 @@ pub struct Config {
     /// identities are on one host and may share memory. Tests give ranks in separate network
     /// namespaces distinct identities, so that they stand in for separate hosts.
     pub host_id: Option<String>,
-    /// Bytes of each shared-memory ring (`DSPARK_SHM_RING_BYTES`).
+    /// Bytes of each shared-memory ring (`DSPARK_SHM_RING_BYTES`); a ring holds at least two
+    /// segments (`segment_bytes`), whatever is asked.
     pub shm_ring_bytes: usize,
     /// Network interface for TCP connections.
     pub socket_ifname: Option<String>,

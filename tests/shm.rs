@@ -65,8 +65,20 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         }
         "large" => {
             expect_transport(&comm, TransportKind::Shm)?;
-            // 12 MiB of f32 through 64 KiB rings: every frame wraps, partial reads and writes.
+            // 12 MiB of f32 through 64 KiB rings of 16 KiB segments: every ring wraps many
+            // times, partial reads and writes.
             let n = 3 * 1024 * 1024 + 17;
+            // 1 MiB: recursive doubling, whose in-place receive waits for its own send: the
+            // ring must take whole frames while both ranks send.
+            let m = 256 * 1024 + 3;
+            let mut buf = common::inputs::<f32>(ReduceOp::Sum, 8, r, m);
+            comm.all_reduce(&mut buf, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            common::check(
+                "1 MiB all_reduce",
+                &buf,
+                &common::reduced::<f32>(ReduceOp::Sum, 8, comm.world_size(), m),
+            )?;
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 let mut buf = common::inputs::<f32>(op, 9, r, n);
                 comm.all_reduce(&mut buf, op).map_err(|e| e.to_string())?;
@@ -249,7 +261,13 @@ fn large_messages_through_small_rings_are_exact() {
         let outs = spawn(
             world,
             "large",
-            &|_| shm_vars(&[("DSPARK_TIMEOUT", "60"), ("DSPARK_SHM_RING_BYTES", "64K")]),
+            &|_| {
+                shm_vars(&[
+                    ("DSPARK_TIMEOUT", "60"),
+                    ("DSPARK_SHM_RING_BYTES", "64K"),
+                    ("DSPARK_CHUNK_BYTES", "16K"),
+                ])
+            },
             None,
         )
         .wait(Duration::from_secs(120));
@@ -444,6 +462,20 @@ fn a_peer_dying_while_this_rank_waits_on_another_is_noticed_at_once_over_shared_
         "rank 0 took {:?}",
         outs[0].elapsed
     );
+}
+
+#[test]
+fn a_ring_asked_smaller_than_two_segments_still_takes_whole_frames() {
+    // 4 KiB rings asked for, 512 KiB segments: recursive doubling at 1 MiB would deadlock
+    // (each rank's receive waits for its own send) if the ring were not enlarged.
+    let outs = spawn(
+        2,
+        "large",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "20"), ("DSPARK_SHM_RING_BYTES", "4K")]),
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "4 KiB ring asked for");
 }
 
 #[test]

@@ -401,8 +401,14 @@ fn select_shm(
     let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
     let one_host = hosts.iter().all(|h| *h == hosts[0]);
     let wants = matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Shm);
+    // A ring holds at least two whole frames: a sender must be able to finish a frame (up to
+    // a segment) while its peer is itself still sending, as TCP's socket buffers and the
+    // verbs slots allow; a schedule whose receive waits for its own send (recursive doubling
+    // in place) would otherwise deadlock until the deadline.
     let opts = ShmOptions {
-        ring_bytes: cfg.shm_ring_bytes,
+        ring_bytes: cfg
+            .shm_ring_bytes
+            .max(2 * (cfg.segment_bytes.max(64) + 2 * 64)),
     };
     // Round 1: mode, capability, boot id and where this rank's segment is.
     let mut prep = None;
