@@ -134,6 +134,18 @@ impl Default for ShmOptions {
     }
 }
 
+/// The error for a ring whose counters a peer left inconsistent (`lo..hi` more than a ring
+/// apart or backwards): never happens between dspark ranks; a corrupt segment must not make
+/// this rank panic or read out of bounds.
+fn corrupt(rank: usize, peer: usize, what: &str, lo: u64, hi: u64) -> Error {
+    Error::Transport {
+        rank: Some(rank),
+        peer: Some(peer),
+        op: "shared-memory ring".into(),
+        what: format!("corrupt ring counters ({what}: {lo}..{hi})"),
+    }
+}
+
 fn pad(n: u64) -> u64 {
     n.div_ceil(LINE as u64) * LINE as u64
 }
@@ -613,7 +625,7 @@ impl ShmTransport {
             }
             if it.send {
                 let tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
-                if tail != p.tx_tail || p.tx_head - tail < self.ring as u64 {
+                if tail != p.tx_tail || p.tx_head.wrapping_sub(tail) < self.ring as u64 {
                     return true;
                 }
             }
@@ -639,6 +651,7 @@ impl Transport for ShmTransport {
         progress: &mut SendProgress,
     ) -> Result<bool> {
         const OP: &str = "send";
+        let rank = self.rank;
         let ring = self.ring as u64;
         let total = HEADER_LEN + data.len();
         let padded = pad(total as u64) as usize;
@@ -669,6 +682,9 @@ impl Transport for ShmTransport {
         let hot = HOT_WINDOW as u64;
         if w == 0 && ring >= 4 * hot && p.tx_head % ring >= hot {
             p.tx_tail = tail_word.load(Ordering::Acquire);
+            if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
+                return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+            }
             if p.tx_tail == p.tx_head {
                 // Empty: go back to the start of the ring (frames start on a line, so the
                 // marker fits before the end).
@@ -684,6 +700,9 @@ impl Transport for ShmTransport {
             let need = if w == 0 { LINE as u64 } else { 1 };
             if free < need.max((padded - w).min(LINE) as u64) {
                 p.tx_tail = tail_word.load(Ordering::Acquire);
+                if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
+                    return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+                }
                 free = ring - (p.tx_head - p.tx_tail);
                 if free < need {
                     break;
@@ -752,6 +771,15 @@ impl Transport for ShmTransport {
                 let start = pad(p.rx_tail);
                 if p.rx_head < start + HEADER_LEN as u64 {
                     p.rx_head = head_word.load(Ordering::Acquire);
+                    if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
+                        return Err(corrupt(
+                            rank,
+                            peer,
+                            "receive tail..head",
+                            p.rx_tail,
+                            p.rx_head,
+                        ));
+                    }
                 }
                 if p.rx_head < start + HEADER_LEN as u64 {
                     // Nothing (more) from it: a goodbye, an abort or its death surface now.
@@ -821,6 +849,15 @@ impl Transport for ShmTransport {
             }
             if p.rx_head == p.rx_tail || (p.rx_head - p.rx_tail) < g as u64 {
                 p.rx_head = head_word.load(Ordering::Acquire);
+                if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
+                    return Err(corrupt(
+                        rank,
+                        peer,
+                        "receive tail..head",
+                        p.rx_tail,
+                        p.rx_head,
+                    ));
+                }
             }
             let avail = (p.rx_head - p.rx_tail) as usize;
             let pos = (p.rx_tail % ring) as usize;

@@ -77,7 +77,7 @@ impl Seg {
 
     /// The 64-bit atomic at `off` (8-aligned, inside the segment).
     pub(super) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.len);
+        assert!(off.is_multiple_of(8) && off + 8 <= self.len);
         // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the
         // memory lives as long as `self`; all access to this word, here and in other
         // processes, is atomic.
@@ -86,7 +86,7 @@ impl Seg {
 
     /// The 32-bit atomic at `off` (4-aligned, inside the segment).
     pub(super) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(off % 4 == 0 && off + 4 <= self.len);
+        assert!(off.is_multiple_of(4) && off + 4 <= self.len);
         // SAFETY: as in `u64_at`.
         unsafe { &*(self.at(off) as *const AtomicU32) }
     }
