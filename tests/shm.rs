@@ -244,7 +244,9 @@ fn every_collective_type_and_op_is_exact_over_shared_memory_on_worlds_1_to_5() {
                     // A world of one runs over TCP (no peers) unless shm is asked for.
                     ("DSPARK_TRANSPORT", if world == 1 { "shm" } else { "auto" }),
                     ("DSPARK_CHUNK_BYTES", "4096"),
-                    ("DSPARK_SHM_RING_BYTES", "16K"),
+                    // 64 KiB: small frames go back to the start of the ring past its first
+                    // 16 KiB (wrap markers), large ones wrap at its end.
+                    ("DSPARK_SHM_RING_BYTES", "64K"),
                     ("DSPARK_TIMEOUT", "60"),
                 ])
             },

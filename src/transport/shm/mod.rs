@@ -84,9 +84,9 @@ pub const LIVENESS_POLL: Duration = Duration::from_millis(10);
 /// A large frame's bytes are published at least every this many bytes.
 const PUBLISH_STEP: usize = 64 * 1024;
 /// Small frames stay in the first this many bytes of a ring: a sender at a frame boundary
-/// past it that finds the ring empty starts again at its beginning (after a wrap marker), so
-/// that a stream of small messages reuses a few cache-hot lines instead of walking the
-/// whole ring through memory.
+/// past it starts again at the ring's beginning (after a wrap marker) when the frame fits
+/// there, so that a stream of small messages reuses a few cache-hot lines instead of
+/// walking the whole ring through memory.
 const HOT_WINDOW: usize = 16 * 1024;
 /// First byte of a wrap marker: "the next frame starts at the beginning of the ring".
 const WRAP_KIND: u8 = 0x57;
@@ -680,15 +680,20 @@ impl Transport for ShmTransport {
         let mut w = progress.written;
         let mut last_pub = p.tx_head;
         let hot = HOT_WINDOW as u64;
-        if w == 0 && ring >= 4 * hot && p.tx_head % ring >= hot {
-            p.tx_tail = tail_word.load(Ordering::Acquire);
-            if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
-                return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+        let pos = p.tx_head % ring;
+        if w == 0 && ring >= 4 * hot && pos >= hot && padded as u64 <= hot {
+            // Back to the start of the ring when this frame fits there before the oldest
+            // byte the receiver has not taken (`head − tail + frame ≤ pos`; frames start on a
+            // line, so the marker fits before the end). The cached tail is older than the
+            // real one, so it only errs on the safe side; it is re-read only when it says no.
+            let fits = |tail: u64| p.tx_head - tail + padded as u64 <= pos;
+            if !fits(p.tx_tail) {
+                p.tx_tail = tail_word.load(Ordering::Acquire);
+                if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
+                    return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+                }
             }
-            if p.tx_tail == p.tx_head {
-                // Empty: go back to the start of the ring (frames start on a line, so the
-                // marker fits before the end).
-                let pos = p.tx_head % ring;
+            if fits(p.tx_tail) {
                 let mut mark = FrameHeader::bye().encode();
                 mark[0] = WRAP_KIND;
                 p.seg.write(data_off + pos as usize, &mark);
