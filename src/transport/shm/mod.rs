@@ -54,6 +54,21 @@
 //! a receive takes what the ring holds first and meets a goodbye only after it; an abort
 //! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text).
 
+//!
+//! # Device memory (not implemented)
+//!
+//! Device buffers are staged through host memory over this transport, like over TCP
+//! ([`crate::path::SHM_STAGED_REASON`]). GPU-to-GPU on one host (NCCL's P2P transport) would
+//! plug in as a direct region ([`Transport::direct_layout`], `send_direct`/`recv_direct`):
+//! each rank exports its landing slots with `cuMemExportToShareableHandle` (a POSIX fd,
+//! passed like the segment's: `/proc/<pid>/fd` or SCM_RIGHTS) or `cuIpcGetMemHandle`
+//! (through the bootstrap), peers map them (`cuMemImportFromShareableHandle` / `cuIpcOpen`),
+//! a direct send is a `cuMemcpyAsync` device-to-device into the peer's slot followed by an
+//! event, and the ring carries only the frame header with the slot index once the copy's
+//! event completed; `release_direct` returns the slot through the ring's `tail`. The path
+//! report would say `cuda-ipc` (or `p2p`) per connection, with the reason where peer access
+//! between the two GPUs is unavailable (`cuDeviceCanAccessPeer`).
+
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
