@@ -6,6 +6,7 @@
 #   bash benches/compare_peers.sh                    # 3 passes, 2 and 4 ranks
 #   RUNS=1 NPS=2 bash benches/compare_peers.sh       # quick look
 #   PEERS="limits ompi gloonative gloo" bash benches/compare_peers.sh   # + torch Gloo (3 GB install)
+#   MODES="shm tcp" NPS=2 bash benches/compare_peers.sh   # + dspark and Open MPI over shared memory
 #
 # Uses the peer benchmarks in $PEERS_DIR (default ../shared/peers next to the repository):
 # same sizes, same method (median of samples of K back-to-back allreduces, max over ranks,
@@ -17,6 +18,8 @@ PEERS_DIR=${PEERS_DIR:-$ROOT/../shared/peers}
 RUNS=${RUNS:-3}
 NPS=${NPS:-2 4}
 PEERS=${PEERS:-limits ompi gloonative}
+# Transports of dspark (and of Open MPI, which runs in the same modes): tcp, shm.
+MODES=${MODES:-tcp}
 SIZES=${SIZES:-8,1024,65536,1048576,16777216,67108864,268435456}
 export PEERS_WORK=${PEERS_WORK:-${TMPDIR:-/tmp}/dspark-peers}
 [ -f "$PEERS_DIR/run_all.sh" ] || { echo "compare_peers: no peer benchmarks at $PEERS_DIR (set PEERS_DIR)" >&2; exit 2; }
@@ -51,8 +54,8 @@ for pass in $(seq 1 "$RUNS"); do
         (( pass % 2 == 0 )) && order="gloo gloonative ompi dspark"
         for who in $order; do
             case $who in
-            dspark) run "dspark_tcp_np$np" "$BENCH" --peer-rows dspark_tcp --ranks "$np" --transport tcp --sizes "$SIZES" ;;
-            ompi) has ompi && run "ompi_tcp_np$np" "$PEERS_DIR/run_mpi.sh" ompi tcp "$np" "$SIZES" ;;
+            dspark) for m in $MODES; do run "dspark_${m}_np$np" "$BENCH" --peer-rows "dspark_$m" --ranks "$np" --transport "$m" --sizes "$SIZES"; done ;;
+            ompi) has ompi && for m in $MODES; do run "ompi_${m}_np$np" "$PEERS_DIR/run_mpi.sh" ompi "$m" "$np" "$SIZES"; done ;;
             gloonative) has gloonative && run "gloo_native_np$np" "$BUILD/gloo_native" --nproc "$np" --peer gloo_native --sizes "$SIZES" ;;
             gloo) has gloo && run "gloo_tcp_np$np" "$PEERS_WORK/venv/bin/python" "$PEERS_DIR/gloo_allreduce.py" --nproc "$np" --peer gloo_tcp --sizes "$SIZES" ;;
             esac
@@ -86,6 +89,19 @@ for n in ranks:
         ra = t("reduce_add", 1, b)
         f = lambda v: f"{v:.2f}" if v is not None else "-"
         print(f"{n:>5} {b:>10} {d:>10.2f} {f(o):>11} {f(d/o if o else None):>11} {f(g):>14} {f(g/d if g else None):>11} {f(x):>15} {f(b/ra/1e3 if ra else None):>15}")
+ranks = sorted({n for (p, n, _) in rows if p == "dspark_shm"})
+if ranks:
+    print()
+    print("shared memory (median time; < 1 means dspark is faster)")
+    print(f"{'ranks':>5} {'bytes':>10} {'dspark_shm us':>13} {'ompi_shm us':>11} {'shm/ompi':>9} {'dspark_tcp us':>13} {'memcpy GB/s':>11}")
+    for n in ranks:
+        for b in sizes:
+            d = t("dspark_shm", n, b)
+            if d is None:
+                continue
+            o = t("ompi_shm", n, b); c = t("dspark_tcp", n, b); mc = t("memcpy", 1, b)
+            f = lambda v: f"{v:.2f}" if v is not None else "-"
+            print(f"{n:>5} {b:>10} {d:>13.2f} {f(o):>11} {f(d/o if o else None):>9} {f(c):>13} {f(b/mc/1e3 if mc else None):>11}")
 PY
 log "results in $OUT"
 exit $status

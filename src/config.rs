@@ -9,7 +9,9 @@
 //! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` |
 //! | `DSPARK_ROOT_ADDR` | `host:port` where rank 0 listens for the rendezvous | `MASTER_ADDR` + `MASTER_PORT` |
 //! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
-//! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs` | `auto` |
+//! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
+//! | `DSPARK_HOST_ID` | this rank's host identity: ranks with equal ones share memory | the host name |
+//! | `DSPARK_SHM_RING_BYTES` | bytes of each shared-memory ring (one per ordered pair of ranks; at least two segments) | 2 MiB |
 //! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
@@ -37,22 +39,26 @@ use crate::plan::Algorithm;
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TransportChoice {
-    /// Verbs where every rank has a usable RDMA port, else TCP (with a warning naming why).
+    /// Shared memory when every rank is on one host; else verbs where every rank has a
+    /// usable RDMA port, else TCP (with a warning naming why).
     #[default]
     Auto,
     /// TCP.
     Tcp,
     /// RDMA verbs; an error at init when it cannot be had.
     Verbs,
+    /// Shared memory; an error at init, naming the ranks, when they are not on one host.
+    Shm,
 }
 
 impl TransportChoice {
-    /// Parses `auto`, `tcp`, `verbs` (`ib`, `rdma` also accepted).
+    /// Parses `auto`, `tcp`, `verbs` (`ib`, `rdma` also accepted), `shm` (`sm`, `shared`).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Some(TransportChoice::Auto),
             "tcp" | "socket" => Some(TransportChoice::Tcp),
             "verbs" | "ib" | "rdma" => Some(TransportChoice::Verbs),
+            "shm" | "sm" | "shared" => Some(TransportChoice::Shm),
             _ => None,
         }
     }
@@ -64,6 +70,7 @@ impl fmt::Display for TransportChoice {
             TransportChoice::Auto => "auto",
             TransportChoice::Tcp => "tcp",
             TransportChoice::Verbs => "verbs",
+            TransportChoice::Shm => "shm",
         })
     }
 }
@@ -81,6 +88,13 @@ pub struct Config {
     pub timeout: Duration,
     /// Transport choice.
     pub transport: TransportChoice,
+    /// This rank's host identity (`DSPARK_HOST_ID`; `None`: the host name): ranks with equal
+    /// identities are on one host and may share memory. Tests give ranks in separate network
+    /// namespaces distinct identities, so that they stand in for separate hosts.
+    pub host_id: Option<String>,
+    /// Bytes of each shared-memory ring (`DSPARK_SHM_RING_BYTES`); a ring holds at least two
+    /// segments (`segment_bytes`), whatever is asked.
+    pub shm_ring_bytes: usize,
     /// Network interface for TCP connections.
     pub socket_ifname: Option<String>,
     /// Verbs device, optionally with `:port`.
@@ -216,6 +230,8 @@ impl Config {
             root_addr: root_addr.into(),
             timeout: DEFAULT_TIMEOUT,
             transport: TransportChoice::Auto,
+            host_id: None,
+            shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
             socket_ifname: None,
             ib_device: None,
             ib_gid_index: None,
@@ -377,8 +393,24 @@ impl Config {
             c.timeout = Duration::from_secs_f64(secs);
         }
         if let Some((n, v)) = pick(&["DSPARK_TRANSPORT"]) {
-            c.transport = TransportChoice::parse(&v)
-                .ok_or_else(|| Error::config(n, format!("{v:?}: expected auto, tcp or verbs")))?;
+            c.transport = TransportChoice::parse(&v).ok_or_else(|| {
+                Error::config(n, format!("{v:?}: expected auto, tcp, verbs or shm"))
+            })?;
+        }
+        if let Some((n, v)) = pick(&["DSPARK_HOST_ID"]) {
+            let v = v.trim();
+            if v.is_empty() || v.len() > 255 {
+                return Err(Error::config(
+                    n,
+                    format!("{v:?}: a host identity of 1 to 255 bytes"),
+                ));
+            }
+            c.host_id = Some(v.to_string());
+        }
+        if let Some((n, v)) = pick(&["DSPARK_SHM_RING_BYTES"]) {
+            c.shm_ring_bytes = parse_size(&v).ok_or_else(|| {
+                Error::config(n, format!("{v:?} is not a size (e.g. 2M, 262144)"))
+            })?;
         }
         c.socket_ifname = pick(&["DSPARK_SOCKET_IFNAME"]).map(|(_, v)| v.trim().to_string());
         c.ib_device = pick(&["DSPARK_IB_DEVICE"]).map(|(_, v)| v.trim().to_string());
@@ -533,6 +565,16 @@ impl Config {
                 format!(
                     "a segment of {} bytes: it must be between 64 B and 1 GiB",
                     self.segment_bytes
+                ),
+            ));
+        }
+        let ring = crate::transport::shm::MIN_RING_BYTES..=crate::transport::shm::MAX_RING_BYTES;
+        if !ring.contains(&self.shm_ring_bytes) {
+            return Err(Error::config(
+                "DSPARK_SHM_RING_BYTES",
+                format!(
+                    "a ring of {} bytes: it must be between 4 KiB and 1 GiB",
+                    self.shm_ring_bytes
                 ),
             ));
         }

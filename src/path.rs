@@ -50,6 +50,11 @@ pub const DATA_PATH_ENV: &str = "DSPARK_DATA_PATH";
 pub const TCP_STAGED_REASON: &str =
     "TCP transport: device memory is staged through pinned host memory";
 
+/// Reason given for device memory over the shared-memory transport.
+pub const SHM_STAGED_REASON: &str =
+    "shm transport: device memory is staged through host memory (CUDA IPC between the GPUs \
+     of one host is not implemented)";
+
 /// Reason given for device memory over the in-process transport.
 pub const MEM_STAGED_REASON: &str =
     "in-process mem transport: device memory is staged through host memory";
@@ -399,11 +404,11 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
         )
     };
     match transport {
-        TransportKind::Tcp | TransportKind::Mem => {
-            let reason = if transport == TransportKind::Tcp {
-                TCP_STAGED_REASON
-            } else {
-                MEM_STAGED_REASON
+        TransportKind::Tcp | TransportKind::Mem | TransportKind::Shm => {
+            let reason = match transport {
+                TransportKind::Tcp => TCP_STAGED_REASON,
+                TransportKind::Shm => SHM_STAGED_REASON,
+                _ => MEM_STAGED_REASON,
             };
             if policy == PathPolicy::GpuDirect {
                 return Err(forced(&format!(

@@ -114,7 +114,7 @@ struct Args {
     /// (torchrun, srun, mpirun) when its variables are set, else 2 local ranks.
     #[arg(long)]
     ranks: Option<usize>,
-    /// Transport: auto, tcp, verbs.
+    /// Transport: auto (shm when every rank is on one host), tcp, verbs, shm.
     #[arg(long, default_value = "auto")]
     transport: String,
     /// Where the buffers live: host (RAM), device (CUDA GPU memory, through the data path
@@ -216,7 +216,7 @@ fn main() -> ExitCode {
         .try_init();
     if TransportChoice::parse(&args.transport).is_none() {
         eprintln!(
-            "dspark-bench: --transport {:?}: expected auto, tcp or verbs",
+            "dspark-bench: --transport {:?}: expected auto, tcp, verbs or shm",
             args.transport
         );
         return ExitCode::from(2);

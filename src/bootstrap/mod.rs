@@ -277,7 +277,9 @@ pub fn rendezvous_with(
         deadline: crate::config::deadline(start, cfg.timeout),
         start,
     };
-    let host = hostname();
+    // The host identity: equal ones share memory (DSPARK_HOST_ID stands in for separate
+    // hosts in tests with network namespaces).
+    let host = cfg.host_id.clone().unwrap_or_else(hostname);
     if cfg.world_size == 1 {
         let peers = vec![PeerInfo {
             rank: 0,

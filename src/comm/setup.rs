@@ -3,9 +3,11 @@
 //! 1. **Bootstrap**: the rendezvous with the other ranks ([`crate::bootstrap`]); rank 0 is
 //!    found through `DSPARK_ROOT_ADDR`/`MASTER_ADDR`, a key-value store (`rendezvous.rs`) or
 //!    a parent communicator (`split.rs`), which all end in [`Communicator::init_inner`].
-//! 2. **Transport choice**, job-wide, through the bootstrap: verbs where every rank has a
-//!    usable RDMA port and no rank asks for TCP, else TCP everywhere (or
-//!    [`Error::Unavailable`] everywhere where a rank asked for verbs).
+//! 2. **Transport choice**, job-wide, through the bootstrap: shared memory when every rank is
+//!    on one host (equal host identities, `DSPARK_HOST_ID` or the host name, and equal boot
+//!    ids) and no rank asks for TCP or verbs ([`select_shm`]); else verbs where every rank
+//!    has a usable RDMA port and no rank asks for TCP, else TCP everywhere (or
+//!    [`Error::Unavailable`] everywhere where a rank asked for verbs or shm).
 //! 3. **Direct region**: once verbs found a usable port, the memory this rank brings for
 //!    GPUDirect RDMA (GPU memory, its host emulation in tests, or why there is none),
 //!    registered by the transport before the connection information is exchanged.
@@ -28,6 +30,7 @@ use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
+use crate::transport::shm::{self, SegInfo, ShmOptions, ShmTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::verbs::wire::{self, Blob, DirectInfo, DirectKind};
 use crate::transport::verbs::{self, DirectSpec, VerbsOptions, VerbsTransport};
@@ -118,25 +121,56 @@ impl Communicator {
             config.world_size
         ];
         let (transport, reason): (Box<dyn Transport>, Option<String>) =
-            match select_transport(&mut boot, &config, streams, &mut direct)? {
-                Selected::Verbs(t) => {
-                    gpu_direct = capabilities_of(t.direct_infos());
-                    if !region_registered(t.direct_infos(), config.rank) {
-                        // Not registered with the NIC here: the region would only hold GPU
-                        // memory (and a context) for nothing. Nothing refers to it.
-                        free_unused_region(&mut region, config.rank, "it could not be registered");
-                    }
-                    (t, None)
+            match select_shm(&mut boot, &config, streams)? {
+                ShmSelected::Shm(t) => {
+                    gpu_direct =
+                        vec![
+                            GpuDirectCapability::Unavailable(path::SHM_STAGED_REASON.into());
+                            config.world_size
+                        ];
+                    (Box::new(t), None)
                 }
-                Selected::Tcp { streams, reason } => {
-                    // The verbs transport, and with it any registration of the region, is
-                    // gone: device memory is staged over TCP.
-                    free_unused_region(&mut region, config.rank, "the job runs over TCP");
-                    let opts = TcpOptions {
-                        socket_buffer: config.socket_buffer,
+                ShmSelected::Not { streams, why } => {
+                    let (t, reason): (Box<dyn Transport>, Option<String>) =
+                        match select_transport(&mut boot, &config, streams, &mut direct)? {
+                            Selected::Verbs(t) => {
+                                gpu_direct = capabilities_of(t.direct_infos());
+                                if !region_registered(t.direct_infos(), config.rank) {
+                                    // Not registered with the NIC here: the region would only hold GPU
+                                    // memory (and a context) for nothing. Nothing refers to it.
+                                    free_unused_region(
+                                        &mut region,
+                                        config.rank,
+                                        "it could not be registered",
+                                    );
+                                }
+                                (t, None)
+                            }
+                            Selected::Tcp { streams, reason } => {
+                                // The verbs transport, and with it any registration of the region, is
+                                // gone: device memory is staged over TCP.
+                                free_unused_region(
+                                    &mut region,
+                                    config.rank,
+                                    "the job runs over TCP",
+                                );
+                                let opts = TcpOptions {
+                                    socket_buffer: config.socket_buffer,
+                                };
+                                let tcp = TcpTransport::new(
+                                    config.rank,
+                                    config.world_size,
+                                    streams,
+                                    opts,
+                                )?;
+                                (Box::new(tcp), reason)
+                            }
+                        };
+                    let reason = match (why, reason) {
+                        (Some(w), Some(r)) => Some(format!("{w}; {r}")),
+                        (w, r) => w.or(r),
                     };
-                    let tcp = TcpTransport::new(config.rank, config.world_size, streams, opts)?;
-                    (Box::new(tcp), reason)
+                    (t, reason)
                 }
             };
         let opts = engine_options(&config, oversubscribed);
@@ -296,6 +330,226 @@ impl Communicator {
     }
 }
 
+/// What the shared-memory negotiation decided.
+#[derive(Debug)]
+enum ShmSelected {
+    /// Shared memory on every rank.
+    Shm(ShmTransport),
+    /// Not shared memory: the bootstrap's streams go on to the verbs/TCP choice; `why` says
+    /// why not shm where it was a candidate (every rank on one host, none asked for another
+    /// transport) and failed.
+    Not {
+        streams: Vec<Option<TcpStream>>,
+        why: Option<String>,
+    },
+}
+
+/// The kernel's boot id: two "hosts" with one host identity but different boot ids are two
+/// machines (or containers of two machines) with the same host name.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// "ranks 0, 1 on a; rank 2 on b".
+fn ranks_by_host(hosts: &[String]) -> String {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        match groups.iter_mut().find(|(g, _)| *g == h.as_str()) {
+            Some((_, v)) => v.push(r),
+            None => groups.push((h.as_str(), vec![r])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(h, v)| {
+            let rs: Vec<String> = v.iter().map(usize::to_string).collect();
+            let word = if v.len() == 1 { "rank" } else { "ranks" };
+            format!("{word} {} on {h}", rs.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn shm_unavailable(forced: &[usize], reason: &str) -> Error {
+    let who: Vec<String> = forced.iter().map(usize::to_string).collect();
+    Error::unavailable(
+        format!(
+            "the shared-memory transport (DSPARK_TRANSPORT=shm on rank(s) {})",
+            who.join(", ")
+        ),
+        reason,
+    )
+}
+
+/// Agrees with every other rank on whether to use shared memory, through the bootstrap: yes
+/// when every rank is on one host and none asks for TCP or verbs, and every rank could
+/// create its segment and map every peer's (two rounds: announce, then confirm). A rank
+/// that asked for shm (`DSPARK_TRANSPORT=shm`) turns every "no" into [`Error::Unavailable`]
+/// on every rank, naming the ranks and why.
+///
+/// # Errors
+/// [`Error::Unavailable`], bootstrap errors ([`Error::Timeout`], [`Error::PeerLost`]).
+fn select_shm(
+    boot: &mut Bootstrap,
+    cfg: &Config,
+    streams: Vec<Option<TcpStream>>,
+) -> Result<ShmSelected> {
+    let (rank, world) = (cfg.rank, cfg.world_size);
+    if world == 1 {
+        if cfg.transport == TransportChoice::Shm {
+            return Ok(ShmSelected::Shm(ShmTransport::single()?));
+        }
+        return Ok(ShmSelected::Not { streams, why: None });
+    }
+    let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
+    let one_host = hosts.iter().all(|h| *h == hosts[0]);
+    let wants = matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Shm);
+    // A ring holds at least two whole frames: a sender must be able to finish a frame (up to
+    // a segment) while its peer is itself still sending, as TCP's socket buffers and the
+    // verbs slots allow; a schedule whose receive waits for its own send (recursive doubling
+    // in place) would otherwise deadlock until the deadline.
+    let opts = ShmOptions {
+        ring_bytes: cfg
+            .shm_ring_bytes
+            .max(2 * (cfg.segment_bytes.max(64) + 2 * 64)),
+    };
+    // Round 1: mode, capability, boot id and where this rank's segment is.
+    let mut prep = None;
+    let mut msg = vec![mode_code(cfg.transport)];
+    let capable = if !wants {
+        Err(format!("DSPARK_TRANSPORT={}", cfg.transport))
+    } else if !one_host {
+        Err("the ranks are on several hosts".to_string())
+    } else {
+        shm::prepare(rank, world, opts).map(|p| {
+            let info = p.info();
+            prep = Some(p);
+            info
+        })
+    };
+    match &capable {
+        Ok(info) => {
+            msg.push(1);
+            let id = boot_id();
+            msg.push(id.len().min(255) as u8);
+            msg.extend_from_slice(&id.as_bytes()[..id.len().min(255)]);
+            msg.extend_from_slice(&info.encode());
+        }
+        Err(why) => {
+            msg.push(0);
+            msg.extend_from_slice(why.as_bytes());
+        }
+    }
+    let all = boot.all_gather(&msg)?;
+    let mut modes = Vec::with_capacity(world);
+    let mut infos = Vec::with_capacity(world);
+    let mut boots = Vec::with_capacity(world);
+    let mut why_not: Option<String> = None;
+    for (r, m) in all.iter().enumerate() {
+        let mode = m.first().copied().unwrap_or(0);
+        modes.push(mode);
+        match m.get(1) {
+            Some(1) => {
+                let n = m.get(2).copied().unwrap_or(0) as usize;
+                let id = m
+                    .get(3..3 + n)
+                    .map(|b| String::from_utf8_lossy(b).into_owned());
+                let info = m.get(3 + n..).and_then(SegInfo::decode);
+                match (id, info) {
+                    (Some(id), Some(info)) => {
+                        boots.push(id);
+                        infos.push(info);
+                    }
+                    _ => {
+                        why_not
+                            .get_or_insert(format!("rank {r} sent a malformed shm announcement"));
+                    }
+                }
+            }
+            _ => {
+                let w = String::from_utf8_lossy(m.get(2..).unwrap_or_default()).into_owned();
+                why_not.get_or_insert(format!("rank {r}: {w}"));
+            }
+        }
+    }
+    let code = mode_code(TransportChoice::Shm);
+    let forced: Vec<usize> = (0..world).filter(|&r| modes[r] == code).collect();
+    if !one_host {
+        why_not = Some(format!(
+            "the ranks are not on one host: {} (host identity: DSPARK_HOST_ID, else the host name)",
+            ranks_by_host(&hosts)
+        ));
+    } else if why_not.is_none() && boots.iter().any(|b| *b != boots[0]) {
+        why_not = Some(format!(
+            "the ranks share a host identity ({}) but not a kernel (different boot ids): \
+             several machines with one host name?",
+            hosts[0]
+        ));
+    }
+    let others_asked = modes
+        .iter()
+        .any(|&m| m == mode_code(TransportChoice::Tcp) || m == mode_code(TransportChoice::Verbs));
+    if let Some(why) = why_not {
+        if !forced.is_empty() {
+            return Err(shm_unavailable(&forced, &why));
+        }
+        // A candidate that failed is worth a reason; another host or transport is not.
+        let candidate = one_host && !others_asked;
+        if candidate {
+            tracing::warn!(rank, reason = %why, "not using shared memory although every rank is on one host");
+        }
+        return Ok(ShmSelected::Not {
+            streams,
+            why: candidate.then(|| format!("shm unavailable: {why}")),
+        });
+    }
+    let Some(prep) = prep else {
+        return Err(shm_unavailable(
+            &forced,
+            "internal: capable without a segment",
+        ));
+    };
+    // Round 2: map every peer's segment; confirm. Until every rank confirmed, every owner
+    // keeps its segment's descriptor open for the peers to open.
+    let res = prep.connect(&infos);
+    let mine = match &res {
+        Ok(_) => vec![1u8],
+        Err(w) => {
+            let mut v = vec![0u8];
+            v.extend_from_slice(w.as_bytes());
+            v
+        }
+    };
+    let all = boot.all_gather(&mine)?;
+    let mut failed = None;
+    for (r, m) in all.iter().enumerate() {
+        if m.first() != Some(&1) {
+            let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+            failed = Some(format!("rank {r}: mapping the segments failed: {w}"));
+            break;
+        }
+    }
+    match (failed, res) {
+        (None, Ok(segs)) => {
+            let t = ShmTransport::new(prep, segs, streams)?;
+            tracing::info!(rank, transport = %t.describe(), "using shared memory");
+            Ok(ShmSelected::Shm(t))
+        }
+        (Some(why), _) | (None, Err(why)) => {
+            if !forced.is_empty() {
+                return Err(shm_unavailable(&forced, &why));
+            }
+            tracing::warn!(rank, reason = %why, "not using shared memory although every rank is on one host");
+            Ok(ShmSelected::Not {
+                streams,
+                why: Some(format!("shm unavailable: {why}")),
+            })
+        }
+    }
+}
+
 /// What the transport negotiation decided.
 #[derive(Debug)]
 enum Selected {
@@ -316,6 +570,7 @@ fn mode_code(c: TransportChoice) -> u8 {
         TransportChoice::Auto => 0,
         TransportChoice::Tcp => 1,
         TransportChoice::Verbs => 2,
+        TransportChoice::Shm => 3,
     }
 }
 

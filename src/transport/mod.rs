@@ -7,7 +7,8 @@
 //! ([`crate::engine`]) decides which frame goes where and when.
 //!
 //! Implementations: [`mem`] (threads in one process, with fault injection, for tests),
-//! [`tcp`] (the universal fallback and the CI path), and `verbs` (RDMA).
+//! [`tcp`] (the universal fallback and the CI path), [`shm`] (shared memory between the
+//! ranks of one host) and `verbs` (RDMA).
 //!
 //! # The progress contract
 //!
@@ -29,6 +30,7 @@ use std::time::Instant;
 use crate::error::Result;
 
 pub mod mem;
+pub mod shm;
 pub mod tcp;
 pub mod verbs;
 
@@ -48,15 +50,18 @@ pub enum TransportKind {
     Tcp,
     /// RDMA verbs (InfiniBand / RoCE).
     Verbs,
+    /// Shared memory between the ranks of one host.
+    Shm,
 }
 
 impl TransportKind {
-    /// Short name (`mem`, `tcp`, `verbs`).
+    /// Short name (`mem`, `tcp`, `verbs`, `shm`).
     pub const fn name(self) -> &'static str {
         match self {
             TransportKind::Mem => "mem",
             TransportKind::Tcp => "tcp",
             TransportKind::Verbs => "verbs",
+            TransportKind::Shm => "shm",
         }
     }
 }

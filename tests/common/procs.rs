@@ -98,6 +98,9 @@ pub fn spawn(
                 .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
                 .env_remove("RUST_LOG")
                 .env_remove("DSPARK_NODE")
+                // The suites written for TCP keep testing TCP now that ranks on one host
+                // choose shared memory by themselves; tests/shm.rs sets its own.
+                .env("DSPARK_TRANSPORT", "tcp")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env(r) {

@@ -1,0 +1,493 @@
+//! Multi-process tests of the shared-memory transport: this test binary re-executes itself as
+//! N rank processes on this host (`rank_process` is a rank's entry point; it does nothing in
+//! a normal test run). Every collective, type and operator on worlds 1..=5 against the
+//! independent reference of `tests/common`, large messages through small rings (wrap-around,
+//! partial frames), the automatic choice and its overrides, a killed rank, a stopped
+//! (SIGSTOP) rank, mismatched calls, and no shared-memory residue after any of it.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG};
+use dspark::transport::TransportKind;
+use dspark::{Communicator, Error, ReduceOp};
+
+/// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
+#[test]
+fn rank_process() {
+    rank_entry(run_scenario);
+}
+
+fn expect_transport(comm: &Communicator, want: TransportKind) -> Result<(), String> {
+    let got = comm.info().transport;
+    if got != want {
+        return Err(format!(
+            "transport {got}, expected {want} ({:?})",
+            comm.info().transport_reason
+        ));
+    }
+    Ok(())
+}
+
+fn run_scenario(s: &str) -> Result<i32, String> {
+    if s == "forced_on_two_hosts" {
+        return match Communicator::from_env() {
+            Err(e @ Error::Unavailable { .. }) => {
+                say(&format!("FAILED: {e}"));
+                Ok(FAILED_AS_EXPECTED)
+            }
+            Err(e) => Err(format!("expected Unavailable, got {e}")),
+            Ok(_) => Err("init succeeded across two host identities".into()),
+        };
+    }
+    let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    let r = comm.rank();
+    match s {
+        "matrix" => {
+            expect_transport(&comm, TransportKind::Shm)?;
+            common::run_matrix(&comm, &[0, 1, 2, 3, 7, 13, 100, 1023], 0x5eed)?;
+            Ok(OK)
+        }
+        "kind" => {
+            let want = match std::env::var("WANT_TRANSPORT").as_deref() {
+                Ok("tcp") => TransportKind::Tcp,
+                _ => TransportKind::Shm,
+            };
+            expect_transport(&comm, want)?;
+            say(&format!("TRANSPORT {}", comm.info().transport_detail));
+            let mut v = vec![r as f64 + 1.0; 33];
+            comm.all_reduce(&mut v, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            let n = comm.world_size() as f64;
+            common::check("all_reduce", &v, &vec![n * (n + 1.0) / 2.0; 33])?;
+            Ok(OK)
+        }
+        "large" => {
+            expect_transport(&comm, TransportKind::Shm)?;
+            // 12 MiB of f32 through 64 KiB rings of 16 KiB segments: every ring wraps many
+            // times, partial reads and writes.
+            let n = 3 * 1024 * 1024 + 17;
+            // 1 MiB: recursive doubling, whose in-place receive waits for its own send: the
+            // ring must take whole frames while both ranks send.
+            let m = 256 * 1024 + 3;
+            let mut buf = common::inputs::<f32>(ReduceOp::Sum, 8, r, m);
+            comm.all_reduce(&mut buf, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            common::check(
+                "1 MiB all_reduce",
+                &buf,
+                &common::reduced::<f32>(ReduceOp::Sum, 8, comm.world_size(), m),
+            )?;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let mut buf = common::inputs::<f32>(op, 9, r, n);
+                comm.all_reduce(&mut buf, op).map_err(|e| e.to_string())?;
+                common::check(
+                    "large all_reduce",
+                    &buf,
+                    &common::reduced::<f32>(op, 9, comm.world_size(), n),
+                )?;
+            }
+            let mut b = if r == 1 {
+                common::inputs::<u8>(ReduceOp::Sum, 4, 1, n)
+            } else {
+                vec![0u8; n]
+            };
+            comm.broadcast(&mut b, 1).map_err(|e| e.to_string())?;
+            common::check(
+                "large broadcast",
+                &b,
+                &common::inputs::<u8>(ReduceOp::Sum, 4, 1, n),
+            )?;
+            let mine = common::inputs::<i32>(ReduceOp::Sum, 5, r, n / 4);
+            let mut all = vec![0i32; n / 4 * comm.world_size()];
+            comm.all_gather(&mine, &mut all)
+                .map_err(|e| e.to_string())?;
+            let want: Vec<i32> = (0..comm.world_size())
+                .flat_map(|q| common::inputs::<i32>(ReduceOp::Sum, 5, q, n / 4))
+                .collect();
+            common::check("large all_gather", &all, &want)?;
+            Ok(OK)
+        }
+        "loop" => {
+            expect_transport(&comm, TransportKind::Shm)?;
+            // Collectives until something fails; report how.
+            let mut buf = vec![1.0f32; 256 * 1024];
+            comm.all_reduce(&mut buf, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            say("READY");
+            loop {
+                if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                    say(&format!("FAILED: {e}"));
+                    let expected = matches!(
+                        e,
+                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
+                    );
+                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                }
+            }
+        }
+        "watch" => match r {
+            // Waits on rank 1, which is alive and silent; rank 2 dies meanwhile.
+            0 => {
+                expect_transport(&comm, TransportKind::Shm)?;
+                say("READY");
+                let t = Instant::now();
+                let mut buf = vec![0u8; 16];
+                match comm.recv(&mut buf, 1) {
+                    Err(e @ Error::PeerLost { peer: 2, .. }) => {
+                        say(&format!("FAILED after {:?}: {e}", t.elapsed()));
+                        Ok(FAILED_AS_EXPECTED)
+                    }
+                    other => Err(format!("expected PeerLost of rank 2, got {other:?}")),
+                }
+            }
+            1 => {
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(OK)
+            }
+            _ => {
+                say("READY");
+                std::thread::sleep(Duration::from_secs(60));
+                Ok(OK)
+            }
+        },
+        "mismatch" => {
+            expect_transport(&comm, TransportKind::Shm)?;
+            let mut buf = vec![1.0f32; 10 + r];
+            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e @ Error::Mismatch { .. }) => {
+                    say(&format!("FAILED: {e}"));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected Mismatch, got {other:?}")),
+            }
+        }
+        "send_then_exit" => {
+            // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let n = 300_000;
+            if r == 0 {
+                let v = common::inputs::<u32>(ReduceOp::Sum, 3, 0, n);
+                comm.send(&v, 1).map_err(|e| e.to_string())?;
+                say(&format!("SCENARIO {s} EXIT {OK}"));
+                std::process::exit(OK);
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let mut v = vec![0u32; n];
+            comm.recv(&mut v, 0).map_err(|e| e.to_string())?;
+            common::check(
+                "recv after exit",
+                &v,
+                &common::inputs::<u32>(ReduceOp::Sum, 3, 0, n),
+            )?;
+            Ok(OK)
+        }
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+/// The shared-memory variables of every rank: auto choice (every rank is on this host).
+fn shm_vars(extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v = vars(&[("DSPARK_TRANSPORT", "auto")]);
+    v.extend(vars(extra));
+    v
+}
+
+/// dspark's names in /dev/shm (there should never be any: segments are memfds), and the
+/// processes other than this test binary's own running ranks (other tests run in parallel)
+/// that still map a dspark segment: an orphan would keep one alive.
+fn shm_residue() -> (Vec<String>, Vec<String>) {
+    let names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("dspark"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let me = std::process::id().to_string();
+    let mut maps = Vec::new();
+    if let Ok(d) = std::fs::read_dir("/proc") {
+        for e in d.flatten() {
+            let pid = e.file_name().to_string_lossy().into_owned();
+            if pid.parse::<u32>().is_err() || pid == me {
+                continue;
+            }
+            let parent = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("PPid:").map(|v| v.trim().to_string()))
+                });
+            if parent.as_deref() == Some(me.as_str()) {
+                continue;
+            }
+            if let Ok(m) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+                if m.contains("memfd:dspark-shm") {
+                    maps.push(pid);
+                }
+            }
+        }
+    }
+    (names, maps)
+}
+
+#[test]
+fn every_collective_type_and_op_is_exact_over_shared_memory_on_worlds_1_to_5() {
+    for world in 1..=5 {
+        let outs = spawn(
+            world,
+            "matrix",
+            &|_| {
+                shm_vars(&[
+                    // A world of one runs over TCP (no peers) unless shm is asked for.
+                    ("DSPARK_TRANSPORT", if world == 1 { "shm" } else { "auto" }),
+                    ("DSPARK_CHUNK_BYTES", "4096"),
+                    // 64 KiB: small frames go back to the start of the ring past its first
+                    // 16 KiB (wrap markers), large ones wrap at its end.
+                    ("DSPARK_SHM_RING_BYTES", "64K"),
+                    ("DSPARK_TIMEOUT", "60"),
+                ])
+            },
+            None,
+        )
+        .wait(Duration::from_secs(240));
+        assert_all(&outs, OK, &format!("world {world}"));
+    }
+}
+
+#[test]
+fn large_messages_through_small_rings_are_exact() {
+    for world in [2, 3] {
+        let outs = spawn(
+            world,
+            "large",
+            &|_| {
+                shm_vars(&[
+                    ("DSPARK_TIMEOUT", "60"),
+                    ("DSPARK_SHM_RING_BYTES", "64K"),
+                    ("DSPARK_CHUNK_BYTES", "16K"),
+                ])
+            },
+            None,
+        )
+        .wait(Duration::from_secs(120));
+        assert_all(&outs, OK, &format!("large, world {world}"));
+    }
+}
+
+#[test]
+fn ranks_on_one_host_choose_shm_and_dspark_transport_tcp_rules_it_out() {
+    let outs = spawn(3, "kind", &|_| shm_vars(&[]), None).wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "auto");
+    assert!(outs[0].out.contains("TRANSPORT shm"), "{}", outs[0].out);
+    let outs = spawn(
+        3,
+        "kind",
+        &|_| vars(&[("DSPARK_TRANSPORT", "tcp"), ("WANT_TRANSPORT", "tcp")]),
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "DSPARK_TRANSPORT=tcp");
+    // Forced by one rank only, the others on auto: shm everywhere.
+    let outs = spawn(
+        2,
+        "kind",
+        &|r| {
+            if r == 0 {
+                vars(&[("DSPARK_TRANSPORT", "shm")])
+            } else {
+                shm_vars(&[])
+            }
+        },
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "DSPARK_TRANSPORT=shm on rank 0");
+}
+
+#[test]
+fn ranks_with_different_host_ids_use_tcp_and_forcing_shm_names_the_ranks_per_host() {
+    let host = |r: usize| if r < 2 { "host-a" } else { "host-b" };
+    let outs = spawn(
+        3,
+        "kind",
+        &|r| shm_vars(&[("DSPARK_HOST_ID", host(r)), ("WANT_TRANSPORT", "tcp")]),
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "two host identities, auto");
+    let outs = spawn(
+        3,
+        "forced_on_two_hosts",
+        &|r| vars(&[("DSPARK_HOST_ID", host(r)), ("DSPARK_TRANSPORT", "shm")]),
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(
+            o.out.contains("ranks 0, 1 on host-a") && o.out.contains("rank 2 on host-b"),
+            "rank {r}: {}",
+            o.out
+        );
+    }
+}
+
+#[test]
+fn killed_rank_makes_every_survivor_fail_within_the_deadline_and_leaves_no_shared_memory() {
+    let world = 4;
+    let mut ranks = spawn(
+        world,
+        "loop",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
+        None,
+    );
+    ranks.wait_ready(world);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
+    let outs = ranks.wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        // No FIN in shared memory: the liveness connection finds it long before 30 s.
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
+    assert!(
+        outs.iter()
+            .enumerate()
+            .filter(|(r, _)| *r != 2)
+            .any(|(_, o)| o.out.contains("rank 2")),
+        "no survivor names the killed rank 2:\n{}",
+        outs.iter()
+            .map(|o| o.out.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let (names, maps) = shm_residue();
+    assert!(names.is_empty(), "dspark files in /dev/shm: {names:?}");
+    assert!(
+        maps.is_empty(),
+        "processes still map dspark segments: {maps:?}"
+    );
+}
+
+#[test]
+fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
+    let world = 3;
+    let mut ranks = spawn(
+        world,
+        "loop",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "2")]),
+        None,
+    );
+    ranks.wait_ready(world);
+    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let t0 = Instant::now();
+    let mut survivors_done = false;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let done = [0, 2]
+            .iter()
+            .all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
+        if done {
+            survivors_done = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waited = t0.elapsed();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    let outs = ranks.wait(Duration::from_secs(5));
+    assert!(survivors_done, "survivors still running after {waited:?}");
+    assert!(
+        waited < Duration::from_secs(8),
+        "deadline 2 s, took {waited:?}"
+    );
+    for r in [0, 2] {
+        assert_eq!(
+            outs[r].code,
+            Some(FAILED_AS_EXPECTED),
+            "rank {r}:\n{}",
+            outs[r].out
+        );
+    }
+    let all = format!("{}{}", outs[0].out, outs[2].out);
+    assert!(
+        all.contains("timed out") && (all.contains("rank 1") || all.contains("for rank 2")),
+        "{all}"
+    );
+}
+
+#[test]
+fn mismatched_counts_fail_every_process_with_mismatch_over_shared_memory() {
+    let outs = spawn(
+        3,
+        "mismatch",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "20")]),
+        None,
+    )
+    .wait(Duration::from_secs(30));
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(o.out.contains("count"), "rank {r}: {}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_peer_dying_while_this_rank_waits_on_another_is_noticed_at_once_over_shared_memory() {
+    let mut ranks = spawn(3, "watch", &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]), None);
+    ranks.wait_ready_of(&[0, 2]);
+    std::thread::sleep(Duration::from_millis(300));
+    ranks.children[2].kill().unwrap();
+    let outs = ranks.wait(Duration::from_secs(40));
+    assert_eq!(
+        outs[0].code,
+        Some(FAILED_AS_EXPECTED),
+        "rank 0:\n{}",
+        outs[0].out
+    );
+    assert!(
+        outs[0].elapsed < Duration::from_secs(5),
+        "rank 0 took {:?}",
+        outs[0].elapsed
+    );
+}
+
+#[test]
+fn a_ring_asked_smaller_than_two_segments_still_takes_whole_frames() {
+    // 4 KiB rings asked for, 512 KiB segments: recursive doubling at 1 MiB would deadlock
+    // (each rank's receive waits for its own send) if the ring were not enlarged.
+    let outs = spawn(
+        2,
+        "large",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "20"), ("DSPARK_SHM_RING_BYTES", "4K")]),
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "4 KiB ring asked for");
+}
+
+#[test]
+fn what_a_rank_sent_before_exiting_is_still_received_from_its_segment() {
+    let outs = spawn(
+        2,
+        "send_then_exit",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "20"), ("DSPARK_SHM_RING_BYTES", "2M")]),
+        None,
+    )
+    .wait(Duration::from_secs(30));
+    assert_all(&outs, OK, "send then exit");
+}
