@@ -196,7 +196,7 @@ pub fn double_binary_tree(n: usize, r: Rank) -> [TreeLinks; 2] {
         children: ch,
     };
     // The second tree's position of rank v, and the rank at a position of the second tree.
-    let even = n % 2 == 0;
+    let even = n.is_multiple_of(2);
     let to = |v: Rank| if even { n - 1 - v } else { (v + n - 1) % n };
     let from = |v: Rank| if even { n - 1 - v } else { (v + 1) % n };
     let (p, ch) = first(to(r));
