@@ -587,7 +587,7 @@ mod tests {
                 let mut v = vec![1u32; 100];
                 c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
                 if r == 0 {
-                    super::tests::PANIC_IN_ROLE.with(|p| p.set(true));
+                    PANIC_IN_ROLE.with(|p| p.set(true));
                     let p = catch_unwind(AssertUnwindSafe(|| {
                         let _ = c.all_reduce(&mut v, ReduceOp::Sum);
                     }));
