@@ -771,6 +771,40 @@ fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
 }
 
 #[test]
+fn a_double_binary_tree_whose_ranks_disagree_about_up_before_down_is_caught() {
+    // Frames on a link match only because both ends list a segment's up op before its down
+    // op: on odd ranks, move the down ops (the copy from the parent, the sends to the
+    // children) in front of the up ops; the reference (or a deadlock) must catch it.
+    for (n, count) in [(2, 1), (5, 11), (8, 40)] {
+        let call = Call::new(Collective::AllReduce, Algorithm::Tree, n, count);
+        let good = schedules(&call);
+        assert!(matches_reference(&call, &good, 3), "n={n}");
+        let mut bad = good.clone();
+        for (r, s) in bad.iter_mut().enumerate().filter(|(r, _)| r % 2 == 1) {
+            let children: Vec<usize> = algo::double_binary_tree(n, r)
+                .iter()
+                .flat_map(|t| t.children.clone())
+                .collect();
+            let down = |op: &Op| match *op {
+                Op::Recv { acc: None, .. } => true,
+                Op::Send { peer, .. } => children.contains(&peer),
+                _ => false,
+            };
+            let mut moved = Schedule::new();
+            moved.round();
+            for op in s.ops.iter().filter(|op| down(op)) {
+                moved.push(*op);
+            }
+            for op in s.ops.iter().filter(|op| !down(op)) {
+                moved.push(*op);
+            }
+            *s = moved;
+        }
+        assert!(!matches_reference(&call, &bad, 3), "n={n}");
+    }
+}
+
+#[test]
 fn a_compiled_double_binary_tree_without_its_dependencies_is_caught_by_some_seed() {
     let call = Call::new(Collective::AllReduce, Algorithm::Tree, 6, 24);
     let mut progs = call.programs(3).unwrap();

@@ -231,15 +231,17 @@ pub fn double_binary_tree_halves(c: usize) -> [Loc; 2] {
 /// segment k waits only for the up send of segment k), so segment k travels down while
 /// later segments still travel up, and the two trees run at the same time.
 ///
-/// Frames on a link match in order: between two ranks, a frame's place is fixed by its
-/// segment and by the op's place in that canonical order, and both ends list the pair's ops
-/// in the same order (up before down, the first tree before the second) with the same
-/// lengths. No deadlock: order the frames by (segment, up before down); an up frame of
-/// segment k waits only for up frames of segment k from the sender's children in the same
-/// tree (or, on a link that carries both trees' up frames, for the first tree's frame of the
-/// same segment), and for frames of earlier segments; a down frame of segment k waits for
-/// up frames of segment k, down frames of segment k nearer the root or earlier on its link,
-/// and earlier segments — an order without cycles.
+/// Frames on a link match in order. No rank has children in both trees, so a directed link
+/// `r → q` carries the up frames of at most one tree (`q` is `r`'s parent in at most one) and
+/// the down frames of at most one (`r` is `q`'s parent in at most one); both ends list up
+/// before down and cut ops of the same lengths into the same segments, so the k-th frame sent
+/// is the k-th frame expected. No deadlock: order the frames by (segment, up before down). An
+/// up frame of segment k waits for the up frames of segment k from the sender's children in
+/// its tree and for frames before it on its link (earlier segments); a down frame of segment
+/// k waits for the up frames of segment k of its tree, the down frame of segment k from the
+/// sender's parent, and frames before it on its link (the up frame of segment k, earlier
+/// segments). Every wait points to an earlier class or, within a class, to a frame of the same
+/// tree further from the root (up) or nearer to it (down), so no cycle can form.
 ///
 /// Every rank sends, and receives, each half once per tree edge it has: `|H(t)|` times (1 if
 /// it has a parent in `t` + its children in `t`), summed over both trees. It has children in
