@@ -16,7 +16,7 @@
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
 //! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
-//! | `DSPARK_ALGO` | force an algorithm for the collectives it implements (`ring`, `recursive_doubling`, `chain`, `binomial_tree`, `pairwise`, `dissemination`, `direct`) | by size |
+//! | `DSPARK_ALGO` | force an algorithm for the collectives it implements (`ring`, `recursive_doubling`, `chain`, `binomial_tree`, `tree`, `pairwise`, `dissemination`, `direct`) | by size |
 //! | `DSPARK_CHUNK_BYTES` | pipeline segment size | 512 KiB |
 //! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs (at most 1 s) | 50 (100, yielding the CPU, when ranks outnumber cores) |
 //! | `DSPARK_SOCKET_BUFFER` | TCP socket buffer size (0: the kernel's autotuning; at most 1 GiB) | 4 MiB |
@@ -482,7 +482,9 @@ impl Config {
                     n,
                     format!(
                         "{v:?}: expected ring, recursive_doubling (rd), chain (pipeline), \
-                         binomial_tree (tree), pairwise, dissemination or direct"
+                         binomial_tree (binomial), tree (double binary tree for all_reduce, \
+                         binomial tree for broadcast and reduce), pairwise, dissemination or \
+                         direct"
                     ),
                 )
             })?);

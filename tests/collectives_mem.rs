@@ -32,7 +32,13 @@ fn every_collective_type_and_op_matches_the_reference_on_worlds_1_to_5() {
 
 #[test]
 fn forced_algorithms_give_the_same_results() {
-    for algo in ["ring", "recursive_doubling", "chain", "binomial_tree"] {
+    for algo in [
+        "ring",
+        "recursive_doubling",
+        "chain",
+        "binomial_tree",
+        "tree",
+    ] {
         for world in [2, 3, 5] {
             let fabric = MemFabric::new(world, 1);
             let mut cfg = config(Duration::from_secs(30), 40);
@@ -43,6 +49,31 @@ fn forced_algorithms_give_the_same_results() {
             for (r, x) in res.into_iter().enumerate() {
                 if let Err(e) = x {
                     panic!("{algo} world {world} rank {r}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// #10: `DSPARK_ALGO=tree` — the double binary tree all_reduce, and reduce and broadcast under
+/// the same name — for every type and operator on worlds 1..=9 (odd and even: the second tree
+/// is shifted or mirrored), counts below the world size and odd counts, segments of 40 bytes
+/// (the halves of the larger counts pipeline over many segments) and of 4 KiB, links of one
+/// and of three frames.
+#[test]
+fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
+    let counts = [0, 1, 2, 3, 5, 8, 13, 64, 257];
+    for world in 1..=9 {
+        for (seg, cap) in [(40, 1), (4096, 3)] {
+            let fabric = MemFabric::new(world, cap);
+            let mut cfg = config(Duration::from_secs(30), seg);
+            cfg.algo = Some(dspark::plan::Algorithm::Tree);
+            let res = run_ranks(&fabric, world, &cfg, |c| {
+                common::run_tree_matrix(c, &counts, 0x7ee)
+            });
+            for (r, x) in res.into_iter().enumerate() {
+                if let Err(e) = x {
+                    panic!("tree world {world} segment {seg} rank {r}: {e}");
                 }
             }
         }
@@ -603,6 +634,43 @@ fn a_forced_algorithm_is_reported_with_the_collectives_it_applies_to() {
         Algorithm::Ring.collectives(),
         "all_reduce, all_gather, reduce_scatter"
     );
+
+    // `tree` used to name the binomial tree (broadcast and reduce only, so an all_reduce under
+    // it ran its default); it now names the double binary tree, which all_reduce runs, while
+    // broadcast and reduce keep the binomial tree's schedule under it.
+    assert_eq!(Algorithm::from_name("tree"), Some(Algorithm::Tree));
+    assert_eq!(
+        Algorithm::from_name("binomial_tree"),
+        Some(Algorithm::BinomialTree)
+    );
+    assert_eq!(
+        Algorithm::Tree.collectives(),
+        "all_reduce, broadcast, reduce"
+    );
+    cfg.algo = Some(Algorithm::Tree);
+    let fabric = MemFabric::new(2, 4);
+    let res = run_ranks(&fabric, 2, &cfg, |c| {
+        let mut v = vec![1.0f32; 100];
+        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        c.broadcast(&mut v, 1).unwrap();
+        (
+            c.forced_algorithm(),
+            c.algorithm(Collective::AllReduce, 400),
+            c.algorithm(Collective::AllReduce, 64 << 20),
+            c.algorithm(Collective::Broadcast, 1 << 20),
+            c.algorithm(Collective::AllGather, 1 << 20),
+            v[0],
+        )
+    });
+    for (forced, small, large, bc, ag, v) in res {
+        assert_eq!(forced, Some(Algorithm::Tree));
+        assert_eq!(
+            (small, large, bc),
+            (Algorithm::Tree, Algorithm::Tree, Algorithm::Tree)
+        );
+        assert_eq!(ag, Algorithm::Ring, "all_gather keeps its default");
+        assert_eq!(v, 2.0);
+    }
 }
 
 /// What the rank logs: a `tracing` writer into a shared buffer.

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use dspark::plan::sim::{
     self, BlockReason, Buffers, Call, SimConfig, SimError, SimOutcome, FINALIZE_FACTOR,
 };
-use dspark::plan::{compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule};
+use dspark::plan::{algo, compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule};
 
 const MAX_WORLD: usize = 9;
 const SEGS: [usize; 4] = [1, 3, 64, usize::MAX];
@@ -34,10 +34,11 @@ fn all_algorithms() -> Vec<Algorithm> {
             Algorithm::Pairwise => 4,
             Algorithm::Dissemination => 5,
             Algorithm::Direct => 6,
+            Algorithm::Tree => 7,
         }
     }
     /// The number of arms of the match above.
-    const VARIANTS: usize = 7;
+    const VARIANTS: usize = 8;
     assert_eq!(
         Algorithm::ALL.len(),
         VARIANTS,
@@ -141,9 +142,14 @@ fn run_programs_and_check(
 /// Sweeps one (collective, algorithm) pair over every world, count, segment size and link
 /// capacity; every root (pair) and finalize variant runs, seeds rotate through them.
 fn sweep(coll: Collective, algo: Algorithm) {
+    sweep_worlds(coll, algo, 1..=MAX_WORLD);
+}
+
+/// [`sweep`] over the worlds `worlds`.
+fn sweep_worlds(coll: Collective, algo: Algorithm, worlds: std::ops::RangeInclusive<usize>) {
     assert!(algo.supports(coll), "{algo} does not implement {coll}");
     let mut runs = 0usize;
-    for n in 1..=MAX_WORLD {
+    for n in worlds {
         if coll == Collective::SendRecv && n < 2 {
             continue;
         }
@@ -192,12 +198,15 @@ fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
     let swept: BTreeSet<(Collective, &str)> = [
         (Collective::AllReduce, Algorithm::Ring),
         (Collective::AllReduce, Algorithm::RecursiveDoubling),
+        (Collective::AllReduce, Algorithm::Tree),
         (Collective::AllGather, Algorithm::Ring),
         (Collective::ReduceScatter, Algorithm::Ring),
         (Collective::Broadcast, Algorithm::Chain),
         (Collective::Broadcast, Algorithm::BinomialTree),
+        (Collective::Broadcast, Algorithm::Tree),
         (Collective::Reduce, Algorithm::Chain),
         (Collective::Reduce, Algorithm::BinomialTree),
+        (Collective::Reduce, Algorithm::Tree),
         (Collective::AllToAll, Algorithm::Pairwise),
         (Collective::SendRecv, Algorithm::Direct),
         (Collective::Barrier, Algorithm::Dissemination),
@@ -225,6 +234,16 @@ fn ring_all_reduce_gives_every_rank_the_sum_of_all_inputs() {
 #[test]
 fn recursive_doubling_all_reduce_gives_every_rank_the_sum_of_all_inputs() {
     sweep(Collective::AllReduce, Algorithm::RecursiveDoubling);
+}
+
+#[test]
+fn tree_broadcast_copies_the_root_buffer_to_every_rank_from_every_root() {
+    sweep(Collective::Broadcast, Algorithm::Tree);
+}
+
+#[test]
+fn tree_reduce_leaves_the_sum_at_every_root() {
+    sweep(Collective::Reduce, Algorithm::Tree);
 }
 
 #[test]
@@ -309,6 +328,117 @@ fn ring_allreduce_moves_exactly_two_n_minus_one_over_n_of_the_buffer() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Worlds 17..=64 for the double binary tree: each world gets `per_world` runs whose count,
+/// segment size, link capacity, finalize and seeds are drawn from a fixed PRNG (so the
+/// sample is the same on every run). Counts include 0, 1, counts below the world size and
+/// odd counts.
+fn sampled_tree_calls(per_world: usize) -> Vec<(Call, SimConfig, u64)> {
+    let mut x = 0x7ee5_5eed_u64;
+    let mut next = move |m: usize| {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % m as u64) as usize
+    };
+    let mut out = Vec::new();
+    for n in 17..=64 {
+        for _ in 0..per_world {
+            let count = match next(8) {
+                0 => 0,
+                1 => 1,
+                2 => 2 + next(n - 2), // below the world size
+                3 => n - 1,
+                4 => n + 1,
+                5 => 2 * n + 1,
+                6 => 2 * next(300) + 1, // odd
+                _ => next(1000),
+            };
+            let seg = [1, 2, 3, 7, 64, usize::MAX][next(6)];
+            let cap = [1, 2, 4][next(3)];
+            let call = Call::new(Collective::AllReduce, Algorithm::Tree, n, count)
+                .with_finalize(next(2) == 1);
+            let cfg = SimConfig {
+                seed: next(1 << 30) as u64,
+                seg_elems: seg,
+                link_capacity: cap,
+            };
+            out.push((call, cfg, next(1 << 30) as u64));
+        }
+    }
+    out
+}
+
+#[test]
+fn double_binary_tree_all_reduce_gives_every_rank_the_sum_on_every_world_from_1_to_16() {
+    sweep_worlds(Collective::AllReduce, Algorithm::Tree, 1..=16);
+}
+
+#[test]
+fn double_binary_tree_all_reduce_gives_every_rank_the_sum_on_sampled_worlds_up_to_64() {
+    let calls = sampled_tree_calls(6);
+    assert_eq!(calls.len(), 48 * 6);
+    for (call, cfg, input_seed) in &calls {
+        run_and_check(call, cfg, *input_seed);
+    }
+    // The sample covers what it claims to.
+    assert!(calls.iter().any(|(c, ..)| c.count == 0));
+    assert!(calls.iter().any(|(c, ..)| c.count > 0 && c.count < c.world));
+    assert!(calls.iter().any(|(c, ..)| c.count % 2 == 1));
+    assert!(calls
+        .iter()
+        .any(|(c, cfg, _)| c.count > 0 && cfg.link_capacity == 1));
+}
+
+/// What the double binary tree sends per rank, from the tree alone: each half once per tree
+/// edge at the rank (to the parent on the way up, to each child on the way down).
+fn tree_elems_per_rank(n: usize, r: usize, count: usize) -> usize {
+    let halves = algo::double_binary_tree_halves(count);
+    algo::double_binary_tree(n, r)
+        .iter()
+        .zip(halves)
+        .map(|(t, h)| h.len * (usize::from(t.parent.is_some()) + t.children.len()))
+        .sum()
+}
+
+#[test]
+fn double_binary_tree_all_reduce_sends_each_half_once_per_tree_edge_and_at_most_2c_plus_1() {
+    let mut worlds: Vec<(usize, usize)> = Vec::new();
+    for n in 1..=16 {
+        for count in counts(n).into_iter().chain([n * 12 + 1, 1000]) {
+            worlds.push((n, count));
+        }
+    }
+    for n in 17..=64 {
+        for count in [1, n - 1, 2 * n + 1, 1000] {
+            worlds.push((n, count));
+        }
+    }
+    for (n, count) in worlds {
+        let out = volumes(Call::new(Collective::AllReduce, Algorithm::Tree, n, count));
+        let ctx = format!("n={n} count={count}");
+        // Every tree edge carries its half once up and once down: 2(n−1) half-transfers per
+        // tree, the same total as the ring.
+        assert_eq!(out.elems_sent(), 2 * (n - 1) * count, "{ctx}: total");
+        for (r, s) in out.stats.iter().enumerate() {
+            let want = tree_elems_per_rank(n, r, count);
+            assert_eq!(s.elems_sent, want, "{ctx} rank {r}: sent");
+            assert_eq!(s.elems_received, want, "{ctx} rank {r}: received");
+            // The bound that does not need the trees: a rank has children in at most one tree,
+            // so it moves at most 3⌈c/2⌉ + ⌊c/2⌋ = 2c + (c mod 2) elements each way.
+            assert!(
+                s.elems_sent <= 2 * count + count % 2,
+                "{ctx} rank {r}: sent {} > 2c + (c mod 2)",
+                s.elems_sent
+            );
+        }
+        // Odd worlds: rank 0 is a leaf in both trees and sends each half up once.
+        if n % 2 == 1 && n > 1 {
+            assert_eq!(out.stats[0].elems_sent, count, "{ctx}: rank 0");
         }
     }
 }
@@ -598,7 +728,11 @@ fn a_ring_that_reduces_where_it_should_copy_is_caught_by_the_reference() {
 
 #[test]
 fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
-    for algo in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+    for algo in [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Tree,
+    ] {
         let call = Call::new(Collective::AllReduce, algo, 5, 11).with_finalize(true);
         let good = schedules(&call);
         assert!(matches_reference(&call, &good, 2), "{algo}");
@@ -634,6 +768,69 @@ fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
     }
     // The factor really is odd (invertible), so K·x = x only for x = 0.
     assert_eq!(FINALIZE_FACTOR % 2, 1);
+}
+
+#[test]
+fn a_double_binary_tree_whose_ranks_disagree_about_up_before_down_is_caught() {
+    // Frames on a link match only because both ends list a segment's up op before its down
+    // op: on odd ranks, move the down ops (the copy from the parent, the sends to the
+    // children) in front of the up ops; the reference (or a deadlock) must catch it.
+    for (n, count) in [(2, 1), (5, 11), (8, 40)] {
+        let call = Call::new(Collective::AllReduce, Algorithm::Tree, n, count);
+        let good = schedules(&call);
+        assert!(matches_reference(&call, &good, 3), "n={n}");
+        let mut bad = good.clone();
+        for (r, s) in bad.iter_mut().enumerate().filter(|(r, _)| r % 2 == 1) {
+            let children: Vec<usize> = algo::double_binary_tree(n, r)
+                .iter()
+                .flat_map(|t| t.children.clone())
+                .collect();
+            let down = |op: &Op| match *op {
+                Op::Recv { acc: None, .. } => true,
+                Op::Send { peer, .. } => children.contains(&peer),
+                _ => false,
+            };
+            let mut moved = Schedule::new();
+            moved.round();
+            for op in s.ops.iter().filter(|op| down(op)) {
+                moved.push(*op);
+            }
+            for op in s.ops.iter().filter(|op| !down(op)) {
+                moved.push(*op);
+            }
+            *s = moved;
+        }
+        assert!(!matches_reference(&call, &bad, 3), "n={n}");
+    }
+}
+
+#[test]
+fn a_compiled_double_binary_tree_without_its_dependencies_is_caught_by_some_seed() {
+    let call = Call::new(Collective::AllReduce, Algorithm::Tree, 6, 24);
+    let mut progs = call.programs(3).unwrap();
+    for p in &mut progs {
+        for st in &mut p.steps {
+            st.deps = (0, 0);
+        }
+    }
+    let inputs = call.random_inputs(9);
+    let want = call.expected(&inputs);
+    let caught = (0..20).any(|seed| {
+        let cfg = SimConfig {
+            seed,
+            seg_elems: 3,
+            link_capacity: 4,
+        };
+        match sim::run_programs(&progs, inputs.clone(), &cfg) {
+            Ok(out) => out
+                .buffers
+                .iter()
+                .zip(&want)
+                .any(|(b, w)| Some(&b.dst) != w.as_ref()),
+            Err(_) => true,
+        }
+    });
+    assert!(caught, "no seed exposed the missing dependencies");
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Multi-process tests over real TCP: this test binary re-executes itself as N rank
 //! processes (`rank_process` is the entry point of a rank; it does nothing in a normal test
-//! run). Covers every collective, type and operator on worlds 1..=5, large messages, a killed
-//! rank, a stopped (SIGSTOP) rank, mismatched calls, and two ranks in separate network
-//! namespaces joined by a veth pair (root only; skipped with a reason elsewhere).
+//! run). Covers every collective, type and operator on worlds 1..=5, the double binary tree
+//! (`DSPARK_ALGO=tree`) on worlds 3, 5, 7 and 8, large messages, a killed rank, a stopped
+//! (SIGSTOP) rank, mismatched calls, and two ranks in separate network namespaces joined by a
+//! veth pair (root only; skipped with a reason elsewhere).
 
 mod common;
 
@@ -25,6 +26,16 @@ fn run_scenario(s: &str) -> Result<i32, String> {
     match s {
         "matrix" => {
             common::run_matrix(&comm, &[0, 1, 2, 3, 7, 13, 100, 1023], 0x5eed)?;
+            Ok(OK)
+        }
+        "tree" => {
+            // Run with DSPARK_ALGO=tree: the double binary tree all_reduce (and the binomial
+            // tree for reduce and broadcast), checked to be forced, not silently replaced.
+            let forced = comm.algorithm(dspark::plan::Collective::AllReduce, 1 << 20);
+            if forced != dspark::plan::Algorithm::Tree {
+                return Err(format!("all_reduce runs {forced}, not tree"));
+            }
+            common::run_tree_matrix(&comm, &[0, 1, 2, 5, 8, 13, 100, 1023], 0x7ee)?;
             Ok(OK)
         }
         "large" => {
@@ -130,6 +141,29 @@ fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
         )
         .wait(Duration::from_secs(240));
         assert_all(&outs, OK, &format!("world {world}"));
+    }
+}
+
+/// #10: `DSPARK_ALGO=tree` (the double binary tree) on worlds 3, 5, 7 and 8, every type and
+/// operator; 1 KiB segments, so that the halves of the larger counts take several segments and
+/// the pipeline (down while still up) runs across processes.
+#[test]
+fn double_binary_tree_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8() {
+    for world in [3, 5, 7, 8] {
+        let outs = spawn(
+            world,
+            "tree",
+            &|_| {
+                vars(&[
+                    ("DSPARK_ALGO", "tree"),
+                    ("DSPARK_CHUNK_BYTES", "1024"),
+                    ("DSPARK_TIMEOUT", "60"),
+                ])
+            },
+            None,
+        )
+        .wait(Duration::from_secs(240));
+        assert_all(&outs, OK, &format!("tree, world {world}"));
     }
 }
 

@@ -14,6 +14,7 @@ pub(crate) fn build(req: &Request) -> Schedule {
     let fin = req.finalize;
     match (req.coll, req.algo) {
         (Collective::AllReduce, Algorithm::Ring) => ring_all_reduce(n, r, c, fin),
+        (Collective::AllReduce, Algorithm::Tree) => double_binary_tree_all_reduce(n, r, c, fin),
         (Collective::AllReduce, _) => recursive_doubling_all_reduce(n, r, c, fin),
         (Collective::AllGather, _) => ring_all_gather(n, r, c),
         (Collective::ReduceScatter, _) => ring_reduce_scatter(n, r, c, fin),
@@ -110,6 +111,169 @@ fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Sche
     }
     if r < extra {
         s.round().send(r + p, all);
+    }
+    s
+}
+
+/// One rank's place in one tree: its parent (`None` at the root) and its children (at most
+/// two).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TreeLinks {
+    /// The parent rank; `None` for the root.
+    pub parent: Option<Rank>,
+    /// The child ranks (zero, one or two).
+    pub children: Vec<Rank>,
+}
+
+/// Parent and children of position `u` (1-based, `1 ≤ u ≤ n`) in the in-order binary tree
+/// over positions `1..=n`.
+///
+/// The untruncated tree is the one in which position `u` with lowest set bit `b` has the
+/// children `u − b/2` and `u + b/2`, and the parent `u + b` (when bit `2b` of `u` is clear)
+/// or `u − b`: the odd positions are its leaves and the root is `P`, the largest power of
+/// two `≤ n`, whose subtree covers `1..2P`. Truncation to `1..=n` keeps the left child (it
+/// is always below `u`); a missing right child `u + b/2` is replaced by the first of
+/// `u + b/4, u + b/8, …, u + 1` that exists (the only part of the missing child's subtree
+/// that is `≤ n` is its leftmost spine), and a position whose parent is missing climbs to
+/// the first ancestor that exists. Every position with an even number therefore has one or
+/// two children and every odd one none; the depth is at most `⌊log2 n⌋`.
+fn inorder_tree(n: usize, u: usize) -> (Option<usize>, Vec<usize>) {
+    if u == 0 || u > n {
+        return (None, Vec::new());
+    }
+    let b = u & u.wrapping_neg();
+    let mut children = Vec::new();
+    if b > 1 {
+        children.push(u - b / 2);
+        let mut h = b / 2;
+        while h > 0 && u + h > n {
+            h /= 2;
+        }
+        if h > 0 {
+            children.push(u + h);
+        }
+    }
+    let root = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    if u == root {
+        return (None, children);
+    }
+    let (mut w, mut bw) = (u, b);
+    loop {
+        let p = if w & (2 * bw) == 0 { w + bw } else { w - bw };
+        if p <= n {
+            return (Some(p), children);
+        }
+        w = p;
+        bw *= 2;
+    }
+}
+
+/// The two trees of the double binary tree allreduce over `n ≥ 1` ranks, as seen from rank
+/// `r`: `[first, second]`.
+///
+/// The first tree is the in-order binary tree over ranks `0..n` (rank `r` at position
+/// `r + 1`, [`inorder_tree`]): the odd ranks have children, the even ranks are leaves. The
+/// second is the first mirrored (rank `r` takes the place of rank `n − 1 − r`) when `n` is
+/// even, and shifted by one (rank `r` takes the place of rank `r − 1`) when `n` is odd. As in
+/// NCCL's double binary tree, no rank has children in both: with `n` even every rank has
+/// children in exactly one tree (the even ranks in the second), with `n` odd every rank but
+/// rank 0 does (ranks `2, 4, …, n − 1` in the second), and rank 0 is a leaf in both. Both
+/// trees have depth at most `⌊log2 n⌋`. (Both are empty when `r` is not a rank of the world.)
+pub fn double_binary_tree(n: usize, r: Rank) -> [TreeLinks; 2] {
+    if r >= n {
+        return Default::default();
+    }
+    let first = |v: Rank| {
+        let (p, ch) = inorder_tree(n, v + 1);
+        (
+            p.map(|p| p - 1),
+            ch.into_iter().map(|c| c - 1).collect::<Vec<_>>(),
+        )
+    };
+    let (p, ch) = first(r);
+    let a = TreeLinks {
+        parent: p,
+        children: ch,
+    };
+    // The second tree's position of rank v, and the rank at a position of the second tree.
+    let even = n.is_multiple_of(2);
+    let to = |v: Rank| if even { n - 1 - v } else { (v + n - 1) % n };
+    let from = |v: Rank| if even { n - 1 - v } else { (v + 1) % n };
+    let (p, ch) = first(to(r));
+    let b = TreeLinks {
+        parent: p.map(from),
+        children: ch.into_iter().map(from).collect(),
+    };
+    [a, b]
+}
+
+/// The two halves of a count-`c` buffer that the two trees carry: `[0, ⌈c/2⌉)` and
+/// `[⌈c/2⌉, c)`.
+pub fn double_binary_tree_halves(c: usize) -> [Loc; 2] {
+    let mid = c.div_ceil(2);
+    [Loc::dst(0..mid), Loc::dst(mid..c)]
+}
+
+/// NCCL's double binary tree allreduce, in place: the first tree ([`double_binary_tree`])
+/// reduces the first half of the buffer ([`double_binary_tree_halves`]) towards its root and
+/// broadcasts the result back down, the second tree does the same with the second half.
+///
+/// ```text
+/// up,   per tree t:  recv H(t) ← each child, reduce;  send H(t) → parent
+/// root of t:         finalize H(t) (Avg)
+/// down, per tree t:  recv H(t) ← parent, copy;         send H(t) → each child
+/// ```
+///
+/// Everything is one round, in the order (up of the first tree, up of the second, the
+/// finalizes, down of the first, down of the second), so that [`compile`](super::compile)
+/// interleaves segment by segment: a rank's program goes segment 0 up in both trees, segment
+/// 0 down in both, segment 1 up, … The dependencies are per segment (the down receive of
+/// segment k waits only for the up send of segment k), so segment k travels down while
+/// later segments still travel up, and the two trees run at the same time.
+///
+/// Frames on a link match in order. No rank has children in both trees, so a directed link
+/// `r → q` carries the up frames of at most one tree (`q` is `r`'s parent in at most one) and
+/// the down frames of at most one (`r` is `q`'s parent in at most one); both ends list up
+/// before down and cut ops of the same lengths into the same segments, so the k-th frame sent
+/// is the k-th frame expected. No deadlock: order the frames by (segment, up before down). An
+/// up frame of segment k waits for the up frames of segment k from the sender's children in
+/// its tree and for frames before it on its link (earlier segments); a down frame of segment
+/// k waits for the up frames of segment k of its tree, the down frame of segment k from the
+/// sender's parent, and frames before it on its link (the up frame of segment k, earlier
+/// segments). Every wait points to an earlier class or, within a class, to a frame of the same
+/// tree further from the root (up) or nearer to it (down), so no cycle can form.
+///
+/// Every rank sends, and receives, each half once per tree edge it has: `|H(t)|` times (1 if
+/// it has a parent in `t` + its children in `t`), summed over both trees. It has children in
+/// at most one tree, so it sends at most `3⌈c/2⌉ + ⌊c/2⌋ = 2c + (c mod 2)` elements; all ranks
+/// together send `2(n−1)·c`, the same total as the ring.
+fn double_binary_tree_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
+    let mut s = Schedule::new();
+    let trees = double_binary_tree(n, r);
+    let halves = double_binary_tree_halves(c);
+    s.round();
+    for (t, &h) in trees.iter().zip(&halves) {
+        for &ch in &t.children {
+            s.recv_reduce(ch, h, h);
+        }
+        if let Some(p) = t.parent {
+            s.send(p, h);
+        }
+    }
+    if fin {
+        for (t, &h) in trees.iter().zip(&halves) {
+            if t.parent.is_none() {
+                s.push(Op::Finalize { loc: h });
+            }
+        }
+    }
+    for (t, &h) in trees.iter().zip(&halves) {
+        if let Some(p) = t.parent {
+            s.recv_copy(p, h);
+        }
+        for &ch in &t.children {
+            s.send(ch, h);
+        }
     }
     s
 }
@@ -342,4 +506,201 @@ fn direct(c: usize, peer: Rank, is_send: bool) -> Schedule {
         s.round().recv_copy(peer, Loc::dst(0..c));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{compile, Program};
+
+    fn trees(n: usize) -> Vec<[TreeLinks; 2]> {
+        (0..n).map(|r| double_binary_tree(n, r)).collect()
+    }
+
+    fn floor_log2(n: usize) -> usize {
+        (usize::BITS - 1 - n.leading_zeros()) as usize
+    }
+
+    #[test]
+    fn double_binary_trees_are_two_spanning_binary_trees_in_which_no_rank_has_children_twice() {
+        for n in 1..=2048 {
+            let all = trees(n);
+            for t in 0..2 {
+                let roots: Vec<Rank> = (0..n).filter(|&r| all[r][t].parent.is_none()).collect();
+                assert_eq!(roots.len(), 1, "n={n} tree {t}: roots {roots:?}");
+                for (r, links) in all.iter().enumerate() {
+                    let l = &links[t];
+                    assert!(l.children.len() <= 2, "n={n} tree {t} rank {r}: {l:?}");
+                    for &c in &l.children {
+                        assert!(c < n && c != r, "n={n} tree {t} rank {r}: {l:?}");
+                        assert_eq!(all[c][t].parent, Some(r), "n={n} tree {t} child {c} of {r}");
+                    }
+                    if let Some(p) = l.parent {
+                        assert!(
+                            all[p][t].children.contains(&r),
+                            "n={n} tree {t}: {r}'s parent {p} does not list it"
+                        );
+                    }
+                    // Climbing reaches the root within the depth bound (so there is no cycle).
+                    let (mut v, mut depth) = (r, 0);
+                    while let Some(p) = all[v][t].parent {
+                        v = p;
+                        depth += 1;
+                        assert!(depth <= floor_log2(n), "n={n} tree {t}: rank {r} too deep");
+                    }
+                    assert_eq!(v, roots[0]);
+                }
+            }
+            for (r, links) in all.iter().enumerate() {
+                let interior = links.iter().filter(|l| !l.children.is_empty()).count();
+                let want = if n == 1 || (n % 2 == 1 && r == 0) {
+                    0
+                } else {
+                    1
+                };
+                assert_eq!(interior, want, "n={n} rank {r}: {links:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn double_binary_trees_of_eight_and_seven_ranks_are_mirrored_and_shifted() {
+        let kids = |n: usize, t: usize| -> Vec<Vec<Rank>> {
+            trees(n).iter().map(|l| l[t].children.clone()).collect()
+        };
+        // n = 8. First tree: 7 → 3 → {1, 5}, 1 → {0, 2}, 5 → {4, 6}; the second its mirror.
+        assert_eq!(
+            kids(8, 0),
+            vec![
+                vec![],
+                vec![0, 2],
+                vec![],
+                vec![1, 5],
+                vec![],
+                vec![4, 6],
+                vec![],
+                vec![3]
+            ]
+        );
+        assert_eq!(
+            kids(8, 1),
+            vec![
+                vec![4],
+                vec![],
+                vec![3, 1],
+                vec![],
+                vec![6, 2],
+                vec![],
+                vec![7, 5],
+                vec![]
+            ]
+        );
+        assert_eq!(double_binary_tree(8, 7)[0].parent, None);
+        assert_eq!(double_binary_tree(8, 0)[1].parent, None);
+        // n = 7. First tree: 3 → {1, 5}, 1 → {0, 2}, 5 → {4, 6}; the second shifted by one:
+        // 4 → {2, 6}, 2 → {1, 3}, 6 → {5, 0}. Rank 0 is a leaf in both.
+        assert_eq!(
+            kids(7, 0),
+            vec![
+                vec![],
+                vec![0, 2],
+                vec![],
+                vec![1, 5],
+                vec![],
+                vec![4, 6],
+                vec![]
+            ]
+        );
+        assert_eq!(
+            kids(7, 1),
+            vec![
+                vec![],
+                vec![],
+                vec![1, 3],
+                vec![],
+                vec![2, 6],
+                vec![],
+                vec![5, 0]
+            ]
+        );
+        assert_eq!(double_binary_tree(7, 4)[1].parent, None);
+        assert_eq!(
+            double_binary_tree(1, 0),
+            [TreeLinks::default(), TreeLinks::default()]
+        );
+    }
+
+    /// Steps `i` depends on, directly or through other steps.
+    fn ancestors(p: &Program, i: usize) -> Vec<bool> {
+        let mut seen = vec![false; p.steps.len()];
+        let mut stack = vec![i];
+        while let Some(j) = stack.pop() {
+            for &d in p.deps(j) {
+                if !seen[d as usize] {
+                    seen[d as usize] = true;
+                    stack.push(d as usize);
+                }
+            }
+        }
+        seen
+    }
+
+    #[test]
+    fn a_tree_segment_goes_down_while_later_segments_still_go_up() {
+        // 8 ranks, 40 elements: each half is 20, 5 segments of 4.
+        let (n, c, seg) = (8, 40, 4);
+        let halves = double_binary_tree_halves(c);
+        for r in 0..n {
+            let s = double_binary_tree_all_reduce(n, r, c, true);
+            let p = compile(&s, seg);
+            for (t, links) in double_binary_tree(n, r).iter().enumerate() {
+                let h = halves[t];
+                let seg_of = |l: Loc| (l.start - h.start) / seg;
+                let in_half = |l: Loc| l.start >= h.start && l.start < h.start + h.len;
+                // The first step that moves segment 0 down: the receive from the parent, or
+                // (at the root) the first send to a child.
+                let first_down = p.steps.iter().position(|st| match st.op {
+                    Op::Recv { peer, dst, .. } => {
+                        Some(peer) == links.parent && in_half(dst) && seg_of(dst) == 0
+                    }
+                    Op::Send { peer, src } => {
+                        links.parent.is_none()
+                            && links.children.contains(&peer)
+                            && in_half(src)
+                            && seg_of(src) == 0
+                    }
+                    _ => false,
+                });
+                let Some(first_down) = first_down else {
+                    assert!(links.parent.is_none() && links.children.is_empty());
+                    continue;
+                };
+                let before = ancestors(&p, first_down);
+                for (j, st) in p.steps.iter().enumerate() {
+                    let up = match st.op {
+                        Op::Recv { peer, dst, .. } => {
+                            links.children.contains(&peer) && in_half(dst)
+                        }
+                        Op::Send { peer, src } => Some(peer) == links.parent && in_half(src),
+                        _ => false,
+                    };
+                    let l = match st.op {
+                        Op::Recv { dst, .. } => dst,
+                        Op::Send { src, .. } => src,
+                        _ => continue,
+                    };
+                    if up && seg_of(l) > 0 {
+                        assert!(
+                            !before[j],
+                            "rank {r} tree {t}: segment 0 down waits for {:?}",
+                            st.op
+                        );
+                        // ... and it comes after it in program order, so it is not a
+                        // dependency merely by accident of order.
+                        assert!(j > first_down, "rank {r} tree {t}: {:?}", st.op);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -386,11 +386,18 @@ pub enum Algorithm {
     Dissemination,
     /// A single point-to-point transfer.
     Direct,
+    /// Trees (`tree`). all_reduce: NCCL's double binary tree — two binary trees over the ranks
+    /// in which no rank has children in both ([`algo::double_binary_tree`]); each reduces one
+    /// half of the buffer towards its root and broadcasts it back down, segments pipelined so
+    /// that early segments travel down while later ones still travel up: ⌊log2 n⌋ hops each
+    /// way, at most 2·count + 1 elements sent per rank. broadcast, reduce: the binomial tree,
+    /// the same schedules as [`Algorithm::BinomialTree`].
+    Tree,
 }
 
 impl Algorithm {
     /// Every algorithm, in wire-code order.
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 8] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::Chain,
@@ -398,9 +405,10 @@ impl Algorithm {
         Algorithm::Pairwise,
         Algorithm::Dissemination,
         Algorithm::Direct,
+        Algorithm::Tree,
     ];
 
-    /// Wire code (0..=6; fits in four bits).
+    /// Wire code (0..=7; fits in four bits).
     pub const fn code(self) -> u8 {
         self as u8
     }
@@ -420,10 +428,11 @@ impl Algorithm {
             Algorithm::Pairwise => "pairwise",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Direct => "direct",
+            Algorithm::Tree => "tree",
         }
     }
 
-    /// Parses a name as [`Algorithm::name`] prints it (also `rd`, `tree`).
+    /// Parses a name as [`Algorithm::name`] prints it (also `rd`, `binomial`, `dbt`, ...).
     pub fn from_name(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "ring" => Some(Algorithm::Ring),
@@ -431,9 +440,8 @@ impl Algorithm {
                 Some(Algorithm::RecursiveDoubling)
             }
             "chain" | "pipeline" => Some(Algorithm::Chain),
-            "binomial_tree" | "tree" | "binomial" | "binomial-tree" => {
-                Some(Algorithm::BinomialTree)
-            }
+            "binomial_tree" | "binomial" | "binomial-tree" => Some(Algorithm::BinomialTree),
+            "tree" | "double_binary_tree" | "double-binary-tree" | "dbt" => Some(Algorithm::Tree),
             "pairwise" => Some(Algorithm::Pairwise),
             "dissemination" => Some(Algorithm::Dissemination),
             "direct" => Some(Algorithm::Direct),
@@ -460,6 +468,7 @@ impl Algorithm {
             (Ring, AllReduce | AllGather | ReduceScatter)
                 | (RecursiveDoubling, AllReduce)
                 | (Chain | BinomialTree, Broadcast | Reduce)
+                | (Tree, AllReduce | Broadcast | Reduce)
                 | (Pairwise, AllToAll)
                 | (Dissemination, Barrier)
                 | (Direct, SendRecv)
@@ -830,7 +839,8 @@ mod tests {
         // Literal spot checks, independent of ALL's order.
         assert_eq!(Algorithm::Ring.code(), 0);
         assert_eq!(Algorithm::Direct.code(), 6);
-        assert_eq!(Algorithm::from_code(7), None);
+        assert_eq!(Algorithm::Tree.code(), 7);
+        assert_eq!(Algorithm::from_code(8), None);
         assert_eq!(Algorithm::from_code(15), None);
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);

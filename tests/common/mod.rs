@@ -346,6 +346,76 @@ pub fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<()
     Ok(())
 }
 
+/// The collectives `DSPARK_ALGO=tree` applies to, for type `T` and operator `op` at `count`:
+/// all_reduce (the double binary tree), reduce to one root and, for `Sum`, broadcast from
+/// another (the binomial tree). The roots move with the count so that a list of counts
+/// covers several.
+pub fn run_tree_collectives<T: TestElem>(
+    comm: &Communicator,
+    op: ReduceOp,
+    count: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let n = comm.world_size();
+    let r = comm.rank();
+    let ctx = format!("{} {} count {count} world {n} rank {r}", T::DATA_TYPE, op);
+    let mut buf = inputs::<T>(op, seed, r, count);
+    comm.all_reduce(&mut buf, op)
+        .map_err(|e| format!("all_reduce {ctx}: {e}"))?;
+    check(
+        &format!("all_reduce {ctx}"),
+        &buf,
+        &reduced::<T>(op, seed, n, count),
+    )?;
+    let root = count % n;
+    let mut buf = inputs::<T>(op, seed ^ 2, r, count);
+    comm.reduce(&mut buf, op, root)
+        .map_err(|e| format!("reduce root {root} {ctx}: {e}"))?;
+    if r == root {
+        check(
+            &format!("reduce root {root} {ctx}"),
+            &buf,
+            &reduced::<T>(op, seed ^ 2, n, count),
+        )?;
+    }
+    if op == ReduceOp::Sum {
+        let root = (count + 1) % n;
+        let mut buf = if r == root {
+            inputs::<T>(op, seed ^ 4, root, count)
+        } else {
+            vec![T::default(); count]
+        };
+        comm.broadcast(&mut buf, root)
+            .map_err(|e| format!("broadcast root {root} {ctx}: {e}"))?;
+        check(
+            &format!("broadcast root {root} {ctx}"),
+            &buf,
+            &inputs::<T>(op, seed ^ 4, root, count),
+        )?;
+    }
+    Ok(())
+}
+
+/// [`run_tree_collectives`] for every type, every operator, every count.
+pub fn run_tree_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
+    for &count in counts {
+        for op in ReduceOp::ALL {
+            let s = seed ^ mix(count as u64) ^ (op as u64);
+            run_tree_collectives::<f32>(comm, op, count, s)?;
+            run_tree_collectives::<f64>(comm, op, count, s)?;
+            run_tree_collectives::<f16>(comm, op, count, s)?;
+            run_tree_collectives::<bf16>(comm, op, count, s)?;
+            run_tree_collectives::<i8>(comm, op, count, s)?;
+            run_tree_collectives::<u8>(comm, op, count, s)?;
+            run_tree_collectives::<i32>(comm, op, count, s)?;
+            run_tree_collectives::<u32>(comm, op, count, s)?;
+            run_tree_collectives::<i64>(comm, op, count, s)?;
+            run_tree_collectives::<u64>(comm, op, count, s)?;
+        }
+    }
+    Ok(())
+}
+
 /// A configuration for ranks over `mem`: this deadline and segment size, defaults otherwise.
 pub fn mem_config(timeout: Duration, segment_bytes: usize) -> Config {
     let mut c = Config::new(0, 1, "");
