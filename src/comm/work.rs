@@ -32,6 +32,16 @@ const SPIN_WAIT: Duration = Duration::from_micros(50);
 /// Polls between two yields (and clock reads) of that spin.
 const SPIN_POLLS_PER_YIELD: u32 = 64;
 
+/// While operations were issued within the last `WATCH_FOR`, the progress thread does not
+/// sleep until woken: it looks at the queue every `WATCH_PERIOD`, and issuing an operation
+/// wakes nobody. A caller that waits at once then runs its operation itself, as a blocking
+/// call does, without the two wake-ups and context switches (several µs each on a virtual
+/// machine) that handing it to the progress thread and back costs; an operation overlapped
+/// with computation starts at most `WATCH_PERIOD` late. After `WATCH_FOR` without an
+/// operation the thread sleeps until the next one wakes it, which then starts at once.
+const WATCH_PERIOD: Duration = Duration::from_micros(100);
+const WATCH_FOR: Duration = Duration::from_millis(5);
+
 /// An operation, run by whoever holds the driver role.
 pub(crate) type Task = Box<dyn FnOnce(&mut Engine) -> Result<()> + Send>;
 
@@ -153,8 +163,11 @@ struct Queue {
     jobs: VecDeque<Job>,
     /// Someone holds the driver role (and so the engine).
     driving: bool,
-    /// The progress thread sleeps waiting for work.
+    /// The progress thread sleeps until woken (not watching the queue).
     progress_sleeping: bool,
+    /// When the last operation was queued (the progress thread watches the queue for
+    /// `WATCH_FOR` after it).
+    last_submit: Option<Instant>,
     /// Threads waiting for the driver role (blocking calls).
     role_waiters: usize,
     /// The communicator is being dropped: the progress thread drains the queue and exits.
@@ -214,6 +227,8 @@ impl Shared {
             timeout,
             done: Arc::clone(&done),
         });
+        q.last_submit = Some(Instant::now());
+        // A watching progress thread finds the job by itself within WATCH_PERIOD.
         if !q.driving && q.progress_sleeping {
             self.wake_progress.notify_one();
         }
@@ -367,6 +382,11 @@ impl Shared {
                 drop(role);
                 continue;
             }
+            if !q.driving && !q.jobs.is_empty() {
+                // A bounded wait does not drive (the operation may outlast it): have the
+                // progress thread start it now rather than at its next look.
+                self.wake_progress.notify_one();
+            }
             drop(q);
             // Someone else drives: a small operation is about to complete.
             if done.spin(until) {
@@ -398,12 +418,22 @@ impl Shared {
         loop {
             let mut q = lock(&self.q);
             while q.driving || (q.jobs.is_empty() && !q.shutdown) {
-                q.progress_sleeping = true;
-                q = self
-                    .wake_progress
-                    .wait(q)
-                    .unwrap_or_else(|e| e.into_inner());
-                q.progress_sleeping = false;
+                let watching =
+                    !q.shutdown && q.last_submit.is_some_and(|t| t.elapsed() < WATCH_FOR);
+                if watching {
+                    q = self
+                        .wake_progress
+                        .wait_timeout(q, WATCH_PERIOD)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                } else {
+                    q.progress_sleeping = true;
+                    q = self
+                        .wake_progress
+                        .wait(q)
+                        .unwrap_or_else(|e| e.into_inner());
+                    q.progress_sleeping = false;
+                }
             }
             if q.jobs.is_empty() {
                 // Shut down, and everything issued has run.
