@@ -931,6 +931,9 @@ fn auto_falls_back_to_tcp_on_every_rank_when_one_rank_has_no_usable_device() {
     }
     let env = |r: usize| {
         let mut v = vars(&[("DSPARK_TRANSPORT", "auto")]);
+        // Two hosts as far as the transport choice goes: on one host `auto` would pick shared
+        // memory before it ever looked at verbs.
+        v.push(("DSPARK_HOST_ID".into(), format!("vm-host-{r}")));
         if r == 1 {
             v.push(("DSPARK_IB_DEVICE".into(), "nosuchdev".into()));
         }
