@@ -55,6 +55,11 @@ pub const SHM_STAGED_REASON: &str =
     "shm transport: device memory is staged through host memory (CUDA IPC between the GPUs \
      of one host is not implemented)";
 
+/// Reason given for device memory over a mixed communicator (shm within hosts, TCP between
+/// them), when it is not split per connection.
+pub const SHM_TCP_STAGED_REASON: &str =
+    "shm+tcp transports: device memory is staged through host memory on every connection";
+
 /// Reason given for device memory over the in-process transport.
 pub const MEM_STAGED_REASON: &str =
     "in-process mem transport: device memory is staged through host memory";
@@ -404,10 +409,11 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
         )
     };
     match transport {
-        TransportKind::Tcp | TransportKind::Mem | TransportKind::Shm => {
+        TransportKind::Tcp | TransportKind::Mem | TransportKind::Shm | TransportKind::ShmTcp => {
             let reason = match transport {
                 TransportKind::Tcp => TCP_STAGED_REASON,
                 TransportKind::Shm => SHM_STAGED_REASON,
+                TransportKind::ShmTcp => SHM_TCP_STAGED_REASON,
                 _ => MEM_STAGED_REASON,
             };
             if policy == PathPolicy::GpuDirect {

@@ -52,6 +52,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "kind" => {
             let want = match std::env::var("WANT_TRANSPORT").as_deref() {
                 Ok("tcp") => TransportKind::Tcp,
+                Ok("shm+tcp") => TransportKind::ShmTcp,
                 _ => TransportKind::Shm,
             };
             expect_transport(&comm, want)?;
@@ -308,12 +309,16 @@ fn ranks_on_one_host_choose_shm_and_dspark_transport_tcp_rules_it_out() {
 }
 
 #[test]
-fn ranks_with_different_host_ids_use_tcp_and_forcing_shm_names_the_ranks_per_host() {
+fn ranks_with_different_host_ids_share_memory_only_within_a_host_and_forcing_shm_names_the_ranks_per_host(
+) {
     let host = |r: usize| if r < 2 { "host-a" } else { "host-b" };
+    // Ranks 0 and 1 share host-a's memory and reach rank 2 over TCP; rank 2, alone on
+    // host-b, uses TCP only (tests/mixed.rs covers mixed communicators).
+    let want = |r: usize| if r < 2 { "shm+tcp" } else { "tcp" };
     let outs = spawn(
         3,
         "kind",
-        &|r| shm_vars(&[("DSPARK_HOST_ID", host(r)), ("WANT_TRANSPORT", "tcp")]),
+        &|r| shm_vars(&[("DSPARK_HOST_ID", host(r)), ("WANT_TRANSPORT", want(r))]),
         None,
     )
     .wait(Duration::from_secs(60));

@@ -27,7 +27,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use dspark::config::{parse_size, TransportChoice};
 use dspark::engine::staged::EmulatedDevice;
 use dspark::engine::Call;
-use dspark::path::{BufferLocation, PathPolicy};
+use dspark::path::{BufferLocation, PathPolicy, TransportKind};
 use dspark::plan::{Algorithm, Collective};
 use dspark::{Communicator, Config, DataType, Element, ReduceOp};
 use half::{bf16, f16};
@@ -1198,25 +1198,29 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
         human(info.segment_bytes),
         info.timeout,
     );
-    // Per connection: every pair uses the same transport and path on host memory.
+    // Per connection: the transport of each pair (shm within a host and tcp between hosts
+    // in a mixed communicator), the path on host memory.
     let shown = n.min(8);
     for r in 0..shown {
-        let peers: Vec<String> = (0..n)
+        let mut kinds: Vec<TransportKind> = (0..n)
             .filter(|&p| p != r)
-            .take(7)
-            .map(|p| p.to_string())
+            .map(|p| info.transport_between(r, p))
             .collect();
-        if peers.is_empty() {
-            continue;
+        kinds.sort_by_key(|k| k.name());
+        kinds.dedup();
+        for k in kinds {
+            let all: Vec<usize> = (0..n)
+                .filter(|&p| p != r && info.transport_between(r, p) == k)
+                .collect();
+            let peers: Vec<String> = all.iter().take(7).map(|p| p.to_string()).collect();
+            println!(
+                "#   rank {r} ({}) -> ranks {}{}: {k} both ways, path {}",
+                info.hosts.get(r).map_or("?", String::as_str),
+                peers.join(","),
+                if all.len() > 7 { ",…" } else { "" },
+                pv.column,
+            );
         }
-        println!(
-            "#   rank {r} ({}) -> ranks {}{}: {} both ways, path {}",
-            info.hosts.get(r).map_or("?", String::as_str),
-            peers.join(","),
-            if n - 1 > 7 { ",…" } else { "" },
-            info.transport,
-            pv.column,
-        );
     }
     if n > shown {
         println!("#   ... ranks {shown}..{} alike", n - 1);

@@ -36,6 +36,7 @@ use crate::gpu::nvrtc::DiskCache;
 use crate::gpu::staged::{CudaStagedDevice, StagingPool};
 use crate::path::{self, BufferLocation, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
+use crate::transport::TransportKind;
 use crate::types::{Element, ReduceOp};
 
 /// Pinned slots per direction for staged device collectives.
@@ -94,14 +95,46 @@ impl Communicator {
             .filter(|&p| p != self.rank())
             .collect();
         let caps = &self.info().gpu_direct;
-        path::decide(&PathInputs {
-            policy,
-            rank: self.rank(),
-            peers: &peers,
-            transport: self.info().transport,
-            buffers,
-            capabilities: caps,
-        })
+        let info = self.info();
+        if info.transport != TransportKind::ShmTcp {
+            return path::decide(&PathInputs {
+                policy,
+                rank: self.rank(),
+                peers: &peers,
+                transport: info.transport,
+                buffers,
+                capabilities: caps,
+            });
+        }
+        // A mixed communicator: each connection's path is that of its own transport.
+        let kind = |p: usize| {
+            info.peer_transports
+                .get(p)
+                .copied()
+                .unwrap_or(info.transport)
+        };
+        let mut kinds: Vec<TransportKind> = peers.iter().map(|&p| kind(p)).collect();
+        kinds.sort_by_key(|k| k.name());
+        kinds.dedup();
+        let mut plan = PathPlan {
+            connections: Vec::with_capacity(peers.len()),
+            warnings: Vec::new(),
+        };
+        for k in kinds {
+            let some: Vec<usize> = peers.iter().copied().filter(|&p| kind(p) == k).collect();
+            let part = path::decide(&PathInputs {
+                policy,
+                rank: self.rank(),
+                peers: &some,
+                transport: k,
+                buffers,
+                capabilities: caps,
+            })?;
+            plan.connections.extend(part.connections);
+            plan.warnings.extend(part.warnings);
+        }
+        plan.connections.sort_by_key(|c| c.peer);
+        Ok(plan)
     }
 
     /// Checks at init that the data-path policy can be honoured for device memory.

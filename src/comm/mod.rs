@@ -60,6 +60,15 @@ pub struct CommInfo {
     pub hosts: Vec<String>,
     /// Ranks on this host.
     pub local_ranks: usize,
+    /// The transport of this rank's connection to every rank (indexed by rank; this rank's
+    /// own entry is [`CommInfo::transport`]). In a mixed communicator (`shm+tcp`) same-host
+    /// peers say `shm` and the others `tcp`.
+    pub peer_transports: Vec<TransportKind>,
+    /// For every rank, the transport between it and the other ranks of its host (`shm` where
+    /// that host's ranks share memory, else the transport between hosts).
+    pub intra_host: Vec<TransportKind>,
+    /// The transport between ranks of different hosts.
+    pub inter_host: TransportKind,
     /// Busy-poll time before blocking.
     pub spin: Duration,
     /// Pipeline segment size.
@@ -73,6 +82,21 @@ pub struct CommInfo {
     /// How the ranks met: rank 0's address and where it came from (`DSPARK_ROOT_ADDR`,
     /// `MASTER_ADDR:MASTER_PORT`, torchrun's agent store, a parent communicator).
     pub rendezvous: String,
+}
+
+impl CommInfo {
+    /// The transport between ranks `a` and `b` (as every rank of the job agreed at init).
+    pub fn transport_between(&self, a: usize, b: usize) -> TransportKind {
+        if a == b {
+            return self.transport;
+        }
+        match (self.hosts.get(a), self.hosts.get(b)) {
+            (Some(x), Some(y)) if x == y => {
+                self.intra_host.get(a).copied().unwrap_or(self.inter_host)
+            }
+            _ => self.inter_host,
+        }
+    }
 }
 
 /// Which API a call came through (for the operation named in errors).

@@ -30,11 +30,12 @@ use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
+use crate::transport::mixed::MixedTransport;
 use crate::transport::shm::{self, SegInfo, ShmOptions, ShmTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::verbs::wire::{self, Blob, DirectInfo, DirectKind};
 use crate::transport::verbs::{self, DirectSpec, VerbsOptions, VerbsTransport};
-use crate::transport::{Transport, HEADER_LEN};
+use crate::transport::{Transport, TransportKind, HEADER_LEN};
 
 /// What init learned besides the transport, for [`CommInfo`].
 struct Facts {
@@ -43,6 +44,9 @@ struct Facts {
     data_ip: Option<std::net::IpAddr>,
     hosts: Vec<String>,
     local_ranks: usize,
+    /// Per rank, the transport among its host's ranks, when it is not the communicator's
+    /// transport for every pair (mixed communicators).
+    intra_host: Option<Vec<TransportKind>>,
     transport_reason: Option<String>,
     data_path: PathPolicy,
     gpu_direct: Vec<GpuDirectCapability>,
@@ -116,68 +120,87 @@ impl Communicator {
             region = r;
             spec
         };
+        let mut intra_host = None;
         let mut gpu_direct = vec![
             GpuDirectCapability::Unavailable(path::TCP_STAGED_REASON.into());
             config.world_size
         ];
-        let (transport, reason): (Box<dyn Transport>, Option<String>) =
-            match select_shm(&mut boot, &config, streams)? {
-                ShmSelected::Shm(t) => {
-                    gpu_direct =
-                        vec![
-                            GpuDirectCapability::Unavailable(path::SHM_STAGED_REASON.into());
-                            config.world_size
-                        ];
-                    (Box::new(t), None)
-                }
-                ShmSelected::Not { streams, why } => {
-                    let (t, reason): (Box<dyn Transport>, Option<String>) =
-                        match select_transport(&mut boot, &config, streams, &mut direct)? {
-                            Selected::Verbs(t) => {
-                                gpu_direct = capabilities_of(t.direct_infos());
-                                if !region_registered(t.direct_infos(), config.rank) {
-                                    // Not registered with the NIC here: the region would only hold GPU
-                                    // memory (and a context) for nothing. Nothing refers to it.
-                                    free_unused_region(
-                                        &mut region,
-                                        config.rank,
-                                        "it could not be registered",
-                                    );
-                                }
-                                (t, None)
-                            }
-                            Selected::Tcp { streams, reason } => {
-                                // The verbs transport, and with it any registration of the region, is
-                                // gone: device memory is staged over TCP.
-                                free_unused_region(
-                                    &mut region,
-                                    config.rank,
-                                    "the job runs over TCP",
-                                );
-                                let opts = TcpOptions {
-                                    socket_buffer: config.socket_buffer,
-                                };
-                                let tcp = TcpTransport::new(
+        let (transport, reason): (Box<dyn Transport>, Option<String>) = match select_shm(
+            &mut boot, &config, streams,
+        )? {
+            ShmSelected::Shm(t) => {
+                gpu_direct = vec![
+                    GpuDirectCapability::Unavailable(path::SHM_STAGED_REASON.into());
+                    config.world_size
+                ];
+                (Box::new(t), None)
+            }
+            ShmSelected::Not { streams, why } => {
+                let (t, reason): (Box<dyn Transport>, Option<String>) = match select_transport(
+                    &mut boot,
+                    &config,
+                    streams,
+                    &mut direct,
+                )? {
+                    Selected::Verbs(t) => {
+                        gpu_direct = capabilities_of(t.direct_infos());
+                        if !region_registered(t.direct_infos(), config.rank) {
+                            // Not registered with the NIC here: the region would only hold GPU
+                            // memory (and a context) for nothing. Nothing refers to it.
+                            free_unused_region(
+                                &mut region,
+                                config.rank,
+                                "it could not be registered",
+                            );
+                        }
+                        (t, None)
+                    }
+                    Selected::Tcp { streams, reason } => {
+                        // The verbs transport, and with it any registration of the region, is
+                        // gone: device memory is staged over TCP.
+                        free_unused_region(&mut region, config.rank, "the job runs over TCP");
+                        let opts = TcpOptions {
+                            socket_buffer: config.socket_buffer,
+                        };
+                        // Several hosts: shared memory within each host that has
+                        // several ranks, TCP between hosts.
+                        let mixed = select_mixed(&mut boot, &config, streams)?;
+                        intra_host = Some(mixed.intra);
+                        let tcp =
+                            TcpTransport::new(config.rank, config.world_size, mixed.streams, opts)?;
+                        let reason = match (reason, mixed.why) {
+                            (Some(r), Some(w)) => Some(format!("{r}; {w}")),
+                            (r, w) => r.or(w),
+                        };
+                        match mixed.shm {
+                            Some((shm, local)) => {
+                                let t = MixedTransport::new(
                                     config.rank,
                                     config.world_size,
-                                    streams,
-                                    opts,
+                                    shm,
+                                    Box::new(tcp),
+                                    local,
                                 )?;
-                                (Box::new(tcp), reason)
+                                tracing::info!(rank = config.rank, transport = %t.describe(), "using shared memory within the host, TCP between hosts");
+                                (Box::new(t), reason)
                             }
-                        };
-                    let reason = match (why, reason) {
-                        (Some(w), Some(r)) => Some(format!("{w}; {r}")),
-                        (w, r) => w.or(r),
-                    };
-                    (t, reason)
-                }
-            };
+                            None => (Box::new(tcp), reason),
+                        }
+                    }
+                };
+                let reason = match (why, reason) {
+                    (Some(w), Some(r)) => Some(format!("{w}; {r}")),
+                    (w, r) => w.or(r),
+                };
+                (t, reason)
+            }
+        };
         let opts = engine_options(&config, oversubscribed);
         let facts = Facts {
             data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
+            intra_host,
             transport_reason: reason,
             data_path: config.data_path,
             gpu_direct,
@@ -238,6 +261,7 @@ impl Communicator {
             data_ip: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
+            intra_host: None,
             transport_reason: None,
             data_path: config.data_path,
             gpu_direct: vec![
@@ -262,8 +286,19 @@ impl Communicator {
         facts: Facts,
     ) -> Result<Self> {
         let (rank, world) = (config.rank, config.world_size);
+        let peer_transports: Vec<TransportKind> =
+            (0..world).map(|p| transport.peer_kind(p)).collect();
+        let inter_host = match transport.kind() {
+            TransportKind::ShmTcp => TransportKind::Tcp,
+            k => k,
+        };
         let info = CommInfo {
             transport: transport.kind(),
+            peer_transports,
+            intra_host: facts
+                .intra_host
+                .unwrap_or_else(|| vec![transport.kind(); world]),
+            inter_host,
             transport_detail: transport.describe(),
             transport_reason: facts.transport_reason,
             hosts: facts.hosts,
@@ -406,15 +441,7 @@ fn select_shm(
     let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
     let one_host = hosts.iter().all(|h| *h == hosts[0]);
     let wants = matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Shm);
-    // A ring holds at least two whole frames: a sender must be able to finish a frame (up to
-    // a segment) while its peer is itself still sending, as TCP's socket buffers and the
-    // verbs slots allow; a schedule whose receive waits for its own send (recursive doubling
-    // in place) would otherwise deadlock until the deadline.
-    let opts = ShmOptions {
-        ring_bytes: cfg
-            .shm_ring_bytes
-            .max(2 * (cfg.segment_bytes.max(64) + 2 * 64)),
-    };
+    let opts = shm_options(cfg);
     // Round 1: mode, capability, boot id and where this rank's segment is.
     let mut prep = None;
     let mut msg = vec![mode_code(cfg.transport)];
@@ -478,7 +505,9 @@ fn select_shm(
     let forced: Vec<usize> = (0..world).filter(|&r| modes[r] == code).collect();
     if !one_host {
         why_not = Some(format!(
-            "the ranks are not on one host: {} (host identity: DSPARK_HOST_ID, else the host name)",
+            "the ranks are not on one host: {} (host identity: DSPARK_HOST_ID, else the host \
+             name); DSPARK_TRANSPORT=shm needs every rank on one host, while auto uses shared \
+             memory within each host and TCP between hosts",
             ranks_by_host(&hosts)
         ));
     } else if why_not.is_none() && boots.iter().any(|b| *b != boots[0]) {
@@ -545,6 +574,210 @@ fn select_shm(
             Ok(ShmSelected::Not {
                 streams,
                 why: Some(format!("shm unavailable: {why}")),
+            })
+        }
+    }
+}
+
+/// The shared-memory transport's options for `cfg`.
+fn shm_options(cfg: &Config) -> ShmOptions {
+    // A ring holds at least two whole frames: a sender must be able to finish a frame (up to
+    // a segment) while its peer is itself still sending, as TCP's socket buffers and the
+    // verbs slots allow; a schedule whose receive waits for its own send (recursive doubling
+    // in place) would otherwise deadlock until the deadline.
+    ShmOptions {
+        ring_bytes: cfg
+            .shm_ring_bytes
+            .max(2 * (cfg.segment_bytes.max(64) + 2 * 64)),
+    }
+}
+
+/// What the mixed negotiation decided for this rank.
+struct MixedSelected {
+    /// The streams left to TCP (those to other hosts, or all of them).
+    streams: Vec<Option<TcpStream>>,
+    /// The shared-memory transport to the ranks of this host and which peers it serves,
+    /// when this host's ranks share memory.
+    shm: Option<(ShmTransport, Vec<bool>)>,
+    /// Per rank, the transport among its host's ranks.
+    intra: Vec<TransportKind>,
+    /// Why this host's ranks do not share memory, where they could have.
+    why: Option<String>,
+}
+
+/// In a job over several hosts that ended up on TCP, agrees with every other rank, through the
+/// bootstrap, on which hosts' ranks share memory: every host with at least two ranks, each of
+/// which could create its segment and map its host peers' (same boot id), unless some rank
+/// asked for `DSPARK_TRANSPORT=tcp` (no shared memory at all). Two rounds as in
+/// [`select_shm`]; a host whose ranks cannot share memory keeps TCP among them (with a
+/// warning and the reason), the others are not affected.
+///
+/// # Errors
+/// Bootstrap errors ([`Error::Timeout`], [`Error::PeerLost`]); a transport that cannot be
+/// built.
+fn select_mixed(
+    boot: &mut Bootstrap,
+    cfg: &Config,
+    mut streams: Vec<Option<TcpStream>>,
+) -> Result<MixedSelected> {
+    let (rank, world) = (cfg.rank, cfg.world_size);
+    let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
+    let members =
+        |r: usize| -> Vec<usize> { (0..world).filter(|&q| hosts[q] == hosts[r]).collect() };
+    let tcp_only = |streams| MixedSelected {
+        streams,
+        shm: None,
+        intra: vec![TransportKind::Tcp; world],
+        why: None,
+    };
+    let one_host = hosts.iter().all(|h| *h == hosts[0]);
+    let shared = (0..world).any(|r| members(r).len() > 1);
+    if world < 2 || one_host || !shared || hosts.len() != world {
+        return Ok(tcp_only(streams));
+    }
+    let mine = members(rank);
+    // Round 1: mode, capability, boot id and where this rank's segment is.
+    let mut prep = None;
+    let capable = if cfg.transport != TransportChoice::Auto {
+        Err(format!("DSPARK_TRANSPORT={}", cfg.transport))
+    } else if mine.len() < 2 {
+        Err("alone on its host".to_string())
+    } else {
+        shm::prepare_group(rank, world, &mine, shm_options(cfg)).map(|p| {
+            let info = p.info();
+            prep = Some(p);
+            info
+        })
+    };
+    let mut msg = vec![mode_code(cfg.transport)];
+    match &capable {
+        Ok(info) => {
+            msg.push(1);
+            let id = boot_id();
+            msg.push(id.len().min(255) as u8);
+            msg.extend_from_slice(&id.as_bytes()[..id.len().min(255)]);
+            msg.extend_from_slice(&info.encode());
+        }
+        Err(why) => {
+            msg.push(0);
+            msg.extend_from_slice(why.as_bytes());
+        }
+    }
+    let all = boot.all_gather(&msg)?;
+    if all
+        .iter()
+        .any(|m| m.first() != Some(&mode_code(TransportChoice::Auto)))
+    {
+        // Some rank asked for one transport everywhere.
+        return Ok(tcp_only(streams));
+    }
+    let mut infos: Vec<Option<SegInfo>> = vec![None; world];
+    let mut boots: Vec<Option<String>> = vec![None; world];
+    let mut whys: Vec<Option<String>> = vec![None; world];
+    for (r, m) in all.iter().enumerate() {
+        match m.get(1) {
+            Some(1) => {
+                let n = m.get(2).copied().unwrap_or(0) as usize;
+                boots[r] = m
+                    .get(3..3 + n)
+                    .map(|b| String::from_utf8_lossy(b).into_owned());
+                infos[r] = m.get(3 + n..).and_then(SegInfo::decode);
+                if boots[r].is_none() || infos[r].is_none() {
+                    whys[r] = Some(format!("rank {r} sent a malformed shm announcement"));
+                }
+            }
+            _ => {
+                let w = String::from_utf8_lossy(m.get(2..).unwrap_or_default()).into_owned();
+                whys[r] = Some(format!("rank {r}: {w}"));
+            }
+        }
+    }
+    // Why the ranks of `r`'s host cannot share memory (None: they can).
+    let group_why = |r: usize, whys: &[Option<String>]| -> Option<String> {
+        let g = members(r);
+        if g.len() < 2 {
+            return Some("alone on its host".into());
+        }
+        if let Some(w) = g.iter().find_map(|&q| whys[q].clone()) {
+            return Some(w);
+        }
+        if g.iter().any(|&q| boots[q] != boots[g[0]]) {
+            return Some(format!(
+                "the ranks share a host identity ({}) but not a kernel (different boot ids)",
+                hosts[r]
+            ));
+        }
+        None
+    };
+    let mut ok: Vec<bool> = (0..world).map(|r| group_why(r, &whys).is_none()).collect();
+    // Round 2: map the host peers' segments; confirm. Until every rank confirmed, every owner
+    // keeps its segment's descriptor open for the peers to open.
+    let res = match (&prep, ok[rank]) {
+        (Some(p), true) => Some(p.connect_group(&infos)),
+        _ => None,
+    };
+    let reply = match &res {
+        Some(Err(w)) => {
+            let mut v = vec![0u8];
+            v.extend_from_slice(w.as_bytes());
+            v
+        }
+        _ => vec![1u8],
+    };
+    let all = boot.all_gather(&reply)?;
+    for (r, m) in all.iter().enumerate() {
+        if m.first() != Some(&1) {
+            let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+            whys[r] = Some(format!("rank {r}: mapping the segments failed: {w}"));
+        }
+    }
+    for (r, o) in ok.iter_mut().enumerate() {
+        *o = *o && group_why(r, &whys).is_none();
+    }
+    let intra: Vec<TransportKind> = ok
+        .iter()
+        .map(|&o| {
+            if o {
+                TransportKind::Shm
+            } else {
+                TransportKind::Tcp
+            }
+        })
+        .collect();
+    match (ok[rank], prep, res) {
+        (true, Some(prep), Some(Ok(segs))) => {
+            let mut shm_streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+            let mut local = vec![false; world];
+            for &p in mine.iter().filter(|&&p| p != rank) {
+                shm_streams[p] = streams[p].take();
+                local[p] = true;
+            }
+            let t = ShmTransport::new(prep, segs, shm_streams)?;
+            Ok(MixedSelected {
+                streams,
+                shm: Some((t, local)),
+                intra,
+                why: None,
+            })
+        }
+        _ => {
+            let why = (mine.len() > 1)
+                .then(|| group_why(rank, &whys))
+                .flatten()
+                .map(|w| {
+                    format!(
+                        "shm unavailable among the ranks of host {}: {w}",
+                        hosts[rank]
+                    )
+                });
+            if let Some(w) = &why {
+                tracing::warn!(rank, reason = %w, "not using shared memory within this host");
+            }
+            Ok(MixedSelected {
+                streams,
+                shm: None,
+                intra,
+                why,
             })
         }
     }

@@ -8,7 +8,8 @@
 //!
 //! Implementations: [`mem`] (threads in one process, with fault injection, for tests),
 //! [`tcp`] (the universal fallback and the CI path), [`shm`] (shared memory between the
-//! ranks of one host) and `verbs` (RDMA).
+//! ranks of one host), `verbs` (RDMA) and [`mixed`] (shm within each host, TCP between
+//! hosts, routed per peer).
 //!
 //! # The progress contract
 //!
@@ -30,6 +31,7 @@ use std::time::Instant;
 use crate::error::Result;
 
 pub mod mem;
+pub mod mixed;
 pub mod shm;
 pub mod tcp;
 pub mod verbs;
@@ -52,16 +54,21 @@ pub enum TransportKind {
     Verbs,
     /// Shared memory between the ranks of one host.
     Shm,
+    /// Shared memory between the ranks of one host and TCP between hosts, in one
+    /// communicator ([`mixed`]); [`Transport::peer_kind`] says which one a peer uses.
+    #[serde(rename = "shm+tcp")]
+    ShmTcp,
 }
 
 impl TransportKind {
-    /// Short name (`mem`, `tcp`, `verbs`, `shm`).
+    /// Short name (`mem`, `tcp`, `verbs`, `shm`, `shm+tcp`).
     pub const fn name(self) -> &'static str {
         match self {
             TransportKind::Mem => "mem",
             TransportKind::Tcp => "tcp",
             TransportKind::Verbs => "verbs",
             TransportKind::Shm => "shm",
+            TransportKind::ShmTcp => "shm+tcp",
         }
     }
 }
@@ -366,6 +373,13 @@ pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::Er
 pub trait Transport: Send + fmt::Debug {
     /// Which transport this is.
     fn kind(&self) -> TransportKind;
+
+    /// Which transport carries the frames to and from `peer` (the same as
+    /// [`Transport::kind`] except for composite transports such as [`mixed`]).
+    fn peer_kind(&self, peer: usize) -> TransportKind {
+        let _ = peer;
+        self.kind()
+    }
 
     /// One line for logs and the bench header: device, addresses, options.
     fn describe(&self) -> String;

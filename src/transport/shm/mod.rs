@@ -189,6 +189,11 @@ fn ring_base(owner: usize, sender: usize, ring: usize) -> usize {
 pub struct Prepared {
     rank: usize,
     world: usize,
+    /// The ranks that share memory with this one (ascending, this rank included): every rank
+    /// of the job, or the ranks of this host in a job that spans several hosts (then the
+    /// other ranks are reached through another transport, see [`super::mixed`]). Rings are
+    /// laid out by position in this list.
+    members: Vec<usize>,
     ring: usize,
     file: std::fs::File,
     seg: Seg,
@@ -245,12 +250,32 @@ pub fn prepare(
     world: usize,
     opts: ShmOptions,
 ) -> std::result::Result<Prepared, String> {
+    prepare_group(rank, world, &(0..world).collect::<Vec<_>>(), opts)
+}
+
+/// Creates this rank's segment for shared memory with `members` only (the ranks of its host,
+/// this rank included, in a `world`-rank job): one ring per member, none for the others.
+/// `Err`: why shared memory cannot be used here.
+pub fn prepare_group(
+    rank: usize,
+    world: usize,
+    members: &[usize],
+    opts: ShmOptions,
+) -> std::result::Result<Prepared, String> {
+    let mut members = members.to_vec();
+    members.sort_unstable();
+    members.dedup();
+    if !members.contains(&rank) || members.iter().any(|&m| m >= world) {
+        return Err(format!(
+            "internal: shared-memory group {members:?} of a {world}-rank job without rank {rank}"
+        ));
+    }
     let ring = opts
         .ring_bytes
         .clamp(MIN_RING_BYTES, MAX_RING_BYTES)
         .div_ceil(LINE)
         * LINE;
-    let len = seg_len(world, ring);
+    let len = seg_len(members.len(), ring);
     let file = seg::create(len, &format!("dspark-shm-rank{rank}"))?;
     let seg = Seg::map(&file, len)?;
     let nonce = seg::nonce();
@@ -263,6 +288,7 @@ pub fn prepare(
     Ok(Prepared {
         rank,
         world,
+        members,
         ring,
         file,
         seg,
@@ -285,12 +311,25 @@ impl Prepared {
     /// Maps every peer's segment (`infos[r]` for rank `r`), checking each one's header.
     /// `Err` says which peer's segment could not be had, and why.
     pub fn connect(&self, infos: &[SegInfo]) -> std::result::Result<Vec<Option<Seg>>, String> {
+        let infos: Vec<Option<SegInfo>> = infos.iter().copied().map(Some).collect();
+        self.connect_group(&infos)
+    }
+
+    /// [`Prepared::connect`] for a group ([`prepare_group`]): `infos[r]` is needed for the
+    /// members only; the others get `None` in the result.
+    pub fn connect_group(
+        &self,
+        infos: &[Option<SegInfo>],
+    ) -> std::result::Result<Vec<Option<Seg>>, String> {
         let mut segs = Vec::with_capacity(self.world);
-        for (r, info) in infos.iter().enumerate() {
-            if r == self.rank {
+        for r in 0..self.world {
+            if r == self.rank || !self.members.contains(&r) {
                 segs.push(None);
                 continue;
             }
+            let Some(info) = infos.get(r).copied().flatten() else {
+                return Err(format!("rank {r} announced no segment"));
+            };
             if info.ring != self.ring as u64 {
                 return Err(format!(
                     "rank {r} has rings of {} bytes, this rank {} (DSPARK_SHM_RING_BYTES differs)",
@@ -373,14 +412,22 @@ impl ShmTransport {
         let Prepared {
             rank,
             world,
+            members,
             ring,
             file,
             seg: own,
             ..
         } = prep;
         drop(file);
+        // Rings are laid out by position among the members.
+        let pos = |r: usize| members.iter().position(|&m| m == r).unwrap_or(0);
         let mut peers = Vec::with_capacity(world);
         for (r, (s, st)) in segs.into_iter().zip(streams).enumerate() {
+            if r != rank && !members.contains(&r) {
+                // Reached through another transport; its stream is not this transport's.
+                peers.push(None);
+                continue;
+            }
             match (s, st) {
                 (Some(seg), Some(stream)) => {
                     stream.set_nonblocking(true).map_err(|e| {
@@ -402,8 +449,8 @@ impl ShmTransport {
                         rx_tail: 0,
                         rx_head: 0,
                         rx_in_frame: false,
-                        tx_base: ring_base(r, rank, ring),
-                        rx_base: ring_base(rank, r, ring),
+                        tx_base: ring_base(pos(r), pos(rank), ring),
+                        rx_base: ring_base(pos(rank), pos(r), ring),
                     }));
                 }
                 (None, _) if r == rank => peers.push(None),
@@ -416,9 +463,15 @@ impl ShmTransport {
                 }
             }
         }
+        let among = if members.len() < world {
+            let rs: Vec<String> = members.iter().map(usize::to_string).collect();
+            format!("among ranks {}, ", rs.join(","))
+        } else {
+            String::new()
+        };
         let desc = format!(
-            "shm (memfd segments, {} KiB ring per pair, {} KiB mapped per rank, futex wake-ups, \
-             liveness over the bootstrap connections)",
+            "shm ({among}memfd segments, {} KiB ring per pair, {} KiB mapped per rank, futex \
+             wake-ups, liveness over the bootstrap connections)",
             ring / 1024,
             own.len() / 1024
         );

@@ -1,0 +1,251 @@
+//! Mixed communicators: shared memory between the ranks of one host, a network transport
+//! (TCP) between hosts, in one communicator.
+//!
+//! [`MixedTransport`] routes every peer to one of two transports chosen at init: the
+//! [`ShmTransport`] built over the ranks of this rank's host ([`super::shm::prepare_group`])
+//! or the network transport built over the connections to the other hosts (the bootstrap's
+//! streams to them; the streams to same-host peers stay the shm transport's liveness
+//! descriptors). Frames to one peer always take one transport, so the per-pair FIFO order of
+//! the [`Transport`] contract holds; the two transports share nothing else.
+//!
+//! # Waiting on both
+//!
+//! The shm transport sleeps on a futex in shared memory, TCP in `poll(2)`; no single system
+//! call waits on both (a futex is not a descriptor). [`MixedTransport::wait`] therefore
+//! looks at what the engine waits for:
+//!
+//! * **only same-host peers**: the shm wait (a futex sleep that a peer's publication ends at
+//!   once), bounded by [`NET_CHECK`]; then the network peers are checked for an abort or a
+//!   lost connection without blocking;
+//! * **only other-host peers**: the network wait (`poll`, which ends as soon as data
+//!   arrives), bounded by the same interval; then the shm peers are checked (status words,
+//!   liveness connections);
+//! * **both at once**: bounded alternation — a shm futex sleep of [`MIXED_SLICE_MIN`],
+//!   doubling on every wait that finds nothing up to [`MIXED_SLICE_MAX`], then the network
+//!   transport is checked and the call returns (a spurious wake-up, which the contract allows:
+//!   the engine then tries every pending transfer, TCP ones included). Any completed transfer
+//!   resets the slice.
+//!
+//! Why not one shared wake-up (a Unix socket that shm peers signal when this rank sleeps,
+//! as UCX does, or a helper thread): it would change what every shm publication does on the
+//! fast path, for a case that the schedules rarely produce — a ring or hierarchical step
+//! waits on one peer at a time (its send to the other side completes into the ring or the
+//! socket buffer without waiting), so the engine's waits are almost always one-sided and
+//! cost nothing extra. The both-sides case pays at most the current slice in latency on the
+//! TCP side, and at most one wake-up per slice in CPU while idle (≤ 1000/s at the largest
+//! slice), never a spinning core.
+//!
+//! # Liveness, abort, goodbye
+//!
+//! Each side keeps its own: the shm transport its status words and liveness connections,
+//! TCP its stream ends and keepalives. [`Transport::abort`] and [`Transport::close`] go to
+//! both, so an abort reaches every peer on either side; an abort or death seen on one side is
+//! returned by the next wait or check whichever side the engine was waiting on, at most
+//! [`NET_CHECK`] later.
+
+use std::time::{Duration, Instant};
+
+use super::shm::ShmTransport;
+use super::{
+    AbortClass, FrameHeader, Interest, RecvProgress, RecvSink, SendProgress, Transport,
+    TransportKind,
+};
+use crate::error::{Error, Result};
+
+/// The longest a one-sided wait blocks before the other side's peers are checked for an
+/// abort or a lost connection.
+pub const NET_CHECK: Duration = Duration::from_millis(10);
+/// First slice of a wait on peers of both kinds at once.
+pub const MIXED_SLICE_MIN: Duration = Duration::from_micros(50);
+/// Largest slice of a wait on peers of both kinds at once.
+pub const MIXED_SLICE_MAX: Duration = Duration::from_millis(1);
+
+/// Shared memory to the ranks of this host, a network transport to the others (see the
+/// module docs).
+#[derive(Debug)]
+pub struct MixedTransport {
+    rank: usize,
+    shm: ShmTransport,
+    net: Box<dyn Transport>,
+    /// `local[p]`: `peer` p is reached through shared memory.
+    local: Vec<bool>,
+    slice: Duration,
+    moved: bool,
+    desc: String,
+    li: Vec<Interest>,
+    ni: Vec<Interest>,
+}
+
+impl MixedTransport {
+    /// Routes the peers with `local[p]` to `shm`, the others to `net`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `local` does not fit the world or `net` is not a
+    /// network transport.
+    pub fn new(
+        rank: usize,
+        world: usize,
+        shm: ShmTransport,
+        net: Box<dyn Transport>,
+        local: Vec<bool>,
+    ) -> Result<Self> {
+        if local.len() != world || rank >= world {
+            return Err(Error::invalid(
+                Some(rank),
+                "mixed transport",
+                format!("{} routes for a world of {world}", local.len()),
+            ));
+        }
+        if net.kind() != TransportKind::Tcp {
+            return Err(Error::invalid(
+                Some(rank),
+                "mixed transport",
+                format!("{} between hosts is not supported (tcp only)", net.kind()),
+            ));
+        }
+        let same: Vec<String> = (0..world)
+            .filter(|&p| p == rank || local[p])
+            .map(|p| p.to_string())
+            .collect();
+        let desc = format!(
+            "shm+tcp: ranks {} over {}; the other hosts over {}",
+            same.join(","),
+            shm.describe(),
+            net.describe()
+        );
+        Ok(MixedTransport {
+            rank,
+            shm,
+            net,
+            local,
+            slice: MIXED_SLICE_MIN,
+            moved: false,
+            desc,
+            li: Vec::new(),
+            ni: Vec::new(),
+        })
+    }
+
+    fn is_local(&self, peer: usize) -> bool {
+        self.local.get(peer).copied().unwrap_or(false)
+    }
+
+    fn note(&mut self, r: Result<bool>) -> Result<bool> {
+        if matches!(r, Ok(true)) {
+            self.moved = true;
+        }
+        r
+    }
+}
+
+impl Transport for MixedTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::ShmTcp
+    }
+
+    fn peer_kind(&self, peer: usize) -> TransportKind {
+        if peer == self.rank {
+            self.kind()
+        } else if self.is_local(peer) {
+            self.shm.kind()
+        } else {
+            self.net.kind()
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+
+    fn send(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        data: &[u8],
+        progress: &mut SendProgress,
+    ) -> Result<bool> {
+        let r = if self.is_local(peer) {
+            self.shm.send(peer, hdr, data, progress)
+        } else {
+            self.net.send(peer, hdr, data, progress)
+        };
+        self.note(r)
+    }
+
+    fn recv(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<bool> {
+        let r = if self.is_local(peer) {
+            self.shm.recv(peer, progress, sink)
+        } else {
+            self.net.recv(peer, progress, sink)
+        };
+        self.note(r)
+    }
+
+    fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        let mut li = std::mem::take(&mut self.li);
+        let mut ni = std::mem::take(&mut self.ni);
+        li.clear();
+        ni.clear();
+        for it in interest {
+            if self.is_local(it.peer) {
+                li.push(*it);
+            } else {
+                ni.push(*it);
+            }
+        }
+        if std::mem::take(&mut self.moved) {
+            self.slice = MIXED_SLICE_MIN;
+        }
+        let now = Instant::now();
+        let res = match (li.is_empty(), ni.is_empty()) {
+            (false, true) | (true, true) => self
+                .shm
+                .wait(&li, deadline.min(now + NET_CHECK))
+                .and_then(|()| self.net.check_peers()),
+            (true, false) => self
+                .net
+                .wait(&ni, deadline.min(now + NET_CHECK))
+                .and_then(|()| self.shm.check_peers()),
+            (false, false) => {
+                let r = self
+                    .shm
+                    .wait(&li, deadline.min(now + self.slice))
+                    .and_then(|()| self.net.check_peers());
+                self.slice = (self.slice * 2).min(MIXED_SLICE_MAX);
+                r
+            }
+        };
+        self.li = li;
+        self.ni = ni;
+        res
+    }
+
+    fn check_peers(&mut self) -> Result<()> {
+        self.shm.check_peers()?;
+        self.net.check_peers()
+    }
+
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        self.shm.abort(origin, class, reason);
+        self.net.abort(origin, class, reason);
+    }
+
+    fn close(&mut self) {
+        self.shm.close();
+        self.net.close();
+    }
+
+    fn flush(&mut self, deadline: Instant) -> Result<()> {
+        self.shm.flush(deadline)?;
+        self.net.flush(deadline)
+    }
+
+    fn zero_copy_frames(&self) -> u64 {
+        self.shm.zero_copy_frames() + self.net.zero_copy_frames()
+    }
+}

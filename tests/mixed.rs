@@ -1,0 +1,339 @@
+//! Mixed communicators (#12): shared memory between the ranks of one host, TCP between
+//! hosts. Ranks run as processes of this test binary (`rank_process` is a rank's entry
+//! point); two "hosts" with two ranks each are either two network namespaces joined by a
+//! bridge (`Hosts` in tests/common/procs.rs; as root with iproute2, else skipped with the
+//! reason, or failed with `DSPARK_REQUIRE_NETFAULT=1`) or two `DSPARK_HOST_ID`s on loopback.
+//!
+//! Every collective, type and operator against the independent reference of `tests/common`,
+//! the per-connection transports each rank reports, `DSPARK_TRANSPORT=tcp` ruling shared
+//! memory out, a killed rank on the same host and on the other host failing every survivor
+//! well within the deadline, and no shared-memory residue after any of it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::procs::{
+    assert_all, netns_unavailable, rank_entry, say, spawn, vars, Hosts, Outcome,
+    FAILED_AS_EXPECTED, OK, WRONG,
+};
+use dspark::path::BufferLocation;
+use dspark::transport::TransportKind;
+use dspark::{Communicator, Error, ReduceOp};
+
+/// Ranks per host and hosts in every test here.
+const PER_HOST: usize = 2;
+const HOSTS: usize = 2;
+const WORLD: usize = PER_HOST * HOSTS;
+/// Rank 0's rendezvous port on host 0 (each test has its own namespaces).
+const ROOT_PORT: u16 = 29_611;
+
+/// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
+#[test]
+fn rank_process() {
+    rank_entry(run_scenario);
+}
+
+/// Checks that this rank reaches its host's ranks over shm and the others over TCP, in every
+/// place the transport is reported.
+fn expect_mixed(comm: &Communicator) -> Result<(), String> {
+    let info = comm.info();
+    let r = comm.rank();
+    if info.transport != TransportKind::ShmTcp {
+        return Err(format!(
+            "transport {}, expected shm+tcp ({:?})",
+            info.transport, info.transport_reason
+        ));
+    }
+    let plan = comm
+        .data_paths(BufferLocation::Host)
+        .map_err(|e| e.to_string())?;
+    for p in (0..comm.world_size()).filter(|&p| p != r) {
+        let want = if info.hosts[p] == info.hosts[r] {
+            TransportKind::Shm
+        } else {
+            TransportKind::Tcp
+        };
+        let got = info.peer_transports[p];
+        let between = info.transport_between(r, p);
+        let c = plan
+            .connections
+            .iter()
+            .find(|c| c.peer == p)
+            .ok_or(format!("no data path to rank {p}"))?;
+        if got != want || between != want || c.send.transport != want || c.recv.transport != want {
+            return Err(format!(
+                "rank {p}: peer_transports {got}, transport_between {between}, data path \
+                 {}/{}, expected {want}",
+                c.send.transport, c.recv.transport
+            ));
+        }
+    }
+    // Another rank's view, as every rank agreed at init.
+    let n = comm.world_size();
+    let (a, b) = ((r + 1) % n, (r + 2) % n);
+    let alone = |x: usize| info.hosts.iter().filter(|h| **h == info.hosts[x]).count() == 1;
+    let want = if info.hosts[a] == info.hosts[b] && !alone(a) {
+        TransportKind::Shm
+    } else {
+        TransportKind::Tcp
+    };
+    if info.transport_between(a, b) != want {
+        return Err(format!("ranks {a} and {b}: expected {want}"));
+    }
+    Ok(())
+}
+
+fn run_scenario(s: &str) -> Result<i32, String> {
+    let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    let r = comm.rank();
+    match s {
+        "matrix" => {
+            expect_mixed(&comm)?;
+            say(&format!("TRANSPORT {}", comm.info().transport_detail));
+            common::run_matrix(&comm, &[0, 1, 3, 7, 100, 1031, 20_011], 0x3ed)?;
+            Ok(OK)
+        }
+        "kind" => {
+            let want = std::env::var("WANT_TRANSPORT").unwrap_or_default();
+            if comm.info().transport.name() != want {
+                return Err(format!(
+                    "transport {}, expected {want} ({:?})",
+                    comm.info().transport,
+                    comm.info().transport_reason
+                ));
+            }
+            if want == "shm+tcp" {
+                expect_mixed(&comm)?;
+            }
+            let mut v = vec![r as f64 + 1.0; 33];
+            comm.all_reduce(&mut v, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            let n = comm.world_size() as f64;
+            common::check("all_reduce", &v, &vec![n * (n + 1.0) / 2.0; 33])?;
+            Ok(OK)
+        }
+        "loop" => {
+            expect_mixed(&comm)?;
+            // Checked all_reduces until one fails; report how.
+            let count = 16 * 1024 + 5;
+            for it in 0u64.. {
+                let mut buf = common::inputs::<f32>(ReduceOp::Sum, it, r, count);
+                if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                    say(&format!("FAILED in all_reduce {it}: {e}"));
+                    let expected = matches!(e, Error::PeerLost { .. } | Error::Aborted { .. });
+                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                }
+                common::check(
+                    &format!("all_reduce {it}"),
+                    &buf,
+                    &common::reduced::<f32>(ReduceOp::Sum, it, comm.world_size(), count),
+                )?;
+                if it == 0 {
+                    say("READY");
+                }
+            }
+            unreachable!()
+        }
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+/// Sets up the two hosts, or says why this test cannot run here (`None`).
+fn hosts(tag: &str, test: &str) -> Option<Hosts> {
+    if let Some(why) = netns_unavailable(&["ip"]) {
+        assert!(
+            std::env::var_os("DSPARK_REQUIRE_NETFAULT").is_none(),
+            "{test}: DSPARK_REQUIRE_NETFAULT is set but {why}"
+        );
+        eprintln!("SKIPPED {test}: {why}; run as root with iproute2");
+        return None;
+    }
+    // Root with the tools: a set-up failure is a failure, not a skip.
+    Some(Hosts::new(HOSTS, tag).unwrap_or_else(|e| panic!("{test}: setting up hosts: {e}")))
+}
+
+/// The variables of rank `r` on host `r / PER_HOST` (its namespace when `netns`).
+fn rank_vars(r: usize, netns: bool, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let host = format!("host{}", r / PER_HOST);
+    let root = format!("{}:{ROOT_PORT}", Hosts::addr(0));
+    let mut v = vars(&[
+        ("DSPARK_TRANSPORT", "auto"),
+        ("DSPARK_HOST_ID", host.as_str()),
+        ("DSPARK_TIMEOUT", "60"),
+    ]);
+    if netns {
+        v.extend(vars(&[("DSPARK_ROOT_ADDR", root.as_str())]));
+    }
+    v.extend(vars(extra));
+    v
+}
+
+/// Starts the four ranks of `scenario` in the two namespaces of `h`.
+fn spawn_in(h: &Hosts, scenario: &str, extra: &[(&str, &str)]) -> common::procs::Ranks {
+    let wrap = |r: usize| h.wrap(r / PER_HOST);
+    spawn(WORLD, scenario, &|r| rank_vars(r, true, extra), Some(&wrap))
+}
+
+/// dspark's names in /dev/shm (there should never be any: segments are memfds), and the
+/// processes other than this test binary's running ranks that still map a dspark segment.
+fn shm_residue() -> (Vec<String>, Vec<String>) {
+    let names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("dspark"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let me = std::process::id().to_string();
+    let mut maps = Vec::new();
+    if let Ok(d) = std::fs::read_dir("/proc") {
+        for e in d.flatten() {
+            let pid = e.file_name().to_string_lossy().into_owned();
+            if pid.parse::<u32>().is_err() || pid == me {
+                continue;
+            }
+            let parent = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("PPid:").map(|v| v.trim().to_string()))
+                });
+            if parent.as_deref() == Some(me.as_str()) {
+                continue;
+            }
+            if let Ok(m) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+                if m.contains("memfd:dspark-shm") {
+                    maps.push(pid);
+                }
+            }
+        }
+    }
+    (names, maps)
+}
+
+fn all_output(outs: &[Outcome]) -> String {
+    outs.iter()
+        .enumerate()
+        .map(|(r, o)| {
+            format!(
+                "--- rank {r}: exit {:?} after {:.1?}\n{}",
+                o.code, o.elapsed, o.out
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_collective_type_and_op_is_exact_with_shm_within_and_tcp_between_two_netns_hosts() {
+    let test = "mixed matrix in namespaces";
+    let Some(h) = hosts("mxm", test) else {
+        return;
+    };
+    let outs =
+        spawn_in(&h, "matrix", &[("DSPARK_CHUNK_BYTES", "4096")]).wait(Duration::from_secs(240));
+    assert_all(&outs, OK, test);
+    assert!(outs[0].out.contains("TRANSPORT shm+tcp"), "{}", outs[0].out);
+}
+
+#[test]
+fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp_is_asked() {
+    let run = |want: &str, extra: &[(&str, &str)]| {
+        let mut extra = extra.to_vec();
+        extra.push(("WANT_TRANSPORT", want));
+        spawn(WORLD, "kind", &|r| rank_vars(r, false, &extra), None).wait(Duration::from_secs(60))
+    };
+    let outs = run("shm+tcp", &[]);
+    assert_all(&outs, OK, "auto");
+    // DSPARK_TRANSPORT=tcp on one rank: no shared memory anywhere.
+    let outs = spawn(
+        WORLD,
+        "kind",
+        &|r| {
+            let t = if r == 3 { "tcp" } else { "auto" };
+            rank_vars(
+                r,
+                false,
+                &[("WANT_TRANSPORT", "tcp"), ("DSPARK_TRANSPORT", t)],
+            )
+        },
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "DSPARK_TRANSPORT=tcp on rank 3");
+    // Three hosts, one of them with a single rank: shm+tcp on the others, tcp there.
+    let outs = spawn(
+        5,
+        "kind",
+        &|r| {
+            let (host, want) = match r {
+                0 | 1 => ("a", "shm+tcp"),
+                2 => ("b", "tcp"),
+                _ => ("c", "shm+tcp"),
+            };
+            vars(&[
+                ("DSPARK_TRANSPORT", "auto"),
+                ("DSPARK_HOST_ID", host),
+                ("WANT_TRANSPORT", want),
+                ("DSPARK_TIMEOUT", "60"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(60));
+    assert_all(&outs, OK, "hosts of 2, 1 and 2 ranks");
+}
+
+/// Kills `victim` mid-collective among ranks in two namespaces; every survivor must fail with
+/// PeerLost/Aborted long before the 60 s deadline, one of them naming the victim, and no
+/// shared memory may be left.
+fn killed_rank_fails_every_survivor(victim: usize, tag: &str, test: &str) {
+    let Some(h) = hosts(tag, test) else {
+        return;
+    };
+    let mut ranks = spawn_in(&h, "loop", &[]);
+    ranks.wait_ready(WORLD);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[victim].kill().unwrap(); // SIGKILL mid-collective
+    let outs = ranks.wait(Duration::from_secs(90));
+    let all = all_output(&outs);
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != victim) {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "{test}: rank {r}:\n{all}");
+        // Same host: the shm liveness connection; other host: the TCP stream's end. Either
+        // way, seconds, not the 60 s deadline (margin for a loaded 2-core machine).
+        assert!(
+            o.elapsed < Duration::from_secs(15),
+            "{test}: rank {r} took {:?}:\n{all}",
+            o.elapsed
+        );
+    }
+    assert!(
+        outs.iter()
+            .enumerate()
+            .filter(|(r, _)| *r != victim)
+            .any(|(_, o)| o.out.contains(&format!("rank {victim}"))),
+        "{test}: no survivor names the killed rank {victim}:\n{all}"
+    );
+    let (names, maps) = shm_residue();
+    assert!(
+        names.is_empty(),
+        "{test}: dspark files in /dev/shm: {names:?}"
+    );
+    assert!(
+        maps.is_empty(),
+        "{test}: processes still map dspark segments: {maps:?}"
+    );
+}
+
+#[test]
+fn a_killed_rank_fails_its_host_peer_over_shm_and_the_other_host_over_tcp_within_the_deadline() {
+    // Rank 3: rank 2 shares its host (shm), ranks 0 and 1 are on the other (TCP).
+    killed_rank_fails_every_survivor(3, "mxk", "killed rank on host 1 in a mixed communicator");
+}
+
+#[test]
+fn a_killed_rank_zero_fails_every_survivor_of_a_mixed_communicator_within_the_deadline() {
+    // Rank 0: rank 1 shares its host (shm), ranks 2 and 3 are on the other (TCP).
+    killed_rank_fails_every_survivor(0, "mxz", "killed rank 0 in a mixed communicator");
+}
