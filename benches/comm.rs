@@ -230,6 +230,7 @@ fn bench_plan(c: &mut Criterion) {
                 root: 0,
                 is_send: false,
                 finalize: false,
+                per_host: 0,
             };
             let id = format!("{}/{}/world{world}", coll.name(), algo.name());
             g.bench_function(id, |b| {

@@ -483,8 +483,8 @@ impl Config {
                     format!(
                         "{v:?}: expected ring, recursive_doubling (rd), chain (pipeline), \
                          binomial_tree (binomial), tree (double binary tree for all_reduce, \
-                         binomial tree for broadcast and reduce), pairwise, dissemination or \
-                         direct"
+                         binomial tree for broadcast and reduce), hier (hierarchical all_reduce), \
+                         pairwise, dissemination or direct"
                     ),
                 )
             })?);

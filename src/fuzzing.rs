@@ -657,6 +657,7 @@ pub fn sample(name: &str, r: &mut dyn Rng) -> Vec<u8> {
                 "auto",
                 "ring",
                 "tree",
+                "hier",
                 "64",
                 "63",
                 "1G",

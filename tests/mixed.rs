@@ -18,6 +18,7 @@ use common::procs::{
     FAILED_AS_EXPECTED, OK, WRONG,
 };
 use dspark::path::BufferLocation;
+use dspark::plan::{Algorithm, Collective};
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
@@ -94,8 +95,30 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::run_matrix(&comm, &[0, 1, 3, 7, 100, 1031, 20_011], 0x3ed)?;
             Ok(OK)
         }
+        "hier" => {
+            expect_mixed(&comm)?;
+            let a = comm.algorithm(Collective::AllReduce, 8);
+            if a != Algorithm::Hierarchical {
+                return Err(format!("DSPARK_ALGO=hier runs all_reduce with {a}"));
+            }
+            common::run_matrix(&comm, &[0, 1, 3, 5, 8, 101, 1031, 20_011], 0x41e7)?;
+            Ok(OK)
+        }
         "kind" => {
             let want = std::env::var("WANT_TRANSPORT").unwrap_or_default();
+            let want_algo = std::env::var("WANT_ALGO").unwrap_or_default();
+            let algo = comm.default_algorithm(Collective::AllReduce, 4 << 20);
+            if !want_algo.is_empty() && algo.name() != want_algo {
+                return Err(format!(
+                    "4 MiB all_reduce runs {algo}, expected {want_algo}"
+                ));
+            }
+            let small = comm.default_algorithm(Collective::AllReduce, 8);
+            if small != Algorithm::RecursiveDoubling {
+                return Err(format!(
+                    "8 B all_reduce runs {small}, expected recursive doubling"
+                ));
+            }
             if comm.info().transport.name() != want {
                 return Err(format!(
                     "transport {}, expected {want} ({:?})",
@@ -238,13 +261,30 @@ fn every_collective_type_and_op_is_exact_with_shm_within_and_tcp_between_two_net
 }
 
 #[test]
+fn hierarchical_all_reduce_is_exact_for_every_type_and_op_over_shm_within_and_tcp_between_netns_hosts(
+) {
+    let test = "DSPARK_ALGO=hier matrix in namespaces";
+    let Some(h) = hosts("mxh", test) else {
+        return;
+    };
+    let outs = spawn_in(
+        &h,
+        "hier",
+        &[("DSPARK_ALGO", "hier"), ("DSPARK_CHUNK_BYTES", "4096")],
+    )
+    .wait(Duration::from_secs(240));
+    assert_all(&outs, OK, test);
+}
+
+#[test]
 fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp_is_asked() {
     let run = |want: &str, extra: &[(&str, &str)]| {
         let mut extra = extra.to_vec();
         extra.push(("WANT_TRANSPORT", want));
         spawn(WORLD, "kind", &|r| rank_vars(r, false, &extra), None).wait(Duration::from_secs(60))
     };
-    let outs = run("shm+tcp", &[]);
+    // Two hosts of two ranks: the hierarchical allreduce where the ring would run.
+    let outs = run("shm+tcp", &[("WANT_ALGO", "hier")]);
     assert_all(&outs, OK, "auto");
     // DSPARK_TRANSPORT=tcp on one rank: no shared memory anywhere.
     let outs = spawn(
@@ -276,6 +316,8 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
                 ("DSPARK_TRANSPORT", "auto"),
                 ("DSPARK_HOST_ID", host),
                 ("WANT_TRANSPORT", want),
+                // Uneven hosts: the flat ring.
+                ("WANT_ALGO", "ring"),
                 ("DSPARK_TIMEOUT", "60"),
             ])
         },

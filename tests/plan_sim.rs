@@ -35,10 +35,11 @@ fn all_algorithms() -> Vec<Algorithm> {
             Algorithm::Dissemination => 5,
             Algorithm::Direct => 6,
             Algorithm::Tree => 7,
+            Algorithm::Hierarchical => 8,
         }
     }
     /// The number of arms of the match above.
-    const VARIANTS: usize = 8;
+    const VARIANTS: usize = 9;
     assert_eq!(
         Algorithm::ALL.len(),
         VARIANTS,
@@ -199,6 +200,7 @@ fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
         (Collective::AllReduce, Algorithm::Ring),
         (Collective::AllReduce, Algorithm::RecursiveDoubling),
         (Collective::AllReduce, Algorithm::Tree),
+        (Collective::AllReduce, Algorithm::Hierarchical),
         (Collective::AllGather, Algorithm::Ring),
         (Collective::ReduceScatter, Algorithm::Ring),
         (Collective::Broadcast, Algorithm::Chain),
@@ -229,6 +231,173 @@ fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
 #[test]
 fn ring_all_reduce_gives_every_rank_the_sum_of_all_inputs() {
     sweep(Collective::AllReduce, Algorithm::Ring);
+}
+
+#[test]
+fn hierarchical_all_reduce_without_host_information_gives_every_rank_the_sum() {
+    sweep(Collective::AllReduce, Algorithm::Hierarchical);
+}
+
+/// Host layouts `(hosts, ranks per host)` the hierarchical allreduce is proved on: the
+/// shapes it is chosen for (≥ 2 hosts of ≥ 2 ranks) and the degenerate ones it must still
+/// get right when forced (one host, one rank per host).
+const HIER_LAYOUTS: [(usize, usize); 10] = [
+    (2, 2),
+    (2, 3),
+    (3, 2),
+    (2, 4),
+    (4, 2),
+    (3, 3),
+    (2, 5),
+    (1, 3),
+    (3, 1),
+    (1, 1),
+];
+
+#[test]
+fn hierarchical_all_reduce_gives_every_rank_the_sum_on_every_host_layout() {
+    let mut runs = 0;
+    for (hosts, l) in HIER_LAYOUTS {
+        let n = hosts * l;
+        for count in counts(n).into_iter().chain([2 * n + 1, 4 * n]) {
+            for fin in [false, true] {
+                let call = Call::new(Collective::AllReduce, Algorithm::Hierarchical, n, count)
+                    .with_per_host(l)
+                    .with_finalize(fin);
+                for &seg in &SEGS {
+                    let progs = call.programs(seg).expect("valid call");
+                    for &cap in &CAPS {
+                        for k in 0..SEEDS {
+                            let seed =
+                                (n * 7919 + count * 104_729 + seg % 997 * 31 + cap + k) as u64;
+                            let cfg = SimConfig {
+                                seed,
+                                seg_elems: seg,
+                                link_capacity: cap,
+                            };
+                            // Deadlock freedom: run_programs fails on a stuck schedule.
+                            run_programs_and_check(&call, &progs, &cfg, seed ^ 0x41E2);
+                            runs += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(runs > 1000);
+}
+
+#[test]
+fn hierarchical_all_reduce_without_a_uniform_layout_runs_the_ring() {
+    // 3+2 ranks (uneven hosts), interleaved hosts or no host information: per_host is 0
+    // (`plan::uniform_per_host`), and every rank falls back to the same flat ring.
+    use dspark::plan::uniform_per_host;
+    for hosts in [
+        vec!["a", "a", "a", "b", "b"],
+        vec!["a", "b", "a", "b"],
+        vec!["a", "a", "b", "c", "c"],
+    ] {
+        let n = hosts.len();
+        let l = uniform_per_host(&hosts);
+        assert_eq!(l, 0, "{hosts:?}");
+        for count in counts(n) {
+            let hier = Call::new(Collective::AllReduce, Algorithm::Hierarchical, n, count)
+                .with_per_host(l)
+                .with_finalize(true);
+            let ring =
+                Call::new(Collective::AllReduce, Algorithm::Ring, n, count).with_finalize(true);
+            assert_eq!(
+                schedules(&hier),
+                schedules(&ring),
+                "{hosts:?} count {count}"
+            );
+            volumes(hier);
+        }
+    }
+    // A per_host that does not divide the world is treated alike.
+    for count in [0, 1, 5, 13] {
+        let hier =
+            Call::new(Collective::AllReduce, Algorithm::Hierarchical, 5, count).with_per_host(2);
+        let ring = Call::new(Collective::AllReduce, Algorithm::Ring, 5, count);
+        assert_eq!(schedules(&hier), schedules(&ring));
+    }
+}
+
+/// Elements rank `r` of a hierarchical allreduce sends to ranks of other hosts, counted from
+/// its schedule.
+fn inter_host_elems(call: &Call, r: usize) -> usize {
+    let l = call.per_host;
+    let s = &schedules(call)[r];
+    s.ops
+        .iter()
+        .map(|op| match *op {
+            Op::Send { peer, src } if peer / l != r / l => src.len,
+            _ => 0,
+        })
+        .sum()
+}
+
+#[test]
+fn hierarchical_all_reduce_moves_the_rings_bytes_with_only_the_rail_share_between_hosts() {
+    for (hosts, l) in HIER_LAYOUTS {
+        let n = hosts * l;
+        for count in counts(n).into_iter().chain([n * 12, n * 37, 1000]) {
+            let call = Call::new(Collective::AllReduce, Algorithm::Hierarchical, n, count)
+                .with_per_host(l);
+            let ctx = format!("{hosts} hosts x {l} ranks, count {count}");
+            let out = volumes(call);
+            // The ring's total: every element travels 2(n−1) times across the job.
+            assert_eq!(out.elems_sent(), 2 * (n - 1) * count, "{ctx}: total");
+            for (r, st) in out.stats.iter().enumerate() {
+                let (h, i) = (r / l, r % l);
+                let a = |j: usize| dspark::plan::block_range(count, l, j % l).len();
+                let mine = a(i);
+                let sub = |k: usize| dspark::plan::block_range(mine, hosts, k % hosts).len();
+                // Host phases: every block but A(i) (reduce-scatter), every block but A(i+1)
+                // (all-gather); the rail: A(i) but one sub-block, twice. Received: every
+                // block but A(i−1), then every block but A(i); on the rail, A(i) but
+                // sub-blocks h and h+1.
+                let (rail, rail_in) = if hosts > 1 {
+                    (
+                        2 * mine - sub(h + 1) - sub(h + 2),
+                        2 * mine - sub(h) - sub(h + 1),
+                    )
+                } else {
+                    (0, 0)
+                };
+                let (host, host_in) = if l > 1 {
+                    (2 * count - a(i) - a(i + 1), 2 * count - a(i + l - 1) - a(i))
+                } else {
+                    (0, 0)
+                };
+                assert_eq!(st.elems_sent, host + rail, "{ctx} rank {r}: sent");
+                assert_eq!(
+                    st.elems_received,
+                    host_in + rail_in,
+                    "{ctx} rank {r}: received"
+                );
+                if l > 1 {
+                    assert_eq!(
+                        inter_host_elems(&call, r),
+                        rail,
+                        "{ctx} rank {r}: between hosts"
+                    );
+                }
+                if count % n == 0 {
+                    assert_eq!(st.elems_sent, 2 * (n - 1) * count / n, "{ctx} rank {r}");
+                    assert_eq!(
+                        inter_host_elems(&call, r) * n,
+                        if l > 1 {
+                            2 * (hosts - 1) * count
+                        } else {
+                            inter_host_elems(&call, r) * n
+                        },
+                        "{ctx} rank {r}: 2(H−1)/(H·L) of the buffer between hosts"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -573,8 +573,7 @@ fn compare_algorithms<T: BenchElem>(
 
 /// The algorithm the choice by size (nothing forced) picks for `bytes` of `c`.
 fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize) -> &'static str {
-    let t = dspark::plan::Thresholds::for_world(comm.world_size());
-    dspark::plan::choose(c, bytes, comm.world_size(), &t).name()
+    comm.default_algorithm(c, bytes).name()
 }
 
 /// `--plot`: this run's curves, and the peers' from `--plot-peers`, into an SVG.

@@ -221,6 +221,16 @@ impl Communicator {
         opts.algorithm(self.world, coll, bytes)
     }
 
+    /// The algorithm the choice by size and host layout makes for `coll` on `bytes` bytes,
+    /// whatever is forced (`DSPARK_ALGO`).
+    pub fn default_algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
+        let opts = EngineOptions {
+            force_algo: None,
+            ..self.opts.clone()
+        };
+        opts.algorithm(self.world, coll, bytes)
+    }
+
     /// The algorithm `DSPARK_ALGO` (or [`crate::Config::algo`], or the last
     /// [`Communicator::set_algorithm`]) forces for the collectives that have it, if any.
     pub fn forced_algorithm(&self) -> Option<Algorithm> {

@@ -30,6 +30,7 @@ use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
+use crate::plan;
 use crate::transport::mixed::MixedTransport;
 use crate::transport::shm::{self, SegInfo, ShmOptions, ShmTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
@@ -56,7 +57,7 @@ struct Facts {
 const SPIN: Duration = Duration::from_micros(50);
 const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
-fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
+fn engine_options(cfg: &Config, oversubscribed: bool, per_host: usize) -> EngineOptions {
     EngineOptions {
         timeout: cfg.timeout,
         segment_bytes: cfg.segment_bytes,
@@ -67,6 +68,7 @@ fn engine_options(cfg: &Config, oversubscribed: bool) -> EngineOptions {
         }),
         yield_while_spinning: oversubscribed,
         force_algo: cfg.algo,
+        per_host,
         ..EngineOptions::default()
     }
 }
@@ -195,7 +197,8 @@ impl Communicator {
                 (t, reason)
             }
         };
-        let opts = engine_options(&config, oversubscribed);
+        let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
+        let opts = engine_options(&config, oversubscribed, plan::uniform_per_host(&hosts));
         let facts = Facts {
             data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
@@ -256,7 +259,7 @@ impl Communicator {
                 format!("rank {rank} of world size {world}"),
             ));
         }
-        let opts = engine_options(config, false);
+        let opts = engine_options(config, false, 0);
         let facts = Facts {
             data_ip: None,
             hosts: vec![String::new(); world],

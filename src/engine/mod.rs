@@ -50,6 +50,9 @@ pub struct EngineOptions {
     pub thresholds: Option<Thresholds>,
     /// Force one algorithm for every collective it supports (`DSPARK_ALGO`).
     pub force_algo: Option<Algorithm>,
+    /// The host layout ([`plan::Request::per_host`]): ranks per host when every host has
+    /// as many and numbers them contiguously, else 0.
+    pub per_host: usize,
 }
 
 impl EngineOptions {
@@ -61,7 +64,17 @@ impl EngineOptions {
                 let t = self
                     .thresholds
                     .unwrap_or_else(|| Thresholds::for_world(world));
-                plan::choose(coll, bytes, world, &t)
+                match plan::choose(coll, bytes, world, &t) {
+                    // Several hosts of several ranks: the ring's bytes in fewer steps, with
+                    // the traffic between hosts spread over every rank.
+                    Algorithm::Ring
+                        if coll == Collective::AllReduce
+                            && plan::hierarchical_fits(world, self.per_host) =>
+                    {
+                        Algorithm::Hierarchical
+                    }
+                    a => a,
+                }
             }
         }
     }
@@ -76,6 +89,7 @@ impl Default for EngineOptions {
             yield_while_spinning: false,
             thresholds: None,
             force_algo: None,
+            per_host: 0,
         }
     }
 }
@@ -292,6 +306,7 @@ struct ReqKey {
     root: usize,
     is_send: bool,
     finalize: bool,
+    per_host: usize,
 }
 
 /// Compiled programs kept (least recently used ones are replaced): a training loop cycles
@@ -638,6 +653,7 @@ impl Engine {
             root: call.root,
             is_send: call.is_send,
             finalize: call.op == Some(ReduceOp::Avg),
+            per_host: self.opts.per_host,
         };
         let desc = Desc {
             coll: call.coll,
@@ -817,6 +833,7 @@ impl Engine {
                 root: req.root,
                 is_send: req.is_send,
                 finalize: req.finalize,
+                per_host: req.per_host,
             },
             seg_elems,
         };

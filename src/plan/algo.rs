@@ -15,6 +15,9 @@ pub(crate) fn build(req: &Request) -> Schedule {
     match (req.coll, req.algo) {
         (Collective::AllReduce, Algorithm::Ring) => ring_all_reduce(n, r, c, fin),
         (Collective::AllReduce, Algorithm::Tree) => double_binary_tree_all_reduce(n, r, c, fin),
+        (Collective::AllReduce, Algorithm::Hierarchical) => {
+            hierarchical_all_reduce(n, r, c, fin, req.per_host)
+        }
         (Collective::AllReduce, _) => recursive_doubling_all_reduce(n, r, c, fin),
         (Collective::AllGather, _) => ring_all_gather(n, r, c),
         (Collective::ReduceScatter, _) => ring_reduce_scatter(n, r, c, fin),
@@ -73,6 +76,70 @@ fn ring_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
     for step in 0..n - 1 {
         let send = b(r + 1 + n - step);
         let recv = b(r + n - step);
+        s.round().send(right, send).recv_copy(left, recv);
+    }
+    s
+}
+
+/// Hierarchical allreduce, in place, for `n` ranks on hosts of `l` ranks each (ranks
+/// `h·l .. (h+1)·l` on host `h`, `H = n / l` hosts); this rank is local rank `i = r mod l` of
+/// host `h = r / l`. Falls back to [`ring_all_reduce`] when the layout does not divide the
+/// world (`l` = 0 included), so every rank of a job makes the same choice.
+///
+/// The buffer is cut into `l` blocks `A(j)` = [`block_range`]`(c, l, j)`.
+///
+/// ```text
+/// 1. reduce-scatter in the host ring (right = local i+1, left = local i−1), step s = 0..l-2:
+///      send A(i−s−1) → right, recv A(i−s−2) ← left, reduce;  after it local i owns A(i)
+///      summed over its host
+/// 2. rail i = {local rank i of every host}: ring allreduce of A(i) among its H members
+///      (A(i) cut into H sub-blocks; finalized on the rail's reduce-scatter owner, once)
+/// 3. all-gather in the host ring, step s = 0..l-2:
+///      send A(i−s) → right, recv A(i−s−1) ← left, copy
+/// ```
+///
+/// Per rank: (l−1)/l of the buffer in each host phase and 2(H−1)/H of `A(i)` on the rail, in
+/// total 2(n−1)/n of the buffer as the ring (exactly, when `n` divides it), but only the rail
+/// part crosses hosts.
+pub fn hierarchical_all_reduce(n: usize, r: Rank, c: usize, fin: bool, l: usize) -> Schedule {
+    if l == 0 || !n.is_multiple_of(l) {
+        return ring_all_reduce(n, r, c, fin);
+    }
+    let mut s = Schedule::new();
+    let hosts = n / l;
+    let (h, i) = (r / l, r % l);
+    let a = |j: usize| Loc::dst(block_range(c, l, j % l));
+    let right = h * l + (i + 1) % l;
+    let left = h * l + (i + l - 1) % l;
+    for step in 0..l - 1 {
+        let send = a(i + 2 * l - step - 1);
+        let recv = a(i + 2 * l - step - 2);
+        s.round().send(right, send).recv_reduce(left, recv, recv);
+    }
+    // The rail: a ring over hosts on A(i), cut into `hosts` sub-blocks.
+    let mine = block_range(c, l, i);
+    let sub = |k: usize| {
+        let b = block_range(mine.len(), hosts, k % hosts);
+        Loc::dst(mine.start + b.start..mine.start + b.end)
+    };
+    let up = ((h + 1) % hosts) * l + i;
+    let down = ((h + hosts - 1) % hosts) * l + i;
+    for step in 0..hosts - 1 {
+        let send = sub(h + hosts - step);
+        let recv = sub(h + 2 * hosts - step - 1);
+        s.round().send(up, send).recv_reduce(down, recv, recv);
+    }
+    if fin {
+        s.round().push(Op::Finalize { loc: sub(h + 1) });
+    }
+    for step in 0..hosts - 1 {
+        let send = sub(h + 1 + hosts - step);
+        let recv = sub(h + hosts - step);
+        s.round().send(up, send).recv_copy(down, recv);
+    }
+    for step in 0..l - 1 {
+        let send = a(i + l - step);
+        let recv = a(i + 2 * l - step - 1);
         s.round().send(right, send).recv_copy(left, recv);
     }
     s

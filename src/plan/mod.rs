@@ -393,11 +393,22 @@ pub enum Algorithm {
     /// way, at most 2·count + 1 elements sent per rank. broadcast, reduce: the binomial tree,
     /// the same schedules as [`Algorithm::BinomialTree`].
     Tree,
+    /// Hierarchical all_reduce (`hier`) for several hosts with several ranks each
+    /// ([`Request::per_host`]): a ring reduce-scatter among the ranks of each host (local rank
+    /// `i` ends with block `i` of the host's sum), a ring allreduce of block `i` among the
+    /// local ranks `i` of every host (one *rail* per local rank, all rails at once), and a
+    /// ring all-gather within each host ([`algo::hierarchical_all_reduce`]). The same
+    /// 2(n−1)/n of the buffer per rank as the ring, in 2(L−1) + 2(H−1) steps instead of
+    /// 2(n−1) (L ranks per host, H hosts), with only 2(H−1)/(H·L) of the buffer per rank
+    /// crossing between hosts, spread over every rank instead of the ring's few host-boundary
+    /// links. Without a usable layout (no host information, uneven hosts, hosts whose ranks
+    /// are not numbered contiguously) it runs the ring.
+    Hierarchical,
 }
 
 impl Algorithm {
     /// Every algorithm, in wire-code order.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::Chain,
@@ -406,9 +417,10 @@ impl Algorithm {
         Algorithm::Dissemination,
         Algorithm::Direct,
         Algorithm::Tree,
+        Algorithm::Hierarchical,
     ];
 
-    /// Wire code (0..=7; fits in four bits).
+    /// Wire code (0..=8; fits in four bits).
     pub const fn code(self) -> u8 {
         self as u8
     }
@@ -429,6 +441,7 @@ impl Algorithm {
             Algorithm::Dissemination => "dissemination",
             Algorithm::Direct => "direct",
             Algorithm::Tree => "tree",
+            Algorithm::Hierarchical => "hier",
         }
     }
 
@@ -445,6 +458,7 @@ impl Algorithm {
             "pairwise" => Some(Algorithm::Pairwise),
             "dissemination" => Some(Algorithm::Dissemination),
             "direct" => Some(Algorithm::Direct),
+            "hier" | "hierarchical" => Some(Algorithm::Hierarchical),
             _ => None,
         }
     }
@@ -466,7 +480,7 @@ impl Algorithm {
         matches!(
             (self, coll),
             (Ring, AllReduce | AllGather | ReduceScatter)
-                | (RecursiveDoubling, AllReduce)
+                | (RecursiveDoubling | Hierarchical, AllReduce)
                 | (Chain | BinomialTree, Broadcast | Reduce)
                 | (Tree, AllReduce | Broadcast | Reduce)
                 | (Pairwise, AllToAll)
@@ -569,6 +583,37 @@ pub struct Request {
     pub is_send: bool,
     /// Whether the reduction needs a final step (`Avg`).
     pub finalize: bool,
+    /// The host layout, for [`Algorithm::Hierarchical`]: ranks `h·per_host .. (h+1)·per_host`
+    /// share host `h` (every host the same number of ranks, numbered contiguously); 0 when the
+    /// layout is unknown or not of that shape. Other algorithms ignore it.
+    pub per_host: usize,
+}
+
+/// The host layout as [`Request::per_host`] wants it, from every rank's host identity: the
+/// number of ranks per host when every host has the same number and each host's ranks are
+/// numbered contiguously, else 0.
+pub fn uniform_per_host<T: PartialEq>(hosts: &[T]) -> usize {
+    let n = hosts.len();
+    let Some(first) = hosts.first() else {
+        return 0;
+    };
+    let l = hosts.iter().take_while(|h| *h == first).count();
+    if l == 0 || !n.is_multiple_of(l) {
+        return 0;
+    }
+    let uniform = (0..n).all(|r| hosts[r] == hosts[r - r % l]);
+    let distinct = (0..n / l).all(|h| (0..h).all(|g| hosts[g * l] != hosts[h * l]));
+    if uniform && distinct {
+        l
+    } else {
+        0
+    }
+}
+
+/// Whether the hierarchical allreduce pays on this layout: at least two hosts with at least
+/// two ranks each ([`Request::per_host`]).
+pub fn hierarchical_fits(world: usize, per_host: usize) -> bool {
+    per_host >= 2 && world.is_multiple_of(per_host) && world / per_host >= 2
 }
 
 /// Builds this rank's schedule for `req`.
@@ -840,11 +885,30 @@ mod tests {
         assert_eq!(Algorithm::Ring.code(), 0);
         assert_eq!(Algorithm::Direct.code(), 6);
         assert_eq!(Algorithm::Tree.code(), 7);
-        assert_eq!(Algorithm::from_code(8), None);
+        assert_eq!(Algorithm::Hierarchical.code(), 8);
+        assert_eq!(Algorithm::from_code(9), None);
         assert_eq!(Algorithm::from_code(15), None);
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);
         assert_eq!(Collective::from_code(8), None);
+    }
+
+    #[test]
+    fn uniform_per_host_accepts_only_equal_contiguous_hosts() {
+        assert_eq!(uniform_per_host(&["a", "a", "b", "b"]), 2);
+        assert_eq!(uniform_per_host(&["a", "a", "a", "b", "b", "b"]), 3);
+        assert_eq!(uniform_per_host(&["a", "b", "c"]), 1);
+        assert_eq!(uniform_per_host(&["a", "a", "a"]), 3);
+        assert_eq!(uniform_per_host(&["a", "a", "a", "b", "b"]), 0, "3+2");
+        assert_eq!(uniform_per_host(&["a", "b", "a", "b"]), 0, "interleaved");
+        assert_eq!(
+            uniform_per_host(&["a", "a", "b", "b", "a", "a"]),
+            0,
+            "host twice"
+        );
+        assert_eq!(uniform_per_host::<&str>(&[]), 0);
+        assert!(hierarchical_fits(4, 2) && hierarchical_fits(6, 3) && hierarchical_fits(6, 2));
+        assert!(!hierarchical_fits(4, 1) && !hierarchical_fits(3, 3) && !hierarchical_fits(5, 0));
     }
 
     #[test]

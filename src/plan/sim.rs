@@ -953,6 +953,8 @@ pub struct Call {
     pub peer: Rank,
     /// Whether reductions end with `Finalize` (`Avg`); ignored by non-reducing collectives.
     pub finalize: bool,
+    /// Ranks per host ([`Request::per_host`]; 0: unknown).
+    pub per_host: usize,
 }
 
 impl Call {
@@ -967,6 +969,7 @@ impl Call {
             root: 0,
             peer: world.min(2).saturating_sub(1),
             finalize: false,
+            per_host: 0,
         }
     }
 
@@ -982,6 +985,11 @@ impl Call {
     /// The same call with another root.
     pub fn with_root(self, root: Rank) -> Self {
         Call { root, ..self }
+    }
+
+    /// The same call on hosts of `per_host` ranks each ([`Request::per_host`]).
+    pub fn with_per_host(self, per_host: usize) -> Self {
+        Call { per_host, ..self }
     }
 
     /// The same call with `finalize` set.
@@ -1034,6 +1042,7 @@ impl Call {
                     root: self.root,
                     is_send: false,
                     finalize: self.finalize && self.coll.reduces(),
+                    per_host: self.per_host,
                 };
                 if self.coll != Collective::SendRecv {
                     Some(base)
