@@ -6,8 +6,10 @@
 //! 2. **Transport choice**, job-wide, through the bootstrap: shared memory when every rank is
 //!    on one host (equal host identities, `DSPARK_HOST_ID` or the host name, and equal boot
 //!    ids) and no rank asks for TCP or verbs ([`select_shm`]); else verbs where every rank
-//!    has a usable RDMA port and no rank asks for TCP, else TCP everywhere (or
-//!    [`Error::Unavailable`] everywhere where a rank asked for verbs or shm).
+//!    has a usable RDMA port and no rank asks for TCP, else TCP between hosts (or
+//!    [`Error::Unavailable`] everywhere where a rank asked for verbs or shm) with shared
+//!    memory among the ranks of each host that has several, unless a rank asked for TCP
+//!    ([`select_mixed`]; the transport is then [`MixedTransport`], `shm+tcp`).
 //! 3. **Direct region**: once verbs found a usable port, the memory this rank brings for
 //!    GPUDirect RDMA (GPU memory, its host emulation in tests, or why there is none),
 //!    registered by the transport before the connection information is exchanged.

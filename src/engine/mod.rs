@@ -69,6 +69,7 @@ impl EngineOptions {
                     // the traffic between hosts spread over every rank.
                     Algorithm::Ring
                         if coll == Collective::AllReduce
+                            && bytes >= t.hier_bytes
                             && plan::hierarchical_fits(world, self.per_host) =>
                     {
                         Algorithm::Hierarchical

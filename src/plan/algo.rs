@@ -83,7 +83,7 @@ fn ring_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
 
 /// Hierarchical allreduce, in place, for `n` ranks on hosts of `l` ranks each (ranks
 /// `h·l .. (h+1)·l` on host `h`, `H = n / l` hosts); this rank is local rank `i = r mod l` of
-/// host `h = r / l`. Falls back to [`ring_all_reduce`] when the layout does not divide the
+/// host `h = r / l`. Falls back to the ring ([`super::Algorithm::Ring`]) when the layout does not divide the
 /// world (`l` = 0 included), so every rank of a job makes the same choice.
 ///
 /// The buffer is cut into `l` blocks `A(j)` = [`block_range`]`(c, l, j)`.

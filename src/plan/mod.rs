@@ -503,6 +503,14 @@ pub struct Thresholds {
     pub allreduce_ring_bytes: usize,
     /// Broadcast and reduce use a binomial tree below this, a pipelined chain at or above.
     pub chain_bytes: usize,
+    /// Allreduce on several hosts of several ranks ([`hierarchical_fits`]) uses the
+    /// hierarchical algorithm instead of the ring at or above this. Measured 2026-12-01 on
+    /// 2 cores, 4 ranks as 2 hosts × 2 over shm+tcp on loopback, interleaved, 3–4 runs each:
+    /// hier/ring 0.4–0.7 at 4 MiB and 0.4–0.9 at 16 MiB, but bimodal from 64 KiB to 1 MiB
+    /// (0.5 in some runs, 1.4 in others): its rail phase waits on TCP and shm peers at once,
+    /// which costs wake-up latency (see the mixed transport's docs). Loopback has no network
+    /// bottleneck, the case the algorithm is for, so on real hosts it likely pays earlier.
+    pub hier_bytes: usize,
 }
 
 impl Default for Thresholds {
@@ -510,6 +518,7 @@ impl Default for Thresholds {
         Thresholds {
             allreduce_ring_bytes: 64 * 1024,
             chain_bytes: 64 * 1024,
+            hier_bytes: 4 << 20,
         }
     }
 }
