@@ -199,7 +199,9 @@ fn spawn_in(h: &Hosts, scenario: &str, extra: &[(&str, &str)]) -> common::procs:
 }
 
 /// dspark's names in /dev/shm (there should never be any: segments are memfds), and the
-/// processes other than this test binary's running ranks that still map a dspark segment.
+/// processes of this test binary, other than this process and its running ranks (other tests
+/// run in parallel), that still map a dspark segment: an orphaned rank would keep one alive.
+/// Other programs' processes are not looked at: the machine is shared.
 fn shm_residue() -> (Vec<String>, Vec<String>) {
     let names: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {
@@ -210,6 +212,7 @@ fn shm_residue() -> (Vec<String>, Vec<String>) {
         })
         .unwrap_or_default();
     let me = std::process::id().to_string();
+    let exe = std::env::current_exe().ok();
     let mut maps = Vec::new();
     if let Ok(d) = std::fs::read_dir("/proc") {
         for e in d.flatten() {
@@ -224,6 +227,9 @@ fn shm_residue() -> (Vec<String>, Vec<String>) {
                         .find_map(|l| l.strip_prefix("PPid:").map(|v| v.trim().to_string()))
                 });
             if parent.as_deref() == Some(me.as_str()) {
+                continue;
+            }
+            if std::fs::read_link(format!("/proc/{pid}/exe")).ok() != exe {
                 continue;
             }
             if let Ok(m) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
