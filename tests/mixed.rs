@@ -158,6 +158,19 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             }
             unreachable!()
         }
+        "mismatch" => {
+            expect_mixed(&comm)?;
+            // Rank 3 disagrees about the count: every rank, on either host and whichever
+            // transport it hears it through, must fail with Mismatch.
+            let mut buf = vec![1.0f32; if r == 3 { 11 } else { 10 }];
+            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e @ Error::Mismatch { .. }) => {
+                    say(&format!("FAILED: {e}"));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected Mismatch, got {other:?}")),
+            }
+        }
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -331,6 +344,27 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
     )
     .wait(Duration::from_secs(60));
     assert_all(&outs, OK, "hosts of 2, 1 and 2 ranks");
+}
+
+#[test]
+fn a_mismatched_count_fails_every_rank_of_a_mixed_communicator_with_mismatch() {
+    let outs = spawn(
+        WORLD,
+        "mismatch",
+        &|r| rank_vars(r, false, &[("DSPARK_TIMEOUT", "20")]),
+        None,
+    )
+    .wait(Duration::from_secs(30));
+    let all = all_output(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{all}");
+        assert!(o.out.contains("count"), "rank {r}:\n{all}");
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}:\n{all}",
+            o.elapsed
+        );
+    }
 }
 
 /// Kills `victim` mid-collective among ranks in two namespaces; every survivor must fail with
