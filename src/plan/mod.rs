@@ -506,10 +506,11 @@ pub struct Thresholds {
     /// Allreduce on several hosts of several ranks ([`hierarchical_fits`]) uses the
     /// hierarchical algorithm instead of the ring at or above this. Measured 2026-12-01 on
     /// 2 cores, 4 ranks as 2 hosts × 2 over shm+tcp on loopback, interleaved, 3–4 runs each:
-    /// hier/ring 0.4–0.7 at 4 MiB and 0.4–0.9 at 16 MiB, but bimodal from 64 KiB to 1 MiB
-    /// (0.5 in some runs, 1.4 in others): its rail phase waits on TCP and shm peers at once,
-    /// which costs wake-up latency (see the mixed transport's docs). Loopback has no network
-    /// bottleneck, the case the algorithm is for, so on real hosts it likely pays earlier.
+    /// hier/ring 0.4–0.7 at 4 MiB and 0.4–0.9 at 16 MiB, but from 64 KiB to 1 MiB slower in
+    /// most runs (up to 1.5x; faster in some) — over pure TCP as well, so not because of the
+    /// mixed transport's waits. Four ranks on two cores and loopback without a network
+    /// bottleneck (the case the algorithm is for) are not its setting; on real hosts it likely
+    /// pays earlier, which this machine cannot show.
     pub hier_bytes: usize,
 }
 

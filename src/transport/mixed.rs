@@ -42,9 +42,11 @@
 //! mixed communicator 0.70–3.3 µs at 8 B against 0.67–2.3 µs pure shm, between hosts
 //! 2.2–4.9 µs against 2.9–5.4 µs pure TCP. The hierarchical allreduce is where both-sided
 //! waits are common: during its rail phase (TCP) the first receive of its host all-gather
-//! (shm) is already posted, about half of its waits are on both kinds, and its time on
-//! 64 KiB–1 MiB is bimodal (fast in some runs, 1.4x the ring in others); a shared wake-up
-//! is the fix (not done).
+//! (shm) is already posted; counted at 64 KiB, about half of its waits were on both kinds.
+//! Sleeping in `poll` instead of on the futex in that case made it no faster (hier at
+//! 64 KiB–1 MiB 584–2940 µs against 604–2024 µs), and hier over pure TCP was no faster than
+//! over shm+tcp (520–4408 µs against 605–2024 µs), so the alternation is not what limits it
+//! on this machine; a shared wake-up would still remove the slice's latency (not done).
 //!
 //! # Liveness, abort, goodbye
 //!
