@@ -404,8 +404,8 @@ impl PyComm {
         self.world
     }
 
-    /// Facts about the connections: transport, why not a faster one, hosts, timeout,
-    /// data-path policy, rendezvous.
+    /// Facts about the connections: transport, each connection's transport, why not a faster
+    /// one, hosts, timeout, data-path policy, rendezvous.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let i = c.info();
@@ -415,6 +415,9 @@ impl PyComm {
         d.set_item("transport", i.transport.to_string())?;
         d.set_item("transport_detail", &i.transport_detail)?;
         d.set_item("transport_reason", i.transport_reason.clone())?;
+        // Per rank, this rank's connection to it (`shm`/`tcp` in a mixed `shm+tcp` job).
+        let peers: Vec<String> = i.peer_transports.iter().map(|k| k.to_string()).collect();
+        d.set_item("peer_transports", peers)?;
         d.set_item("hosts", i.hosts.clone())?;
         d.set_item("local_ranks", i.local_ranks)?;
         d.set_item("timeout", i.timeout.as_secs_f64())?;
