@@ -213,26 +213,31 @@ def _flat(t):
     return t, dt
 
 
-def _check_device(t, what):
-    if t.device.type != "cpu":
-        raise UnavailableError(
-            f"dspark: {what} is on {t.device}; this dspark torch backend runs collectives "
-            "on CPU tensors only (device tensors are not supported yet). Use "
-            "init_process_group(backend=\"cpu:dspark,cuda:nccl\") to keep CUDA tensors on "
-            "NCCL."
-        )
+def _check_device(t, what, cuda=False):
+    """CPU tensors everywhere; CUDA tensors where the operation goes through `_go` (the
+    device path, ordered on torch's current stream)."""
+    if t.device.type == "cpu" or (cuda and t.device.type == "cuda"):
+        return
+    raise UnavailableError(
+        f"dspark: {what} is on {t.device}; this dspark torch backend runs this operation "
+        "on CPU tensors only" + ("" if t.device.type != "cuda" else
+        " (CUDA tensors: all_reduce, broadcast, reduce, all_gather, reduce_scatter, "
+        "send/recv and the coalesced forms)") + ". Use "
+        "init_process_group(backend=\"cpu:dspark,cuda:nccl\") to keep CUDA tensors on "
+        "NCCL."
+    )
 
 
 def _input(t, what):
     """A contiguous tensor holding t's data (t itself when it is contiguous)."""
-    _check_device(t, what)
+    _check_device(t, what, cuda=True)
     return t if t.is_contiguous() else t.contiguous()
 
 
 def _output(t, what, finishers):
     """A contiguous tensor that receives t's result; registers a copy back when t is not
     contiguous."""
-    _check_device(t, what)
+    _check_device(t, what, cuda=True)
     if t.is_contiguous():
         return t
     tmp = t.contiguous()
@@ -329,19 +334,25 @@ class _Ops:
         timeout = _seconds(getattr(opts, "timeout", None))
         finish = _chain(list(finishers))
         prepared = []
+        devices = set()
         for coll, s, r, count, op, peer in calls:
             dt = "u8"
             sp = rp = 0
             if s is not None:
+                devices.add(s.device)
                 s, dt = _flat(s)
                 sp = s.data_ptr()
             if r is not None:
+                devices.add(r.device)
                 r, dt = _flat(r)
                 rp = r.data_ptr()
             if count is None:
                 count = (s if s is not None else r).numel()
             c = self._p2p_comm(coll, peer) if coll in ("send", "recv") else self._comm
             prepared.append((c, coll, dt, sp, rp, count, op, peer))
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda:
+            return self._go_cuda(devices, prepared, keep, result, finish, timeout)
         if not async_op:
             for c, coll, dt, sp, rp, count, op, peer in prepared:
                 c._run(coll, dt, sp, rp, count, op, peer, timeout)
@@ -353,6 +364,28 @@ class _Ops:
             for c, coll, dt, sp, rp, count, op, peer in prepared
         ]
         return _async_work(self._completer, raws, result, finish)
+
+    def _go_cuda(self, devices, prepared, keep, result, finish, timeout):
+        """CUDA tensors: every call is queued on torch's current stream of their GPU and
+        returns at once, as NCCL's do; the Work's future completes (with the result) once
+        they completed. A synchronous call is the same: work torch queues afterwards on that
+        stream sees the result."""
+        if len(devices) != 1:
+            raise InvalidArgumentError(
+                "dspark: one operation's tensors must all be on one CUDA device, not "
+                + ", ".join(sorted(str(d) for d in devices))
+            )
+        (dev,) = devices
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        raws = [
+            c._start_device(coll, dt, sp, rp, count, keep, dev.index, stream, op, peer, timeout)
+            for c, coll, dt, sp, rp, count, op, peer in prepared
+        ]
+        # Copies back into non-contiguous outputs: queued now on the same stream, after the
+        # collectives (a completer thread would queue them on its own default stream).
+        if finish is not None:
+            finish()
+        return _async_work(self._completer, raws, result, None)
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are

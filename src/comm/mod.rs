@@ -34,6 +34,7 @@ mod setup;
 mod split;
 pub mod work;
 
+pub use device::Enqueue;
 pub use raw::{RawCall, RawOp};
 pub use scope::Scope;
 pub use work::Work;
@@ -154,7 +155,7 @@ pub struct Communicator {
     pub(crate) policy: Mutex<PathPolicy>,
     /// The GPU memory registered with the NIC as this rank's direct region; declared after
     /// the engine so that the transport (and its registration) is dropped first.
-    pub(crate) region: Option<crate::gpu::direct::DirectRegion>,
+    pub(crate) region: Option<Arc<crate::gpu::direct::DirectRegion>>,
 }
 
 impl fmt::Debug for Communicator {
@@ -395,8 +396,10 @@ impl Communicator {
     }
 
     /// Runs a call on device buffers through the staged engine: the body of `run_staged`
-    /// (feature `testing`) and of the device collectives.
-    pub(crate) fn exec_staged(
+    /// (feature `testing`; the device collectives run `Engine::run_staged` inside their own
+    /// queued or exclusive operation).
+    #[cfg(feature = "testing")]
+    fn exec_staged(
         &self,
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,

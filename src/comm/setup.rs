@@ -184,7 +184,7 @@ impl Communicator {
         };
         drop(boot);
         let mut comm = Self::assemble(&config, transport, opts, facts)?;
-        comm.region = region;
+        comm.region = region.map(Arc::new);
         comm.check_path_policy()?;
         Ok(comm)
     }

@@ -26,6 +26,10 @@
 #      one GPU over TCP loopback at 16 and 256 MiB: correctness, then the total time against each
 #      stage alone (goal: total <= 1.2x the slowest stage). The two ranks are threads of one
 #      test process with separate streams and TCP connections, not separate processes.
+#   7. non-blocking device collectives (Communicator::enqueue), 2 ranks on one GPU over TCP:
+#      they return at once, copies queued on the same stream afterwards see their results, a
+#      buffer dropped at once and a leaked Work are harmless, a mismatched call fails both
+#      Works and leaves the stream free
 #
 # libnvrtc is looked for in the usual places (CUDA toolkit, pip wheels, LD_LIBRARY_PATH); a
 # libnvrtc.so.13 alone is exposed to cudarc through a symlink named libnvrtc.so. Logs go to
@@ -162,6 +166,7 @@ run() {
     step "dma-buf export" 30 "$BIN/gpu_device" device_memory_exports --nocapture
     step "direct device (land, reduce, send slots)" 60 "$BIN/gpu_device" direct_device --nocapture
     step "staged allreduce 2 ranks TCP" 120 "$BIN/gpu_device" staged_all_reduce --nocapture
+    step "enqueued (stream-ordered) device calls" 90 "$BIN/gpu_device" enqueued_device --nocapture
     echo
     echo "=================== summary ($((SECONDS - T0)) s)"
     printf '%-34s %-22s %6s\n' "check" "result" "secs"
