@@ -354,7 +354,7 @@ impl Communicator {
         let fail = |e: Error| Ok(self.fail_queued(call, e, timeout));
         if blocked {
             drop(guards);
-            return Ok(self.device_bytes_now(call, stream, src, dst));
+            return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
         }
         let (prepared, queue) = match self
             .prepare(stream)
@@ -381,7 +381,7 @@ impl Communicator {
                 tracing::warn!(rank = self.rank(), "{why}");
                 self.gpu_state().blocking.insert(ordinal, why);
                 drop(guards);
-                return Ok(self.device_bytes_now(call, stream, src, dst));
+                return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
             }
         };
         let task: Task = Box::new(move |eng| {
@@ -438,12 +438,13 @@ impl Communicator {
         stream: &Arc<CudaStream>,
         src: Option<(u64, usize)>,
         dst: Option<(u64, usize)>,
+        timeout: Option<std::time::Duration>,
     ) -> Work {
         let what = call.coll.name();
         let src = src.map(|(p, n)| Raw::<u8>::new(p, n, stream));
         let mut dst = dst.map(|(p, n)| Raw::<u8>::new(p, n, stream));
         let prepared = self.prepare(stream);
-        let r = self.shared.exclusive(None, |eng| {
+        let r = self.shared.exclusive(timeout, |eng| {
             let r = prepared.and_then(|(reducer, via)| {
                 run_prepared::<u8, _, _>(
                     eng,
