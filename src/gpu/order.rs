@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::marker::PhantomData;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
 use super::device::driver_err;
@@ -61,6 +61,11 @@ pub(crate) struct Doorbell {
     /// The last value rung: the word's own lock (a separate one, so that a ticket may ring
     /// while another thread issues).
     rung: Mutex<u32>,
+    /// An event after each stream's latest wait on the word: the word may only be freed once
+    /// every stream has read it for the last time (see `Drop`).
+    passed: Mutex<Vec<CudaEvent>>,
+    /// An event could not be recorded after a wait: the word is never freed.
+    leak: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the word is ordinary pinned process memory, written only under the `rung` lock
@@ -118,6 +123,8 @@ impl Doorbell {
             dev,
             issued: Mutex::new(0),
             rung: Mutex::new(0),
+            passed: Mutex::new(Vec::new()),
+            leak: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -141,12 +148,39 @@ impl Doorbell {
     }
 }
 
+/// How long a dropped doorbell waits for the streams that waited on it to have read it for
+/// the last time before it gives up and leaks the word instead of freeing it.
+const FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for Doorbell {
     fn drop(&mut self) {
-        // Every ticket holds an `Arc` of its doorbell, so none is outstanding: no stream can
-        // still be waiting on a value that will never come (it was rung).
+        // Every ticket holds an `Arc` of its doorbell, so every ticket has rung: no stream
+        // waits for a value that will never come. But a stream may not have *read* the word
+        // yet (its wait is behind other work): free it only once every stream got past its
+        // last wait, within FREE_WAIT; otherwise leak it (one pinned page) and say so.
+        let passed = std::mem::take(&mut *self.passed.lock().unwrap_or_else(|e| e.into_inner()));
+        let until = std::time::Instant::now() + FREE_WAIT;
+        let mut all = true;
+        for ev in &passed {
+            while !ev.try_is_complete().unwrap_or(true) {
+                if std::time::Instant::now() >= until {
+                    all = false;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        if !all || self.leak.load(std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "a CUDA stream has not passed (or could not be tracked past) its wait on a dropped communicator's doorbell \
+                 within {FREE_WAIT:?} (work queued ahead of it is still running): leaking \
+                 the doorbell's pinned page instead of freeing memory the GPU may still read"
+            );
+            return;
+        }
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once.
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once; every stream
+            // that waited on it has passed its wait (above).
             let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
         }
     }
@@ -191,6 +225,18 @@ impl Issue<'_> {
                 })
             })
             .inspect_err(|_| self.bell.ring(seq))?;
+        // Remembered until the word is freed; events of waits already passed are dropped.
+        let mut passed = self.bell.passed.lock().unwrap_or_else(|e| e.into_inner());
+        passed.retain(|e| !e.try_is_complete().unwrap_or(true));
+        match stream.record_event(None) {
+            Ok(e) => passed.push(e),
+            // Without the event the word can never be known unread: never free it.
+            Err(_) => self
+                .bell
+                .leak
+                .store(true, std::sync::atomic::Ordering::Relaxed),
+        }
+        drop(passed);
         Ok(Ticket {
             bell: Arc::clone(self.bell),
             seq,
