@@ -53,6 +53,10 @@ _UNSUPPORTED_OPS = {
     getattr(_RED, n): n for n in ("BAND", "BOR", "BXOR") if hasattr(_RED, n)
 }
 _UNSET_TIMEOUT = dist.AllreduceOptions().timeout
+# torch.distributed re-exports AllgatherOptions from 2.9 on; 2.8 has it only in _c10d.
+_AllgatherOptions = getattr(dist, "AllgatherOptions", None) or getattr(
+    torch._C._distributed_c10d, "AllgatherOptions"
+)
 # The fast path's tables: dtype objects and plain ops (no premultiply, no bool/complex).
 _FAST_OPS = dict(_OPS)
 _FAST_DTYPES = {
@@ -256,6 +260,19 @@ def _chain(finishers):
     return run
 
 
+def _premul_factor(red):
+    """The factor of a PREMUL_SUM ReduceOp (`dist._make_nccl_premul_sum(f)`): an attribute
+    on newer torch; on older ones (2.8) only in the op's pickled state, `(op, factor)`."""
+    factor = getattr(red, "factor", None)
+    if factor is None:
+        try:
+            state = red.__getstate__()
+            factor = state[1] if isinstance(state, tuple) and len(state) > 1 else None
+        except Exception:
+            factor = None
+    return factor
+
+
 # --------------------------------------------------------------------------- the backend
 
 
@@ -298,7 +315,7 @@ class _Ops:
             )
         factor = None
         if kind == _RED.PREMUL_SUM:
-            factor = getattr(red, "factor", None)
+            factor = _premul_factor(red)
             if factor is None:
                 raise InvalidArgumentError(f"dspark: {what}: PREMUL_SUM without a factor")
             name = "sum"
@@ -480,7 +497,7 @@ class _Ops:
 
     # -- all_gather --------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if output.numel() != input.numel() * self._n or output.dtype != input.dtype:
             raise InvalidArgumentError(
                 f"dspark: all_gather_into_tensor: output has {output.numel()} {output.dtype} "
@@ -500,7 +517,7 @@ class _Ops:
     _allgather_base = all_gather_single
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         calls, keep, fin = [], [output_lists, inputs], []
         for outs, t in zip(output_lists, inputs):
             if len(outs) != self._n or any(
@@ -535,7 +552,7 @@ class _Ops:
                                lambda: self.allgather(per_input, inputs, opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         def issue():
             for o, i in zip(outputs, inputs):
                 self.all_gather_single(o, i, opts)
