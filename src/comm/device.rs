@@ -237,34 +237,14 @@ impl Communicator {
         let slot = self.info().segment_bytes;
         let ctx = stream.context();
         let mut st = self.gpu_state();
+        // One pool per GPU for the communicator's life (its segment size is fixed at init).
+        // Never locked here: a queued call running on it holds its lock, and issuing must not
+        // wait for that.
         let pool = match st.pools.entry(ctx.ordinal()) {
-            Entry::Occupied(e)
-                if e.get().lock().unwrap_or_else(|p| p.into_inner()).fits(
-                    ctx,
-                    STAGE_SLOTS,
-                    STAGE_SLOTS,
-                    slot,
-                ) =>
-            {
-                Arc::clone(e.get())
-            }
-            e => {
-                // A queued call that still holds the old pool keeps it alive until it ran.
-                let pool = Arc::new(Mutex::new(StagingPool::new(
-                    ctx,
-                    STAGE_SLOTS,
-                    STAGE_SLOTS,
-                    slot,
-                )?));
-                match e {
-                    Entry::Occupied(mut o) => {
-                        o.insert(Arc::clone(&pool));
-                    }
-                    Entry::Vacant(v) => {
-                        v.insert(Arc::clone(&pool));
-                    }
-                }
-                pool
+            Entry::Occupied(e) => Arc::clone(e.get()),
+            Entry::Vacant(v) => {
+                let pool = StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?;
+                Arc::clone(v.insert(Arc::new(Mutex::new(pool))))
             }
         };
         Ok((reducer, Via::Staged(pool)))
