@@ -1167,6 +1167,7 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
             if i == 0 { "data path :" } else { "           " }
         );
     }
+    println!("# gpu region: {}", info.direct_region);
     let hosts: Vec<&str> = info.hosts.iter().map(String::as_str).collect();
     let mut uniq = hosts.clone();
     uniq.sort_unstable();

@@ -792,6 +792,17 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
             path::GDR_MAX_DISTANCE.short()
         ),
     ];
+    if !pairs.is_empty() {
+        let staged = PathPolicy::from_env_with(|k| std::env::var(k).ok())
+            .is_ok_and(|p| p == PathPolicy::HostStaged);
+        notes.push(if staged {
+            "DSPARK_DATA_PATH=host-staged is set: a communicator creates no CUDA context and              allocates no GPU memory at init"
+                .to_string()
+        } else {
+            "at init a communicator over verbs here creates a CUDA context and allocates a              GPUDirect region (world x slots x segment bytes of GPU memory per rank), kept only              when every rank registered one; a job that never passes GPU memory sets              DSPARK_DATA_PATH=host-staged to allocate none (CommInfo::direct_region and the              bench header's `gpu region` line say what init did)"
+                .to_string()
+        });
+    }
     if !on_real_root {
         notes.push(format!(
             "sysfs and library directories read below {}",

@@ -117,7 +117,8 @@ impl Communicator {
             region = r;
             spec
         };
-        let mut direct_region = DirectRegionFact::NotAllocated(path::SHM_STAGED_REASON.into());
+        let mut direct_region =
+            DirectRegionFact::NotAllocated("the job runs over shared memory".into());
         let mut gpu_direct = vec![
             GpuDirectCapability::Unavailable(path::TCP_STAGED_REASON.into());
             config.world_size
@@ -150,7 +151,7 @@ impl Communicator {
                                     "the job runs over TCP",
                                 )
                                 .unwrap_or_else(|| {
-                                    DirectRegionFact::NotAllocated(path::TCP_STAGED_REASON.into())
+                                    DirectRegionFact::NotAllocated("the job runs over TCP".into())
                                 });
                                 let opts = TcpOptions {
                                     socket_buffer: config.socket_buffer,
