@@ -72,14 +72,14 @@
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::{
-    rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress,
-    Transport, TransportKind, HEADER_LEN,
+    frame_len_mismatch, rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress,
+    RecvSink, SendProgress, Transport, TransportKind, HEADER_LEN,
 };
 use crate::error::{Error, Result};
 
@@ -346,6 +346,31 @@ struct Peer {
     /// Offsets of the two rings' bases in their segments.
     tx_base: usize,
     rx_base: usize,
+}
+
+impl Peer {
+    /// Re-reads the head of the ring `peer` sends into (`head`, published by it with release
+    /// ordering): an error, not a wrapped count, when the counters a misbehaving or corrupted
+    /// peer wrote say it is behind the tail or more than a ring ahead of it.
+    fn refresh_head(
+        &mut self,
+        head: &AtomicU64,
+        ring: u64,
+        rank: usize,
+        peer: usize,
+    ) -> Result<()> {
+        self.rx_head = head.load(Ordering::Acquire);
+        if self.rx_head < self.rx_tail || self.rx_head - self.rx_tail > ring {
+            return Err(corrupt(
+                rank,
+                peer,
+                "receive tail..head",
+                self.rx_tail,
+                self.rx_head,
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The shared-memory transport (see the module docs).
@@ -790,16 +815,7 @@ impl Transport for ShmTransport {
             let (b, start) = loop {
                 let start = pad(p.rx_tail);
                 if p.rx_head < start + HEADER_LEN as u64 {
-                    p.rx_head = head_word.load(Ordering::Acquire);
-                    if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
-                        return Err(corrupt(
-                            rank,
-                            peer,
-                            "receive tail..head",
-                            p.rx_tail,
-                            p.rx_head,
-                        ));
-                    }
+                    p.refresh_head(head_word, ring, rank, peer)?;
                 }
                 if p.rx_head < start + HEADER_LEN as u64 {
                     // Nothing (more) from it: a goodbye, an abort or its death surface now.
@@ -835,15 +851,7 @@ impl Transport for ShmTransport {
             }
             let expected = sink.on_header(&hdr)?;
             if expected != hdr.len as usize {
-                return Err(Error::Transport {
-                    rank: Some(rank),
-                    peer: Some(peer),
-                    op: OP.into(),
-                    what: format!(
-                        "frame header says {} bytes where {expected} were expected",
-                        hdr.len
-                    ),
-                });
+                return Err(frame_len_mismatch(rank, peer, hdr.len as usize, expected));
             }
             let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
                 return Ok(false);
@@ -868,16 +876,7 @@ impl Transport for ShmTransport {
                 return Ok(true);
             }
             if p.rx_head == p.rx_tail || (p.rx_head - p.rx_tail) < g as u64 {
-                p.rx_head = head_word.load(Ordering::Acquire);
-                if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
-                    return Err(corrupt(
-                        rank,
-                        peer,
-                        "receive tail..head",
-                        p.rx_tail,
-                        p.rx_head,
-                    ));
-                }
+                p.refresh_head(head_word, ring, rank, peer)?;
             }
             let avail = (p.rx_head - p.rx_tail) as usize;
             let pos = (p.rx_tail % ring) as usize;
