@@ -161,6 +161,16 @@ fn corrupt(rank: usize, peer: usize, what: &str, lo: u64, hi: u64) -> Error {
     }
 }
 
+/// A copy outside a segment ([`seg::OutOfBounds`]) as the error of the connection to `peer`.
+fn out_of_bounds(rank: usize, peer: usize) -> impl FnOnce(seg::OutOfBounds) -> Error {
+    move |b| Error::Transport {
+        rank: Some(rank),
+        peer: Some(peer),
+        op: "shared-memory ring".into(),
+        what: format!("a copy refused: {b}"),
+    }
+}
+
 fn pad(n: u64) -> u64 {
     n.div_ceil(LINE as u64) * LINE as u64
 }
@@ -502,7 +512,9 @@ impl ShmTransport {
                 let origin = p.seg.u32_at(OFF_ORIGIN).load(Ordering::Relaxed) as usize;
                 let n = (p.seg.u32_at(OFF_MSG_LEN).load(Ordering::Relaxed) as usize).min(MSG_CAP);
                 let mut msg = vec![0u8; n];
-                p.seg.read(OFF_MSG, &mut msg);
+                if let Err(b) = p.seg.read(OFF_MSG, &mut msg) {
+                    return Some(out_of_bounds(self.rank, peer)(b));
+                }
                 let reason = String::from_utf8_lossy(&msg).into_owned();
                 Some(AbortClass::error(class, self.rank, origin, op, reason))
             }
@@ -736,7 +748,9 @@ impl Transport for ShmTransport {
             if fits(p.tx_tail) {
                 let mut mark = FrameHeader::bye().encode();
                 mark[0] = WRAP_KIND;
-                p.seg.write(data_off + pos as usize, &mark);
+                p.seg
+                    .write(data_off + pos as usize, &mark)
+                    .map_err(out_of_bounds(rank, peer))?;
                 p.tx_head += ring - pos;
             }
         }
@@ -758,7 +772,9 @@ impl Transport for ShmTransport {
             let n = if w < HEADER_LEN {
                 // The header goes whole: frames start on a line, so it never wraps.
                 let head = hdr.encode();
-                p.seg.write(data_off + pos, &head[w..]);
+                p.seg
+                    .write(data_off + pos, &head[w..])
+                    .map_err(out_of_bounds(rank, peer))?;
                 HEADER_LEN - w
             } else if w < total {
                 let n = (total - w)
@@ -766,7 +782,9 @@ impl Transport for ShmTransport {
                     .min(contiguous)
                     .min(step as usize);
                 let from = w - HEADER_LEN;
-                p.seg.write(data_off + pos, &data[from..from + n]);
+                p.seg
+                    .write(data_off + pos, &data[from..from + n])
+                    .map_err(out_of_bounds(rank, peer))?;
                 n
             } else {
                 // Padding to the next line: space, nothing written (the receiver skips to
@@ -828,7 +846,9 @@ impl Transport for ShmTransport {
                     return Ok(false);
                 }
                 let mut b = [0u8; HEADER_LEN];
-                self.own.read(data_off + (start % ring) as usize, &mut b);
+                self.own
+                    .read(data_off + (start % ring) as usize, &mut b)
+                    .map_err(out_of_bounds(rank, peer))?;
                 if b[0] == WRAP_KIND && b[12..16] == super::FRAME_MAGIC.to_le_bytes() {
                     p.rx_tail = start + (ring - start % ring);
                     continue;
@@ -902,13 +922,16 @@ impl Transport for ShmTransport {
             match sink.direct() {
                 Some(dst) => {
                     let got = progress.got;
-                    self.own.read(data_off + pos, &mut dst[got..got + n]);
+                    self.own
+                        .read(data_off + pos, &mut dst[got..got + n])
+                        .map_err(out_of_bounds(rank, peer))?;
                 }
                 None => {
                     // SAFETY: `[rx_tail, rx_head)` of this ring was published by the sender
                     // (acquire load of `head`) and is not written again before this rank
                     // advances `tail` below, after the slice is gone.
-                    let bytes = unsafe { self.own.slice(data_off + pos, n) };
+                    let bytes = unsafe { self.own.slice(data_off + pos, n) }
+                        .map_err(out_of_bounds(rank, peer))?;
                     sink.consume(bytes)?;
                 }
             }
@@ -952,7 +975,12 @@ impl Transport for ShmTransport {
         self.done = true;
         let msg = reason.as_bytes();
         let msg = &msg[..msg.len().min(MSG_CAP)];
-        self.own.write(OFF_MSG, msg);
+        if let Err(b) = self.own.write(OFF_MSG, msg) {
+            tracing::warn!(
+                rank = self.rank,
+                "abort message not written to the segment: {b}"
+            );
+        }
         self.own
             .u32_at(OFF_MSG_LEN)
             .store(msg.len() as u32, Ordering::Relaxed);
