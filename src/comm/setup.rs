@@ -1050,6 +1050,34 @@ mod tests {
         );
     }
 
+    /// What the bench header and `CommInfo` print about the region: its size and its fate.
+    #[test]
+    fn the_direct_region_fact_says_what_was_allocated_and_whether_it_is_held() {
+        let kept = DirectRegionFact::Kept {
+            bytes: 36 << 20,
+            emulated: false,
+        };
+        assert_eq!(
+            kept.to_string(),
+            "36 MiB of GPU memory, registered and held"
+        );
+        let freed = DirectRegionFact::Freed {
+            bytes: 3 << 20,
+            why: "GPUDirect RDMA is not used job-wide (rank 2: no CUDA driver)".into(),
+        };
+        let s = freed.to_string();
+        assert!(
+            s.starts_with("3 MiB allocated, then freed at init: "),
+            "{s}"
+        );
+        assert!(s.ends_with("(rank 2: no CUDA driver)"), "{s}");
+        let none = DirectRegionFact::NotAllocated(path::REQUESTED_STAGED_REASON.into());
+        assert_eq!(
+            none.to_string(),
+            "none allocated (DSPARK_DATA_PATH=host-staged was requested)"
+        );
+    }
+
     #[test]
     fn default_ack_budget_rides_out_congestion_like_nccls() {
         let o = opts_of(&[]).unwrap();
