@@ -307,6 +307,17 @@ impl Prepared {
                     info.ring, self.ring
                 ));
             }
+            // Every offset this rank uses in a peer's segment (header words, its ring's
+            // counters and data) follows from the world and ring size: a segment of another
+            // length is refused here, so that no later access can fall outside it.
+            let want = seg_len(self.world, self.ring);
+            if info.len != want as u64 {
+                return Err(format!(
+                    "rank {r} announced a segment of {} bytes where {} ranks with rings of {} \
+                     bytes need {want}",
+                    info.len, self.world, self.ring
+                ));
+            }
             let file = seg::open_peer(info.pid, info.fd, info.len as usize)
                 .map_err(|w| format!("rank {r}'s segment: {w}"))?;
             let s = Seg::map(&file, info.len as usize)
@@ -1030,6 +1041,43 @@ mod tests {
         };
         assert_eq!(SegInfo::decode(&i.encode()), Some(i));
         assert_eq!(SegInfo::decode(&[0u8; 31]), None);
+    }
+
+    /// A peer (misbehaving, or of another build) whose segment is too small for the layout
+    /// would make later ring accesses fall outside it: refused at connect, naming the rank.
+    #[test]
+    fn a_peer_segment_of_another_length_is_refused_at_connect() {
+        use std::os::fd::AsRawFd;
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let me = prepare(0, 2, opts).unwrap();
+        // A well-formed header for rank 1 of 2 in a segment of 4096 bytes: too small for
+        // one ring of 8 KiB.
+        let len = 4096;
+        let file = seg::create(len, "dspark-shm-test-small").unwrap();
+        let small = Seg::map(&file, len).unwrap();
+        small.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        small.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        small.u32_at(OFF_WORLD).store(2, Ordering::Relaxed);
+        small.u32_at(OFF_RANK).store(1, Ordering::Relaxed);
+        small.u64_at(OFF_NONCE).store(7, Ordering::Relaxed);
+        let theirs = SegInfo {
+            pid: std::process::id(),
+            fd: file.as_raw_fd() as u32,
+            len: len as u64,
+            ring: me.ring as u64,
+            nonce: 7,
+        };
+        let e = me.connect(&[me.info(), theirs]).unwrap_err();
+        assert!(e.contains("rank 1") && e.contains("4096 bytes"), "{e}");
+        let right = SegInfo {
+            len: seg_len(2, me.ring) as u64,
+            ..theirs
+        };
+        let e = me.connect(&[me.info(), right]).unwrap_err();
+        assert!(
+            e.contains("rank 1's segment"),
+            "a mis-sized file is still caught: {e}"
+        );
     }
 
     #[test]

@@ -104,7 +104,10 @@ impl Seg {
         unsafe { self.ptr.add(off) }
     }
 
-    /// The 64-bit atomic at `off` (8-aligned, inside the segment).
+    /// The 64-bit atomic at `off` (8-aligned, inside the segment). The offsets are layout
+    /// constants and ring bases that fit the segment's length, which is checked against the
+    /// layout when a peer's segment is mapped: the assert below guards an internal invariant
+    /// that no peer can break.
     pub(super) fn u64_at(&self, off: usize) -> &AtomicU64 {
         assert!(off.is_multiple_of(8) && off + 8 <= self.len);
         // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the
