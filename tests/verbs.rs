@@ -16,6 +16,8 @@
 //! * the GPUDirect protocol (direct frames: payload RDMA-written into the receiver's registered
 //!   landing slot, held until the device consumed it) with host memory standing in for GPU
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
+//! * one rank without a direct region: the others free theirs at init (#11 item 7), and
+//!   host and staged device collectives stay exact;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
 //!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
