@@ -857,7 +857,15 @@ fn region_fate(
         }
         _ => return Err("this rank announced no region".into()),
     };
-    let is_emulated = |i: &DirectInfo| matches!(i, DirectInfo::Region { kind, .. } if *kind == DirectKind::HostEmulated);
+    let is_emulated = |i: &DirectInfo| {
+        matches!(
+            i,
+            DirectInfo::Region {
+                kind: DirectKind::HostEmulated,
+                ..
+            }
+        )
+    };
     let caps = capabilities_of(infos);
     let agreed = if emulated {
         infos.iter().all(is_emulated)
