@@ -405,7 +405,7 @@ impl PyComm {
     }
 
     /// Facts about the connections: transport, why not a faster one, hosts, timeout,
-    /// data-path policy, rendezvous.
+    /// data-path policy, what init allocated for GPUDirect (`direct_region`), rendezvous.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let i = c.info();
@@ -420,6 +420,7 @@ impl PyComm {
         d.set_item("timeout", i.timeout.as_secs_f64())?;
         d.set_item("segment_bytes", i.segment_bytes)?;
         d.set_item("data_path", i.data_path.to_string())?;
+        d.set_item("direct_region", i.direct_region.to_string())?;
         d.set_item("rendezvous", &i.rendezvous)?;
         Ok(d)
     }

@@ -74,6 +74,57 @@ pub struct CommInfo {
     /// How the ranks met: rank 0's address and where it came from (`DSPARK_ROOT_ADDR`,
     /// `MASTER_ADDR:MASTER_PORT`, torchrun's agent store, a parent communicator).
     pub rendezvous: String,
+    /// What init did with this rank's direct region (the GPU memory GPUDirect RDMA sends from
+    /// and lands in): whether GPU memory was allocated, and whether it is still held.
+    pub direct_region: DirectRegionFact,
+}
+
+/// What became of this rank's direct region at init. A region (world × slots × segment bytes
+/// of GPU memory, and a CUDA context) is allocated only over verbs, and kept only when
+/// GPUDirect RDMA is used job-wide; `DSPARK_DATA_PATH=host-staged` allocates none.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DirectRegionFact {
+    /// None was allocated, and why (staging requested, no GPU, not verbs, ...).
+    NotAllocated(String),
+    /// Allocated, registered with the NIC and held for the communicator's lifetime.
+    Kept {
+        /// Its size.
+        bytes: usize,
+        /// Host memory standing in for GPU memory (`DSPARK_EMULATE_GPU_DIRECT`, tests).
+        emulated: bool,
+    },
+    /// Allocated at init, then deregistered and freed at init, and why.
+    Freed {
+        /// Its size.
+        bytes: usize,
+        /// Why nothing would use it.
+        why: String,
+    },
+}
+
+impl fmt::Display for DirectRegionFact {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let size = |b: usize| crate::types::human_bytes(b as u64, false);
+        match self {
+            DirectRegionFact::NotAllocated(why) => write!(f, "none allocated ({why})"),
+            DirectRegionFact::Kept {
+                bytes,
+                emulated: false,
+            } => write!(f, "{} of GPU memory, registered and held", size(*bytes)),
+            DirectRegionFact::Kept {
+                bytes,
+                emulated: true,
+            } => write!(
+                f,
+                "{} of host memory standing in for GPU memory (DSPARK_EMULATE_GPU_DIRECT), held",
+                size(*bytes)
+            ),
+            DirectRegionFact::Freed { bytes, why } => {
+                write!(f, "{} allocated, then freed at init: {why}", size(*bytes))
+            }
+        }
+    }
 }
 
 /// Which API a call came through (for the operation named in errors).
