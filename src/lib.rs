@@ -21,7 +21,7 @@ pub mod reduce;
 pub mod transport;
 pub mod types;
 
-pub use comm::{CommInfo, Communicator, RawCall, RawOp, Registration, Scope, Timed, Work};
+pub use comm::{CommInfo, Communicator, Enqueue, RawCall, RawOp, Registration, Scope, Timed, Work};
 pub use config::Config;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

@@ -277,6 +277,21 @@ element! {
     half::f16 => F16, half::bf16 => BF16, f32 => F32, f64 => F64,
 }
 
+/// A byte count in the largest binary unit that divides it exactly: `1 GiB`, `512 KiB`,
+/// `1000 B` (never rounded, so that a size reads back exactly). With `short`, the compact
+/// form of axis labels and size arguments: `1G`, `512K`, `1000`.
+pub fn human_bytes(bytes: u64, short: bool) -> String {
+    let (v, unit) = [(30, "G"), (20, "M"), (10, "K")]
+        .into_iter()
+        .find(|&(shift, _)| bytes >= 1 << shift && bytes.is_multiple_of(1 << shift))
+        .map_or((bytes, ""), |(shift, u)| (bytes >> shift, u));
+    match (short, unit) {
+        (true, u) => format!("{v}{u}"),
+        (false, "") => format!("{v} B"),
+        (false, u) => format!("{v} {u}iB"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,5 +326,23 @@ mod tests {
         assert!("float128".parse::<DataType>().is_err());
         assert_eq!("AVG".parse::<ReduceOp>().unwrap(), ReduceOp::Avg);
         assert!("xor".parse::<ReduceOp>().is_err());
+    }
+
+    #[test]
+    fn byte_counts_read_in_the_largest_unit_that_divides_them_exactly() {
+        for (b, long, short) in [
+            (0u64, "0 B", "0"),
+            (1000, "1000 B", "1000"),
+            (1024, "1 KiB", "1K"),
+            (1536, "1536 B", "1536"),
+            (512 << 10, "512 KiB", "512K"),
+            (3 << 20, "3 MiB", "3M"),
+            ((1 << 20) + (1 << 10), "1025 KiB", "1025K"),
+            (1 << 30, "1 GiB", "1G"),
+            (5 << 30, "5 GiB", "5G"),
+        ] {
+            assert_eq!(human_bytes(b, false), long, "{b}");
+            assert_eq!(human_bytes(b, true), short, "{b}");
+        }
     }
 }

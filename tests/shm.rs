@@ -7,9 +7,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG};
+use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK};
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
@@ -112,57 +112,17 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         }
         "loop" => {
             expect_transport(&comm, TransportKind::Shm)?;
-            // Collectives until something fails; report how.
-            let mut buf = vec![1.0f32; 256 * 1024];
-            comm.all_reduce(&mut buf, ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
-            say("READY");
-            loop {
-                if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                    say(&format!("FAILED: {e}"));
-                    let expected = matches!(
-                        e,
-                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
-                    );
-                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
-                }
-            }
+            common::procs::loop_until_failure(&comm)
         }
-        "watch" => match r {
-            // Waits on rank 1, which is alive and silent; rank 2 dies meanwhile.
-            0 => {
+        "watch" => {
+            if r == 0 {
                 expect_transport(&comm, TransportKind::Shm)?;
-                say("READY");
-                let t = Instant::now();
-                let mut buf = vec![0u8; 16];
-                match comm.recv(&mut buf, 1) {
-                    Err(e @ Error::PeerLost { peer: 2, .. }) => {
-                        say(&format!("FAILED after {:?}: {e}", t.elapsed()));
-                        Ok(FAILED_AS_EXPECTED)
-                    }
-                    other => Err(format!("expected PeerLost of rank 2, got {other:?}")),
-                }
             }
-            1 => {
-                std::thread::sleep(Duration::from_secs(8));
-                Ok(OK)
-            }
-            _ => {
-                say("READY");
-                std::thread::sleep(Duration::from_secs(60));
-                Ok(OK)
-            }
-        },
+            common::procs::watch_while_another_dies(&comm)
+        }
         "mismatch" => {
             expect_transport(&comm, TransportKind::Shm)?;
-            let mut buf = vec![1.0f32; 10 + r];
-            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                Err(e @ Error::Mismatch { .. }) => {
-                    say(&format!("FAILED: {e}"));
-                    Ok(FAILED_AS_EXPECTED)
-                }
-                other => Err(format!("expected Mismatch, got {other:?}")),
-            }
+            common::procs::mismatched_count(&comm)
         }
         "send_then_exit" => {
             // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
@@ -342,40 +302,10 @@ fn ranks_with_different_host_ids_share_memory_only_within_a_host_and_forcing_shm
 
 #[test]
 fn killed_rank_makes_every_survivor_fail_within_the_deadline_and_leaves_no_shared_memory() {
-    let world = 4;
-    let mut ranks = spawn(
-        world,
-        "loop",
-        &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
-        None,
-    );
-    ranks.wait_ready(world);
-    std::thread::sleep(Duration::from_millis(200));
-    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
-    let outs = ranks.wait(Duration::from_secs(60));
-    for (r, o) in outs.iter().enumerate() {
-        if r == 2 {
-            continue;
-        }
-        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
-        // No FIN in shared memory: the liveness connection finds it long before 30 s.
-        assert!(
-            o.elapsed < Duration::from_secs(10),
-            "rank {r} took {:?}",
-            o.elapsed
-        );
-    }
-    assert!(
-        outs.iter()
-            .enumerate()
-            .filter(|(r, _)| *r != 2)
-            .any(|(_, o)| o.out.contains("rank 2")),
-        "no survivor names the killed rank 2:\n{}",
-        outs.iter()
-            .map(|o| o.out.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    // No FIN in shared memory: the liveness connection finds the dead rank long before 30 s.
+    common::procs::killed_rank_fails_every_survivor_within_the_deadline(&|t| {
+        shm_vars(&[("DSPARK_TIMEOUT", t)])
+    });
     let (names, maps) = shm_residue();
     assert!(names.is_empty(), "dspark files in /dev/shm: {names:?}");
     assert!(
@@ -386,89 +316,21 @@ fn killed_rank_makes_every_survivor_fail_within_the_deadline_and_leaves_no_share
 
 #[test]
 fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
-    let world = 3;
-    let mut ranks = spawn(
-        world,
-        "loop",
-        &|_| shm_vars(&[("DSPARK_TIMEOUT", "2")]),
-        None,
-    );
-    ranks.wait_ready(world);
-    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
-    let t0 = Instant::now();
-    let mut survivors_done = false;
-    while t0.elapsed() < Duration::from_secs(20) {
-        let done = [0, 2]
-            .iter()
-            .all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
-        if done {
-            survivors_done = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let waited = t0.elapsed();
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-    let outs = ranks.wait(Duration::from_secs(5));
-    assert!(survivors_done, "survivors still running after {waited:?}");
-    assert!(
-        waited < Duration::from_secs(8),
-        "deadline 2 s, took {waited:?}"
-    );
-    for r in [0, 2] {
-        assert_eq!(
-            outs[r].code,
-            Some(FAILED_AS_EXPECTED),
-            "rank {r}:\n{}",
-            outs[r].out
-        );
-    }
-    let all = format!("{}{}", outs[0].out, outs[2].out);
-    assert!(
-        all.contains("timed out") && (all.contains("rank 1") || all.contains("for rank 2")),
-        "{all}"
-    );
+    common::procs::stopped_rank_times_out_every_survivor_within_the_deadline(&|t| {
+        shm_vars(&[("DSPARK_TIMEOUT", t)])
+    });
 }
 
 #[test]
 fn mismatched_counts_fail_every_process_with_mismatch_over_shared_memory() {
-    let outs = spawn(
-        3,
-        "mismatch",
-        &|_| shm_vars(&[("DSPARK_TIMEOUT", "20")]),
-        None,
-    )
-    .wait(Duration::from_secs(30));
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
-        assert!(o.out.contains("count"), "rank {r}: {}", o.out);
-        assert!(
-            o.elapsed < Duration::from_secs(10),
-            "rank {r} took {:?}",
-            o.elapsed
-        );
-    }
+    common::procs::mismatched_counts_fail_every_process(&|t| shm_vars(&[("DSPARK_TIMEOUT", t)]));
 }
 
 #[test]
 fn a_peer_dying_while_this_rank_waits_on_another_is_noticed_at_once_over_shared_memory() {
-    let mut ranks = spawn(3, "watch", &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]), None);
-    ranks.wait_ready_of(&[0, 2]);
-    std::thread::sleep(Duration::from_millis(300));
-    ranks.children[2].kill().unwrap();
-    let outs = ranks.wait(Duration::from_secs(40));
-    assert_eq!(
-        outs[0].code,
-        Some(FAILED_AS_EXPECTED),
-        "rank 0:\n{}",
-        outs[0].out
-    );
-    assert!(
-        outs[0].elapsed < Duration::from_secs(5),
-        "rank 0 took {:?}",
-        outs[0].elapsed
-    );
+    common::procs::a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(&|t| {
+        shm_vars(&[("DSPARK_TIMEOUT", t)])
+    });
 }
 
 #[test]

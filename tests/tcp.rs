@@ -7,12 +7,10 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::procs::{
-    assert_all, free_port, rank_entry, say, sh, spawn, vars, FAILED_AS_EXPECTED, OK,
-};
-use dspark::{Communicator, Error, ReduceOp};
+use common::procs::{assert_all, free_port, rank_entry, sh, spawn, vars, OK};
+use dspark::{Communicator, ReduceOp};
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
 #[test]
@@ -71,61 +69,9 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::check("large all_gather", &all, &want)?;
             Ok(OK)
         }
-        "loop" => {
-            // Collectives until something fails; report how.
-            let mut buf = vec![1.0f32; 256 * 1024];
-            comm.all_reduce(&mut buf, ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
-            say("READY");
-            loop {
-                if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                    say(&format!("FAILED: {e}"));
-                    let expected = matches!(
-                        e,
-                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
-                    );
-                    return Ok(if expected {
-                        FAILED_AS_EXPECTED
-                    } else {
-                        common::procs::WRONG
-                    });
-                }
-            }
-        }
-        "watch" => match r {
-            // Waits on rank 1, which is alive and silent; rank 2 dies meanwhile.
-            0 => {
-                say("READY");
-                let t = Instant::now();
-                let mut buf = vec![0u8; 16];
-                match comm.recv(&mut buf, 1) {
-                    Err(e @ Error::PeerLost { peer: 2, .. }) => {
-                        say(&format!("FAILED after {:?}: {e}", t.elapsed()));
-                        Ok(FAILED_AS_EXPECTED)
-                    }
-                    other => Err(format!("expected PeerLost of rank 2, got {other:?}")),
-                }
-            }
-            1 => {
-                std::thread::sleep(Duration::from_secs(8));
-                Ok(OK)
-            }
-            _ => {
-                say("READY");
-                std::thread::sleep(Duration::from_secs(60));
-                Ok(OK)
-            }
-        },
-        "mismatch" => {
-            let mut buf = vec![1.0f32; 10 + r];
-            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                Err(e @ Error::Mismatch { .. }) => {
-                    say(&format!("FAILED: {e}"));
-                    Ok(FAILED_AS_EXPECTED)
-                }
-                other => Err(format!("expected Mismatch, got {other:?}")),
-            }
-        }
+        "loop" => common::procs::loop_until_failure(&comm),
+        "watch" => common::procs::watch_while_another_dies(&comm),
+        "mismatch" => common::procs::mismatched_count(&comm),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -176,99 +122,24 @@ fn large_messages_are_exact_across_processes() {
     }
 }
 
+/// The variables of a rank with deadline `timeout` (`spawn` sets `DSPARK_TRANSPORT=tcp`).
+fn tcp_vars(timeout: &str) -> Vec<(String, String)> {
+    vars(&[("DSPARK_TIMEOUT", timeout)])
+}
+
 #[test]
 fn killed_rank_makes_every_survivor_fail_within_the_deadline() {
-    let world = 4;
-    let mut ranks = spawn(world, "loop", &|_| vars(&[("DSPARK_TIMEOUT", "30")]), None);
-    ranks.wait_ready(world);
-    std::thread::sleep(Duration::from_millis(200));
-    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
-    let outs = ranks.wait(Duration::from_secs(60));
-    for (r, o) in outs.iter().enumerate() {
-        if r == 2 {
-            continue;
-        }
-        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
-        // A dead peer is noticed at once, long before the 30 s deadline.
-        assert!(
-            o.elapsed < Duration::from_secs(10),
-            "rank {r} took {:?}",
-            o.elapsed
-        );
-    }
-    // The cause is named: the dead rank directly, or inside the abort that a survivor that
-    // noticed it first sent to the others.
-    assert!(
-        outs.iter()
-            .enumerate()
-            .filter(|(r, _)| *r != 2)
-            .any(|(_, o)| o.out.contains("rank 2")),
-        "no survivor names the killed rank 2:\n{}",
-        outs.iter()
-            .map(|o| o.out.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    common::procs::killed_rank_fails_every_survivor_within_the_deadline(&tcp_vars);
 }
 
 #[test]
 fn stopped_rank_makes_every_survivor_time_out_within_the_deadline() {
-    let world = 3;
-    let mut ranks = spawn(world, "loop", &|_| vars(&[("DSPARK_TIMEOUT", "2")]), None);
-    ranks.wait_ready(world);
-    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
-    let t0 = Instant::now();
-    // Survivors must finish on their own; the stopped rank is killed afterwards.
-    let mut survivors_done = false;
-    while t0.elapsed() < Duration::from_secs(20) {
-        let done = [0, 2]
-            .iter()
-            .all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
-        if done {
-            survivors_done = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let waited = t0.elapsed();
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-    let outs = ranks.wait(Duration::from_secs(5));
-    assert!(survivors_done, "survivors still running after {waited:?}");
-    assert!(
-        waited < Duration::from_secs(8),
-        "deadline 2 s, took {waited:?}"
-    );
-    for r in [0, 2] {
-        assert_eq!(
-            outs[r].code,
-            Some(FAILED_AS_EXPECTED),
-            "rank {r}:\n{}",
-            outs[r].out
-        );
-    }
-    let all = format!("{}{}", outs[0].out, outs[2].out);
-    // Whoever's deadline passes first names the peer it waited for: rank 1 itself, or — in
-    // the ring, where rank 0 receives from rank 2, which is stuck on rank 1 — rank 2.
-    assert!(
-        all.contains("timed out") && (all.contains("rank 1") || all.contains("for rank 2")),
-        "{all}"
-    );
+    common::procs::stopped_rank_times_out_every_survivor_within_the_deadline(&tcp_vars);
 }
 
 #[test]
 fn mismatched_counts_fail_every_process_with_mismatch() {
-    let outs = spawn(3, "mismatch", &|_| vars(&[("DSPARK_TIMEOUT", "20")]), None)
-        .wait(Duration::from_secs(30));
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
-        assert!(o.out.contains("count"), "rank {r}: {}", o.out);
-        assert!(
-            o.elapsed < Duration::from_secs(10),
-            "rank {r} took {:?}",
-            o.elapsed
-        );
-    }
+    common::procs::mismatched_counts_fail_every_process(&tcp_vars);
 }
 
 struct Netns(Vec<String>);
@@ -341,22 +212,5 @@ fn two_ranks_in_separate_network_namespaces_joined_by_veth() {
 
 #[test]
 fn a_peer_dying_while_this_rank_waits_on_another_is_noticed_at_once() {
-    let mut ranks = spawn(3, "watch", &|_| vars(&[("DSPARK_TIMEOUT", "30")]), None);
-    // Rank 0 is in its receive from the silent rank 1 once it printed READY.
-    ranks.wait_ready_of(&[0, 2]);
-    std::thread::sleep(Duration::from_millis(300));
-    ranks.children[2].kill().unwrap();
-    let outs = ranks.wait(Duration::from_secs(40));
-    assert_eq!(
-        outs[0].code,
-        Some(FAILED_AS_EXPECTED),
-        "rank 0:\n{}",
-        outs[0].out
-    );
-    // Long before rank 1 wakes up (8 s) or the deadline (30 s).
-    assert!(
-        outs[0].elapsed < Duration::from_secs(5),
-        "rank 0 took {:?}",
-        outs[0].elapsed
-    );
+    common::procs::a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(&tcp_vars);
 }

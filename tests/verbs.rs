@@ -16,6 +16,8 @@
 //! * the GPUDirect protocol (direct frames: payload RDMA-written into the receiver's registered
 //!   landing slot, held until the device consumed it) with host memory standing in for GPU
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
+//! * one rank without a direct region: the others free theirs at init (#11 item 7), and
+//!   host and staged device collectives stay exact;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
 //!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
@@ -183,6 +185,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "zero_copy" => zero_copy(),
         "last_write" => last_write(),
         "direct" => direct(),
+        "direct_not_agreed" => direct_not_agreed(),
         "bandwidth" => bandwidth(),
         "exit_after_call" => exit_after_call(),
         other => Err(format!("unknown scenario {other}")),
@@ -421,23 +424,35 @@ fn from_bytes<T: common::TestElem>(b: &[u8]) -> Vec<T> {
         .collect()
 }
 
-/// Device collectives in direct mode on one type and operator: every payload goes from the
-/// (emulated) device's send slot through an RDMA write into the peer's landing slot.
-fn direct_round<T: common::TestElem>(
+/// Device collectives on one type and operator, on an emulated device. `direct`: every
+/// payload goes from the device's send slot through an RDMA write into the peer's landing
+/// slot (the transport's direct region); otherwise payloads are staged through host slots.
+fn device_round<T: common::TestElem>(
     comm: &Communicator,
     op: ReduceOp,
     count: usize,
     seed: u64,
+    direct: bool,
 ) -> Result<usize, String> {
     use dspark::engine::staged::EmulatedDevice;
     use dspark::plan::Collective as C;
     let (n, r) = (comm.world_size(), comm.rank());
-    let region = comm.direct_host_region().ok_or("no direct region")?;
-    let layout = comm.direct_layout().ok_or("no direct layout")?;
+    let region = match direct {
+        true => Some((
+            comm.direct_host_region().ok_or("no direct region")?,
+            comm.direct_layout().ok_or("no direct layout")?,
+        )),
+        false => None,
+    };
+    let seg = comm.info().segment_bytes;
     let ctx = format!("{} {op} count {count}", T::DATA_TYPE);
     let mut landed = 0;
     let mut run = |call, src: Vec<u8>, dst: Vec<u8>, what: &str| -> Result<Vec<u8>, String> {
-        let mut d = EmulatedDevice::direct(src, dst, region.clone(), layout, 3, seed ^ r as u64);
+        let s = seed ^ r as u64;
+        let mut d = match &region {
+            Some((reg, layout)) => EmulatedDevice::direct(src, dst, reg.clone(), *layout, 3, s),
+            None => EmulatedDevice::new(src, dst, 3, 3, seg, s),
+        };
         comm.run_staged(call, &mut d)
             .map_err(|e| format!("{what} {ctx}: {e}"))?;
         landed += d.landed;
@@ -546,9 +561,9 @@ fn direct() -> Result<i32, String> {
     for count in [1, 3, 250, 1001, 4099] {
         for op in ReduceOp::ALL {
             let seed = 0xd1 ^ count as u64 ^ ((op as u64) << 8);
-            landed += direct_round::<f32>(&comm, op, count, seed)?;
-            landed += direct_round::<dspark::bf16>(&comm, op, count, seed)?;
-            landed += direct_round::<i32>(&comm, op, count, seed)?;
+            landed += device_round::<f32>(&comm, op, count, seed, true)?;
+            landed += device_round::<dspark::bf16>(&comm, op, count, seed, true)?;
+            landed += device_round::<i32>(&comm, op, count, seed, true)?;
         }
         // Host collectives on the same connections between device ones: ordinary frames
         // and direct frames share the slot ring.
@@ -570,6 +585,47 @@ fn direct() -> Result<i32, String> {
         "rank {}: {landed} payloads consumed from landing slots",
         comm.rank()
     ));
+    Ok(OK)
+}
+
+/// One rank of three has no direct region (`DSPARK_EMULATE_GPU_DIRECT=0` on rank 2): the
+/// ranks that registered theirs must have freed it at init (#11 item 7), and host and device
+/// collectives must still be exact, device payloads staged.
+fn direct_not_agreed() -> Result<i32, String> {
+    use dspark::comm::DirectRegionFact;
+    let comm = verbs_comm()?;
+    let r = comm.rank();
+    let fact = &comm.info().direct_region;
+    say(&format!("rank {r}: direct region: {fact}"));
+    let emulating = std::env::var("DSPARK_EMULATE_GPU_DIRECT").as_deref() == Ok("1");
+    match (emulating, fact) {
+        (true, DirectRegionFact::Freed { bytes, why }) if *bytes > 0 && why.contains("rank 2") => {}
+        (false, DirectRegionFact::NotAllocated(_)) => {}
+        _ => {
+            return Err(format!(
+                "rank {r} (emulating: {emulating}): direct region {fact:?}"
+            ))
+        }
+    }
+    if comm.direct_host_region().is_some() || comm.direct_layout().is_some() {
+        return Err(format!(
+            "rank {r}: a direct region is still held after init"
+        ));
+    }
+    for count in [1, 250, 4099] {
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let seed = 0xfe ^ count as u64 ^ ((op as u64) << 8);
+            device_round::<f32>(&comm, op, count, seed, false)?;
+            device_round::<i32>(&comm, op, count, seed, false)?;
+        }
+        let mut v = vec![r as u64 + 1; count];
+        comm.all_reduce(&mut v, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let n = comm.world_size() as u64;
+        if v.iter().any(|&x| x != n * (n + 1) / 2) {
+            return Err(format!("host all_reduce: {:?}", &v[..1]));
+        }
+    }
     Ok(OK)
 }
 
@@ -646,6 +702,22 @@ fn gpu_direct_protocol_is_exact_over_verbs_with_host_memory_standing_in_for_the_
         );
         assert_all(&outs, OK, &format!("{world}-rank direct"));
     }
+}
+
+#[test]
+fn ranks_free_their_direct_region_at_init_when_one_rank_has_none_and_collectives_still_work() {
+    if !in_vm() {
+        return;
+    }
+    let base = verbs_env(&[("DSPARK_CHUNK_BYTES", "1000"), ("DSPARK_IB_SLOTS", "4")]);
+    let env = |r: usize| {
+        let mut v = base(r);
+        let emulate = if r == 2 { "0" } else { "1" };
+        v.extend(vars(&[("DSPARK_EMULATE_GPU_DIRECT", emulate)]));
+        v
+    };
+    let outs = run_ranks(3, "direct_not_agreed", &env, Duration::from_secs(300));
+    assert_all(&outs, OK, "3 ranks, rank 2 without a direct region");
 }
 
 /// The registration of a device region, tried in order, on a real verbs stack: a dma-buf
@@ -1074,8 +1146,8 @@ fn two_node_gpu_direct_protocol_is_exact_across_the_wire() {
     let mut landed = 0;
     for count in [5, 3001] {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
-            landed += direct_round::<f32>(&comm, op, count, 0xabc ^ count as u64).unwrap();
-            landed += direct_round::<dspark::bf16>(&comm, op, count, 0xabd).unwrap();
+            landed += device_round::<f32>(&comm, op, count, 0xabc ^ count as u64, true).unwrap();
+            landed += device_round::<dspark::bf16>(&comm, op, count, 0xabd, true).unwrap();
         }
     }
     assert!(landed > 0, "no payload consumed from the landing region");

@@ -22,6 +22,11 @@ def hook():
                 return
         except (ValueError, IndexError):
             pass
+        if "dspark.torch" in sys.modules:
+            # dspark.torch is being imported and imported torch (``import dspark.torch``
+            # before ``import torch``): it registers the backend itself when it ends. Importing
+            # it again here would find it half-initialised.
+            return
         import dspark.torch
 
         dspark.torch.register()

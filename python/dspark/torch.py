@@ -53,6 +53,10 @@ _UNSUPPORTED_OPS = {
     getattr(_RED, n): n for n in ("BAND", "BOR", "BXOR") if hasattr(_RED, n)
 }
 _UNSET_TIMEOUT = dist.AllreduceOptions().timeout
+# torch.distributed re-exports AllgatherOptions from 2.9 on; 2.8 has it only in _c10d.
+_AllgatherOptions = getattr(dist, "AllgatherOptions", None) or getattr(
+    torch._C._distributed_c10d, "AllgatherOptions"
+)
 # The fast path's tables: dtype objects and plain ops (no premultiply, no bool/complex).
 _FAST_OPS = dict(_OPS)
 _FAST_DTYPES = {
@@ -213,26 +217,31 @@ def _flat(t):
     return t, dt
 
 
-def _check_device(t, what):
-    if t.device.type != "cpu":
-        raise UnavailableError(
-            f"dspark: {what} is on {t.device}; this dspark torch backend runs collectives "
-            "on CPU tensors only (device tensors are not supported yet). Use "
-            "init_process_group(backend=\"cpu:dspark,cuda:nccl\") to keep CUDA tensors on "
-            "NCCL."
-        )
+def _check_device(t, what, cuda=False):
+    """CPU tensors everywhere; CUDA tensors where the operation goes through `_go` (the
+    device path, ordered on torch's current stream)."""
+    if t.device.type == "cpu" or (cuda and t.device.type == "cuda"):
+        return
+    raise UnavailableError(
+        f"dspark: {what} is on {t.device}; this dspark torch backend runs this operation "
+        "on CPU tensors only" + ("" if t.device.type != "cuda" else
+        " (CUDA tensors: all_reduce, broadcast, reduce, all_gather, reduce_scatter, "
+        "send/recv and the coalesced forms)") + ". Use "
+        "init_process_group(backend=\"cpu:dspark,cuda:nccl\") to keep CUDA tensors on "
+        "NCCL."
+    )
 
 
 def _input(t, what):
     """A contiguous tensor holding t's data (t itself when it is contiguous)."""
-    _check_device(t, what)
+    _check_device(t, what, cuda=True)
     return t if t.is_contiguous() else t.contiguous()
 
 
 def _output(t, what, finishers):
     """A contiguous tensor that receives t's result; registers a copy back when t is not
     contiguous."""
-    _check_device(t, what)
+    _check_device(t, what, cuda=True)
     if t.is_contiguous():
         return t
     tmp = t.contiguous()
@@ -249,6 +258,19 @@ def _chain(finishers):
             f()
 
     return run
+
+
+def _premul_factor(red):
+    """The factor of a PREMUL_SUM ReduceOp (`dist._make_nccl_premul_sum(f)`): an attribute
+    on newer torch; on older ones (2.8) only in the op's pickled state, `(op, factor)`."""
+    factor = getattr(red, "factor", None)
+    if factor is None:
+        try:
+            state = red.__getstate__()
+            factor = state[1] if isinstance(state, tuple) and len(state) > 1 else None
+        except Exception:
+            factor = None
+    return factor
 
 
 # --------------------------------------------------------------------------- the backend
@@ -293,7 +315,7 @@ class _Ops:
             )
         factor = None
         if kind == _RED.PREMUL_SUM:
-            factor = getattr(red, "factor", None)
+            factor = _premul_factor(red)
             if factor is None:
                 raise InvalidArgumentError(f"dspark: {what}: PREMUL_SUM without a factor")
             name = "sum"
@@ -329,19 +351,25 @@ class _Ops:
         timeout = _seconds(getattr(opts, "timeout", None))
         finish = _chain(list(finishers))
         prepared = []
+        devices = set()
         for coll, s, r, count, op, peer in calls:
             dt = "u8"
             sp = rp = 0
             if s is not None:
+                devices.add(s.device)
                 s, dt = _flat(s)
                 sp = s.data_ptr()
             if r is not None:
+                devices.add(r.device)
                 r, dt = _flat(r)
                 rp = r.data_ptr()
             if count is None:
                 count = (s if s is not None else r).numel()
             c = self._p2p_comm(coll, peer) if coll in ("send", "recv") else self._comm
             prepared.append((c, coll, dt, sp, rp, count, op, peer))
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda:
+            return self._go_cuda(devices, prepared, keep, result, finish, timeout)
         if not async_op:
             for c, coll, dt, sp, rp, count, op, peer in prepared:
                 c._run(coll, dt, sp, rp, count, op, peer, timeout)
@@ -353,6 +381,28 @@ class _Ops:
             for c, coll, dt, sp, rp, count, op, peer in prepared
         ]
         return _async_work(self._completer, raws, result, finish)
+
+    def _go_cuda(self, devices, prepared, keep, result, finish, timeout):
+        """CUDA tensors: every call is queued on torch's current stream of their GPU and
+        returns at once, as NCCL's do; the Work's future completes (with the result) once
+        they completed. A synchronous call is the same: work torch queues afterwards on that
+        stream sees the result."""
+        if len(devices) != 1:
+            raise InvalidArgumentError(
+                "dspark: one operation's tensors must all be on one CUDA device, not "
+                + ", ".join(sorted(str(d) for d in devices))
+            )
+        (dev,) = devices
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        raws = [
+            c._start_device(coll, dt, sp, rp, count, keep, dev.index, stream, op, peer, timeout)
+            for c, coll, dt, sp, rp, count, op, peer in prepared
+        ]
+        # Copies back into non-contiguous outputs: queued now on the same stream, after the
+        # collectives (a completer thread would queue them on its own default stream).
+        if finish is not None:
+            finish()
+        return _async_work(self._completer, raws, result, None)
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are
@@ -447,7 +497,7 @@ class _Ops:
 
     # -- all_gather --------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if output.numel() != input.numel() * self._n or output.dtype != input.dtype:
             raise InvalidArgumentError(
                 f"dspark: all_gather_into_tensor: output has {output.numel()} {output.dtype} "
@@ -467,7 +517,7 @@ class _Ops:
     _allgather_base = all_gather_single
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         calls, keep, fin = [], [output_lists, inputs], []
         for outs, t in zip(output_lists, inputs):
             if len(outs) != self._n or any(
@@ -502,7 +552,7 @@ class _Ops:
                                lambda: self.allgather(per_input, inputs, opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         def issue():
             for o, i in zip(outputs, inputs):
                 self.all_gather_single(o, i, opts)

@@ -405,7 +405,8 @@ impl PyComm {
     }
 
     /// Facts about the connections: transport, each connection's transport, why not a faster
-    /// one, hosts, timeout, data-path policy, rendezvous.
+    /// one, hosts, timeout, data-path policy, what init allocated for GPUDirect
+    /// (`direct_region`), rendezvous.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let i = c.info();
@@ -423,6 +424,7 @@ impl PyComm {
         d.set_item("timeout", i.timeout.as_secs_f64())?;
         d.set_item("segment_bytes", i.segment_bytes)?;
         d.set_item("data_path", i.data_path.to_string())?;
+        d.set_item("direct_region", i.direct_region.to_string())?;
         d.set_item("rendezvous", &i.rendezvous)?;
         Ok(d)
     }
@@ -458,6 +460,43 @@ impl PyComm {
             unsafe { c.run_raw(&call.0) }
         })
         .map_err(py_err)
+    }
+
+    /// Starts one collective on raw CUDA buffers of GPU `device`, ordered on the CUDA
+    /// stream whose handle is `stream` (torch's current stream), and returns its `Work`
+    /// (host-side completion). Work queued on that stream afterwards sees the result.
+    /// `keepalive` is held until the operation completes, as for `_start`.
+    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, device, stream, op=None, peer=0, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _start_device(
+        &self,
+        coll: &str,
+        dtype: &str,
+        send: usize,
+        recv: usize,
+        count: usize,
+        keepalive: Py<PyAny>,
+        device: usize,
+        stream: usize,
+        op: Option<&str>,
+        peer: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let c = self.get()?;
+        let mut pending = lock(&self.pending);
+        Self::prune(&mut pending);
+        // SAFETY: the torch backend passes the data pointers of live contiguous CUDA tensors
+        // of `device`, held in `keepalive` until the operation completes (as in `_start`),
+        // and the handle of torch's current stream of that device, which torch never
+        // destroys; later work on the tensors is queued on that stream (torch's stream
+        // semantics), after the call.
+        let w = Arc::new(unsafe { c.start_raw_device_on(&call, device, stream) }.map_err(py_err)?);
+        pending.push_back((Arc::clone(&w), keepalive));
+        Ok(PyWork {
+            w,
+            what: coll.to_string(),
+        })
     }
 
     /// Starts one collective on raw buffers and returns its `Work`. `keepalive` (the

@@ -29,6 +29,7 @@ use dspark::engine::staged::EmulatedDevice;
 use dspark::engine::Call;
 use dspark::path::{BufferLocation, PathPolicy, TransportKind};
 use dspark::plan::{Algorithm, Collective};
+use dspark::types::human_bytes;
 use dspark::{Communicator, Config, DataType, Element, ReduceOp};
 use half::{bf16, f16};
 
@@ -349,18 +350,6 @@ fn sizes(args: &Args) -> Vec<usize> {
         v.push(args.max_bytes);
     }
     v
-}
-
-fn human(b: usize) -> String {
-    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
-        format!("{} GiB", b >> 30)
-    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
 }
 
 /// The binding line of the header (every rank's CPUs), gathered right after init.
@@ -1177,6 +1166,7 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
             if i == 0 { "data path :" } else { "           " }
         );
     }
+    println!("# gpu region: {}", info.direct_region);
     let hosts: Vec<&str> = info.hosts.iter().map(String::as_str).collect();
     let mut uniq = hosts.clone();
     uniq.sort_unstable();
@@ -1194,7 +1184,7 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
         uniq.join(", "),
         info.local_ranks,
         info.spin.as_micros(),
-        human(info.segment_bytes),
+        human_bytes(info.segment_bytes as u64, false),
         info.timeout,
     );
     // Per connection: the transport of each pair (shm within a host and tcp between hosts
@@ -1238,7 +1228,7 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
             .map(|x| x.split(' ').next() != Some(a.as_str()))
             .unwrap_or(true)
         {
-            algos.push(format!("{a} from {}", human(b)));
+            algos.push(format!("{a} from {}", human_bytes(b as u64, false)));
         }
     }
     let forced = match comm.forced_algorithm() {
@@ -1303,7 +1293,7 @@ fn bench<T: BenchElem>(
                 if tty { "\r" } else { "" },
                 k + 1,
                 list.len(),
-                human(bytes),
+                human_bytes(bytes as u64, false),
                 if tty { "" } else { "\n" }
             );
             let _ = std::io::stderr().flush();

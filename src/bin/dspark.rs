@@ -792,6 +792,9 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
             path::GDR_MAX_DISTANCE.short()
         ),
     ];
+    let cuda_ok = fast.iter().any(|f| f.name == "CUDA GPUs" && f.ok);
+    let policy = PathPolicy::from_env_with(|k| std::env::var(k).ok()).unwrap_or(PathPolicy::Auto);
+    notes.extend(region_note(!pairs.is_empty(), cuda_ok, policy));
     if !on_real_root {
         notes.push(format!(
             "sysfs and library directories read below {}",
@@ -1252,5 +1255,54 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Command::Doctor(args) => doctor(args),
+    }
+}
+
+/// What a communicator's init allocates on this machine for GPUDirect (issue #11 item 7), when
+/// that is anything to say: on a machine with a GPU/NIC pair and a usable CUDA driver, a CUDA
+/// context and the direct region, unless `DSPARK_DATA_PATH=host-staged`.
+fn region_note(has_pair: bool, cuda_ok: bool, policy: PathPolicy) -> Option<String> {
+    if !has_pair || !cuda_ok {
+        return None;
+    }
+    Some(if policy == PathPolicy::HostStaged {
+        "DSPARK_DATA_PATH=host-staged is set: a communicator creates no CUDA context and \
+         allocates no GPU memory at init"
+            .to_string()
+    } else {
+        format!(
+            "at init a communicator over verbs here creates a CUDA context and allocates a \
+             GPUDirect region (world x slots x segment bytes of GPU memory per rank; \
+             DSPARK_DATA_PATH={policy}), kept only when every rank registered one; a job that \
+             never passes GPU memory sets DSPARK_DATA_PATH=host-staged to allocate none \
+             (CommInfo::direct_region and the bench header's `gpu region` line say what init \
+             did)"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doctor_says_init_allocates_a_gpu_region_only_where_it_would_and_how_to_avoid_it() {
+        let auto = region_note(true, true, PathPolicy::Auto).unwrap();
+        assert!(
+            auto.contains("allocates a GPUDirect region")
+                && auto.contains("DSPARK_DATA_PATH=host-staged to allocate none"),
+            "{auto}"
+        );
+        let staged = region_note(true, true, PathPolicy::HostStaged).unwrap();
+        assert!(
+            staged.contains("no CUDA context") && staged.contains("no GPU memory"),
+            "{staged}"
+        );
+        assert_eq!(
+            region_note(true, false, PathPolicy::Auto),
+            None,
+            "no driver"
+        );
+        assert_eq!(region_note(false, true, PathPolicy::Auto), None, "no pair");
     }
 }

@@ -2,8 +2,25 @@
 //!
 //! Every device collective has the semantics of its host twin and is stream-ordered on the
 //! stream the caller passes: it starts after the work already queued there, and work queued
-//! there afterwards sees its result (no device-wide synchronisation). The call returns when
-//! the collective is complete.
+//! there afterwards sees its result (no device-wide synchronisation).
+//!
+//! * The blocking forms (`all_reduce_device`, ...) return when the collective is complete;
+//!   they run on the caller's thread and stream.
+//! * The non-blocking forms ([`Communicator::enqueue`]) return at once with a [`Work`] for
+//!   host-side completion, as NCCL's collectives do: the caller's stream waits on the GPU
+//!   for the collective, which runs in issue order on the communicator's queue and its own
+//!   stream of that GPU (see `gpu::order` for how, and why the stream never waits forever).
+//!   Where the GPU cannot make a stream wait for a memory value (no stream memory
+//!   operations), they run as the blocking forms do and return a completed [`Work`]; that is
+//!   logged once per GPU and shown by [`Communicator::enqueue_blocks`].
+//!
+//! **Soundness of the non-blocking forms with safe buffers.** The operation keeps no borrow:
+//! at issue, cudarc's record of each buffer's use is made on the caller's stream *after* the
+//! wait for the collective, so every later use of the buffer through cudarc — another
+//! stream, a copy to the host, and its (stream-ordered) free when dropped — waits for the
+//! collective on the GPU. Dropping or leaking the [`Work`] changes nothing of that. (A
+//! context whose event tracking was turned off with cudarc's `unsafe`
+//! `disable_event_tracking` gives that guarantee up; its user orders buffers by hand.)
 //!
 //! **Path truth.** Device memory moves one of two ways, decided at init for the whole job:
 //!
@@ -25,14 +42,18 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use std::sync::Mutex;
 
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
+
+use crate::comm::work::{Task, Work};
 use crate::comm::{Api, Communicator, Target};
-use crate::engine::Call;
+use crate::engine::{Call, Engine};
 use crate::error::{Error, Result};
-use crate::gpu::device::GpuReducer;
-use crate::gpu::direct::CudaDirectDevice;
+use crate::gpu::device::{driver_err, GpuReducer};
+use crate::gpu::direct::{CudaDirectDevice, DirectRegion};
 use crate::gpu::nvrtc::DiskCache;
+use crate::gpu::order::{Doorbell, Raw};
 use crate::gpu::staged::{CudaStagedDevice, StagingPool};
 use crate::path::{self, BufferLocation, PathInputs, PathPlan, PathPolicy};
 use crate::plan::Collective;
@@ -49,9 +70,63 @@ pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
 #[derive(Debug, Default)]
 pub(crate) struct GpuState {
     reducers: HashMap<usize, Arc<GpuReducer>>,
-    /// Pinned staging memory per GPU, reused by every call.
-    pools: HashMap<usize, StagingPool>,
+    /// Pinned staging memory per GPU, reused by every call. Locked only by whoever holds the
+    /// driver role (inside the engine's run), so never contended.
+    pools: HashMap<usize, Arc<Mutex<StagingPool>>>,
+    /// The communicator's own stream and doorbell per GPU, for non-blocking calls.
+    queues: HashMap<usize, (Arc<CudaStream>, Arc<Doorbell>)>,
+    /// Why non-blocking calls block on a GPU (no stream memory operations there).
+    blocking: HashMap<usize, String>,
+    /// Primary contexts opened for raw device calls (`start_raw_device_on`), per GPU.
+    pub(super) contexts: HashMap<usize, Arc<cudarc::driver::CudaContext>>,
     warned: bool,
+}
+
+/// How a device call moves its data, prepared on the issuing thread.
+enum Via {
+    /// GPUDirect RDMA through the direct region.
+    Direct(Arc<DirectRegion>),
+    /// Host-staged through a pinned pool.
+    Staged(Arc<Mutex<StagingPool>>),
+}
+
+/// Runs `call` on `eng` with the prepared device: `Err` is a failure before the engine
+/// started (the caller fails the call for every rank), `Ok` the engine's result.
+fn run_prepared<T, S, D>(
+    eng: &mut Engine,
+    call: &Call,
+    reducer: &GpuReducer,
+    via: &Via,
+    stream: &Arc<CudaStream>,
+    src: Option<&S>,
+    dst: Option<&mut D>,
+) -> Result<Result<()>>
+where
+    T: DeviceRepr,
+    S: DevicePtr<T>,
+    D: DevicePtrMut<T>,
+{
+    let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
+    let _g = span.enter();
+    match via {
+        Via::Direct(g) => {
+            #[allow(unsafe_code)]
+            // SAFETY: `dev` is a local of this function, dropped when it returns (never
+            // leaked), which waits for everything it queued.
+            let mut dev = unsafe {
+                CudaDirectDevice::new::<T, S, D>(reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?
+            };
+            Ok(eng.run_staged(call, &mut dev))
+        }
+        Via::Staged(pool) => {
+            let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+            #[allow(unsafe_code)]
+            // SAFETY: as above: a local, dropped when this function returns.
+            let mut dev =
+                unsafe { CudaStagedDevice::new::<T, S, D>(reducer, stream, src, dst, &mut pool)? };
+            Ok(eng.run_staged(call, &mut dev))
+        }
+    }
 }
 
 impl Communicator {
@@ -170,6 +245,46 @@ impl Communicator {
         Ok(r)
     }
 
+    /// What a device call on `stream`'s GPU needs, prepared on the issuing thread: the
+    /// reduction kernels and the way its data moves.
+    fn prepare(&self, stream: &Arc<CudaStream>) -> Result<(Arc<GpuReducer>, Via)> {
+        let reducer = self.reducer(stream)?;
+        let direct = self.world_size() > 1
+            && path::uses_gpu_direct(
+                self.data_path(),
+                self.info().transport,
+                &self.info().gpu_direct,
+            );
+        if direct {
+            // Every rank announced a registered region at init and decides from the same
+            // facts, so every rank takes this branch for this call.
+            let Some(g) = self.region.as_ref() else {
+                return Err(Error::invalid(
+                    Some(self.rank()),
+                    "device collective",
+                    "GPUDirect RDMA was agreed but this rank has no direct region",
+                ));
+            };
+            return Ok((reducer, Via::Direct(Arc::clone(g))));
+        }
+        let slot = self.info().segment_bytes;
+        let ctx = stream.context();
+        let mut st = self.gpu_state();
+        // One pool per GPU for the communicator's life (its segment size is fixed at init).
+        // Never locked here: a queued call running on it holds its lock, and issuing must not
+        // wait for that.
+        let pool = match st.pools.entry(ctx.ordinal()) {
+            Entry::Occupied(e) => Arc::clone(e.get()),
+            Entry::Vacant(v) => {
+                let pool = StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?;
+                Arc::clone(v.insert(Arc::new(Mutex::new(pool))))
+            }
+        };
+        Ok((reducer, Via::Staged(pool)))
+    }
+
+    /// A blocking device call: on the caller's thread and stream, after every operation
+    /// issued before it.
     fn device_call<T, S, D>(
         &self,
         call: Call,
@@ -195,70 +310,200 @@ impl Communicator {
         // it poisons the communicator and tells them, like a failure half-way.
         // What the engine returns keeps the engine's rules (an argument error all ranks find
         // alike, such as a bad root, does not poison).
-        match self.device_call_on(&call, stream, src, dst) {
-            Ok(r) => r,
-            Err(e) => self
-                .shared
-                .exclusive(None, |eng| Err(eng.fail_before_start(&call, e))),
+        let prepared = self.prepare(stream);
+        self.shared.exclusive(None, |eng| {
+            let r = prepared.and_then(|(reducer, via)| {
+                run_prepared::<T, S, D>(eng, &call, &reducer, &via, stream, src, dst)
+            });
+            match r {
+                Ok(r) => r,
+                Err(e) => Err(eng.fail_before_start(&call, e)),
+            }
+        })
+    }
+
+    /// The communicator's own stream and doorbell on `stream`'s GPU (made at first use).
+    fn queue_for(&self, stream: &Arc<CudaStream>) -> Result<(Arc<CudaStream>, Arc<Doorbell>)> {
+        let ctx = stream.context();
+        let mut st = self.gpu_state();
+        if let Some((s, b)) = st.queues.get(&ctx.ordinal()) {
+            return Ok((Arc::clone(s), Arc::clone(b)));
+        }
+        let own = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let bell = Arc::new(Doorbell::new(ctx)?);
+        st.queues
+            .insert(ctx.ordinal(), (Arc::clone(&own), Arc::clone(&bell)));
+        Ok((own, bell))
+    }
+
+    /// Why non-blocking device calls on GPU `ordinal` block the host (its driver cannot make
+    /// a stream wait for a memory value), or `None` where they are stream-ordered as
+    /// documented (or have not been tried on that GPU yet).
+    pub fn enqueue_blocks(&self, ordinal: usize) -> Option<String> {
+        self.gpu_state().blocking.get(&ordinal).cloned()
+    }
+
+    /// A non-blocking device call on raw buffers (`(address, bytes)`), ordered on `stream`:
+    /// see the module docs. `guards` are cudarc's records of the buffers' use on `stream`,
+    /// dropped once `stream` waits for the call.
+    /// `keep` (a temporary copy the call runs on) is dropped once the call ran.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn device_start(
+        &self,
+        call: Call,
+        stream: &Arc<CudaStream>,
+        src: Option<(u64, usize)>,
+        dst: Option<(u64, usize)>,
+        guards: Vec<SyncOnDrop<'_>>,
+        keep: Option<CudaSlice<u8>>,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<Work> {
+        let what = call.coll.name();
+        if let Some(w) = self.empty_work(&call, timeout) {
+            return Ok(w);
+        }
+        let ordinal = stream.context().ordinal();
+        let blocked = self.gpu_state().blocking.contains_key(&ordinal);
+        let fail = |e: Error| Ok(self.fail_queued(call, e, timeout));
+        if blocked {
+            drop(guards);
+            return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
+        }
+        let (prepared, queue) = match self
+            .prepare(stream)
+            .and_then(|p| Ok((p, self.queue_for(stream)?)))
+        {
+            Ok(x) => x,
+            Err(e) => return fail(e),
+        };
+        let ((reducer, via), (own, bell)) = (prepared, queue);
+        // What the caller queued on `stream` before this call.
+        let start = match stream.record_event(None) {
+            Ok(e) => e,
+            Err(e) => return fail(driver_err("cuEventRecord")(e)),
+        };
+        let mut issue = bell.issue();
+        let ticket = match issue.ticket(stream) {
+            Ok(t) => t,
+            Err(e) => {
+                drop(issue);
+                let why = format!(
+                    "GPU {ordinal} cannot make a stream wait for the collective ({e}): \
+                     non-blocking device collectives there run as blocking ones"
+                );
+                tracing::warn!(rank = self.rank(), "{why}");
+                self.gpu_state().blocking.insert(ordinal, why);
+                drop(guards);
+                return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
+            }
+        };
+        let task: Task = Box::new(move |eng| {
+            // Declared first, so dropped last: the doorbell rings after the device's drop
+            // waited for everything it queued — and also when the task fails or is dropped
+            // without running.
+            let _ticket = ticket;
+            let _keep = keep;
+            let r = own
+                .wait(&start)
+                .map_err(driver_err("cuStreamWaitEvent"))
+                .and_then(|()| {
+                    let src = src.map(|(p, n)| Raw::<u8>::new(p, n, &own));
+                    let mut dst = dst.map(|(p, n)| Raw::<u8>::new(p, n, &own));
+                    run_prepared::<u8, _, _>(
+                        eng,
+                        &call,
+                        &reducer,
+                        &via,
+                        &own,
+                        src.as_ref(),
+                        dst.as_mut(),
+                    )
+                });
+            match r {
+                Ok(r) => r,
+                Err(e) => Err(eng.fail_before_start(&call, e)),
+            }
+        });
+        let work = self.shared.submit(task, timeout, what);
+        drop(issue);
+        // The buffers' use is recorded on `stream` after its wait for the collective.
+        drop(guards);
+        Ok(work)
+    }
+
+    /// Queues the failure of `call` before its engine ran: as for a blocking call, it fails
+    /// the call for every rank, in issue order.
+    pub(super) fn fail_queued(
+        &self,
+        call: Call,
+        e: Error,
+        timeout: Option<std::time::Duration>,
+    ) -> Work {
+        let task: Task = Box::new(move |eng| Err(eng.fail_before_start(&call, e)));
+        self.shared.submit(task, timeout, call.coll.name())
+    }
+
+    /// A non-blocking call run now, as a blocking one, on raw buffers (where the GPU cannot
+    /// order it on the stream): a completed `Work`.
+    fn device_bytes_now(
+        &self,
+        call: Call,
+        stream: &Arc<CudaStream>,
+        src: Option<(u64, usize)>,
+        dst: Option<(u64, usize)>,
+        timeout: Option<std::time::Duration>,
+    ) -> Work {
+        let what = call.coll.name();
+        let src = src.map(|(p, n)| Raw::<u8>::new(p, n, stream));
+        let mut dst = dst.map(|(p, n)| Raw::<u8>::new(p, n, stream));
+        let prepared = self.prepare(stream);
+        let r = self.shared.exclusive(timeout, |eng| {
+            let r = prepared.and_then(|(reducer, via)| {
+                run_prepared::<u8, _, _>(
+                    eng,
+                    &call,
+                    &reducer,
+                    &via,
+                    stream,
+                    src.as_ref(),
+                    dst.as_mut(),
+                )
+            });
+            match r {
+                Ok(r) => r,
+                Err(e) => Err(eng.fail_before_start(&call, e)),
+            }
+        });
+        self.shared.finished(r, what)
+    }
+
+    /// The non-blocking device collectives: each is queued on the caller's stream and
+    /// returns at once with a [`Work`] for host-side completion (see the module docs).
+    ///
+    /// ```no_run
+    /// # fn main() -> dspark::Result<()> {
+    /// use dspark::{Communicator, ReduceOp};
+    /// let comm = Communicator::from_env()?;
+    /// let ctx = dspark::gpu::device::open_context(0)?;
+    /// let stream = ctx.default_stream();
+    /// let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
+    /// let work = comm.enqueue().all_reduce(&mut grads, ReduceOp::Avg, &stream)?;
+    /// // ... queue more work on `stream`: it sees the reduced gradients ...
+    /// work.wait()?; // host-side completion (and the operation's error)
+    /// # Ok(()) }
+    /// ```
+    pub fn enqueue(&self) -> Enqueue<'_> {
+        Enqueue {
+            comm: self,
+            blocking: false,
         }
     }
 
-    /// Prepares the device for `call` and runs it: `Err` is a failure before the engine
-    /// started (the caller fails the call for every rank), `Ok` the engine's result.
-    fn device_call_on<T, S, D>(
-        &self,
-        call: &Call,
-        stream: &Arc<CudaStream>,
-        src: Option<&S>,
-        dst: Option<&mut D>,
-    ) -> Result<Result<()>>
-    where
-        T: Element + DeviceRepr,
-        S: DevicePtr<T>,
-        D: DevicePtrMut<T>,
-    {
-        let call = *call;
-        let reducer = self.reducer(stream)?;
-        let direct = self.world_size() > 1
-            && path::uses_gpu_direct(
-                self.data_path(),
-                self.info().transport,
-                &self.info().gpu_direct,
-            );
-        if direct {
-            // Every rank announced a registered region at init and decides from the same
-            // facts, so every rank takes this branch for this call.
-            let Some(g) = self.region.as_ref() else {
-                return Err(Error::invalid(
-                    Some(self.rank()),
-                    "device collective",
-                    "GPUDirect RDMA was agreed but this rank has no direct region",
-                ));
-            };
-            #[allow(unsafe_code)]
-            // SAFETY: `dev` is a local of this function, dropped when it returns (never
-            // leaked), which waits for everything it queued.
-            let mut dev = unsafe {
-                CudaDirectDevice::new::<T, S, D>(&reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?
-            };
-            return Ok(self.exec_staged(call, &mut dev));
+    fn blocking(&self) -> Enqueue<'_> {
+        Enqueue {
+            comm: self,
+            blocking: true,
         }
-        let slot = self.info().segment_bytes;
-        let ctx = stream.context();
-        let mut st = self.gpu_state();
-        let pool = match st.pools.entry(ctx.ordinal()) {
-            Entry::Occupied(e) if e.get().fits(ctx, STAGE_SLOTS, STAGE_SLOTS, slot) => e.into_mut(),
-            Entry::Occupied(mut e) => {
-                e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?);
-                e.into_mut()
-            }
-            Entry::Vacant(e) => e.insert(StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?),
-        };
-        #[allow(unsafe_code)]
-        // SAFETY: as above: a local, dropped when this function returns.
-        let mut dev =
-            unsafe { CudaStagedDevice::new::<T, S, D>(&reducer, stream, src, dst, pool)? };
-        Ok(self.exec_staged(call, &mut dev))
     }
 
     /// [`Communicator::all_reduce`] on device memory, ordered on `stream`.
@@ -271,16 +516,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Device,
-            Collective::AllReduce,
-            Some(op),
-            n,
-            n,
-            Target::None,
-        )?;
-        self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.blocking().all_reduce(buf, op, stream)?.wait()
     }
 
     /// [`Communicator::all_gather`] on device memory, ordered on `stream`.
@@ -293,9 +529,7 @@ impl Communicator {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Device, Collective::AllGather, None, s, r, Target::None)?;
-        self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.blocking().all_gather(send, recv, stream)?.wait()
     }
 
     /// [`Communicator::reduce_scatter`] on device memory, ordered on `stream`.
@@ -309,16 +543,9 @@ impl Communicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(
-            Api::Device,
-            Collective::ReduceScatter,
-            Some(op),
-            s,
-            r,
-            Target::None,
-        )?;
-        self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.blocking()
+            .reduce_scatter(send, recv, op, stream)?
+            .wait()
     }
 
     /// [`Communicator::all_to_all`] on device memory, ordered on `stream`.
@@ -331,9 +558,7 @@ impl Communicator {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let (s, r) = (send.len(), recv.len());
-        let call = self.shape(Api::Device, Collective::AllToAll, None, s, r, Target::None)?;
-        self.device_call::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.blocking().all_to_all(send, recv, stream)?.wait()
     }
 
     /// [`Communicator::broadcast`] on device memory, ordered on `stream`.
@@ -347,16 +572,7 @@ impl Communicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Device,
-            Collective::Broadcast,
-            None,
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.blocking().broadcast(buf, root, stream)?.wait()
     }
 
     /// [`Communicator::reduce`] on device memory, ordered on `stream`.
@@ -371,16 +587,7 @@ impl Communicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Device,
-            Collective::Reduce,
-            Some(op),
-            n,
-            n,
-            Target::Root(root),
-        )?;
-        self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.blocking().reduce(buf, op, root, stream)?.wait()
     }
 
     /// [`Communicator::send`] from device memory, ordered on `stream`.
@@ -394,16 +601,7 @@ impl Communicator {
         peer: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let n = buf.len();
-        let call = self.shape(
-            Api::Device,
-            Collective::SendRecv,
-            None,
-            n,
-            0,
-            Target::SendTo(peer),
-        )?;
-        self.device_call::<T, _, CudaSlice<T>>(call, stream, Some(buf), None)
+        self.blocking().send(buf, peer, stream)?.wait()
     }
 
     /// [`Communicator::recv`] into device memory, ordered on `stream`.
@@ -417,15 +615,204 @@ impl Communicator {
         peer: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
+        self.blocking().recv(buf, peer, stream)?.wait()
+    }
+}
+
+/// The non-blocking device collectives ([`Communicator::enqueue`]). Each has the semantics,
+/// arguments and errors of the blocking form of the same name with `_device` (for example
+/// [`Communicator::all_reduce_device`]), is queued on `stream` in issue order with every
+/// other operation of the communicator, and returns at once: work queued on `stream`
+/// afterwards sees its result; [`Work::wait`] / [`Work::test`] give host-side completion and
+/// the error. Argument errors come back at once.
+#[derive(Clone, Copy, Debug)]
+pub struct Enqueue<'c> {
+    comm: &'c Communicator,
+    /// Run now on the caller's thread (the blocking forms), returning a completed `Work`.
+    blocking: bool,
+}
+
+impl Enqueue<'_> {
+    /// Blocking: runs the call now. Non-blocking: records `src` and `dst` on `stream` and
+    /// queues the call.
+    fn go<T, S, D>(
+        self,
+        call: Call,
+        stream: &Arc<CudaStream>,
+        src: Option<&S>,
+        dst: Option<&mut D>,
+    ) -> Result<Work>
+    where
+        T: Element + DeviceRepr,
+        S: DevicePtr<T>,
+        D: DevicePtrMut<T>,
+    {
+        let c = self.comm;
+        if self.blocking {
+            let r = c.device_call::<T, S, D>(call, stream, src, dst);
+            return Ok(c.shared.finished(r, call.coll.name()));
+        }
+        let call = Call {
+            dtype: T::DATA_TYPE,
+            ..call
+        };
+        let mut guards = Vec::new();
+        let src = src.map(|s| {
+            let (p, g) = s.device_ptr(stream);
+            guards.push(g);
+            (p, s.num_bytes())
+        });
+        let dst = dst.map(|d| {
+            let n = d.num_bytes();
+            let (p, g) = d.device_ptr_mut(stream);
+            guards.push(g);
+            (p, n)
+        });
+        c.device_start(call, stream, src, dst, guards, None, None)
+    }
+
+    /// [`Communicator::all_reduce_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn all_reduce<T: Element + DeviceRepr>(
+        self,
+        buf: &mut CudaSlice<T>,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
         let n = buf.len();
-        let call = self.shape(
-            Api::Device,
-            Collective::SendRecv,
-            None,
-            0,
-            n,
-            Target::RecvFrom(peer),
-        )?;
-        self.device_call::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        let t = Target::None;
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::AllReduce, Some(op), n, n, t)?;
+        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+    }
+
+    /// [`Communicator::all_gather_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn all_gather<T: Element + DeviceRepr>(
+        self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let (s, r) = (send.len(), recv.len());
+        let t = Target::None;
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::AllGather, None, s, r, t)?;
+        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+    }
+
+    /// [`Communicator::reduce_scatter_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn reduce_scatter<T: Element + DeviceRepr>(
+        self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let (s, r) = (send.len(), recv.len());
+        let t = Target::None;
+        let coll = Collective::ReduceScatter;
+        let call = self.comm.shape(Api::Device, coll, Some(op), s, r, t)?;
+        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+    }
+
+    /// [`Communicator::all_to_all_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn all_to_all<T: Element + DeviceRepr>(
+        self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let (s, r) = (send.len(), recv.len());
+        let t = Target::None;
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::AllToAll, None, s, r, t)?;
+        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+    }
+
+    /// [`Communicator::broadcast_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn broadcast<T: Element + DeviceRepr>(
+        self,
+        buf: &mut CudaSlice<T>,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let n = buf.len();
+        let t = Target::Root(root);
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::Broadcast, None, n, n, t)?;
+        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+    }
+
+    /// [`Communicator::reduce_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn reduce<T: Element + DeviceRepr>(
+        self,
+        buf: &mut CudaSlice<T>,
+        op: ReduceOp,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let n = buf.len();
+        let t = Target::Root(root);
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::Reduce, Some(op), n, n, t)?;
+        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+    }
+
+    /// [`Communicator::send_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn send<T: Element + DeviceRepr>(
+        self,
+        buf: &CudaSlice<T>,
+        peer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let n = buf.len();
+        let t = Target::SendTo(peer);
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::SendRecv, None, n, 0, t)?;
+        self.go::<T, _, CudaSlice<T>>(call, stream, Some(buf), None)
+    }
+
+    /// [`Communicator::recv_device`], non-blocking.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's from the [`Work`].
+    pub fn recv<T: Element + DeviceRepr>(
+        self,
+        buf: &mut CudaSlice<T>,
+        peer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let n = buf.len();
+        let t = Target::RecvFrom(peer);
+        let call = self
+            .comm
+            .shape(Api::Device, Collective::SendRecv, None, 0, n, t)?;
+        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
     }
 }

@@ -34,6 +34,7 @@ mod setup;
 mod split;
 pub mod work;
 
+pub use device::Enqueue;
 pub use raw::{RawCall, RawOp};
 pub use scope::Scope;
 pub use work::Work;
@@ -82,6 +83,57 @@ pub struct CommInfo {
     /// How the ranks met: rank 0's address and where it came from (`DSPARK_ROOT_ADDR`,
     /// `MASTER_ADDR:MASTER_PORT`, torchrun's agent store, a parent communicator).
     pub rendezvous: String,
+    /// What init did with this rank's direct region (the GPU memory GPUDirect RDMA sends from
+    /// and lands in): whether GPU memory was allocated, and whether it is still held.
+    pub direct_region: DirectRegionFact,
+}
+
+/// What became of this rank's direct region at init. A region (world × slots × segment bytes
+/// of GPU memory, and a CUDA context) is allocated only over verbs, and kept only when
+/// GPUDirect RDMA is used job-wide; `DSPARK_DATA_PATH=host-staged` allocates none.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DirectRegionFact {
+    /// None was allocated, and why (staging requested, no GPU, not verbs, ...).
+    NotAllocated(String),
+    /// Allocated, registered with the NIC and held for the communicator's lifetime.
+    Kept {
+        /// Its size.
+        bytes: usize,
+        /// Host memory standing in for GPU memory (`DSPARK_EMULATE_GPU_DIRECT`, tests).
+        emulated: bool,
+    },
+    /// Allocated at init, then deregistered and freed at init, and why.
+    Freed {
+        /// Its size.
+        bytes: usize,
+        /// Why nothing would use it.
+        why: String,
+    },
+}
+
+impl fmt::Display for DirectRegionFact {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let size = |b: usize| crate::types::human_bytes(b as u64, false);
+        match self {
+            DirectRegionFact::NotAllocated(why) => write!(f, "none allocated ({why})"),
+            DirectRegionFact::Kept {
+                bytes,
+                emulated: false,
+            } => write!(f, "{} of GPU memory, registered and held", size(*bytes)),
+            DirectRegionFact::Kept {
+                bytes,
+                emulated: true,
+            } => write!(
+                f,
+                "{} of host memory standing in for GPU memory (DSPARK_EMULATE_GPU_DIRECT), held",
+                size(*bytes)
+            ),
+            DirectRegionFact::Freed { bytes, why } => {
+                write!(f, "{} allocated, then freed at init: {why}", size(*bytes))
+            }
+        }
+    }
 }
 
 impl CommInfo {
@@ -178,7 +230,7 @@ pub struct Communicator {
     pub(crate) policy: Mutex<PathPolicy>,
     /// The GPU memory registered with the NIC as this rank's direct region; declared after
     /// the engine so that the transport (and its registration) is dropped first.
-    pub(crate) region: Option<crate::gpu::direct::DirectRegion>,
+    pub(crate) region: Option<Arc<crate::gpu::direct::DirectRegion>>,
 }
 
 impl fmt::Debug for Communicator {
@@ -429,8 +481,10 @@ impl Communicator {
     }
 
     /// Runs a call on device buffers through the staged engine: the body of `run_staged`
-    /// (feature `testing`) and of the device collectives.
-    pub(crate) fn exec_staged(
+    /// (feature `testing`; the device collectives run `Engine::run_staged` inside their own
+    /// queued or exclusive operation).
+    #[cfg(feature = "testing")]
+    fn exec_staged(
         &self,
         call: Call,
         dev: &mut dyn crate::engine::staged::StagedDevice,

@@ -1,5 +1,7 @@
 //! Host buffers as raw pointers, for operations that run on another thread than the one that
-//! issued them (the progress thread), and for the C ABI and the Python binding. This is the
+//! issued them (the progress thread), and for the C ABI and the Python binding; device
+//! buffers as raw addresses for the Python binding's CUDA tensors
+//! ([`Communicator::start_raw_device`]). This is the
 //! one place in `comm/` that turns pointers back into slices; the safe APIs built on it
 //! ([`Communicator::scope`](crate::Communicator::scope)) guarantee its contract by their
 //! borrows.
@@ -9,10 +11,16 @@
 use std::ptr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
 use super::work::{Task, Work};
 use super::{Api, Communicator, Target};
 use crate::engine::{Call, Engine};
 use crate::error::{Error, Result};
+use crate::gpu::device::driver_err;
+use crate::gpu::order::copy_dtod_async;
 use crate::plan::Collective;
 use crate::types::{DataType, ReduceOp};
 
@@ -77,6 +85,23 @@ impl RawBuffers {
 
     pub(crate) fn call(&self) -> &Call {
         &self.call
+    }
+
+    /// The call, its buffers as `(address, bytes)`, and how they are prepared (for the
+    /// device form, [`Communicator::start_raw_device`], which prepares them on the GPU).
+    pub(crate) fn parts(&self) -> (Call, (u64, usize), (u64, usize), Prepare) {
+        (
+            self.call,
+            (self.src as u64, self.src_len),
+            (self.dst as u64, self.dst_len),
+            self.prepare,
+        )
+    }
+
+    /// Whether the two buffers overlap (an in-place all_gather / reduce_scatter /
+    /// all_to_all in NCCL's convention).
+    pub(crate) fn overlapping(&self) -> bool {
+        self.overlap()
     }
 
     fn overlap(&self) -> bool {
@@ -217,7 +242,7 @@ impl Communicator {
     }
 
     /// Checks `c` and turns it into the call and buffers the engine runs.
-    fn raw_buffers(&self, c: &RawCall) -> Result<RawBuffers> {
+    pub(crate) fn raw_buffers(&self, c: &RawCall, api: Api) -> Result<RawBuffers> {
         let n = self.world_size();
         let me = self.rank();
         let esz = c.dtype.size();
@@ -253,7 +278,7 @@ impl Communicator {
         let none = (ptr::null::<u8>(), 0usize);
         let (call, src, dst, prepare) = match c.op {
             RawOp::AllReduce(op) => {
-                let call = self.shape(Api::Host, name, Some(op), c.count, c.count, Target::None)?;
+                let call = self.shape(api, name, Some(op), c.count, c.count, Target::None)?;
                 let b = bytes(c.count)?;
                 (
                     call,
@@ -264,7 +289,7 @@ impl Communicator {
             }
             RawOp::AllGather => {
                 let total = times_world(c.count)?;
-                let call = self.shape(Api::Host, name, None, c.count, total, Target::None)?;
+                let call = self.shape(api, name, None, c.count, total, Target::None)?;
                 let (s, r) = (bytes(c.count)?, bytes(total)?);
                 (
                     call,
@@ -275,7 +300,7 @@ impl Communicator {
             }
             RawOp::ReduceScatter(op) => {
                 let total = times_world(c.count)?;
-                let call = self.shape(Api::Host, name, Some(op), total, c.count, Target::None)?;
+                let call = self.shape(api, name, Some(op), total, c.count, Target::None)?;
                 let (s, r) = (bytes(total)?, bytes(c.count)?);
                 (
                     call,
@@ -286,7 +311,7 @@ impl Communicator {
             }
             RawOp::AllToAll => {
                 let total = times_world(c.count)?;
-                let call = self.shape(Api::Host, name, None, total, total, Target::None)?;
+                let call = self.shape(api, name, None, total, total, Target::None)?;
                 let b = bytes(total)?;
                 (
                     call,
@@ -297,7 +322,7 @@ impl Communicator {
             }
             RawOp::Broadcast { root } => {
                 let t = Target::Root(root);
-                let call = self.shape(Api::Host, name, None, c.count, c.count, t)?;
+                let call = self.shape(api, name, None, c.count, c.count, t)?;
                 let b = bytes(c.count)?;
                 let r = need(recv, b, "recvbuf")?;
                 if root == me {
@@ -308,7 +333,7 @@ impl Communicator {
             }
             RawOp::Reduce { op, root } => {
                 let t = Target::Root(root);
-                let call = self.shape(Api::Host, name, Some(op), c.count, c.count, t)?;
+                let call = self.shape(api, name, Some(op), c.count, c.count, t)?;
                 let b = bytes(c.count)?;
                 let s = need(send, b, "sendbuf")?;
                 if root == me {
@@ -321,7 +346,7 @@ impl Communicator {
             }
             RawOp::Send { peer } => {
                 let t = Target::SendTo(peer);
-                let call = self.shape(Api::Host, name, None, c.count, 0, t)?;
+                let call = self.shape(api, name, None, c.count, 0, t)?;
                 (
                     call,
                     need(send, bytes(c.count)?, "buf")?,
@@ -331,7 +356,7 @@ impl Communicator {
             }
             RawOp::Recv { peer } => {
                 let t = Target::RecvFrom(peer);
-                let call = self.shape(Api::Host, name, None, 0, c.count, t)?;
+                let call = self.shape(api, name, None, 0, c.count, t)?;
                 (
                     call,
                     none,
@@ -373,7 +398,7 @@ impl Communicator {
     /// Argument errors ([`Error::InvalidArgument`]) at once; the operation's errors from the
     /// [`Work`].
     pub unsafe fn start_raw(&self, c: &RawCall) -> Result<Work> {
-        let bufs = self.raw_buffers(c)?;
+        let bufs = self.raw_buffers(c, Api::Host)?;
         let what = bufs.call().coll.name();
         if let Some(w) = self.empty_work(bufs.call(), c.timeout) {
             return Ok(w);
@@ -391,7 +416,7 @@ impl Communicator {
     /// # Errors
     /// As the blocking collectives.
     pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
-        let bufs = self.raw_buffers(c)?;
+        let bufs = self.raw_buffers(c, Api::Host)?;
         if let Some(r) = self.empty_call(bufs.call(), c.timeout) {
             return r;
         }
@@ -399,5 +424,107 @@ impl Communicator {
             // SAFETY: the caller's contract, for as long as this call runs.
             unsafe { bufs.run(eng) }
         })
+    }
+}
+
+impl Communicator {
+    /// [`Communicator::start_raw`] on device memory, ordered on `stream` as the
+    /// [`Communicator::enqueue`] forms are: the entry point of the Python binding's CUDA
+    /// tensors (torch's current stream, wrapped with cudarc's `wrap_borrowed_stream`).
+    /// NCCL's buffer conventions, as [`RawCall`] says; an out-of-place call's copy, and the
+    /// temporary copy an in-place all_gather / reduce_scatter / all_to_all or a reduce away
+    /// from its root runs on, are made on `stream` ahead of the call.
+    ///
+    /// # Safety
+    /// `c.send` and `c.recv` are device addresses of `stream`'s GPU, valid for as many
+    /// elements of `c.dtype` as the collective uses ([`crate::RawOp`]). Until the collective
+    /// is complete on `stream` (the returned [`Work`] completes no earlier): nothing but work
+    /// queued on `stream` after this call may write `c.send` or access `c.recv`, and the
+    /// memory may only be freed in stream order on `stream` after this call (as torch's
+    /// caching allocator does for a tensor whose use was recorded on that stream) or after
+    /// the `Work` completed.
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's errors from the [`Work`].
+    pub unsafe fn start_raw_device(&self, c: &RawCall, stream: &Arc<CudaStream>) -> Result<Work> {
+        let bufs = self.raw_buffers(c, Api::Device)?;
+        let overlap = bufs.overlapping();
+        let (call, src, dst, prepare) = bufs.parts();
+        if let Some(w) = self.empty_work(&call, c.timeout) {
+            return Ok(w);
+        }
+        let some = |(p, n): (u64, usize)| (n > 0).then_some((p, n));
+        let copy_of = |(p, n): (u64, usize)| -> Result<(CudaSlice<u8>, u64)> {
+            let tmp = stream
+                .alloc_zeros::<u8>(n)
+                .map_err(driver_err("cuMemAllocAsync"))?;
+            let (t, _g) = tmp.device_ptr(stream);
+            // SAFETY: `tmp` is a fresh allocation of `n` bytes on `stream`'s context and `p`
+            // is valid for `n` bytes (the caller's contract); they cannot overlap.
+            unsafe { copy_dtod_async(stream, t, p, n)? };
+            drop(_g);
+            Ok((tmp, t))
+        };
+        // Preparations on the GPU, queued on the caller's stream ahead of the call.
+        let prepared = match prepare {
+            Prepare::CopyIntoDst => {
+                let n = src.1.min(dst.1);
+                if n > 0 && src.0 != dst.0 {
+                    // SAFETY: both valid for `n` bytes (the caller's contract); out of place,
+                    // so distinct buffers.
+                    unsafe { copy_dtod_async(stream, dst.0, src.0, n) }
+                        .map(|()| (None, some(dst), None))
+                } else {
+                    Ok((None, some(dst), None))
+                }
+            }
+            Prepare::InPlaceOnCopy => {
+                copy_of(src).map(|(tmp, t)| (None, Some((t, src.1)), Some(tmp)))
+            }
+            Prepare::AsGiven if overlap => {
+                copy_of(src).map(|(tmp, t)| (Some((t, src.1)), some(dst), Some(tmp)))
+            }
+            Prepare::AsGiven => Ok((some(src), some(dst), None)),
+        };
+        match prepared {
+            Ok((s, d, keep)) => self.device_start(call, stream, s, d, Vec::new(), keep, c.timeout),
+            Err(e) => Ok(self.fail_queued(call, e, c.timeout)),
+        }
+    }
+
+    /// [`Communicator::start_raw_device`] on GPU `device`'s primary context and the CUDA
+    /// stream whose handle (`CUstream`) is `stream` — as torch gives them
+    /// (`tensor.device.index`, `torch.cuda.current_stream().cuda_stream`); 0 is the legacy
+    /// default stream.
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw_device`]; `stream` is 0 or a live CUDA stream of that
+    /// device's primary context, which stays alive until the call completed.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] without a CUDA driver or that device; otherwise as
+    /// [`Communicator::start_raw_device`].
+    pub unsafe fn start_raw_device_on(
+        &self,
+        c: &RawCall,
+        device: usize,
+        stream: usize,
+    ) -> Result<Work> {
+        let ctx = {
+            let mut st = self.gpu_state();
+            match st.contexts.get(&device) {
+                Some(c) => Arc::clone(c),
+                None => {
+                    let c = crate::gpu::device::open_context(device)?;
+                    st.contexts.insert(device, Arc::clone(&c));
+                    c
+                }
+            }
+        };
+        // SAFETY: the caller's contract: a live stream of this primary context (or 0),
+        // alive until the call completed; the wrapper does not destroy it.
+        let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
+        // SAFETY: the caller's contract.
+        unsafe { self.start_raw_device(c, &s) }
     }
 }

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::device::{GpuState, DIRECT_SEND_SLOTS};
-use super::{work, CommInfo, Communicator};
+use super::{work, CommInfo, Communicator, DirectRegionFact};
 use crate::bootstrap::{self, Bootstrap};
 use crate::config::{Config, TransportChoice};
 use crate::engine::{Engine, EngineOptions};
@@ -53,6 +53,7 @@ struct Facts {
     transport_reason: Option<String>,
     data_path: PathPolicy,
     gpu_direct: Vec<GpuDirectCapability>,
+    direct_region: DirectRegionFact,
 }
 
 /// Spin time when ranks do not outnumber cores / when they do.
@@ -125,80 +126,86 @@ impl Communicator {
             spec
         };
         let mut intra_host = None;
+        let mut direct_region =
+            DirectRegionFact::NotAllocated("the job runs over shared memory".into());
         let mut gpu_direct = vec![
             GpuDirectCapability::Unavailable(path::TCP_STAGED_REASON.into());
             config.world_size
         ];
-        let (transport, reason): (Box<dyn Transport>, Option<String>) = match select_shm(
-            &mut boot, &config, streams,
-        )? {
-            ShmSelected::Shm(t) => {
-                gpu_direct = vec![
-                    GpuDirectCapability::Unavailable(path::SHM_STAGED_REASON.into());
-                    config.world_size
-                ];
-                (Box::new(t), None)
-            }
-            ShmSelected::Not { streams, why } => {
-                let (t, reason): (Box<dyn Transport>, Option<String>) = match select_transport(
-                    &mut boot,
-                    &config,
-                    streams,
-                    &mut direct,
-                )? {
-                    Selected::Verbs(t) => {
-                        gpu_direct = capabilities_of(t.direct_infos());
-                        if !region_registered(t.direct_infos(), config.rank) {
-                            // Not registered with the NIC here: the region would only hold GPU
-                            // memory (and a context) for nothing. Nothing refers to it.
-                            free_unused_region(
-                                &mut region,
-                                config.rank,
-                                "it could not be registered",
-                            );
-                        }
-                        (t, None)
-                    }
-                    Selected::Tcp { streams, reason } => {
-                        // The verbs transport, and with it any registration of the region, is
-                        // gone: device memory is staged over TCP.
-                        free_unused_region(&mut region, config.rank, "the job runs over TCP");
-                        let opts = TcpOptions {
-                            socket_buffer: config.socket_buffer,
-                        };
-                        // Several hosts: shared memory within each host that has
-                        // several ranks, TCP between hosts.
-                        let mixed = select_mixed(&mut boot, &config, streams)?;
-                        intra_host = Some(mixed.intra);
-                        let tcp =
-                            TcpTransport::new(config.rank, config.world_size, mixed.streams, opts)?;
-                        let reason = match (reason, mixed.why) {
-                            (Some(r), Some(w)) => Some(format!("{r}; {w}")),
-                            (r, w) => r.or(w),
-                        };
-                        match mixed.shm {
-                            Some((shm, local)) => {
-                                let t = MixedTransport::new(
+        let (transport, reason): (Box<dyn Transport>, Option<String>) =
+            match select_shm(&mut boot, &config, streams)? {
+                ShmSelected::Shm(t) => {
+                    gpu_direct =
+                        vec![
+                            GpuDirectCapability::Unavailable(path::SHM_STAGED_REASON.into());
+                            config.world_size
+                        ];
+                    (Box::new(t), None)
+                }
+                ShmSelected::Not { streams, why } => {
+                    let (t, reason): (Box<dyn Transport>, Option<String>) =
+                        match select_transport(&mut boot, &config, streams, &mut direct)? {
+                            Selected::Verbs(mut t) => {
+                                gpu_direct = capabilities_of(t.direct_infos());
+                                direct_region = settle_region(&mut t, &mut region, &config);
+                                (t, None)
+                            }
+                            Selected::Tcp { streams, reason } => {
+                                // The verbs transport, and with it any registration of the region, is
+                                // gone: device memory is staged over TCP.
+                                direct_region = free_unused_region(
+                                    &mut region,
+                                    None,
+                                    config.rank,
+                                    "the job runs over TCP",
+                                )
+                                .unwrap_or_else(|| {
+                                    DirectRegionFact::NotAllocated("the job runs over TCP".into())
+                                });
+                                let opts = TcpOptions {
+                                    socket_buffer: config.socket_buffer,
+                                };
+                                // Several hosts: shared memory within each host that has
+                                // several ranks, TCP between hosts.
+                                let mixed = select_mixed(&mut boot, &config, streams)?;
+                                intra_host = Some(mixed.intra);
+                                let tcp = TcpTransport::new(
                                     config.rank,
                                     config.world_size,
-                                    shm,
-                                    Box::new(tcp),
-                                    local,
+                                    mixed.streams,
+                                    opts,
                                 )?;
-                                tracing::info!(rank = config.rank, transport = %t.describe(), "using shared memory within the host, TCP between hosts");
-                                (Box::new(t), reason)
+                                let reason = match (reason, mixed.why) {
+                                    (Some(r), Some(w)) => Some(format!("{r}; {w}")),
+                                    (r, w) => r.or(w),
+                                };
+                                match mixed.shm {
+                                    Some((shm, local)) => {
+                                        let t = MixedTransport::new(
+                                            config.rank,
+                                            config.world_size,
+                                            shm,
+                                            Box::new(tcp),
+                                            local,
+                                        )?;
+                                        tracing::info!(
+                                            rank = config.rank,
+                                            transport = %t.describe(),
+                                            "using shared memory within the host, TCP between hosts"
+                                        );
+                                        (Box::new(t), reason)
+                                    }
+                                    None => (Box::new(tcp), reason),
+                                }
                             }
-                            None => (Box::new(tcp), reason),
-                        }
-                    }
-                };
-                let reason = match (why, reason) {
-                    (Some(w), Some(r)) => Some(format!("{w}; {r}")),
-                    (w, r) => w.or(r),
-                };
-                (t, reason)
-            }
-        };
+                        };
+                    let reason = match (why, reason) {
+                        (Some(w), Some(r)) => Some(format!("{w}; {r}")),
+                        (w, r) => w.or(r),
+                    };
+                    (t, reason)
+                }
+            };
         let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
         let opts = engine_options(&config, oversubscribed, plan::uniform_per_host(&hosts));
         let facts = Facts {
@@ -209,10 +216,11 @@ impl Communicator {
             transport_reason: reason,
             data_path: config.data_path,
             gpu_direct,
+            direct_region,
         };
         drop(boot);
         let mut comm = Self::assemble(&config, transport, opts, facts)?;
-        comm.region = region;
+        comm.region = region.map(Arc::new);
         comm.check_path_policy()?;
         Ok(comm)
     }
@@ -273,6 +281,7 @@ impl Communicator {
                 GpuDirectCapability::Unavailable(path::MEM_STAGED_REASON.into());
                 world
             ],
+            direct_region: DirectRegionFact::NotAllocated("the transport was given".into()),
         };
         let config = Config {
             rank,
@@ -313,6 +322,7 @@ impl Communicator {
             timeout: opts.timeout,
             data_path: facts.data_path,
             gpu_direct: facts.gpu_direct,
+            direct_region: facts.direct_region,
             rendezvous: if world == 1 {
                 "none (a world of one)".into()
             } else {
@@ -1075,22 +1085,111 @@ fn gpu_region(
         .map_err(|e| format!("GPU {ordinal}: cannot allocate the direct region: {e}"))
 }
 
-/// Whether this rank's direct region was registered with the NIC (what the verbs transport
-/// announced for `rank`); a region that was not is freed at init.
-fn region_registered(infos: &[DirectInfo], rank: usize) -> bool {
-    matches!(infos.get(rank), Some(DirectInfo::Region { .. }))
+/// Whether this rank keeps its direct region after init: `Ok` when it registered one and
+/// every rank can use theirs — GPUDirect RDMA is used job-wide ([`path::uses_gpu_direct`] over
+/// [`capabilities_of`], the rule device collectives follow), or, for the host-memory
+/// emulation (which is never reported as GPUDirect), every rank announced an emulated region.
+/// Otherwise why the region is of no use. Every rank decides from the same exchanged facts,
+/// so all keep theirs or none does.
+fn region_fate(
+    policy: PathPolicy,
+    infos: &[DirectInfo],
+    rank: usize,
+) -> std::result::Result<(), String> {
+    let emulated = match infos.get(rank) {
+        Some(DirectInfo::Region { kind, .. }) => *kind == DirectKind::HostEmulated,
+        Some(DirectInfo::Unavailable(why)) => {
+            return Err(format!("it could not be registered: {why}"))
+        }
+        _ => return Err("this rank announced no region".into()),
+    };
+    let is_emulated = |i: &DirectInfo| {
+        matches!(
+            i,
+            DirectInfo::Region {
+                kind: DirectKind::HostEmulated,
+                ..
+            }
+        )
+    };
+    let caps = capabilities_of(infos);
+    let agreed = if emulated {
+        infos.iter().all(is_emulated)
+    } else {
+        path::uses_gpu_direct(policy, TransportKind::Verbs, &caps)
+    };
+    if agreed {
+        return Ok(());
+    }
+    let lacking: Vec<String> = infos
+        .iter()
+        .zip(&caps)
+        .enumerate()
+        .filter_map(
+            |(r, (info, cap))| match (emulated, is_emulated(info), cap) {
+                (true, true, _) => None,
+                (true, false, GpuDirectCapability::Unavailable(why))
+                | (false, _, GpuDirectCapability::Unavailable(why)) => {
+                    Some(format!("rank {r}: {why}"))
+                }
+                (true, false, _) => Some(format!(
+                    "rank {r}: its region is GPU memory, not the emulation"
+                )),
+                (false, _, _) => None,
+            },
+        )
+        .collect();
+    let who = if lacking.is_empty() {
+        format!("{}={policy}", path::DATA_PATH_ENV)
+    } else {
+        lacking.join("; ")
+    };
+    Err(format!("GPUDirect RDMA is not used job-wide ({who})"))
 }
 
-/// Frees a direct region that nothing will use (its registration failed, or the job fell back
-/// to TCP), so that the GPU memory does not stay allocated for the communicator's lifetime.
-fn free_unused_region(region: &mut Option<DirectRegion>, rank: usize, why: &str) {
-    if let Some(r) = region.take() {
-        tracing::info!(
-            rank,
-            bytes = r.len(),
-            "freeing the GPUDirect region at init: {why}"
-        );
+/// Keeps this rank's direct region where [`region_fate`] says so; otherwise drops the
+/// transport's registration of it first (so that the NIC never touches it again) and then
+/// frees it. Returns what became of it.
+fn settle_region(
+    t: &mut VerbsTransport,
+    region: &mut Option<DirectRegion>,
+    config: &Config,
+) -> DirectRegionFact {
+    let rank = config.rank;
+    let infos = t.direct_infos();
+    match region_fate(config.data_path, infos, rank) {
+        Ok(()) => DirectRegionFact::Kept {
+            bytes: t.direct_layout().map_or(0, |l| l.len()),
+            emulated: region.is_none(),
+        },
+        Err(why) => {
+            let none_why = match infos.get(rank) {
+                Some(DirectInfo::Unavailable(w)) => w.clone(),
+                _ => "no device memory is set up for a world of one".to_string(),
+            };
+            let registered = t.drop_direct_region();
+            free_unused_region(region, registered, rank, &why)
+                .unwrap_or(DirectRegionFact::NotAllocated(none_why))
+        }
     }
+}
+
+/// Frees a direct region that nothing will use (its registration failed or was dropped, or
+/// the job fell back to TCP), so that the GPU memory does not stay allocated for the
+/// communicator's lifetime; `registered` is the size of a region the transport held itself
+/// (the emulation's host memory, already freed). Logs why; `None` when there was none.
+fn free_unused_region(
+    region: &mut Option<DirectRegion>,
+    registered: Option<usize>,
+    rank: usize,
+    why: &str,
+) -> Option<DirectRegionFact> {
+    let bytes = region.take().map(|r| r.len()).or(registered)?;
+    tracing::info!(rank, bytes, "freed the GPUDirect region at init: {why}");
+    Some(DirectRegionFact::Freed {
+        bytes,
+        why: why.into(),
+    })
 }
 
 /// Every rank's GPUDirect capability from the direct regions announced at init.
@@ -1138,21 +1237,99 @@ mod tests {
         VerbsOptions::from_config(&cfg)
     }
 
-    /// #11 item 7: the direct region is kept only where this rank registered it.
-    #[test]
-    fn only_a_registered_direct_region_is_kept_after_init() {
-        let region = DirectInfo::Region {
-            kind: DirectKind::PeerMem,
+    fn region(kind: DirectKind) -> DirectInfo {
+        DirectInfo::Region {
+            kind,
             addr: 1 << 20,
             rkey: 7,
             slot_bytes: 512 << 10,
-        };
+        }
+    }
+
+    /// #11 item 7: a direct region is kept only where it was registered and GPUDirect RDMA is
+    /// used job-wide; every other rank frees its own, and says which rank stands in the way.
+    #[test]
+    fn a_direct_region_is_kept_only_when_every_rank_registered_one() {
+        use DirectKind::{DmaBuf, HostEmulated, PeerMem};
+        let fate = |infos: &[DirectInfo], r| region_fate(PathPolicy::Auto, infos, r);
+        // Every rank registered GPU memory (mechanisms may differ): all keep theirs.
+        let all = [region(DmaBuf), region(PeerMem), region(DmaBuf)];
+        for r in 0..3 {
+            assert_eq!(fate(&all, r), Ok(()), "rank {r}");
+            assert_eq!(region_fate(PathPolicy::GpuDirect, &all, r), Ok(()));
+        }
+        // Rank 1 could not register, rank 2 set up none: nobody keeps one, and the ranks
+        // that registered name the ranks that did not.
         let why = DirectInfo::Unavailable("ibv_reg_mr: EFAULT".into());
-        let infos = [region, why, DirectInfo::None];
-        assert!(region_registered(&infos, 0));
-        assert!(!region_registered(&infos, 1), "registration failed: freed");
-        assert!(!region_registered(&infos, 2), "no region announced: freed");
-        assert!(!region_registered(&infos, 3), "no information: freed");
+        let infos = [region(PeerMem), why, DirectInfo::None];
+        let e = fate(&infos, 0).unwrap_err();
+        assert!(e.contains("not used job-wide"), "{e}");
+        assert!(e.contains("rank 1: ibv_reg_mr: EFAULT"), "{e}");
+        assert!(e.contains("rank 2: no GPU memory"), "{e}");
+        assert!(!e.contains("rank 0"), "{e}");
+        let e = fate(&infos, 1).unwrap_err();
+        assert!(
+            e.contains("could not be registered: ibv_reg_mr: EFAULT"),
+            "{e}"
+        );
+        assert!(fate(&infos, 2).is_err(), "no region announced: freed");
+        assert!(fate(&infos, 3).is_err(), "no information: freed");
+        // The emulation agrees with itself only: every rank emulating keeps; one rank without
+        // it (or with real GPU memory) makes every emulating rank free its region.
+        let emu = [
+            region(HostEmulated),
+            region(HostEmulated),
+            region(HostEmulated),
+        ];
+        for r in 0..3 {
+            assert_eq!(fate(&emu, r), Ok(()), "rank {r}");
+        }
+        let infos = [
+            region(HostEmulated),
+            region(HostEmulated),
+            DirectInfo::Unavailable("no CUDA driver".into()),
+        ];
+        for r in 0..2 {
+            let e = fate(&infos, r).unwrap_err();
+            assert!(e.contains("rank 2: no CUDA driver"), "{e}");
+            assert!(!e.contains("rank 0") && !e.contains("rank 1"), "{e}");
+        }
+        let mixed = [region(HostEmulated), region(DmaBuf)];
+        let e = fate(&mixed, 0).unwrap_err();
+        assert!(e.contains("rank 1: its region is GPU memory"), "{e}");
+        let e = fate(&mixed, 1).unwrap_err();
+        assert!(
+            e.contains("rank 0: its direct region is host memory"),
+            "{e}"
+        );
+    }
+
+    /// What the bench header and `CommInfo` print about the region: its size and its fate.
+    #[test]
+    fn the_direct_region_fact_says_what_was_allocated_and_whether_it_is_held() {
+        let kept = DirectRegionFact::Kept {
+            bytes: 36 << 20,
+            emulated: false,
+        };
+        assert_eq!(
+            kept.to_string(),
+            "36 MiB of GPU memory, registered and held"
+        );
+        let freed = DirectRegionFact::Freed {
+            bytes: 3 << 20,
+            why: "GPUDirect RDMA is not used job-wide (rank 2: no CUDA driver)".into(),
+        };
+        let s = freed.to_string();
+        assert!(
+            s.starts_with("3 MiB allocated, then freed at init: "),
+            "{s}"
+        );
+        assert!(s.ends_with("(rank 2: no CUDA driver)"), "{s}");
+        let none = DirectRegionFact::NotAllocated(path::REQUESTED_STAGED_REASON.into());
+        assert_eq!(
+            none.to_string(),
+            "none allocated (DSPARK_DATA_PATH=host-staged was requested)"
+        );
     }
 
     #[test]

@@ -236,6 +236,14 @@ impl Shared {
         Work::new(self, done, what)
     }
 
+    /// A `Work` that is already complete with `r` (an operation that ran on the caller's
+    /// thread).
+    pub(crate) fn finished(self: &Arc<Self>, r: Result<()>, what: &'static str) -> Work {
+        let done = Arc::new(Completion::default());
+        done.finish(r);
+        Work::new(self, done, what)
+    }
+
     /// Runs `f` on the caller's thread with the engine, after every operation issued before
     /// it, and with `timeout` as its deadline (the communicator's when `None`).
     pub(crate) fn exclusive<R>(

@@ -32,7 +32,7 @@ use crate::transport::{
     AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress, Transport,
     TransportKind, NO_OP,
 };
-use crate::types::{DataType, ReduceOp};
+use crate::types::{human_bytes, DataType, ReduceOp};
 
 /// How the engine runs.
 #[derive(Clone, Debug)]
@@ -1071,7 +1071,7 @@ impl Engine {
     /// Ends the trace span of the head send to `p` (step `i`, `len` bytes).
     fn trace_send(&mut self, s: &mut Scratch, p: usize, i: u32, len: usize) {
         if let (Some(t), Some(t0)) = (self.trace.as_mut(), s.send_started[p].take()) {
-            let name = format!("send {}", trace_bytes(len));
+            let name = format!("send {}", human_bytes(len as u64, false));
             let args = [("step", i.to_string()), ("bytes", len.to_string())];
             t.span(
                 trace::Lane::Send(p),
@@ -1088,7 +1088,7 @@ impl Engine {
     fn trace_recv(&mut self, s: &mut Scratch, p: usize, i: u32, len: usize, reduces: bool) {
         if let (Some(t), Some(t0)) = (self.trace.as_mut(), s.recv_started[p].take()) {
             let kind = if reduces { "recv+reduce" } else { "recv" };
-            let name = format!("{kind} {}", trace_bytes(len));
+            let name = format!("{kind} {}", human_bytes(len as u64, false));
             let args = [("step", i.to_string()), ("bytes", len.to_string())];
             t.span(trace::Lane::Recv(p), kind, &name, t0, Instant::now(), &args);
         }
@@ -1214,16 +1214,6 @@ impl Scratch {
 }
 
 /// "64 KiB", for trace event names.
-fn trace_bytes(b: usize) -> String {
-    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
-}
-
 fn internal(what: &str) -> Error {
     Error::Transport {
         rank: None,

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
 use crate::transport::{DirectLayout, RegionAccess};
-use crate::types::{DataType, ReduceOp};
+use crate::types::{human_bytes, DataType, ReduceOp};
 
 /// A byte range of one of the device buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -338,7 +338,7 @@ impl Engine {
                 if let (Some(t), Some((t0, what, bytes))) =
                     (self.trace.as_mut(), landing_t.pop_front())
                 {
-                    let name = format!("{what} {}", super::trace_bytes(bytes));
+                    let name = format!("{what} {}", human_bytes(bytes as u64, false));
                     let args = [("bytes", bytes.to_string())];
                     t.span(Lane::Device, what, &name, t0, Instant::now(), &args);
                 }
@@ -420,7 +420,7 @@ impl Engine {
                             break;
                         }
                         if let (Some(t), Some(t0)) = (self.trace.as_mut(), d2h_started[iu].take()) {
-                            let name = format!("d2h {}", super::trace_bytes(len));
+                            let name = format!("d2h {}", human_bytes(len as u64, false));
                             let args = [("bytes", len.to_string()), ("step", i.to_string())];
                             t.span(Lane::Device, "d2h", &name, t0, Instant::now(), &args);
                         }
@@ -584,7 +584,7 @@ impl Engine {
                 if let Some(t) = self.trace.as_mut() {
                     let now = Instant::now();
                     for (t0, what, bytes) in landing_t.drain(..) {
-                        let name = format!("{what} {}", super::trace_bytes(bytes));
+                        let name = format!("{what} {}", human_bytes(bytes as u64, false));
                         let args = [("bytes", bytes.to_string())];
                         t.span(Lane::Device, what, &name, t0, now, &args);
                     }

@@ -16,6 +16,8 @@
 //!   exercised without a GPU; `tests/gpu/run_all.sh` runs it where one is present.
 //! - [`staged`]: **GPU-only code**: the CUDA implementation of the engine's host-staged device
 //!   path (pinned slots, async copies, reduction kernels, events as marks).
+//! - `order`: **GPU-only code**: the doorbell that orders non-blocking device collectives on
+//!   the caller's stream ([`crate::Communicator::enqueue`]).
 //! - [`direct`]: **GPU-only code**: the GPUDirect RDMA device path: a region of GPU memory the
 //!   NIC registers (dma-buf or nvidia-peermem), sends copied into it and payloads consumed from
 //!   it on the device.
@@ -26,6 +28,7 @@ pub mod device;
 pub mod direct;
 pub mod kernels;
 pub mod nvrtc;
+pub(crate) mod order;
 pub mod probe;
 pub mod staged;
 pub mod sysfs;

@@ -10,8 +10,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    direct_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind, Interest, Landed,
-    RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
+    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind,
+    Interest, Landed, RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
 };
 use crate::error::{Error, Result};
 
@@ -564,15 +564,7 @@ impl Transport for MemTransport {
             None => return Err(direct_mismatch(self.rank, peer, false)),
         };
         if expected != landed.len {
-            return Err(Error::Transport {
-                rank: Some(self.rank),
-                peer: Some(peer),
-                op: "receive".into(),
-                what: format!(
-                    "frame header says {} bytes where {expected} were expected",
-                    landed.len
-                ),
-            });
+            return Err(frame_len_mismatch(self.rank, peer, landed.len, expected));
         }
         progress.header = None;
         progress.got = landed.len;

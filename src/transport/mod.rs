@@ -369,6 +369,19 @@ pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::Er
     }
 }
 
+/// The error for a frame whose header announces `got` payload bytes where the receiver's
+/// call expects `expected` (the ranks disagree about the call, or the frame is corrupt).
+pub fn frame_len_mismatch(rank: usize, peer: usize, got: usize, expected: usize) -> crate::Error {
+    crate::Error::Transport {
+        rank: Some(rank),
+        peer: Some(peer),
+        op: "receive".into(),
+        what: format!(
+            "frame header from rank {peer} says {got} bytes where {expected} were expected"
+        ),
+    }
+}
+
 /// A way to move frames between the ranks of one communicator.
 pub trait Transport: Send + fmt::Debug {
     /// Which transport this is.

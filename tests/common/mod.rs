@@ -326,24 +326,32 @@ pub fn run_all_collectives<T: TestElem>(
     Ok(())
 }
 
+/// Runs `$f::<T>(comm, op, count, seed)?` for every count of `$counts`, every operator and
+/// each of the ten element types (the seed varies with count and operator); `Ok(())` after.
+macro_rules! for_every_type_op_and_count {
+    ($f:ident, $comm:expr, $counts:expr, $seed:expr) => {{
+        for &count in $counts {
+            for op in ReduceOp::ALL {
+                let s = $seed ^ mix(count as u64) ^ (op as u64);
+                $f::<f32>($comm, op, count, s)?;
+                $f::<f64>($comm, op, count, s)?;
+                $f::<f16>($comm, op, count, s)?;
+                $f::<bf16>($comm, op, count, s)?;
+                $f::<i8>($comm, op, count, s)?;
+                $f::<u8>($comm, op, count, s)?;
+                $f::<i32>($comm, op, count, s)?;
+                $f::<u32>($comm, op, count, s)?;
+                $f::<i64>($comm, op, count, s)?;
+                $f::<u64>($comm, op, count, s)?;
+            }
+        }
+        Ok(())
+    }};
+}
+
 /// The whole matrix for one communicator: every type, every operator, every count.
 pub fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
-    for &count in counts {
-        for op in ReduceOp::ALL {
-            let s = seed ^ mix(count as u64) ^ (op as u64);
-            run_all_collectives::<f32>(comm, op, count, s)?;
-            run_all_collectives::<f64>(comm, op, count, s)?;
-            run_all_collectives::<f16>(comm, op, count, s)?;
-            run_all_collectives::<bf16>(comm, op, count, s)?;
-            run_all_collectives::<i8>(comm, op, count, s)?;
-            run_all_collectives::<u8>(comm, op, count, s)?;
-            run_all_collectives::<i32>(comm, op, count, s)?;
-            run_all_collectives::<u32>(comm, op, count, s)?;
-            run_all_collectives::<i64>(comm, op, count, s)?;
-            run_all_collectives::<u64>(comm, op, count, s)?;
-        }
-    }
-    Ok(())
+    for_every_type_op_and_count!(run_all_collectives, comm, counts, seed)
 }
 
 /// The collectives `DSPARK_ALGO=tree` applies to, for type `T` and operator `op` at `count`:
@@ -398,22 +406,7 @@ pub fn run_tree_collectives<T: TestElem>(
 
 /// [`run_tree_collectives`] for every type, every operator, every count.
 pub fn run_tree_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
-    for &count in counts {
-        for op in ReduceOp::ALL {
-            let s = seed ^ mix(count as u64) ^ (op as u64);
-            run_tree_collectives::<f32>(comm, op, count, s)?;
-            run_tree_collectives::<f64>(comm, op, count, s)?;
-            run_tree_collectives::<f16>(comm, op, count, s)?;
-            run_tree_collectives::<bf16>(comm, op, count, s)?;
-            run_tree_collectives::<i8>(comm, op, count, s)?;
-            run_tree_collectives::<u8>(comm, op, count, s)?;
-            run_tree_collectives::<i32>(comm, op, count, s)?;
-            run_tree_collectives::<u32>(comm, op, count, s)?;
-            run_tree_collectives::<i64>(comm, op, count, s)?;
-            run_tree_collectives::<u64>(comm, op, count, s)?;
-        }
-    }
-    Ok(())
+    for_every_type_op_and_count!(run_tree_collectives, comm, counts, seed)
 }
 
 /// A configuration for ranks over `mem`: this deadline and segment size, defaults otherwise.

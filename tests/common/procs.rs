@@ -320,3 +320,193 @@ impl Drop for Hosts {
         }
     }
 }
+
+/// The rank-process variables of a fault test: `DSPARK_TIMEOUT` plus the transport's own.
+pub type Env<'a> = &'a dyn Fn(&str) -> Vec<(String, String)>;
+
+/// Scenario `loop`: all_reduce until something fails; `FAILED_AS_EXPECTED` for a lost peer,
+/// an abort or a timeout, `WRONG` for any other error. Prints `READY` after the first call.
+pub fn loop_until_failure(comm: &dspark::Communicator) -> Result<i32, String> {
+    use dspark::{Error, ReduceOp};
+    let mut buf = vec![1.0f32; 256 * 1024];
+    comm.all_reduce(&mut buf, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    say("READY");
+    loop {
+        if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+            say(&format!("FAILED: {e}"));
+            let expected = matches!(
+                e,
+                Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
+            );
+            return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+        }
+    }
+}
+
+/// Scenario `watch`: rank 0 receives from rank 1, which is alive and silent (8 s); rank 2
+/// is killed meanwhile, and rank 0 must report `PeerLost` of rank 2.
+pub fn watch_while_another_dies(comm: &dspark::Communicator) -> Result<i32, String> {
+    use dspark::Error;
+    match comm.rank() {
+        0 => {
+            say("READY");
+            let t = Instant::now();
+            let mut buf = vec![0u8; 16];
+            match comm.recv(&mut buf, 1) {
+                Err(e @ Error::PeerLost { peer: 2, .. }) => {
+                    say(&format!("FAILED after {:?}: {e}", t.elapsed()));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected PeerLost of rank 2, got {other:?}")),
+            }
+        }
+        1 => {
+            std::thread::sleep(Duration::from_secs(8));
+            Ok(OK)
+        }
+        _ => {
+            say("READY");
+            std::thread::sleep(Duration::from_secs(60));
+            Ok(OK)
+        }
+    }
+}
+
+/// Scenario `mismatch`: every rank passes a different count; each must get `Mismatch`.
+pub fn mismatched_count(comm: &dspark::Communicator) -> Result<i32, String> {
+    let mut buf = vec![1.0f32; 10 + comm.rank()];
+    match comm.all_reduce(&mut buf, dspark::ReduceOp::Sum) {
+        Err(e @ dspark::Error::Mismatch { .. }) => {
+            say(&format!("FAILED: {e}"));
+            Ok(FAILED_AS_EXPECTED)
+        }
+        other => Err(format!("expected Mismatch, got {other:?}")),
+    }
+}
+
+/// Four ranks in scenario `loop`, rank 2 killed (SIGKILL) mid-collective: every survivor
+/// must fail as expected well within the 30 s deadline, and one of them must name rank 2
+/// (the dead rank directly, or inside the abort a survivor that noticed first sent).
+/// `env(timeout)` gives a rank's variables. Returns the outcomes for further checks.
+pub fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>) -> Vec<Outcome> {
+    let world = 4;
+    let vars = env("30");
+    let mut ranks = spawn(world, "loop", &|_| vars.clone(), None);
+    ranks.wait_ready(world);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
+    let outs = ranks.wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        // A dead peer is noticed at once, long before the 30 s deadline.
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
+    assert!(
+        outs.iter()
+            .enumerate()
+            .filter(|(r, _)| *r != 2)
+            .any(|(_, o)| o.out.contains("rank 2")),
+        "no survivor names the killed rank 2:\n{}",
+        outs.iter()
+            .map(|o| o.out.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    outs
+}
+
+/// Three ranks in scenario `loop`, rank 1 stopped (SIGSTOP): both survivors must finish on
+/// their own with a timeout within the 2 s deadline (well under 8 s), naming the peer they
+/// waited for; the stopped rank is killed afterwards.
+pub fn stopped_rank_times_out_every_survivor_within_the_deadline(env: Env<'_>) {
+    let world = 3;
+    let vars = env("2");
+    let mut ranks = spawn(world, "loop", &|_| vars.clone(), None);
+    ranks.wait_ready(world);
+    let pid = nix::unistd::Pid::from_raw(ranks.children[1].id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let t0 = Instant::now();
+    // Survivors must finish on their own; the stopped rank is killed afterwards.
+    let mut survivors_done = false;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let done = [0, 2]
+            .iter()
+            .all(|&r| ranks.children[r].try_wait().ok().flatten().is_some());
+        if done {
+            survivors_done = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waited = t0.elapsed();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    let outs = ranks.wait(Duration::from_secs(5));
+    assert!(survivors_done, "survivors still running after {waited:?}");
+    assert!(
+        waited < Duration::from_secs(8),
+        "deadline 2 s, took {waited:?}"
+    );
+    for r in [0, 2] {
+        assert_eq!(
+            outs[r].code,
+            Some(FAILED_AS_EXPECTED),
+            "rank {r}:\n{}",
+            outs[r].out
+        );
+    }
+    let all = format!("{}{}", outs[0].out, outs[2].out);
+    // Whoever's deadline passes first names the peer it waited for: rank 1 itself, or — in
+    // the ring, where rank 0 receives from rank 2, which is stuck on rank 1 — rank 2.
+    assert!(
+        all.contains("timed out") && (all.contains("rank 1") || all.contains("for rank 2")),
+        "{all}"
+    );
+}
+
+/// Three ranks in scenario `mismatch`: every one must fail with a `Mismatch` naming the
+/// count, within 10 s (deadline 20 s).
+pub fn mismatched_counts_fail_every_process(env: Env<'_>) {
+    let vars = env("20");
+    let outs = spawn(3, "mismatch", &|_| vars.clone(), None).wait(Duration::from_secs(30));
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(o.out.contains("count"), "rank {r}: {}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
+}
+
+/// Three ranks in scenario `watch`: rank 0 waits on the silent rank 1 while rank 2 is killed;
+/// rank 0 must fail as expected within 5 s — long before rank 1 wakes up (8 s) or the
+/// deadline (30 s).
+pub fn a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(env: Env<'_>) {
+    let vars = env("30");
+    let mut ranks = spawn(3, "watch", &|_| vars.clone(), None);
+    // Rank 0 is in its receive from the silent rank 1 once it printed READY.
+    ranks.wait_ready_of(&[0, 2]);
+    std::thread::sleep(Duration::from_millis(300));
+    ranks.children[2].kill().unwrap();
+    let outs = ranks.wait(Duration::from_secs(40));
+    assert_eq!(
+        outs[0].code,
+        Some(FAILED_AS_EXPECTED),
+        "rank 0:\n{}",
+        outs[0].out
+    );
+    assert!(
+        outs[0].elapsed < Duration::from_secs(5),
+        "rank 0 took {:?}",
+        outs[0].elapsed
+    );
+}

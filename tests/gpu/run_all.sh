@@ -26,6 +26,14 @@
 #      one GPU over TCP loopback at 16 and 256 MiB: correctness, then the total time against each
 #      stage alone (goal: total <= 1.2x the slowest stage). The two ranks are threads of one
 #      test process with separate streams and TCP connections, not separate processes.
+#   7. non-blocking device collectives (Communicator::enqueue), 2 ranks on one GPU over TCP:
+#      they return at once, copies queued on the same stream afterwards see their results, a
+#      buffer dropped at once and a leaked Work are harmless, a mismatched call fails both
+#      Works and leaves the stream free
+#   8. the torch backend on CUDA tensors (tests/torch/cuda_check.py): every reduction op x 8
+#      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
+#      all_gather_into_tensor, reduce_scatter_tensor, send/recv, coalesced, a non-contiguous
+#      output, and 10 DDP steps on CUDA against DDP over gloo on CPU; skipped without torch+CUDA
 #
 # libnvrtc is looked for in the usual places (CUDA toolkit, pip wheels, LD_LIBRARY_PATH); a
 # libnvrtc.so.13 alone is exposed to cudarc through a symlink named libnvrtc.so. Logs go to
@@ -55,6 +63,17 @@ build() {
     rm -f "$json"
     local target="${CARGO_TARGET_DIR:-$ROOT/target}"
     cp "$target/release/dspark" "$BIN/dspark"
+    # The Python package's wheel, for the torch CUDA check (check 8); maturin from PATH or
+    # from the torch test venv (tests/torch/venv.sh).
+    local maturin
+    maturin="$(command -v maturin || echo "$HOME/.cache/dspark/torch-venv/bin/maturin")"
+    if [ -x "$maturin" ]; then
+        rm -rf "$CHECK_DIR/wheels"
+        (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=0 "$maturin" build --release -q \
+            -m python/Cargo.toml -o "$CHECK_DIR/wheels") >&2 || echo "run_all: building the wheel failed: check 8 will be skipped" >&2
+    else
+        echo "run_all: no maturin: the torch CUDA check (8) will be skipped" >&2
+    fi
     command -v strip >/dev/null && strip "$BIN"/* 2>/dev/null
     echo "== built into $BIN:" >&2
     ls -la "$BIN" >&2
@@ -106,6 +125,29 @@ EOF
         fi
     fi
     return 1
+}
+
+# Check 8: the torch backend on CUDA tensors, 2 ranks on GPU 0 (torchrun), with the wheel built
+# by --build installed into a private directory. Skipped (exit 0, saying why) where there is
+# no torch with CUDA or no wheel.
+torch_cuda_check() {
+    local py="${DSPARK_TORCH_PYTHON:-python3}" wheel site
+    if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "SUMMARY: torch CUDA check SKIPPED: no torch with CUDA for $py (set DSPARK_TORCH_PYTHON)"
+        return 0
+    fi
+    wheel="$(ls "$CHECK_DIR"/wheels/dspark-*.whl 2>/dev/null | head -n1)"
+    if [ -z "$wheel" ]; then
+        echo "SUMMARY: torch CUDA check SKIPPED: no wheel in $CHECK_DIR/wheels (build with maturin)"
+        return 0
+    fi
+    site="$(mktemp -d)"
+    "$py" -m pip install -q --no-deps --no-index --target "$site" "$wheel" || return 1
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -m torch.distributed.run --standalone \
+        --nproc-per-node 2 "$ROOT/tests/torch/cuda_check.py"
+    local rc=$?
+    rm -rf "$site"
+    return $rc
 }
 
 declare -a NAMES RESULTS TIMES
@@ -162,6 +204,8 @@ run() {
     step "dma-buf export" 30 "$BIN/gpu_device" device_memory_exports --nocapture
     step "direct device (land, reduce, send slots)" 60 "$BIN/gpu_device" direct_device --nocapture
     step "staged allreduce 2 ranks TCP" 120 "$BIN/gpu_device" staged_all_reduce --nocapture
+    step "enqueued (stream-ordered) device calls" 90 "$BIN/gpu_device" enqueued_device --nocapture
+    step "torch backend on CUDA tensors" 240 torch_cuda_check
     echo
     echo "=================== summary ($((SECONDS - T0)) s)"
     printf '%-34s %-22s %6s\n' "check" "result" "secs"

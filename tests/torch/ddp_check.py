@@ -93,9 +93,12 @@ def main():
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend=BACKEND, timeout=datetime.timedelta(seconds=TIMEOUT))
-    if dist.get_rank() == 0 and hasattr(dist, "get_backend_impl"):
-        # which route the backend took (Backend subclass, or ProcessGroup before torch 2.14)
-        print(f"BACKEND_IMPL {type(dist.get_backend_impl()).__name__}", flush=True)
+    if dist.get_rank() == 0:
+        # which route the backend took (Backend subclass, or ProcessGroup before torch 2.14);
+        # dist.get_backend_impl exists from torch 2.9 on
+        impl = (dist.get_backend_impl() if hasattr(dist, "get_backend_impl")
+                else dist.group.WORLD._get_backend(torch.device("cpu")))
+        print(f"BACKEND_IMPL {type(impl).__name__}", flush=True)
     ref = dist.new_group(backend="gloo")
     failures = []
 

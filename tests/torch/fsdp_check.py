@@ -100,9 +100,12 @@ def main():
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend=BACKEND, timeout=datetime.timedelta(seconds=TIMEOUT))
-    if dist.get_rank() == 0 and hasattr(dist, "get_backend_impl"):
-        # which route the backend took (Backend subclass, or ProcessGroup before torch 2.14)
-        print(f"BACKEND_IMPL {type(dist.get_backend_impl()).__name__}", flush=True)
+    if dist.get_rank() == 0:
+        # which route the backend took (Backend subclass, or ProcessGroup before torch 2.14);
+        # dist.get_backend_impl exists from torch 2.9 on
+        impl = (dist.get_backend_impl() if hasattr(dist, "get_backend_impl")
+                else dist.group.WORLD._get_backend(torch.device("cpu")))
+        print(f"BACKEND_IMPL {type(impl).__name__}", flush=True)
     ref = dist.new_group(backend="gloo")
     mesh_a = init_device_mesh("cpu", (world,))
     mesh_b = DeviceMesh.from_group(ref, "cpu")
@@ -116,6 +119,17 @@ def main():
     if got_backend != BACKEND:
         fail(f"init_device_mesh's group uses backend {got_backend!r}, not {BACKEND!r}")
 
+    # gloo's reduce_scatter with ReduceOp.AVG sums without dividing in torch 2.8 (fixed by
+    # 2.15): the reference would train on doubled gradients. Probe it, and where it sums,
+    # make the gloo copy average through FSDP2's own SUM-then-divide path, which is the
+    # same arithmetic AVG asks for.
+    probe_out = torch.empty(1)
+    dist.reduce_scatter_tensor(probe_out, torch.ones(world), op=dist.ReduceOp.AVG, group=ref)
+    gloo_avg_sums = world > 1 and probe_out.item() != 1.0
+    if gloo_avg_sums and rank == 0:
+        out("fsdp_check: gloo's reduce_scatter AVG sums on this torch; the gloo reference "
+            "averages through FSDP2's SUM-then-divide path instead")
+
     x, y = data(rank)
     results = {}
     for phase, mp, rtol in (
@@ -123,6 +137,9 @@ def main():
         ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), 2e-2),
     ):
         ma, mb = build(mesh_a, mp), build(mesh_b, mp)
+        if gloo_avg_sums:
+            for mod in [mb, *mb.layers]:  # every fully_shard'ed module has its own group
+                mod.set_force_sum_reduction_for_comms(True)
         oa = torch.optim.Adam(ma.parameters(), lr=2e-2)
         ob = torch.optim.Adam(mb.parameters(), lr=2e-2)
         losses = {"a": [], "b": []}

@@ -31,19 +31,6 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-fn size_label(b: f64) -> String {
-    let b = b.round() as u64;
-    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
-        format!("{}G", b >> 30)
-    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
-        format!("{}M", b >> 20)
-    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
-        format!("{}K", b >> 10)
-    } else {
-        format!("{b}")
-    }
-}
-
 /// A round step for an axis from 0 to `max` with about five ticks.
 fn nice_step(max: f64) -> f64 {
     let raw = (max / 5.0).max(1e-9);
@@ -107,7 +94,7 @@ pub fn svg(title: &str, series: &[Series]) -> String {
                 o,
                 r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
                 TOP + ph + 18.0,
-                size_label(2f64.powi(e as i32))
+                dspark::types::human_bytes(2f64.powi(e as i32).round() as u64, true)
             );
         }
         e += 1;

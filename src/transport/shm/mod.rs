@@ -72,14 +72,14 @@
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::{
-    rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress,
-    Transport, TransportKind, HEADER_LEN,
+    frame_len_mismatch, rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress,
+    RecvSink, SendProgress, Transport, TransportKind, HEADER_LEN,
 };
 use crate::error::{Error, Result};
 
@@ -158,6 +158,16 @@ fn corrupt(rank: usize, peer: usize, what: &str, lo: u64, hi: u64) -> Error {
         peer: Some(peer),
         op: "shared-memory ring".into(),
         what: format!("corrupt ring counters ({what}: {lo}..{hi})"),
+    }
+}
+
+/// A copy outside a segment ([`seg::OutOfBounds`]) as the error of the connection to `peer`.
+fn out_of_bounds(rank: usize, peer: usize) -> impl FnOnce(seg::OutOfBounds) -> Error {
+    move |b| Error::Transport {
+        rank: Some(rank),
+        peer: Some(peer),
+        op: "shared-memory ring".into(),
+        what: format!("a copy refused: {b}"),
     }
 }
 
@@ -336,6 +346,19 @@ impl Prepared {
                     info.ring, self.ring
                 ));
             }
+            // Every offset this rank uses in a peer's segment (header words, its ring's
+            // counters and data) follows from the group's size and the ring size: a segment
+            // of another length is refused here, so that no later access can fall outside it.
+            let want = seg_len(self.members.len(), self.ring);
+            if info.len != want as u64 {
+                return Err(format!(
+                    "rank {r} announced a segment of {} bytes where {} ranks with rings of {} \
+                     bytes need {want}",
+                    info.len,
+                    self.members.len(),
+                    self.ring
+                ));
+            }
             let file = seg::open_peer(info.pid, info.fd, info.len as usize)
                 .map_err(|w| format!("rank {r}'s segment: {w}"))?;
             let s = Seg::map(&file, info.len as usize)
@@ -385,6 +408,31 @@ struct Peer {
     /// Offsets of the two rings' bases in their segments.
     tx_base: usize,
     rx_base: usize,
+}
+
+impl Peer {
+    /// Re-reads the head of the ring `peer` sends into (`head`, published by it with release
+    /// ordering): an error, not a wrapped count, when the counters a misbehaving or corrupted
+    /// peer wrote say it is behind the tail or more than a ring ahead of it.
+    fn refresh_head(
+        &mut self,
+        head: &AtomicU64,
+        ring: u64,
+        rank: usize,
+        peer: usize,
+    ) -> Result<()> {
+        self.rx_head = head.load(Ordering::Acquire);
+        if self.rx_head < self.rx_tail || self.rx_head - self.rx_tail > ring {
+            return Err(corrupt(
+                rank,
+                peer,
+                "receive tail..head",
+                self.rx_tail,
+                self.rx_head,
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The shared-memory transport (see the module docs).
@@ -530,7 +578,9 @@ impl ShmTransport {
                 let origin = p.seg.u32_at(OFF_ORIGIN).load(Ordering::Relaxed) as usize;
                 let n = (p.seg.u32_at(OFF_MSG_LEN).load(Ordering::Relaxed) as usize).min(MSG_CAP);
                 let mut msg = vec![0u8; n];
-                p.seg.read(OFF_MSG, &mut msg);
+                if let Err(b) = p.seg.read(OFF_MSG, &mut msg) {
+                    return Some(out_of_bounds(self.rank, peer)(b));
+                }
                 let reason = String::from_utf8_lossy(&msg).into_owned();
                 Some(AbortClass::error(class, self.rank, origin, op, reason))
             }
@@ -764,7 +814,9 @@ impl Transport for ShmTransport {
             if fits(p.tx_tail) {
                 let mut mark = FrameHeader::bye().encode();
                 mark[0] = WRAP_KIND;
-                p.seg.write(data_off + pos as usize, &mark);
+                p.seg
+                    .write(data_off + pos as usize, &mark)
+                    .map_err(out_of_bounds(rank, peer))?;
                 p.tx_head += ring - pos;
             }
         }
@@ -786,7 +838,9 @@ impl Transport for ShmTransport {
             let n = if w < HEADER_LEN {
                 // The header goes whole: frames start on a line, so it never wraps.
                 let head = hdr.encode();
-                p.seg.write(data_off + pos, &head[w..]);
+                p.seg
+                    .write(data_off + pos, &head[w..])
+                    .map_err(out_of_bounds(rank, peer))?;
                 HEADER_LEN - w
             } else if w < total {
                 let n = (total - w)
@@ -794,7 +848,9 @@ impl Transport for ShmTransport {
                     .min(contiguous)
                     .min(step as usize);
                 let from = w - HEADER_LEN;
-                p.seg.write(data_off + pos, &data[from..from + n]);
+                p.seg
+                    .write(data_off + pos, &data[from..from + n])
+                    .map_err(out_of_bounds(rank, peer))?;
                 n
             } else {
                 // Padding to the next line: space, nothing written (the receiver skips to
@@ -843,16 +899,7 @@ impl Transport for ShmTransport {
             let (b, start) = loop {
                 let start = pad(p.rx_tail);
                 if p.rx_head < start + HEADER_LEN as u64 {
-                    p.rx_head = head_word.load(Ordering::Acquire);
-                    if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
-                        return Err(corrupt(
-                            rank,
-                            peer,
-                            "receive tail..head",
-                            p.rx_tail,
-                            p.rx_head,
-                        ));
-                    }
+                    p.refresh_head(head_word, ring, rank, peer)?;
                 }
                 if p.rx_head < start + HEADER_LEN as u64 {
                     // Nothing (more) from it: a goodbye, an abort or its death surface now.
@@ -865,7 +912,9 @@ impl Transport for ShmTransport {
                     return Ok(false);
                 }
                 let mut b = [0u8; HEADER_LEN];
-                self.own.read(data_off + (start % ring) as usize, &mut b);
+                self.own
+                    .read(data_off + (start % ring) as usize, &mut b)
+                    .map_err(out_of_bounds(rank, peer))?;
                 if b[0] == WRAP_KIND && b[12..16] == super::FRAME_MAGIC.to_le_bytes() {
                     p.rx_tail = start + (ring - start % ring);
                     continue;
@@ -888,15 +937,7 @@ impl Transport for ShmTransport {
             }
             let expected = sink.on_header(&hdr)?;
             if expected != hdr.len as usize {
-                return Err(Error::Transport {
-                    rank: Some(rank),
-                    peer: Some(peer),
-                    op: OP.into(),
-                    what: format!(
-                        "frame header says {} bytes where {expected} were expected",
-                        hdr.len
-                    ),
-                });
+                return Err(frame_len_mismatch(rank, peer, hdr.len as usize, expected));
             }
             let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
                 return Ok(false);
@@ -921,16 +962,7 @@ impl Transport for ShmTransport {
                 return Ok(true);
             }
             if p.rx_head == p.rx_tail || (p.rx_head - p.rx_tail) < g as u64 {
-                p.rx_head = head_word.load(Ordering::Acquire);
-                if p.rx_head < p.rx_tail || p.rx_head - p.rx_tail > ring {
-                    return Err(corrupt(
-                        rank,
-                        peer,
-                        "receive tail..head",
-                        p.rx_tail,
-                        p.rx_head,
-                    ));
-                }
+                p.refresh_head(head_word, ring, rank, peer)?;
             }
             let avail = (p.rx_head - p.rx_tail) as usize;
             let pos = (p.rx_tail % ring) as usize;
@@ -956,13 +988,16 @@ impl Transport for ShmTransport {
             match sink.direct() {
                 Some(dst) => {
                     let got = progress.got;
-                    self.own.read(data_off + pos, &mut dst[got..got + n]);
+                    self.own
+                        .read(data_off + pos, &mut dst[got..got + n])
+                        .map_err(out_of_bounds(rank, peer))?;
                 }
                 None => {
                     // SAFETY: `[rx_tail, rx_head)` of this ring was published by the sender
                     // (acquire load of `head`) and is not written again before this rank
                     // advances `tail` below, after the slice is gone.
-                    let bytes = unsafe { self.own.slice(data_off + pos, n) };
+                    let bytes = unsafe { self.own.slice(data_off + pos, n) }
+                        .map_err(out_of_bounds(rank, peer))?;
                     sink.consume(bytes)?;
                 }
             }
@@ -1006,7 +1041,12 @@ impl Transport for ShmTransport {
         self.done = true;
         let msg = reason.as_bytes();
         let msg = &msg[..msg.len().min(MSG_CAP)];
-        self.own.write(OFF_MSG, msg);
+        if let Err(b) = self.own.write(OFF_MSG, msg) {
+            tracing::warn!(
+                rank = self.rank,
+                "abort message not written to the segment: {b}"
+            );
+        }
         self.own
             .u32_at(OFF_MSG_LEN)
             .store(msg.len() as u32, Ordering::Relaxed);
@@ -1056,6 +1096,43 @@ mod tests {
         };
         assert_eq!(SegInfo::decode(&i.encode()), Some(i));
         assert_eq!(SegInfo::decode(&[0u8; 31]), None);
+    }
+
+    /// A peer (misbehaving, or of another build) whose segment is too small for the layout
+    /// would make later ring accesses fall outside it: refused at connect, naming the rank.
+    #[test]
+    fn a_peer_segment_of_another_length_is_refused_at_connect() {
+        use std::os::fd::AsRawFd;
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let me = prepare(0, 2, opts).unwrap();
+        // A well-formed header for rank 1 of 2 in a segment of 4096 bytes: too small for
+        // one ring of 8 KiB.
+        let len = 4096;
+        let file = seg::create(len, "dspark-shm-test-small").unwrap();
+        let small = Seg::map(&file, len).unwrap();
+        small.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        small.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        small.u32_at(OFF_WORLD).store(2, Ordering::Relaxed);
+        small.u32_at(OFF_RANK).store(1, Ordering::Relaxed);
+        small.u64_at(OFF_NONCE).store(7, Ordering::Relaxed);
+        let theirs = SegInfo {
+            pid: std::process::id(),
+            fd: file.as_raw_fd() as u32,
+            len: len as u64,
+            ring: me.ring as u64,
+            nonce: 7,
+        };
+        let e = me.connect(&[me.info(), theirs]).unwrap_err();
+        assert!(e.contains("rank 1") && e.contains("4096 bytes"), "{e}");
+        let right = SegInfo {
+            len: seg_len(2, me.ring) as u64,
+            ..theirs
+        };
+        let e = me.connect(&[me.info(), right]).unwrap_err();
+        assert!(
+            e.contains("rank 1's segment"),
+            "a mis-sized file is still caught: {e}"
+        );
     }
 
     #[test]

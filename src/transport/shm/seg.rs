@@ -17,6 +17,35 @@ use std::time::Duration;
 /// Bytes of a cache line (and of the alignment of every shared word and frame).
 pub(super) const LINE: usize = 64;
 
+/// A copy that would leave a segment: `len` bytes at `off` of a `seg_len`-byte mapping (an
+/// internal bug, or ring counters a misbehaving peer wrote). Checked before every copy, so
+/// that it is an error instead of a panic or an access outside the mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct OutOfBounds {
+    pub(super) off: usize,
+    pub(super) len: usize,
+    pub(super) seg_len: usize,
+}
+
+impl OutOfBounds {
+    fn check(off: usize, len: usize, seg_len: usize) -> Result<(), Self> {
+        match off.checked_add(len) {
+            Some(end) if end <= seg_len => Ok(()),
+            _ => Err(OutOfBounds { off, len, seg_len }),
+        }
+    }
+}
+
+impl std::fmt::Display for OutOfBounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes at offset {} lie outside the {}-byte segment",
+            self.len, self.off, self.seg_len
+        )
+    }
+}
+
 /// A mapping of a shared segment (this rank's own or a peer's); unmapped on drop.
 #[derive(Debug)]
 pub struct Seg {
@@ -75,7 +104,10 @@ impl Seg {
         unsafe { self.ptr.add(off) }
     }
 
-    /// The 64-bit atomic at `off` (8-aligned, inside the segment).
+    /// The 64-bit atomic at `off` (8-aligned, inside the segment). The offsets are layout
+    /// constants and ring bases that fit the segment's length, which is checked against the
+    /// layout when a peer's segment is mapped: the assert below guards an internal invariant
+    /// that no peer can break.
     pub(super) fn u64_at(&self, off: usize) -> &AtomicU64 {
         assert!(off.is_multiple_of(8) && off + 8 <= self.len);
         // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the
@@ -91,20 +123,28 @@ impl Seg {
         unsafe { &*(self.at(off) as *const AtomicU32) }
     }
 
-    /// Copies `dst.len()` bytes from `off` into `dst`.
-    pub(super) fn read(&self, off: usize, dst: &mut [u8]) {
-        assert!(off + dst.len() <= self.len);
-        // SAFETY: in bounds (checked); `dst` is ours and cannot overlap the shared mapping
-        // (a distinct allocation); the bytes read belong to the reader under the protocol.
-        unsafe { std::ptr::copy_nonoverlapping(self.at(off), dst.as_mut_ptr(), dst.len()) }
+    /// Copies `dst.len()` bytes from `off` into `dst`; nothing when they are not all inside.
+    pub(super) fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), OutOfBounds> {
+        OutOfBounds::check(off, dst.len(), self.len)?;
+        // SAFETY: in bounds (checked just above, without overflow); `dst` is ours and cannot
+        // overlap the shared mapping (a distinct allocation); the bytes read belong to the
+        // reader under the protocol.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
     }
 
-    /// Copies `src` to `off`.
-    pub(super) fn write(&self, off: usize, src: &[u8]) {
-        assert!(off + src.len() <= self.len);
-        // SAFETY: in bounds (checked); the destination bytes belong to the writer under the
-        // protocol (no reader looks at them until they are published).
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.at(off), src.len()) }
+    /// Copies `src` to `off`; nothing when the bytes would not all be inside.
+    pub(super) fn write(&self, off: usize, src: &[u8]) -> Result<(), OutOfBounds> {
+        OutOfBounds::check(off, src.len(), self.len)?;
+        // SAFETY: in bounds (checked just above, without overflow); the destination bytes
+        // belong to the writer under the protocol (no reader looks at them until they are
+        // published).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len());
+        }
+        Ok(())
     }
 
     /// The `n` bytes at `off` as a slice, for reducing straight out of the segment.
@@ -112,10 +152,14 @@ impl Seg {
     /// # Safety
     /// The caller guarantees that no process writes those bytes while the slice lives: the
     /// ring protocol gives `[tail, head)` to the receiver until it advances `tail`.
-    pub(super) unsafe fn slice(&self, off: usize, n: usize) -> &[u8] {
-        assert!(off + n <= self.len);
-        // SAFETY: in bounds (checked); not written while borrowed (the caller's contract).
-        unsafe { std::slice::from_raw_parts(self.at(off), n) }
+    ///
+    /// # Errors
+    /// [`OutOfBounds`] (and no slice) when the bytes are not all inside the segment.
+    pub(super) unsafe fn slice(&self, off: usize, n: usize) -> Result<&[u8], OutOfBounds> {
+        OutOfBounds::check(off, n, self.len)?;
+        // SAFETY: in bounds (checked just above, without overflow); not written while
+        // borrowed (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) })
     }
 }
 
@@ -240,4 +284,47 @@ pub(super) fn nonce() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     t ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy outside the mapping (a bad offset from an internal bug or from ring counters a
+    /// peer wrote) is refused with an error naming the peer, before any byte moves.
+    #[test]
+    fn a_copy_outside_the_segment_is_an_error_naming_the_peer_not_a_panic() {
+        let len = 4096;
+        let file = create(len, "dspark-seg-test").unwrap();
+        let seg = Seg::map(&file, len).unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(seg.read(len - 16, &mut buf), Ok(()));
+        let past = OutOfBounds {
+            off: len - 8,
+            len: 16,
+            seg_len: len,
+        };
+        assert_eq!(seg.read(len - 8, &mut buf), Err(past));
+        assert!(
+            seg.read(usize::MAX - 4, &mut buf).is_err(),
+            "an end that overflows"
+        );
+        assert!(seg.write(len, &[1]).is_err());
+        assert_eq!(seg.write(len - 1, &[7]), Ok(()));
+        // SAFETY: no other process maps this segment, and nothing writes it while the slices
+        // live.
+        unsafe {
+            assert!(seg.slice(len - 1, 2).is_err());
+            assert_eq!(seg.slice(len - 1, 1), Ok(&[7u8][..]));
+        }
+        match super::super::out_of_bounds(0, 3)(past) {
+            crate::Error::Transport {
+                rank, peer, what, ..
+            } => {
+                assert_eq!((rank, peer), (Some(0), Some(3)));
+                assert!(what.contains("16 bytes at offset 4088"), "{what}");
+            }
+            e => panic!("not a transport error: {e:?}"),
+        }
+    }
 }

@@ -219,6 +219,22 @@ pub(super) struct UserMr {
 }
 
 impl VerbsTransport {
+    /// Gives up this rank's direct region: its registration is dropped (and, when emulated,
+    /// its host memory), and no connection sends direct frames any more — from now on a
+    /// direct frame is neither sent by this rank (`direct_peer` is false, `send_direct`
+    /// fails) nor accepted (one that arrives breaks the protocol). The communicator's setup
+    /// calls this on every rank at init when GPUDirect RDMA is not used job-wide, before the
+    /// GPU memory under the registration is freed. Returns the bytes the region covered, or
+    /// `None` when there was none.
+    pub fn drop_direct_region(&mut self) -> Option<usize> {
+        for p in self.peers.iter_mut().flatten() {
+            p.their_landing = None;
+        }
+        self.direct.take().map(|d| d.layout.len())
+    }
+}
+
+impl VerbsTransport {
     /// Registers memory of `kind` for zero-copy sends; returns its id for
     /// [`Transport::deregister`](crate::transport::Transport::deregister).
     ///

@@ -17,8 +17,9 @@ use super::wire::{split_wr_id, wr_id, Cts, Imm, WrKind, CTS_LEN};
 use super::{MemoryKind, Peer, PeerState, VerbsTransport};
 use crate::error::{Error, Result};
 use crate::transport::{
-    direct_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind, Interest, Landed,
-    RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind, HEADER_LEN,
+    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind,
+    Interest, Landed, RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
+    HEADER_LEN,
 };
 
 /// Completions polled per `ibv_poll_cq` call.
@@ -134,6 +135,11 @@ impl VerbsTransport {
             op: "verbs protocol".into(),
             what: format!("rank {peer} broke the protocol: {what}"),
         };
+        self.fail_peer(peer, e)
+    }
+
+    /// Fails the connection to `peer` with `e`: every later use returns it.
+    fn fail_peer(&mut self, peer: usize, e: Error) -> Error {
         if let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) {
             p.state = PeerState::Failed(e.clone());
         }
@@ -741,8 +747,8 @@ impl Transport for VerbsTransport {
             return Err(direct_mismatch(self.rank, peer, true));
         }
         if expected != hdr.len as usize {
-            let w = format!("frame of {} bytes where {expected} were expected", hdr.len);
-            return Err(self.protocol_error(peer, w));
+            let e = frame_len_mismatch(self.rank, peer, hdr.len as usize, expected);
+            return Err(self.fail_peer(peer, e));
         }
         let sb = self.opts.slot_bytes();
         let p = self.peer_mut(peer, OP)?;
@@ -920,8 +926,8 @@ impl Transport for VerbsTransport {
             return Err(direct_mismatch(self.rank, peer, false));
         }
         if expected != hdr.len as usize {
-            let w = format!("frame of {} bytes where {expected} were expected", hdr.len);
-            return Err(self.protocol_error(peer, w));
+            let e = frame_len_mismatch(self.rank, peer, hdr.len as usize, expected);
+            return Err(self.fail_peer(peer, e));
         }
         let layout = self.direct.as_ref().map(|d| d.layout);
         let p = self.peer_mut(peer, OP)?;

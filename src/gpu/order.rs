@@ -1,0 +1,348 @@
+//! **GPU-only code**: what orders a non-blocking device collective on the caller's stream
+//! while the host returns at once (stream-ordered, as NCCL's collectives are).
+//!
+//! A device collective issued with [`crate::Communicator::enqueue`] on the caller's stream `S`:
+//!
+//! 1. **At issue**, on the caller's thread: an event `E` is recorded on `S` (it completes
+//!    when the work queued on `S` before the call has), and `S` is made to wait until this
+//!    GPU's [`Doorbell`] word reaches the call's ticket number (`cuStreamWaitValue32`,
+//!    greater-or-equal, cyclic): work queued on `S` after the call starts only once the
+//!    collective is complete. Nothing blocks the host.
+//! 2. **On the communicator's queue**, in issue order with every other operation, whoever
+//!    drives it (the progress thread, or a waiter) makes the communicator's own stream `I`
+//!    of that GPU wait for `E`, runs the collective on `I` exactly as a blocking device call
+//!    runs it on the caller's stream, and waits for `I` (the device's drop).
+//! 3. **Then the ticket rings the doorbell**, and `S` goes on.
+//!
+//! The doorbell rings on *every* outcome — success, failure, abort, an operation failed or
+//! dropped without running — because the ring is the [`Ticket`]'s `Drop`: a caller's stream
+//! never waits forever (after a failure its buffers hold unspecified data and the `Work`
+//! carries the error). Tickets are handed out and queued under one lock, so ticket order is
+//! queue order, and the queue consumes operations in that order: the word only moves forward.
+//!
+//! The doorbell is one 32-bit word of pinned, device-mapped host memory per GPU and
+//! communicator; the host writes it, the GPU's stream front end reads it.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use std::marker::PhantomData;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+
+use super::device::driver_err;
+use super::probe::{cu_check, require_driver_symbols};
+use crate::error::{Error, Result};
+
+/// The driver functions a doorbell needs (checked before the first use: cudarc panics on a
+/// missing symbol).
+const SYMBOLS: [&str; 4] = [
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
+    "cuStreamWaitValue32_v2",
+];
+
+/// One word of pinned host memory that streams of one GPU wait on (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Doorbell {
+    ctx: Arc<CudaContext>,
+    /// The word, as the host writes it (`cuMemHostAlloc`, device-mapped).
+    host: *mut u32,
+    /// The same word as the GPU reads it.
+    dev: sys::CUdeviceptr,
+    /// The last ticket handed out: the issue lock, held while a ticket is issued and its
+    /// operation queued, so that ticket order is queue order.
+    issued: Mutex<u32>,
+    /// The last value rung: the word's own lock (a separate one, so that a ticket may ring
+    /// while another thread issues).
+    rung: Mutex<u32>,
+    /// An event after each stream's latest wait on the word: the word may only be freed once
+    /// every stream has read it for the last time (see `Drop`).
+    passed: Mutex<Vec<CudaEvent>>,
+    /// An event could not be recorded after a wait: the word is never freed.
+    leak: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: the word is ordinary pinned process memory, written only under the `rung` lock
+// and read by the GPU; the context handle is thread-safe (cudarc's `CudaContext` is
+// Send + Sync). Nothing else is shared.
+unsafe impl Send for Doorbell {}
+// SAFETY: as above: every host access to the word happens under the lock.
+unsafe impl Sync for Doorbell {}
+
+/// `a` is after `b` in the cyclic order of 32-bit ticket numbers (as the GPU compares them).
+fn after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+impl Doorbell {
+    /// A doorbell on `ctx`'s GPU, at 0.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the driver lacks the functions; [`Error::Cuda`] when the
+    /// allocation fails.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        require_driver_symbols(&SYMBOLS)?;
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the symbols were checked and a context is current; the driver writes one
+        // pointer to at least 4 bytes of page-locked, device-mapped memory.
+        cu_check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, 64, flags)
+        })?;
+        if p.is_null() {
+            return Err(Error::Cuda {
+                rank: None,
+                op: "cuMemHostAlloc".into(),
+                what: "null pointer".into(),
+            });
+        }
+        let host = p.cast::<u32>();
+        // SAFETY: `host` points to 64 live bytes just allocated, suitably aligned (page).
+        unsafe { host.write_volatile(0) };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is a device-mapped host allocation of this context; flags must be 0.
+        let r = cu_check("cuMemHostGetDevicePointer_v2", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0)
+        });
+        if let Err(e) = r {
+            // SAFETY: `p` came from cuMemHostAlloc and is freed once, here.
+            let _ = unsafe { sys::cuMemFreeHost(p) };
+            return Err(e);
+        }
+        Ok(Doorbell {
+            ctx: ctx.clone(),
+            host,
+            dev,
+            issued: Mutex::new(0),
+            rung: Mutex::new(0),
+            passed: Mutex::new(Vec::new()),
+            leak: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Takes the issue lock: hold it from [`Issue::ticket`] until the operation is queued.
+    pub(crate) fn issue(self: &Arc<Self>) -> Issue<'_> {
+        Issue {
+            bell: self,
+            issued: lock(&self.issued),
+        }
+    }
+
+    /// Moves the word forward to `seq` (never back).
+    fn ring(&self, seq: u32) {
+        let mut rung = lock(&self.rung);
+        if after(seq, *rung) {
+            *rung = seq;
+            // SAFETY: the word is live for as long as `self`, and written only under the lock.
+            unsafe { self.host.write_volatile(seq) };
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// How long a dropped doorbell waits for the streams that waited on it to have read it for
+/// the last time before it gives up and leaks the word instead of freeing it.
+const FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Drop for Doorbell {
+    fn drop(&mut self) {
+        // Every ticket holds an `Arc` of its doorbell, so every ticket has rung: no stream
+        // waits for a value that will never come. But a stream may not have *read* the word
+        // yet (its wait is behind other work): free it only once every stream got past its
+        // last wait, within FREE_WAIT; otherwise leak it (one pinned page) and say so.
+        let passed = std::mem::take(&mut *self.passed.lock().unwrap_or_else(|e| e.into_inner()));
+        let until = std::time::Instant::now() + FREE_WAIT;
+        let mut all = true;
+        for ev in &passed {
+            while !ev.try_is_complete().unwrap_or(true) {
+                if std::time::Instant::now() >= until {
+                    all = false;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        if !all || self.leak.load(std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "a CUDA stream has not passed (or could not be tracked past) its wait on a dropped communicator's doorbell \
+                 within {FREE_WAIT:?} (work queued ahead of it is still running): leaking \
+                 the doorbell's pinned page instead of freeing memory the GPU may still read"
+            );
+            return;
+        }
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once; every stream
+            // that waited on it has passed its wait (above).
+            let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        }
+    }
+}
+
+fn lock(m: &Mutex<u32>) -> MutexGuard<'_, u32> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The doorbell's issue lock (see [`Doorbell::issue`]).
+#[derive(Debug)]
+pub(crate) struct Issue<'a> {
+    bell: &'a Arc<Doorbell>,
+    issued: MutexGuard<'a, u32>,
+}
+
+impl Issue<'_> {
+    /// The next ticket: `stream` waits (on the GPU) until it rings.
+    ///
+    /// # Errors
+    /// The driver's error when the wait cannot be queued — for example on a GPU without
+    /// stream memory operations (`CUDA_ERROR_NOT_SUPPORTED`). The ticket number is used up
+    /// and rung at once, so later tickets still ring in order.
+    pub(crate) fn ticket(&mut self, stream: &CudaStream) -> Result<Ticket> {
+        let seq = self.issued.wrapping_add(1);
+        *self.issued = seq;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))
+            .and_then(|()| {
+                // SAFETY: the symbol was checked in `new`; the stream belongs to the
+                // doorbell's context (the caller checked the ordinal) and the address is the
+                // device mapping of the live word.
+                cu_check("cuStreamWaitValue32", unsafe {
+                    sys::cuStreamWaitValue32_v2(
+                        stream.cu_stream(),
+                        self.bell.dev,
+                        seq,
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    )
+                })
+            })
+            .inspect_err(|_| self.bell.ring(seq))?;
+        // Remembered until the word is freed; events of waits already passed are dropped.
+        let mut passed = self.bell.passed.lock().unwrap_or_else(|e| e.into_inner());
+        passed.retain(|e| !e.try_is_complete().unwrap_or(true));
+        match stream.record_event(None) {
+            Ok(e) => passed.push(e),
+            // Without the event the word can never be known unread: never free it.
+            Err(_) => self
+                .bell
+                .leak
+                .store(true, std::sync::atomic::Ordering::Relaxed),
+        }
+        drop(passed);
+        Ok(Ticket {
+            bell: Arc::clone(self.bell),
+            seq,
+        })
+    }
+}
+
+/// A queued device operation's place in its GPU's doorbell order: rings when dropped.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    bell: Arc<Doorbell>,
+    seq: u32,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.bell.ring(self.seq);
+    }
+}
+
+/// A device buffer by address, for work the communicator queues on its own stream after the
+/// caller's stream was made to wait for it (see the module docs): cudarc's per-buffer
+/// bookkeeping was done on the caller's stream at issue, so none is done here.
+///
+/// Only built by the non-blocking device path, whose queued operation owns it while the
+/// caller's stream (and with it every later use or stream-ordered free of the memory) waits
+/// for that operation's doorbell.
+#[derive(Debug)]
+pub(crate) struct Raw<T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> Raw<T> {
+    /// `len` elements of `T` at `ptr`, used on `stream`.
+    pub(crate) fn new(ptr: sys::CUdeviceptr, len: usize, stream: &Arc<CudaStream>) -> Self {
+        Raw {
+            ptr,
+            len,
+            stream: Arc::clone(stream),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T> DeviceSlice<T> for Raw<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Raw<T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Raw<T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+/// Queues a copy of `bytes` bytes from device address `src` to `dst` on `stream`.
+///
+/// # Safety
+/// Both ranges must be device memory of `stream`'s context, valid for those bytes when the
+/// copy runs on the stream, and must not overlap.
+pub(crate) unsafe fn copy_dtod_async(
+    stream: &CudaStream,
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+) -> Result<()> {
+    require_driver_symbols(&["cuMemcpyDtoDAsync_v2"])?;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    // SAFETY: the caller's contract; the symbol was checked above.
+    cu_check("cuMemcpyDtoDAsync_v2", unsafe {
+        sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::after;
+
+    #[test]
+    fn ticket_order_is_cyclic_like_the_gpus_comparison() {
+        assert!(after(2, 1));
+        assert!(!after(1, 2));
+        assert!(!after(7, 7));
+        // Across the wrap: 0 and 3 come after u32::MAX, as CU_STREAM_WAIT_VALUE_GEQ's
+        // "(int32_t)(*addr - value) >= 0" sees them.
+        assert!(after(0, u32::MAX));
+        assert!(after(3, u32::MAX - 5));
+        assert!(!after(u32::MAX, 0));
+    }
+}
