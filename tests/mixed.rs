@@ -14,7 +14,7 @@ mod common;
 use std::time::Duration;
 
 use common::procs::{
-    assert_all, netns_unavailable, rank_entry, say, spawn, vars, Hosts, Outcome,
+    assert_all, netns_unavailable, rank_entry, say, shm_residue, spawn, vars, Hosts, Outcome,
     FAILED_AS_EXPECTED, OK, WRONG,
 };
 use dspark::path::BufferLocation;
@@ -248,50 +248,6 @@ fn rank_vars(r: usize, netns: bool, extra: &[(&str, &str)]) -> Vec<(String, Stri
 fn spawn_in(h: &Hosts, scenario: &str, extra: &[(&str, &str)]) -> common::procs::Ranks {
     let wrap = |r: usize| h.wrap(r / PER_HOST);
     spawn(WORLD, scenario, &|r| rank_vars(r, true, extra), Some(&wrap))
-}
-
-/// dspark's names in /dev/shm (there should never be any: segments are memfds), and the
-/// processes of this test binary, other than this process and its running ranks (other tests
-/// run in parallel), that still map a dspark segment: an orphaned rank would keep one alive.
-/// Other programs' processes are not looked at: the machine is shared.
-fn shm_residue() -> (Vec<String>, Vec<String>) {
-    let names: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.contains("dspark"))
-                .collect()
-        })
-        .unwrap_or_default();
-    let me = std::process::id().to_string();
-    let exe = std::env::current_exe().ok();
-    let mut maps = Vec::new();
-    if let Ok(d) = std::fs::read_dir("/proc") {
-        for e in d.flatten() {
-            let pid = e.file_name().to_string_lossy().into_owned();
-            if pid.parse::<u32>().is_err() || pid == me {
-                continue;
-            }
-            let parent = std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .ok()
-                .and_then(|s| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix("PPid:").map(|v| v.trim().to_string()))
-                });
-            if parent.as_deref() == Some(me.as_str()) {
-                continue;
-            }
-            if std::fs::read_link(format!("/proc/{pid}/exe")).ok() != exe {
-                continue;
-            }
-            if let Ok(m) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
-                if m.contains("memfd:dspark-shm") {
-                    maps.push(pid);
-                }
-            }
-        }
-    }
-    (names, maps)
 }
 
 fn all_output(outs: &[Outcome]) -> String {

@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK};
+use common::procs::{
+    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK,
+};
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
@@ -153,45 +155,6 @@ fn shm_vars(extra: &[(&str, &str)]) -> Vec<(String, String)> {
     let mut v = vars(&[("DSPARK_TRANSPORT", "auto")]);
     v.extend(vars(extra));
     v
-}
-
-/// dspark's names in /dev/shm (there should never be any: segments are memfds), and the
-/// processes other than this test binary's own running ranks (other tests run in parallel)
-/// that still map a dspark segment: an orphan would keep one alive.
-fn shm_residue() -> (Vec<String>, Vec<String>) {
-    let names: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.contains("dspark"))
-                .collect()
-        })
-        .unwrap_or_default();
-    let me = std::process::id().to_string();
-    let mut maps = Vec::new();
-    if let Ok(d) = std::fs::read_dir("/proc") {
-        for e in d.flatten() {
-            let pid = e.file_name().to_string_lossy().into_owned();
-            if pid.parse::<u32>().is_err() || pid == me {
-                continue;
-            }
-            let parent = std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .ok()
-                .and_then(|s| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix("PPid:").map(|v| v.trim().to_string()))
-                });
-            if parent.as_deref() == Some(me.as_str()) {
-                continue;
-            }
-            if let Ok(m) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
-                if m.contains("memfd:dspark-shm") {
-                    maps.push(pid);
-                }
-            }
-        }
-    }
-    (names, maps)
 }
 
 #[test]

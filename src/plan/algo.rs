@@ -239,7 +239,7 @@ fn inorder_tree(n: usize, u: usize) -> (Option<usize>, Vec<usize>) {
 /// `r`: `[first, second]`.
 ///
 /// The first tree is the in-order binary tree over ranks `0..n` (rank `r` at position
-/// `r + 1`, [`inorder_tree`]): the odd ranks have children, the even ranks are leaves. The
+/// `r + 1`, `inorder_tree`): the odd ranks have children, the even ranks are leaves. The
 /// second is the first mirrored (rank `r` takes the place of rank `n − 1 − r`) when `n` is
 /// even, and shifted by one (rank `r` takes the place of rank `r − 1`) when `n` is odd. As in
 /// NCCL's double binary tree, no rank has children in both: with `n` even every rank has
