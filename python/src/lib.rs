@@ -250,6 +250,26 @@ impl PyComm {
             })
     }
 
+    /// Starts an operation with `start` and holds `keepalive` until it completes (in
+    /// `pending`, released by `prune` after `test` saw it finished, or when the communicator
+    /// is dropped, after its drop ran every issued operation to completion).
+    fn pend(
+        &self,
+        coll: &str,
+        keepalive: Py<PyAny>,
+        start: impl FnOnce(&Communicator) -> dspark::Result<dspark::Work>,
+    ) -> PyResult<PyWork> {
+        let c = self.get()?;
+        let mut pending = lock(&self.pending);
+        Self::prune(&mut pending);
+        let w = Arc::new(start(&c).map_err(py_err)?);
+        pending.push_back((Arc::clone(&w), keepalive));
+        Ok(PyWork {
+            w,
+            what: coll.to_string(),
+        })
+    }
+
     /// Releases the keepalives of operations that completed (from the front: they complete
     /// in order).
     fn prune(pending: &mut VecDeque<(Arc<dspark::Work>, Py<PyAny>)>) {
@@ -483,19 +503,13 @@ impl PyComm {
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
         let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
-        let c = self.get()?;
-        let mut pending = lock(&self.pending);
-        Self::prune(&mut pending);
-        // SAFETY: the torch backend passes the data pointers of live contiguous CUDA tensors
-        // of `device`, held in `keepalive` until the operation completes (as in `_start`),
-        // and the handle of torch's current stream of that device, which torch never
-        // destroys; later work on the tensors is queued on that stream (torch's stream
-        // semantics), after the call.
-        let w = Arc::new(unsafe { c.start_raw_device_on(&call, device, stream) }.map_err(py_err)?);
-        pending.push_back((Arc::clone(&w), keepalive));
-        Ok(PyWork {
-            w,
-            what: coll.to_string(),
+        self.pend(coll, keepalive, |c| {
+            // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
+            // tensors of `device`, held in `keepalive` until the operation completes (as in
+            // `_start`), and the handle of torch's current stream of that device, which
+            // torch never destroys; later work on the tensors is queued on that stream
+            // (torch's stream semantics), after the call.
+            unsafe { c.start_raw_device_on(&call, device, stream) }
         })
     }
 
@@ -517,18 +531,10 @@ impl PyComm {
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
         let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
-        let c = self.get()?;
-        let mut pending = lock(&self.pending);
-        Self::prune(&mut pending);
-        // SAFETY: as in `_run`, the pointers are those of the objects in `keepalive`, which
-        // `pending` holds until the operation completes: it is released only by `prune`
-        // (after `test` saw the operation finished) or when the communicator is dropped
-        // (after its drop ran every issued operation to completion).
-        let w = Arc::new(unsafe { c.start_raw(&call) }.map_err(py_err)?);
-        pending.push_back((Arc::clone(&w), keepalive));
-        Ok(PyWork {
-            w,
-            what: coll.to_string(),
+        self.pend(coll, keepalive, |c| {
+            // SAFETY: as in `_run`, the pointers are those of the objects in `keepalive`,
+            // which `pend` holds until the operation completes.
+            unsafe { c.start_raw(&call) }
         })
     }
 

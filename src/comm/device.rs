@@ -671,6 +671,39 @@ impl Enqueue<'_> {
         c.device_start(call, stream, src, dst, guards, None, None)
     }
 
+    /// A collective on one buffer: in place, or received into (`Target::RecvFrom`).
+    fn one<T: Element + DeviceRepr>(
+        self,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        target: Target,
+        buf: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let n = buf.len();
+        let send = if matches!(target, Target::RecvFrom(_)) {
+            0
+        } else {
+            n
+        };
+        let call = self.comm.shape(Api::Device, coll, op, send, n, target)?;
+        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+    }
+
+    /// A collective from a send buffer into a receive buffer.
+    fn two<T: Element + DeviceRepr>(
+        self,
+        coll: Collective,
+        op: Option<ReduceOp>,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Work> {
+        let (s, r) = (send.len(), recv.len());
+        let call = self.comm.shape(Api::Device, coll, op, s, r, Target::None)?;
+        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+    }
+
     /// [`Communicator::all_reduce_device`], non-blocking.
     ///
     /// # Errors
@@ -681,12 +714,7 @@ impl Enqueue<'_> {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let n = buf.len();
-        let t = Target::None;
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::AllReduce, Some(op), n, n, t)?;
-        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.one(Collective::AllReduce, Some(op), Target::None, buf, stream)
     }
 
     /// [`Communicator::all_gather_device`], non-blocking.
@@ -699,12 +727,7 @@ impl Enqueue<'_> {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let (s, r) = (send.len(), recv.len());
-        let t = Target::None;
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::AllGather, None, s, r, t)?;
-        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.two(Collective::AllGather, None, send, recv, stream)
     }
 
     /// [`Communicator::reduce_scatter_device`], non-blocking.
@@ -718,11 +741,7 @@ impl Enqueue<'_> {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let (s, r) = (send.len(), recv.len());
-        let t = Target::None;
-        let coll = Collective::ReduceScatter;
-        let call = self.comm.shape(Api::Device, coll, Some(op), s, r, t)?;
-        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.two(Collective::ReduceScatter, Some(op), send, recv, stream)
     }
 
     /// [`Communicator::all_to_all_device`], non-blocking.
@@ -735,12 +754,7 @@ impl Enqueue<'_> {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let (s, r) = (send.len(), recv.len());
-        let t = Target::None;
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::AllToAll, None, s, r, t)?;
-        self.go::<T, _, _>(call, stream, Some(send), Some(recv))
+        self.two(Collective::AllToAll, None, send, recv, stream)
     }
 
     /// [`Communicator::broadcast_device`], non-blocking.
@@ -753,12 +767,7 @@ impl Enqueue<'_> {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let n = buf.len();
-        let t = Target::Root(root);
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::Broadcast, None, n, n, t)?;
-        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.one(Collective::Broadcast, None, Target::Root(root), buf, stream)
     }
 
     /// [`Communicator::reduce_device`], non-blocking.
@@ -772,12 +781,13 @@ impl Enqueue<'_> {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let n = buf.len();
-        let t = Target::Root(root);
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::Reduce, Some(op), n, n, t)?;
-        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.one(
+            Collective::Reduce,
+            Some(op),
+            Target::Root(root),
+            buf,
+            stream,
+        )
     }
 
     /// [`Communicator::send_device`], non-blocking.
@@ -808,11 +818,12 @@ impl Enqueue<'_> {
         peer: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<Work> {
-        let n = buf.len();
-        let t = Target::RecvFrom(peer);
-        let call = self
-            .comm
-            .shape(Api::Device, Collective::SendRecv, None, 0, n, t)?;
-        self.go::<T, CudaSlice<T>, _>(call, stream, None, Some(buf))
+        self.one(
+            Collective::SendRecv,
+            None,
+            Target::RecvFrom(peer),
+            buf,
+            stream,
+        )
     }
 }

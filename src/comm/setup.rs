@@ -422,6 +422,24 @@ fn ranks_by_host(hosts: &[String]) -> String {
         .join("; ")
 }
 
+/// Appends this rank's shared-memory capability to its bootstrap announcement: 1, its boot
+/// id and its segment, or 0 and why it has none.
+fn push_shm_capability(msg: &mut Vec<u8>, capable: &std::result::Result<SegInfo, String>) {
+    match capable {
+        Ok(info) => {
+            msg.push(1);
+            let id = boot_id();
+            msg.push(id.len().min(255) as u8);
+            msg.extend_from_slice(&id.as_bytes()[..id.len().min(255)]);
+            msg.extend_from_slice(&info.encode());
+        }
+        Err(why) => {
+            msg.push(0);
+            msg.extend_from_slice(why.as_bytes());
+        }
+    }
+}
+
 fn shm_unavailable(forced: &[usize], reason: &str) -> Error {
     let who: Vec<String> = forced.iter().map(usize::to_string).collect();
     Error::unavailable(
@@ -471,19 +489,7 @@ fn select_shm(
             info
         })
     };
-    match &capable {
-        Ok(info) => {
-            msg.push(1);
-            let id = boot_id();
-            msg.push(id.len().min(255) as u8);
-            msg.extend_from_slice(&id.as_bytes()[..id.len().min(255)]);
-            msg.extend_from_slice(&info.encode());
-        }
-        Err(why) => {
-            msg.push(0);
-            msg.extend_from_slice(why.as_bytes());
-        }
-    }
+    push_shm_capability(&mut msg, &capable);
     let all = boot.all_gather(&msg)?;
     let mut modes = Vec::with_capacity(world);
     let mut infos = Vec::with_capacity(world);
@@ -665,19 +671,7 @@ fn select_mixed(
         })
     };
     let mut msg = vec![mode_code(cfg.transport)];
-    match &capable {
-        Ok(info) => {
-            msg.push(1);
-            let id = boot_id();
-            msg.push(id.len().min(255) as u8);
-            msg.extend_from_slice(&id.as_bytes()[..id.len().min(255)]);
-            msg.extend_from_slice(&info.encode());
-        }
-        Err(why) => {
-            msg.push(0);
-            msg.extend_from_slice(why.as_bytes());
-        }
-    }
+    push_shm_capability(&mut msg, &capable);
     let all = boot.all_gather(&msg)?;
     if all
         .iter()
