@@ -90,6 +90,15 @@ enum Via {
     Staged(Arc<Mutex<StagingPool>>),
 }
 
+/// What a queued non-blocking device call holds until it ends. Fields drop in this order:
+/// the ticket rings the doorbell first, so that the caller's stream can pass its wait; only
+/// then is the temporary copy dropped, whose free is ordered on that stream (or, without
+/// stream-ordered allocation, synchronises it — which before the ring would never return).
+struct Hold {
+    _ticket: crate::gpu::order::Ticket,
+    _keep: Option<CudaSlice<u8>>,
+}
+
 /// Runs `call` on `eng` with the prepared device: `Err` is a failure before the engine
 /// started (the caller fails the call for every rank), `Ok` the engine's result.
 fn run_prepared<T, S, D>(
@@ -397,12 +406,15 @@ impl Communicator {
                 return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
             }
         };
+        let hold = Hold {
+            _ticket: ticket,
+            _keep: keep,
+        };
         let task: Task = Box::new(move |eng| {
-            // Declared first, so dropped last: the doorbell rings after the device's drop
-            // waited for everything it queued — and also when the task fails or is dropped
-            // without running.
-            let _ticket = ticket;
-            let _keep = keep;
+            // Dropped when the task ends, after the device's drop waited for everything it
+            // queued (or with the task, when it is dropped without running): rings the
+            // doorbell, then frees the temporary copy.
+            let _hold = hold;
             let r = own
                 .wait(&start)
                 .map_err(driver_err("cuStreamWaitEvent"))
