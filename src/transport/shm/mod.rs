@@ -902,7 +902,19 @@ impl Transport for ShmTransport {
                     p.refresh_head(head_word, ring, rank, peer)?;
                 }
                 if p.rx_head < start + HEADER_LEN as u64 {
-                    // Nothing (more) from it: a goodbye, an abort or its death surface now.
+                    // Nothing (more) from it: a goodbye, an abort or its death surface now —
+                    // once the ring is seen empty *after* that news. A peer publishes its last
+                    // frames (`head`, release) before it says goodbye or aborts (`status`,
+                    // release): `head` read before `status` may predate frames that the
+                    // goodbye follows, and those frames count.
+                    let news = p.state != PeerState::Open
+                        || p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) != STATUS_OPEN;
+                    if news {
+                        p.refresh_head(head_word, ring, rank, peer)?;
+                        if p.rx_head >= start + HEADER_LEN as u64 {
+                            continue;
+                        }
+                    }
                     if let Some(e) = self.status_error(peer, OP) {
                         return Err(e);
                     }
