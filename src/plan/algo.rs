@@ -64,21 +64,38 @@ fn ring_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
     let mut s = Schedule::new();
     let right = (r + 1) % n;
     let left = (r + n - 1) % n;
-    let b = |i: usize| dst_block(c, n, i % n);
+    ring_pass(&mut s, n, r, right, left, |i| dst_block(c, n, i % n), fin);
+    s
+}
+
+/// The ring allreduce's two passes over a ring of `n` members in which this one is at
+/// position `pos`, sending to `right` and receiving from `left`; `block(k)` is block
+/// `k mod n` of what the ring reduces. Used by [`ring_all_reduce`] (the ranks, the whole
+/// buffer) and by the rail of [`hierarchical_all_reduce`] (the hosts, one block of it).
+fn ring_pass(
+    s: &mut Schedule,
+    n: usize,
+    pos: usize,
+    right: Rank,
+    left: Rank,
+    block: impl Fn(usize) -> Loc,
+    fin: bool,
+) {
     for step in 0..n - 1 {
-        let send = b(r + n - step);
-        let recv = b(r + 2 * n - step - 1);
+        let send = block(pos + n - step);
+        let recv = block(pos + 2 * n - step - 1);
         s.round().send(right, send).recv_reduce(left, recv, recv);
     }
     if fin {
-        s.round().push(Op::Finalize { loc: b(r + 1) });
+        s.round().push(Op::Finalize {
+            loc: block(pos + 1),
+        });
     }
     for step in 0..n - 1 {
-        let send = b(r + 1 + n - step);
-        let recv = b(r + n - step);
+        let send = block(pos + 1 + n - step);
+        let recv = block(pos + n - step);
         s.round().send(right, send).recv_copy(left, recv);
     }
-    s
 }
 
 /// Hierarchical allreduce, in place, for `n` ranks on hosts of `l` ranks each (ranks
@@ -124,19 +141,7 @@ pub fn hierarchical_all_reduce(n: usize, r: Rank, c: usize, fin: bool, l: usize)
     };
     let up = ((h + 1) % hosts) * l + i;
     let down = ((h + hosts - 1) % hosts) * l + i;
-    for step in 0..hosts - 1 {
-        let send = sub(h + hosts - step);
-        let recv = sub(h + 2 * hosts - step - 1);
-        s.round().send(up, send).recv_reduce(down, recv, recv);
-    }
-    if fin {
-        s.round().push(Op::Finalize { loc: sub(h + 1) });
-    }
-    for step in 0..hosts - 1 {
-        let send = sub(h + 1 + hosts - step);
-        let recv = sub(h + hosts - step);
-        s.round().send(up, send).recv_copy(down, recv);
-    }
+    ring_pass(&mut s, hosts, h, up, down, sub, fin);
     for step in 0..l - 1 {
         let send = a(i + l - step);
         let recv = a(i + 2 * l - step - 1);
