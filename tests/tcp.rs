@@ -69,6 +69,49 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::check("large all_gather", &all, &want)?;
             Ok(OK)
         }
+        "lazy" => {
+            // Only the schedules' partners are connected at init; the other pairs connect on
+            // first use, from either end, also when both ends start at once.
+            let n = comm.world_size();
+            let partners = dspark::plan::algo::standing_partners(n, r);
+            let at_init = comm.info().connected_at_init;
+            if at_init != Some(partners.len()) || partners.len() + 1 >= n {
+                return Err(format!(
+                    "connected to {at_init:?} peers at init, want {} of {}",
+                    partners.len(),
+                    n - 1
+                ));
+            }
+            let others: Vec<usize> = (0..n)
+                .filter(|q| *q != r && !partners.contains(q))
+                .collect();
+            // Every rank sends to each other rank first, then receives from each: the sends
+            // are small, so they must not wait for the receiver's matching call.
+            let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
+            for &q in &others {
+                comm.send(&msg(r, q), q)
+                    .map_err(|e| format!("send to {q}: {e}"))?;
+            }
+            for &q in &others {
+                let mut got = vec![0i64; 3 + q % 4];
+                comm.recv(&mut got, q)
+                    .map_err(|e| format!("recv from {q}: {e}"))?;
+                common::check(&format!("recv from {q}"), &got, &msg(q, r))?;
+            }
+            // All-to-all over every pair, then the collectives over the standing links.
+            let k = 5;
+            let send: Vec<i32> = (0..n * k).map(|i| (r * 10_000 + i) as i32).collect();
+            let mut recv = vec![0i32; n * k];
+            comm.all_to_all(&send, &mut recv)
+                .map_err(|e| format!("all_to_all: {e}"))?;
+            let want: Vec<i32> = (0..n)
+                .flat_map(|q| (0..k).map(move |j| (q * 10_000 + r * k + j) as i32))
+                .collect();
+            common::check("all_to_all", &recv, &want)?;
+            common::run_matrix(&comm, &[0, 1, 7, 100], 0x1a27)?;
+            comm.barrier().map_err(|e| e.to_string())?;
+            Ok(OK)
+        }
         "loop" => common::procs::loop_until_failure(&comm),
         "watch" => common::procs::watch_while_another_dies(&comm),
         "mismatch" => common::procs::mismatched_count(&comm),
@@ -111,6 +154,21 @@ fn double_binary_tree_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8
         .wait(Duration::from_secs(240));
         assert_all(&outs, OK, &format!("tree, world {world}"));
     }
+}
+
+/// #10: TCP connects only the pairs the collectives' schedules use at init
+/// (`plan::algo::standing_partners`); send/recv and all-to-all partners connect on first use.
+/// 13 ranks: 4 of each rank's 12 peers are not standing partners.
+#[test]
+fn pairs_outside_the_schedules_connect_on_first_use() {
+    let outs = spawn(
+        13,
+        "lazy",
+        &|_| vars(&[("DSPARK_CHUNK_BYTES", "4096"), ("DSPARK_TIMEOUT", "90")]),
+        None,
+    )
+    .wait(Duration::from_secs(240));
+    assert_all(&outs, OK, "world 13");
 }
 
 #[test]

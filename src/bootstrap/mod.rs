@@ -89,6 +89,11 @@ pub struct Bootstrap {
     star: Vec<Option<TcpStream>>,
     /// Everybody's host and data address, by rank.
     pub peers: Vec<PeerInfo>,
+    /// The configuration, for connections made after the rendezvous.
+    cfg: Config,
+    /// This rank's data listener, with the connections on it still proving themselves:
+    /// kept for [`Bootstrap::complete_mesh`] and [`Bootstrap::links`].
+    door: Option<Door>,
 }
 
 struct Ctx<'a> {
@@ -255,7 +260,7 @@ pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
 /// ranks missing by the deadline), [`Error::Mismatch`] (another world size, job or protocol),
 /// [`Error::PeerLost`], [`Error::Io`].
 pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
-    rendezvous_with(cfg, None)
+    rendezvous_with(cfg, None, None)
 }
 
 /// [`rendezvous`], where rank 0 accepts the other ranks on `root` — a listener it bound
@@ -263,11 +268,17 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
 /// store or a parent communicator — instead of binding `cfg.root_addr`. The other ranks
 /// connect to `cfg.root_addr` as usual.
 ///
+/// `links`: the ranks this rank connects to during the rendezvous, sorted (`None`: every
+/// rank). The relation must be symmetric — rank `a` lists `b` exactly when `b` lists `a` —
+/// as [`crate::plan::algo::standing_partners`] is. The other pairs connect later:
+/// [`Bootstrap::complete_mesh`], or on first use through [`Bootstrap::links`].
+///
 /// # Errors
 /// As [`rendezvous`].
 pub fn rendezvous_with(
     cfg: &Config,
     root: Option<TcpListener>,
+    links: Option<&[usize]>,
 ) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     cfg.validate()?;
     let start = Instant::now();
@@ -293,6 +304,8 @@ pub fn rendezvous_with(
                 timeout: cfg.timeout,
                 star: vec![None],
                 peers,
+                cfg: cfg.clone(),
+                door: None,
             },
             vec![None],
         ));
@@ -316,7 +329,16 @@ pub fn rendezvous_with(
     } else {
         leaf_rendezvous(&ctx, &host, data_port, iface_ip)?
     };
-    let mesh = connect_mesh(&ctx, &data_listener, &peers)?;
+    data_listener
+        .set_nonblocking(true)
+        .map_err(|e| ctx.io(None, "listener", e))?;
+    let mut door = Door::new(data_listener, cfg.world_size);
+    let mut mesh: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
+    let need = |p: usize| links.is_none_or(|l| l.binary_search(&p).is_ok());
+    connect_mesh(&ctx, &mut door, &peers, &mut mesh, &need)?;
+    if links.is_none() {
+        door.finish();
+    }
     Ok((
         Bootstrap {
             rank: cfg.rank,
@@ -324,6 +346,8 @@ pub fn rendezvous_with(
             timeout: cfg.timeout,
             star,
             peers,
+            cfg: cfg.clone(),
+            door: Some(door),
         },
         mesh,
     ))
@@ -395,6 +419,7 @@ fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
 }
 
 /// The job's handshake secret (see [`auth`]) and what the hellos carry in the clear.
+#[derive(Clone)]
 struct Secret {
     /// HMAC key: the job token and the launcher's job id.
     key: Vec<u8>,
@@ -861,6 +886,10 @@ fn leaf_rendezvous(
     Ok((star, peers))
 }
 
+/// The reason of the refusal a connection on first use gets when the two ranks connected to
+/// each other at once and the other one's connection is kept (not an error).
+const CROSSED: &str = "dspark: crossed connections, the higher rank's is kept";
+
 /// The most connections on a data listener that have not proved the job token yet, beyond
 /// one for each higher rank: what a stranger who floods the listener can make this rank hold.
 const MAX_STRANGERS: usize = 64;
@@ -876,11 +905,12 @@ struct Candidate {
 }
 
 impl Candidate {
-    /// The rank it claims to be, if its hello arrived and fits this rank.
-    fn claims(&self, me: usize, world: usize) -> Option<usize> {
+    /// The rank it claims to be, if its hello arrived and fits this rank: a higher rank, or
+    /// with `any` (connections on first use, [`LazyLinks`]) any other rank.
+    fn claims(&self, me: usize, world: usize, any: bool) -> Option<usize> {
         let (_, h, _) = self.hello.as_ref()?;
         let r = h.from as usize;
-        (h.to as usize == me && r > me && r < world).then_some(r)
+        (h.to as usize == me && (r > me || (any && r != me)) && r < world).then_some(r)
     }
 }
 
@@ -902,8 +932,14 @@ enum Until {
 /// descriptor, since the real rank is still accepted and proved next to it. Only a connection
 /// that proved the token and then does not fit (for another rank, or a rank already
 /// connected) fails the init: that is a rank of this job, confused.
-struct Door<'l> {
-    listener: &'l TcpListener,
+struct Door {
+    listener: TcpListener,
+    /// Connections on first use ([`LazyLinks`]): any rank may connect, not only higher ones.
+    lazy: bool,
+    /// With `lazy`: the ranks this one is connecting to itself. When two ranks connect to
+    /// each other at once, the higher rank's connection is kept and the lower's refused as
+    /// [`CROSSED`].
+    dialing: Vec<bool>,
     cands: Vec<Candidate>,
     /// Where each proved rank connected from.
     proven: Vec<Option<SocketAddr>>,
@@ -911,10 +947,21 @@ struct Door<'l> {
     refused: Vec<String>,
 }
 
-impl<'l> Door<'l> {
-    fn new(listener: &'l TcpListener, world: usize) -> Door<'l> {
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Door")
+            .field("listener", &self.listener)
+            .field("candidates", &self.cands.len())
+            .finish()
+    }
+}
+
+impl Door {
+    fn new(listener: TcpListener, world: usize) -> Door {
         Door {
             listener,
+            lazy: false,
+            dialing: vec![false; world],
             cands: Vec::new(),
             proven: vec![None; world],
             refused: Vec::new(),
@@ -933,19 +980,48 @@ impl<'l> Door<'l> {
         }
     }
 
-    /// Accepts, challenges and checks connections until `until` holds.
-    fn admit(&mut self, ctx: &Ctx<'_>, mesh: &mut [Option<TcpStream>], until: Until) -> Result<()> {
+    /// Accepts, challenges and checks connections until `until` holds for every higher rank
+    /// in `need`.
+    fn admit(
+        &mut self,
+        ctx: &Ctx<'_>,
+        mesh: &mut [Option<TcpStream>],
+        until: Until,
+        need: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
         let me = ctx.rank();
         let world = mesh.len();
         loop {
-            let done = (me + 1..world).all(|r| {
+            let done = (me + 1..world).filter(|&r| need(r)).all(|r| {
                 mesh[r].is_some()
                     || (until == Until::Challenged
-                        && self.cands.iter().any(|c| c.claims(me, world) == Some(r)))
+                        && self
+                            .cands
+                            .iter()
+                            .any(|c| c.claims(me, world, false) == Some(r)))
             });
             if done {
                 return Ok(());
             }
+            let Some(rem) = ctx.remaining() else {
+                return Err(self.timeout(ctx, mesh, need));
+            };
+            self.round(ctx, mesh, rem)?;
+        }
+    }
+
+    /// One look at the listener and the candidates, waiting at most `rem` (and at most a
+    /// second) for one of them: accepts what is waiting, and reads, challenges and checks
+    /// what the candidates sent. A rank that proves itself lands in `mesh`.
+    fn round(
+        &mut self,
+        ctx: &Ctx<'_>,
+        mesh: &mut [Option<TcpStream>],
+        rem: Duration,
+    ) -> Result<()> {
+        let me = ctx.rank();
+        let world = mesh.len();
+        {
             // Connections that said nothing within the hello wait go.
             let now = Instant::now();
             let (silent, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.cands)
@@ -955,9 +1031,6 @@ impl<'l> Door<'l> {
             for c in silent {
                 self.refuse(c, &format!("no hello within {HELLO_WAIT:?}"));
             }
-            let Some(rem) = ctx.remaining() else {
-                return Err(self.timeout(ctx, mesh));
-            };
             let next = self
                 .cands
                 .iter()
@@ -965,7 +1038,7 @@ impl<'l> Door<'l> {
                 .map(|c| (c.accepted + HELLO_WAIT).saturating_duration_since(now))
                 .min()
                 .unwrap_or(Duration::MAX);
-            let ms = rem.min(next).as_millis().clamp(1, 1000) as u16;
+            let ms = rem.min(next).as_millis().min(1000) as u16;
             let ready: Vec<bool> = {
                 let mut fds = Vec::with_capacity(1 + self.cands.len());
                 fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
@@ -974,7 +1047,7 @@ impl<'l> Door<'l> {
                 }
                 match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
                     Ok(_) => {}
-                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(nix::errno::Errno::EINTR) => return Ok(()),
                     Err(e) => {
                         return Err(ctx.io(None, "polling the data listener", io::Error::from(e)))
                     }
@@ -1000,6 +1073,7 @@ impl<'l> Door<'l> {
                 self.accept(ctx, me, world)?;
             }
         }
+        Ok(())
     }
 
     /// Takes every connection waiting on the listener.
@@ -1024,9 +1098,9 @@ impl<'l> Door<'l> {
                 // Full: the oldest connection that no rank needs goes (one still silent, or
                 // one whose claim does not fit or is claimed by another too), else this one.
                 let needed = |c: &Candidate, all: &[Candidate]| {
-                    c.claims(me, world).is_some_and(|r| {
+                    c.claims(me, world, self.lazy).is_some_and(|r| {
                         all.iter()
-                            .filter(|o| o.claims(me, world) == Some(r))
+                            .filter(|o| o.claims(me, world, self.lazy) == Some(r))
                             .count()
                             == 1
                     })
@@ -1134,7 +1208,23 @@ impl<'l> Door<'l> {
             return Ok(None);
         }
         // Proved: a rank of this job. Now what it claims counts.
-        if to != me || r <= me || r >= world || mesh[r].is_some() {
+        if self.lazy && to == me && r < me && self.dialing.get(r) == Some(&true) {
+            // Both connect at once: this (higher) rank's own connection is kept.
+            let rej = Reject {
+                class: REJECT_MISMATCH,
+                var: String::new(),
+                why: CROSSED.into(),
+            };
+            let _ = ctx.send(&mut c.s, Some(r), rej.encode());
+            return Ok(None);
+        }
+        let lower_ok = self.lazy && r < me;
+        if to != me
+            || (r <= me && !lower_ok)
+            || r >= world
+            || mesh[r].is_some()
+            || self.proven[r].is_some()
+        {
             let why = match self.proven.get(r).copied().flatten() {
                 Some(prev) if to == me => format!(
                     "rank {r} connected twice to rank {me}: from {} and earlier from {prev} \
@@ -1163,7 +1253,7 @@ impl<'l> Door<'l> {
 
     /// Every higher rank has proved itself: what is left claimed something and proved
     /// nothing.
-    fn finish(mut self) {
+    fn finish(&mut self) {
         for c in std::mem::take(&mut self.cands) {
             let why = if c.hello.is_some() {
                 "no proof of the job token (every rank had connected and proved itself)"
@@ -1175,10 +1265,17 @@ impl<'l> Door<'l> {
     }
 
     /// The deadline passed with ranks unproven: which, and what was dropped meanwhile.
-    fn timeout(&self, ctx: &Ctx<'_>, mesh: &[Option<TcpStream>]) -> Error {
+    fn timeout(
+        &self,
+        ctx: &Ctx<'_>,
+        mesh: &[Option<TcpStream>],
+        need: &dyn Fn(usize) -> bool,
+    ) -> Error {
         let me = ctx.rank();
         let world = mesh.len();
-        let missing: Vec<usize> = (me + 1..world).filter(|&r| mesh[r].is_none()).collect();
+        let missing: Vec<usize> = (me + 1..world)
+            .filter(|&r| need(r) && mesh[r].is_none())
+            .collect();
         let list = |v: &[usize]| {
             v.iter()
                 .map(ToString::to_string)
@@ -1193,7 +1290,7 @@ impl<'l> Door<'l> {
             .cands
             .iter()
             .filter_map(|c| {
-                c.claims(me, world)
+                c.claims(me, world, false)
                     .map(|r| format!("{} (claims rank {r})", c.from))
             })
             .collect();
@@ -1235,101 +1332,41 @@ fn reject(ctx: &Ctx<'_>, s: &mut TcpStream, why: &str) {
 /// stranger's connection is dropped, or outlived, and neither fails the init nor holds it.
 fn connect_mesh(
     ctx: &Ctx<'_>,
-    listener: &TcpListener,
+    door: &mut Door,
     peers: &[PeerInfo],
-) -> Result<Vec<Option<TcpStream>>> {
-    let cfg = ctx.cfg;
-    let sec = &ctx.sec;
-    let world = cfg.world_size;
-    let me = cfg.rank;
-    let mut mesh: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    mesh: &mut [Option<TcpStream>],
+    need: &dyn Fn(usize) -> bool,
+) -> Result<()> {
+    let me = ctx.rank();
+    let world = mesh.len();
     // The hellos this rank sent to the lower ranks.
     let mut sent: Vec<Vec<u8>> = vec![Vec::new(); world];
-    let mismatch = |peer: usize, what: String| Error::Mismatch {
-        rank: Some(me),
-        peer: Some(peer),
-        op: "bootstrap".into(),
-        what,
-    };
+    let lower: Vec<usize> = (0..me.min(peers.len()))
+        .filter(|&r| need(r) && mesh[r].is_none())
+        .collect();
     // 1. Connect to every lower rank and say hello.
-    for p in peers.iter().take(me) {
-        let mut s = loop {
-            let rem = ctx.remaining().ok_or_else(|| {
-                ctx.timeout(
-                    Some(p.rank),
-                    format!("connecting to rank {} at {}", p.rank, p.addr),
-                )
-            })?;
-            match TcpStream::connect_timeout(&p.addr, rem.min(Duration::from_secs(5))) {
-                Ok(s) => break s,
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => {
-                    return Err(Error::io(
-                        Some(me),
-                        Some(p.rank),
-                        format!(
-                            "bootstrap: connecting to rank {} at {} ({})",
-                            p.rank, p.addr, p.host
-                        ),
-                        e,
-                    ))
-                }
-            }
-        };
-        let _ = s.set_nodelay(true);
-        let hello = PeerHello {
-            job: sec.job,
-            world: world as u32,
-            from: me as u32,
-            to: p.rank as u32,
-            token: sec.token,
-            nonce: fresh_nonce(ctx)?,
-        }
-        .encode();
-        ctx.send(&mut s, Some(p.rank), hello.clone())?;
-        sent[p.rank] = hello.0;
-        mesh[p.rank] = Some(s);
+    for &r in &lower {
+        let (s, hello) = say_hello(ctx, &peers[r], false)?;
+        sent[r] = hello;
+        mesh[r] = Some(s);
     }
     // 2. Accept the higher ranks and challenge them, until every one of them has answered
     //    with a hello (or already proved itself).
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| ctx.io(None, "listener", e))?;
-    let mut door = Door::new(listener, world);
-    door.admit(ctx, &mut mesh, Until::Challenged)?;
+    door.admit(ctx, mesh, Until::Challenged, need)?;
     // 3. Check every lower rank's proof, and prove this rank's knowledge to it.
-    for (r, slot) in mesh.iter_mut().enumerate().take(me) {
-        let Some(s) = slot.as_mut() else {
+    for &r in &lower {
+        let Some(s) = mesh[r].as_mut() else {
             return Err(ctx.bad(Some(r), "no connection to this rank".into()));
         };
         let m = ctx.recv(s, Some(r), &format!("waiting for rank {r}'s challenge"))?;
-        let (nonce, theirs) =
-            match msg::decode_peer_challenge(&m).map_err(|w| ctx.bad(Some(r), w))? {
-                Ok(x) => x,
-                Err(rej) => return Err(mismatch(r, format!("rank {r} refused: {}", rej.why))),
-            };
-        if !auth::ct_eq(&theirs, &sec.peer_proof(LABEL_ACCEPTOR, &sent[r], &nonce)) {
-            let at = peers[r].addr;
-            return Err(mismatch(
-                r,
-                sec.bad_proof(
-                    &format!("the data listener of rank {r} at {at}"),
-                    "this rank",
-                ),
-            ));
-        }
-        let proof = sec.peer_proof(LABEL_CONNECTOR, &sent[r], &nonce);
-        ctx.send(s, Some(r), msg::encode_proof(MSG_PEER_PROOF, &proof))?;
+        answer_challenge(ctx, s, &peers[r], &sent[r], &m)?;
     }
     // 4. Check the higher ranks' proofs and acknowledge them, still accepting connections
     //    until every higher rank has proved itself: the first valid proof for a rank wins.
-    door.admit(ctx, &mut mesh, Until::Proven)?;
-    door.finish();
+    door.admit(ctx, mesh, Until::Proven, need)?;
     // 5. Read the acknowledgements of the lower ranks.
-    for (r, slot) in mesh.iter_mut().enumerate().take(me) {
-        let Some(s) = slot.as_mut() else {
+    for &r in &lower {
+        let Some(s) = mesh[r].as_mut() else {
             return Err(ctx.bad(Some(r), "no connection to this rank".into()));
         };
         let m = ctx.recv(
@@ -1337,18 +1374,325 @@ fn connect_mesh(
             Some(r),
             &format!("waiting for rank {r} to accept the connection"),
         )?;
-        if let Err(rej) = msg::decode_peer_ack(&m).map_err(|w| ctx.bad(Some(r), w))? {
-            return Err(mismatch(r, format!("rank {r} refused: {}", rej.why)));
-        }
+        check_ack(ctx, r, &m)?;
     }
     for s in mesh.iter().flatten() {
         let _ = s.set_read_timeout(None);
         let _ = s.set_write_timeout(None);
     }
-    Ok(mesh)
+    Ok(())
+}
+
+/// Step 1 of a data connection to the lower rank `p`: connects to its data listener and
+/// sends a hello with a fresh nonce; returns the stream and the hello. A refused connection
+/// is retried until the deadline (the rank may not listen yet) unless `refused_is_lost`: after
+/// the rendezvous every listener is up, and a refusal means the rank is gone.
+fn say_hello(ctx: &Ctx<'_>, p: &PeerInfo, refused_is_lost: bool) -> Result<(TcpStream, Vec<u8>)> {
+    let me = ctx.rank();
+    let mut s = loop {
+        let rem = ctx.remaining().ok_or_else(|| {
+            ctx.timeout(
+                Some(p.rank),
+                format!("connecting to rank {} at {}", p.rank, p.addr),
+            )
+        })?;
+        match TcpStream::connect_timeout(&p.addr, rem.min(Duration::from_secs(5))) {
+            Ok(s) => break s,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && !refused_is_lost => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                return Err(Error::PeerLost {
+                    rank: me,
+                    peer: p.rank,
+                    op: "connect".into(),
+                    detail: format!(
+                        "its data listener at {} ({}) refused the connection: its communicator \
+                         is closed or its process died",
+                        p.addr, p.host
+                    ),
+                })
+            }
+            Err(e) => {
+                return Err(Error::io(
+                    Some(me),
+                    Some(p.rank),
+                    format!(
+                        "bootstrap: connecting to rank {} at {} ({})",
+                        p.rank, p.addr, p.host
+                    ),
+                    e,
+                ))
+            }
+        }
+    };
+    let _ = s.set_nodelay(true);
+    let hello = PeerHello {
+        job: ctx.sec.job,
+        world: ctx.cfg.world_size as u32,
+        from: me as u32,
+        to: p.rank as u32,
+        token: ctx.sec.token,
+        nonce: fresh_nonce(ctx)?,
+    }
+    .encode();
+    ctx.send(&mut s, Some(p.rank), hello.clone())?;
+    Ok((s, hello.0))
+}
+
+/// Step 3 of a data connection to the lower rank `p`: checks its challenge `m` (its proof
+/// over `hello`, the hello this rank sent) and answers with this rank's proof.
+fn answer_challenge(
+    ctx: &Ctx<'_>,
+    s: &mut TcpStream,
+    p: &PeerInfo,
+    hello: &[u8],
+    m: &[u8],
+) -> Result<()> {
+    let r = p.rank;
+    let sec = &ctx.sec;
+    let (nonce, theirs) = match msg::decode_peer_challenge(m).map_err(|w| ctx.bad(Some(r), w))? {
+        Ok(x) => x,
+        Err(rej) => {
+            return Err(peer_mismatch(
+                ctx,
+                r,
+                format!("rank {r} refused: {}", rej.why),
+            ))
+        }
+    };
+    if !auth::ct_eq(&theirs, &sec.peer_proof(LABEL_ACCEPTOR, hello, &nonce)) {
+        let at = p.addr;
+        return Err(peer_mismatch(
+            ctx,
+            r,
+            sec.bad_proof(
+                &format!("the data listener of rank {r} at {at}"),
+                "this rank",
+            ),
+        ));
+    }
+    let proof = sec.peer_proof(LABEL_CONNECTOR, hello, &nonce);
+    ctx.send(s, Some(r), msg::encode_proof(MSG_PEER_PROOF, &proof))
+}
+
+/// Step 5 of a data connection to the lower rank `r`: its acknowledgement `m`.
+fn check_ack(ctx: &Ctx<'_>, r: usize, m: &[u8]) -> Result<()> {
+    match msg::decode_peer_ack(m).map_err(|w| ctx.bad(Some(r), w))? {
+        Ok(()) => Ok(()),
+        Err(rej) => Err(peer_mismatch(
+            ctx,
+            r,
+            format!("rank {r} refused: {}", rej.why),
+        )),
+    }
+}
+
+fn peer_mismatch(ctx: &Ctx<'_>, peer: usize, what: String) -> Error {
+    Error::Mismatch {
+        rank: Some(ctx.rank()),
+        peer: Some(peer),
+        op: "bootstrap".into(),
+        what,
+    }
+}
+
+/// Data connections made after init, on first use (the pairs that
+/// [`rendezvous_with`]'s `links` left out): the higher rank of a pair connects to the lower
+/// one's data listener, and both prove the job token exactly as in [`connect_mesh`]. Never
+/// blocks on a peer: [`crate::transport::tcp::Links::progress`] advances the handshakes
+/// whose next message has arrived.
+pub struct LazyLinks {
+    cfg: Config,
+    sec: Secret,
+    door: Door,
+    peers: Vec<PeerInfo>,
+    /// Connections this rank is making to lower ranks, by rank.
+    dials: Vec<Option<Dial>>,
+    /// Where [`Door`] puts the higher ranks that proved themselves.
+    scratch: Vec<Option<TcpStream>>,
+}
+
+/// A connection to a lower rank in the making: the hello is sent; `challenged` once this
+/// rank answered the challenge (and waits for the acknowledgement).
+struct Dial {
+    s: TcpStream,
+    hello: Vec<u8>,
+    challenged: bool,
+}
+
+impl std::fmt::Debug for LazyLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyLinks")
+            .field("rank", &self.cfg.rank)
+            .field("door", &self.door)
+            .field(
+                "dialing",
+                &self
+                    .dials
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, d)| d.is_some())
+                    .map(|(r, _)| r)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl crate::transport::tcp::Links for LazyLinks {
+    fn start(&mut self, peer: usize) -> Result<()> {
+        let me = self.cfg.rank;
+        if peer == me || self.dials.get(peer).is_none_or(Option::is_some) {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let ctx = Ctx {
+            cfg: &self.cfg,
+            sec: self.sec.clone(),
+            deadline: now + HELLO_WAIT,
+            start: now,
+        };
+        let (s, hello) = say_hello(&ctx, &self.peers[peer], true)?;
+        tracing::debug!(rank = me, peer, "connecting on first use");
+        self.dials[peer] = Some(Dial {
+            s,
+            hello,
+            challenged: false,
+        });
+        self.door.dialing[peer] = true;
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+        let now = Instant::now();
+        let ctx = Ctx {
+            cfg: &self.cfg,
+            sec: self.sec.clone(),
+            deadline: now + HELLO_WAIT,
+            start: now,
+        };
+        let mut done = Vec::new();
+        self.door.round(&ctx, &mut self.scratch, Duration::ZERO)?;
+        for (r, slot) in self.scratch.iter_mut().enumerate() {
+            if let Some(s) = slot.take() {
+                // A rank this one was connecting to connected first and is higher: its
+                // connection is the one (it refuses this rank's as crossed).
+                self.dials[r] = None;
+                self.door.dialing[r] = false;
+                tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");
+                done.push((r, s));
+            }
+        }
+        let ready: Vec<usize> = {
+            let (which, mut fds): (Vec<usize>, Vec<PollFd<'_>>) = self
+                .dials
+                .iter()
+                .enumerate()
+                .filter_map(|(r, d)| {
+                    d.as_ref()
+                        .map(|d| (r, PollFd::new(d.s.as_fd(), PollFlags::POLLIN)))
+                })
+                .unzip();
+            if fds.is_empty() {
+                Vec::new()
+            } else {
+                match nix::poll::poll(&mut fds, PollTimeout::ZERO) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => return Err(ctx.io(None, "polling connections", io::Error::from(e))),
+                }
+                fds.iter()
+                    .zip(which)
+                    .filter(|(f, _)| f.revents().is_some_and(|e| !e.is_empty()))
+                    .map(|(_, r)| r)
+                    .collect()
+            }
+        };
+        for r in ready {
+            let Some(mut d) = self.dials[r].take() else {
+                continue;
+            };
+            let what = if d.challenged {
+                format!("waiting for rank {r} to accept the connection")
+            } else {
+                format!("waiting for rank {r}'s challenge")
+            };
+            let m = ctx.recv_within(&mut d.s, Some(r), &what, HELLO_WAIT, MAX_HELLO)?;
+            if d.challenged {
+                self.door.dialing[r] = false;
+                if let Ok(Err(rej)) = msg::decode_peer_ack(&m) {
+                    if rej.why == CROSSED {
+                        // The higher rank's connection to this one is kept: it arrives on
+                        // the listener.
+                        continue;
+                    }
+                }
+                check_ack(&ctx, r, &m)?;
+                let _ = d.s.set_read_timeout(None);
+                let _ = d.s.set_write_timeout(None);
+                tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");
+                done.push((r, d.s));
+            } else {
+                answer_challenge(&ctx, &mut d.s, &self.peers[r], &d.hello, &m)?;
+                d.challenged = true;
+                self.dials[r] = Some(d);
+            }
+        }
+        Ok(done)
+    }
+
+    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let mut v = vec![self.door.listener.as_fd()];
+        v.extend(self.door.cands.iter().map(|c| c.s.as_fd()));
+        v.extend(self.dials.iter().flatten().map(|d| d.s.as_fd()));
+        v
+    }
 }
 
 impl Bootstrap {
+    /// Connects the pairs of ranks the rendezvous left out that `need` names (by the other
+    /// rank), with the same proofs both ways: every rank of the job calls it at the same
+    /// point with a symmetric `need`, as [`rendezvous_with`]'s `links`. `mesh` is the
+    /// rendezvous's and gains the new connections.
+    ///
+    /// # Errors
+    /// As [`rendezvous`], by the configured deadline from now.
+    pub fn complete_mesh(
+        &mut self,
+        mesh: &mut [Option<TcpStream>],
+        need: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let Some(mut door) = self.door.take() else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let ctx = Ctx {
+            cfg: &self.cfg,
+            sec: Secret::of(&self.cfg),
+            deadline: crate::config::deadline(start, self.timeout),
+            start,
+        };
+        let res = connect_mesh(&ctx, &mut door, &self.peers, mesh, need);
+        self.door = Some(door);
+        res
+    }
+
+    /// The data listener and the rank table, for connections made on first use after init
+    /// (None for a world of one). Only one caller gets them.
+    pub fn links(&mut self) -> Option<LazyLinks> {
+        let mut door = self.door.take()?;
+        door.lazy = true;
+        let world = self.world;
+        Some(LazyLinks {
+            sec: Secret::of(&self.cfg),
+            cfg: self.cfg.clone(),
+            door,
+            peers: self.peers.clone(),
+            dials: (0..world).map(|_| None).collect(),
+            scratch: (0..world).map(|_| None).collect(),
+        })
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -1429,7 +1773,12 @@ mod tests {
             deadline: start + cfg.timeout,
             start,
         };
-        connect_mesh(&ctx, &listener, &peers).map(|_| ())
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| ctx.io(None, "listener", e))?;
+        let mut door = Door::new(listener, cfg.world_size);
+        let mut mesh: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
+        connect_mesh(&ctx, &mut door, &peers, &mut mesh, &|_| true)
     }
 
     fn peer(rank: usize, addr: SocketAddr) -> PeerInfo {

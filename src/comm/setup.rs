@@ -112,7 +112,11 @@ impl Communicator {
             }
         }
         config.validate()?;
-        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root)?;
+        // Only the pairs the collectives' schedules use connect now (O(log n) per rank):
+        // the transports that need every pair complete the mesh, TCP connects the others
+        // on first use.
+        let links = plan::algo::standing_partners(config.world_size, config.rank);
+        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root, Some(&links))?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap: verbs where every rank
@@ -169,12 +173,15 @@ impl Communicator {
                                 // several ranks, TCP between hosts.
                                 let mixed = select_mixed(&mut boot, &config, streams)?;
                                 intra_host = Some(mixed.intra);
-                                let tcp = TcpTransport::new(
+                                let mut tcp = TcpTransport::new(
                                     config.rank,
                                     config.world_size,
                                     mixed.streams,
                                     opts,
                                 )?;
+                                if let Some(l) = boot.links() {
+                                    tcp = tcp.with_links(Box::new(l));
+                                }
                                 let reason = match (reason, mixed.why) {
                                     (Some(r), Some(w)) => Some(format!("{r}; {w}")),
                                     (r, w) => r.or(w),
@@ -323,6 +330,7 @@ impl Communicator {
             data_path: facts.data_path,
             gpu_direct: facts.gpu_direct,
             direct_region: facts.direct_region,
+            connected_at_init: transport.connected_peers(),
             rendezvous: if world == 1 {
                 "none (a world of one)".into()
             } else {
@@ -583,6 +591,10 @@ fn select_shm(
     }
     match (failed, res) {
         (None, Ok(segs)) => {
+            // Shared memory has a ring for every pair, and watches each peer's liveness
+            // through its connection: every pair connects.
+            let mut streams = streams;
+            boot.complete_mesh(&mut streams, &|_| true)?;
             let t = ShmTransport::new(prep, segs, streams)?;
             tracing::info!(rank, transport = %t.describe(), "using shared memory");
             Ok(ShmSelected::Shm(t))
@@ -755,6 +767,8 @@ fn select_mixed(
         .collect();
     match (ok[rank], prep, res) {
         (true, Some(prep), Some(Ok(segs))) => {
+            // Every pair within the host connects (liveness of the shared-memory peers).
+            boot.complete_mesh(&mut streams, &|p| mine.contains(&p))?;
             let mut shm_streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
             let mut local = vec![false; world];
             for &p in mine.iter().filter(|&&p| p != rank) {
@@ -914,6 +928,9 @@ fn select_transport(
             }
         }
         if why_not.is_none() {
+            // A queue pair for every pair of ranks, and a connection beside each.
+            let mut streams = streams;
+            boot.complete_mesh(&mut streams, &|_| true)?;
             let t = VerbsTransport::build(rank, world, prep, &blobs, streams);
             tracing::info!(rank, transport = %t.describe(), "using RDMA verbs");
             return Ok(Selected::Verbs(Box::new(t)));

@@ -580,6 +580,35 @@ fn direct(c: usize, peer: Rank, is_send: bool) -> Schedule {
     s
 }
 
+/// The ranks `r` exchanges with in the schedules chosen by default or forced by
+/// `DSPARK_ALGO` for every collective but all-to-all and send/recv, over `n` ranks: every
+/// rank at a distance of a power of two either way round the ring (ring and chain neighbours
+/// at 1; recursive doubling and its fold, binomial trees of any root and the dissemination
+/// barrier at 2^k) and its parent and children in both trees of [`double_binary_tree`]:
+/// at most 2⌈log2 n⌉ + 6 ranks, sorted, without `r`. The relation is symmetric, so the two
+/// ends of every link agree that it exists. A transport connects these at init and every
+/// other pair (all-to-all, send/recv, the hierarchical allreduce's rails) on first use.
+pub fn standing_partners(n: usize, r: Rank) -> Vec<Rank> {
+    if r >= n {
+        return Vec::new();
+    }
+    let mut v = Vec::new();
+    let mut d = 1;
+    while d < n {
+        v.push((r + d) % n);
+        v.push((r + n - d) % n);
+        d *= 2;
+    }
+    for t in double_binary_tree(n, r) {
+        v.extend(t.parent);
+        v.extend(t.children);
+    }
+    v.retain(|&p| p != r);
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -591,6 +620,66 @@ mod tests {
 
     fn floor_log2(n: usize) -> usize {
         (usize::BITS - 1 - n.leading_zeros()) as usize
+    }
+
+    #[test]
+    fn standing_partners_are_symmetric_few_and_cover_every_schedule_but_all_to_all() {
+        for n in 1..=300usize {
+            let all: Vec<Vec<Rank>> = (0..n).map(|r| standing_partners(n, r)).collect();
+            let log = usize::BITS as usize - (n.max(2) - 1).leading_zeros() as usize;
+            for (r, ps) in all.iter().enumerate() {
+                assert!(
+                    ps.len() <= 2 * log + 6,
+                    "n {n} rank {r}: {} partners",
+                    ps.len()
+                );
+                for &p in ps {
+                    assert!(p < n && p != r);
+                    assert!(all[p].contains(&r), "n {n}: {r} -> {p} but not back");
+                }
+            }
+        }
+        for n in 1..=64usize {
+            for algo in Algorithm::ALL {
+                if matches!(
+                    algo,
+                    Algorithm::Pairwise | Algorithm::Direct | Algorithm::Hierarchical
+                ) {
+                    continue;
+                }
+                for coll in Collective::ALL {
+                    if !algo.supports(coll) {
+                        continue;
+                    }
+                    let roots = if coll.rooted() { n } else { 1 };
+                    for root in 0..roots {
+                        for r in 0..n {
+                            let req = Request {
+                                coll,
+                                algo,
+                                world: n,
+                                rank: r,
+                                count: 2 * n + 3,
+                                root,
+                                is_send: false,
+                                finalize: true,
+                                per_host: 0,
+                            };
+                            let ps = standing_partners(n, r);
+                            for op in build(&req).rounds().flatten() {
+                                if let Some(p) = op.peer() {
+                                    assert!(
+                                        ps.contains(&p),
+                                        "{algo} {} n {n} root {root}: rank {r} talks to {p}",
+                                        coll.name()
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -170,6 +170,11 @@ impl Transport for MixedTransport {
         self.desc.clone()
     }
 
+    fn connected_peers(&self) -> Option<usize> {
+        let local = self.local.iter().filter(|&&l| l).count();
+        self.net.connected_peers().map(|n| n + local)
+    }
+
     fn send(
         &mut self,
         peer: usize,

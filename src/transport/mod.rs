@@ -394,6 +394,12 @@ pub trait Transport: Send + fmt::Debug {
         self.kind()
     }
 
+    /// How many peers have a connection now, for transports that connect some pairs on
+    /// first use ([`tcp`]); `None` where every pair is connected at init.
+    fn connected_peers(&self) -> Option<usize> {
+        None
+    }
+
     /// One line for logs and the bench header: device, addresses, options.
     fn describe(&self) -> String;
 

@@ -47,7 +47,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
@@ -130,6 +130,49 @@ enum Fill {
 }
 
 impl Peer {
+    /// Configures a connected stream to `p` (see the module docs): `TCP_NODELAY`,
+    /// keepalive, the socket buffers when fixed, non-blocking.
+    fn configure(rank: usize, p: usize, stream: TcpStream, buffer: Option<usize>) -> Result<Peer> {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let io_err = |e| Error::io(Some(rank), Some(p), "configuring TCP connection", e);
+        stream.set_nodelay(true).map_err(io_err)?;
+        // Best effort, like the buffer sizes: without keepalive a dead host is found at the
+        // deadline instead, which is worth a warning, not a failed init.
+        let idle = KEEPALIVE_IDLE.as_secs() as u32;
+        let intvl = KEEPALIVE_INTERVAL.as_secs() as u32;
+        let keepalive = setsockopt(&stream, sockopt::KeepAlive, &true)
+            .and_then(|()| setsockopt(&stream, sockopt::TcpKeepIdle, &idle))
+            .and_then(|()| setsockopt(&stream, sockopt::TcpKeepInterval, &intvl))
+            .and_then(|()| setsockopt(&stream, sockopt::TcpKeepCount, &KEEPALIVE_PROBES));
+        if let Err(e) = keepalive {
+            tracing::warn!(
+                rank,
+                peer = p,
+                "TCP keepalive could not be set ({e}): a host of rank {p} that dies while \
+                 this rank waits for it is found only at the deadline"
+            );
+        }
+        if let Some(b) = buffer {
+            let _ = setsockopt(&stream, sockopt::SndBuf, &b);
+            let _ = setsockopt(&stream, sockopt::RcvBuf, &b);
+        }
+        stream.set_nonblocking(true).map_err(io_err)?;
+        let inode = nix::sys::stat::fstat(&stream).ok().map(|st| st.st_ino);
+        let v6 = stream.local_addr().is_ok_and(|a| a.is_ipv6());
+        Ok(Peer {
+            stream,
+            rx: vec![0u8; RX_CAP].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            rx_in_frame: false,
+            tx_in_frame: false,
+            state: PeerState::Open,
+            eof_seen: false,
+            inode,
+            v6,
+        })
+    }
+
     fn buffered(&self) -> usize {
         self.end - self.start
     }
@@ -176,12 +219,40 @@ impl Peer {
     }
 }
 
+/// Connections a [`TcpTransport`] makes after init, on first use: to the peers it was not
+/// given a stream for (all-to-all and send/recv partners, and any pair the init-time links
+/// left out). The higher rank of a pair connects; both prove the job token. Implemented by
+/// the bootstrap ([`crate::bootstrap::LazyLinks`]), which owns this rank's data listener.
+pub trait Links: Send + std::fmt::Debug {
+    /// Starts connecting to `peer` unless a connection to it is in the making. Either rank
+    /// of a pair may start; when both do at once, the higher rank's connection is kept.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`] when its listener refuses (it closed or died).
+    fn start(&mut self, peer: usize) -> Result<()>;
+
+    /// Advances, without waiting for a peer, the handshakes whose next message has arrived,
+    /// and accepts connections from higher ranks: returns the connections that completed.
+    ///
+    /// # Errors
+    /// A rank of this job that proved itself and does not fit, or a failed handshake with a
+    /// peer this rank was connecting to.
+    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>>;
+
+    /// Descriptors that are readable when [`Links::progress`] has work.
+    fn fds(&self) -> Vec<BorrowedFd<'_>>;
+}
+
 /// The TCP transport.
 #[derive(Debug)]
 pub struct TcpTransport {
     rank: usize,
     world: usize,
     peers: Vec<Option<Peer>>,
+    /// Connections on first use (None: every peer's stream was given at init).
+    links: Option<Box<dyn Links>>,
+    /// The socket buffer size to set on new connections (None: autotuned).
+    fixed_buffer: Option<usize>,
     desc: String,
     aborted: bool,
     /// When `wait` last read the retransmission counters.
@@ -315,64 +386,31 @@ impl TcpTransport {
             && [limit("wmem_max"), limit("rmem_max")]
                 .iter()
                 .all(|m| m.is_some_and(|m| m >= opts.socket_buffer));
+        let fixed_buffer = fixed.then_some(opts.socket_buffer);
         let mut actual: Option<(usize, usize)> = None;
         for (p, s) in streams.into_iter().enumerate() {
             let Some(stream) = s else {
                 peers.push(None);
                 continue;
             };
-            let io_err = |e| Error::io(Some(rank), Some(p), "configuring TCP connection", e);
-            stream.set_nodelay(true).map_err(io_err)?;
-            {
-                use nix::sys::socket::{getsockopt, setsockopt, sockopt};
-                // Best effort, like the buffer sizes: without keepalive a dead host is found
-                // at the deadline instead, which is worth a warning, not a failed init.
-                let idle = KEEPALIVE_IDLE.as_secs() as u32;
-                let intvl = KEEPALIVE_INTERVAL.as_secs() as u32;
-                let keepalive = setsockopt(&stream, sockopt::KeepAlive, &true)
-                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepIdle, &idle))
-                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepInterval, &intvl))
-                    .and_then(|()| setsockopt(&stream, sockopt::TcpKeepCount, &KEEPALIVE_PROBES));
-                if let Err(e) = keepalive {
-                    tracing::warn!(
-                        rank,
-                        peer = p,
-                        "TCP keepalive could not be set ({e}): a host of rank {p} that dies \
-                         while this rank waits for it is found only at the deadline"
-                    );
-                }
-                if fixed {
-                    let b = opts.socket_buffer;
+            if actual.is_none() {
+                use nix::sys::socket::{getsockopt, sockopt};
+                if let Some(b) = fixed_buffer {
+                    use nix::sys::socket::setsockopt;
                     let _ = setsockopt(&stream, sockopt::SndBuf, &b);
                     let _ = setsockopt(&stream, sockopt::RcvBuf, &b);
                 }
-                if actual.is_none() {
-                    if let (Ok(snd), Ok(rcv)) = (
-                        getsockopt(&stream, sockopt::SndBuf),
-                        getsockopt(&stream, sockopt::RcvBuf),
-                    ) {
-                        actual = Some((snd, rcv));
-                    }
+                if let (Ok(snd), Ok(rcv)) = (
+                    getsockopt(&stream, sockopt::SndBuf),
+                    getsockopt(&stream, sockopt::RcvBuf),
+                ) {
+                    actual = Some((snd, rcv));
                 }
             }
-            stream.set_nonblocking(true).map_err(io_err)?;
             if local.is_none() {
                 local = stream.local_addr().ok();
             }
-            let inode = nix::sys::stat::fstat(&stream).ok().map(|st| st.st_ino);
-            let v6 = stream.local_addr().is_ok_and(|a| a.is_ipv6());
-            peers.push(Some(Peer {
-                stream,
-                rx: vec![0u8; RX_CAP].into_boxed_slice(),
-                start: 0,
-                end: 0,
-                rx_in_frame: false,
-                tx_in_frame: false,
-                state: PeerState::Open,
-                eof_seen: false,
-                inode,
-                v6,
-            }));
+            peers.push(Some(Peer::configure(rank, p, stream, fixed_buffer)?));
         }
         let buffers = match (fixed, actual) {
             (true, Some((snd, rcv))) => {
@@ -411,10 +449,69 @@ impl TcpTransport {
             rank,
             world,
             peers,
+            links: None,
+            fixed_buffer,
             desc,
             aborted: false,
             stall_checked: Instant::now(),
         })
+    }
+
+    /// Connects the peers it has no stream for on first use, through `links`.
+    pub fn with_links(mut self, links: Box<dyn Links>) -> Self {
+        self.links = Some(links);
+        let n = self.connected();
+        if n + 1 < self.world {
+            self.desc = self.desc.replace(
+                "one stream per peer",
+                &format!(
+                    "one stream per peer: {n} of {} connected at init, the others on first use",
+                    self.world - 1
+                ),
+            );
+        }
+        self
+    }
+
+    /// Peers connected now (this rank excluded).
+    pub fn connected(&self) -> usize {
+        self.peers.iter().flatten().count()
+    }
+
+    /// Installs the connections [`Links::progress`] completed.
+    fn pump(&mut self) -> Result<()> {
+        let Some(links) = self.links.as_mut() else {
+            return Ok(());
+        };
+        for (p, stream) in links.progress()? {
+            if p >= self.world || p == self.rank || self.peers[p].is_some() {
+                return Err(Error::Transport {
+                    rank: Some(self.rank),
+                    peer: Some(p),
+                    op: "connect".into(),
+                    what: format!("a second connection to rank {p}"),
+                });
+            }
+            self.peers[p] = Some(Peer::configure(self.rank, p, stream, self.fixed_buffer)?);
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` is connected; if not, starts or advances connecting to it (on first
+    /// use). Without [`Links`], an unconnected peer is an error.
+    fn link(&mut self, peer: usize, op: &str) -> Result<bool> {
+        if self.peers.get(peer).is_some_and(Option::is_some) {
+            return Ok(true);
+        }
+        if peer >= self.world || peer == self.rank || self.links.is_none() {
+            self.peer_mut(peer, op)?;
+            return Ok(true);
+        }
+        if let Some(l) = self.links.as_mut() {
+            l.start(peer)?;
+        }
+        self.pump()?;
+        Ok(self.peers[peer].is_some())
     }
 
     /// Fails the first open peer whose host has stopped acknowledging (see the module docs).
@@ -603,6 +700,10 @@ impl Transport for TcpTransport {
         self.desc.clone()
     }
 
+    fn connected_peers(&self) -> Option<usize> {
+        self.links.is_some().then(|| self.connected())
+    }
+
     fn send(
         &mut self,
         peer: usize,
@@ -612,6 +713,9 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "send";
         let rank = self.rank;
+        if !self.link(peer, OP)? {
+            return Ok(false);
+        }
         let p = self.peer_mut(peer, OP)?;
         match &p.state {
             PeerState::Open => {}
@@ -687,6 +791,9 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "receive";
         let rank = self.rank;
+        if !self.link(peer, OP)? {
+            return Ok(false);
+        }
         loop {
             let p = self.peer_mut(peer, OP)?;
             if progress.header.is_none() {
@@ -834,6 +941,15 @@ impl Transport for TcpTransport {
             which.push(i);
             fds.push(PollFd::new(p.stream.as_fd(), ev));
         }
+        // Connections in the making: a peer connecting to this rank, or answering it.
+        let ours = fds.len();
+        if let Some(l) = self.links.as_ref() {
+            fds.extend(
+                l.fds()
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
+        }
         let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
@@ -841,7 +957,10 @@ impl Transport for TcpTransport {
                 return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e)));
             }
         }
-        let flagged: Vec<usize> = fds
+        let linking = fds[ours..]
+            .iter()
+            .any(|f| f.revents().is_some_and(|e| !e.is_empty()));
+        let flagged: Vec<usize> = fds[..ours]
             .iter()
             .zip(&which)
             .filter(|(fd, _)| {
@@ -855,6 +974,9 @@ impl Transport for TcpTransport {
         for i in flagged {
             self.examine(i)?;
         }
+        if linking {
+            self.pump()?;
+        }
         // At most once a second (a read of /proc/net/tcp): has a peer's host stopped
         // acknowledging?
         if self.stall_checked.elapsed() >= STALL_CHECK {
@@ -867,7 +989,7 @@ impl Transport for TcpTransport {
         for i in 0..self.peers.len() {
             self.examine(i)?;
         }
-        Ok(())
+        self.pump()
     }
 
     fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
