@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::procs::{assert_all, free_port, rank_entry, sh, spawn, vars, OK};
+use common::procs::{assert_all, free_port, rank_entry, say, sh, spawn, vars, OK};
 use dspark::{Communicator, ReduceOp};
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
@@ -19,7 +19,17 @@ fn rank_process() {
 }
 
 fn run_scenario(s: &str) -> Result<i32, String> {
+    let t0 = std::time::Instant::now();
+    let before = status_kb("VmRSS");
     let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    if s == "scale" {
+        let init = t0.elapsed();
+        say(&format!(
+            "SCALE init_ms {:.1} rss_before_kb {}",
+            init.as_secs_f64() * 1e3,
+            before
+        ));
+    }
     let r = comm.rank();
     match s {
         "matrix" => {
@@ -112,6 +122,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             comm.barrier().map_err(|e| e.to_string())?;
             Ok(OK)
         }
+        "scale" => scale_rank(comm),
         "loop" => common::procs::loop_until_failure(&comm),
         "watch" => common::procs::watch_while_another_dies(&comm),
         "mismatch" => common::procs::mismatched_count(&comm),
@@ -169,6 +180,132 @@ fn pairs_outside_the_schedules_connect_on_first_use() {
     )
     .wait(Duration::from_secs(240));
     assert_all(&outs, OK, "world 13");
+}
+
+/// A line of /proc/self/status in KiB (0 when unknown).
+fn status_kb(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with(&format!("{key}:")))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Sockets this process holds.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// One rank of the scale test: one all_reduce checked against its closed form, a barrier,
+/// and what the rank holds afterwards.
+fn scale_rank(comm: Communicator) -> Result<i32, String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = 1031;
+    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce: {e}"))?;
+    for (i, x) in v.iter().enumerate() {
+        // Σ_r (r·count + i) = count·n(n−1)/2 + n·i
+        let want = (count * n * (n - 1) / 2 + n * i) as f64;
+        if *x != want {
+            return Err(format!("all_reduce element {i}: {x}, want {want}"));
+        }
+    }
+    comm.barrier().map_err(|e| format!("barrier: {e}"))?;
+    let partners = dspark::plan::algo::standing_partners(n, r).len();
+    say(&format!(
+        "SCALE rank {r} connected {} partners {partners} sockets {} rss_kb {} hwm_kb {}",
+        comm.info().connected_at_init.unwrap_or(n - 1),
+        sockets(),
+        status_kb("VmRSS"),
+        status_kb("VmHWM"),
+    ));
+    Ok(OK)
+}
+
+/// #10: 128 ranks on this machine: the rendezvous, one all_reduce and a barrier, with every
+/// rank's init time, memory and sockets printed. Each rank connects to its schedules'
+/// partners only (at most 2⌈log2 n⌉ + 6, here 20), so sockets per rank stay O(log n).
+#[test]
+fn a_world_of_128_ranks_meets_reduces_and_synchronises_with_log_n_connections_per_rank() {
+    let n = 128;
+    let t0 = std::time::Instant::now();
+    let outs = spawn(n, "scale", &|_| vars(&[("DSPARK_TIMEOUT", "300")]), None)
+        .wait(Duration::from_secs(420));
+    let wall = t0.elapsed();
+    assert_all(&outs, OK, "128 ranks");
+    let field = |out: &str, key: &str| -> f64 {
+        out.lines()
+            .filter_map(|l| l.find("SCALE ").map(|i| &l[i..]))
+            .flat_map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                w.windows(2)
+                    .filter(|p| p[0] == key)
+                    .map(|p| p[1].parse::<f64>().unwrap_or(f64::NAN))
+                    .collect::<Vec<_>>()
+            })
+            .next()
+            .unwrap_or(f64::NAN)
+    };
+    let col = |key: &str| -> Vec<f64> {
+        let mut v: Vec<f64> = outs.iter().map(|o| field(&o.out, key)).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let med = |v: &[f64]| v[v.len() / 2];
+    let (init, conn, sock, rss, before, hwm) = (
+        col("init_ms"),
+        col("connected"),
+        col("sockets"),
+        col("rss_kb"),
+        col("rss_before_kb"),
+        col("hwm_kb"),
+    );
+    println!(
+        "128 ranks over TCP on this machine, all done in {:.1} s: init median {:.0} ms, \
+         slowest {:.0} ms; data connections per rank median {}, most {} (limit 2*7+6 = 20; a \
+         full mesh is 127); sockets per rank after the barrier median {}, most {}; memory per \
+         rank (VmRSS) {:.1} MiB median after the barrier, {:.1} MiB before init, peak (VmHWM) \
+         median {:.1} MiB",
+        wall.as_secs_f64(),
+        med(&init),
+        init[n - 1],
+        med(&conn),
+        conn[n - 1],
+        med(&sock),
+        sock[n - 1],
+        med(&rss) / 1024.0,
+        med(&before) / 1024.0,
+        med(&hwm) / 1024.0,
+    );
+    for (r, o) in outs.iter().enumerate() {
+        let c = field(&o.out, "connected");
+        let p = field(&o.out, "partners");
+        let s = field(&o.out, "sockets");
+        assert!(
+            c == p && c <= 20.0,
+            "rank {r}: {c} connections at init, {p} standing partners"
+        );
+        // The data connections and the listener; nothing left of the rendezvous.
+        assert!(
+            s <= c + 2.0,
+            "rank {r} holds {s} sockets with {c} data connections:\n{}",
+            o.out
+        );
+    }
 }
 
 #[test]
