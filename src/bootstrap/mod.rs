@@ -268,17 +268,21 @@ pub fn rendezvous(cfg: &Config) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
 /// store or a parent communicator — instead of binding `cfg.root_addr`. The other ranks
 /// connect to `cfg.root_addr` as usual.
 ///
-/// `links`: the ranks this rank connects to during the rendezvous, sorted (`None`: every
+/// `links(r)`: the ranks rank `r` connects to during the rendezvous, sorted (`None`: every
 /// rank). The relation must be symmetric — rank `a` lists `b` exactly when `b` lists `a` —
 /// as [`crate::plan::algo::standing_partners`] is. The other pairs connect later:
-/// [`Bootstrap::complete_mesh`], or on first use through [`Bootstrap::links`].
+/// [`Bootstrap::complete_mesh`], or on first use through [`Bootstrap::links`]. With `links`,
+/// rank 0 sends each rank only the addresses of rank 0, itself and its links (O(log n) with
+/// the standing partners, instead of the whole table to every rank: n² entries out of rank
+/// 0), and the ranks gather the rest of the table from each other over those connections
+/// ([`Bootstrap::all_gather`]).
 ///
 /// # Errors
 /// As [`rendezvous`].
 pub fn rendezvous_with(
     cfg: &Config,
     root: Option<TcpListener>,
-    links: Option<&[usize]>,
+    links: Option<&dyn Fn(usize) -> Vec<usize>>,
 ) -> Result<(Bootstrap, Vec<Option<TcpStream>>)> {
     cfg.validate()?;
     let start = Instant::now();
@@ -325,7 +329,7 @@ pub fn rendezvous_with(
         .map_err(|e| ctx.io(None, "data listener address", e))?
         .port();
     let (star, peers) = if cfg.rank == 0 {
-        root_rendezvous(&ctx, &host, data_port, iface_ip, root)?
+        root_rendezvous(&ctx, &host, data_port, iface_ip, root, links)?
     } else {
         leaf_rendezvous(&ctx, &host, data_port, iface_ip)?
     };
@@ -334,23 +338,25 @@ pub fn rendezvous_with(
         .map_err(|e| ctx.io(None, "listener", e))?;
     let mut door = Door::new(data_listener, cfg.world_size);
     let mut mesh: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
-    let need = |p: usize| links.is_none_or(|l| l.binary_search(&p).is_ok());
+    let mine = links.map(|l| l(cfg.rank));
+    let need = |p: usize| mine.as_ref().is_none_or(|l| l.binary_search(&p).is_ok());
     connect_mesh(&ctx, &mut door, &peers, &mut mesh, &need)?;
     if links.is_none() {
         door.finish();
     }
-    Ok((
-        Bootstrap {
-            rank: cfg.rank,
-            world: cfg.world_size,
-            timeout: cfg.timeout,
-            star,
-            peers,
-            cfg: cfg.clone(),
-            door: Some(door),
-        },
-        mesh,
-    ))
+    let mut boot = Bootstrap {
+        rank: cfg.rank,
+        world: cfg.world_size,
+        timeout: cfg.timeout,
+        star,
+        peers,
+        cfg: cfg.clone(),
+        door: Some(door),
+    };
+    if links.is_some() {
+        boot.gather_table(&mut mesh)?;
+    }
+    Ok((boot, mesh))
 }
 
 fn source_of(cfg: &Config) -> String {
@@ -368,6 +374,7 @@ fn root_rendezvous(
     data_port: u16,
     iface: Option<IpAddr>,
     pre_bound: Option<TcpListener>,
+    links: Option<&dyn Fn(usize) -> Vec<usize>>,
 ) -> Result<Star> {
     let cfg = ctx.cfg;
     let world = cfg.world_size;
@@ -383,7 +390,15 @@ fn root_rendezvous(
     listener
         .set_nonblocking(true)
         .map_err(|e| ctx.io(None, "listener", e))?;
-    root_accept(ctx, host, data_port, iface, listener, bind_addr, world)
+    root_accept(
+        ctx,
+        host,
+        data_port,
+        iface,
+        (listener, bind_addr),
+        world,
+        links,
+    )
 }
 
 /// Binds rank 0's rendezvous listener on the configured root address.
@@ -521,9 +536,9 @@ fn root_accept(
     host: &str,
     data_port: u16,
     iface: Option<IpAddr>,
-    listener: TcpListener,
-    bind_addr: SocketAddr,
+    (listener, bind_addr): (TcpListener, SocketAddr),
     world: usize,
+    links: Option<&dyn Fn(usize) -> Vec<usize>>,
 ) -> Result<Star> {
     let cfg = ctx.cfg;
     let sec = &ctx.sec;
@@ -720,7 +735,18 @@ fn root_accept(
             s.local_addr()
                 .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
         });
-        let mut table = peers.clone();
+        let mut table = match links {
+            Some(l) => {
+                let mut want = l(r);
+                want.extend([0, r]);
+                want.sort_unstable();
+                want.dedup();
+                want.into_iter()
+                    .filter_map(|q| peers.get(q).cloned())
+                    .collect()
+            }
+            None => peers.clone(),
+        };
         table[0].addr = SocketAddr::new(my_ip, data_port);
         let m = msg::encode_welcome(&table);
         // Rank 0's own proof, over this rank's hello and nonce and the table itself.
@@ -876,8 +902,26 @@ fn leaf_rendezvous(
             return Err(ctx.bad(Some(0), "rank 0 sent a second challenge".into()))
         }
     };
-    // Our own entry: rank 0 recorded the address it saw us connect from.
+    // A partial table (connections on first use): the rest is gathered after the mesh.
     let me = cfg.rank;
+    if peers.len() < world {
+        let known = std::mem::take(&mut peers);
+        peers = (0..world)
+            .map(|rank| PeerInfo {
+                rank,
+                host: String::new(),
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            })
+            .collect();
+        for p in known {
+            let r = p.rank;
+            peers[r] = p;
+        }
+        if peers[0].addr.port() == 0 || peers[me].addr.port() == 0 {
+            return Err(ctx.bad(Some(0), "rank 0's table lacks rank 0 or this rank".into()));
+        }
+    }
+    // Our own entry: rank 0 recorded the address it saw us connect from.
     if let Some(ip) = iface {
         peers[me].addr = SocketAddr::new(ip, data_port);
     }
@@ -1649,7 +1693,82 @@ impl crate::transport::tcp::Links for LazyLinks {
     }
 }
 
+/// [`Bootstrap::all_gather`] over the connections at distances 2^k (every one present).
+fn bruck_all_gather(
+    ctx: &Ctx<'_>,
+    mesh: &mut [Option<TcpStream>],
+    mine: &[u8],
+) -> Result<Vec<Vec<u8>>> {
+    let n = mesh.len();
+    let r = ctx.rank();
+    // held[i] is the blob of rank (r + i) mod n.
+    let mut held = vec![mine.to_vec()];
+    let mut d = 1;
+    while d < n {
+        let cnt = d.min(n - d);
+        let (to, from) = ((r + n - d) % n, (r + d) % n);
+        let m = msg::encode_blobs(&held[..cnt]);
+        let out = mesh[to]
+            .as_ref()
+            .ok_or_else(|| ctx.bad(Some(to), "no connection".into()))?
+            .try_clone()
+            .map_err(|e| ctx.io(Some(to), "duplicating a connection", e))?;
+        let src = mesh[from]
+            .as_mut()
+            .ok_or_else(|| ctx.bad(Some(from), "no connection".into()))?;
+        // Send and receive at once: every rank sends before it receives, and a message larger
+        // than the socket buffers would otherwise block every rank in its send.
+        let got = std::thread::scope(|sc| {
+            let sender = sc.spawn(move || {
+                let mut out = out;
+                ctx.send(&mut out, Some(to), m)
+            });
+            let got = ctx.recv(src, Some(from), "gathering init data");
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err(ctx.bad(Some(to), "the sending thread failed".into())));
+            sent.and(got)
+        })?;
+        let blobs = msg::decode_blobs(&got, cnt).map_err(|w| ctx.bad(Some(from), w))?;
+        held.extend(blobs);
+        d *= 2;
+    }
+    let mut all = vec![Vec::new(); n];
+    for (i, b) in held.into_iter().enumerate().take(n) {
+        all[(r + i) % n] = b;
+    }
+    Ok(all)
+}
+
 impl Bootstrap {
+    /// Completes a partial rank table (rank 0 sent only this rank's links): every rank
+    /// contributes its own entry, gathered over the data connections (Bruck).
+    fn gather_table(&mut self, mesh: &mut [Option<TcpStream>]) -> Result<()> {
+        let me = &self.peers[self.rank];
+        let mine = format!("{}\n{}", me.addr, me.host);
+        let all = self.all_gather(mesh, mine.as_bytes())?;
+        for (r, b) in all.iter().enumerate() {
+            if r == 0 || r == self.rank {
+                // Rank 0's address as this rank reached it, and its own, stay.
+                continue;
+            }
+            let text = String::from_utf8_lossy(b);
+            let (addr, host) = text.split_once('\n').unwrap_or((&text, ""));
+            let addr: SocketAddr = addr.parse().map_err(|_| Error::Transport {
+                rank: Some(self.rank),
+                peer: Some(r),
+                op: "bootstrap".into(),
+                what: format!("rank {r} gave a bad address {addr:?} for the rank table"),
+            })?;
+            self.peers[r] = PeerInfo {
+                rank: r,
+                host: host.to_string(),
+                addr,
+            };
+        }
+        Ok(())
+    }
+
     /// Connects the pairs of ranks the rendezvous left out that `need` names (by the other
     /// rank), with the same proofs both ways: every rank of the job calls it at the same
     /// point with a symmetric `need`, as [`rendezvous_with`]'s `links`. `mesh` is the
@@ -1709,11 +1828,20 @@ impl Bootstrap {
         self.peers.iter().filter(|p| &p.host == me).count()
     }
 
-    /// Gathers one blob from every rank, through rank 0, in rank order.
+    /// Gathers one blob from every rank, in rank order, over the data connections in `mesh`
+    /// (the rendezvous's, as [`rendezvous_with`] returned them): Bruck's all-gather, in which
+    /// at step `k` each rank sends what it holds to the rank `2^k` below it and receives from
+    /// the rank `2^k` above, so every rank sends and receives n − 1 blobs in ⌈log2 n⌉ steps and
+    /// rank 0 carries no more than any other. Where a needed connection is missing it goes
+    /// through rank 0 instead (n² blobs out of rank 0).
     ///
     /// # Errors
     /// [`Error::Timeout`] by the configured deadline, [`Error::PeerLost`], [`Error::Io`].
-    pub fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    pub fn all_gather(
+        &mut self,
+        mesh: &mut [Option<TcpStream>],
+        mine: &[u8],
+    ) -> Result<Vec<Vec<u8>>> {
         if self.world == 1 {
             return Ok(vec![mine.to_vec()]);
         }
@@ -1726,6 +1854,25 @@ impl Bootstrap {
             deadline: crate::config::deadline(start, self.timeout),
             start,
         };
+        let (n, r) = (self.world, self.rank);
+        let linked = |d: usize| {
+            mesh.get((r + n - d) % n).is_some_and(Option::is_some)
+                && mesh.get((r + d) % n).is_some_and(Option::is_some)
+        };
+        let mut d = 1;
+        let mut bruck = mesh.len() == n;
+        while d < n {
+            bruck &= linked(d);
+            d *= 2;
+        }
+        if bruck {
+            let res = bruck_all_gather(&ctx, mesh, mine);
+            for s in mesh.iter().flatten() {
+                let _ = s.set_read_timeout(None);
+                let _ = s.set_write_timeout(None);
+            }
+            return res;
+        }
         if self.rank == 0 {
             let mut all = vec![mine.to_vec()];
             for r in 1..self.world {

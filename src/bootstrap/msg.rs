@@ -356,8 +356,11 @@ impl Reply {
                     .ok_or("truncated bootstrap message")?;
                 let mut r = Rd(&m[1..signed.max(1)]);
                 let tag: Tag = Rd(&m[signed..]).array()?;
+                // The whole table, or (connections on first use) the entries of rank 0, the
+                // rank itself and its init-time partners, in rank order; the others are
+                // gathered from the ranks themselves over those connections.
                 let n = r.u32()? as usize;
-                if n != world {
+                if n > world || n == 0 {
                     return Err(format!("rank table has {n} entries, world size is {world}"));
                 }
                 // Each entry takes at least 14 bytes: a table longer than the message is
@@ -365,10 +368,11 @@ impl Reply {
                 if r.0.len() / 14 < n {
                     return Err("truncated bootstrap message".into());
                 }
-                let mut peers = Vec::with_capacity(n);
+                let mut peers: Vec<PeerInfo> = Vec::with_capacity(n);
                 for i in 0..n {
                     let rank = r.u32()? as usize;
-                    if rank != i {
+                    let after = peers.last().map_or(0, |p: &PeerInfo| p.rank + 1);
+                    if rank >= world || (i > 0 && rank < after) || (n == world && rank != i) {
                         return Err(format!("rank table entry {i} is for rank {rank}"));
                     }
                     let ip: IpAddr = r

@@ -115,7 +115,8 @@ impl Communicator {
         // Only the pairs the collectives' schedules use connect now (O(log n) per rank):
         // the transports that need every pair complete the mesh, TCP connects the others
         // on first use.
-        let links = plan::algo::standing_partners(config.world_size, config.rank);
+        let world = config.world_size;
+        let links = move |r: usize| plan::algo::standing_partners(world, r);
         let (mut boot, streams) = bootstrap::rendezvous_with(&config, root, Some(&links))?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
@@ -470,7 +471,7 @@ fn shm_unavailable(forced: &[usize], reason: &str) -> Error {
 fn select_shm(
     boot: &mut Bootstrap,
     cfg: &Config,
-    streams: Vec<Option<TcpStream>>,
+    mut streams: Vec<Option<TcpStream>>,
 ) -> Result<ShmSelected> {
     let (rank, world) = (cfg.rank, cfg.world_size);
     if world == 1 {
@@ -498,7 +499,7 @@ fn select_shm(
         })
     };
     push_shm_capability(&mut msg, &capable);
-    let all = boot.all_gather(&msg)?;
+    let all = boot.all_gather(&mut streams, &msg)?;
     let mut modes = Vec::with_capacity(world);
     let mut infos = Vec::with_capacity(world);
     let mut boots = Vec::with_capacity(world);
@@ -580,7 +581,7 @@ fn select_shm(
             v
         }
     };
-    let all = boot.all_gather(&mine)?;
+    let all = boot.all_gather(&mut streams, &mine)?;
     let mut failed = None;
     for (r, m) in all.iter().enumerate() {
         if m.first() != Some(&1) {
@@ -593,7 +594,6 @@ fn select_shm(
         (None, Ok(segs)) => {
             // Shared memory has a ring for every pair, and watches each peer's liveness
             // through its connection: every pair connects.
-            let mut streams = streams;
             boot.complete_mesh(&mut streams, &|_| true)?;
             let t = ShmTransport::new(prep, segs, streams)?;
             tracing::info!(rank, transport = %t.describe(), "using shared memory");
@@ -684,7 +684,7 @@ fn select_mixed(
     };
     let mut msg = vec![mode_code(cfg.transport)];
     push_shm_capability(&mut msg, &capable);
-    let all = boot.all_gather(&msg)?;
+    let all = boot.all_gather(&mut streams, &msg)?;
     if all
         .iter()
         .any(|m| m.first() != Some(&mode_code(TransportChoice::Auto)))
@@ -745,7 +745,7 @@ fn select_mixed(
         }
         _ => vec![1u8],
     };
-    let all = boot.all_gather(&reply)?;
+    let all = boot.all_gather(&mut streams, &reply)?;
     for (r, m) in all.iter().enumerate() {
         if m.first() != Some(&1) {
             let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
@@ -845,7 +845,7 @@ fn unavailable(reason: &str) -> Error {
 fn select_transport(
     boot: &mut Bootstrap,
     cfg: &Config,
-    streams: Vec<Option<TcpStream>>,
+    mut streams: Vec<Option<TcpStream>>,
     direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
 ) -> Result<Selected> {
     let rank = cfg.rank;
@@ -888,7 +888,7 @@ fn select_transport(
     };
     let mut msg = vec![mode_code(cfg.transport)];
     msg.extend_from_slice(&blob.encode());
-    let all = boot.all_gather(&msg)?;
+    let all = boot.all_gather(&mut streams, &msg)?;
     let mut modes = Vec::with_capacity(world);
     let mut blobs = Vec::with_capacity(world);
     for (r, m) in all.iter().enumerate() {
@@ -916,7 +916,7 @@ fn select_transport(
                 v
             }
         };
-        let all = boot.all_gather(&mine)?;
+        let all = boot.all_gather(&mut streams, &mine)?;
         for (r, m) in all.iter().enumerate() {
             if m.first() != Some(&1) {
                 let w = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
@@ -929,7 +929,6 @@ fn select_transport(
         }
         if why_not.is_none() {
             // A queue pair for every pair of ranks, and a connection beside each.
-            let mut streams = streams;
             boot.complete_mesh(&mut streams, &|_| true)?;
             let t = VerbsTransport::build(rank, world, prep, &blobs, streams);
             tracing::info!(rank, transport = %t.describe(), "using RDMA verbs");
