@@ -189,6 +189,17 @@ fn decode_model(b: &[u8]) -> Option<(CostModel, String)> {
     Some((m, source))
 }
 
+/// The host's online cores, whatever this process is bound to (a launcher that binds each
+/// rank to one core does not make the ranks share it).
+fn host_cores() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(cores)
+}
+
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -328,7 +339,7 @@ impl Communicator {
         let mut model = CostModel {
             segment_bytes: config.segment_bytes,
             local_ranks: local,
-            cores: cores(),
+            cores: host_cores(),
             ..CostModel::new(medium, costs)
         };
         if config.world_size > 1 {
