@@ -23,6 +23,7 @@
 //! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |
 //! | `DSPARK_CACHE_DIR` | disk cache of compiled CUDA kernels | `$XDG_CACHE_HOME/dspark`, `$HOME/.cache/dspark` |
 //! | `DSPARK_TRACE` | write a Chrome / Perfetto trace per rank to `<prefix>.rank<r>.json` | off |
+//! | `DSPARK_TUNE_FILE` | the cost model's measured constants (`dspark tune` writes them; [`crate::plan::model`]); rank 0's file decides for the job; a bad file is a warning and the defaults | `$XDG_CACHE_HOME/dspark/tune.json`, `$HOME/.cache/dspark/tune.json` (when present) |
 //!
 //! [`Config::from_env`] is the only place the environment is read: [`crate::Communicator::init`]
 //! takes every setting from the `Config` it is given, and [`Config::validate`] checks their
@@ -110,6 +111,12 @@ pub struct Config {
     /// `DSPARK_TRACE`: write a Chrome / Perfetto trace of every call to
     /// `<prefix>.rank<r>.json` (see [`crate::engine::trace`]). `None`: no trace.
     pub trace: Option<PathBuf>,
+    /// The cost model's constants (`DSPARK_TUNE_FILE`, else `$XDG_CACHE_HOME/dspark/tune.json`,
+    /// else `$HOME/.cache/dspark/tune.json`, resolved by [`Config::from_env`]; see
+    /// [`tune_file_from`]). `None`: the model's defaults (the default of [`Config::new`]). A
+    /// missing default file means the defaults, silently; a file named by `DSPARK_TUNE_FILE`
+    /// that cannot be read, or any file that does not parse, is a warning and the defaults.
+    pub tune_file: Option<PathBuf>,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
     /// Launcher job identity (`SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`) checked in the handshake.
@@ -238,6 +245,7 @@ impl Config {
             ib: IbSettings::default(),
             cache_dir: None,
             trace: None,
+            tune_file: None,
             job_token: None,
             job_id: None,
             algo: None,
@@ -471,6 +479,11 @@ impl Config {
                 parse_size(&v).ok_or_else(|| Error::config(n, format!("{v:?} is not a size")))?;
         }
         c.cache_dir = cache_dir_from(|k| get(k).map(std::ffi::OsString::from));
+        c.tune_file = tune_file_from(|k| get(k).map(std::ffi::OsString::from));
+        if get("DSPARK_TUNE_FILE").is_some_and(|v| !v.is_empty()) {
+            c.sources
+                .push(("tune file".into(), "DSPARK_TUNE_FILE".into()));
+        }
         c.trace = get("DSPARK_TRACE")
             .filter(|t| !t.is_empty())
             .map(PathBuf::from);
@@ -611,6 +624,16 @@ pub fn cache_dir_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Optio
     nonempty("DSPARK_CACHE_DIR")
         .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("dspark")))
         .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("dspark")))
+}
+
+/// The cost model's tune file from an environment: `$DSPARK_TUNE_FILE`, else
+/// `$XDG_CACHE_HOME/dspark/tune.json`, else `$HOME/.cache/dspark/tune.json`; `None` when none
+/// is set. (`dspark tune` writes there by default.)
+pub fn tune_file_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    nonempty("DSPARK_TUNE_FILE")
+        .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("dspark").join("tune.json")))
+        .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("dspark").join("tune.json")))
 }
 
 /// Bounds of the segment size (`DSPARK_CHUNK_BYTES`).
@@ -970,9 +993,11 @@ mod tests {
             ("DSPARK_IB_ZERO_COPY_MIN", "128K"),
             ("DSPARK_CACHE_DIR", "/cache/here"),
             ("DSPARK_TRACE", "/tmp/run"),
+            ("DSPARK_TUNE_FILE", "/tune/model.json"),
         ])))
         .unwrap();
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/run")));
+        assert_eq!(c.tune_file, Some(PathBuf::from("/tune/model.json")));
         assert_eq!(
             c.ib,
             IbSettings {
@@ -990,10 +1015,20 @@ mod tests {
         assert_eq!(c.cache_dir, Some(PathBuf::from("/cache/here")));
         let c = Config::from_lookup(env(&with_one(&[("HOME", "/home/u")]))).unwrap();
         assert_eq!(c.cache_dir, Some(PathBuf::from("/home/u/.cache/dspark")));
+        assert_eq!(
+            c.tune_file,
+            Some(PathBuf::from("/home/u/.cache/dspark/tune.json"))
+        );
+        let c = Config::from_lookup(env(&with_one(&[
+            ("HOME", "/home/u"),
+            ("XDG_CACHE_HOME", "/xdg"),
+        ])))
+        .unwrap();
+        assert_eq!(c.tune_file, Some(PathBuf::from("/xdg/dspark/tune.json")));
         // A hand-built configuration reads nothing: defaults, and no disk cache.
         let c = Config::new(0, 1, "");
         assert_eq!((c.ib.clone(), c.cache_dir), (IbSettings::default(), None));
-        assert_eq!(c.trace, None);
+        assert_eq!((c.trace, c.tune_file), (None, None));
     }
 
     #[test]

@@ -530,7 +530,7 @@ fn compare_algorithms<T: BenchElem>(
         );
         let mut head = format!("# {:>12}", "size");
         for (a, _) in &runs {
-            head += &format!(" {:>20} {:>8}", a.name(), "busbw");
+            head += &format!(" {:>20} {:>8} {:>10}", a.name(), "busbw", "model");
         }
         println!("{head} {:>20} {:>20}", "fastest", "default");
         for i in 0..runs.first().map_or(0, |r| r.1.len()) {
@@ -540,12 +540,26 @@ fn compare_algorithms<T: BenchElem>(
             for (a, rows) in &runs {
                 match rows.get(i) {
                     Some(r) => {
-                        line += &format!(" {:>20.2} {:>8.3}", r.time_us, bandwidths(r, factor).1);
+                        let call = engine_bytes(
+                            args.collective,
+                            bytes_of(args, i),
+                            T::DATA_TYPE.size(),
+                            comm.world_size(),
+                        );
+                        let model = comm
+                            .predict(c, *a, call)
+                            .map_or("-".to_string(), |t| format!("{t:.1}"));
+                        line += &format!(
+                            " {:>20.2} {:>8.3} {:>10}",
+                            r.time_us,
+                            bandwidths(r, factor).1,
+                            model
+                        );
                         if best.is_none_or(|(_, t)| r.time_us < t) {
                             best = Some((*a, r.time_us));
                         }
                     }
-                    None => line += &format!(" {:>20} {:>8}", "-", "-"),
+                    None => line += &format!(" {:>20} {:>8} {:>10}", "-", "-", "-"),
                 }
             }
             let default = default_algorithm(comm, c, bytes);
@@ -558,6 +572,11 @@ fn compare_algorithms<T: BenchElem>(
         .into_iter()
         .map(|(a, rows)| (format!("dspark {transport} {a}"), rows))
         .collect())
+}
+
+/// The `i`-th size of the sweep (the `-b` size before the collective's rounding).
+fn bytes_of(args: &Args, i: usize) -> usize {
+    sizes(args).get(i).copied().unwrap_or(0)
 }
 
 /// The algorithm the choice by size (nothing forced) picks for `bytes` of `c`.
@@ -1018,6 +1037,19 @@ fn counts(c: Coll, bytes: usize, esz: usize, n: usize) -> (usize, usize, usize) 
     }
 }
 
+/// The bytes of one call of a size as the engine counts them (its element count times the
+/// element size: the whole buffer, or one rank's block for all_gather, reduce_scatter and
+/// all_to_all), which the cost model predicts from.
+fn engine_bytes(c: Coll, bytes: usize, esz: usize, n: usize) -> usize {
+    let (send, recv, total) = counts(c, bytes, esz, n);
+    esz * match c {
+        Coll::AllGather => send,
+        Coll::ReduceScatter => recv,
+        Coll::AllToAll => send / n.max(1),
+        _ => total,
+    }
+}
+
 fn prepare<T: BenchElem>(args: &Args, comm: &Communicator, send: usize, recv: usize) -> Bufs<T> {
     let r = comm.rank();
     let mut b = Bufs {
@@ -1241,6 +1273,18 @@ fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
         ),
     };
     println!("# algorithm : {} ({forced})", algos.join(", "));
+    // The cost model beside the measurement: its predicted time for the algorithm each size
+    // runs (the engine's count: the whole buffer, or one rank's block).
+    println!("# model     : {}", info.cost_model);
+    let mut pred: Vec<String> = Vec::new();
+    for b in sizes(args) {
+        let call_bytes = engine_bytes(args.collective, b, esz, n);
+        let a = comm.algorithm(c, call_bytes);
+        if let Some(t) = comm.predict(c, a, call_bytes) {
+            pred.push(format!("{} {t:.1}", human_bytes(b as u64, false)));
+        }
+    }
+    println!("# predicted : µs, {}", pred.join(", "));
     println!("#");
     println!(
         "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} path",

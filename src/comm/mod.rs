@@ -57,6 +57,10 @@ pub struct CommInfo {
     pub transport_detail: String,
     /// Why the transport is not the fastest one available, if it is not.
     pub transport_reason: Option<String>,
+    /// The cost model that chooses the algorithms, with the source of its constants
+    /// (`tcp α=4.00 µs β=2.00 GB/s γ=10.0 GB/s (defaults)`, `... (from ~/.cache/dspark/tune.json)`;
+    /// every rank uses rank 0's).
+    pub cost_model: String,
     /// Host name of every rank.
     pub hosts: Vec<String>,
     /// Ranks on this host.
@@ -276,6 +280,20 @@ impl Communicator {
             ..self.opts.clone()
         };
         opts.algorithm(self.world, coll, bytes)
+    }
+
+    /// The cost model's predicted time, in µs, of `algo` running `coll` on `bytes` bytes
+    /// (counted as the engine counts a call: [`crate::plan::model::CostModel::predict`]);
+    /// `None` where `algo` does not implement `coll`.
+    pub fn predict(&self, coll: Collective, algo: Algorithm, bytes: usize) -> Option<f64> {
+        self.opts
+            .model
+            .predict(coll, algo, bytes, self.world, self.opts.per_host)
+    }
+
+    /// The cost model this communicator chooses algorithms with (rank 0's, on every rank).
+    pub fn cost_model(&self) -> &crate::plan::model::CostModel {
+        &self.opts.model
     }
 
     /// The algorithm the choice by size and host layout makes for `coll` on `bytes` bytes,

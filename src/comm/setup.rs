@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
 use crate::plan;
+use crate::plan::model::{self, CostModel, Costs, Medium};
 use crate::transport::mixed::MixedTransport;
 use crate::transport::shm::{self, SegInfo, ShmOptions, ShmTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
@@ -54,14 +55,22 @@ struct Facts {
     data_path: PathPolicy,
     gpu_direct: Vec<GpuDirectCapability>,
     direct_region: DirectRegionFact,
+    /// Where the cost model's constants came from.
+    model_source: String,
 }
 
 /// Spin time when ranks do not outnumber cores / when they do.
 const SPIN: Duration = Duration::from_micros(50);
 const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
-fn engine_options(cfg: &Config, oversubscribed: bool, per_host: usize) -> EngineOptions {
+fn engine_options(
+    cfg: &Config,
+    oversubscribed: bool,
+    per_host: usize,
+    model: CostModel,
+) -> EngineOptions {
     EngineOptions {
+        model,
         timeout: cfg.timeout,
         segment_bytes: cfg.segment_bytes,
         spin: cfg.spin.unwrap_or(if oversubscribed {
@@ -72,8 +81,123 @@ fn engine_options(cfg: &Config, oversubscribed: bool, per_host: usize) -> Engine
         yield_while_spinning: oversubscribed,
         force_algo: cfg.algo,
         per_host,
-        ..EngineOptions::default()
     }
+}
+
+/// The model's constants for `medium`: from `cfg.tune_file` when it has them, else the
+/// defaults; and where they came from, in words. Never fails: a file that cannot be read or
+/// parsed is a warning naming it.
+fn load_costs(cfg: &Config, medium: Medium) -> (Costs, String) {
+    let defaults = (Costs::defaults(medium), "defaults".to_string());
+    let Some(path) = &cfg.tune_file else {
+        return defaults;
+    };
+    let explicit = cfg.sources.iter().any(|(k, _)| k == "tune file");
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => return defaults,
+        Err(e) => {
+            tracing::warn!(
+                "tune file {}: cannot read it ({e}); the cost model uses its default constants",
+                path.display()
+            );
+            return (
+                defaults.0,
+                format!("defaults: {} unreadable", path.display()),
+            );
+        }
+    };
+    match model::parse_tune_file(&text) {
+        Ok(entries) => match entries.into_iter().find(|(m, _)| *m == medium) {
+            Some((_, c)) => (c, format!("from {}", path.display())),
+            None => (
+                defaults.0,
+                format!(
+                    "defaults: {} has no {} entry",
+                    path.display(),
+                    medium.name()
+                ),
+            ),
+        },
+        Err(e) => {
+            tracing::warn!(
+                "tune file {}: {e}; the cost model uses its default constants (run `dspark \
+                 tune` to rewrite it)",
+                path.display()
+            );
+            (
+                defaults.0,
+                format!("defaults: {} is invalid", path.display()),
+            )
+        }
+    }
+}
+
+/// The medium whose constants a transport uses (`shm+tcp`: TCP's, whose hops decide).
+fn medium_of(kind: TransportKind) -> Medium {
+    match kind {
+        TransportKind::Mem => Medium::Mem,
+        TransportKind::Tcp | TransportKind::ShmTcp => Medium::Tcp,
+        TransportKind::Shm => Medium::Shm,
+        TransportKind::Verbs => Medium::Verbs,
+    }
+}
+
+/// Rank 0's model and its source, as every rank adopts it (ranks that chose with different
+/// constants would schedule one call differently).
+fn encode_model(m: &CostModel, source: &str) -> Vec<u8> {
+    let c = &m.costs;
+    let mut out = vec![Medium::ALL.iter().position(|x| *x == m.medium).unwrap_or(0) as u8];
+    for x in [
+        c.alpha_us,
+        c.beta_us_per_byte,
+        c.gamma_us_per_byte,
+        c.alpha_oversub_us,
+    ] {
+        out.extend_from_slice(&x.to_bits().to_le_bytes());
+    }
+    for x in [m.segment_bytes, m.local_ranks, m.cores, m.hier_min_bytes] {
+        out.extend_from_slice(&(x as u64).to_le_bytes());
+    }
+    out.extend_from_slice(source.as_bytes());
+    out
+}
+
+fn decode_model(b: &[u8]) -> Option<(CostModel, String)> {
+    let medium = *Medium::ALL.get(usize::from(*b.first()?))?;
+    let word = |i: usize| -> Option<u64> {
+        let s = b.get(1 + 8 * i..9 + 8 * i)?;
+        Some(u64::from_le_bytes(s.try_into().ok()?))
+    };
+    let f = |i| word(i).map(f64::from_bits);
+    let costs = Costs {
+        alpha_us: f(0)?,
+        beta_us_per_byte: f(1)?,
+        gamma_us_per_byte: f(2)?,
+        alpha_oversub_us: f(3)?,
+    };
+    let u = |i| word(i).and_then(|x| usize::try_from(x).ok());
+    let m = CostModel {
+        medium,
+        costs,
+        segment_bytes: u(4)?,
+        local_ranks: u(5)?,
+        cores: u(6)?,
+        hier_min_bytes: u(7)?,
+    };
+    let source = String::from_utf8_lossy(b.get(65..)?).into_owned();
+    Some((m, source))
+}
+
+/// The host's online cores, whatever this process is bound to (a launcher that binds each
+/// rank to one core does not make the ranks share it).
+fn host_cores() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(cores)
 }
 
 fn cores() -> usize {
@@ -215,13 +339,51 @@ impl Communicator {
                 }
             };
         let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
-        let opts = engine_options(&config, oversubscribed, plan::uniform_per_host(&hosts));
+        // The cost model: this transport's constants, and how crowded the cores are. Every
+        // rank takes rank 0's, so that all choose alike (hosts may hold different tune files
+        // or numbers of ranks).
+        let medium = medium_of(transport.kind());
+        let (costs, mut model_source) = load_costs(&config, medium);
+        let mut model = CostModel {
+            segment_bytes: config.segment_bytes,
+            local_ranks: local,
+            cores: host_cores(),
+            ..CostModel::new(medium, costs)
+        };
+        if config.world_size > 1 {
+            let all = boot.all_gather(&encode_model(&model, &model_source))?;
+            match all.first().and_then(|b| decode_model(b)) {
+                Some((m, src)) => {
+                    if config.rank != 0 && (m != model || src != model_source) {
+                        model_source = format!("rank 0's: {src}");
+                    } else {
+                        model_source = src;
+                    }
+                    model = m;
+                }
+                None => {
+                    return Err(Error::Mismatch {
+                        rank: Some(config.rank),
+                        peer: Some(0),
+                        op: "init".into(),
+                        what: "rank 0's cost model could not be decoded (another version?)".into(),
+                    })
+                }
+            }
+        }
+        let opts = engine_options(
+            &config,
+            oversubscribed,
+            plan::uniform_per_host(&hosts),
+            model,
+        );
         let facts = Facts {
             data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
             intra_host,
             transport_reason: reason,
+            model_source,
             data_path: config.data_path,
             gpu_direct,
             direct_region,
@@ -277,13 +439,20 @@ impl Communicator {
                 format!("rank {rank} of world size {world}"),
             ));
         }
-        let opts = engine_options(config, false, 0);
+        // The in-process transport's defaults (no tune file: tests do not depend on the
+        // machine's).
+        let model = CostModel {
+            segment_bytes: config.segment_bytes,
+            ..CostModel::new(Medium::Mem, Costs::defaults(Medium::Mem))
+        };
+        let opts = engine_options(config, false, 0, model);
         let facts = Facts {
             data_ip: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
             intra_host: None,
             transport_reason: None,
+            model_source: "defaults".into(),
             data_path: config.data_path,
             gpu_direct: vec![
                 GpuDirectCapability::Unavailable(path::MEM_STAGED_REASON.into());
@@ -323,6 +492,7 @@ impl Communicator {
             inter_host,
             transport_detail: transport.describe(),
             transport_reason: facts.transport_reason,
+            cost_model: format!("{} ({})", opts.model, facts.model_source),
             hosts: facts.hosts,
             local_ranks: facts.local_ranks,
             spin: opts.spin,

@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::plan::{self, Algorithm, Buf, Collective, Loc, Op, Program, Request, Thresholds};
+use crate::plan::model::CostModel;
+use crate::plan::{self, Algorithm, Buf, Collective, Loc, Op, Program, Request};
 use crate::reduce;
 
 pub mod staged;
@@ -45,9 +46,9 @@ pub struct EngineOptions {
     pub spin: Duration,
     /// Yield the CPU while spinning (when ranks outnumber cores).
     pub yield_while_spinning: bool,
-    /// Size thresholds of the default algorithm choice (`None`: the defaults for the world
-    /// size, [`Thresholds::for_world`]).
-    pub thresholds: Option<Thresholds>,
+    /// The cost model that chooses the algorithm of every call that does not force one
+    /// ([`plan::model`]). Every rank must hold the same one.
+    pub model: CostModel,
     /// Force one algorithm for every collective it supports (`DSPARK_ALGO`).
     pub force_algo: Option<Algorithm>,
     /// The host layout ([`plan::Request::per_host`]): ranks per host when every host has
@@ -60,23 +61,7 @@ impl EngineOptions {
     pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
         match self.force_algo {
             Some(a) if a.supports(coll) => a,
-            _ => {
-                let t = self
-                    .thresholds
-                    .unwrap_or_else(|| Thresholds::for_world(world));
-                match plan::choose(coll, bytes, world, &t) {
-                    // Several hosts of several ranks: the ring's bytes in fewer steps, with
-                    // the traffic between hosts spread over every rank.
-                    Algorithm::Ring
-                        if coll == Collective::AllReduce
-                            && bytes >= t.hier_bytes
-                            && plan::hierarchical_fits(world, self.per_host) =>
-                    {
-                        Algorithm::Hierarchical
-                    }
-                    a => a,
-                }
-            }
+            _ => plan::choose(coll, bytes, world, self.per_host, &self.model),
         }
     }
 }
@@ -88,7 +73,7 @@ impl Default for EngineOptions {
             segment_bytes: 512 * 1024,
             spin: Duration::from_micros(50),
             yield_while_spinning: false,
-            thresholds: None,
+            model: CostModel::default(),
             force_algo: None,
             per_host: 0,
         }

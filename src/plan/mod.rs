@@ -41,6 +41,7 @@ use std::fmt;
 use std::ops::Range;
 
 pub mod algo;
+pub mod model;
 pub mod sim;
 
 /// A rank number.
@@ -365,7 +366,7 @@ impl fmt::Display for Collective {
     }
 }
 
-/// The algorithms. Which one runs is chosen by [`choose`] from the message size, or forced
+/// The algorithms. Which one runs is chosen by [`choose`] from the cost model, or forced
 /// (`DSPARK_ALGO`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -496,80 +497,17 @@ impl fmt::Display for Algorithm {
     }
 }
 
-/// Size thresholds (bytes of the whole buffer) at which the default algorithm changes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Thresholds {
-    /// Allreduce uses recursive doubling below this many bytes, ring at or above.
-    pub allreduce_ring_bytes: usize,
-    /// Broadcast and reduce use a binomial tree below this, a pipelined chain at or above.
-    pub chain_bytes: usize,
-    /// Allreduce on several hosts of several ranks ([`hierarchical_fits`]) uses the
-    /// hierarchical algorithm instead of the ring at or above this. Measured 2026-12-01 on
-    /// 2 cores, 4 ranks as 2 hosts × 2 over shm+tcp on loopback, interleaved, 3–4 runs each:
-    /// hier/ring 0.4–0.7 at 4 MiB and 0.4–0.9 at 16 MiB, but from 64 KiB to 1 MiB slower in
-    /// most runs (up to 1.5x; faster in some) — over pure TCP as well, so not because of the
-    /// mixed transport's waits. Four ranks on two cores and loopback without a network
-    /// bottleneck (the case the algorithm is for) are not its setting; on real hosts it likely
-    /// pays earlier, which this machine cannot show.
-    pub hier_bytes: usize,
-}
-
-impl Default for Thresholds {
-    fn default() -> Self {
-        Thresholds {
-            allreduce_ring_bytes: 64 * 1024,
-            chain_bytes: 64 * 1024,
-            hier_bytes: 4 << 20,
-        }
-    }
-}
-
-impl Thresholds {
-    /// The defaults for `world` ranks. Recursive doubling sends the whole buffer log2(n)
-    /// times in log2(n) steps, the ring 2(n−1)/n of it in 2(n−1) steps: with few ranks the
-    /// ring's extra steps cost more than doubling's extra bytes up to megabytes (measured
-    /// over TCP loopback: with 2 ranks doubling is faster up to 1–2 MiB), with more ranks only
-    /// for small buffers. With 3–8 ranks the ring wins from 128 KiB (measured 2026-12-01,
-    /// interleaved, on 2 cores: ring/doubling with 4 ranks 0.85 at 128 KiB, 0.72 at 256 KiB,
-    /// 0.70 at 512 KiB in time and 0.65–0.77 in CPU time; with 8 ranks 0.90 at 128 KiB, 0.75
-    /// at 256 KiB; doubling stays ahead at 64–96 KiB): with 4 ranks doubling moves and
-    /// reduces the whole buffer at each of its 2 steps, the ring 3/4 of those bytes and 3/8
-    /// of those reductions, which decides once ranks share cores.
-    pub fn for_world(world: usize) -> Self {
-        let allreduce_ring_bytes = match world {
-            0..=2 => 2 << 20,
-            3..=16 => 128 << 10,
-            _ => 64 << 10,
-        };
-        Thresholds {
-            allreduce_ring_bytes,
-            ..Self::default()
-        }
-    }
-}
-
-/// The default algorithm for `coll` on `bytes` bytes (the whole buffer) over `world` ranks.
-pub fn choose(coll: Collective, bytes: usize, world: usize, t: &Thresholds) -> Algorithm {
-    match coll {
-        Collective::AllReduce => {
-            if bytes < t.allreduce_ring_bytes || world <= 1 {
-                Algorithm::RecursiveDoubling
-            } else {
-                Algorithm::Ring
-            }
-        }
-        Collective::AllGather | Collective::ReduceScatter => Algorithm::Ring,
-        Collective::Broadcast | Collective::Reduce => {
-            if bytes < t.chain_bytes || world <= 2 {
-                Algorithm::BinomialTree
-            } else {
-                Algorithm::Chain
-            }
-        }
-        Collective::AllToAll => Algorithm::Pairwise,
-        Collective::Barrier => Algorithm::Dissemination,
-        Collective::SendRecv => Algorithm::Direct,
-    }
+/// The default algorithm for `coll` on `bytes` bytes (the whole buffer) over `world` ranks
+/// with `per_host` ranks per host ([`Request::per_host`]): the one `model` predicts fastest
+/// ([`model::CostModel::choose`]).
+pub fn choose(
+    coll: Collective,
+    bytes: usize,
+    world: usize,
+    per_host: usize,
+    model: &model::CostModel,
+) -> Algorithm {
+    model.choose(coll, bytes, world, per_host)
 }
 
 /// What one rank asks for: enough to build its schedule.
