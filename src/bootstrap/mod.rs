@@ -1828,6 +1828,39 @@ impl Bootstrap {
         self.peers.iter().filter(|p| &p.host == me).count()
     }
 
+    /// Rank 0's `mine`, on every rank (rank 0 sends it to each rank once: O(n)).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] by the configured deadline, [`Error::PeerLost`], [`Error::Io`].
+    pub fn broadcast_root(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
+        if self.world == 1 {
+            return Ok(mine.to_vec());
+        }
+        let start = Instant::now();
+        let cfg = Config::new(self.rank, self.world, String::new());
+        let ctx = Ctx {
+            cfg: &cfg,
+            sec: Secret::of(&cfg),
+            deadline: crate::config::deadline(start, self.timeout),
+            start,
+        };
+        if self.rank == 0 {
+            for (r, slot) in self.star.iter_mut().enumerate().skip(1) {
+                let s = slot
+                    .as_mut()
+                    .ok_or_else(|| ctx.bad(Some(r), "no connection".into()))?;
+                ctx.send(s, Some(r), msg::encode_blob(mine))?;
+            }
+            Ok(mine.to_vec())
+        } else {
+            let s = self.star[0]
+                .as_mut()
+                .ok_or_else(|| ctx.bad(Some(0), "no connection".into()))?;
+            let m = ctx.recv(s, Some(0), "waiting for rank 0's init data")?;
+            msg::decode_blob(&m).map_err(|w| ctx.bad(Some(0), w))
+        }
+    }
+
     /// Gathers one blob from every rank, in rank order, over the data connections in `mesh`
     /// (the rendezvous's, as [`rendezvous_with`] returned them): Bruck's all-gather, in which
     /// at step `k` each rank sends what it holds to the rank `2^k` below it and receives from

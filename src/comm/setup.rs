@@ -351,8 +351,8 @@ impl Communicator {
             ..CostModel::new(medium, costs)
         };
         if config.world_size > 1 {
-            let all = boot.all_gather(&encode_model(&model, &model_source))?;
-            match all.first().and_then(|b| decode_model(b)) {
+            let root = boot.broadcast_root(&encode_model(&model, &model_source))?;
+            match decode_model(&root) {
                 Some((m, src)) => {
                     if config.rank != 0 && (m != model || src != model_source) {
                         model_source = format!("rank 0's: {src}");
