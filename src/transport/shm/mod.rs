@@ -705,7 +705,11 @@ impl ShmTransport {
             self.examine(i);
         }
         for i in 0..self.peers.len() {
-            if self.aborted_peer(i) {
+            // An abort counts once everything the peer sent before it is taken, as over TCP
+            // (where the abort frame queues behind the data): a rank still finishing a call
+            // whose frames are all in the ring must not fail it for the peer's later failure.
+            let pending = self.peers[i].as_ref().is_some_and(|p| self.rx_pending(p));
+            if self.aborted_peer(i) && !pending {
                 if let Some(e) = self.status_error(i, "communicator") {
                     return Err(e);
                 }
