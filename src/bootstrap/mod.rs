@@ -1541,11 +1541,12 @@ fn peer_mismatch(ctx: &Ctx<'_>, peer: usize, what: String) -> Error {
     }
 }
 
-/// Data connections made after init, on first use (the pairs that
-/// [`rendezvous_with`]'s `links` left out): the higher rank of a pair connects to the lower
-/// one's data listener, and both prove the job token exactly as in [`connect_mesh`]. Never
-/// blocks on a peer: [`crate::transport::tcp::Links::progress`] advances the handshakes
-/// whose next message has arrived.
+/// Data connections made after init, on first use (the pairs that [`rendezvous_with`]'s
+/// `links` left out): the rank that needs the pair first connects to the other's data
+/// listener, and both prove the job token as when the ranks connect at init; when both
+/// connect at once, the higher rank's connection is kept. Never blocks on a peer:
+/// [`crate::transport::tcp::Links::progress`] advances the handshakes whose next message has
+/// arrived.
 pub struct LazyLinks {
     cfg: Config,
     sec: Secret,
