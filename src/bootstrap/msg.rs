@@ -360,7 +360,7 @@ impl Reply {
                 // rank itself and its init-time partners, in rank order; the others are
                 // gathered from the ranks themselves over those connections.
                 let n = r.u32()? as usize;
-                if n > world || n == 0 {
+                if n > world || (n == 0 && world > 0) {
                     return Err(format!("rank table has {n} entries, world size is {world}"));
                 }
                 // Each entry takes at least 14 bytes: a table longer than the message is
