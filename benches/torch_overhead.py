@@ -21,6 +21,12 @@ machine noise hits them alike), and the medians over rounds are reported, per ca
   backend registers as PACKAGE): `old_dist` / `old_direct` through it, for A/B in one job.
 
 "binding" = dist - bench: what the binding (torch's dispatch included) adds over the library.
+
+On a loaded machine the 2-rank times swing with preemption (a rank waits for a descheduled
+peer). The per-call costs themselves are measured robustly on one rank with the thread's CPU
+time: `torchrun --standalone --nproc-per-node 1 benches/torch_overhead.py --clock cpu
+--bench ''` (world of 1: the collective does no communication, so what remains is the
+binding's and torch's own code).
 """
 
 import argparse
@@ -141,8 +147,11 @@ def main():
     ap.add_argument("--bench", default="target/release/dspark-bench")
     ap.add_argument("--gloo", action="store_true")
     ap.add_argument("--old", default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (robust under load; world of 1)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    clock = time.perf_counter if a.clock == "wall" else time.thread_time
 
     register_noop()
     if a.old:
@@ -162,14 +171,14 @@ def main():
 
     def timed(fn, iters):
         dist.barrier(group=ctl)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             fn()
-        return (time.perf_counter() - t0) / iters
+        return (clock() - t0) / iters
 
     if rank == 0:
         print(f"# torch {torch.__version__}, {n} ranks, float32 sum, {a.rounds} interleaved "
-              f"rounds, medians; dspark {type(be_new).__name__}"
+              f"rounds, medians of {a.clock} time; dspark {type(be_new).__name__}"
               + (f", old = {a.old}" if a.old else ""), flush=True)
     rows = []
     for nbytes in [parse_size(s) for s in a.sizes.split(",")]:
@@ -192,7 +201,8 @@ def main():
             cases["old_direct"] = lambda: be_old.allreduce([t], opts).wait()
         if a.gloo:
             cases["gloo"] = lambda: dist.all_reduce(t, group=ctl)
-        probe = max(timed(cases["dist"], 3), timed(cases["dist"], 20))
+        timed(cases["dist"], 20)
+        probe = timed(cases["dist"], 200)
         iters = max(3, min(50000, int(a.budget / max(probe, 1e-7))))
         it = torch.tensor([iters], dtype=torch.int64)
         dist.all_reduce(it, op=dist.ReduceOp.MAX, group=ctl)
@@ -211,7 +221,7 @@ def main():
             for k in keys:
                 res[k].append(timed(cases[k], gloo_iters if k == "gloo" else iters))
             dist.barrier(group=ctl)
-            if a.bench:
+            if a.bench and n == 2:
                 b = torch.zeros(1, dtype=torch.float64)
                 if rank == 0:
                     b[0] = run_bench(a.bench, count * 4)
