@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benches/torch_overhead.py [--sizes 8,4K,1M]
         [--rounds 7] [--budget 0.1] [--bench target/release/dspark-bench] [--gloo]
-        [--old PACKAGE] [--json out.json]
+        [--old PACKAGE] [--bind] [--clock wall|cpu] [--json out.json]
 
 Per size, `rounds` rounds; in each round every contender runs back to back (interleaved, so
 machine noise hits them alike), and the medians over rounds are reported, per call:
@@ -32,6 +32,7 @@ binding's and torch's own code).
 import argparse
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -149,8 +150,13 @@ def main():
     ap.add_argument("--old", default=None)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (robust under load; world of 1)")
+    ap.add_argument("--bind", action="store_true",
+                    help="bind each rank to core LOCAL_RANK (as dspark-bench binds its ranks)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.bind:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
     clock = time.perf_counter if a.clock == "wall" else time.thread_time
 
     register_noop()
@@ -229,7 +235,8 @@ def main():
                 res["bench"].append(float(b[0]))
         med = {k: statistics.median(v) * 1e6 for k, v in res.items() if v}
         spread = {k: (min(v) * 1e6, max(v) * 1e6) for k, v in res.items() if v}
-        row = {"bytes": count * 4, "iters": iters, "median_us": med, "range_us": spread}
+        row = {"bytes": count * 4, "iters": iters, "median_us": med, "range_us": spread,
+               "rounds_us": {k: [x * 1e6 for x in v] for k, v in res.items() if v}}
         if "bench" in med:
             row["binding_us"] = med["dist"] - med["bench"]
             if "old_dist" in med:
@@ -242,7 +249,9 @@ def main():
             for k in res:
                 if res[k]:
                     lo, hi = spread[k]
-                    print(f"  {k:12s} {med[k]:10.2f} us   (rounds {lo:.2f} .. {hi:.2f})")
+                    q1 = statistics.quantiles(res[k], n=4)[0] * 1e6 if len(res[k]) > 1 else lo
+                    print(f"  {k:12s} {med[k]:10.2f} us   (rounds: min {lo:.2f}, "
+                          f"first quartile {q1:.2f}, max {hi:.2f})")
             if "binding_us" in row:
                 print(f"  binding = dist - bench: {row['binding_us']:.2f} us"
                       + (f"; old: {row['old_binding_us']:.2f} us" if "old_binding_us" in row
