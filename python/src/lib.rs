@@ -348,6 +348,51 @@ fn raw_call(
     })
 }
 
+/// The dtypes of `_all_reduce`, by index (the module exports their names as `_FAST_DTYPES`).
+const FAST_DTYPES: [DataType; 10] = [
+    DataType::F32,
+    DataType::F64,
+    DataType::F16,
+    DataType::BF16,
+    DataType::I8,
+    DataType::U8,
+    DataType::I32,
+    DataType::I64,
+    DataType::U32,
+    DataType::U64,
+];
+
+/// The ops of `_all_reduce`, by index (exported as `_FAST_OPS`).
+const FAST_OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+];
+
+fn fast_call(
+    ptr: usize,
+    count: usize,
+    dtype: usize,
+    op: usize,
+    timeout: Option<f64>,
+) -> PyResult<RawCall> {
+    let (Some(&dtype), Some(&op)) = (FAST_DTYPES.get(dtype), FAST_OPS.get(op)) else {
+        return Err(InvalidArgumentError::new_err(format!(
+            "dspark: no dtype {dtype} or op {op} in the fast tables"
+        )));
+    };
+    Ok(RawCall {
+        op: RawOp::AllReduce(op),
+        dtype,
+        send: ptr as *const u8,
+        recv: ptr as *mut u8,
+        count,
+        timeout: secs(timeout)?,
+    })
+}
+
 fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Config> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     // Rank 0's address comes from the store; MASTER_ADDR / DSPARK_ROOT_ADDR, where set,
@@ -477,6 +522,32 @@ impl PyComm {
             // SAFETY: the Python caller (dspark/_buffers.py) passes the data pointers and
             // sizes of live contiguous arrays or tensors that it references until this call
             // returns, and this call returns only after the operation completed.
+            unsafe { c.run_raw(&call.0) }
+        })
+        .map_err(py_err)
+    }
+
+    /// `_run("all_reduce", ...)` in place on one buffer, for the torch backend's fast path
+    /// (one small call per `dist.all_reduce`): the dtype and the op are indices into
+    /// `FAST_DTYPES` and `FAST_OPS` (the module's `_FAST_DTYPES` / `_FAST_OPS`), not names.
+    /// Same contract as `_run`.
+    #[pyo3(signature = (ptr, count, dtype, op, timeout=None))]
+    fn _all_reduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        count: usize,
+        dtype: usize,
+        op: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let call = fast_call(ptr, count, dtype, op, timeout)?;
+        let c = self.get()?;
+        let call = SendCall(call);
+        py.detach(move || {
+            let call = call;
+            // SAFETY: as in `_run`: the pointer and count are those of a live contiguous
+            // tensor that the caller references until this call returns.
             unsafe { c.run_raw(&call.0) }
         })
         .map_err(py_err)
@@ -685,5 +756,7 @@ fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnavailableError", py.get_type::<UnavailableError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("_FAST_DTYPES", FAST_DTYPES.map(|d| d.rust_name()).to_vec())?;
+    m.add("_FAST_OPS", FAST_OPS.map(|o| o.name()).to_vec())?;
     Ok(())
 }

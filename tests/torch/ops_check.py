@@ -1021,6 +1021,41 @@ def check_async():
             run_check(lab, one)
 
 
+def check_sync_work():
+    """A synchronous all_reduce's Work (the one torch waits on and drops), from the backend
+    called directly: wait() is True and get_future() completes with that call's tensor list,
+    for two calls in a row on different tensors (a backend may reuse one Work for them)."""
+    w, r = CK.world, CK.rank
+    with group("sync_work") as g:
+        if not g.on:
+            return
+        pg = dist.group.WORLD
+        try:
+            be = pg._get_backend(torch.device("cpu"))
+        except Exception:  # noqa: BLE001 - a Python ProcessGroup is its own backend
+            be = pg
+        for dtype, n, opname in ((torch.float32, 2, "SUM"), (torch.int64, 5, "MAX")):
+            CK.local["sizes"].append(n)
+            lab = f"op=sync_work dtype={dtype} size={n} rank={r}"
+
+            def one(dtype=dtype, n=n, opname=opname, lab=lab):
+                a = make(dtype, n, f"sw/{n}")
+                t = a.clone()
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = getattr(R, opname)
+                if hasattr(opts, "asyncOp"):
+                    opts.asyncOp = False
+                work = be.allreduce([t], opts)
+                ok = work.wait()
+                CK.count()
+                if ok is not True and ok is not None:
+                    CK.fail(lab, f"Work.wait() returned {ok!r}")
+                check_future(lab, work.get_future().value(), t, "first")
+                compare(lab, t, ref_reduce_all(a, opname), opname)
+
+            run_check(lab, one)
+
+
 def check_future(lab, val, got, kind):
     CK.count()
     if not isinstance(val, list) or not all(isinstance(t, torch.Tensor) for t in val):
@@ -1100,7 +1135,8 @@ def main():
     fatal = None
     for fn in (check_identity, check_all_reduce, check_reduce, check_broadcast, check_all_gather,
                check_reduce_scatter, check_all_to_all, check_send_recv, check_barrier,
-               check_gather_scatter, check_coalesced, check_non_contiguous, check_async, check_groups):
+               check_gather_scatter, check_coalesced, check_non_contiguous, check_async,
+               check_sync_work, check_groups):
         try:
             fn()
         except Fatal as e:
