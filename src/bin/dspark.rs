@@ -29,6 +29,10 @@ use dspark::path::{
 use dspark::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
 use serde::Serialize;
 
+// The CPU binding of dspark-bench's spawned ranks, which `dspark tune` gives its ranks too.
+#[path = "bench/bind.rs"]
+#[allow(dead_code)]
+mod bind;
 #[path = "tools/model.rs"]
 mod model;
 #[path = "tools/tune.rs"]

@@ -2,11 +2,12 @@
 //! ([`dspark::plan::model`]) and writes them to the tune file that init reads.
 //!
 //! * α: the one-way time of an 8-byte ping-pong between 2 local ranks (half the round trip);
-//! * β: the per-byte cost of an exchange (both ranks send and receive at once) of 1 and 4 MiB,
-//!   less the 8-byte exchange's time;
+//! * β: the per-byte cost of an exchange (both ranks send and receive at once: a 2-rank
+//!   all-gather) of 1 and 4 MiB, less the 8-byte exchange's time;
 //! * γ: the f32 sum kernel (`dst += src`) over 1 and 4 MiB buffers, in this process;
-//! * the oversubscription constant: the per-hop time of an 8-byte token passed around 2 ranks
-//!   per core (only on hosts of at most 4 cores, and not with `--quick`), less α.
+//! * the oversubscription constant: the one-way time of 8-byte ping-pongs that 2 ranks per core
+//!   run in pairs at once (only on hosts of at most 4 cores, and not with `--quick`), less α,
+//!   per core's worth of extra ranks.
 //!
 //! The ranks are copies of this program (`dspark tune-rank`, hidden), started on 127.0.0.1 as
 //! `dspark-bench --ranks` starts its own, each with a deadline. Every figure is a median of
@@ -21,6 +22,8 @@ use clap::{Args, ValueEnum};
 use dspark::plan::model::{self, Costs, Medium};
 use dspark::types::human_bytes;
 use dspark::{Communicator, ReduceOp};
+
+use crate::bind::{self, Bind};
 
 /// `dspark tune`'s arguments.
 #[derive(Args, Debug)]
@@ -57,7 +60,8 @@ impl TuneTransport {
 /// The hidden `dspark tune-rank`: one rank of a measurement.
 #[derive(Args, Debug)]
 pub struct RankArgs {
-    /// pair: ping-pong and exchanges between ranks 0 and 1; ring: an 8-byte token around all.
+    /// pair: ping-pong and exchanges between ranks 0 and 1; crowd: every rank ping-pongs with
+    /// its neighbour at once.
     #[arg(long, value_enum)]
     mode: RankMode,
     /// Fewer samples.
@@ -68,14 +72,14 @@ pub struct RankArgs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum RankMode {
     Pair,
-    Ring,
+    Crowd,
 }
 
 impl RankMode {
     fn name(self) -> &'static str {
         match self {
             RankMode::Pair => "pair",
-            RankMode::Ring => "ring",
+            RankMode::Crowd => "crowd",
         }
     }
 }
@@ -106,10 +110,16 @@ fn elapsed_us(t: Instant) -> f64 {
 /// Runs one rank; rank 0 prints `RESULT <key> [<bytes>] <value>` lines for the parent.
 pub fn rank_main(args: &RankArgs) -> ExitCode {
     let run = || -> Result<(), String> {
+        // The binding the parent chose (one core each, as `dspark-bench --bind core`).
+        if let Ok(list) = std::env::var(bind::CPUS_ENV) {
+            if !list.is_empty() {
+                bind::bind_to(&bind::parse_list(&list))?;
+            }
+        }
         let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
         match args.mode {
             RankMode::Pair => pair(&comm, args.quick),
-            RankMode::Ring => ring(&comm, args.quick),
+            RankMode::Crowd => crowd(&comm, args.quick),
         }
         .map_err(|e| e.to_string())
     };
@@ -149,18 +159,17 @@ fn pair(comm: &Communicator, quick: bool) -> dspark::Result<()> {
     for _ in 0..if quick { 15 } else { 41 } {
         alpha.push(ping_pong(20)?);
     }
-    // Time of one exchange of `bytes` each way, µs, over `iters` back-to-back exchanges.
+    // Time of one exchange of `bytes` each way, µs, over `iters` back-to-back exchanges: a
+    // 2-rank all-gather (each rank sends its block and receives the other's at once, as the
+    // engine runs a collective's step; it also copies its own block locally). Not a send and
+    // a receive started together in a scope: those deadlock once a message outgrows what the
+    // transport buffers (found here: shm from 4 MiB, tcp from 32 MiB; see the report).
     let exchange = |bytes: usize, iters: usize| -> dspark::Result<f64> {
         let out = vec![1u8; bytes];
-        let mut inb = vec![0u8; bytes];
+        let mut inb = vec![0u8; 2 * bytes];
         let t = Instant::now();
         for _ in 0..iters {
-            comm.scope(|s| -> dspark::Result<()> {
-                let w = s.send(&out, peer)?;
-                let r = s.recv(&mut inb, peer)?;
-                w.wait()?;
-                r.wait()
-            })?;
+            comm.all_gather(&out, &mut inb)?;
         }
         Ok(elapsed_us(t) / iters as f64)
     };
@@ -189,32 +198,36 @@ fn pair(comm: &Communicator, quick: bool) -> dspark::Result<()> {
     Ok(())
 }
 
-/// An 8-byte token around all ranks: the time per hop when ranks share cores.
-fn ring(comm: &Communicator, quick: bool) -> dspark::Result<()> {
+/// Every rank ping-pongs 8 bytes with its neighbour (`rank ^ 1`) at once: the one-way time
+/// of a hop while all ranks are busy, as in a collective's step (the ranks outnumbering the
+/// cores, each hop waits for the scheduler to run its receiver).
+fn crowd(comm: &Communicator, quick: bool) -> dspark::Result<()> {
     let (rank, n) = (comm.rank(), comm.world_size());
-    if n < 2 {
-        return Ok(());
+    let peer = rank ^ 1;
+    if peer >= n {
+        return comm.barrier();
     }
-    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let mut token = [0u8; 8];
-    let mut laps = |k: usize| -> dspark::Result<f64> {
+    let mut ping_pong = |iters: usize| -> dspark::Result<f64> {
         let t = Instant::now();
-        for _ in 0..k {
-            if rank == 0 {
-                comm.send(&token, next)?;
-                comm.recv(&mut token, prev)?;
+        for _ in 0..iters {
+            if rank % 2 == 0 {
+                comm.send(&token, peer)?;
+                comm.recv(&mut token, peer)?;
             } else {
-                comm.recv(&mut token, prev)?;
-                comm.send(&token, next)?;
+                comm.recv(&mut token, peer)?;
+                comm.send(&token, peer)?;
             }
         }
-        Ok(elapsed_us(t) / (k * n) as f64)
+        Ok(elapsed_us(t) / (2 * iters) as f64)
     };
-    laps(20)?;
+    ping_pong(50)?;
     let mut hop = Vec::new();
-    for _ in 0..if quick { 9 } else { 21 } {
-        hop.push(laps(10)?);
+    for _ in 0..if quick { 9 } else { 31 } {
+        hop.push(ping_pong(20)?);
     }
+    // Every pair has finished before rank 0 reports (so none ran alone at the end).
+    comm.barrier()?;
     if rank == 0 {
         let m = comm.cost_model();
         println!("RESULT hop_us {}", median(hop));
@@ -245,6 +258,10 @@ fn spawn_ranks(
         TuneTransport::Tcp => "tcp",
         TuneTransport::Shm => "shm",
     };
+    // One core each, as dspark-bench binds its ranks (unbound where they outnumber the cores,
+    // as mpirun leaves oversubscribed ranks): unbound ranks measured 60 µs one way here
+    // instead of 4, the scheduler moving them.
+    let binding = bind::plan(Bind::Core, n, &bind::allowed(), Path::new("/sys"));
     let mut children: Vec<Child> = Vec::new();
     let kill_all = |children: &mut Vec<Child>| {
         for c in children.iter_mut() {
@@ -273,11 +290,16 @@ fn spawn_ranks(
         ] {
             cmd.env_remove(v);
         }
+        match binding.as_ref().and_then(|p| p.get(r)) {
+            Some(cpus) => cmd.env(bind::CPUS_ENV, bind::format_list(cpus)),
+            None => cmd.env_remove(bind::CPUS_ENV),
+        };
         cmd.env("DSPARK_RANK", r.to_string())
             .env("DSPARK_WORLD_SIZE", n.to_string())
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
             .env("DSPARK_TRANSPORT", tname)
-            .env("DSPARK_TIMEOUT", limit.as_secs().max(1).to_string())
+            // The ranks' own deadline comes first, so that a stuck rank says where.
+            .env("DSPARK_TIMEOUT", (limit.as_secs() / 3).max(1).to_string())
             .stdin(Stdio::null())
             .stdout(if r == 0 {
                 Stdio::piped()
@@ -490,14 +512,14 @@ fn tune(args: &TuneArgs) -> Result<(), String> {
         );
     } else {
         let n = 2 * cores.max(1);
-        let ring_out = spawn_ranks(n, args.transport, RankMode::Ring, args.quick, limit)?;
+        let ring_out = spawn_ranks(n, args.transport, RankMode::Crowd, args.quick, limit)?;
         let hop = one(&ring_out, "hop_us")?;
         let model_cores = one(&ring_out, "cores")?;
         let f = n as f64 / model_cores.max(1.0);
         if f > 1.0 {
             oversub = ((hop - alpha) / (f - 1.0)).max(0.0);
             oversub_note =
-                format!("{n} ranks on {model_cores} cores: {hop:.1} µs per hop of an 8-byte token");
+                format!("{n} ranks on {model_cores} cores, each ping-ponging 8 bytes with a neighbour at once: {hop:.1} µs one way");
         } else {
             oversub_note = format!(
                 "not measured ({n} ranks on {model_cores} cores is not oversubscribed): the default"
@@ -568,7 +590,7 @@ fn tune(args: &TuneArgs) -> Result<(), String> {
             "method",
             format!(
                 "alpha: median one-way time of an 8-byte ping-pong between 2 local ranks; beta: \
-                 (exchange time - 8-byte exchange time) / bytes at {}; gamma: the f32 sum kernel \
+                 (2-rank all-gather time - its 8-byte time) / bytes at {}; gamma: the f32 sum kernel \
                  at {}; alpha_oversub: {oversub_note}",
                 sizes_text(&beta_sizes),
                 sizes_text(&gamma_sizes)
