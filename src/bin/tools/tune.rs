@@ -3,7 +3,11 @@
 //!
 //! * α: the one-way time of an 8-byte ping-pong between 2 local ranks (half the round trip);
 //! * β: the per-byte cost of an exchange (both ranks send and receive at once: a 2-rank
-//!   all-gather) of 1 and 4 MiB, less the 8-byte exchange's time;
+//!   all-gather) less the 8-byte exchange's time, the median over 64 KiB, 256 KiB, 1 MiB and
+//!   4 MiB (where the crossovers fall; 1 MiB alone with `--quick`). Not 1–4 MiB alone: on the
+//!   development machine 4 MiB ran at 1 GB/s over tcp while 64 KiB–1 MiB ran at 3.4–4 GB/s,
+//!   and a β from 1 and 4 MiB alone (0.5 GB/s in a loaded run) made the model pick the ring
+//!   from 16 KiB for 4 ranks on 2 cores, where doubling measured 1.6–2.2x faster;
 //! * γ: the f32 sum kernel (`dst += src`) over 1 and 4 MiB buffers, in this process;
 //! * the oversubscription constant: the one-way time of 8-byte ping-pongs that 2 ranks per core
 //!   run in pairs at once (only on hosts of at most 4 cores, and not with `--quick`), less α,
@@ -173,7 +177,11 @@ fn pair(comm: &Communicator, quick: bool) -> dspark::Result<()> {
         }
         Ok(elapsed_us(t) / iters as f64)
     };
-    let sizes: &[usize] = if quick { &[8, MIB] } else { &[8, MIB, 4 * MIB] };
+    let sizes: &[usize] = if quick {
+        &[8, MIB]
+    } else {
+        &[8, 64 << 10, 256 << 10, MIB, 4 * MIB]
+    };
     let mut times = Vec::new();
     for &b in sizes {
         let out = vec![1u8; b];
