@@ -1543,7 +1543,7 @@ fn peer_mismatch(ctx: &Ctx<'_>, peer: usize, what: String) -> Error {
 
 /// Data connections made after init, on first use (the pairs that
 /// [`rendezvous_with`]'s `links` left out): the higher rank of a pair connects to the lower
-/// one's data listener, and both prove the job token exactly as in [`connect_mesh`]. Never
+/// one's data listener, and both prove the job token exactly as in `connect_mesh`. Never
 /// blocks on a peer: [`crate::transport::tcp::Links::progress`] advances the handshakes
 /// whose next message has arrived.
 pub struct LazyLinks {
