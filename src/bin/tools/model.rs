@@ -44,7 +44,7 @@ pub struct ModelArgs {
     /// Cores per host (with --local-ranks).
     #[arg(long, requires = "local_ranks")]
     cores: Option<usize>,
-    /// Pipeline segment size (DSPARK_SEGMENT's default unless given).
+    /// Pipeline segment size (`DSPARK_CHUNK_BYTES`; the library's default unless given).
     #[arg(long, default_value = "512K", value_parser = parse_bytes)]
     segment: usize,
     /// Only the crossover table.
