@@ -8,6 +8,10 @@
 //! dspark doctor --compile-kernels      # compile every reduction kernel with NVRTC (no GPU needed)
 //! dspark doctor --compile-kernels --arch sm_90 --arch sm_80
 //! dspark doctor --require gpu-direct   # exit 1, saying why, unless GPUDirect RDMA is usable
+//! dspark tune                          # measure the cost model's constants, write the tune file
+//! dspark tune --transport shm --out tune.json --quick
+//! dspark model                         # predicted allreduce times and crossovers, 8..4096 ranks
+//! dspark model --ranks 2,4 --local-ranks 4 --cores 2
 //! ```
 
 use std::collections::BTreeSet;
@@ -25,6 +29,15 @@ use dspark::path::{
 use dspark::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
 use serde::Serialize;
 
+// The CPU binding of dspark-bench's spawned ranks, which `dspark tune` gives its ranks too.
+#[path = "bench/bind.rs"]
+#[allow(dead_code)]
+mod bind;
+#[path = "tools/model.rs"]
+mod model;
+#[path = "tools/tune.rs"]
+mod tune;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "dspark",
@@ -41,6 +54,15 @@ enum Command {
     /// Explain this machine: RDMA, locked memory, CUDA, GPUDirect RDMA, NVRTC, and the data
     /// path device buffers would take.
     Doctor(DoctorArgs),
+    /// Measure the cost model's constants on this machine (α, β between 2 local ranks over
+    /// the transport; γ of the reduction kernel) and write the tune file init reads.
+    Tune(tune::TuneArgs),
+    /// The cost model's predicted allreduce time per algorithm, size and world, and where the
+    /// cheapest algorithm changes (from the tune file's constants, else the defaults).
+    Model(model::ModelArgs),
+    /// One rank of a `dspark tune` measurement (started by `dspark tune`).
+    #[command(hide = true)]
+    TuneRank(tune::RankArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum, Serialize)]
@@ -1255,6 +1277,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Command::Doctor(args) => doctor(args),
+        Command::Tune(args) => tune::tune_main(args),
+        Command::Model(args) => model::model_main(args),
+        Command::TuneRank(args) => tune::rank_main(args),
     }
 }
 

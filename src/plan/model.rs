@@ -39,6 +39,21 @@
 //!   predicts the hierarchical algorithm ahead at every size: fewer hops, the ring's bytes).
 //!   [`CostModel::hier_min_bytes`] keeps that measured floor.
 //!
+//! One effect the closed forms miss at scale is taken from NCCL's published tuning model:
+//!
+//! * **The double binary tree moves its bytes less efficiently than the ring**
+//!   ([`TREE_BANDWIDTH_EFFICIENCY`]). Counted per rank, the tree sends and receives 2× the
+//!   buffer, the ring 2(n−1)/n×: from a few hundred ranks the two are equal, and the ring's
+//!   2(n−1) latencies then keep it behind the tree's 2⌊log2 n⌋ at every size — at 4096 ranks
+//!   the ring would not win below ~130 GB. NCCL's tuner (`src/graph/tuning.cc`) discounts the
+//!   tree's bus bandwidth for allreduce to 0.92 of the ring's (the inner ranks of a tree serve
+//!   three links at once, two of them in one direction), so that at scale it takes the tree for
+//!   small and medium buffers and returns to the ring for the largest. The model does the
+//!   same: the tree's per-byte costs (β and γ) are divided by 0.92. With the default tcp
+//!   constants the ring returns from 512 MiB at 4096 ranks and from 128 MiB at 1024. Not
+//!   measured here (2 cores cannot run a tree deep enough to show it); with 3–8 ranks the tree
+//!   measured slower than the ring on this machine, the direction of the discount.
+//!
 //! The closed forms are O(1) (no schedule is built), so choosing per call costs nanoseconds.
 //!
 //! # Fitting the defaults
@@ -460,7 +475,14 @@ impl CostModel {
         let k = &self.costs;
         let f = self.oversubscription();
         let alpha = k.alpha_us + k.alpha_oversub_us * (f - 1.0);
-        let (beta, gamma) = (k.beta_us_per_byte, k.gamma_us_per_byte);
+        let (beta, gamma) = if algo == Algorithm::Tree && coll == Collective::AllReduce {
+            (
+                k.beta_us_per_byte / TREE_BANDWIDTH_EFFICIENCY,
+                k.gamma_us_per_byte / TREE_BANDWIDTH_EFFICIENCY,
+            )
+        } else {
+            (k.beta_us_per_byte, k.gamma_us_per_byte)
+        };
         let seg = self.segment_bytes.max(1) as f64;
         // The critical path, as stretches of hops of one size (no allocation: this runs on
         // every call).
@@ -583,6 +605,11 @@ impl CostModel {
         best.map_or(fallback(coll), |(a, _)| a)
     }
 }
+
+/// The double binary tree allreduce's bandwidth relative to the ring's: its per-byte costs are
+/// divided by this (NCCL's tuning model discounts the tree's bus bandwidth for allreduce by the
+/// same 0.92; module docs).
+pub const TREE_BANDWIDTH_EFFICIENCY: f64 = 0.92;
 
 /// The order in which [`CostModel::choose`] tries the algorithms: on a tie (within the
 /// model's resolution) the one with fewer hops wins.
@@ -1170,22 +1197,75 @@ mod choice {
     }
 
     #[test]
-    fn at_scale_the_tree_takes_the_middle_sizes_and_doubling_the_smallest() {
-        // Not oversubscribed, 64..4096 ranks: doubling's log2 n hops win the smallest sizes,
-        // the tree's 2·log2 n hops of half the buffer the middle, the ring's 2(n−1) hops only
-        // pay where its 2(n−1)/n bytes per rank beat the tree's 2 by more than their α.
+    fn at_scale_the_tree_takes_the_middle_sizes_doubling_the_smallest_and_the_ring_the_largest() {
+        // Not oversubscribed, 256..4096 ranks: doubling's log2 n hops win the smallest sizes,
+        // the tree's 2·log2 n hops of half the buffer the middle; the ring's 2(n−1) hops pay
+        // only where the tree's discounted bandwidth (0.92 of the ring's) costs more than
+        // their α: from 512 MiB at 4096 ranks (2·4095·4 µs = 32.8 ms of latency against
+        // 2·c·β·(1/0.92 − 1) = 0.087 µs per KB), from 128 MiB at 1024 ranks.
+        let m = tcp(1, 1);
         for n in [64, 256, 1024, 4096] {
-            let m = tcp(1, 1);
             assert_eq!(
                 m.choose(Collective::AllReduce, 8, n, 0),
                 Algorithm::RecursiveDoubling
             );
+        }
+        for n in [256, 1024, 4096] {
             assert_eq!(
                 m.choose(Collective::AllReduce, 16 << 20, n, 0),
                 Algorithm::Tree,
                 "{n} ranks at 16 MiB"
             );
         }
+        for (n, ring_from) in [(1024, 128usize << 20), (4096, 512 << 20)] {
+            assert_eq!(
+                m.choose(Collective::AllReduce, ring_from, n, 0),
+                Algorithm::Ring,
+                "{n} ranks at {ring_from}"
+            );
+            assert_eq!(
+                m.choose(Collective::AllReduce, ring_from / 2, n, 0),
+                Algorithm::Tree,
+                "{n} ranks at {}",
+                ring_from / 2
+            );
+            assert_eq!(
+                m.choose(Collective::AllReduce, 1 << 30, n, 0),
+                Algorithm::Ring
+            );
+        }
+        // 64 ranks: the tree's 12 hops no longer repay its discount at 16 MiB.
+        assert_eq!(
+            m.choose(Collective::AllReduce, 16 << 20, 64, 0),
+            Algorithm::Ring
+        );
+    }
+
+    #[test]
+    fn the_trees_bytes_cost_its_efficiency_more_than_the_rings() {
+        // At 1 GiB over 4096 ranks the busiest rank bounds both: the tree's 4 sends of 2c
+        // bytes in all at β/0.92, the ring's 2·4095 sends of 2c·4095/4096 bytes at β. Worked
+        // out by hand from the defaults (α 4 µs, β 1/2000 µs/B), not from `volume`.
+        let m = tcp(1, 1);
+        let (n, c) = (4096usize, 1usize << 30);
+        let beta = 1.0 / 2000.0;
+        let tree = m
+            .predict(Collective::AllReduce, Algorithm::Tree, c, n, 0)
+            .unwrap();
+        let want_tree = 4.0 * 4.0 + 2.0 * c as f64 * beta / 0.92;
+        assert!(
+            (tree - want_tree).abs() < 1e-9 * want_tree,
+            "{tree} vs {want_tree}"
+        );
+        let ring = m
+            .predict(Collective::AllReduce, Algorithm::Ring, c, n, 0)
+            .unwrap();
+        let want_ring = 2.0 * 4095.0 * 4.0 + 2.0 * (c / n * 4095) as f64 * beta;
+        assert!(
+            (ring - want_ring).abs() < 1e-9 * want_ring,
+            "{ring} vs {want_ring}"
+        );
+        assert!(ring < tree);
     }
 
     #[test]
