@@ -130,7 +130,11 @@ def backend_of(group):
 
 def run_bench(path, nbytes):
     out = subprocess.run(
-        [path, "--ranks", "2", "-b", str(nbytes), "-e", str(nbytes), "--csv"],
+        [path, "--ranks", "2", "-b", str(nbytes), "-e", str(nbytes), "--csv"]
+        # The transport the torch ranks use (DSPARK_TRANSPORT), which the bench would
+        # otherwise choose for itself.
+        + (["--transport", os.environ["DSPARK_TRANSPORT"]]
+           if os.environ.get("DSPARK_TRANSPORT") else []),
         capture_output=True, text=True, timeout=300,
     )
     for line in out.stdout.splitlines():
