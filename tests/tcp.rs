@@ -226,9 +226,17 @@ fn scale_rank(comm: Communicator) -> Result<i32, String> {
     }
     comm.barrier().map_err(|e| format!("barrier: {e}"))?;
     let partners = dspark::plan::algo::standing_partners(n, r).len();
+    let info = comm.info();
+    let memory_reason = info
+        .transport_reason
+        .as_deref()
+        .is_some_and(|w| w.contains("available memory"));
     say(&format!(
-        "SCALE rank {r} connected {} partners {partners} sockets {} rss_kb {} hwm_kb {}",
-        comm.info().connected_at_init.unwrap_or(n - 1),
+        "SCALE rank {r} transport {} memory_reason {} connected {} partners {partners} \
+         sockets {} rss_kb {} hwm_kb {}",
+        info.transport,
+        u8::from(memory_reason),
+        info.connected_at_init.unwrap_or(n - 1),
         sockets(),
         status_kb("VmRSS"),
         status_kb("VmHWM"),
@@ -304,6 +312,35 @@ fn a_world_of_128_ranks_meets_reduces_and_synchronises_with_log_n_connections_pe
             s <= c + 2.0,
             "rank {r} holds {s} sockets with {c} data connections:\n{}",
             o.out
+        );
+    }
+}
+
+/// 128 ranks on one host with the transport left to dspark: shared memory would need a ring
+/// per ordered pair (128 × 127 rings of 2 MiB, 32 GiB), so where that is more than half of
+/// the available memory every rank says why and the job runs over TCP instead of running the
+/// host out of memory; where it fits, shared memory it is.
+#[test]
+fn a_world_of_128_ranks_left_to_choose_does_not_map_more_shared_memory_than_the_host_has() {
+    let n = 128;
+    let outs = spawn(
+        n,
+        "scale",
+        &|_| vars(&[("DSPARK_TIMEOUT", "300"), ("DSPARK_TRANSPORT", "auto")]),
+        None,
+    )
+    .wait(Duration::from_secs(420));
+    assert_all(&outs, OK, "128 ranks, transport auto");
+    for (r, o) in outs.iter().enumerate() {
+        let line = o
+            .out
+            .lines()
+            .find(|l| l.contains("SCALE rank"))
+            .unwrap_or_default();
+        assert!(
+            line.contains("transport shm ")
+                || (line.contains("transport tcp ") && line.contains("memory_reason 1")),
+            "rank {r}: {line}"
         );
     }
 }

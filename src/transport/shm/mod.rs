@@ -181,6 +181,40 @@ fn seg_len(world: usize, ring: usize) -> usize {
     raw.div_ceil(4096) * 4096
 }
 
+/// `MemAvailable` of `/proc/meminfo` in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Whether the segments of `ranks` ranks on one host, `len` bytes each (a ring of `ring`
+/// bytes for every ordered pair, allocated in full at init), fit in half of the host's
+/// available memory `avail`: a ring per pair grows as ranks², and 128 ranks with 2 MiB rings
+/// would take 32 GiB. `Err` says how much, and what to change.
+fn fits_in_memory(
+    ranks: usize,
+    len: usize,
+    ring: usize,
+    avail: u64,
+) -> std::result::Result<(), String> {
+    let total = (ranks as u64).saturating_mul(len as u64);
+    if total <= avail / 2 {
+        return Ok(());
+    }
+    let h = |b: u64| crate::types::human_bytes(b, true);
+    Err(format!(
+        "{ranks} ranks' rings ({} per pair, one per ordered pair: {} in all) would take more \
+         than half of this host's available memory ({}); smaller rings \
+         (DSPARK_SHM_RING_BYTES, at least two DSPARK_CHUNK_BYTES segments) or fewer ranks \
+         per host would fit",
+        h(ring as u64),
+        h(total),
+        h(avail)
+    ))
+}
+
 /// Index of `sender`'s ring in `owner`'s segment.
 fn ring_index(owner: usize, sender: usize) -> usize {
     if sender < owner {
@@ -286,6 +320,9 @@ pub fn prepare_group(
         .div_ceil(LINE)
         * LINE;
     let len = seg_len(members.len(), ring);
+    if let Some(avail) = mem_available() {
+        fits_in_memory(members.len(), len, ring, avail)?;
+    }
     let file = seg::create(len, &format!("dspark-shm-rank{rank}"))?;
     let seg = Seg::map(&file, len)?;
     let nonce = seg::nonce();
@@ -1100,6 +1137,23 @@ impl Transport for ShmTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segments_that_would_take_more_than_half_the_available_memory_are_refused() {
+        let ring = 2 << 20;
+        // 8 ranks with 2 MiB rings: 8 segments of 7 rings, 112 MiB and a little.
+        let len = seg_len(8, ring);
+        assert!(fits_in_memory(8, len, ring, 1 << 30).is_ok());
+        assert!(fits_in_memory(8, len, ring, 200 << 20).is_err());
+        // 128 ranks: 128 × 127 rings of 2 MiB, about 32 GiB, refused on a 24 GiB machine.
+        let len = seg_len(128, ring);
+        let e = fits_in_memory(128, len, ring, 24 << 30).unwrap_err();
+        assert!(
+            e.contains("128 ranks") && e.contains("DSPARK_SHM_RING_BYTES"),
+            "{e}"
+        );
+        assert!(fits_in_memory(128, len, ring, 80 << 30).is_ok());
+    }
 
     #[test]
     fn segment_info_round_trips_and_rejects_other_lengths() {
