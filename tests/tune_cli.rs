@@ -8,6 +8,29 @@ use std::process::{Command, Output};
 use dspark::plan::model::{format_tune_file, parse_tune_file, CostModel, Costs, Medium};
 use dspark::plan::{Algorithm, Collective};
 
+/// A 2-rank, 8-byte all_reduce run of dspark-bench over TCP with `envs`.
+fn bench_8_bytes(envs: &[(&str, &str)]) -> Output {
+    run(
+        env!("CARGO_BIN_EXE_dspark-bench"),
+        &[
+            "all_reduce",
+            "--ranks",
+            "2",
+            "--transport",
+            "tcp",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ],
+        envs,
+    )
+}
+
 fn run(exe: &str, args: &[&str], envs: &[(&str, &str)]) -> Output {
     let mut c = Command::new(exe);
     c.args(args);
@@ -95,25 +118,7 @@ fn tune_writes_constants_that_a_communicator_then_reports() {
     );
 
     // A communicator initialised with the file reports its constants and their source.
-    let o = run(
-        env!("CARGO_BIN_EXE_dspark-bench"),
-        &[
-            "all_reduce",
-            "--ranks",
-            "2",
-            "--transport",
-            "tcp",
-            "-b",
-            "8",
-            "-e",
-            "8",
-            "-n",
-            "2",
-            "-w",
-            "1",
-        ],
-        &[("DSPARK_TUNE_FILE", out_s)],
-    );
+    let o = bench_8_bytes(&[("DSPARK_TUNE_FILE", out_s)]);
     let (so, se) = text(&o);
     assert!(o.status.success(), "bench failed:\n{so}\n{se}");
     let line = so
@@ -130,28 +135,10 @@ fn tune_writes_constants_that_a_communicator_then_reports() {
     );
     assert!(line.contains(&format!("(from {out_s})")), "{line}");
     // Without it, the defaults.
-    let o = run(
-        env!("CARGO_BIN_EXE_dspark-bench"),
-        &[
-            "all_reduce",
-            "--ranks",
-            "2",
-            "--transport",
-            "tcp",
-            "-b",
-            "8",
-            "-e",
-            "8",
-            "-n",
-            "2",
-            "-w",
-            "1",
-        ],
-        &[(
-            "DSPARK_TUNE_FILE",
-            dir.0.join("none.json").to_str().unwrap(),
-        )],
-    );
+    let o = bench_8_bytes(&[(
+        "DSPARK_TUNE_FILE",
+        dir.0.join("none.json").to_str().unwrap(),
+    )]);
     let (so, _) = text(&o);
     assert!(
         so.lines()

@@ -287,18 +287,7 @@ fn spawn_local(args: &Args, n: usize) -> ExitCode {
                 Stdio::null()
             })
             .stderr(Stdio::inherit());
-        for v in [
-            "RANK",
-            "WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "PMI_RANK",
-            "PMI_SIZE",
-            "SLURM_PROCID",
-            "SLURM_NTASKS",
-        ] {
+        for v in bind::LAUNCHER_VARS {
             cmd.env_remove(v);
         }
         match cmd.spawn() {

@@ -1907,6 +1907,10 @@ impl Bootstrap {
             }
             return res;
         }
+        tracing::debug!(
+            rank = r,
+            "init exchange through rank 0: a connection at a power-of-two distance is missing"
+        );
         if self.rank == 0 {
             let mut all = vec![mine.to_vec()];
             for r in 1..self.world {

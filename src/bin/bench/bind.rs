@@ -12,6 +12,22 @@ use nix::unistd::Pid;
 /// Environment variable that carries a spawned rank's CPUs (`0,2`), set by the parent.
 pub const CPUS_ENV: &str = "DSPARK_BENCH_CPUS";
 
+/// The launchers' rank variables: a rank spawned by a tool (dspark-bench, dspark tune) must
+/// not take them from the tool's own environment for its own (the tool may itself run under
+/// torchrun, mpirun or srun).
+pub const LAUNCHER_VARS: [&str; 10] = [
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+];
+
 /// How the bench binds the local ranks it spawns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Bind {

@@ -143,21 +143,7 @@ fn pair(comm: &Communicator, quick: bool) -> dspark::Result<()> {
         return comm.barrier();
     }
     let peer = 1 - rank;
-    let mut token = [0u8; 8];
-    // One-way time of `iters` ping-pongs, µs.
-    let mut ping_pong = |iters: usize| -> dspark::Result<f64> {
-        let t = Instant::now();
-        for _ in 0..iters {
-            if rank == 0 {
-                comm.send(&token, peer)?;
-                comm.recv(&mut token, peer)?;
-            } else {
-                comm.recv(&mut token, peer)?;
-                comm.send(&token, peer)?;
-            }
-        }
-        Ok(elapsed_us(t) / (2 * iters) as f64)
-    };
+    let ping_pong = |iters: usize| ping_pong(comm, peer, rank == 0, iters);
     ping_pong(100)?;
     let mut alpha = Vec::new();
     for _ in 0..if quick { 15 } else { 41 } {
@@ -203,6 +189,23 @@ fn pair(comm: &Communicator, quick: bool) -> dspark::Result<()> {
     Ok(())
 }
 
+/// The one-way time in µs of `iters` 8-byte ping-pongs with `peer`; `leads`: this rank sends
+/// first.
+fn ping_pong(comm: &Communicator, peer: usize, leads: bool, iters: usize) -> dspark::Result<f64> {
+    let mut token = [0u8; 8];
+    let t = Instant::now();
+    for _ in 0..iters {
+        if leads {
+            comm.send(&token, peer)?;
+            comm.recv(&mut token, peer)?;
+        } else {
+            comm.recv(&mut token, peer)?;
+            comm.send(&token, peer)?;
+        }
+    }
+    Ok(elapsed_us(t) / (2 * iters) as f64)
+}
+
 /// Every rank ping-pongs 8 bytes with its neighbour (`rank ^ 1`) at once: the one-way time
 /// of a hop while all ranks are busy, as in a collective's step (the ranks outnumbering the
 /// cores, each hop waits for the scheduler to run its receiver).
@@ -212,20 +215,7 @@ fn crowd(comm: &Communicator, quick: bool) -> dspark::Result<()> {
     if peer >= n {
         return comm.barrier();
     }
-    let mut token = [0u8; 8];
-    let mut ping_pong = |iters: usize| -> dspark::Result<f64> {
-        let t = Instant::now();
-        for _ in 0..iters {
-            if rank % 2 == 0 {
-                comm.send(&token, peer)?;
-                comm.recv(&mut token, peer)?;
-            } else {
-                comm.recv(&mut token, peer)?;
-                comm.send(&token, peer)?;
-            }
-        }
-        Ok(elapsed_us(t) / (2 * iters) as f64)
-    };
+    let ping_pong = |iters: usize| ping_pong(comm, peer, rank % 2 == 0, iters);
     ping_pong(50)?;
     let mut hop = Vec::new();
     for _ in 0..if quick { 9 } else { 31 } {
@@ -280,19 +270,7 @@ fn spawn_ranks(
         if quick {
             cmd.arg("--quick");
         }
-        for v in [
-            "RANK",
-            "WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "PMI_RANK",
-            "PMI_SIZE",
-            "SLURM_PROCID",
-            "SLURM_NTASKS",
-            "DSPARK_ALGO",
-        ] {
+        for v in bind::LAUNCHER_VARS.iter().chain(&["DSPARK_ALGO"]) {
             cmd.env_remove(v);
         }
         match binding.as_ref().and_then(|p| p.get(r)) {
