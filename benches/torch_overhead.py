@@ -11,7 +11,11 @@ machine noise hits them alike), and the medians over rounds are reported, per ca
 - `direct`: the backend's `allreduce([t], opts)` called from Python (dspark's Python code,
   the native call and the Work; no torch dispatch);
 - `noop_dist` / `noop_direct`: the same through a backend whose allreduce does nothing and
-  returns a completed Work: torch's own share of `dist`;
+  returns a completed Work (a Python ProcessGroup, the route dspark takes for a group that is
+  dspark's alone): torch's own share of `dist`;
+- torch >= 2.14 also: `backend_dist`, `dist.all_reduce` through a dspark group forced onto
+  c10d's Backend route (the route of a group shared with another backend,
+  `cpu:dspark,cuda:nccl`), and `noop_be_dist`, the do-nothing backend on that route;
 - `package`: `dspark.Communicator.all_reduce(t)` (the package without torch);
 - `raw`: the native module's `_run` alone (one PyO3 call, no Python above it);
 - `gloo` (`--gloo`): `dist.all_reduce` through a gloo group;
@@ -61,7 +65,7 @@ def fmt_bytes(b):
 # ------------------------------------------------------------------ the do-nothing backend
 
 
-def _noop_classes():
+def _has_py_backend():
     try:
         from torch._C._distributed_c10d import Backend as C10DBackend
 
@@ -69,9 +73,16 @@ def _noop_classes():
             pass
 
         _P(0, 1)
-        base = C10DBackend
+        return True
     except Exception:  # noqa: BLE001 - torch < 2.14: a Python ProcessGroup
+        return False
+
+
+def _noop_classes(as_process_group):
+    if as_process_group:
         base = dist.ProcessGroup
+    else:
+        from torch._C._distributed_c10d import Backend as base
 
     class Done(dist._Work):
         def __init__(self, result):
@@ -112,10 +123,19 @@ def _noop_classes():
 
 
 def register_noop():
-    Noop = _noop_classes()
-    dist.Backend.register_backend(
-        "noop", lambda store, rank, size, timeout: Noop(rank, size), devices=["cpu"]
-    )
+    """Registers "nooppg" (a Python ProcessGroup: the route of a group that is dspark's alone,
+    and of every group before torch 2.14) and, where torch has a Python c10d Backend, "noop"
+    (the route of a group shared with another backend). Returns the names registered."""
+    names = []
+    for name, as_pg in (("nooppg", True), ("noop", False)):
+        if not as_pg and not _has_py_backend():
+            continue
+        Noop = _noop_classes(as_pg)
+        dist.Backend.register_backend(
+            name, lambda store, rank, size, timeout, N=Noop: N(rank, size), devices=["cpu"]
+        )
+        names.append(name)
+    return names
 
 
 def backend_of(group):
@@ -163,13 +183,21 @@ def main():
         os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
     clock = time.perf_counter if a.clock == "wall" else time.thread_time
 
-    register_noop()
+    noops = register_noop()
     if a.old:
         importlib.import_module(a.old + ".torch")
     dist.init_process_group("dspark")
     rank, n = dist.get_rank(), dist.get_world_size()
     ctl = dist.new_group(backend="gloo")
-    noop = dist.new_group(backend="noop")
+    noop = dist.new_group(backend="nooppg")
+    noop_be = dist.new_group(backend="noop") if "noop" in noops else None
+    # The same dspark backend through c10d's Backend route (the route of a group shared with
+    # another backend, e.g. "cpu:dspark,cuda:nccl"), for A/B in this job.
+    via_backend = None
+    if noop_be is not None:
+        os.environ["DSPARK_TORCH_ROUTE"] = "backend"
+        via_backend = dist.new_group(backend="dspark")
+        del os.environ["DSPARK_TORCH_ROUTE"]
     old = dist.new_group(backend=a.old) if a.old else None
     import dspark
 
@@ -203,6 +231,9 @@ def main():
             "direct": lambda: be_new.allreduce([t], opts).wait(),
             "noop_dist": lambda: dist.all_reduce(t, group=noop),
             "noop_direct": lambda: be_noop.allreduce([t], opts).wait(),
+            **({"backend_dist": lambda: dist.all_reduce(t, group=via_backend),
+                "noop_be_dist": lambda: dist.all_reduce(t, group=noop_be)}
+               if via_backend is not None else {}),
             "package": lambda: package.all_reduce(t),
             "raw": lambda: package._c._run("all_reduce", "f32", p, p, count, "sum", 0, None),
         }
@@ -261,8 +292,14 @@ def main():
                       + (f"; old: {row['old_binding_us']:.2f} us" if "old_binding_us" in row
                          else "") + "  (limit 10 at 8 B)")
             print(f"  torch's share (noop_dist - noop_direct): "
-                  f"{med['noop_dist'] - med['noop_direct']:.2f} us; dspark's backend "
-                  f"(direct - raw): {med['direct'] - med['raw']:.2f} us", flush=True)
+                  f"{med['noop_dist'] - med['noop_direct']:.2f} us"
+                  + (f" (through c10d's Backend route: {med['noop_be_dist'] - med['noop_direct']:.2f} us)"
+                     if "noop_be_dist" in med else "")
+                  + f"; dspark's backend (direct - raw): {med['direct'] - med['raw']:.2f} us",
+                  flush=True)
+            if "backend_dist" in med and "bench" in med:
+                print(f"  binding through c10d's Backend route (backend_dist - bench): "
+                      f"{med['backend_dist'] - med['bench']:.2f} us", flush=True)
     if rank == 0 and a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "world": n, "rows": rows}, f, indent=1)

@@ -222,6 +222,7 @@ fn command(program: &Path, backend: &str) -> Command {
         "TEMP_DIR",
         "INIT_METHOD",
         "TORCHELASTIC_USE_AGENT_STORE",
+        "DSPARK_TORCH_ROUTE",
     ] {
         cmd.env_remove(v);
     }
@@ -316,29 +317,59 @@ fn the_package_runs_every_collective_on_numpy_and_tensors_on_3_ranks() {
     package_check(3);
 }
 
-/// torch before 2.14 has no Python `Backend` trampoline: there dspark is a Python
-/// `ProcessGroup`. `DSPARK_TORCH_ROUTE=pg` takes that route on the torch installed here.
+/// The two routes into torch (python/dspark/torch.py, `_route`). A group that is dspark's
+/// alone is a Python `ProcessGroup` (the only route before torch 2.14, and the cheaper one
+/// after: no C++ dispatch and trampoline per call); a group that shares its devices with
+/// another backend must be a c10d `Backend` (torch >= 2.14), which it becomes by itself, and
+/// `DSPARK_TORCH_ROUTE=backend` forces for a dspark-only group. DDP and FSDP2 run through
+/// each route, against gloo, and each run says which class torch got.
 #[test]
-fn ddp_and_fsdp2_work_through_the_process_group_route_of_older_torch() {
+fn ddp_and_fsdp2_work_through_both_routes_into_torch() {
     let _g = serial();
     let Some(t) = torch_with_dspark() else { return };
-    for (script_name, prefix) in [
-        ("ddp_check.py", "DDP_CHECK backend=dspark world=2 "),
-        ("fsdp_check.py", "FSDP_CHECK backend=dspark "),
-    ] {
-        let mut cmd = torchrun_standalone(&t, 2, script_name, "dspark");
-        cmd.env("DSPARK_TORCH_ROUTE", "pg");
-        let r = run(cmd, Duration::from_secs(240));
-        assert_pass(
-            &r,
-            prefix,
-            &format!("{script_name} through the ProcessGroup route"),
+    let ver = Command::new(&t.python)
+        .args([
+            "-c",
+            "import torch; v = torch.__version__.split('+')[0].split('.'); \
+             print(int(v[0]) * 100 + int(v[1]))",
+        ])
+        .output()
+        .expect("run the venv's python");
+    let ver: u32 = String::from_utf8_lossy(&ver.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0);
+    let has_backend = ver >= 214;
+    let mut runs = vec![("dspark", None, "DsparkProcessGroup")];
+    if has_backend {
+        runs.push(("dspark", Some("backend"), "DsparkBackend"));
+        runs.push(("cpu:dspark,cuda:gloo", None, "DsparkBackend"));
+    } else {
+        eprintln!(
+            "SKIP the Backend route: torch {ver} (major*100+minor) has no Python c10d Backend \
+             before 2.14"
         );
-        assert!(
-            r.out.contains("BACKEND_IMPL DsparkProcessGroup"),
-            "{script_name} did not run through DsparkProcessGroup\n{}",
-            r.report()
-        );
+    }
+    for (backend, route, class) in runs {
+        for (script_name, what) in [("ddp_check.py", "DDP_CHECK"), ("fsdp_check.py", "FSDP_CHECK")] {
+            let mut cmd = torchrun_standalone(&t, 2, script_name, backend);
+            if let Some(r) = route {
+                cmd.env("DSPARK_TORCH_ROUTE", r);
+            }
+            let r = run(cmd, Duration::from_secs(240));
+            let prefix = format!("{what} backend={backend} world=2 ");
+            assert_pass(
+                &r,
+                &prefix,
+                &format!("{script_name} with backend {backend}, DSPARK_TORCH_ROUTE={route:?}"),
+            );
+            assert!(
+                r.out.contains(&format!("BACKEND_IMPL {class}\n")),
+                "{script_name} with backend {backend}, DSPARK_TORCH_ROUTE={route:?} did not \
+                 run through {class}\n{}",
+                r.report()
+            );
+        }
     }
 }
 

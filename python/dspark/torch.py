@@ -7,9 +7,13 @@ autoload hook. ``import dspark.torch`` registers explicitly.
 How it plugs in (see the README's PyTorch section):
 
 - torch >= 2.14: :class:`DsparkBackend`, a Python subclass of c10d's ``Backend`` (torch's
-  ``PyBackend`` trampoline, as torch's own nccl4py backend). Older torch:
-  :class:`DsparkProcessGroup`, a Python ``ProcessGroup`` with both generations of method
-  names and its own group-name storage. ``DSPARK_TORCH_ROUTE=backend|pg`` forces one.
+  ``PyBackend`` trampoline, as torch's own nccl4py backend), for a group that shares its
+  devices with another backend (``cpu:dspark,cuda:nccl``). A group that is dspark's alone
+  (``backend="dspark"``), and every group on older torch: :class:`DsparkProcessGroup`, a
+  Python ``ProcessGroup`` with both generations of method names and its own group-name
+  storage, which ``dist.all_reduce`` calls without torch's C++ dispatch and trampoline
+  (about 8 µs less per call on torch 2.15; :func:`_route`). ``DSPARK_TORCH_ROUTE=backend|pg``
+  forces one.
 - Rendezvous: through the store torch hands the factory (a ``PrefixStore`` per group), never
   by binding ``MASTER_PORT``. ``new_group`` and several groups per process work: each group
   is its own dspark communicator with its own sequence numbers and mismatch checks.
@@ -26,6 +30,7 @@ How it plugs in (see the README's PyTorch section):
 
 import os
 import queue
+import sys
 import threading
 from datetime import timedelta
 
@@ -857,9 +862,6 @@ class _Ops:
 
 def _probe_backend_route():
     """Whether torch has the Python Backend trampoline (torch >= 2.14)."""
-    route = os.environ.get("DSPARK_TORCH_ROUTE", "").strip().lower()
-    if route in ("backend", "pg"):
-        return route == "backend"
     try:
         from torch._C._distributed_c10d import Backend as C10DBackend
 
@@ -902,8 +904,8 @@ else:
 
 
 class DsparkProcessGroup(_Ops, dist.ProcessGroup):
-    """dspark as a Python ``ProcessGroup`` (torch before 2.14, or
-    ``DSPARK_TORCH_ROUTE=pg``). Keeps its own group name and description: a pure-Python
+    """dspark as a Python ``ProcessGroup`` (every group that is dspark's alone, and every
+    group on torch before 2.14; :func:`_route`). Keeps its own group name and description: a pure-Python
     ``ProcessGroup`` has no backend to hold them, and FSDP2's DeviceMesh needs them."""
 
     def __init__(self, store, rank, size, timeout, group_id=None):
@@ -945,16 +947,71 @@ class DsparkProcessGroup(_Ops, dist.ProcessGroup):
         return NAME
 
 
+def _group_backends():
+    """The backend torch is creating this group with, per device (``{"cpu": "dspark",
+    "cuda": "nccl"}``), read from the caller's ``backend_config``; None where it cannot be
+    read (torch without that local: the caller then takes the Backend route, which is right
+    for every backend string)."""
+    f = sys._getframe(1)
+    for _ in range(4):
+        f = f.f_back
+        if f is None:
+            return None
+        cfg = f.f_locals.get("backend_config")
+        if cfg is not None and hasattr(cfg, "get_device_backend_map"):
+            try:
+                return {str(d): str(b).lower() for d, b in cfg.get_device_backend_map().items()}
+            except Exception:  # noqa: BLE001 - a torch whose config differs: no answer
+                return None
+    return None
+
+
+def _route():
+    """``"backend"`` or ``"pg"``: how the group torch is creating plugs in.
+
+    ``DSPARK_TORCH_ROUTE=backend|pg`` forces one. Otherwise: torch before 2.14 has only the
+    ProcessGroup route. From 2.14 a group that is dspark's on every device takes the
+    ProcessGroup route too: ``dist.all_reduce`` then calls dspark's Python method directly,
+    where the Backend route goes through c10d's C++ ProcessGroup, its dispatcher and the
+    Python trampoline back, about 8 µs more per call (torch 2.15, benches/torch_overhead.py).
+    A group that shares its devices with another backend (``cpu:dspark,cuda:nccl``) must be
+    a Backend: torch replaces the whole group with a ProcessGroup a factory returns.
+    """
+    forced = os.environ.get("DSPARK_TORCH_ROUTE", "").strip().lower()
+    if forced == "pg" or not _HAS_PY_BACKEND:
+        if forced == "backend":
+            raise UnavailableError(
+                "dspark: DSPARK_TORCH_ROUTE=backend needs torch >= 2.14 (a Python c10d "
+                f"Backend); this is torch {torch.__version__}"
+            )
+        return "pg"
+    if forced == "backend":
+        return "backend"
+    backends = _group_backends()
+    if backends and all(b == NAME for b in backends.values()):
+        return "pg"
+    return "backend"
+
+
 def _create(opts, backend_options=None):
     """The extended-API factory torch calls for every group this rank is in."""
-    cls = DsparkBackend if _HAS_PY_BACKEND else DsparkProcessGroup
-    return cls(
+    cls = DsparkBackend if _route() == "backend" else DsparkProcessGroup
+    group = cls(
         opts.store,
         opts.group_rank,
         opts.group_size,
         getattr(opts, "timeout", None),
         getattr(opts, "group_id", None),
     )
+    # init_process_group(device_id=...) bound torch's own group to a device before asking
+    # for the backend; a group that replaces it keeps the binding.
+    bound = getattr(getattr(opts, "process_group", None), "bound_device_id", None)
+    if bound is not None and cls is DsparkProcessGroup:
+        try:
+            group.bound_device_id = bound
+        except Exception:  # noqa: BLE001 - a torch without the setter: nothing to keep
+            pass
+    return group
 
 
 _registered = threading.Lock()
