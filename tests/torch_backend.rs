@@ -351,7 +351,10 @@ fn ddp_and_fsdp2_work_through_both_routes_into_torch() {
         );
     }
     for (backend, route, class) in runs {
-        for (script_name, what) in [("ddp_check.py", "DDP_CHECK"), ("fsdp_check.py", "FSDP_CHECK")] {
+        for (script_name, what) in [
+            ("ddp_check.py", "DDP_CHECK"),
+            ("fsdp_check.py", "FSDP_CHECK"),
+        ] {
             let mut cmd = torchrun_standalone(&t, 2, script_name, backend);
             if let Some(r) = route {
                 cmd.env("DSPARK_TORCH_ROUTE", r);

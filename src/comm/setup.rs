@@ -204,6 +204,50 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// File descriptors a rank of a world of `world` may hold at once: rank 0 holds a
+/// connection to every rank while the job meets, an all-to-all over TCP connects every pair,
+/// and listeners, shared-memory segments and event fds come on top.
+fn descriptors_needed(world: usize) -> u64 {
+    2 * world as u64 + 64
+}
+
+/// The soft `RLIMIT_NOFILE` to set for `need` descriptors under limits `(soft, hard)`: raised
+/// as far as `need` allows within the hard limit (as Open MPI raises it at start), never
+/// lowered; `None` when it is high enough already.
+fn raised_nofile(soft: u64, hard: u64, need: u64) -> Option<u64> {
+    (soft < need && soft < hard).then(|| need.min(hard))
+}
+
+/// Makes room for the descriptors a world of `world` may need: the usual soft limit of 1024
+/// would fail rank 0's rendezvous with "too many open files" from about 1000 ranks, and an
+/// all-to-all over TCP on any rank from about 1000. Says so where the hard limit is too low.
+fn ensure_descriptors(rank: usize, world: usize) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let need = descriptors_needed(world);
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if let Some(new) = raised_nofile(soft, hard, need) {
+        match setrlimit(Resource::RLIMIT_NOFILE, new, hard) {
+            Ok(()) => tracing::debug!(rank, soft, new, "raised the open-file limit"),
+            Err(e) => {
+                tracing::warn!(rank, soft, need, error = %e, "could not raise the open-file limit")
+            }
+        }
+    }
+    if hard < need {
+        tracing::warn!(
+            rank,
+            world,
+            limit = hard,
+            need,
+            "the open-file limit (ulimit -Hn) is below what a world this size may need: rank 0 \
+             connects to every rank while the job meets, and an all-to-all over TCP connects \
+             every pair; raise it (ulimit -n, LimitNOFILE=, /etc/security/limits.conf)"
+        );
+    }
+}
+
 impl Communicator {
     /// Joins the job described by the environment (see [`crate::config`]).
     ///
@@ -236,6 +280,7 @@ impl Communicator {
             }
         }
         config.validate()?;
+        ensure_descriptors(config.rank, config.world_size);
         // Only the pairs the collectives' schedules use connect now (O(log n) per rank):
         // the transports that need every pair complete the mesh, TCP connects the others
         // on first use.
@@ -1401,6 +1446,19 @@ pub(crate) fn capabilities_of(infos: &[DirectInfo]) -> Vec<GpuDirectCapability> 
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_to_what_the_world_needs_within_the_hard_limit() {
+        // 4096 ranks under the common 1024 / 524288 limits: raised to 2·4096 + 64.
+        assert_eq!(descriptors_needed(4096), 8256);
+        assert_eq!(raised_nofile(1024, 524_288, 8256), Some(8256));
+        // A hard limit below the need: as far as it goes.
+        assert_eq!(raised_nofile(1024, 4096, 8256), Some(4096));
+        // Already enough, or no room: untouched (never lowered).
+        assert_eq!(raised_nofile(20_000, 20_000, 8256), None);
+        assert_eq!(raised_nofile(4096, 4096, 8256), None);
+        assert_eq!(raised_nofile(1024, 524_288, 200), None);
+    }
+
     use super::*;
 
     fn opts_of(vars: &[(&str, &str)]) -> Result<VerbsOptions> {
