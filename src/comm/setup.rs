@@ -664,6 +664,17 @@ fn push_shm_capability(msg: &mut Vec<u8>, capable: &std::result::Result<SegInfo,
     }
 }
 
+/// Why the ranks of a host do not share memory: a warning from the host's first rank, the
+/// others' at debug level (every rank's `CommInfo` carries the reason; 128 ranks on a host
+/// would otherwise print it 128 times).
+fn shm_declined(first_on_host: bool, rank: usize, reason: &str, what: &str) {
+    if first_on_host {
+        tracing::warn!(rank, reason = %reason, "{what}");
+    } else {
+        tracing::debug!(rank, reason = %reason, "{what}");
+    }
+}
+
 fn shm_unavailable(forced: &[usize], reason: &str) -> Error {
     let who: Vec<String> = forced.iter().map(usize::to_string).collect();
     Error::unavailable(
@@ -772,7 +783,12 @@ fn select_shm(
         // A candidate that failed is worth a reason; another host or transport is not.
         let candidate = one_host && !others_asked;
         if candidate {
-            tracing::warn!(rank, reason = %why, "not using shared memory although every rank is on one host");
+            shm_declined(
+                rank == 0,
+                rank,
+                &why,
+                "not using shared memory although every rank is on one host",
+            );
         }
         return Ok(ShmSelected::Not {
             streams,
@@ -818,7 +834,12 @@ fn select_shm(
             if !forced.is_empty() {
                 return Err(shm_unavailable(&forced, &why));
             }
-            tracing::warn!(rank, reason = %why, "not using shared memory although every rank is on one host");
+            shm_declined(
+                rank == 0,
+                rank,
+                &why,
+                "not using shared memory although every rank is on one host",
+            );
             Ok(ShmSelected::Not {
                 streams,
                 why: Some(format!("shm unavailable: {why}")),
@@ -1009,7 +1030,8 @@ fn select_mixed(
                     )
                 });
             if let Some(w) = &why {
-                tracing::warn!(rank, reason = %w, "not using shared memory within this host");
+                let first = mine.first() == Some(&rank);
+                shm_declined(first, rank, w, "not using shared memory within this host");
             }
             Ok(MixedSelected {
                 streams,
