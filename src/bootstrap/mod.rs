@@ -946,9 +946,71 @@ struct Candidate {
     /// Once it sent a hello of this job: the hello, what it claims, and the nonce this rank
     /// challenged it with. Nothing it claims counts before its proof has verified.
     hello: Option<(Vec<u8>, PeerHello, auth::Nonce)>,
+    /// When it was challenged: it has [`HELLO_WAIT`] from then to answer.
+    challenged: Option<Instant>,
+    /// The part of its next message that has arrived (length prefix included).
+    got: Vec<u8>,
 }
 
 impl Candidate {
+    fn new(s: TcpStream, from: SocketAddr) -> Candidate {
+        Candidate {
+            s,
+            from,
+            accepted: Instant::now(),
+            hello: None,
+            challenged: None,
+            got: Vec::new(),
+        }
+    }
+
+    /// When it must have sent its next message: the hello within [`HELLO_WAIT`] of being
+    /// accepted, the answer within [`HELLO_WAIT`] of the challenge.
+    fn due(&self) -> Instant {
+        self.challenged.unwrap_or(self.accepted) + HELLO_WAIT
+    }
+
+    /// Reads what has arrived of its next message without waiting: the message once it is
+    /// whole (at most `max` bytes), `None` while part of it is still on the way. A stranger
+    /// that sends half a message therefore holds up nothing (the rank reads the next
+    /// candidate, or returns to its collective) until it is dropped at [`Candidate::due`].
+    fn pull(&mut self, max: usize) -> std::result::Result<Option<Vec<u8>>, String> {
+        use nix::sys::socket::{recv, MsgFlags};
+        use std::os::fd::AsRawFd;
+        loop {
+            let whole = if self.got.len() < 4 {
+                4
+            } else {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&self.got[..4]);
+                let n = u32::from_le_bytes(len) as usize;
+                if n == 0 || n > max {
+                    return Err(format!("bad message length {n} (not a dspark peer?)"));
+                }
+                4 + n
+            };
+            if whole > 4 && self.got.len() == whole {
+                let m = self.got.split_off(4);
+                self.got.clear();
+                return Ok(Some(m));
+            }
+            let old = self.got.len();
+            self.got.resize(whole, 0);
+            let r = recv(
+                self.s.as_raw_fd(),
+                &mut self.got[old..],
+                MsgFlags::MSG_DONTWAIT,
+            );
+            self.got.truncate(old + r.unwrap_or(0));
+            match r {
+                Ok(0) => return Err("closed the connection in the middle of the handshake".into()),
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(nix::errno::Errno::EAGAIN) => return Ok(None),
+                Err(e) => return Err(format!("reading the handshake: {e}")),
+            }
+        }
+    }
+
     /// The rank it claims to be, if its hello arrived and fits this rank: a higher rank, or
     /// with `any` (connections on first use, [`LazyLinks`]) any other rank.
     fn claims(&self, me: usize, world: usize, any: bool) -> Option<usize> {
@@ -972,8 +1034,9 @@ enum Until {
 /// is only a candidate until it proves the job token, and several can claim one rank; the
 /// first whose proof verifies is that rank's connection. A candidate that sends something
 /// else is dropped at once with a warning naming its address, one that says no hello within
-/// [`HELLO_WAIT`] too; one that never answers the challenge costs nothing more than its
-/// descriptor, since the real rank is still accepted and proved next to it. Only a connection
+/// [`HELLO_WAIT`], or does not answer the challenge within [`HELLO_WAIT`], too. Candidates
+/// are read without waiting ([`Candidate::pull`]): one that sends half a message holds up
+/// nothing, and the real rank is accepted and proved next to it. Only a connection
 /// that proved the token and then does not fit (for another rank, or a rank already
 /// connected) fails the init: that is a rank of this job, confused.
 struct Door {
@@ -1066,20 +1129,25 @@ impl Door {
         let me = ctx.rank();
         let world = mesh.len();
         {
-            // Connections that said nothing within the hello wait go.
+            // Connections that did not say their hello, or answer the challenge, within the
+            // hello wait go.
             let now = Instant::now();
             let (silent, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.cands)
                 .into_iter()
-                .partition(|c| c.hello.is_none() && now >= c.accepted + HELLO_WAIT);
+                .partition(|c| now >= c.due());
             self.cands = rest;
             for c in silent {
-                self.refuse(c, &format!("no hello within {HELLO_WAIT:?}"));
+                let what = if c.challenged.is_some() {
+                    "no answer to the challenge"
+                } else {
+                    "no hello"
+                };
+                self.refuse(c, &format!("{what} within {HELLO_WAIT:?}"));
             }
             let next = self
                 .cands
                 .iter()
-                .filter(|c| c.hello.is_none())
-                .map(|c| (c.accepted + HELLO_WAIT).saturating_duration_since(now))
+                .map(|c| c.due().saturating_duration_since(now))
                 .min()
                 .unwrap_or(Duration::MAX);
             let ms = rem.min(next).as_millis().min(1000) as u16;
@@ -1151,24 +1219,13 @@ impl Door {
                 };
                 let victim = (0..self.cands.len()).find(|&i| !needed(&self.cands[i], &self.cands));
                 let Some(i) = victim else {
-                    let c = Candidate {
-                        s,
-                        from,
-                        accepted: Instant::now(),
-                        hello: None,
-                    };
-                    self.refuse(c, "too many unproven connections");
+                    self.refuse(Candidate::new(s, from), "too many unproven connections");
                     continue;
                 };
                 let old = self.cands.remove(i);
                 self.refuse(old, "too many unproven connections");
             }
-            self.cands.push(Candidate {
-                s,
-                from,
-                accepted: Instant::now(),
-                hello: None,
-            });
+            self.cands.push(Candidate::new(s, from));
         }
     }
 
@@ -1184,13 +1241,11 @@ impl Door {
         let me = ctx.rank();
         let world = mesh.len();
         let Some((hello, h, nonce)) = c.hello.take() else {
-            let left = (c.accepted + HELLO_WAIT).saturating_duration_since(Instant::now());
-            let limit = left.max(Duration::from_millis(1));
-            let m = match ctx.recv_within(&mut c.s, None, "reading a peer hello", limit, MAX_HELLO)
-            {
-                Ok(m) => m,
+            let m = match c.pull(MAX_HELLO) {
+                Ok(Some(m)) => m,
+                Ok(None) => return Ok(Some(c)),
                 Err(e) => {
-                    self.refuse(c, &e.to_string());
+                    self.refuse(c, &format!("reading a peer hello: {e}"));
                     return Ok(None);
                 }
             };
@@ -1214,20 +1269,19 @@ impl Door {
                 return Ok(None);
             }
             c.hello = Some((m, h, nonce));
+            c.challenged = Some(Instant::now());
             return Ok(Some(c));
         };
         let (r, to) = (h.from as usize, h.to as usize);
-        let m = match ctx.recv_within(
-            &mut c.s,
-            None,
-            "reading the answer to the challenge",
-            HELLO_WAIT,
-            MAX_HELLO,
-        ) {
-            Ok(m) => m,
+        let m = match c.pull(MAX_HELLO) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                c.hello = Some((hello, h, nonce));
+                return Ok(Some(c));
+            }
             Err(e) => {
                 c.hello = Some((hello, h, nonce));
-                self.refuse(c, &e.to_string());
+                self.refuse(c, &format!("reading the answer to the challenge: {e}"));
                 return Ok(None);
             }
         };
@@ -2055,6 +2109,31 @@ mod tests {
         );
         let rej = msg::decode_peer_ack(&reply).unwrap().unwrap_err();
         assert!(rej.why.contains("DSPARK_JOB_TOKEN differs"), "{}", rej.why);
+    }
+
+    /// A stranger that sends half a hello and then nothing holds up nobody: the real rank
+    /// that connects after it is accepted and proved within a deadline shorter than the hello
+    /// wait. (The door used to read a ready candidate's message with a blocking read, so the
+    /// half hello stalled the rank for up to [`HELLO_WAIT`], inside a collective after init.)
+    #[test]
+    fn a_strangers_half_hello_holds_up_nobody() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr)];
+        let mut c = config(0, 2, "a");
+        c.timeout = HELLO_WAIT / 2;
+        let acceptor = std::thread::spawn(move || mesh_of(c, listener, peers));
+        let mut stranger = TcpStream::connect(addr).unwrap();
+        // A length prefix of 100 bytes, and 10 of them.
+        stranger.write_all(&100u32.to_le_bytes()).unwrap();
+        stranger.write_all(&[7u8; 10]).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let (mut s, sec, hello, nonce) = connect_as(addr, "a", 2, 1, 0);
+        let proof = sec.peer_proof(LABEL_CONNECTOR, &hello.0, &nonce);
+        send(&mut s, &msg::encode_proof(MSG_PEER_PROOF, &proof));
+        assert!(msg::decode_peer_ack(&recv(&mut s)).unwrap().is_ok());
+        acceptor.join().unwrap().unwrap();
+        drop(stranger);
     }
 
     /// A rank of this job (it proves the token) that connects for another rank is confused,
