@@ -34,6 +34,8 @@
 #      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
 #      all_gather_into_tensor, reduce_scatter_tensor, send/recv, coalesced, a non-contiguous
 #      output, and 10 DDP steps on CUDA against DDP over gloo on CPU; skipped without torch+CUDA
+#      (through both routes into torch: the ProcessGroup of backend="dspark" and, forced with
+#      DSPARK_TORCH_ROUTE=backend, the c10d Backend of a group shared with another backend)
 #
 # libnvrtc is looked for in the usual places (CUDA toolkit, pip wheels, LD_LIBRARY_PATH); a
 # libnvrtc.so.13 alone is exposed to cudarc through a symlink named libnvrtc.so. Logs go to
@@ -143,9 +145,15 @@ torch_cuda_check() {
     fi
     site="$(mktemp -d)"
     "$py" -m pip install -q --no-deps --no-index --target "$site" "$wheel" || return 1
-    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -m torch.distributed.run --standalone \
-        --nproc-per-node 2 "$ROOT/tests/torch/cuda_check.py"
-    local rc=$?
+    # Both routes into torch: the ProcessGroup (backend="dspark") and c10d's Backend (the route
+    # of a group shared with another backend, forced here).
+    local rc=0 route
+    for route in pg backend; do
+        echo "torch CUDA check through the $route route"
+        PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" DSPARK_TORCH_ROUTE=$route "$py" \
+            -m torch.distributed.run --standalone --nproc-per-node 2 \
+            "$ROOT/tests/torch/cuda_check.py" || rc=1
+    done
     rm -rf "$site"
     return $rc
 }
