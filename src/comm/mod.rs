@@ -444,7 +444,8 @@ impl Communicator {
     /// number ([`Engine::skip_empty`](crate::engine::Engine::skip_empty)), so that a rank
     /// calling with 0 elements where the others call with N is a prompt mismatch.
     pub(crate) fn is_empty_call(call: &Call) -> bool {
-        call.count == 0 && call.coll != Collective::Barrier
+        // An exchange with nothing to send may still receive: the engine takes care of it.
+        call.count == 0 && call.coll != Collective::Barrier && call.recv_from.is_none()
     }
 
     /// Runs an empty call (blocking): `Some(result)` for one, `None` for a call that must
@@ -681,6 +682,37 @@ impl Communicator {
         self.out_of_place::<T>(Collective::SendRecv, None, &[], buf, Target::RecvFrom(peer))
     }
 
+    fn op_send_recv<'a, T: Element>(
+        &self,
+        send: &'a [T],
+        to: usize,
+        recv: &'a mut [T],
+        from: usize,
+    ) -> Result<HostOp<'a>> {
+        // Each half is checked as the send or the receive it is.
+        let call = self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            send.len(),
+            0,
+            Target::SendTo(to),
+        )?;
+        self.shape(
+            Api::Host,
+            Collective::SendRecv,
+            None,
+            0,
+            recv.len(),
+            Target::RecvFrom(from),
+        )?;
+        let call = Call {
+            recv_from: Some(from),
+            ..call
+        };
+        Ok(HostOp::new(call, send, recv))
+    }
+
     fn op_barrier(&self) -> HostOp<'static> {
         HostOp::new::<u8>(
             Call::new(Collective::Barrier, None, 0, 0, false),
@@ -766,6 +798,29 @@ impl Communicator {
         self.exec(self.op_recv(buf, peer)?, None)
     }
 
+    /// Sends `send` to rank `to` and receives `recv.len()` elements from rank `from` at
+    /// once, as MPI's `Sendrecv`: the two progress together, so ranks that exchange buffers
+    /// (a halo exchange, a ring shift, a pairwise swap) complete whatever the size. A
+    /// [`Communicator::send`] followed by a [`Communicator::recv`] on both ranks of a swap —
+    /// blocking, or started together in a [`Communicator::scope`], where operations run in
+    /// issue order — waits on each other once the message outgrows what the transport
+    /// buffers, and fails at the deadline. `to` and `from` may be the same rank. The frames
+    /// are those of a send to `to` and a receive from `from`, so a peer may answer with
+    /// `send`/`recv` or with `send_recv`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `to` or `from` is not another rank; `Mismatch` when `from` sent
+    /// another length or type; otherwise as [`Communicator::all_reduce`].
+    pub fn send_recv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        self.exec(self.op_send_recv(send, to, recv, from)?, None)
+    }
+
     /// Returns once every rank has entered the barrier.
     ///
     /// # Errors
@@ -842,6 +897,16 @@ impl Timed<'_> {
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         let c = self.comm;
         c.exec(c.op_recv(buf, peer)?, Some(self.timeout))
+    }
+    pub fn send_recv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        let c = self.comm;
+        c.exec(c.op_send_recv(send, to, recv, from)?, Some(self.timeout))
     }
     pub fn barrier(&self) -> Result<()> {
         let c = self.comm;

@@ -236,6 +236,23 @@ impl<'scope> Scope<'scope, '_> {
         self.start(self.comm.op_recv(buf, peer))
     }
 
+    /// Starts [`Communicator::send_recv`]. Use it, not a [`Scope::send`] and a
+    /// [`Scope::recv`], for an exchange: operations run in issue order, so a send and a
+    /// receive started together on both ranks of a swap wait on each other once the message
+    /// outgrows what the transport buffers.
+    ///
+    /// # Errors
+    /// As [`Scope::all_reduce`].
+    pub fn send_recv<T: Element>(
+        &self,
+        send: &'scope [T],
+        to: usize,
+        recv: &'scope mut [T],
+        from: usize,
+    ) -> Result<Work> {
+        self.start(self.comm.op_send_recv(send, to, recv, from))
+    }
+
     /// Starts [`Communicator::barrier`].
     ///
     /// # Errors

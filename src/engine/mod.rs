@@ -95,6 +95,10 @@ pub struct Call {
     pub root: usize,
     /// For send/recv: the sending side.
     pub is_send: bool,
+    /// For an exchange ([`crate::Communicator::send_recv`]): the rank the output is received
+    /// from while the input goes to `root` (`coll` is `SendRecv`, `is_send` is true and
+    /// `count` counts the elements sent; the output's length is what is received).
+    pub recv_from: Option<usize>,
 }
 
 impl Call {
@@ -113,8 +117,18 @@ impl Call {
             count,
             root,
             is_send,
+            recv_from: None,
         }
     }
+}
+
+/// The descriptors a drive loop checks frames against: the call's, for its sends and its
+/// receives alike, except in an exchange ([`Call::recv_from`]), whose send and receive are
+/// two calls with a sequence number and a count each.
+#[derive(Clone, Copy)]
+struct Descs<'a> {
+    send: &'a Desc,
+    recv: &'a Desc,
 }
 
 /// The descriptor every frame of a call carries.
@@ -579,10 +593,114 @@ impl Engine {
     /// The first fatal error poisons the engine: it tells every peer (so that they fail
     /// promptly too) and every later call returns the same error.
     pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        if let Some(from) = call.recv_from {
+            return self.run_exchange(call, from, src, dst);
+        }
         self.guarded(call, (src.len(), dst.len()), |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
             eng.execute(&prog, &desc, full, full.step_op(), src, dst)
         })
+    }
+
+    /// An exchange ([`Call::recv_from`]): sends `src` to `call.root` and receives `dst` from
+    /// `from` in one drive loop, as MPI's `Sendrecv`. The two progress together, so ranks that
+    /// send to each other complete whatever the size, where a send and then a receive on
+    /// both would each wait for the other beyond what the transport buffers. The frames are
+    /// exactly those of a send to `call.root` and a receive from `from` (each with its own
+    /// sequence number), so a peer may answer with a plain `recv` and `send`.
+    fn run_exchange(&mut self, call: &Call, from: usize, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        self.honour_abort();
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        let to = call.root;
+        let name = Collective::SendRecv.name();
+        for (what, p) in [("destination", to), ("source", from)] {
+            let why = if p >= self.world {
+                format!("{what} {p} is not a rank (world size {})", self.world)
+            } else if p == self.rank {
+                format!("the {what} is this rank itself")
+            } else {
+                continue;
+            };
+            return Err(Error::invalid(Some(self.rank), name, why));
+        }
+        let esz = call.dtype.size();
+        let (sent, received) = (src.len() / esz, dst.len() / esz);
+        let send = Call {
+            count: sent,
+            recv_from: None,
+            ..*call
+        };
+        let recv = Call {
+            count: received,
+            root: from,
+            is_send: false,
+            recv_from: None,
+            ..*call
+        };
+        let desc = |c: &Call, seq: u64| Desc {
+            coll: Collective::SendRecv,
+            algo: Algorithm::Direct,
+            seq,
+            dtype: c.dtype,
+            op: NO_OP,
+            count: c.count as u64,
+            root: 0,
+        };
+        let send_desc = desc(&send, self.next_seq(&send));
+        let recv_desc = desc(&recv, self.next_seq(&recv));
+        let mut sched = plan::Schedule::new();
+        let round = sched.round();
+        if sent > 0 {
+            round.send(to, Loc::src(0..sent));
+        }
+        if received > 0 {
+            round.recv_copy(from, Loc::dst(0..received));
+        }
+        let prog = plan::compile(&sched, (self.opts.segment_bytes / esz).max(1));
+        if prog.steps.is_empty() {
+            return Ok(());
+        }
+        let op_name = format!(
+            "{name} #{} to rank {to} / #{} from rank {from}",
+            send_desc.seq, recv_desc.seq
+        );
+        let t0 = self.trace.is_some().then(Instant::now);
+        let result = self
+            .with_scratch(&prog, |eng, s, start, deadline| {
+                let descs = Descs {
+                    send: &send_desc,
+                    recv: &recv_desc,
+                };
+                let sum = ReduceOp::Sum;
+                eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)
+            })
+            .map_err(|e| e.in_op(&op_name).at_rank(self.rank));
+        if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
+            let mut args = vec![
+                ("to", to.to_string()),
+                ("from", from.to_string()),
+                ("bytes sent", src.len().to_string()),
+                ("bytes received", dst.len().to_string()),
+            ];
+            if let Err(e) = &result {
+                args.push(("error", trace::json_str(&e.to_string())));
+            }
+            t.span(
+                trace::Lane::Calls,
+                "call",
+                &op_name,
+                t0,
+                Instant::now(),
+                &args,
+            );
+            t.flush();
+        }
+        if let Err(e) = &result {
+            self.fail(e.clone());
+        }
+        result
     }
 
     /// Sequences, compiles and describes `call`, runs `body`, and poisons the engine (telling
@@ -882,7 +1000,11 @@ impl Engine {
         }
         let esz = desc.dtype.size();
         self.with_scratch(prog, |eng, s, start, deadline| {
-            eng.drive(prog, desc, full_op, op, src, dst, esz, start, deadline, s)
+            let descs = Descs {
+                send: desc,
+                recv: desc,
+            };
+            eng.drive(prog, descs, full_op, op, src, dst, esz, start, deadline, s)
         })
     }
 
@@ -909,7 +1031,7 @@ impl Engine {
     fn drive(
         &mut self,
         prog: &Program,
-        desc: &Desc,
+        descs: Descs<'_>,
         full_op: ReduceOp,
         op: ReduceOp,
         src: &[u8],
@@ -919,6 +1041,7 @@ impl Engine {
         deadline: Instant,
         s: &mut Scratch,
     ) -> Result<()> {
+        let desc = descs.send;
         let mut pacer = Pacer::new(&self.opts, &self.abort, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
         loop {
@@ -1006,7 +1129,7 @@ impl Engine {
                         let mut sink = Sink {
                             rank: self.rank,
                             peer: p,
-                            desc,
+                            desc: descs.recv,
                             len,
                             dst: dseg,
                             acc,
