@@ -396,7 +396,8 @@ dspark_result_t dspark_all_to_all(const dspark_comm_t *comm,
  *
  * Operations of a communicator run one at a time in issue order, also non-blocking ones:
  * order sends and receives so that they match without deadlock (in a ring, for example,
- * let even ranks send first and odd ranks receive first).
+ * let even ranks send first and odd ranks receive first), or exchange with
+ * `dspark_send_recv`.
  *
  * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
  *
@@ -427,6 +428,32 @@ dspark_result_t dspark_recv(const dspark_comm_t *comm,
                             dspark_dtype_t dtype,
                             int peer,
                             dspark_work_t **work);
+
+/**
+ * Sends `sendcount` elements of `sendbuf` to rank `dest` and receives `recvcount` elements
+ * from rank `source` into `recvbuf`, at once (MPI's `MPI_Sendrecv`): the two progress
+ * together, so ranks that exchange buffers (a swap, a ring shift, a halo) complete whatever
+ * the size, where a `dspark_send` then a `dspark_recv` on both ranks of a swap wait on each
+ * other once the message outgrows what the transport buffers. `dest` and `source` may be
+ * the same rank; the peers may answer with `dspark_send_recv` or with `dspark_recv` and
+ * `dspark_send`. Host buffers only.
+ *
+ * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
+ *
+ * # Safety
+ * As `dspark_all_reduce`, with `sendbuf` valid for reads of `sendcount` elements of `dtype`
+ * and not written, and `recvbuf` valid for writes of `recvcount` elements and not accessed,
+ * by anybody until the operation completes; the two do not overlap.
+ */
+dspark_result_t dspark_send_recv(const dspark_comm_t *comm,
+                                 const void *sendbuf,
+                                 size_t sendcount,
+                                 int dest,
+                                 void *recvbuf,
+                                 size_t recvcount,
+                                 int source,
+                                 dspark_dtype_t dtype,
+                                 dspark_work_t **work);
 
 /**
  * Barrier: completes once every rank of `comm` has reached it.

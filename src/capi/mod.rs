@@ -334,6 +334,8 @@ enum Kind {
     AllToAll,
     Send(c_int),
     Recv(c_int),
+    /// To, from, and the elements received.
+    SendRecv(c_int, c_int, usize),
     Barrier,
 }
 
@@ -384,6 +386,11 @@ unsafe fn issue(
             },
             Kind::Recv(peer) => RawOp::Recv {
                 peer: rank_arg(peer, "peer", me, func)?,
+            },
+            Kind::SendRecv(to, from, recv_count) => RawOp::SendRecv {
+                to: rank_arg(to, "dest", me, func)?,
+                from: rank_arg(from, "source", me, func)?,
+                recv_count,
             },
             Kind::Barrier => RawOp::Barrier,
         };
@@ -773,7 +780,8 @@ pub unsafe extern "C" fn dspark_all_to_all(
 ///
 /// Operations of a communicator run one at a time in issue order, also non-blocking ones:
 /// order sends and receives so that they match without deadlock (in a ring, for example,
-/// let even ranks send first and odd ranks receive first).
+/// let even ranks send first and odd ranks receive first), or exchange with
+/// `dspark_send_recv`.
 ///
 /// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
 ///
@@ -831,6 +839,48 @@ pub unsafe extern "C" fn dspark_recv(
             ptr::null(),
             buf.cast(),
             count,
+            work,
+        )
+    }
+}
+
+/// Sends `sendcount` elements of `sendbuf` to rank `dest` and receives `recvcount` elements
+/// from rank `source` into `recvbuf`, at once (MPI's `MPI_Sendrecv`): the two progress
+/// together, so ranks that exchange buffers (a swap, a ring shift, a halo) complete whatever
+/// the size, where a `dspark_send` then a `dspark_recv` on both ranks of a swap wait on each
+/// other once the message outgrows what the transport buffers. `dest` and `source` may be
+/// the same rank; the peers may answer with `dspark_send_recv` or with `dspark_recv` and
+/// `dspark_send`. Host buffers only.
+///
+/// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
+///
+/// # Safety
+/// As `dspark_all_reduce`, with `sendbuf` valid for reads of `sendcount` elements of `dtype`
+/// and not written, and `recvbuf` valid for writes of `recvcount` elements and not accessed,
+/// by anybody until the operation completes; the two do not overlap.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn dspark_send_recv(
+    comm: *const dspark_comm_t,
+    sendbuf: *const core::ffi::c_void,
+    sendcount: usize,
+    dest: c_int,
+    recvbuf: *mut core::ffi::c_void,
+    recvcount: usize,
+    source: c_int,
+    dtype: dspark_dtype_t,
+    work: *mut *mut dspark_work_t,
+) -> dspark_result_t {
+    // SAFETY: the caller's contract is `issue`'s.
+    unsafe {
+        issue(
+            "dspark_send_recv",
+            comm,
+            Kind::SendRecv(dest, source, recvcount),
+            dtype,
+            sendbuf.cast(),
+            recvbuf.cast(),
+            sendcount,
             work,
         )
     }

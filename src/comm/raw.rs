@@ -202,6 +202,16 @@ pub enum RawOp {
         /// The sending rank.
         peer: usize,
     },
+    /// [`Communicator::send_recv`]: `count` elements of `send` to `to` and `recv_count`
+    /// into `recv` from `from`, progressing together (host buffers only).
+    SendRecv {
+        /// The receiving rank of `send`.
+        to: usize,
+        /// The sending rank of `recv`.
+        from: usize,
+        /// The elements received into `recv`.
+        recv_count: usize,
+    },
     /// [`Communicator::barrier`] (no buffers).
     Barrier,
 }
@@ -253,7 +263,9 @@ impl Communicator {
             RawOp::Broadcast { .. } => Collective::Broadcast,
             RawOp::Reduce { .. } => Collective::Reduce,
             RawOp::AllToAll => Collective::AllToAll,
-            RawOp::Send { .. } | RawOp::Recv { .. } => Collective::SendRecv,
+            RawOp::Send { .. } | RawOp::Recv { .. } | RawOp::SendRecv { .. } => {
+                Collective::SendRecv
+            }
             RawOp::Barrier => Collective::Barrier,
         };
         let bad = |what: String| Error::invalid(Some(me), name.name(), what);
@@ -361,6 +373,31 @@ impl Communicator {
                     call,
                     none,
                     need(recv, bytes(c.count)?, "buf")?,
+                    Prepare::AsGiven,
+                )
+            }
+            RawOp::SendRecv {
+                to,
+                from,
+                recv_count,
+            } => {
+                if api == Api::Device {
+                    return Err(Error::Unavailable {
+                        rank: Some(me),
+                        what: "send_recv of device buffers".into(),
+                        reason: "not implemented: use a send and a recv".into(),
+                    });
+                }
+                let call = self.shape(api, name, None, c.count, 0, Target::SendTo(to))?;
+                self.shape(api, name, None, 0, recv_count, Target::RecvFrom(from))?;
+                let call = Call {
+                    recv_from: Some(from),
+                    ..call
+                };
+                (
+                    call,
+                    need(send, bytes(c.count)?, "sendbuf")?,
+                    need(recv, bytes(recv_count)?, "recvbuf")?,
                     Prepare::AsGiven,
                 )
             }

@@ -664,6 +664,40 @@ static void test_send_recv(dspark_comm_t *comm)
             }
 }
 
+/* The same ring with dspark_send_recv: every rank the same call, no ordering by parity (its
+ * send and receive progress together). */
+static void test_send_recv_exchange(dspark_comm_t *comm)
+{
+    static const dspark_dtype_t types[] = {DSPARK_I64, DSPARK_F32};
+    int next = (g_rank + 1) % g_size, prev = (g_rank + g_size - 1) % g_size;
+    size_t d, c, i;
+    int v;
+    char what[160];
+    if (g_size < 2) return;
+    for (d = 0; d < 2; d++)
+        for (c = 0; c < N_COUNTS; c++)
+            for (v = 0; v < 3; v++) {
+                dspark_dtype_t t = types[d];
+                size_t n = COUNTS[c];
+                void *send = alloc(t, n), *recv = alloc(t, n);
+                double *want = calloc(n, sizeof(double));
+                dspark_work_t *w = NULL;
+                for (i = 0; i < n; i++) {
+                    put(t, send, i, in_sum(g_rank, i) * 10);
+                    want[i] = in_sum(prev, i) * 10;
+                }
+                fill_sentinel(t, recv, n);
+                snprintf(what, sizeof what, "send_recv ring %s %s count %zu", dt_name(t),
+                         variant_name(v), n);
+                if (complete(dspark_send_recv(comm, send, n, next, recv, n, prev, t, WORK(v)), &w,
+                             v, what))
+                    CHECK_BUF(what, t, recv, want, n);
+                free(send);
+                free(recv);
+                free(want);
+            }
+}
+
 static void test_barrier(dspark_comm_t *comm)
 {
     int v;
@@ -820,6 +854,10 @@ static void test_errors(dspark_comm_t *comm)
           "recv from peer == size");
     FAILS(dspark_recv(comm, a, 4, DSPARK_F32, -7, NULL), DSPARK_ERR_INVALID_ARGUMENT, "peer",
           "recv from peer -7");
+    FAILS(dspark_send_recv(comm, a, 4, g_size, a + 4, 4, 0, DSPARK_F32, NULL),
+          DSPARK_ERR_INVALID_ARGUMENT, "peer", "send_recv to a rank >= size");
+    FAILS(dspark_send_recv(comm, a, 4, 0, a + 4, 4, -1, DSPARK_F32, NULL),
+          DSPARK_ERR_INVALID_ARGUMENT, "source", "send_recv from a negative rank");
 
     /* A NULL communicator, everywhere. */
     FAILS(dspark_comm_rank(NULL, &i), DSPARK_ERR_INVALID_ARGUMENT, "NULL", "rank of NULL");
@@ -993,6 +1031,7 @@ int main(void)
     test_reduce_scatter(comm);
     test_all_to_all(comm);
     test_send_recv(comm);
+    test_send_recv_exchange(comm);
     test_barrier(comm);
     test_split(comm);
     test_errors(comm);
