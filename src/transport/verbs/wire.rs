@@ -7,8 +7,9 @@
 
 /// Magic number opening a verbs connection blob ("DSVB").
 pub const BLOB_MAGIC: u32 = 0x4453_5642;
-/// Version of the blob layout and of the verbs protocol.
-pub const BLOB_VERSION: u8 = 2;
+/// Version of the blob layout and of the verbs protocol (3: queue pairs listed by peer, only
+/// for the peers connected at init; the others exchange theirs on first use).
+pub const BLOB_VERSION: u8 = 3;
 
 /// Size of one CTS entry in the sender's ring.
 pub const CTS_LEN: usize = 32;
@@ -93,7 +94,8 @@ pub struct QpInfo {
     pub cts_addr: u64,
 }
 
-const QP_INFO_LEN: usize = 4 * 3 + 8 * 3;
+/// Bytes of one [`Blob::Capable`] queue-pair entry: the peer's rank, then the [`QpInfo`].
+const QP_ENTRY_LEN: usize = 4 + 4 * 3 + 8 * 3;
 
 /// This rank's contribution to the connection round of the bootstrap.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,8 +117,9 @@ pub enum Blob {
         slot_bytes: u32,
         /// Bytes of the control slot.
         ctrl_bytes: u32,
-        /// Per peer (indexed by rank; this rank's own entry is unused).
-        qps: Vec<QpInfo>,
+        /// The queue pairs this rank made for its peers, as (peer rank, information): the
+        /// peers connected at init, or the one peer of a connection made on first use.
+        qps: Vec<(u32, QpInfo)>,
         /// This rank's direct region (GPUDirect RDMA), or why it has none.
         direct: DirectInfo,
     },
@@ -231,6 +234,17 @@ impl R<'_> {
 }
 
 impl Blob {
+    /// The queue pair this rank made for `peer`, if the blob lists one.
+    pub fn qp_for(&self, peer: usize) -> Option<QpInfo> {
+        match self {
+            Blob::Capable { qps, .. } => qps
+                .iter()
+                .find(|(p, _)| *p as usize == peer)
+                .map(|(_, q)| *q),
+            Blob::Incapable { .. } => None,
+        }
+    }
+
     /// Serialises the blob.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = W(Vec::with_capacity(64));
@@ -262,7 +276,8 @@ impl Blob {
                 w.u32(*slot_bytes);
                 w.u32(*ctrl_bytes);
                 w.u32(qps.len() as u32);
-                for q in qps {
+                for (peer, q) in qps {
+                    w.u32(*peer);
                     w.u32(q.qpn);
                     w.u32(q.psn);
                     w.u32(q.rkey);
@@ -326,21 +341,25 @@ impl Blob {
                 let slot_bytes = r.u32()?;
                 let ctrl_bytes = r.u32()?;
                 let n = r.u32()? as usize;
-                if n > 1 << 20 || r.0.len() < n * QP_INFO_LEN {
+                if n > 1 << 20 || r.0.len() < n * QP_ENTRY_LEN {
                     return Err(format!(
                         "verbs connection blob is truncated: it claims {n} peers"
                     ));
                 }
                 let mut qps = Vec::with_capacity(n);
                 for _ in 0..n {
-                    qps.push(QpInfo {
-                        qpn: r.u32()?,
-                        psn: r.u32()?,
-                        rkey: r.u32()?,
-                        rx_addr: r.u64()?,
-                        ctrl_addr: r.u64()?,
-                        cts_addr: r.u64()?,
-                    });
+                    let peer = r.u32()?;
+                    qps.push((
+                        peer,
+                        QpInfo {
+                            qpn: r.u32()?,
+                            psn: r.u32()?,
+                            rkey: r.u32()?,
+                            rx_addr: r.u64()?,
+                            ctrl_addr: r.u64()?,
+                            cts_addr: r.u64()?,
+                        },
+                    ));
                 }
                 let port = PortAddr {
                     link,
@@ -554,15 +573,18 @@ mod tests {
             slot_bytes: 512 * 1024 + 32,
             ctrl_bytes: 4096,
             qps: vec![
-                QpInfo::default(),
-                QpInfo {
-                    qpn: 17,
-                    psn: 0xabcdef,
-                    rkey: 0x1234,
-                    rx_addr: 1 << 40,
-                    ctrl_addr: 7,
-                    cts_addr: u64::MAX,
-                },
+                (0, QpInfo::default()),
+                (
+                    5,
+                    QpInfo {
+                        qpn: 17,
+                        psn: 0xabcdef,
+                        rkey: 0x1234,
+                        rx_addr: 1 << 40,
+                        ctrl_addr: 7,
+                        cts_addr: u64::MAX,
+                    },
+                ),
             ],
             direct: DirectInfo::Region {
                 kind: DirectKind::DmaBuf,
@@ -611,6 +633,15 @@ mod tests {
         ] {
             assert_eq!(Blob::decode(&b.encode()).unwrap(), b);
         }
+    }
+
+    #[test]
+    fn a_blob_lists_queue_pairs_by_peer_and_only_those() {
+        let b = capable();
+        assert_eq!(b.qp_for(5).map(|q| q.qpn), Some(17));
+        assert_eq!(b.qp_for(0), Some(QpInfo::default()));
+        assert_eq!(b.qp_for(1), None);
+        assert_eq!(Blob::Incapable { reason: "x".into() }.qp_for(0), None);
     }
 
     #[test]
