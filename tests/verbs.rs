@@ -20,7 +20,8 @@
 //!   host and staged device collectives stay exact;
 //! * nine ranks: only the standing partners get queue pairs at init (`connected_at_init`, the
 //!   transport's description); send/recv between non-partners and all-to-all connect the
-//!   others on first use, exact against a formula of sender and receiver;
+//!   others on first use, exact against a formula of sender and receiver; a first send to a
+//!   non-partner that died fails with `PeerLost` naming it;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
 //!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
@@ -192,6 +193,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "bandwidth" => bandwidth(),
         "exit_after_call" => exit_after_call(),
         "lazy" => lazy(),
+        "lazy_lost" => lazy_lost(),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -292,6 +294,49 @@ fn lazy() -> Result<i32, String> {
     }
     say(&format!("rank {r}: all_reduce done in {:.1?}", t.elapsed()));
     Ok(OK)
+}
+
+/// Rank 3 of 6 (no standing partner of rank 0) leaves after a barrier; rank 0's first send
+/// to it must fail with `PeerLost` naming it, long before the deadline.
+fn lazy_lost() -> Result<i32, String> {
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let victim = 3;
+    if dspark::plan::algo::standing_partners(n, 0).contains(&victim) {
+        return Err(format!(
+            "rank {victim} is a standing partner of rank 0 in a world of {n}"
+        ));
+    }
+    comm.barrier()
+        .map_err(|e| format!("rank {r}: barrier: {e}"))?;
+    if r == victim {
+        say("victim exits now");
+        std::process::exit(42);
+    }
+    if r != 0 {
+        return Ok(OK);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    match comm.send(&[1u32, 2, 3], victim) {
+        Ok(()) => Err(format!("a send to rank {victim}, gone, succeeded")),
+        Err(e) => {
+            say(&format!("rank 0: after {:.1?}: {e}", t.elapsed()));
+            // PeerLost when its listener refuses; a connection the dying process accepted
+            // and then closed fails the handshake (an I/O or transport error): each names it.
+            let kind_ok = matches!(
+                e,
+                Error::PeerLost { .. } | Error::Io { .. } | Error::Transport { .. }
+            );
+            if e.peer() != Some(victim) || !kind_ok {
+                return Err(format!("expected an error naming rank {victim}: {e:?}"));
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                return Err(format!("the loss took {:.1?} to surface", t.elapsed()));
+            }
+            Ok(FAILED_AS_EXPECTED)
+        }
+    }
 }
 
 /// Registers a buffer through the public API (`Communicator::register_buffer`) and sends
@@ -1080,7 +1125,36 @@ fn only_standing_partners_get_queue_pairs_at_init_and_the_others_connect_on_firs
         ]),
         Duration::from_secs(300),
     );
+    eprintln!("rank 0:\n{}", outs[0].out);
     assert_all(&outs, OK, "lazy connections");
+}
+
+#[test]
+fn a_first_send_to_a_non_partner_that_died_fails_naming_it_instead_of_waiting() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        6,
+        "lazy_lost",
+        &verbs_env(&[
+            ("DSPARK_CHUNK_BYTES", "4096"),
+            ("DSPARK_IB_SLOTS", "2"),
+            ("DSPARK_IB_SPIN_US", "0"),
+        ]),
+        Duration::from_secs(120),
+    );
+    eprintln!("rank 0:\n{}", outs[0].out);
+    assert_eq!(outs[3].code, Some(42), "the victim:\n{}", outs[3].out);
+    assert_eq!(
+        outs[0].code,
+        Some(FAILED_AS_EXPECTED),
+        "rank 0:\n{}",
+        outs[0].out
+    );
+    for r in [1, 2, 4, 5] {
+        assert_eq!(outs[r].code, Some(OK), "rank {r}:\n{}", outs[r].out);
+    }
 }
 
 #[test]
