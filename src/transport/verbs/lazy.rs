@@ -141,9 +141,12 @@ impl VerbsTransport {
             if !sending || !p.await_ready {
                 return Ok(true);
             }
-            // Its "ready" comes on the liveness connection.
+            // Its "ready" comes on the liveness connection. A peer found gone meanwhile is
+            // reported by the caller (its state says why).
             self.examine(peer)?;
-            return Ok(self.peers[peer].as_ref().is_some_and(|p| !p.await_ready));
+            return Ok(self.peers[peer]
+                .as_ref()
+                .is_some_and(|p| !p.await_ready || !p.is_open()));
         }
         if peer >= self.world || peer == self.rank || self.finished {
             return Ok(true);
