@@ -25,17 +25,13 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use super::connect::{landing, Half, TheirEnd};
 use super::options::CTRL_BYTES;
-use super::wire::{Blob, DirectInfo};
+use super::wire::{self, Blob, DirectInfo, MAX_FIRST_USE, READY};
 use super::{Peer, VerbsTransport};
 use crate::error::{Error, Result};
 use crate::transport::tcp::Links;
 
 /// The operation named in errors.
 const OP: &str = "connect on first use (verbs)";
-/// Sent once this end's queue pair is at RTS: the other end may write.
-pub(super) const READY: u8 = 0x52;
-/// The largest connection message accepted (a blob with one queue pair is ~100 bytes).
-const MAX_MSG: usize = 64 * 1024;
 
 /// Connections on first use of one transport.
 pub(super) struct Lazy {
@@ -280,10 +276,8 @@ impl VerbsTransport {
             qps: vec![(peer as u32, half.info(&self.opts))],
             // Exchanged at init already (every rank's).
             direct: DirectInfo::None,
-        }
-        .encode();
-        let mut out = (blob.len() as u32).to_le_bytes().to_vec();
-        out.extend_from_slice(&blob);
+        };
+        let out = wire::first_use_message(&blob);
         Ok(Shake {
             s,
             half,
@@ -331,10 +325,12 @@ impl VerbsTransport {
                 }
                 Ok(n) => {
                     sh.inb.extend_from_slice(&buf[..n]);
-                    if sh.inb.len() > 4 + MAX_MSG + 1 {
+                    if sh.inb.len() > 4 + MAX_FIRST_USE + 1 {
                         return Err(self.err(
                             peer,
-                            format!("rank {peer} sent more than {MAX_MSG} bytes in the exchange"),
+                            format!(
+                                "rank {peer} sent more than {MAX_FIRST_USE} bytes in the exchange"
+                            ),
                         ));
                     }
                 }
@@ -348,38 +344,18 @@ impl VerbsTransport {
                 }
             }
         }
-        if sh.theirs.is_none() && sh.inb.len() >= 4 {
-            let len = u32::from_le_bytes([sh.inb[0], sh.inb[1], sh.inb[2], sh.inb[3]]) as usize;
-            if len > MAX_MSG {
-                return Err(self.err(
-                    peer,
-                    format!("rank {peer} announced a {len}-byte connection message"),
-                ));
-            }
-            if sh.inb.len() >= 4 + len {
-                let blob = Blob::decode(&sh.inb[4..4 + len]).map_err(|w| {
-                    self.err(
-                        peer,
-                        format!("rank {peer} sent bad connection information: {w}"),
-                    )
-                })?;
-                sh.inb.drain(..4 + len);
+        if sh.theirs.is_none() {
+            let taken = wire::take_first_use(&mut sh.inb)
+                .map_err(|w| self.err(peer, format!("rank {peer} sent {w}")))?;
+            if let Some(blob) = taken {
                 sh.theirs = Some(self.accept_end(peer, &blob, &mut sh.half)?);
                 sh.out.push(READY);
                 self.push_out(peer, sh)?;
             }
         }
         if sh.theirs.is_some() && !sh.ready {
-            if let Some(&b) = sh.inb.first() {
-                if b != READY {
-                    return Err(self.err(
-                        peer,
-                        format!("rank {peer} sent {b:#04x} where its ready mark belongs"),
-                    ));
-                }
-                sh.inb.drain(..1);
-                sh.ready = true;
-            }
+            sh.ready = wire::take_ready(&mut sh.inb)
+                .map_err(|w| self.err(peer, format!("rank {peer} sent {w}")))?;
         }
         Ok(sh.theirs.is_some() && sh.sent == sh.out.len())
     }
@@ -399,8 +375,8 @@ impl VerbsTransport {
             return Err(self.err(peer, format!("rank {peer} says it cannot use verbs")));
         };
         if (*slots as usize, *slot_bytes as usize) != (self.opts.slots, self.opts.slot_bytes()) {
-            return Err(Error::config(
-                "DSPARK_IB_SLOTS",
+            return Err(self.err(
+                peer,
                 format!(
                     "rank {} uses {} slots of {} bytes per peer but rank {peer} uses {slots} of \
                      {slot_bytes}: set the same DSPARK_IB_SLOTS, DSPARK_IB_SLOT_BYTES and \

@@ -27,9 +27,8 @@ use std::time::{Duration, Instant};
 use dspark_sys as ffi;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::lazy::READY;
 use super::options::CTRL_BYTES;
-use super::wire::{wr_id, Imm, WrKind, CTS_LEN};
+use super::wire::{wr_id, Imm, WrKind, CTS_LEN, READY};
 use super::{PeerState, VerbsTransport};
 use crate::error::{Error, Result};
 use crate::transport::{AbortClass, FrameHeader, HEADER_LEN};

@@ -398,6 +398,56 @@ impl Blob {
     }
 }
 
+/// The mark a rank sends, after its connection message, over a connection made on first use
+/// once its queue pair is at RTS: the peer may write.
+pub const READY: u8 = 0x52;
+/// The largest connection message accepted on first use (one with one queue pair is ~100
+/// bytes).
+pub const MAX_FIRST_USE: usize = 64 * 1024;
+
+/// A connection message on first use: `blob`'s length (u32, little-endian), then the blob.
+pub fn first_use_message(blob: &Blob) -> Vec<u8> {
+    let b = blob.encode();
+    let mut out = (b.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(&b);
+    out
+}
+
+/// Takes a whole connection message from the front of `buf` (what arrived so far):
+/// `Ok(None)` until all of it is there; `Err` for an oversized or undecodable message.
+pub fn take_first_use(buf: &mut Vec<u8>) -> Result<Option<Blob>, String> {
+    let Some(head) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    if len > MAX_FIRST_USE {
+        return Err(format!(
+            "a {len}-byte connection message (at most {MAX_FIRST_USE})"
+        ));
+    }
+    if buf.len() < 4 + len {
+        return Ok(None);
+    }
+    let blob = Blob::decode(&buf[4..4 + len])?;
+    buf.drain(..4 + len);
+    Ok(Some(blob))
+}
+
+/// Takes the [`READY`] mark from the front of `buf`: `Ok(false)` while nothing is there;
+/// `Err` for another byte.
+pub fn take_ready(buf: &mut Vec<u8>) -> Result<bool, String> {
+    match buf.first() {
+        None => Ok(false),
+        Some(&READY) => {
+            buf.remove(0);
+            Ok(true)
+        }
+        Some(b) => Err(format!(
+            "{b:#04x} where the ready mark ({READY:#04x}) belongs"
+        )),
+    }
+}
+
 /// One clear-to-send entry: "write your next frame here". `seq` is written at both ends of the
 /// entry; the sender only trusts an entry whose completion it has seen *and* whose two copies
 /// of `seq` match the one it expects.
@@ -642,6 +692,43 @@ mod tests {
         assert_eq!(b.qp_for(0), Some(QpInfo::default()));
         assert_eq!(b.qp_for(1), None);
         assert_eq!(Blob::Incapable { reason: "x".into() }.qp_for(0), None);
+    }
+
+    #[test]
+    fn first_use_messages_are_taken_whole_then_the_ready_mark() {
+        let b = capable();
+        let m = first_use_message(&b);
+        // Byte by byte: nothing until the last byte, then the blob; the mark after it.
+        let mut buf = Vec::new();
+        for (i, &x) in m.iter().enumerate() {
+            buf.push(x);
+            let got = take_first_use(&mut buf).unwrap();
+            assert_eq!(got.is_some(), i + 1 == m.len(), "after {} bytes", i + 1);
+            if let Some(got) = got {
+                assert_eq!(got, b);
+                assert!(buf.is_empty());
+            }
+        }
+        assert_eq!(take_ready(&mut buf), Ok(false));
+        // Message and mark in one read.
+        let mut buf = m.clone();
+        buf.push(READY);
+        assert_eq!(take_first_use(&mut buf).unwrap(), Some(b));
+        assert_eq!(take_ready(&mut buf), Ok(true));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn first_use_messages_that_are_too_long_or_damaged_or_a_wrong_mark_are_refused() {
+        let mut buf = ((MAX_FIRST_USE + 1) as u32).to_le_bytes().to_vec();
+        assert!(take_first_use(&mut buf)
+            .unwrap_err()
+            .contains("connection message"));
+        let mut buf = first_use_message(&capable());
+        buf[4] ^= 1;
+        assert!(take_first_use(&mut buf).unwrap_err().contains("magic"));
+        let mut buf = vec![0u8];
+        assert!(take_ready(&mut buf).unwrap_err().contains("ready mark"));
     }
 
     #[test]
