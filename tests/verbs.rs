@@ -21,7 +21,8 @@
 //! * nine ranks: only the standing partners get queue pairs at init (`connected_at_init`, the
 //!   transport's description); send/recv between non-partners and all-to-all connect the
 //!   others on first use, exact against a formula of sender and receiver; a first send to a
-//!   non-partner that died fails with `PeerLost` naming it;
+//!   non-partner that died fails with `PeerLost` naming it; direct frames (host memory standing
+//!   in for the GPU) to peers connected on first use;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
 //!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
@@ -194,6 +195,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "exit_after_call" => exit_after_call(),
         "lazy" => lazy(),
         "lazy_lost" => lazy_lost(),
+        "lazy_direct" => lazy_direct(),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -293,6 +295,71 @@ fn lazy() -> Result<i32, String> {
         }
     }
     say(&format!("rank {r}: all_reduce done in {:.1?}", t.elapsed()));
+    Ok(OK)
+}
+
+/// Direct frames (GPUDirect, host memory standing in) to peers connected on first use: the
+/// device collectives end with an all_to_all, the first call that needs the non-partners.
+fn lazy_direct() -> Result<i32, String> {
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let partners = dspark::plan::algo::standing_partners(n, r);
+    if comm.info().connected_at_init != Some(partners.len()) {
+        return Err(format!(
+            "rank {r}: connected_at_init is {:?}, expected {}",
+            comm.info().connected_at_init,
+            partners.len()
+        ));
+    }
+    // First a device all_to_all of one-frame blocks (400 bytes, segments of 1000): every
+    // block from another rank, the non-partners' included, must land directly.
+    let count = 100;
+    let value = |from: usize, to: usize, i: usize| ((from << 24) | (to << 16) | i) as u32;
+    let send: Vec<u32> = (0..n * count)
+        .map(|k| value(r, k / count, k % count))
+        .collect();
+    let mut dev = dspark::engine::staged::EmulatedDevice::direct(
+        to_bytes(&send),
+        vec![0; n * count * 4],
+        comm.direct_host_region().ok_or("no direct region")?,
+        comm.direct_layout().ok_or("no direct layout")?,
+        3,
+        0x1a2d,
+    );
+    comm.run_staged(
+        emu_call::<u32>(dspark::plan::Collective::AllToAll, None, count, 0, false),
+        &mut dev,
+    )
+    .map_err(|e| format!("rank {r}: device all_to_all: {e}"))?;
+    let got: Vec<u32> = from_bytes(&dev.dst);
+    for s in 0..n {
+        for i in 0..count {
+            let want = value(s, r, i);
+            if got[s * count + i] != want {
+                return Err(format!(
+                    "rank {r}: device all_to_all: element {i} from rank {s} is {:#x}, \
+                     expected {want:#x}",
+                    got[s * count + i]
+                ));
+            }
+        }
+    }
+    if dev.landed != n - 1 {
+        return Err(format!(
+            "rank {r}: {} of the {} blocks from other ranks landed directly",
+            dev.landed,
+            n - 1
+        ));
+    }
+    let landed = device_round::<f32>(&comm, ReduceOp::Sum, 1001, 0x1a2d, true)?;
+    if landed == 0 {
+        return Err(format!(
+            "rank {r}: no payload came through the landing region"
+        ));
+    }
+    say(&format!(
+        "rank {r}: {landed} payloads landed after the all_to_all"
+    ));
     Ok(OK)
 }
 
@@ -1127,6 +1194,25 @@ fn only_standing_partners_get_queue_pairs_at_init_and_the_others_connect_on_firs
     );
     eprintln!("rank 0:\n{}", outs[0].out);
     assert_all(&outs, OK, "lazy connections");
+}
+
+#[test]
+fn direct_frames_reach_peers_connected_on_first_use() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        6,
+        "lazy_direct",
+        &verbs_env(&[
+            ("DSPARK_CHUNK_BYTES", "1000"),
+            ("DSPARK_IB_SLOTS", "4"),
+            ("DSPARK_EMULATE_GPU_DIRECT", "1"),
+            ("DSPARK_IB_SPIN_US", "0"),
+        ]),
+        Duration::from_secs(300),
+    );
+    assert_all(&outs, OK, "direct frames on first use");
 }
 
 #[test]
