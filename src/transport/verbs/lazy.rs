@@ -38,6 +38,8 @@ pub(super) struct Lazy {
     links: Box<dyn Links>,
     /// Exchanges in progress, by peer.
     shakes: Vec<Option<Shake>>,
+    /// How many of `shakes` are in progress (so that `wait` asks in O(1)).
+    active: usize,
     /// Peers whose connection on first use failed: the error every later use returns.
     failed: Vec<Option<Error>>,
 }
@@ -67,6 +69,7 @@ impl VerbsTransport {
         self.lazy = Some(Lazy {
             links,
             shakes: (0..world).map(|_| None).collect(),
+            active: 0,
             failed: vec![None; world],
         });
         let n = self.connected();
@@ -89,6 +92,7 @@ impl VerbsTransport {
     pub(super) fn drop_shakes(&mut self) {
         if let Some(l) = self.lazy.as_mut() {
             l.shakes.iter_mut().for_each(|s| *s = None);
+            l.active = 0;
         }
     }
 
@@ -100,9 +104,7 @@ impl VerbsTransport {
     /// Whether an exchange is in progress (it needs pumping even when no socket is readable:
     /// a write that did not go out at once).
     pub(super) fn shaking(&self) -> bool {
-        self.lazy
-            .as_ref()
-            .is_some_and(|l| l.shakes.iter().any(Option::is_some))
+        self.lazy.as_ref().is_some_and(|l| l.active > 0)
     }
 
     /// The descriptors that are readable when [`VerbsTransport::pump_links`] has work.
@@ -111,7 +113,9 @@ impl VerbsTransport {
             return Vec::new();
         };
         let mut v = l.links.fds();
-        v.extend(l.shakes.iter().flatten().map(|s| s.s.as_fd()));
+        if l.active > 0 {
+            v.extend(l.shakes.iter().flatten().map(|s| s.s.as_fd()));
+        }
         v
     }
 
@@ -176,6 +180,7 @@ impl VerbsTransport {
             return Ok(());
         };
         let r = self.pump_with(&mut l);
+        l.active = l.shakes.iter().filter(|s| s.is_some()).count();
         self.lazy = Some(l);
         r
     }
