@@ -1,8 +1,10 @@
 //! Queue-pair setup and the connection exchange: [`prepare`] opens the device, registers the
-//! slot memory and the direct region and creates one queue pair per peer; its connection
-//! information ([`Prepared::blob`]) travels to every other rank through the bootstrap;
-//! [`Prepared::connect`] moves every queue pair to RTS towards its peer; and
-//! [`VerbsTransport::build`] turns the connected resources into the transport.
+//! slot memory and the direct region and creates one queue pair per peer connected at init
+//! (the caller's `partners`); its connection information ([`Prepared::blob`]) travels to
+//! every other rank through the bootstrap; [`Prepared::connect`] moves every queue pair to
+//! RTS towards its peer; and [`VerbsTransport::build`] turns the connected resources into the
+//! transport. The other peers get their queue pair on first use (`lazy.rs`), from the same
+//! [`Half::new`] and [`Peer::new`].
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
