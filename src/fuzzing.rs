@@ -773,13 +773,18 @@ fn verbs_sample(r: &mut dyn Rng) -> Blob {
         slot_bytes: edgy(r) as u32,
         ctrl_bytes: edgy(r) as u32,
         qps: (0..r.below(5))
-            .map(|_| QpInfo {
-                qpn: edgy(r) as u32,
-                psn: edgy(r) as u32,
-                rkey: edgy(r) as u32,
-                rx_addr: edgy(r),
-                ctrl_addr: edgy(r),
-                cts_addr: edgy(r),
+            .map(|_| {
+                (
+                    edgy(r) as u32,
+                    QpInfo {
+                        qpn: edgy(r) as u32,
+                        psn: edgy(r) as u32,
+                        rkey: edgy(r) as u32,
+                        rx_addr: edgy(r),
+                        ctrl_addr: edgy(r),
+                        cts_addr: edgy(r),
+                    },
+                )
             })
             .collect(),
         direct,

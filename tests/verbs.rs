@@ -18,6 +18,11 @@
 //!   memory (`DSPARK_EMULATE_GPU_DIRECT=1`), every collective against the reference;
 //! * one rank without a direct region: the others free theirs at init (#11 item 7), and
 //!   host and staged device collectives stay exact;
+//! * 13 ranks: only the standing partners get queue pairs at init (`connected_at_init`, the
+//!   transport's description); send/recv between non-partners and all-to-all connect the
+//!   others on first use, exact against a formula of sender and receiver; a first send to a
+//!   non-partner that died fails with `PeerLost` naming it; direct frames (host memory standing
+//!   in for the GPU) to peers connected on first use;
 //! * two nodes (tests named `two_node_*`, run by the suite in two VMs joined by a virtual
 //!   wire with `DSPARK_NODE`, `DSPARK_RANK`, `DSPARK_ROOT_ADDR` set), among them a peer node
 //!   gone silent (its TCP dropped): noticed through keepalive in seconds, not at the deadline.
@@ -188,7 +193,216 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "direct_not_agreed" => direct_not_agreed(),
         "bandwidth" => bandwidth(),
         "exit_after_call" => exit_after_call(),
+        "lazy" => lazy(),
+        "lazy_lost" => lazy_lost(),
+        "lazy_direct" => lazy_direct(),
         other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+/// What rank `from` sends rank `to` at index `i` (an independent reference: every value names
+/// its sender, its receiver and its place).
+fn pair_value(from: usize, to: usize, i: usize) -> u64 {
+    ((from as u64) << 40) | ((to as u64) << 20) | i as u64
+}
+
+fn check_from(got: &[u64], from: usize, to: usize, what: &str) -> Result<(), String> {
+    for (i, &v) in got.iter().enumerate() {
+        let want = pair_value(from, to, i);
+        if v != want {
+            return Err(format!(
+                "rank {to}: {what}: element {i} from rank {from} is {v:#x}, expected {want:#x}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Only the standing partners are connected at init; a send/recv between non-partners (the
+/// receiver late, so the sender waits for it) and all-to-all connect the others on first use;
+/// then an all_reduce against its closed form.
+fn lazy() -> Result<i32, String> {
+    use dspark::plan::algo::standing_partners;
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let partners = standing_partners(n, r);
+    let info = comm.info();
+    if info.connected_at_init != Some(partners.len()) {
+        return Err(format!(
+            "rank {r}: connected_at_init is {:?}, expected the {} standing partners {partners:?}",
+            info.connected_at_init,
+            partners.len()
+        ));
+    }
+    let want = format!(
+        "{} of {} connected at init, the others on first use",
+        partners.len(),
+        n - 1
+    );
+    if !info.transport_detail.contains(&want) {
+        return Err(format!(
+            "rank {r}: the transport detail does not say {want:?}: {}",
+            info.transport_detail
+        ));
+    }
+    let far = (1..n)
+        .find(|p| !standing_partners(n, 0).contains(p))
+        .ok_or_else(|| format!("rank 0 has no non-partner in a world of {n}"))?;
+    let e = |e: Error| format!("rank {r}: {e}");
+    let len = 3001;
+    let t = Instant::now();
+    if r == 0 {
+        let v: Vec<u64> = (0..len).map(|i| pair_value(0, far, i)).collect();
+        comm.send(&v, far).map_err(e)?;
+        let mut back = vec![0u64; len];
+        comm.recv(&mut back, far).map_err(e)?;
+        check_from(&back, far, 0, "recv")?;
+    } else if r == far {
+        // Late: rank 0's send waits for this rank to connect.
+        std::thread::sleep(Duration::from_millis(500));
+        let mut got = vec![0u64; len];
+        comm.recv(&mut got, 0).map_err(e)?;
+        check_from(&got, 0, far, "recv")?;
+        let v: Vec<u64> = (0..len).map(|i| pair_value(far, 0, i)).collect();
+        comm.send(&v, 0).map_err(e)?;
+    }
+    say(&format!(
+        "rank {r}: send/recv between non-partners 0 and {far} done in {:.1?}",
+        t.elapsed()
+    ));
+    // Blocks of 7 (one frame) and 1500 elements (several 4 KiB segments per block).
+    for b in [7usize, 1500] {
+        let send: Vec<u64> = (0..n * b).map(|k| pair_value(r, k / b, k % b)).collect();
+        let mut recv = vec![0u64; n * b];
+        comm.all_to_all(&send, &mut recv).map_err(e)?;
+        for s in 0..n {
+            check_from(&recv[s * b..(s + 1) * b], s, r, "all_to_all")?;
+        }
+    }
+    say(&format!("rank {r}: all_to_all done in {:.1?}", t.elapsed()));
+    let count = 10_007;
+    let mut buf: Vec<u64> = (0..count)
+        .map(|i| (r as u64 + 1) * (i as u64 + 1))
+        .collect();
+    comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(e)?;
+    let ranks = (n * (n + 1) / 2) as u64;
+    for (i, &v) in buf.iter().enumerate() {
+        if v != ranks * (i as u64 + 1) {
+            return Err(format!(
+                "rank {r}: all_reduce element {i} is {v}, expected {}",
+                ranks * (i as u64 + 1)
+            ));
+        }
+    }
+    say(&format!("rank {r}: all_reduce done in {:.1?}", t.elapsed()));
+    Ok(OK)
+}
+
+/// Direct frames (GPUDirect, host memory standing in) to peers connected on first use: the
+/// device collectives end with an all_to_all, the first call that needs the non-partners.
+fn lazy_direct() -> Result<i32, String> {
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let partners = dspark::plan::algo::standing_partners(n, r);
+    if comm.info().connected_at_init != Some(partners.len()) {
+        return Err(format!(
+            "rank {r}: connected_at_init is {:?}, expected {}",
+            comm.info().connected_at_init,
+            partners.len()
+        ));
+    }
+    // First a device all_to_all of one-frame blocks (400 bytes, segments of 1000): every
+    // block from another rank, the non-partners' included, must land directly.
+    let count = 100;
+    let value = |from: usize, to: usize, i: usize| ((from << 24) | (to << 16) | i) as u32;
+    let send: Vec<u32> = (0..n * count)
+        .map(|k| value(r, k / count, k % count))
+        .collect();
+    let mut dev = dspark::engine::staged::EmulatedDevice::direct(
+        to_bytes(&send),
+        vec![0; n * count * 4],
+        comm.direct_host_region().ok_or("no direct region")?,
+        comm.direct_layout().ok_or("no direct layout")?,
+        3,
+        0x1a2d,
+    );
+    comm.run_staged(
+        emu_call::<u32>(dspark::plan::Collective::AllToAll, None, count, 0, false),
+        &mut dev,
+    )
+    .map_err(|e| format!("rank {r}: device all_to_all: {e}"))?;
+    let got: Vec<u32> = from_bytes(&dev.dst);
+    for s in 0..n {
+        for i in 0..count {
+            let want = value(s, r, i);
+            if got[s * count + i] != want {
+                return Err(format!(
+                    "rank {r}: device all_to_all: element {i} from rank {s} is {:#x}, \
+                     expected {want:#x}",
+                    got[s * count + i]
+                ));
+            }
+        }
+    }
+    if dev.landed != n - 1 {
+        return Err(format!(
+            "rank {r}: {} of the {} blocks from other ranks landed directly",
+            dev.landed,
+            n - 1
+        ));
+    }
+    let landed = device_round::<f32>(&comm, ReduceOp::Sum, 1001, 0x1a2d, true)?;
+    if landed == 0 {
+        return Err(format!(
+            "rank {r}: no payload came through the landing region"
+        ));
+    }
+    say(&format!(
+        "rank {r}: {landed} payloads landed after the all_to_all"
+    ));
+    Ok(OK)
+}
+
+/// Rank 3 of 6 (no standing partner of rank 0) leaves after a barrier; rank 0's first send
+/// to it must fail with `PeerLost` naming it, long before the deadline.
+fn lazy_lost() -> Result<i32, String> {
+    let comm = verbs_comm()?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let victim = 3;
+    if dspark::plan::algo::standing_partners(n, 0).contains(&victim) {
+        return Err(format!(
+            "rank {victim} is a standing partner of rank 0 in a world of {n}"
+        ));
+    }
+    comm.barrier()
+        .map_err(|e| format!("rank {r}: barrier: {e}"))?;
+    if r == victim {
+        say("victim exits now");
+        std::process::exit(42);
+    }
+    if r != 0 {
+        return Ok(OK);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    match comm.send(&[1u32, 2, 3], victim) {
+        Ok(()) => Err(format!("a send to rank {victim}, gone, succeeded")),
+        Err(e) => {
+            say(&format!("rank 0: after {:.1?}: {e}", t.elapsed()));
+            // PeerLost when its listener refuses; a connection the dying process accepted
+            // and then closed fails the handshake (an I/O or transport error): each names it.
+            let kind_ok = matches!(
+                e,
+                Error::PeerLost { .. } | Error::Io { .. } | Error::Transport { .. }
+            );
+            if e.peer() != Some(victim) || !kind_ok {
+                return Err(format!("expected an error naming rank {victim}: {e:?}"));
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                return Err(format!("the loss took {:.1?} to surface", t.elapsed()));
+            }
+            Ok(FAILED_AS_EXPECTED)
+        }
     }
 }
 
@@ -755,7 +969,7 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
             reasons: vec!["peermem: not probed in this test".into()],
         };
         // A world of one: the resources need no connection round.
-        let prep = verbs::prepare(0, 1, opts.clone(), &mut provider).unwrap();
+        let prep = verbs::prepare(0, 1, &[], opts.clone(), &mut provider).unwrap();
         let t = verbs::VerbsTransport::build(0, 1, prep, &[], Vec::new());
         let info = t.direct_infos()[0].clone();
         eprintln!("candidates {candidates:?}: {info:?}");
@@ -956,6 +1170,78 @@ fn every_collective_type_and_operator_is_exact_over_verbs_with_three_ranks() {
         Duration::from_secs(400),
     );
     assert_all(&outs, OK, "3-rank matrix");
+}
+
+/// Ranks in the lazy test: enough that some pairs are no standing partners
+/// (`plan::algo::standing_partners`: 8 of 12 per rank), few enough for 2 vCPUs under TCG
+/// (~15 s there).
+const LAZY_WORLD: usize = 13;
+
+#[test]
+fn only_standing_partners_get_queue_pairs_at_init_and_the_others_connect_on_first_use() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        LAZY_WORLD,
+        "lazy",
+        &verbs_env(&[
+            ("DSPARK_CHUNK_BYTES", "4096"),
+            ("DSPARK_IB_SLOTS", "2"),
+            // 13 ranks on two vCPUs: sleep in the completion channel rather than spin.
+            ("DSPARK_IB_SPIN_US", "0"),
+        ]),
+        Duration::from_secs(300),
+    );
+    eprintln!("rank 0:\n{}", outs[0].out);
+    assert_all(&outs, OK, "lazy connections");
+}
+
+#[test]
+fn direct_frames_reach_peers_connected_on_first_use() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        6,
+        "lazy_direct",
+        &verbs_env(&[
+            ("DSPARK_CHUNK_BYTES", "1000"),
+            ("DSPARK_IB_SLOTS", "4"),
+            ("DSPARK_EMULATE_GPU_DIRECT", "1"),
+            ("DSPARK_IB_SPIN_US", "0"),
+        ]),
+        Duration::from_secs(300),
+    );
+    assert_all(&outs, OK, "direct frames on first use");
+}
+
+#[test]
+fn a_first_send_to_a_non_partner_that_died_fails_naming_it_instead_of_waiting() {
+    if !in_vm() {
+        return;
+    }
+    let outs = run_ranks(
+        6,
+        "lazy_lost",
+        &verbs_env(&[
+            ("DSPARK_CHUNK_BYTES", "4096"),
+            ("DSPARK_IB_SLOTS", "2"),
+            ("DSPARK_IB_SPIN_US", "0"),
+        ]),
+        Duration::from_secs(120),
+    );
+    eprintln!("rank 0:\n{}", outs[0].out);
+    assert_eq!(outs[3].code, Some(42), "the victim:\n{}", outs[3].out);
+    assert_eq!(
+        outs[0].code,
+        Some(FAILED_AS_EXPECTED),
+        "rank 0:\n{}",
+        outs[0].out
+    );
+    for r in [1, 2, 4, 5] {
+        assert_eq!(outs[r].code, Some(OK), "rank {r}:\n{}", outs[r].out);
+    }
 }
 
 #[test]

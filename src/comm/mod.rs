@@ -91,9 +91,9 @@ pub struct CommInfo {
     /// and lands in): whether GPU memory was allocated, and whether it is still held.
     pub direct_region: DirectRegionFact,
     /// The peers this rank had a data connection to when init returned, where the transport
-    /// connects the other pairs on first use (TCP: the pairs of the collectives' schedules,
-    /// [`crate::plan::algo::standing_partners`], at most 2⌈log2 n⌉ + 6; all-to-all and
-    /// send/recv partners when first used). `None`: every pair is connected at init.
+    /// connects the other pairs on first use (TCP and verbs: the pairs of the collectives'
+    /// schedules, [`crate::plan::algo::standing_partners`], at most 2⌈log2 n⌉ + 6; all-to-all
+    /// and send/recv partners when first used). `None`: every pair is connected at init.
     pub connected_at_init: Option<usize>,
 }
 

@@ -1092,7 +1092,7 @@ fn select_transport(
         return match cfg.transport {
             TransportChoice::Verbs => {
                 let prep =
-                    verbs::prepare(rank, world, opts, direct).map_err(|r| unavailable(&r))?;
+                    verbs::prepare(rank, world, &[], opts, direct).map_err(|r| unavailable(&r))?;
                 Ok(Selected::Verbs(Box::new(VerbsTransport::build(
                     rank,
                     world,
@@ -1107,6 +1107,9 @@ fn select_transport(
             }),
         };
     }
+    // Queue pairs and slot memory now only for the pairs the collectives' schedules use
+    // (the rendezvous connected the same pairs); the others connect on first use.
+    let partners = plan::algo::standing_partners(world, rank);
     // Round 1: requested mode + capability (+ connection information).
     let mut prep = None;
     let blob = if cfg.transport == TransportChoice::Tcp {
@@ -1114,7 +1117,7 @@ fn select_transport(
             reason: "DSPARK_TRANSPORT=tcp".into(),
         }
     } else {
-        match verbs::prepare(rank, world, opts, direct) {
+        match verbs::prepare(rank, world, &partners, opts, direct) {
             Ok(p) => {
                 let b = p.blob();
                 prep = Some(p);
@@ -1165,9 +1168,20 @@ fn select_transport(
             }
         }
         if why_not.is_none() {
-            // A queue pair for every pair of ranks, and a connection beside each.
-            boot.complete_mesh(&mut streams, &|_| true)?;
-            let t = VerbsTransport::build(rank, world, prep, &blobs, streams);
+            // A connection beside each queue pair (the rendezvous made them already), and
+            // the other pairs on first use.
+            boot.complete_mesh(&mut streams, &|p| partners.binary_search(&p).is_ok())?;
+            let mut t = VerbsTransport::build(rank, world, prep, &blobs, streams);
+            match boot.links() {
+                Some(l) => t = t.with_links(Box::new(l)),
+                None if partners.len() + 1 < world => {
+                    return Err(unavailable(
+                        "internal: the bootstrap has no listener left for connections on \
+                         first use",
+                    ))
+                }
+                None => {}
+            }
             tracing::info!(rank, transport = %t.describe(), "using RDMA verbs");
             return Ok(Selected::Verbs(Box::new(t)));
         }

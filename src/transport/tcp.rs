@@ -223,6 +223,8 @@ impl Peer {
 /// given a stream for (all-to-all and send/recv partners, and any pair the init-time links
 /// left out). The higher rank of a pair connects; both prove the job token. Implemented by
 /// the bootstrap ([`crate::bootstrap::LazyLinks`]), which owns this rank's data listener.
+/// The verbs transport uses them too, to exchange the information of a queue pair made on
+/// first use ([`crate::transport::verbs::VerbsTransport::with_links`]).
 pub trait Links: Send + std::fmt::Debug {
     /// Starts connecting to `peer` unless a connection to it is in the making. Either rank
     /// of a pair may start; when both do at once, the higher rank's connection is kept.

@@ -1,8 +1,10 @@
 //! Queue-pair setup and the connection exchange: [`prepare`] opens the device, registers the
-//! slot memory and the direct region and creates one queue pair per peer; its connection
-//! information ([`Prepared::blob`]) travels to every other rank through the bootstrap;
-//! [`Prepared::connect`] moves every queue pair to RTS towards its peer; and
-//! [`VerbsTransport::build`] turns the connected resources into the transport.
+//! slot memory and the direct region and creates one queue pair per peer connected at init
+//! (the caller's `partners`); its connection information ([`Prepared::blob`]) travels to
+//! every other rank through the bootstrap; [`Prepared::connect`] moves every queue pair to
+//! RTS towards its peer; and [`VerbsTransport::build`] turns the connected resources into the
+//! transport. The other peers get their queue pair on first use (`lazy.rs`), from the same
+//! [`Half::new`] and [`Peer::new`].
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
@@ -15,23 +17,117 @@ use super::memory::{register_direct, DirectOwn, DirectSpec};
 use super::options::{memlock_problem, reg_hint, timeout_ms, VerbsOptions, CTRL_BYTES};
 use super::protocol::POLL_BATCH;
 use super::slots::{RecvSide, SendQueue, SendSide};
-use super::wire::{self, wr_id, Blob, DirectInfo, DirectKind, LinkLayer, QpInfo, WrKind};
+use super::wire::{self, wr_id, Blob, DirectInfo, DirectKind, LinkLayer, PortAddr, QpInfo, WrKind};
 use super::{Peer, PeerState, VerbsTransport};
 use crate::error::{Error, Result};
 
 /// This rank's memory and queue pair for one peer, before connecting.
-struct Half {
-    qp: Qp,
-    remote_mr: Mr,
-    local_mr: Mr,
-    remote_mem: Memory,
-    local_mem: Memory,
-    psn: u32,
+pub(super) struct Half {
+    pub(super) qp: Qp,
+    pub(super) remote_mr: Mr,
+    pub(super) local_mr: Mr,
+    pub(super) remote_mem: Memory,
+    pub(super) local_mem: Memory,
+    pub(super) psn: u32,
+}
+
+impl Half {
+    /// Creates the slot memory (registered) and a queue pair in INIT with its receives
+    /// posted, for the connection of `rank` to `peer`; `dev` names the device in reasons.
+    pub(super) fn new(
+        pd: &Pd,
+        cq: &Cq,
+        port: u8,
+        opts: &VerbsOptions,
+        (rank, peer): (usize, usize),
+        dev: &str,
+    ) -> std::result::Result<Half, String> {
+        let n = opts.slots;
+        let (sq_depth, rq_depth) = queue_depths(n);
+        let (remote_len, local_len) = opts.peer_memory();
+        let (Some(remote_mem), Some(local_mem)) = (Memory::new(remote_len), Memory::new(local_len))
+        else {
+            return Err(format!(
+                "{dev}: cannot allocate {} KiB of slot memory for rank {peer}",
+                (remote_len + local_len) / 1024
+            ));
+        };
+        // SAFETY: both ranges are owned by the `Half` together with their MRs, which are
+        // dropped before the memory (field order of `Half` and `Peer`); Rust only forms
+        // references to parts the protocol says the NIC is not writing at that moment.
+        let remote_mr =
+            unsafe { pd.register(remote_mem.as_ptr(), remote_len, Access::RemoteWrite) }
+                .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
+        // SAFETY: as above.
+        let local_mr = unsafe { pd.register(local_mem.as_ptr(), local_len, Access::LocalWrite) }
+            .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
+        let mut qp = Qp::new(pd, cq, sq_depth, rq_depth).map_err(|e| format!("{dev}: {e}"))?;
+        qp.to_init(port).map_err(|e| format!("{dev}: {e}"))?;
+        for _ in 0..rq_depth {
+            qp.post_recv(wr_id(peer, WrKind::Recv, 0))
+                .map_err(|e| format!("{dev}: {e}"))?;
+        }
+        Ok(Half {
+            qp,
+            remote_mr,
+            local_mr,
+            remote_mem,
+            local_mem,
+            psn: psn_for(rank, peer),
+        })
+    }
+
+    /// What the peer needs to write into this half's memory and connect to its queue pair.
+    pub(super) fn info(&self, opts: &VerbsOptions) -> QpInfo {
+        let n = opts.slots;
+        let sb = opts.slot_bytes();
+        let base = self.remote_mem.as_ptr() as u64;
+        QpInfo {
+            qpn: self.qp.qpn,
+            psn: self.psn,
+            rkey: self.remote_mr.rkey,
+            rx_addr: base,
+            ctrl_addr: base + (n * sb) as u64,
+            cts_addr: base + (n * sb + CTRL_BYTES) as u64,
+        }
+    }
+
+    /// Moves the queue pair to RTR towards `theirs` at the peer's port `port`, then to RTS.
+    pub(super) fn connect(
+        &mut self,
+        local: (u8, &PortAddr),
+        port: &PortAddr,
+        theirs: &QpInfo,
+        rel: &ib::Reliability,
+    ) -> std::result::Result<(), String> {
+        let (local_port, addr) = local;
+        let remote = ib::Remote {
+            qpn: theirs.qpn,
+            psn: theirs.psn,
+            lid: port.lid,
+            gid: port.gid,
+            sgid_index: match (addr.link, port.gid_index) {
+                (LinkLayer::Ethernet, _) => addr.gid_index,
+                (LinkLayer::InfiniBand, Some(_)) => addr.gid_index,
+                (LinkLayer::InfiniBand, None) => None,
+            },
+            mtu: wire::path_mtu(addr.mtu, port.mtu),
+        };
+        self.qp
+            .to_rtr(local_port, &remote, rel)
+            .map_err(|e| e.to_string())?;
+        self.qp.to_rts(self.psn, rel).map_err(|e| e.to_string())
+    }
+}
+
+/// Send and receive queue depths of one queue pair with `n` slots per direction.
+fn queue_depths(n: usize) -> (u32, u32) {
+    ((2 * n + 8) as u32, (2 * n + 4) as u32)
 }
 
 /// This rank's verbs resources, created by [`prepare`] before the connection round: the
 /// device, protection domain, completion queue, one queue pair (in INIT, receives posted) and
-/// the slot memory for every peer, and the direct region.
+/// the slot memory for every peer connected at init, and the direct region.
 pub struct Prepared {
     lib: Lib,
     local: Local,
@@ -51,8 +147,12 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
 }
 
 /// Opens this rank's RDMA device and port under `opts` and creates everything a connection
-/// to each of the other `world − 1` ranks needs, then asks `direct` (given the options and
-/// the device's name) for this rank's direct region and registers it.
+/// to each rank of `partners` (the peers connected at init; the others connect on first use,
+/// see [`VerbsTransport::with_links`]) needs, then asks `direct` (given the options and the
+/// device's name) for this rank's direct region and registers it.
+///
+/// The completion queue is sized for a queue pair to every one of the other `world − 1`
+/// ranks, so that connections made later share it without overflowing it.
 ///
 /// # Errors
 /// Why verbs cannot be used here, as a sentence naming the device (no library, no device,
@@ -60,59 +160,35 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
 pub fn prepare(
     rank: usize,
     world: usize,
+    partners: &[usize],
     opts: VerbsOptions,
     direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
 ) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
     let dev = format!("{}:{}", local.ctx.name, local.port);
-    let need = (opts.pinned_per_peer() * world.saturating_sub(1)) as u64;
+    let mut mine = vec![false; world];
+    for &p in partners {
+        if p < world && p != rank {
+            mine[p] = true;
+        }
+    }
+    let count = mine.iter().filter(|&&m| m).count();
+    let need = (opts.pinned_per_peer() * count) as u64;
     if let Some(p) = memlock_problem(need) {
         return Err(format!("{dev}: {p}"));
     }
     let pd = Pd::new(&local.ctx).map_err(|e| format!("{dev}: {e}"))?;
-    let n = opts.slots;
-    let sq_depth = (2 * n + 8) as u32;
-    let rq_depth = (2 * n + 4) as u32;
+    let (sq_depth, rq_depth) = queue_depths(opts.slots);
     let cq_depth = ((sq_depth + rq_depth) as usize * world.saturating_sub(1)).max(16) as i32;
     let cq = Cq::new(&local.ctx, cq_depth).map_err(|e| format!("{dev}: {e}"))?;
     let mut halves = Vec::with_capacity(world);
-    for peer in 0..world {
-        if peer == rank {
-            halves.push(None);
-            continue;
-        }
-        let (remote_len, local_len) = opts.peer_memory();
-        let (Some(remote_mem), Some(local_mem)) = (Memory::new(remote_len), Memory::new(local_len))
-        else {
-            return Err(format!(
-                "{dev}: cannot allocate {} KiB of slot memory",
-                (remote_len + local_len) / 1024
-            ));
-        };
-        // SAFETY: both ranges are owned by the `Half` together with their MRs, which are
-        // dropped before the memory (field order of `Peer`); Rust only forms references to
-        // parts the protocol says the NIC is not writing at that moment.
-        let remote_mr =
-            unsafe { pd.register(remote_mem.as_ptr(), remote_len, Access::RemoteWrite) }
-                .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
-        // SAFETY: as above.
-        let local_mr = unsafe { pd.register(local_mem.as_ptr(), local_len, Access::LocalWrite) }
-            .map_err(|e| format!("{dev}: {}", reg_hint(&e)))?;
-        let mut qp = Qp::new(&pd, &cq, sq_depth, rq_depth).map_err(|e| format!("{dev}: {e}"))?;
-        qp.to_init(local.port).map_err(|e| format!("{dev}: {e}"))?;
-        for _ in 0..rq_depth {
-            qp.post_recv(wr_id(peer, WrKind::Recv, 0))
-                .map_err(|e| format!("{dev}: {e}"))?;
-        }
-        halves.push(Some(Half {
-            qp,
-            remote_mr,
-            local_mr,
-            remote_mem,
-            local_mem,
-            psn: psn_for(rank, peer),
-        }));
+    for (peer, &m) in mine.iter().enumerate() {
+        halves.push(if m {
+            Some(Half::new(&pd, &cq, local.port, &opts, (rank, peer), &dev)?)
+        } else {
+            None
+        });
     }
     // Only now, with a usable port, is it worth setting up device memory for the NIC.
     let spec = direct(&opts, &local.ctx.name);
@@ -141,33 +217,19 @@ impl std::fmt::Debug for Prepared {
 
 impl Prepared {
     /// This rank's connection information, for every other rank: the port's address, the
-    /// queue pairs and slot memory for each peer, and the direct region.
+    /// queue pairs and slot memory for each peer connected at init, and the direct region.
     pub fn blob(&self) -> Blob {
-        let n = self.opts.slots;
-        let sb = self.opts.slot_bytes();
         let qps = self
             .halves
             .iter()
-            .map(|h| match h {
-                None => QpInfo::default(),
-                Some(h) => {
-                    let base = h.remote_mem.as_ptr() as u64;
-                    QpInfo {
-                        qpn: h.qp.qpn,
-                        psn: h.psn,
-                        rkey: h.remote_mr.rkey,
-                        rx_addr: base,
-                        ctrl_addr: base + (n * sb) as u64,
-                        cts_addr: base + (n * sb + CTRL_BYTES) as u64,
-                    }
-                }
-            })
+            .enumerate()
+            .filter_map(|(p, h)| h.as_ref().map(|h| (p as u32, h.info(&self.opts))))
             .collect();
         Blob::Capable {
             device: format!("{}:{}", self.local.ctx.name, self.local.port),
             port: self.local.addr,
-            slots: n as u32,
-            slot_bytes: sb as u32,
+            slots: self.opts.slots as u32,
+            slot_bytes: self.opts.slot_bytes() as u32,
             ctrl_bytes: CTRL_BYTES as u32,
             qps,
             direct: self.direct_info.clone(),
@@ -179,33 +241,101 @@ impl Prepared {
         let rel = self.opts.reliability;
         for (peer, h) in self.halves.iter_mut().enumerate() {
             let Some(h) = h else { continue };
-            let Blob::Capable { port, qps, .. } = &blobs[peer] else {
+            let Some(Blob::Capable { port, .. }) = blobs.get(peer) else {
                 return Err(format!("rank {peer} has no verbs connection information"));
             };
-            let Some(theirs) = qps.get(rank) else {
+            let Some(theirs) = blobs[peer].qp_for(rank) else {
                 return Err(format!(
-                    "rank {peer} sent connection information for {} ranks",
-                    qps.len()
+                    "rank {peer} made no queue pair for rank {rank} (do the ranks agree on \
+                     which pairs connect at init?)"
                 ));
             };
-            let remote = ib::Remote {
-                qpn: theirs.qpn,
-                psn: theirs.psn,
-                lid: port.lid,
-                gid: port.gid,
-                sgid_index: match (self.local.addr.link, port.gid_index) {
-                    (LinkLayer::Ethernet, _) => self.local.addr.gid_index,
-                    (LinkLayer::InfiniBand, Some(_)) => self.local.addr.gid_index,
-                    (LinkLayer::InfiniBand, None) => None,
-                },
-                mtu: wire::path_mtu(self.local.addr.mtu, port.mtu),
-            };
-            h.qp.to_rtr(self.local.port, &remote, &rel)
-                .map_err(|e| format!("queue pair to rank {peer}: {e}"))?;
-            h.qp.to_rts(h.psn, &rel)
+            h.connect((self.local.port, &self.local.addr), port, &theirs, &rel)
                 .map_err(|e| format!("queue pair to rank {peer}: {e}"))?;
         }
         Ok(())
+    }
+}
+
+/// Where rank `rank`'s direct payloads land at a peer whose direct region is `theirs`:
+/// (address of landing slot 0 for `rank`, rkey, bytes per slot), when both ranks have a
+/// region of the same kind (host-emulated or GPU).
+pub(super) fn landing(
+    rank: usize,
+    slots: usize,
+    mine: Option<&DirectOwn>,
+    theirs: &DirectInfo,
+) -> Option<(u64, u32, usize)> {
+    match (mine, theirs) {
+        (
+            Some(mine),
+            DirectInfo::Region {
+                kind,
+                addr,
+                rkey,
+                slot_bytes,
+            },
+        ) if (mine.kind == DirectKind::HostEmulated) == (*kind == DirectKind::HostEmulated) => {
+            let sb = *slot_bytes as usize;
+            Some((addr + (rank * slots * sb) as u64, *rkey, sb))
+        }
+        _ => None,
+    }
+}
+
+/// What a connection needs to know of the peer's end (from its blob or its message on first
+/// use).
+pub(super) struct TheirEnd {
+    pub(super) qp: QpInfo,
+    pub(super) slot_bytes: usize,
+    pub(super) ctrl_bytes: usize,
+    pub(super) landing: Option<(u64, u32, usize)>,
+}
+
+impl Peer {
+    /// A connection from this rank's `half` (its queue pair at RTS) to the peer's end
+    /// `theirs`, with the liveness connection `stream` (made non-blocking, with keepalive).
+    pub(super) fn new(
+        peer: usize,
+        h: Half,
+        theirs: TheirEnd,
+        stream: Option<TcpStream>,
+        slots: usize,
+    ) -> Peer {
+        if let Some(s) = &stream {
+            let _ = s.set_nonblocking(true);
+            if let Err(e) = super::liveness::keep_alive(s) {
+                tracing::warn!(
+                    peer,
+                    error = %e,
+                    "TCP keepalive on the liveness connection could not be set: a node \
+                     that loses power is noticed only by the transport's retries or the \
+                     deadline"
+                );
+            }
+        }
+        let n = slots;
+        Peer {
+            qp: h.qp,
+            remote_mr: h.remote_mr,
+            local_mr: h.local_mr,
+            remote_mem: h.remote_mem,
+            local_mem: h.local_mem,
+            stream,
+            theirs: theirs.qp,
+            their_slot_bytes: theirs.slot_bytes,
+            their_ctrl_bytes: theirs.ctrl_bytes,
+            send: SendSide::new(n as u64),
+            recv: RecvSide::new(n as u64),
+            sq: SendQueue::new(queue_depths(n).0 as u64),
+            rx_len: vec![0; n],
+            rx_direct: vec![false; n],
+            held: VecDeque::new(),
+            their_landing: theirs.landing,
+            state: PeerState::Open,
+            farewell: None,
+            await_ready: false,
+        }
     }
 }
 
@@ -213,7 +343,9 @@ impl VerbsTransport {
     /// The transport of rank `rank` of `world` from its connected resources (`prep` after
     /// [`Prepared::connect`], or unconnected in a world of one), every rank's connection
     /// information `blobs` (indexed by rank; empty in a world of one) and the bootstrap's
-    /// TCP connections, kept as liveness signals (`streams`, indexed by peer).
+    /// TCP connections, kept as liveness signals (`streams`, indexed by peer). Only the peers
+    /// `prep` made queue pairs for are connected; [`VerbsTransport::with_links`] connects
+    /// the others on first use.
     pub fn build(
         rank: usize,
         world: usize,
@@ -251,71 +383,27 @@ impl VerbsTransport {
                 continue;
             };
             let (theirs, their_slot_bytes, their_ctrl_bytes, their_mtu) = match &blobs[peer] {
-                Blob::Capable {
-                    qps,
+                b @ Blob::Capable {
                     slot_bytes,
                     ctrl_bytes,
                     port,
                     ..
                 } => (
-                    qps.get(rank).copied().unwrap_or_default(),
+                    b.qp_for(rank).unwrap_or_default(),
                     *slot_bytes as usize,
                     *ctrl_bytes as usize,
                     port.mtu,
                 ),
                 Blob::Incapable { .. } => (QpInfo::default(), 0, 0, 0),
             };
-            let their_landing = match (&direct, &direct_infos[peer]) {
-                (
-                    Some(mine),
-                    DirectInfo::Region {
-                        kind,
-                        addr,
-                        rkey,
-                        slot_bytes,
-                    },
-                ) if (mine.kind == DirectKind::HostEmulated)
-                    == (*kind == DirectKind::HostEmulated) =>
-                {
-                    let sb = *slot_bytes as usize;
-                    Some((addr + (rank * n * sb) as u64, *rkey, sb))
-                }
-                _ => None,
+            mtus.push(wire::path_mtu(local.addr.mtu, their_mtu));
+            let end = TheirEnd {
+                qp: theirs,
+                slot_bytes: their_slot_bytes,
+                ctrl_bytes: their_ctrl_bytes,
+                landing: landing(rank, n, direct.as_ref(), &direct_infos[peer]),
             };
-            let path_mtu = wire::path_mtu(local.addr.mtu, their_mtu);
-            mtus.push(path_mtu);
-            if let Some(s) = &stream {
-                let _ = s.set_nonblocking(true);
-                if let Err(e) = super::liveness::keep_alive(s) {
-                    tracing::warn!(
-                        peer,
-                        error = %e,
-                        "TCP keepalive on the liveness connection could not be set: a node \
-                         that loses power is noticed only by the transport's retries or the \
-                         deadline"
-                    );
-                }
-            }
-            peers.push(Some(Peer {
-                qp: h.qp,
-                remote_mr: h.remote_mr,
-                local_mr: h.local_mr,
-                remote_mem: h.remote_mem,
-                local_mem: h.local_mem,
-                stream,
-                theirs,
-                their_slot_bytes,
-                their_ctrl_bytes,
-                send: SendSide::new(n as u64),
-                recv: RecvSide::new(n as u64),
-                sq: SendQueue::new((2 * n + 8) as u64),
-                rx_len: vec![0; n],
-                rx_direct: vec![false; n],
-                held: VecDeque::new(),
-                their_landing,
-                state: PeerState::Open,
-                farewell: None,
-            }));
+            peers.push(Some(Peer::new(peer, h, end, stream, n)));
         }
         let a = &local.addr;
         let addressing = match a.gid_index {
@@ -355,11 +443,15 @@ impl VerbsTransport {
             rank,
             world,
             peers,
+            lazy: None,
             user_mrs: Vec::new(),
             direct,
             direct_infos,
             cq,
             pd,
+            port: local.port,
+            addr: local.addr,
+            device: format!("{}:{}", local.ctx.name, local.port),
             _ctx: local.ctx,
             lib,
             wc,
@@ -447,7 +539,7 @@ mod tests {
         // On machines without rdma-core this is the "cannot load" path; with it, the device
         // probe runs. Either way: a sentence, never a panic.
         let o = test_options(8);
-        if let Err(reason) = prepare(0, 2, o, &mut |_, _| DirectSpec::None) {
+        if let Err(reason) = prepare(0, 2, &[1], o, &mut |_, _| DirectSpec::None) {
             assert!(!reason.is_empty());
         }
     }

@@ -28,7 +28,7 @@ use dspark_sys as ffi;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::options::CTRL_BYTES;
-use super::wire::{wr_id, Imm, WrKind, CTS_LEN};
+use super::wire::{wr_id, Imm, WrKind, CTS_LEN, READY};
 use super::{PeerState, VerbsTransport};
 use crate::error::{Error, Result};
 use crate::transport::{AbortClass, FrameHeader, HEADER_LEN};
@@ -91,7 +91,7 @@ impl VerbsTransport {
     /// fails (a receive that finds nothing more, a send to it, see `next_header` and
     /// `peer_err`) — a rank that finished its call and exited fails no survivor's same call.
     /// Errors are those of the completions polled here (an abort that came with it).
-    fn examine(&mut self, peer: usize) -> Result<()> {
+    pub(super) fn examine(&mut self, peer: usize) -> Result<()> {
         let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
             return Ok(());
         };
@@ -101,13 +101,31 @@ impl VerbsTransport {
         let Some(s) = &mut p.stream else {
             return Ok(());
         };
-        // Nothing is ever sent on this connection in verbs mode: discard whatever is there
-        // (leftovers of the bootstrap) so that the end of the stream becomes visible.
+        // Nothing is sent on this connection in verbs mode but, on a connection made on first
+        // use, the peer's "ready" (its queue pair accepts writes): discard whatever else is
+        // there (leftovers of the bootstrap) so that the end of the stream becomes visible.
         let mut b = [0u8; 256];
         let gone = loop {
             match io::Read::read(s, &mut b) {
                 Ok(0) => {
                     break Some("connection closed without goodbye (process died?)".to_string())
+                }
+                Ok(_) if p.await_ready => {
+                    if b[0] != READY {
+                        let e = Error::Transport {
+                            rank: Some(self.rank),
+                            peer: Some(peer),
+                            op: "connect on first use (verbs)".into(),
+                            what: format!(
+                                "rank {peer} sent {:#04x} where its ready mark belongs",
+                                b[0]
+                            ),
+                        };
+                        p.state = PeerState::Failed(e.clone());
+                        return Err(e);
+                    }
+                    p.await_ready = false;
+                    continue;
                 }
                 Ok(_) => continue,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -146,7 +164,9 @@ impl VerbsTransport {
         let sb = self.opts.slot_bytes();
         for (peer, p) in self.peers.iter_mut().enumerate() {
             let Some(p) = p else { continue };
-            if !p.is_open() || p.their_ctrl_bytes < HEADER_LEN {
+            // A peer whose queue pair may still be in INIT gets nothing: it sees the
+            // liveness connection close.
+            if !p.is_open() || p.their_ctrl_bytes < HEADER_LEN || p.await_ready {
                 continue;
             }
             if !p.sq.has_room() {
@@ -214,6 +234,9 @@ impl VerbsTransport {
     /// (at most 100 ms).
     pub(super) fn wait_events(&mut self, deadline: Instant) -> Result<()> {
         if self.progress()? > 0 {
+            if self.shaking() {
+                self.pump_links()?;
+            }
             return Ok(());
         }
         let spin_until = Instant::now() + self.opts.spin;
@@ -243,6 +266,7 @@ impl VerbsTransport {
         let ms = (deadline - now).as_micros().div_ceil(1000).min(100) as i32;
         let cq_fd = self.cq.fd();
         let mut watched = Vec::with_capacity(self.world);
+        let linking;
         {
             // SAFETY: the channel's descriptor stays open while `self.cq` lives, which
             // outlives this poll.
@@ -258,14 +282,24 @@ impl VerbsTransport {
                     ));
                 }
             }
+            // Connections in the making: a peer connecting to this rank, or answering it.
+            let ours = fds.len();
+            fds.extend(
+                self.lazy_fds()
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
             let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
             match nix::poll::poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e))),
             }
+            linking = fds[ours..]
+                .iter()
+                .any(|f| f.revents().is_some_and(|e| !e.is_empty()));
             // Only the liveness connections that poll flagged need a look (one read each):
             // the others have nothing new, and reading them all costs O(world) per wait.
-            let flagged: Vec<usize> = fds[1..]
+            let flagged: Vec<usize> = fds[1..ours]
                 .iter()
                 .zip(&watched)
                 // nix cannot name POLLRDHUP, so `revents()` is None exactly when it is set.
@@ -279,6 +313,9 @@ impl VerbsTransport {
         // A flagged liveness connection that reads as closed means its process is gone.
         for i in watched {
             self.examine(i)?;
+        }
+        if linking || self.shaking() {
+            self.pump_links()?;
         }
         Ok(())
     }
@@ -377,7 +414,7 @@ impl VerbsTransport {
                 }
             }
         }
-        Ok(())
+        self.pump_links()
     }
 
     /// [`Transport::abort`]: an abort frame to every open peer, then every queue pair to ERR.
@@ -388,6 +425,7 @@ impl VerbsTransport {
         let hdr = FrameHeader::abort(origin, 0, class);
         self.farewell(&hdr, reason.as_bytes());
         self.finished = true;
+        self.drop_shakes();
         for p in self.peers.iter_mut().flatten() {
             if let Err(e) = p.qp.to_err() {
                 tracing::debug!(qpn = p.qp.qpn, error = %e, "moving a queue pair to ERR failed");
@@ -407,6 +445,7 @@ impl VerbsTransport {
         }
         self.farewell(&FrameHeader::bye(), &[]);
         self.finished = true;
+        self.drop_shakes();
         for p in self.peers.iter_mut().flatten() {
             if let Err(e) = p.qp.to_err() {
                 tracing::debug!(qpn = p.qp.qpn, error = %e, "moving a queue pair to ERR failed");

@@ -10,6 +10,13 @@
 //!
 //! 1. The connection information (QP number, PSN, LID/GID, MTU, slot and ring addresses, rkey)
 //!    travels through the bootstrap; all slots start free, so the first `n` frames need no CTS.
+//!    Only the pairs the collectives' schedules use (the caller's `partners`, O(log n) per
+//!    rank) get a queue pair and slot memory at init. Any other pair (all-to-all, send/recv)
+//!    connects on first use ([`VerbsTransport::with_links`]): a TCP connection made through
+//!    [`Links`] (the bootstrap's, with its token proofs) carries the two ends' connection
+//!    information of a fresh queue pair, then a one-byte "ready" once each end is at RTS,
+//!    and stays open as that pair's liveness connection. Until then a send or receive to
+//!    that peer reports "not yet", and `wait` and `check_peers` advance the exchange.
 //! 2. The sender copies the 32-byte [`FrameHeader`] and the payload into staging slot
 //!    `k % n` and writes it into the receiver's slot with one `RDMA_WRITE_WITH_IMM`; the
 //!    immediate carries the frame length and the low bits of its sequence number. For a caller
@@ -87,6 +94,7 @@
 //! * `connect.rs`: queue-pair setup and the connection exchange: [`prepare`], the connection
 //!   information of every rank ([`Prepared::blob`], [`why_not_connectable`]),
 //!   [`Prepared::connect`], [`VerbsTransport::build`];
+//! * `lazy.rs`: connections on first use ([`VerbsTransport::with_links`]);
 //! * `protocol.rs`: the slot protocol (credits, frame writes, arrivals, re-advertised slots,
 //!   completions) and the `Transport` implementation;
 //! * `liveness.rs`: the liveness connections, waiting on completions and liveness together,
@@ -96,6 +104,7 @@
 //!   information, CTS entries and immediates.
 //!
 //! [`FrameHeader`]: crate::transport::FrameHeader
+//! [`Links`]: crate::transport::tcp::Links
 //! [`RecvSink::consume`]: crate::transport::RecvSink::consume
 //! [`RecvSink::direct`]: crate::transport::RecvSink::direct
 //! [`Transport::abort`]: crate::transport::Transport::abort
@@ -111,6 +120,7 @@ pub mod wire;
 
 mod connect;
 mod device;
+mod lazy;
 mod liveness;
 mod memory;
 mod options;
@@ -125,7 +135,7 @@ use dspark_sys as ffi;
 use self::ib::{Context, Cq, Lib, Memory, Mr, Pd, Qp};
 use self::memory::{DirectOwn, UserMr};
 use self::slots::{RecvSide, SendQueue, SendSide};
-use self::wire::{DirectInfo, QpInfo};
+use self::wire::{DirectInfo, PortAddr, QpInfo};
 use crate::error::Error;
 
 pub use self::connect::{prepare, why_not_connectable, Prepared};
@@ -197,6 +207,10 @@ struct Peer {
     state: PeerState,
     /// Bye/abort written by this rank (send-queue index of the write).
     farewell: Option<u64>,
+    /// Connected on first use and the peer's "ready" has not come yet: its queue pair may
+    /// still be in INIT, so this rank writes nothing to it (it may receive: the peer writes
+    /// only once it has this rank's "ready").
+    await_ready: bool,
 }
 
 impl Peer {
@@ -211,12 +225,20 @@ pub struct VerbsTransport {
     world: usize,
     // Field order is drop order: connections and registrations, then CQ, PD, context, library.
     peers: Vec<Option<Peer>>,
+    /// Connections on first use, and queue pairs in the making (None: only the peers
+    /// connected at init are reachable).
+    lazy: Option<lazy::Lazy>,
     user_mrs: Vec<UserMr>,
     direct: Option<DirectOwn>,
     /// Every rank's direct region information (this rank's included).
     direct_infos: Vec<DirectInfo>,
     cq: Cq,
     pd: Pd,
+    /// The port in use and its address (for queue pairs made on first use).
+    port: u8,
+    addr: PortAddr,
+    /// Device and port, for messages (`mlx5_0:1`).
+    device: String,
     /// Kept open until everything above is released.
     _ctx: Context,
     lib: Lib,

@@ -94,7 +94,7 @@ pub fn memlock_shortfall(soft: Option<u64>, need: u64, privileged: bool) -> Opti
     }
     Some(format!(
         "RLIMIT_MEMLOCK is {} KiB but the verbs transport must pin {} KiB (slots and rings for \
-         every peer); raise the limit: `ulimit -l unlimited` in the shell that starts the ranks, \
+         every peer connected at init); raise the limit: `ulimit -l unlimited` in the shell that starts the ranks, \
          `LimitMEMLOCK=infinity` for a systemd service, `--ulimit memlock=-1` for docker, or \
          `* - memlock unlimited` in /etc/security/limits.conf; or use fewer/smaller slots \
          (DSPARK_IB_SLOTS, DSPARK_CHUNK_BYTES)",

@@ -595,6 +595,10 @@ impl Transport for VerbsTransport {
         self.desc.clone()
     }
 
+    fn connected_peers(&self) -> Option<usize> {
+        self.lazy_enabled().then(|| self.connected())
+    }
+
     fn send(
         &mut self,
         peer: usize,
@@ -615,6 +619,9 @@ impl Transport for VerbsTransport {
             progress.written = total;
             progress.token = 0;
             return Ok(true);
+        }
+        if !self.link(peer, true)? {
+            return Ok(false);
         }
         if let Some(e) = self.peer_err(peer, OP) {
             return Err(e);
@@ -737,6 +744,9 @@ impl Transport for VerbsTransport {
         sink: &mut dyn RecvSink,
     ) -> Result<bool> {
         const OP: &str = "receive";
+        if !self.link(peer, false)? {
+            return Ok(false);
+        }
         let Some((slot, len, is_direct, hdr)) = self.next_header(peer, OP)? else {
             return Ok(false);
         };
@@ -794,12 +804,19 @@ impl Transport for VerbsTransport {
     }
 
     fn direct_peer(&self, peer: usize) -> bool {
-        self.direct.is_some()
-            && self
-                .peers
-                .get(peer)
-                .and_then(Option::as_ref)
-                .is_some_and(|p| p.their_landing.is_some())
+        if self.direct.is_none() {
+            return false;
+        }
+        match self.peers.get(peer).and_then(Option::as_ref) {
+            Some(p) => p.their_landing.is_some(),
+            // Not connected yet: it will be on first use, with the region exchanged at init.
+            None => {
+                self.lazy_enabled()
+                    && peer < self.world
+                    && peer != self.rank
+                    && self.landing_of(peer).is_some()
+            }
+        }
     }
 
     fn send_direct(
@@ -812,6 +829,9 @@ impl Transport for VerbsTransport {
         const OP: &str = "send (direct)";
         if self.finished {
             return Err(self.finished_err(OP));
+        }
+        if !self.link(peer, true)? {
+            return Ok(false);
         }
         if let Some(e) = self.peer_err(peer, OP) {
             return Err(e);
@@ -918,6 +938,9 @@ impl Transport for VerbsTransport {
         sink: &mut dyn RecvSink,
     ) -> Result<Option<Landed>> {
         const OP: &str = "receive (direct)";
+        if !self.link(peer, false)? {
+            return Ok(None);
+        }
         let Some((slot, _len, is_direct, hdr)) = self.next_header(peer, OP)? else {
             return Ok(None);
         };

@@ -7,8 +7,9 @@
 
 /// Magic number opening a verbs connection blob ("DSVB").
 pub const BLOB_MAGIC: u32 = 0x4453_5642;
-/// Version of the blob layout and of the verbs protocol.
-pub const BLOB_VERSION: u8 = 2;
+/// Version of the blob layout and of the verbs protocol (3: queue pairs listed by peer, only
+/// for the peers connected at init; the others exchange theirs on first use).
+pub const BLOB_VERSION: u8 = 3;
 
 /// Size of one CTS entry in the sender's ring.
 pub const CTS_LEN: usize = 32;
@@ -93,7 +94,8 @@ pub struct QpInfo {
     pub cts_addr: u64,
 }
 
-const QP_INFO_LEN: usize = 4 * 3 + 8 * 3;
+/// Bytes of one [`Blob::Capable`] queue-pair entry: the peer's rank, then the [`QpInfo`].
+const QP_ENTRY_LEN: usize = 4 + 4 * 3 + 8 * 3;
 
 /// This rank's contribution to the connection round of the bootstrap.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,8 +117,9 @@ pub enum Blob {
         slot_bytes: u32,
         /// Bytes of the control slot.
         ctrl_bytes: u32,
-        /// Per peer (indexed by rank; this rank's own entry is unused).
-        qps: Vec<QpInfo>,
+        /// The queue pairs this rank made for its peers, as (peer rank, information): the
+        /// peers connected at init, or the one peer of a connection made on first use.
+        qps: Vec<(u32, QpInfo)>,
         /// This rank's direct region (GPUDirect RDMA), or why it has none.
         direct: DirectInfo,
     },
@@ -231,6 +234,17 @@ impl R<'_> {
 }
 
 impl Blob {
+    /// The queue pair this rank made for `peer`, if the blob lists one.
+    pub fn qp_for(&self, peer: usize) -> Option<QpInfo> {
+        match self {
+            Blob::Capable { qps, .. } => qps
+                .iter()
+                .find(|(p, _)| *p as usize == peer)
+                .map(|(_, q)| *q),
+            Blob::Incapable { .. } => None,
+        }
+    }
+
     /// Serialises the blob.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = W(Vec::with_capacity(64));
@@ -262,7 +276,8 @@ impl Blob {
                 w.u32(*slot_bytes);
                 w.u32(*ctrl_bytes);
                 w.u32(qps.len() as u32);
-                for q in qps {
+                for (peer, q) in qps {
+                    w.u32(*peer);
                     w.u32(q.qpn);
                     w.u32(q.psn);
                     w.u32(q.rkey);
@@ -326,21 +341,25 @@ impl Blob {
                 let slot_bytes = r.u32()?;
                 let ctrl_bytes = r.u32()?;
                 let n = r.u32()? as usize;
-                if n > 1 << 20 || r.0.len() < n * QP_INFO_LEN {
+                if n > 1 << 20 || r.0.len() < n * QP_ENTRY_LEN {
                     return Err(format!(
                         "verbs connection blob is truncated: it claims {n} peers"
                     ));
                 }
                 let mut qps = Vec::with_capacity(n);
                 for _ in 0..n {
-                    qps.push(QpInfo {
-                        qpn: r.u32()?,
-                        psn: r.u32()?,
-                        rkey: r.u32()?,
-                        rx_addr: r.u64()?,
-                        ctrl_addr: r.u64()?,
-                        cts_addr: r.u64()?,
-                    });
+                    let peer = r.u32()?;
+                    qps.push((
+                        peer,
+                        QpInfo {
+                            qpn: r.u32()?,
+                            psn: r.u32()?,
+                            rkey: r.u32()?,
+                            rx_addr: r.u64()?,
+                            ctrl_addr: r.u64()?,
+                            cts_addr: r.u64()?,
+                        },
+                    ));
                 }
                 let port = PortAddr {
                     link,
@@ -376,6 +395,56 @@ impl Blob {
             }
             k => Err(format!("unknown verbs blob kind {k}")),
         }
+    }
+}
+
+/// The mark a rank sends, after its connection message, over a connection made on first use
+/// once its queue pair is at RTS: the peer may write.
+pub const READY: u8 = 0x52;
+/// The largest connection message accepted on first use (one with one queue pair is ~100
+/// bytes).
+pub const MAX_FIRST_USE: usize = 64 * 1024;
+
+/// A connection message on first use: `blob`'s length (u32, little-endian), then the blob.
+pub fn first_use_message(blob: &Blob) -> Vec<u8> {
+    let b = blob.encode();
+    let mut out = (b.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(&b);
+    out
+}
+
+/// Takes a whole connection message from the front of `buf` (what arrived so far):
+/// `Ok(None)` until all of it is there; `Err` for an oversized or undecodable message.
+pub fn take_first_use(buf: &mut Vec<u8>) -> Result<Option<Blob>, String> {
+    let Some(head) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    if len > MAX_FIRST_USE {
+        return Err(format!(
+            "a {len}-byte connection message (at most {MAX_FIRST_USE})"
+        ));
+    }
+    if buf.len() < 4 + len {
+        return Ok(None);
+    }
+    let blob = Blob::decode(&buf[4..4 + len])?;
+    buf.drain(..4 + len);
+    Ok(Some(blob))
+}
+
+/// Takes the [`READY`] mark from the front of `buf`: `Ok(false)` while nothing is there;
+/// `Err` for another byte.
+pub fn take_ready(buf: &mut Vec<u8>) -> Result<bool, String> {
+    match buf.first() {
+        None => Ok(false),
+        Some(&READY) => {
+            buf.remove(0);
+            Ok(true)
+        }
+        Some(b) => Err(format!(
+            "{b:#04x} where the ready mark ({READY:#04x}) belongs"
+        )),
     }
 }
 
@@ -554,15 +623,18 @@ mod tests {
             slot_bytes: 512 * 1024 + 32,
             ctrl_bytes: 4096,
             qps: vec![
-                QpInfo::default(),
-                QpInfo {
-                    qpn: 17,
-                    psn: 0xabcdef,
-                    rkey: 0x1234,
-                    rx_addr: 1 << 40,
-                    ctrl_addr: 7,
-                    cts_addr: u64::MAX,
-                },
+                (0, QpInfo::default()),
+                (
+                    5,
+                    QpInfo {
+                        qpn: 17,
+                        psn: 0xabcdef,
+                        rkey: 0x1234,
+                        rx_addr: 1 << 40,
+                        ctrl_addr: 7,
+                        cts_addr: u64::MAX,
+                    },
+                ),
             ],
             direct: DirectInfo::Region {
                 kind: DirectKind::DmaBuf,
@@ -611,6 +683,52 @@ mod tests {
         ] {
             assert_eq!(Blob::decode(&b.encode()).unwrap(), b);
         }
+    }
+
+    #[test]
+    fn a_blob_lists_queue_pairs_by_peer_and_only_those() {
+        let b = capable();
+        assert_eq!(b.qp_for(5).map(|q| q.qpn), Some(17));
+        assert_eq!(b.qp_for(0), Some(QpInfo::default()));
+        assert_eq!(b.qp_for(1), None);
+        assert_eq!(Blob::Incapable { reason: "x".into() }.qp_for(0), None);
+    }
+
+    #[test]
+    fn first_use_messages_are_taken_whole_then_the_ready_mark() {
+        let b = capable();
+        let m = first_use_message(&b);
+        // Byte by byte: nothing until the last byte, then the blob; the mark after it.
+        let mut buf = Vec::new();
+        for (i, &x) in m.iter().enumerate() {
+            buf.push(x);
+            let got = take_first_use(&mut buf).unwrap();
+            assert_eq!(got.is_some(), i + 1 == m.len(), "after {} bytes", i + 1);
+            if let Some(got) = got {
+                assert_eq!(got, b);
+                assert!(buf.is_empty());
+            }
+        }
+        assert_eq!(take_ready(&mut buf), Ok(false));
+        // Message and mark in one read.
+        let mut buf = m.clone();
+        buf.push(READY);
+        assert_eq!(take_first_use(&mut buf).unwrap(), Some(b));
+        assert_eq!(take_ready(&mut buf), Ok(true));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn first_use_messages_that_are_too_long_or_damaged_or_a_wrong_mark_are_refused() {
+        let mut buf = ((MAX_FIRST_USE + 1) as u32).to_le_bytes().to_vec();
+        assert!(take_first_use(&mut buf)
+            .unwrap_err()
+            .contains("connection message"));
+        let mut buf = first_use_message(&capable());
+        buf[4] ^= 1;
+        assert!(take_first_use(&mut buf).unwrap_err().contains("magic"));
+        let mut buf = vec![0u8];
+        assert!(take_ready(&mut buf).unwrap_err().contains("ready mark"));
     }
 
     #[test]
