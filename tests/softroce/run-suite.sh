@@ -31,7 +31,7 @@
 # 1 tests failed, tests/verbs.rs missing, or the build failed.
 #
 # Environment: CARGO_TARGET_DIR (honoured), SOFTROCE_PROFILE (dev|release),
-# SOFTROCE_SINGLE_TIMEOUT (s, default 600), SOFTROCE_NODE_TEST_TIMEOUT (s per
+# SOFTROCE_SINGLE_TIMEOUT (s, default 900), SOFTROCE_NODE_TEST_TIMEOUT (s per
 # two-node test, default 120), SOFTROCE_TWO_NODE=0 to leave out step 3,
 # SR_TWO_VM_CPUS (vCPUs per VM in step 3, default 1), RUST_LOG/RUST_BACKTRACE
 # and all DSPARK_* (passed into the VMs).
@@ -141,7 +141,7 @@ sr_log "$N1 single-VM tests, $N2 two-node tests"
 [[ $N1 -gt 0 ]] || fail_now "$BIN lists no single-VM tests" list
 
 # 2. one VM, every single-VM test
-SR_VM_OPTS=(-t "${SOFTROCE_SINGLE_TIMEOUT:-600}")
+SR_VM_OPTS=(-t "${SOFTROCE_SINGLE_TIMEOUT:-900}")
 sr_log "step 2: one VM, $N1 tests"
 t=$(sr_now_ms) rc=0
 sr_one_vm "$LOGDIR/single" "$BIN" --test-threads=1 --include-ignored --show-output --skip two_node || rc=$?
