@@ -662,7 +662,8 @@ fn select_shm(
     } else if !one_host {
         Err("the ranks are on several hosts".to_string())
     } else {
-        shm::prepare(rank, world, opts).map(|p| {
+        let partners = |r: usize| plan::algo::standing_partners(world, r);
+        shm::prepare(rank, world, &partners, opts).map(|p| {
             let info = p.info();
             prep = Some(p);
             info
@@ -762,10 +763,13 @@ fn select_shm(
     }
     match (failed, res) {
         (None, Ok(segs)) => {
-            // Shared memory has a ring for every pair, and watches each peer's liveness
-            // through its connection: every pair connects.
-            boot.complete_mesh(&mut streams, &|_| true)?;
-            let t = ShmTransport::new(prep, segs, streams)?;
+            // Shared memory watches each peer's liveness through a connection to it: the
+            // standing partners' from the rendezvous, the others' made on first use, when
+            // their rings are committed too.
+            let mut t = ShmTransport::new(prep, segs, streams)?;
+            if let Some(l) = boot.links() {
+                t = t.with_links(Box::new(l));
+            }
             tracing::info!(rank, transport = %t.describe(), "using shared memory");
             Ok(ShmSelected::Shm(t))
         }
@@ -846,7 +850,8 @@ fn select_mixed(
     } else if mine.len() < 2 {
         Err("alone on its host".to_string())
     } else {
-        shm::prepare_group(rank, world, &mine, shm_options(cfg)).map(|p| {
+        let partners = |r: usize| plan::algo::standing_partners(world, r);
+        shm::prepare_group(rank, world, &mine, &partners, shm_options(cfg)).map(|p| {
             let info = p.info();
             prep = Some(p);
             info
