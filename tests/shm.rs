@@ -274,19 +274,28 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     Ok(OK)
 }
 
-/// Rank 3 of 6 (no standing partner of rank 0) exits after a barrier without closing; rank
-/// 0's first send to it and another non-partner's first receive from it fail naming it, long
-/// before the deadline.
+/// The rank that leaves in `lazy_lost` (the first that is no standing partner of rank 0),
+/// and the ranks that are not its standing partners.
+fn victim_and_strangers(n: usize) -> (usize, Vec<usize>) {
+    let of0 = dspark::plan::algo::standing_partners(n, 0);
+    let victim = (1..n).find(|q| !of0.contains(q)).unwrap_or(0);
+    let of_victim = dspark::plan::algo::standing_partners(n, victim);
+    let strangers = (0..n)
+        .filter(|&q| q != victim && !of_victim.contains(&q))
+        .collect();
+    (victim, strangers)
+}
+
+/// A rank that is no standing partner of rank 0 exits after a barrier without closing;
+/// rank 0's first send to it and the other non-partners' first receive from it fail naming
+/// it, long before the deadline.
 fn lazy_lost(comm: &Communicator) -> Result<i32, String> {
     expect_transport(comm, TransportKind::Shm)?;
     let (r, n) = (comm.rank(), comm.world_size());
-    let victim = 3;
-    let strangers: Vec<usize> = (0..n)
-        .filter(|&q| q != victim && !dspark::plan::algo::standing_partners(n, victim).contains(&q))
-        .collect();
-    if !strangers.contains(&0) {
+    let (victim, strangers) = victim_and_strangers(n);
+    if strangers.len() < 2 || victim == 0 {
         return Err(format!(
-            "rank {victim} is a standing partner of rank 0 in a world of {n}"
+            "too few non-partners of rank {victim} in a world of {n}"
         ));
     }
     comm.barrier()
@@ -526,18 +535,25 @@ fn only_standing_partners_are_committed_and_connected_at_init_and_the_others_on_
 
 #[test]
 fn a_first_use_of_a_non_partner_that_died_fails_naming_it_instead_of_waiting() {
+    let n = 13;
     let outs = spawn(
-        6,
+        n,
         "lazy_lost",
         &|_| shm_vars(&[("DSPARK_TIMEOUT", "60")]),
         None,
     )
     .wait(Duration::from_secs(120));
-    assert_eq!(outs[3].code, Some(42), "the victim:\n{}", outs[3].out);
-    let strangers: Vec<usize> = (0..6)
-        .filter(|&q| q != 3 && !dspark::plan::algo::standing_partners(6, 3).contains(&q))
-        .collect();
-    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != 3) {
+    let (victim, strangers) = victim_and_strangers(n);
+    assert_eq!(
+        outs[victim].code,
+        Some(42),
+        "the victim:\n{}",
+        outs[victim].out
+    );
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != victim) {
+        if let Some(l) = o.out.lines().find(|l| l.contains(": after ")) {
+            println!("{l}");
+        }
         let want = if strangers.contains(&r) {
             FAILED_AS_EXPECTED
         } else {

@@ -1337,7 +1337,11 @@ impl Transport for ShmTransport {
                 match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
                     (Some(q), Some(p)) if q == peer => {
                         if p.state == PeerState::Open {
-                            p.state = PeerState::Gone(e.to_string());
+                            let why = match e {
+                                Error::PeerLost { detail, .. } => detail,
+                                e => e.to_string(),
+                            };
+                            p.state = PeerState::Gone(why);
                         }
                     }
                     _ => return Err(e),
