@@ -172,6 +172,7 @@ impl Transport for MixedTransport {
 
     fn connected_peers(&self) -> Option<usize> {
         let local = self.local.iter().filter(|&&l| l).count();
+        let local = self.shm.connected_peers().unwrap_or(local);
         self.net.connected_peers().map(|n| n + local)
     }
 

@@ -2,21 +2,35 @@
 //!
 //! # Segments
 //!
-//! Every rank creates one segment: an anonymous, sealed memory file (`memfd`), allocated in
-//! full at init. Peers open it through `/proc/<pid>/fd/<n>` during the bootstrap, while its
-//! owner waits for them, and map it; then the owner closes its descriptor. The segment has no
-//! name in any filesystem, so nothing is left behind after any exit, SIGKILL included: the
-//! kernel frees the memory with the last mapping. Layout (offsets in bytes, every shared word
-//! on its own 64-byte line):
+//! Every rank creates one segment: an anonymous, sealed memory file (`memfd`) with a place for
+//! a ring from every peer. Peers open it through `/proc/<pid>/fd/<n>` during the bootstrap,
+//! while its owner waits for them, and map it. The segment has no name in any filesystem, so
+//! nothing is left behind after any exit, SIGKILL included: the kernel frees the memory with
+//! the last mapping and the owner's descriptor (which it keeps, to commit rings later).
+//!
+//! Only what is used is committed (O(log n) per rank at init, not O(n)): at init the header
+//! page and the rings from the *standing partners* ([`crate::plan::algo::standing_partners`],
+//! the pairs the collectives' schedules use) are allocated (`fallocate`, so that a memory
+//! cgroup too small fails init with ENOMEM instead of a later SIGBUS) and their page tables
+//! populated on both sides (no first-touch page faults inside the first collectives); the
+//! rest of the segment is reserved address space. The two rings of any other pair are
+//! committed when the pair is first used (a send, a receive, or its liveness connection
+//! arriving): each rank allocates the ring into its own segment and populates both rings'
+//! pages in its mappings (`MADV_POPULATE_WRITE`, which allocates what the peer has not yet),
+//! before the first byte moves. That memory is the kernel's to give then: in a memory cgroup
+//! at its limit the allocation fails and the call gets an error naming both ranks; on a host
+//! short of memory the kernel reclaims and, at worst, its OOM killer picks a process, as for
+//! any allocation. A job whose every pair talks commits every ring, n(n − 1) on the host.
+//! Layout (offsets in bytes, every shared word on its own 64-byte line):
 //!
 //! | offset | what | written by |
 //! | --- | --- | --- |
-//! | 0 | magic, version, world, rank, ring size, nonce | owner, at init |
+//! | 0 | magic, version, world, rank, ring size, nonce, pid | owner, at init |
 //! | 64 | `bell`: futex word, bumped to wake the owner | peers |
 //! | 128 | `sleeping`: the owner is about to block on `bell` | owner |
 //! | 192 | `status` (open, goodbye, abort), abort class, origin, message length | owner |
 //! | 256 | abort message (up to 3840 bytes) | owner |
-//! | 4096 + i × (256 + R) | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes) | |
+//! | 4096 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
 //!
 //! # Rings
 //!
@@ -41,12 +55,20 @@
 //!
 //! # Liveness, goodbye and abort
 //!
-//! A dead process writes no FIN into shared memory, so the bootstrap's TCP connection to
-//! every peer stays open as a liveness descriptor: its kernel closes it when the process
-//! exits, however it exits. A blocked wait sleeps at most [`LIVENESS_POLL`] at a time and
-//! then polls those connections, so a killed peer surfaces within milliseconds as
-//! [`Error::PeerLost`] — after whatever it had already written to the ring, which stays
-//! readable (the memory outlives the writer). A stopped peer (SIGSTOP) keeps its connection
+//! A dead process writes no FIN into shared memory, so a TCP connection to each peer in use
+//! stays open as a liveness descriptor: its kernel closes it when the process exits, however
+//! it exits. The standing partners' are the bootstrap's, made at init; any other pair's is
+//! made on first use through the bootstrap's [`Links`] (as the TCP transport's data
+//! connections and the verbs transport's exchanges), by whichever end needs it first. A
+//! first send to such a peer waits for it (so every pair that exchanged frames can tell a
+//! goodbye from a death); a first receive starts it and goes on (what is in the ring is good
+//! either way). Until it is made, the peer's process is watched through `/proc/<pid>/stat`
+//! (gone, a zombie, or another process under its pid: lost), and a peer that died before is
+//! refused at its listener at once. A blocked wait sleeps at most [`LIVENESS_POLL`] at a
+//! time (1 ms while a connection is in the making, whose handshake advances when this rank
+//! looks at it; a rank making one wakes its peer) and then polls those connections, so a
+//! killed peer surfaces within milliseconds as [`Error::PeerLost`] — after whatever it had
+//! already written to the ring, which stays readable (the memory outlives the writer). A stopped peer (SIGSTOP) keeps its connection
 //! open and writes nothing: the caller's deadline reports it ([`Error::Timeout`]), as over
 //! TCP. Goodbye and abort are the owner's `status` word (with the abort's class, origin and
 //! message beside it), set once and followed by a wake of every peer: unlike an in-ring
@@ -142,7 +164,8 @@ const STATUS_ABORT: u32 = 2;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShmOptions {
     /// Bytes of each ring (rounded up to 64); one ring per ordered pair of ranks, so a rank's
-    /// segment holds `world − 1` of them.
+    /// segment has room for `world − 1` of them (committed at init for the standing
+    /// partners, on first use for the others).
     pub ring_bytes: usize,
 }
 
@@ -732,10 +755,14 @@ impl ShmTransport {
                 self.connected_at_init
             )
         };
+        let rings = if committed == peers {
+            "the rings from every peer".to_string()
+        } else {
+            format!("the rings from {committed} of {peers} peers, the others on first use")
+        };
         format!(
             "shm ({}memfd segments, {} KiB ring per pair, {} KiB reserved per rank, {} KiB \
-             committed at init (rings from {committed} of {peers} peers, the others on first \
-             use), futex wake-ups, {liveness})",
+             committed at init ({rings}), futex wake-ups, {liveness})",
             self.among,
             self.ring / 1024,
             self.own.len() / 1024,
@@ -1191,7 +1218,7 @@ impl Transport for ShmTransport {
     }
 
     fn connected_peers(&self) -> Option<usize> {
-        self.lazy.as_ref().map(|_| self.connected_at_init)
+        self.lazy.as_ref().map(|_| self.connected())
     }
 
     fn send(
