@@ -1117,7 +1117,15 @@ impl ShmTransport {
         };
         let got = match l.links.progress() {
             Ok(g) => g,
-            Err(e) => return Err(self.prefer_status(e, "connect on first use (shm)")),
+            Err(e) => {
+                // A connection to a peer that failed: every later use of it fails alike.
+                if let Some(p) = e.peer().filter(|&p| p < self.world) {
+                    if l.started[p] && l.failed[p].is_none() {
+                        l.failed[p] = Some(e.clone());
+                    }
+                }
+                return Err(self.prefer_status(e, "connect on first use (shm)"));
+            }
         };
         for (p, s) in got {
             let fresh = self
