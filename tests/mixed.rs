@@ -220,7 +220,6 @@ fn run_scenario(s: &str) -> Result<i32, String> {
     }
 }
 
-/// Sets up the two hosts, or says why this test cannot run here (`None`).
 /// Only the standing partners connected at init (shm and TCP alike); then send/recv to every
 /// other rank and all-to-all connect the rest, exact against formulas of sender and receiver,
 /// and an all_reduce equals its closed form.
@@ -287,6 +286,7 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     Ok(OK)
 }
 
+/// Sets up the two hosts, or says why this test cannot run here (`None`).
 fn hosts(tag: &str, test: &str) -> Option<Hosts> {
     if let Some(why) = netns_unavailable(&["ip"]) {
         assert!(
