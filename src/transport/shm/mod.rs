@@ -921,7 +921,6 @@ impl ShmTransport {
     /// failure that this rank cannot wait through: an abort, or a gone peer with nothing
     /// more to take from it.
     fn check_liveness(&mut self) -> Result<()> {
-        self.pump_links()?;
         self.look_at_linking();
         let mut fds = Vec::with_capacity(self.world);
         let mut which = Vec::with_capacity(self.world);
@@ -935,6 +934,20 @@ impl ShmTransport {
                 which.push(i);
             }
         }
+        // Connections in the making (a peer connecting to this rank, or answering it): their
+        // links are advanced when one of their descriptors has something, or always where
+        // the links have none of their own (shm+tcp's, which only hand over).
+        let ours = fds.len();
+        let mut pump = false;
+        if let Some(l) = self.lazy.as_ref() {
+            let link_fds = l.links.fds();
+            pump = link_fds.is_empty();
+            fds.extend(
+                link_fds
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
+        }
         let mut flagged = Vec::new();
         if !fds.is_empty() {
             match nix::poll::poll(&mut fds, PollTimeout::ZERO) {
@@ -943,13 +956,19 @@ impl ShmTransport {
                     return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e)));
                 }
             }
-            for (fd, &i) in fds.iter().zip(&which) {
+            for (fd, &i) in fds[..ours].iter().zip(&which) {
                 if fd.revents().is_none_or(|r| !r.is_empty()) {
                     flagged.push(i);
                 }
             }
+            pump |= fds[ours..]
+                .iter()
+                .any(|f| f.revents().is_none_or(|r| !r.is_empty()));
         }
         drop(fds);
+        if pump {
+            self.pump_links()?;
+        }
         for i in flagged {
             self.examine(i);
         }
