@@ -562,3 +562,31 @@ fn a_first_use_of_a_non_partner_that_died_fails_naming_it_instead_of_waiting() {
         assert_eq!(o.code, Some(want), "rank {r}:\n{}", o.out);
     }
 }
+
+/// #10 at scale: 128 ranks on this host over shared memory (rings of 64 KiB): each commits
+/// and connects only its standing partners at init, then every rank sends to and receives
+/// from each of its ~114 non-partners and runs an all_to_all, so every pair's rings are
+/// committed and every pair connected on first use (8128 liveness connections), exact.
+#[test]
+fn a_world_of_128_ranks_over_shared_memory_commits_on_first_use_what_all_to_all_needs() {
+    let t0 = Instant::now();
+    let outs = spawn(
+        128,
+        "lazy",
+        &|_| {
+            shm_vars(&[
+                ("DSPARK_TRANSPORT", "shm"),
+                ("DSPARK_CHUNK_BYTES", "4096"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_TIMEOUT", "300"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(420));
+    if let Some(l) = outs[0].out.lines().find(|l| l.contains("LAZY rank 0:")) {
+        println!("{l}");
+    }
+    println!("128 ranks: {:.1} s", t0.elapsed().as_secs_f64());
+    assert_all(&outs, OK, "128 ranks over shm");
+}
