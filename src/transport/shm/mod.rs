@@ -17,10 +17,11 @@
 //! committed when the pair is first used (a send, a receive, or its liveness connection
 //! arriving): each rank allocates the ring into its own segment and populates both rings'
 //! pages in its mappings (`MADV_POPULATE_WRITE`, which allocates what the peer has not yet),
-//! before the first byte moves. That memory is the kernel's to give then: in a memory cgroup
-//! at its limit the allocation fails and the call gets an error naming both ranks; on a host
-//! short of memory the kernel reclaims and, at worst, its OOM killer picks a process, as for
-//! any allocation. A job whose every pair talks commits every ring, n(n − 1) on the host.
+//! before the first byte moves. That memory is the kernel's to give then, as for any
+//! allocation: short of memory (on the host or in a memory cgroup) it reclaims, and where it
+//! cannot, either the allocation fails (ENOMEM or ENOSPC: the call that first used the pair
+//! gets an error naming both ranks, not a SIGBUS later) or the OOM killer ends a process. A
+//! job whose every pair talks commits every ring, n(n − 1) on the host.
 //! Layout (offsets in bytes, every shared word on its own 64-byte line):
 //!
 //! | offset | what | written by |

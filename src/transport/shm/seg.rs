@@ -102,9 +102,9 @@ impl Seg {
     /// fault on the first touch of each page of every ring, inside its first collectives — a
     /// 64 KiB all_reduce walks the ring, and fresh `dspark-bench` runs at 64 KiB then took
     /// 29–766 µs where steady state is 7 µs. `MADV_POPULATE_WRITE` (Linux 5.14) allocates the
-    /// pages not allocated yet ([`commit`] normally did) and fails with ENOMEM instead of
-    /// raising SIGBUS or waking the OOM killer; older kernels fault each page in by reading
-    /// it (a hole of a memory file is allocated on that read).
+    /// pages not allocated yet ([`commit`] normally did) and reports a failure (ENOMEM) to the
+    /// caller instead of a SIGBUS at a later access; older kernels fault each page in by
+    /// reading it (a hole of a memory file is allocated on that read).
     pub(super) fn populate(&self, off: usize, len: usize) -> Result<(), String> {
         if len == 0 {
             return Ok(());
