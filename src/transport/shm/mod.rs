@@ -1733,6 +1733,95 @@ mod tests {
         assert!(ts[0].peers[2].as_ref().is_some_and(|p| p.committed));
     }
 
+    /// Links that never connect anything (a peer that never answers).
+    #[derive(Debug)]
+    struct Silent;
+
+    impl Links for Silent {
+        fn start(&mut self, _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+            Ok(Vec::new())
+        }
+        fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+            Vec::new()
+        }
+    }
+
+    /// Until its liveness connection is made, a peer is watched through its process: one
+    /// that ended (here a child process that exited: a zombie, then reaped) is reported
+    /// lost, naming it, by the next check, long before any deadline.
+    #[test]
+    fn a_peer_whose_process_ended_before_its_connection_was_made_is_lost_not_waited_for() {
+        let partners = |_: usize| Vec::new();
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let preps: Vec<Prepared> = (0..2)
+            .map(|r| prepare(r, 2, &partners, opts).unwrap())
+            .collect();
+        // Rank 1's process is a child that exits at once.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let t = Instant::now();
+        while proc_stat(child.id()).is_some_and(|(s, _)| s != 'Z')
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        preps[1]
+            .seg
+            .u32_at(OFF_PID)
+            .store(child.id(), Ordering::Relaxed);
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs = preps[0].connect(&infos).unwrap();
+        let mut it = preps.into_iter();
+        let mut t0 = ShmTransport::new(it.next().unwrap(), segs, vec![None, None])
+            .unwrap()
+            .with_links(Box::new(Silent));
+        assert_eq!(t0.connected_peers(), Some(0));
+        assert!(t0
+            .describe()
+            .contains("liveness over TCP connections: 0 of 1 at init"));
+        // A receive starts the connection and finds nothing yet.
+        struct Nothing;
+        impl RecvSink for Nothing {
+            fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
+                Ok(0)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                None
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        let mut rp = RecvProgress::default();
+        assert!(!t0.recv(1, &mut rp, &mut Nothing).unwrap());
+        let interest = [Interest {
+            peer: 1,
+            recv: true,
+            send: false,
+        }];
+        let lost = |t0: &mut ShmTransport| -> Option<Error> {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Err(e) = t0.wait(&interest, Instant::now() + LIVENESS_POLL) {
+                    return Some(e);
+                }
+            }
+            None
+        };
+        // The zombie counts as gone.
+        let e = lost(&mut t0).expect("a zombie peer is lost");
+        assert!(
+            matches!(&e, Error::PeerLost { peer: 1, detail, .. } if detail.contains("ended")),
+            "{e:?}"
+        );
+        child.wait().unwrap();
+    }
+
     #[test]
     fn segment_info_round_trips_and_rejects_other_lengths() {
         let i = SegInfo {

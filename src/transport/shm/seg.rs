@@ -204,7 +204,7 @@ impl Seg {
 }
 
 /// Creates this rank's segment file: a sealed memfd of `len` bytes, of which only the
-/// ranges `commit` (offset, length) are allocated now (so that a full memory cgroup fails
+/// ranges `commit_now` (offset, length) are allocated now (so that a full memory cgroup fails
 /// init with ENOMEM/ENOSPC, not a later SIGBUS); the rest is reserved, and allocated by
 /// [`commit`] when first needed.
 pub(super) fn create(
