@@ -7,14 +7,15 @@
 //! ranks: only the standing partners' rings are committed and only they are connected at
 //! init (the description, `connected_at_init` and the process's shared memory say so); the
 //! other pairs commit their rings and connect on first use (send/recv, all-to-all), exact
-//! against formulas; a first use of a non-partner that died fails naming it.
+//! against formulas; a first use of a non-partner that died fails naming it; a rank killed
+//! during all-to-all fails every survivor; 128 ranks with every pair used.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::procs::{
-    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK,
+    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG,
 };
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
@@ -151,6 +152,26 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             Ok(OK)
         }
         "lazy" => lazy(&comm),
+        "a2a_loop" => {
+            // all_to_all (every pair, most connected on first use) until something fails.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let n = comm.world_size();
+            let send = vec![r as u32; n * 1024];
+            let mut recv = vec![0u32; n * 1024];
+            comm.all_to_all(&send, &mut recv)
+                .map_err(|e| e.to_string())?;
+            say("READY");
+            loop {
+                if let Err(e) = comm.all_to_all(&send, &mut recv) {
+                    say(&format!("FAILED: {e}"));
+                    let expected = matches!(
+                        e,
+                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
+                    );
+                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                }
+            }
+        }
         "lazy_lost" => lazy_lost(&comm),
         other => Err(format!("unknown scenario {other}")),
     }
@@ -589,4 +610,36 @@ fn a_world_of_128_ranks_over_shared_memory_commits_on_first_use_what_all_to_all_
     }
     println!("128 ranks: {:.1} s", t0.elapsed().as_secs_f64());
     assert_all(&outs, OK, "128 ranks over shm");
+}
+
+/// A rank killed while 13 ranks run all_to_all, whose pairs are mostly connected on first
+/// use: every survivor fails (lost peer or abort) well within the 30 s deadline.
+#[test]
+fn a_rank_killed_during_all_to_all_over_pairs_connected_on_first_use_fails_every_survivor() {
+    let n = 13;
+    let victim = 5;
+    let mut ranks = spawn(
+        n,
+        "a2a_loop",
+        &|_| {
+            shm_vars(&[
+                ("DSPARK_TIMEOUT", "30"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_CHUNK_BYTES", "16K"),
+            ])
+        },
+        None,
+    );
+    ranks.wait_ready(n);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[victim].kill().unwrap();
+    let outs = ranks.wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != victim) {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
 }
