@@ -10,8 +10,8 @@
 //!
 //! Only what is used is committed (O(log n) per rank at init, not O(n)): at init the header
 //! page and the rings from the *standing partners* ([`crate::plan::algo::standing_partners`],
-//! the pairs the collectives' schedules use) are allocated (`fallocate`, so that a memory
-//! cgroup too small fails init with ENOMEM instead of a later SIGBUS) and their page tables
+//! the pairs the collectives' schedules use) are allocated (`fallocate`, so that memory that
+//! cannot be had fails init with ENOMEM, not a later access with SIGBUS) and their page tables
 //! populated on both sides (no first-touch page faults inside the first collectives); the
 //! rest of the segment is reserved address space. The two rings of any other pair are
 //! committed when the pair is first used (a send, a receive, or its liveness connection
@@ -69,11 +69,12 @@
 //! time (1 ms while a connection is in the making, whose handshake advances when this rank
 //! looks at it; a rank making one wakes its peer) and then polls those connections, so a
 //! killed peer surfaces within milliseconds as [`Error::PeerLost`] — after whatever it had
-//! already written to the ring, which stays readable (the memory outlives the writer). A stopped peer (SIGSTOP) keeps its connection
-//! open and writes nothing: the caller's deadline reports it ([`Error::Timeout`]), as over
-//! TCP. Goodbye and abort are the owner's `status` word (with the abort's class, origin and
-//! message beside it), set once and followed by a wake of every peer: unlike an in-ring
-//! frame it is deliverable even when a ring is full or a frame half written. As over TCP,
+//! already written to the ring, which stays readable (the memory outlives the writer). A
+//! stopped peer (SIGSTOP) keeps its connection open and writes nothing: the caller's
+//! deadline reports it ([`Error::Timeout`]), as over TCP. Goodbye and abort are the owner's
+//! `status` word (with the abort's class, origin and message beside it), set once and
+//! followed by a wake of every peer: unlike an in-ring frame it is deliverable even when a
+//! ring is full or a frame half written. As over TCP,
 //! a receive takes what the ring holds first and meets a goodbye only after it; an abort
 //! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text).
 
