@@ -7,7 +7,9 @@
 //! Every collective, type and operator against the independent reference of `tests/common`,
 //! the per-connection transports each rank reports, `DSPARK_TRANSPORT=tcp` ruling shared
 //! memory out, a killed rank on the same host and on the other host failing every survivor
-//! well within the deadline, and no shared-memory residue after any of it.
+//! well within the deadline, and no shared-memory residue after any of it. Thirteen ranks on
+//! two host ids: only the standing partners are connected (and their rings committed) at
+//! init, on either side; the other pairs, same-host ones included, on first use.
 
 mod common;
 
@@ -136,6 +138,10 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::check("all_reduce", &v, &vec![n * (n + 1.0) / 2.0; 33])?;
             Ok(OK)
         }
+        "lazy" => {
+            expect_mixed(&comm)?;
+            lazy(&comm)
+        }
         "loop" => {
             expect_mixed(&comm)?;
             // Checked all_reduces until one fails; report how.
@@ -212,6 +218,72 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         }
         other => Err(format!("unknown scenario {other}")),
     }
+}
+
+/// Only the standing partners connected at init (shm and TCP alike); then send/recv to every
+/// other rank and all-to-all connect the rest, exact against formulas of sender and receiver,
+/// and an all_reduce equals its closed form.
+fn lazy(comm: &Communicator) -> Result<i32, String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let info = comm.info();
+    let partners = dspark::plan::algo::standing_partners(n, r);
+    if info.connected_at_init != Some(partners.len()) {
+        return Err(format!(
+            "connected to {:?} peers at init, want the {} standing partners",
+            info.connected_at_init,
+            partners.len()
+        ));
+    }
+    let local: Vec<usize> = (0..n)
+        .filter(|&q| q != r && info.hosts[q] == info.hosts[r])
+        .collect();
+    let k = local.iter().filter(|q| partners.contains(q)).count();
+    let rings = format!("rings from {k} of {} peers", local.len());
+    if k < local.len() && !info.transport_detail.contains(&rings) {
+        return Err(format!(
+            "the description does not say '{rings}': {}",
+            info.transport_detail
+        ));
+    }
+    say(&format!(
+        "LAZY rank {r}: {} of {} same-host peers are partners; {}",
+        k,
+        local.len(),
+        info.transport_detail
+    ));
+    let others: Vec<usize> = (0..n)
+        .filter(|q| *q != r && !partners.contains(q))
+        .collect();
+    let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
+    for &q in &others {
+        comm.send(&msg(r, q), q)
+            .map_err(|e| format!("send to {q}: {e}"))?;
+    }
+    for &q in &others {
+        let mut got = vec![0i64; 3 + q % 4];
+        comm.recv(&mut got, q)
+            .map_err(|e| format!("recv from {q}: {e}"))?;
+        common::check(&format!("recv from {q}"), &got, &msg(q, r))?;
+    }
+    let b = 5;
+    let send: Vec<i32> = (0..n * b).map(|i| (r * 10_000 + i) as i32).collect();
+    let mut recv = vec![0i32; n * b];
+    comm.all_to_all(&send, &mut recv)
+        .map_err(|e| format!("all_to_all: {e}"))?;
+    let want: Vec<i32> = (0..n)
+        .flat_map(|q| (0..b).map(move |j| (q * 10_000 + r * b + j) as i32))
+        .collect();
+    common::check("all_to_all", &recv, &want)?;
+    let count = 1031;
+    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce: {e}"))?;
+    let closed: Vec<f64> = (0..count)
+        .map(|i| (count * n * (n - 1) / 2 + n * i) as f64)
+        .collect();
+    common::check("all_reduce", &v, &closed)?;
+    comm.barrier().map_err(|e| e.to_string())?;
+    Ok(OK)
 }
 
 /// Sets up the two hosts, or says why this test cannot run here (`None`).
@@ -436,4 +508,30 @@ fn a_killed_rank_fails_its_host_peer_over_shm_and_the_other_host_over_tcp_within
 fn a_killed_rank_zero_fails_every_survivor_of_a_mixed_communicator_within_the_deadline() {
     // Rank 0: rank 1 shares its host (shm), ranks 2 and 3 are on the other (TCP).
     killed_rank_fails_every_survivor(0, "mxz", "killed rank 0 in a mixed communicator");
+}
+
+/// #10 in a mixed communicator: 13 ranks on two host ids (9 and 4), where some same-host
+/// pairs are not standing partners: those connect (and commit their rings) on first use, as
+/// the pairs between hosts do over TCP.
+#[test]
+fn same_host_pairs_outside_the_schedules_connect_on_first_use_in_a_mixed_communicator() {
+    let outs = spawn(
+        13,
+        "lazy",
+        &|r| {
+            vars(&[
+                ("DSPARK_TRANSPORT", "auto"),
+                ("DSPARK_HOST_ID", if r < 9 { "a" } else { "b" }),
+                ("DSPARK_CHUNK_BYTES", "4096"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_TIMEOUT", "90"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(240));
+    if let Some(l) = outs[0].out.lines().find(|l| l.contains("LAZY rank 0:")) {
+        println!("{l}");
+    }
+    assert_all(&outs, OK, "13 ranks on hosts of 9 and 4");
 }

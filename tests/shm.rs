@@ -3,14 +3,19 @@
 //! a normal test run). Every collective, type and operator on worlds 1..=5 against the
 //! independent reference of `tests/common`, large messages through small rings (wrap-around,
 //! partial frames), the automatic choice and its overrides, a killed rank, a stopped
-//! (SIGSTOP) rank, mismatched calls, and no shared-memory residue after any of it.
+//! (SIGSTOP) rank, mismatched calls, and no shared-memory residue after any of it. Thirteen
+//! ranks: only the standing partners' rings are committed and only they are connected at
+//! init (the description, `connected_at_init` and the process's shared memory say so); the
+//! other pairs commit their rings and connect on first use (send/recv, all-to-all), exact
+//! against formulas; a first use of a non-partner that died fails naming it; a rank killed
+//! during all-to-all fails every survivor; 128 ranks with every pair used.
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::procs::{
-    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK,
+    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG,
 };
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
@@ -146,7 +151,210 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             )?;
             Ok(OK)
         }
+        "lazy" => lazy(&comm),
+        "a2a_loop" => {
+            // all_to_all (every pair, most connected on first use) until something fails.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let n = comm.world_size();
+            let send = vec![r as u32; n * 1024];
+            let mut recv = vec![0u32; n * 1024];
+            comm.all_to_all(&send, &mut recv)
+                .map_err(|e| e.to_string())?;
+            say("READY");
+            loop {
+                if let Err(e) = comm.all_to_all(&send, &mut recv) {
+                    say(&format!("FAILED: {e}"));
+                    let expected = matches!(
+                        e,
+                        Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
+                    );
+                    return Ok(if expected { FAILED_AS_EXPECTED } else { WRONG });
+                }
+            }
+        }
+        "lazy_lost" => lazy_lost(&comm),
         other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+/// A line of /proc/self/status in KiB (0 when unknown).
+fn status_kb(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with(&format!("{key}:")))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// The number just before `key` in `text` ("..., 140 KiB committed at init" with the key
+/// "KiB committed at init" → 140).
+fn number_before(text: &str, key: &str) -> Option<u64> {
+    let head = &text[..text.find(key)?];
+    head.split_whitespace().next_back()?.parse().ok()
+}
+
+/// Thirteen ranks, rings of 64 KiB: what init commits and connects is the standing
+/// partners', then the other pairs work on first use.
+fn lazy(comm: &Communicator) -> Result<i32, String> {
+    expect_transport(comm, TransportKind::Shm)?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let partners = dspark::plan::algo::standing_partners(n, r);
+    let k = partners.len();
+    let info = comm.info();
+    if info.connected_at_init != Some(k) || k + 1 >= n {
+        return Err(format!(
+            "connected to {:?} peers at init, want {k} of {}",
+            info.connected_at_init,
+            n - 1
+        ));
+    }
+    // A ring's place: 256 bytes of counters and 64 KiB of data, in whole pages (68 KiB).
+    let ring_kib = 68;
+    let detail = &info.transport_detail;
+    let committed = number_before(detail, "KiB committed at init")
+        .ok_or_else(|| format!("no committed figure in {detail:?}"))?;
+    if committed != 4 + ring_kib * k as u64 {
+        return Err(format!(
+            "{committed} KiB committed at init, want the header and {k} rings: {detail}"
+        ));
+    }
+    if !detail.contains(&format!("{k} of {} at init", n - 1)) {
+        return Err(format!(
+            "the description hides the lazy connections: {detail}"
+        ));
+    }
+    // Independently, the kernel's count of shared memory this process maps: its segment's
+    // header and partners' rings, each partner's ring it sends into, and every peer's header
+    // page; the other pairs' rings (2 × 68 KiB each) are not touched.
+    let at_init = status_kb("RssShmem");
+    let want = 4 + 2 * ring_kib * k as u64 + 4 * (n as u64 - 1);
+    say(&format!(
+        "LAZY rank {r}: {k} partners, {committed} KiB committed at init, RssShmem {at_init} KiB \
+         (partners' rings and headers {want} KiB; every pair's would be {} KiB)",
+        4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1)
+    ));
+    if at_init < want || at_init > want + ring_kib {
+        return Err(format!(
+            "RssShmem {at_init} KiB after init, want {want} KiB (the partners' rings only)"
+        ));
+    }
+    let others: Vec<usize> = (0..n)
+        .filter(|q| *q != r && !partners.contains(q))
+        .collect();
+    // Every rank sends to each non-partner first, then receives from each (the small sends
+    // must not wait for the receiver's matching call); the odd ranks start late.
+    if r % 2 == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
+    for &q in &others {
+        comm.send(&msg(r, q), q)
+            .map_err(|e| format!("send to {q}: {e}"))?;
+    }
+    for &q in &others {
+        let mut got = vec![0i64; 3 + q % 4];
+        comm.recv(&mut got, q)
+            .map_err(|e| format!("recv from {q}: {e}"))?;
+        common::check(&format!("recv from {q}"), &got, &msg(q, r))?;
+    }
+    // All-to-all over every pair.
+    let b = 5;
+    let send: Vec<i32> = (0..n * b).map(|i| (r * 10_000 + i) as i32).collect();
+    let mut recv = vec![0i32; n * b];
+    comm.all_to_all(&send, &mut recv)
+        .map_err(|e| format!("all_to_all: {e}"))?;
+    let want_a2a: Vec<i32> = (0..n)
+        .flat_map(|q| (0..b).map(move |j| (q * 10_000 + r * b + j) as i32))
+        .collect();
+    common::check("all_to_all", &recv, &want_a2a)?;
+    // An all_reduce against its closed form: Σ_q (q·count + i) = count·n(n−1)/2 + n·i.
+    let count = 1031;
+    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce: {e}"))?;
+    let closed: Vec<f64> = (0..count)
+        .map(|i| (count * n * (n - 1) / 2 + n * i) as f64)
+        .collect();
+    common::check("all_reduce", &v, &closed)?;
+    comm.barrier().map_err(|e| e.to_string())?;
+    // Now every pair's rings are committed and mapped in.
+    let after = status_kb("RssShmem");
+    let all = 4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1);
+    say(&format!(
+        "LAZY rank {r}: RssShmem {after} KiB after every pair was used"
+    ));
+    if after < all {
+        return Err(format!(
+            "RssShmem {after} KiB after every pair was used, want at least {all} KiB"
+        ));
+    }
+    Ok(OK)
+}
+
+/// The rank that leaves in `lazy_lost` (the first that is no standing partner of rank 0),
+/// and the ranks that are not its standing partners.
+fn victim_and_strangers(n: usize) -> (usize, Vec<usize>) {
+    let of0 = dspark::plan::algo::standing_partners(n, 0);
+    let victim = (1..n).find(|q| !of0.contains(q)).unwrap_or(0);
+    let of_victim = dspark::plan::algo::standing_partners(n, victim);
+    let strangers = (0..n)
+        .filter(|&q| q != victim && !of_victim.contains(&q))
+        .collect();
+    (victim, strangers)
+}
+
+/// A rank that is no standing partner of rank 0 exits after a barrier without closing;
+/// rank 0's first send to it and the other non-partners' first receive from it fail naming
+/// it, long before the deadline.
+fn lazy_lost(comm: &Communicator) -> Result<i32, String> {
+    expect_transport(comm, TransportKind::Shm)?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    let (victim, strangers) = victim_and_strangers(n);
+    if strangers.len() < 2 || victim == 0 {
+        return Err(format!(
+            "too few non-partners of rank {victim} in a world of {n}"
+        ));
+    }
+    comm.barrier()
+        .map_err(|e| format!("rank {r}: barrier: {e}"))?;
+    // Every rank leaves the barrier before the victim goes (a rank still in it would lose a
+    // partner it waits on).
+    std::thread::sleep(Duration::from_millis(300));
+    if r == victim {
+        say("victim exits now");
+        std::process::exit(42);
+    }
+    if !strangers.contains(&r) {
+        return Ok(OK);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let res = if r == 0 {
+        comm.send(&[1u32, 2, 3], victim)
+    } else {
+        let mut b = [0u32; 3];
+        comm.recv(&mut b, victim)
+    };
+    match res {
+        Ok(()) => Err(format!("a first use of rank {victim}, gone, succeeded")),
+        Err(e) => {
+            say(&format!("rank {r}: after {:.1?}: {e}", t.elapsed()));
+            let kind_ok = matches!(
+                e,
+                Error::PeerLost { .. } | Error::Io { .. } | Error::Transport { .. }
+            );
+            if e.peer() != Some(victim) || !kind_ok {
+                return Err(format!("expected an error naming rank {victim}: {e:?}"));
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err(format!("the loss took {:.1?} to surface", t.elapsed()));
+            }
+            Ok(FAILED_AS_EXPECTED)
+        }
     }
 }
 
@@ -320,4 +528,118 @@ fn what_a_rank_sent_before_exiting_is_still_received_from_its_segment() {
     )
     .wait(Duration::from_secs(30));
     assert_all(&outs, OK, "send then exit");
+}
+
+/// #10: shared memory commits the rings of the standing partners at init and connects only
+/// them (13 ranks: 4 of each rank's 12 peers are not partners); the other pairs' rings are
+/// committed and their liveness connections made on first use.
+#[test]
+fn only_standing_partners_are_committed_and_connected_at_init_and_the_others_on_first_use() {
+    let outs = spawn(
+        13,
+        "lazy",
+        &|_| {
+            shm_vars(&[
+                ("DSPARK_CHUNK_BYTES", "4096"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_TIMEOUT", "90"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(240));
+    if let Some(l) = outs[0].out.lines().find(|l| l.contains("LAZY rank 0:")) {
+        println!("{l}");
+    }
+    assert_all(&outs, OK, "world 13");
+}
+
+#[test]
+fn a_first_use_of_a_non_partner_that_died_fails_naming_it_instead_of_waiting() {
+    let n = 13;
+    let outs = spawn(
+        n,
+        "lazy_lost",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "60")]),
+        None,
+    )
+    .wait(Duration::from_secs(120));
+    let (victim, strangers) = victim_and_strangers(n);
+    assert_eq!(
+        outs[victim].code,
+        Some(42),
+        "the victim:\n{}",
+        outs[victim].out
+    );
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != victim) {
+        if let Some(l) = o.out.lines().find(|l| l.contains(": after ")) {
+            println!("{l}");
+        }
+        let want = if strangers.contains(&r) {
+            FAILED_AS_EXPECTED
+        } else {
+            OK
+        };
+        assert_eq!(o.code, Some(want), "rank {r}:\n{}", o.out);
+    }
+}
+
+/// #10 at scale: 128 ranks on this host over shared memory (rings of 64 KiB): each commits
+/// and connects only its standing partners at init, then every rank sends to and receives
+/// from each of its ~114 non-partners and runs an all_to_all, so every pair's rings are
+/// committed and every pair connected on first use (8128 liveness connections), exact.
+#[test]
+fn a_world_of_128_ranks_over_shared_memory_commits_on_first_use_what_all_to_all_needs() {
+    let t0 = Instant::now();
+    let outs = spawn(
+        128,
+        "lazy",
+        &|_| {
+            shm_vars(&[
+                ("DSPARK_TRANSPORT", "shm"),
+                ("DSPARK_CHUNK_BYTES", "4096"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_TIMEOUT", "300"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(420));
+    if let Some(l) = outs[0].out.lines().find(|l| l.contains("LAZY rank 0:")) {
+        println!("{l}");
+    }
+    println!("128 ranks: {:.1} s", t0.elapsed().as_secs_f64());
+    assert_all(&outs, OK, "128 ranks over shm");
+}
+
+/// A rank killed while 13 ranks run all_to_all, whose pairs are mostly connected on first
+/// use: every survivor fails (lost peer or abort) well within the 30 s deadline.
+#[test]
+fn a_rank_killed_during_all_to_all_over_pairs_connected_on_first_use_fails_every_survivor() {
+    let n = 13;
+    let victim = 5;
+    let mut ranks = spawn(
+        n,
+        "a2a_loop",
+        &|_| {
+            shm_vars(&[
+                ("DSPARK_TIMEOUT", "30"),
+                ("DSPARK_SHM_RING_BYTES", "64K"),
+                ("DSPARK_CHUNK_BYTES", "16K"),
+            ])
+        },
+        None,
+    );
+    ranks.wait_ready(n);
+    std::thread::sleep(Duration::from_millis(200));
+    ranks.children[victim].kill().unwrap();
+    let outs = ranks.wait(Duration::from_secs(60));
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != victim) {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(10),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
 }

@@ -1043,9 +1043,10 @@ struct Door {
     listener: TcpListener,
     /// Connections on first use ([`LazyLinks`]): any rank may connect, not only higher ones.
     lazy: bool,
-    /// With `lazy`: the ranks this one is connecting to itself. When two ranks connect to
-    /// each other at once, the higher rank's connection is kept and the lower's refused as
-    /// [`CROSSED`].
+    /// With `lazy`: the ranks this one is connecting to itself (and the lower ones it has
+    /// connected to). When two ranks connect to each other at once, the higher rank's
+    /// connection is kept and the lower's refused as [`CROSSED`], also when its proof comes
+    /// after the higher rank's connection completed.
     dialing: Vec<bool>,
     cands: Vec<Candidate>,
     /// Where each proved rank connected from.
@@ -1718,15 +1719,23 @@ impl crate::transport::tcp::Links for LazyLinks {
             };
             let m = ctx.recv_within(&mut d.s, Some(r), &what, HELLO_WAIT, MAX_HELLO)?;
             if d.challenged {
-                self.door.dialing[r] = false;
                 if let Ok(Err(rej)) = msg::decode_peer_ack(&m) {
                     if rej.why == CROSSED {
                         // The higher rank's connection to this one is kept: it arrives on
                         // the listener.
+                        self.door.dialing[r] = false;
                         continue;
                     }
                 }
-                check_ack(&ctx, r, &m)?;
+                if let Err(e) = check_ack(&ctx, r, &m) {
+                    self.door.dialing[r] = false;
+                    return Err(e);
+                }
+                // Connected. A lower rank that was connecting to this one at the same time
+                // dropped its connection when this one arrived, but its proof may still be
+                // on the way: it stays refused as crossed (else this rank would take a
+                // second connection from it).
+                self.door.dialing[r] = r < ctx.rank();
                 let _ = d.s.set_read_timeout(None);
                 let _ = d.s.set_write_timeout(None);
                 tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");

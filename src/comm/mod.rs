@@ -93,7 +93,9 @@ pub struct CommInfo {
     /// The peers this rank had a data connection to when init returned, where the transport
     /// connects the other pairs on first use (TCP and verbs: the pairs of the collectives'
     /// schedules, [`crate::plan::algo::standing_partners`], at most 2⌈log2 n⌉ + 6; all-to-all
-    /// and send/recv partners when first used). `None`: every pair is connected at init.
+    /// and send/recv partners when first used; shared memory: the peers whose rings were
+    /// committed and that got a liveness connection at init, the same partners). `None`:
+    /// every pair is connected at init.
     pub connected_at_init: Option<usize>,
 }
 

@@ -34,7 +34,7 @@ use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
 use crate::plan;
 use crate::plan::model::{self, CostModel, Costs, Medium};
-use crate::transport::mixed::MixedTransport;
+use crate::transport::mixed::{self, MixedTransport};
 use crate::transport::shm::{self, SegInfo, ShmOptions, ShmTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::verbs::wire::{self, Blob, DirectInfo, DirectKind};
@@ -349,14 +349,26 @@ impl Communicator {
                                     mixed.streams,
                                     opts,
                                 )?;
+                                let mut shm = mixed.shm;
                                 if let Some(l) = boot.links() {
-                                    tcp = tcp.with_links(Box::new(l));
+                                    match shm.take() {
+                                        // One listener, two transports: the shm side's
+                                        // liveness connections on first use go through
+                                        // TCP's links.
+                                        Some((s, local)) => {
+                                            let (net, own) =
+                                                mixed::share_links(Box::new(l), local.clone());
+                                            tcp = tcp.with_links(net);
+                                            shm = Some((s.with_links(own), local));
+                                        }
+                                        None => tcp = tcp.with_links(Box::new(l)),
+                                    }
                                 }
                                 let reason = match (reason, mixed.why) {
                                     (Some(r), Some(w)) => Some(format!("{r}; {w}")),
                                     (r, w) => r.or(w),
                                 };
-                                match mixed.shm {
+                                match shm {
                                     Some((shm, local)) => {
                                         let t = MixedTransport::new(
                                             config.rank,
@@ -718,7 +730,8 @@ fn select_shm(
     } else if !one_host {
         Err("the ranks are on several hosts".to_string())
     } else {
-        shm::prepare(rank, world, opts).map(|p| {
+        let partners = |r: usize| plan::algo::standing_partners(world, r);
+        shm::prepare(rank, world, &partners, opts).map(|p| {
             let info = p.info();
             prep = Some(p);
             info
@@ -823,10 +836,13 @@ fn select_shm(
     }
     match (failed, res) {
         (None, Ok(segs)) => {
-            // Shared memory has a ring for every pair, and watches each peer's liveness
-            // through its connection: every pair connects.
-            boot.complete_mesh(&mut streams, &|_| true)?;
-            let t = ShmTransport::new(prep, segs, streams)?;
+            // Shared memory watches each peer's liveness through a connection to it: the
+            // standing partners' from the rendezvous, the others' made on first use, when
+            // their rings are committed too.
+            let mut t = ShmTransport::new(prep, segs, streams)?;
+            if let Some(l) = boot.links() {
+                t = t.with_links(Box::new(l));
+            }
             tracing::info!(rank, transport = %t.describe(), "using shared memory");
             Ok(ShmSelected::Shm(t))
         }
@@ -912,7 +928,8 @@ fn select_mixed(
     } else if mine.len() < 2 {
         Err("alone on its host".to_string())
     } else {
-        shm::prepare_group(rank, world, &mine, shm_options(cfg)).map(|p| {
+        let partners = |r: usize| plan::algo::standing_partners(world, r);
+        shm::prepare_group(rank, world, &mine, &partners, shm_options(cfg)).map(|p| {
             let info = p.info();
             prep = Some(p);
             info
@@ -1003,8 +1020,9 @@ fn select_mixed(
         .collect();
     match (ok[rank], prep, res) {
         (true, Some(prep), Some(Ok(segs))) => {
-            // Every pair within the host connects (liveness of the shared-memory peers).
-            boot.complete_mesh(&mut streams, &|p| mine.contains(&p))?;
+            // The standing partners within the host have their liveness connections from the
+            // rendezvous; the other same-host pairs connect on first use (the links the
+            // caller shares between the two transports).
             let mut shm_streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
             let mut local = vec![false; world];
             for &p in mine.iter().filter(|&&p| p != rank) {

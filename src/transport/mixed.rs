@@ -55,10 +55,22 @@
 //! both, so an abort reaches every peer on either side; an abort or death seen on one side is
 //! returned by the next wait or check whichever side the engine was waiting on, at most
 //! [`NET_CHECK`] later.
+//!
+//! # Connections on first use
+//!
+//! Both sides connect the pairs outside the standing partners on first use through one
+//! [`Links`] (the bootstrap's: one listener per rank), split by [`share_links`]: the network
+//! side owns it (and polls its descriptors in its waits); the shm side asks it to start its
+//! liveness connections and takes those to same-host peers from it. Those advance whenever
+//! the network side pumps its links, which every mixed wait ends with.
 
+use std::net::TcpStream;
+use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::shm::ShmTransport;
+use super::tcp::Links;
 use super::{
     AbortClass, FrameHeader, Interest, RecvProgress, RecvSink, SendProgress, Transport,
     TransportKind,
@@ -172,6 +184,7 @@ impl Transport for MixedTransport {
 
     fn connected_peers(&self) -> Option<usize> {
         let local = self.local.iter().filter(|&&l| l).count();
+        let local = self.shm.connected_peers().unwrap_or(local);
         self.net.connected_peers().map(|n| n + local)
     }
 
@@ -266,4 +279,101 @@ impl Transport for MixedTransport {
     fn zero_copy_frames(&self) -> u64 {
         self.shm.zero_copy_frames() + self.net.zero_copy_frames()
     }
+}
+
+/// What the shm side of [`share_links`] asked for and gets.
+#[derive(Debug, Default)]
+struct Handoff {
+    /// Same-host peers to start connecting to.
+    starts: Vec<usize>,
+    /// Connections to same-host peers that completed.
+    ready: Vec<(usize, TcpStream)>,
+    /// Starts that failed.
+    failed: Vec<Error>,
+}
+
+fn handoff(h: &Mutex<Handoff>) -> std::sync::MutexGuard<'_, Handoff> {
+    // A panic while the lock was held left nothing half-done worth refusing.
+    h.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The network side's [`Links`] of [`share_links`]: owns the links, runs the shm side's starts
+/// and hands it the connections to same-host peers.
+#[derive(Debug)]
+struct NetLinks {
+    inner: Box<dyn Links>,
+    local: Vec<bool>,
+    shared: Arc<Mutex<Handoff>>,
+}
+
+impl Links for NetLinks {
+    fn start(&mut self, peer: usize) -> Result<()> {
+        self.inner.start(peer)
+    }
+
+    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+        let starts = std::mem::take(&mut handoff(&self.shared).starts);
+        for p in starts {
+            if let Err(e) = self.inner.start(p) {
+                handoff(&self.shared).failed.push(e);
+            }
+        }
+        let mut mine = Vec::new();
+        for (p, s) in self.inner.progress()? {
+            if self.local.get(p).copied().unwrap_or(false) {
+                handoff(&self.shared).ready.push((p, s));
+            } else {
+                mine.push((p, s));
+            }
+        }
+        Ok(mine)
+    }
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        self.inner.fds()
+    }
+}
+
+/// The shm side's [`Links`] of [`share_links`]: its starts and completed connections go
+/// through the network side, which advances them when it pumps its links.
+#[derive(Debug)]
+struct ShmLinks {
+    shared: Arc<Mutex<Handoff>>,
+}
+
+impl Links for ShmLinks {
+    fn start(&mut self, peer: usize) -> Result<()> {
+        handoff(&self.shared).starts.push(peer);
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+        let mut h = handoff(&self.shared);
+        if let Some(e) = h.failed.pop() {
+            return Err(e);
+        }
+        Ok(std::mem::take(&mut h.ready))
+    }
+
+    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        // Nothing of its own: the network side polls the links.
+        Vec::new()
+    }
+}
+
+/// Splits one rank's [`Links`] (the bootstrap's, whose listener is the only one a rank has)
+/// between the two transports of a mixed communicator: `(network side, shm side)`, where
+/// `local[p]` says that peer `p` is the shm side's. The network side owns the links; the shm
+/// side's starts and connections advance when the network side pumps them (see the module
+/// docs).
+pub fn share_links(links: Box<dyn Links>, local: Vec<bool>) -> (Box<dyn Links>, Box<dyn Links>) {
+    let shared = Arc::new(Mutex::new(Handoff::default()));
+    (
+        Box::new(NetLinks {
+            inner: links,
+            local,
+            shared: Arc::clone(&shared),
+        }),
+        Box::new(ShmLinks { shared }),
+    )
 }

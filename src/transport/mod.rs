@@ -395,7 +395,7 @@ pub trait Transport: Send + fmt::Debug {
     }
 
     /// How many peers have a connection now, for transports that connect some pairs on
-    /// first use ([`tcp`], [`verbs`]); `None` where every pair is connected at init.
+    /// first use ([`tcp`], [`verbs`], [`shm`]); `None` where every pair is connected at init.
     fn connected_peers(&self) -> Option<usize> {
         None
     }

@@ -2,21 +2,36 @@
 //!
 //! # Segments
 //!
-//! Every rank creates one segment: an anonymous, sealed memory file (`memfd`), allocated in
-//! full at init. Peers open it through `/proc/<pid>/fd/<n>` during the bootstrap, while its
-//! owner waits for them, and map it; then the owner closes its descriptor. The segment has no
-//! name in any filesystem, so nothing is left behind after any exit, SIGKILL included: the
-//! kernel frees the memory with the last mapping. Layout (offsets in bytes, every shared word
-//! on its own 64-byte line):
+//! Every rank creates one segment: an anonymous, sealed memory file (`memfd`) with a place for
+//! a ring from every peer. Peers open it through `/proc/<pid>/fd/<n>` during the bootstrap,
+//! while its owner waits for them, and map it. The segment has no name in any filesystem, so
+//! nothing is left behind after any exit, SIGKILL included: the kernel frees the memory with
+//! the last mapping and the owner's descriptor (which it keeps, to commit rings later).
+//!
+//! Only what is used is committed (O(log n) per rank at init, not O(n)): at init the header
+//! page and the rings from the *standing partners* ([`crate::plan::algo::standing_partners`],
+//! the pairs the collectives' schedules use) are allocated (`fallocate`, so that memory that
+//! cannot be had fails init with ENOMEM, not a later access with SIGBUS) and their page tables
+//! populated on both sides (no first-touch page faults inside the first collectives); the
+//! rest of the segment is reserved address space. The two rings of any other pair are
+//! committed when the pair is first used (a send, a receive, or its liveness connection
+//! arriving): each rank allocates the ring into its own segment and populates both rings'
+//! pages in its mappings (`MADV_POPULATE_WRITE`, which allocates what the peer has not yet),
+//! before the first byte moves. That memory is the kernel's to give then, as for any
+//! allocation: short of memory (on the host or in a memory cgroup) it reclaims, and where it
+//! cannot, either the allocation fails (ENOMEM or ENOSPC: the call that first used the pair
+//! gets an error naming both ranks, not a SIGBUS later) or the OOM killer ends a process. A
+//! job whose every pair talks commits every ring, n(n − 1) on the host.
+//! Layout (offsets in bytes, every shared word on its own 64-byte line):
 //!
 //! | offset | what | written by |
 //! | --- | --- | --- |
-//! | 0 | magic, version, world, rank, ring size, nonce | owner, at init |
+//! | 0 | magic, version, world, rank, ring size, nonce, pid | owner, at init |
 //! | 64 | `bell`: futex word, bumped to wake the owner | peers |
 //! | 128 | `sleeping`: the owner is about to block on `bell` | owner |
 //! | 192 | `status` (open, goodbye, abort), abort class, origin, message length | owner |
 //! | 256 | abort message (up to 3840 bytes) | owner |
-//! | 4096 + i × (256 + R) | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes) | |
+//! | 4096 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
 //!
 //! # Rings
 //!
@@ -41,16 +56,25 @@
 //!
 //! # Liveness, goodbye and abort
 //!
-//! A dead process writes no FIN into shared memory, so the bootstrap's TCP connection to
-//! every peer stays open as a liveness descriptor: its kernel closes it when the process
-//! exits, however it exits. A blocked wait sleeps at most [`LIVENESS_POLL`] at a time and
-//! then polls those connections, so a killed peer surfaces within milliseconds as
-//! [`Error::PeerLost`] — after whatever it had already written to the ring, which stays
-//! readable (the memory outlives the writer). A stopped peer (SIGSTOP) keeps its connection
-//! open and writes nothing: the caller's deadline reports it ([`Error::Timeout`]), as over
-//! TCP. Goodbye and abort are the owner's `status` word (with the abort's class, origin and
-//! message beside it), set once and followed by a wake of every peer: unlike an in-ring
-//! frame it is deliverable even when a ring is full or a frame half written. As over TCP,
+//! A dead process writes no FIN into shared memory, so a TCP connection to each peer in use
+//! stays open as a liveness descriptor: its kernel closes it when the process exits, however
+//! it exits. The standing partners' are the bootstrap's, made at init; any other pair's is
+//! made on first use through the bootstrap's [`Links`] (as the TCP transport's data
+//! connections and the verbs transport's exchanges), by whichever end needs it first. A
+//! first send to such a peer waits for it (so every pair that exchanged frames can tell a
+//! goodbye from a death); a first receive starts it and goes on (what is in the ring is good
+//! either way). Until it is made, the peer's process is watched through `/proc/<pid>/stat`
+//! (gone, a zombie, or another process under its pid: lost), and a peer that died before is
+//! refused at its listener at once. A blocked wait sleeps at most [`LIVENESS_POLL`] at a
+//! time (1 ms while a connection is in the making, whose handshake advances when this rank
+//! looks at it; a rank making one wakes its peer) and then polls those connections, so a
+//! killed peer surfaces within milliseconds as [`Error::PeerLost`] — after whatever it had
+//! already written to the ring, which stays readable (the memory outlives the writer). A
+//! stopped peer (SIGSTOP) keeps its connection open and writes nothing: the caller's
+//! deadline reports it ([`Error::Timeout`]), as over TCP. Goodbye and abort are the owner's
+//! `status` word (with the abort's class, origin and message beside it), set once and
+//! followed by a wake of every peer: unlike an in-ring frame it is deliverable even when a
+//! ring is full or a frame half written. As over TCP,
 //! a receive takes what the ring holds first and meets a goodbye only after it; an abort
 //! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text).
 
@@ -77,6 +101,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
+use super::tcp::Links;
 use super::{
     frame_len_mismatch, rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress,
     RecvSink, SendProgress, Transport, TransportKind, HEADER_LEN,
@@ -85,7 +110,7 @@ use crate::error::{Error, Result};
 
 mod seg;
 pub use seg::Seg;
-use seg::LINE;
+use seg::{LINE, PAGE};
 
 /// Default bytes of each ring (per ordered pair of ranks).
 pub const DEFAULT_RING_BYTES: usize = 2 << 20;
@@ -96,6 +121,9 @@ pub const MAX_RING_BYTES: usize = 1 << 30;
 /// The longest a blocked wait sleeps before it looks at the peers' liveness connections: how
 /// late, at most, a killed peer is noticed by a rank asleep on its `bell`.
 pub const LIVENESS_POLL: Duration = Duration::from_millis(10);
+/// The longest a blocked wait sleeps while a liveness connection made on first use is in the
+/// making (its handshake advances when this rank looks at it).
+const LINK_POLL: Duration = Duration::from_millis(1);
 /// A large frame's bytes are published at least every this many bytes.
 const PUBLISH_STEP: usize = 64 * 1024;
 /// Small frames stay in the first this many bytes of a ring: a sender at a frame boundary
@@ -107,7 +135,7 @@ const HOT_WINDOW: usize = 16 * 1024;
 const WRAP_KIND: u8 = 0x57;
 
 const MAGIC: u64 = 0x4453_504b_5f53_484d; // "DSPK_SHM"
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 // Segment layout (see the module docs).
 const OFF_MAGIC: usize = 0;
@@ -116,6 +144,7 @@ const OFF_WORLD: usize = 12;
 const OFF_RANK: usize = 16;
 const OFF_RING: usize = 24;
 const OFF_NONCE: usize = 32;
+const OFF_PID: usize = 40;
 const OFF_BELL: usize = 64;
 const OFF_SLEEPING: usize = 128;
 const OFF_STATUS: usize = 192;
@@ -137,7 +166,8 @@ const STATUS_ABORT: u32 = 2;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShmOptions {
     /// Bytes of each ring (rounded up to 64); one ring per ordered pair of ranks, so a rank's
-    /// segment holds `world − 1` of them.
+    /// segment has room for `world − 1` of them (committed at init for the standing
+    /// partners, on first use for the others).
     pub ring_bytes: usize,
 }
 
@@ -175,10 +205,22 @@ fn pad(n: u64) -> u64 {
     n.div_ceil(LINE as u64) * LINE as u64
 }
 
-/// Bytes of one rank's segment for `world` ranks and rings of `ring` bytes.
+/// Bytes of one ring's place in a segment: its counters' lines and its data, rounded up to
+/// whole pages, so that each ring is committed on pages of its own.
+fn ring_stride(ring: usize) -> usize {
+    (RING_DATA + ring).div_ceil(PAGE) * PAGE
+}
+
+/// Bytes of one rank's segment for `world` ranks and rings of `ring` bytes (reserved, not
+/// all committed: [`committed_len`]).
 fn seg_len(world: usize, ring: usize) -> usize {
-    let raw = RINGS + world.saturating_sub(1) * (RING_DATA + ring);
-    raw.div_ceil(4096) * 4096
+    RINGS + world.saturating_sub(1) * ring_stride(ring)
+}
+
+/// Bytes of a segment committed when the rings from `peers` peers are: the header page and
+/// those rings.
+fn committed_len(peers: usize, ring: usize) -> usize {
+    RINGS + peers * ring_stride(ring)
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes.
@@ -189,28 +231,28 @@ fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Whether the segments of `ranks` ranks on one host, `len` bytes each (a ring of `ring`
-/// bytes for every ordered pair, allocated in full at init), fit in half of the host's
-/// available memory `avail`: a ring per pair grows as ranks², and 128 ranks with 2 MiB rings
-/// would take 32 GiB. `Err` says how much, and what to change.
+/// Whether the segments of `ranks` ranks on one host fit in half of the host's available
+/// memory `avail`, counting what they commit at init: `committed` bytes in all (the header
+/// pages and the rings from each rank's standing partners, O(log n) per rank; the other
+/// rings are committed when their pair is first used). `Err` says how much, and what to
+/// change.
 fn fits_in_memory(
     ranks: usize,
-    len: usize,
+    committed: u64,
     ring: usize,
     avail: u64,
 ) -> std::result::Result<(), String> {
-    let total = (ranks as u64).saturating_mul(len as u64);
-    if total <= avail / 2 {
+    if committed <= avail / 2 {
         return Ok(());
     }
     let h = |b: u64| crate::types::human_bytes(b, true);
     Err(format!(
-        "{ranks} ranks' rings ({} per pair, one per ordered pair: {} in all) would take more \
-         than half of this host's available memory ({}); smaller rings \
-         (DSPARK_SHM_RING_BYTES, at least two DSPARK_CHUNK_BYTES segments) or fewer ranks \
-         per host would fit",
+        "{ranks} ranks' segments would commit {} at init (rings of {} from each rank's \
+         standing partners), more than half of this host's available memory ({}); smaller \
+         rings (DSPARK_SHM_RING_BYTES, at least two DSPARK_CHUNK_BYTES segments) or fewer \
+         ranks per host would fit",
+        h(committed),
         h(ring as u64),
-        h(total),
         h(avail)
     ))
 }
@@ -225,7 +267,7 @@ fn ring_index(owner: usize, sender: usize) -> usize {
 }
 
 fn ring_base(owner: usize, sender: usize, ring: usize) -> usize {
-    RINGS + ring_index(owner, sender) * (RING_DATA + ring)
+    RINGS + ring_index(owner, sender) * ring_stride(ring)
 }
 
 /// This rank's segment, created before the ranks exchange where to find theirs.
@@ -239,6 +281,8 @@ pub struct Prepared {
     /// laid out by position in this list.
     members: Vec<usize>,
     ring: usize,
+    /// The peers (members) whose rings are committed at init: the standing partners.
+    partners: Vec<usize>,
     file: std::fs::File,
     seg: Seg,
     nonce: u64,
@@ -288,22 +332,28 @@ impl SegInfo {
     }
 }
 
-/// Creates this rank's segment (`Err`: why shared memory cannot be used here).
+/// Creates this rank's segment (`Err`: why shared memory cannot be used here). `partners(r)`:
+/// the peers of rank `r` whose rings are committed at init (a symmetric relation, as
+/// [`crate::plan::algo::standing_partners`]); every other ring is reserved and committed when
+/// its pair is first used.
 pub fn prepare(
     rank: usize,
     world: usize,
+    partners: &dyn Fn(usize) -> Vec<usize>,
     opts: ShmOptions,
 ) -> std::result::Result<Prepared, String> {
-    prepare_group(rank, world, &(0..world).collect::<Vec<_>>(), opts)
+    prepare_group(rank, world, &(0..world).collect::<Vec<_>>(), partners, opts)
 }
 
 /// Creates this rank's segment for shared memory with `members` only (the ranks of its host,
-/// this rank included, in a `world`-rank job): one ring per member, none for the others.
-/// `Err`: why shared memory cannot be used here.
+/// this rank included, in a `world`-rank job): one ring per member, none for the others;
+/// those of the members among `partners` (as in [`prepare`]) committed now. `Err`: why
+/// shared memory cannot be used here.
 pub fn prepare_group(
     rank: usize,
     world: usize,
     members: &[usize],
+    partners: &dyn Fn(usize) -> Vec<usize>,
     opts: ShmOptions,
 ) -> std::result::Result<Prepared, String> {
     let mut members = members.to_vec();
@@ -320,23 +370,52 @@ pub fn prepare_group(
         .div_ceil(LINE)
         * LINE;
     let len = seg_len(members.len(), ring);
+    // The members among `r`'s partners: the rings committed in `r`'s segment at init.
+    let at_init = |r: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = partners(r)
+            .into_iter()
+            .filter(|&p| p != r && members.binary_search(&p).is_ok())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
     if let Some(avail) = mem_available() {
-        fits_in_memory(members.len(), len, ring, avail)?;
+        let total: u64 = members
+            .iter()
+            .map(|&m| committed_len(at_init(m).len(), ring) as u64)
+            .sum();
+        fits_in_memory(members.len(), total, ring, avail)?;
     }
-    let file = seg::create(len, &format!("dspark-shm-rank{rank}"))?;
+    let mine = at_init(rank);
+    let pos = |r: usize| members.binary_search(&r).unwrap_or(0);
+    let stride = ring_stride(ring);
+    let ranges: Vec<(usize, usize)> = std::iter::once((0, RINGS))
+        .chain(
+            mine.iter()
+                .map(|&p| (ring_base(pos(rank), pos(p), ring), stride)),
+        )
+        .collect();
+    let file = seg::create(len, &ranges, &format!("dspark-shm-rank{rank}"))?;
     let seg = Seg::map(&file, len)?;
+    for &(off, n) in &ranges {
+        seg.populate(off, n)?;
+    }
     let nonce = seg::nonce();
     seg.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
     seg.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
     seg.u32_at(OFF_WORLD).store(world as u32, Ordering::Relaxed);
     seg.u32_at(OFF_RANK).store(rank as u32, Ordering::Relaxed);
     seg.u64_at(OFF_RING).store(ring as u64, Ordering::Relaxed);
+    seg.u32_at(OFF_PID)
+        .store(std::process::id(), Ordering::Relaxed);
     seg.u64_at(OFF_NONCE).store(nonce, Ordering::Release);
     Ok(Prepared {
         rank,
         world,
         members,
         ring,
+        partners: mine,
         file,
         seg,
         nonce,
@@ -400,6 +479,17 @@ impl Prepared {
                 .map_err(|w| format!("rank {r}'s segment: {w}"))?;
             let s = Seg::map(&file, info.len as usize)
                 .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            // Its header, and the ring this rank sends into when they are partners.
+            let pos = |q: usize| self.members.binary_search(&q).unwrap_or(0);
+            s.populate(0, RINGS)
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            if self.partners.binary_search(&r).is_ok() {
+                s.populate(
+                    ring_base(pos(r), pos(self.rank), self.ring),
+                    ring_stride(self.ring),
+                )
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            }
             let ok = s.u64_at(OFF_MAGIC).load(Ordering::Relaxed) == MAGIC
                 && s.u32_at(OFF_VERSION).load(Ordering::Relaxed) == VERSION
                 && s.u32_at(OFF_WORLD).load(Ordering::Relaxed) as usize == self.world
@@ -431,8 +521,16 @@ enum PeerState {
 struct Peer {
     /// The peer's segment (holds the ring this rank sends into).
     seg: Seg,
-    /// The bootstrap's connection to it, kept as a liveness descriptor.
-    stream: TcpStream,
+    /// The connection to it, kept as a liveness descriptor: the bootstrap's for the standing
+    /// partners, made on first use for the others (`None` until then).
+    stream: Option<TcpStream>,
+    /// Its process, and when it started (`/proc/<pid>/stat`): how its death is noticed while
+    /// its liveness connection is still in the making.
+    pid: u32,
+    started: Option<u64>,
+    /// Whether the two rings of the pair are committed (allocated and populated on this
+    /// rank's side): at init for the standing partners, on first use for the others.
+    committed: bool,
     state: PeerState,
     /// Send ring (in the peer's segment): bytes published, last `tail` seen.
     tx_head: u64,
@@ -479,16 +577,51 @@ pub struct ShmTransport {
     world: usize,
     ring: usize,
     own: Seg,
+    /// This rank's segment file, kept to commit the rings into it on first use.
+    file: std::fs::File,
     peers: Vec<Option<Peer>>,
+    /// Bytes of this rank's segment committed at init.
+    committed_at_init: usize,
+    /// Peers connected at init (with a liveness connection).
+    connected_at_init: usize,
+    among: String,
     desc: String,
     done: bool,
+    /// Liveness connections made on first use (None: every peer has one from init).
+    lazy: Option<Lazy>,
+}
+
+/// Liveness connections on first use (the bootstrap's [`Links`], as TCP and verbs use them).
+#[derive(Debug)]
+struct Lazy {
+    links: Box<dyn Links>,
+    /// Peers this rank started connecting to.
+    started: Vec<bool>,
+    /// Peers whose connection on first use failed: the error every later use returns.
+    failed: Vec<Option<Error>>,
+    /// When the processes of the peers still being connected were last looked at.
+    looked: Instant,
+}
+
+/// The state and start time (clock ticks after boot) of process `pid`, from
+/// `/proc/<pid>/stat`; `None` when there is no such process.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold anything, so split after its last ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // starttime is the 22nd field; `rest` begins at the 3rd.
+    let start = f.nth(18)?.parse().ok()?;
+    Some((state, start))
 }
 
 impl ShmTransport {
     /// The transport over this rank's segment, its peers' (`segs[r]`, from
     /// [`Prepared::connect`]) and the bootstrap's connections (`streams[r]`), kept as
-    /// liveness descriptors. Once every peer has mapped this rank's segment (the caller's
-    /// second bootstrap round), dropping `Prepared`'s descriptor is safe.
+    /// liveness descriptors. A peer without a connection gets one on first use, through
+    /// [`ShmTransport::with_links`]. Once every peer has mapped this rank's segment (the
+    /// caller's second bootstrap round), peers open nothing of it any more.
     pub fn new(
         prep: Prepared,
         segs: Vec<Option<Seg>>,
@@ -499,11 +632,11 @@ impl ShmTransport {
             world,
             members,
             ring,
+            partners,
             file,
             seg: own,
             ..
         } = prep;
-        drop(file);
         // Rings are laid out by position among the members.
         let pos = |r: usize| members.iter().position(|&m| m == r).unwrap_or(0);
         let mut peers = Vec::with_capacity(world);
@@ -513,20 +646,26 @@ impl ShmTransport {
                 peers.push(None);
                 continue;
             }
-            match (s, st) {
-                (Some(seg), Some(stream)) => {
-                    stream.set_nonblocking(true).map_err(|e| {
-                        Error::io(
-                            Some(rank),
-                            Some(r),
-                            "configuring the liveness connection",
-                            e,
-                        )
-                    })?;
-                    let _ = stream.set_nodelay(true);
+            match s {
+                Some(seg) => {
+                    if let Some(stream) = &st {
+                        stream.set_nonblocking(true).map_err(|e| {
+                            Error::io(
+                                Some(rank),
+                                Some(r),
+                                "configuring the liveness connection",
+                                e,
+                            )
+                        })?;
+                        let _ = stream.set_nodelay(true);
+                    }
+                    let pid = seg.u32_at(OFF_PID).load(Ordering::Relaxed);
                     peers.push(Some(Peer {
                         seg,
-                        stream,
+                        stream: st,
+                        pid,
+                        started: proc_stat(pid).map(|(_, t)| t),
+                        committed: partners.binary_search(&r).is_ok(),
                         state: PeerState::Open,
                         tx_head: 0,
                         tx_tail: 0,
@@ -538,12 +677,12 @@ impl ShmTransport {
                         rx_base: ring_base(pos(rank), pos(r), ring),
                     }));
                 }
-                (None, _) if r == rank => peers.push(None),
-                _ => {
+                None if r == rank => peers.push(None),
+                None => {
                     return Err(Error::invalid(
                         Some(rank),
                         "shared-memory transport",
-                        format!("no segment or connection for rank {r}"),
+                        format!("no segment for rank {r}"),
                     ))
                 }
             }
@@ -554,21 +693,83 @@ impl ShmTransport {
         } else {
             String::new()
         };
-        let desc = format!(
-            "shm ({among}memfd segments, {} KiB ring per pair, {} KiB mapped per rank, futex \
-             wake-ups, liveness over the bootstrap connections)",
-            ring / 1024,
-            own.len() / 1024
-        );
-        Ok(ShmTransport {
+        let connected_at_init = peers
+            .iter()
+            .flatten()
+            .filter(|p| p.stream.is_some())
+            .count();
+        let mut t = ShmTransport {
             rank,
             world,
             ring,
             own,
+            file,
             peers,
-            desc,
+            committed_at_init: committed_len(partners.len(), ring),
+            connected_at_init,
+            among,
+            desc: String::new(),
             done: false,
-        })
+            lazy: None,
+        };
+        t.desc = t.description();
+        Ok(t)
+    }
+
+    /// Connects the peers it has no liveness connection for on first use, through `links`
+    /// (the bootstrap's, as the TCP and verbs transports do): the first send to such a peer
+    /// reports "not yet" until the connection is made; a receive starts it and goes on.
+    pub fn with_links(mut self, links: Box<dyn Links>) -> Self {
+        let world = self.world;
+        self.lazy = Some(Lazy {
+            links,
+            started: vec![false; world],
+            failed: vec![None; world],
+            looked: Instant::now(),
+        });
+        self.desc = self.description();
+        self
+    }
+
+    /// Bytes of this rank's segment committed at init: its header page and the rings from
+    /// its standing partners (the others are committed on first use).
+    pub fn committed_at_init(&self) -> usize {
+        self.committed_at_init
+    }
+
+    /// Peers with a liveness connection now (this rank excluded).
+    pub fn connected(&self) -> usize {
+        self.peers
+            .iter()
+            .flatten()
+            .filter(|p| p.stream.is_some())
+            .count()
+    }
+
+    fn description(&self) -> String {
+        let peers = self.peers.iter().flatten().count();
+        let committed = self.peers.iter().flatten().filter(|p| p.committed).count();
+        let liveness = if self.connected_at_init == peers {
+            "liveness over the bootstrap connections".to_string()
+        } else {
+            format!(
+                "liveness over TCP connections: {} of {peers} at init, the others on first use",
+                self.connected_at_init
+            )
+        };
+        let rings = if committed == peers {
+            "the rings from every peer".to_string()
+        } else {
+            format!("the rings from {committed} of {peers} peers, the others on first use")
+        };
+        format!(
+            "shm ({}memfd segments, {} KiB ring per pair, {} KiB reserved per rank, {} KiB \
+             committed at init ({rings}), futex wake-ups, {liveness})",
+            self.among,
+            self.ring / 1024,
+            self.own.len() / 1024,
+            self.committed_at_init / 1024,
+        )
     }
 
     /// A transport for a world of one (no peers, no segment to share).
@@ -576,6 +777,7 @@ impl ShmTransport {
         let prep = prepare(
             0,
             1,
+            &|_| Vec::new(),
             ShmOptions {
                 ring_bytes: MIN_RING_BYTES,
             },
@@ -656,9 +858,12 @@ impl ShmTransport {
         if p.state != PeerState::Open {
             return;
         }
+        let Some(stream) = p.stream.as_mut() else {
+            return;
+        };
         let mut b = [0u8; 256];
         let gone = loop {
-            match p.stream.read(&mut b) {
+            match stream.read(&mut b) {
                 // Nothing is sent on it in shm mode: discard bootstrap leftovers.
                 Ok(0) => {
                     break Some(
@@ -681,8 +886,12 @@ impl ShmTransport {
         }
     }
 
-    /// Whether `peer`'s receive ring holds bytes not yet taken.
+    /// Whether `peer`'s receive ring holds bytes not yet taken (never for a ring this rank has
+    /// not used yet: its pages are not touched before).
     fn rx_pending(&self, p: &Peer) -> bool {
+        if !p.committed {
+            return false;
+        }
         let head = self
             .own
             .u64_at(p.rx_base + RING_HEAD)
@@ -714,14 +923,32 @@ impl ShmTransport {
     /// failure that this rank cannot wait through: an abort, or a gone peer with nothing
     /// more to take from it.
     fn check_liveness(&mut self) -> Result<()> {
+        self.look_at_linking();
         let mut fds = Vec::with_capacity(self.world);
         let mut which = Vec::with_capacity(self.world);
         for (i, p) in self.peers.iter().enumerate() {
             let Some(p) = p else { continue };
+            let Some(stream) = p.stream.as_ref() else {
+                continue;
+            };
             if p.state == PeerState::Open {
-                fds.push(PollFd::new(p.stream.as_fd(), PollFlags::POLLIN | rdhup()));
+                fds.push(PollFd::new(stream.as_fd(), PollFlags::POLLIN | rdhup()));
                 which.push(i);
             }
+        }
+        // Connections in the making (a peer connecting to this rank, or answering it): their
+        // links are advanced when one of their descriptors has something, or always where
+        // the links have none of their own (shm+tcp's, which only hand over).
+        let ours = fds.len();
+        let mut pump = false;
+        if let Some(l) = self.lazy.as_ref() {
+            let link_fds = l.links.fds();
+            pump = link_fds.is_empty();
+            fds.extend(
+                link_fds
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
         }
         let mut flagged = Vec::new();
         if !fds.is_empty() {
@@ -731,13 +958,19 @@ impl ShmTransport {
                     return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e)));
                 }
             }
-            for (fd, &i) in fds.iter().zip(&which) {
+            for (fd, &i) in fds[..ours].iter().zip(&which) {
                 if fd.revents().is_none_or(|r| !r.is_empty()) {
                     flagged.push(i);
                 }
             }
+            pump |= fds[ours..]
+                .iter()
+                .any(|f| f.revents().is_none_or(|r| !r.is_empty()));
         }
         drop(fds);
+        if pump {
+            self.pump_links()?;
+        }
         for i in flagged {
             self.examine(i);
         }
@@ -782,6 +1015,10 @@ impl ShmTransport {
             if it.recv && self.rx_pending(p) {
                 return true;
             }
+            if it.send && p.stream.is_none() && self.lazy.is_some() {
+                // Its liveness connection is in the making (`wait` looks at it).
+                continue;
+            }
             if it.send {
                 let tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
                 if tail != p.tx_tail || p.tx_head.wrapping_sub(tail) < self.ring as u64 {
@@ -790,6 +1027,213 @@ impl ShmTransport {
             }
         }
         false
+    }
+
+    /// Commits the two rings between this rank and `peer` on this rank's side, on their
+    /// first use: allocates the ring into this rank's segment (fallocate, as the owner) and
+    /// populates the page tables of both (this rank's and the one it sends into in the
+    /// peer's segment), so that no page is faulted in inside a transfer. A no-op once done.
+    ///
+    /// # Errors
+    /// The memory could not be had (ENOMEM/ENOSPC: a memory cgroup's limit or the host's
+    /// memory), naming the pair.
+    fn commit(&mut self, peer: usize) -> Result<()> {
+        let Some(p) = self.peers.get(peer).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        if p.committed {
+            return Ok(());
+        }
+        let stride = ring_stride(self.ring);
+        seg::commit(&self.file, p.rx_base, stride)
+            .and_then(|()| self.own.populate(p.rx_base, stride))
+            .and_then(|()| p.seg.populate(p.tx_base, stride))
+            .map_err(|w| Error::Transport {
+                rank: Some(self.rank),
+                peer: Some(peer),
+                op: "committing a shared-memory ring on first use".into(),
+                what: format!(
+                    "the rings between ranks {} and {peer} ({} KiB each): {w}",
+                    self.rank,
+                    stride / 1024
+                ),
+            })?;
+        tracing::debug!(rank = self.rank, peer, "rings committed on first use");
+        if let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) {
+            p.committed = true;
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` has its liveness connection; if not, starts or advances making it (on
+    /// first use, through [`Links`]). A receive goes on meanwhile (`sending` false: what is
+    /// in the ring is good whatever becomes of the connection); a send waits for it, so
+    /// that every pair that exchanged frames can tell a goodbye from a death. Without links,
+    /// `Ok(true)`.
+    ///
+    /// # Errors
+    /// A connection on first use that failed (now or before), naming the peer: the peer's
+    /// goodbye or abort where its segment says so.
+    fn link(&mut self, peer: usize, sending: bool, op: &str) -> Result<bool> {
+        if self.done
+            || self
+                .peers
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_none_or(|p| p.stream.is_some())
+        {
+            return Ok(true);
+        }
+        let linked = |t: &Self| {
+            t.peers
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_some_and(|p| p.stream.is_some())
+        };
+        let Some(l) = self.lazy.as_ref() else {
+            return Ok(true);
+        };
+        if let Some(e) = &l.failed[peer] {
+            return Err(self.prefer_status(e.clone(), op));
+        }
+        // A connection the peer made may be waiting already (then there is nothing to start:
+        // the peer may even have exited since, after its last frames).
+        let mut res = self.pump_links();
+        if res.is_ok() && !linked(self) {
+            if let Some(l) = self.lazy.as_mut() {
+                if !l.started[peer] {
+                    l.started[peer] = true;
+                    res = l.links.start(peer).inspect_err(|e| {
+                        l.failed[peer] = Some(e.clone());
+                    });
+                    if res.is_ok() {
+                        res = self.pump_links();
+                    }
+                }
+            }
+        }
+        if let Err(e) = res {
+            return Err(self.prefer_status(e, op));
+        }
+        Ok(linked(self) || !sending)
+    }
+
+    /// `e`, or the goodbye or abort of the peer it names, which says more.
+    fn prefer_status(&self, e: Error, op: &str) -> Error {
+        match e.peer() {
+            Some(p) => self.status_error(p, op).unwrap_or(e),
+            None => e,
+        }
+    }
+
+    /// Installs the liveness connections [`Links`] completed, without waiting (commits the
+    /// pair's rings too: the peer is about to use them), and wakes the peers whose connection
+    /// is still in the making, so that they advance it.
+    fn pump_links(&mut self) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        let Some(l) = self.lazy.as_mut() else {
+            return Ok(());
+        };
+        let got = match l.links.progress() {
+            Ok(g) => g,
+            Err(e) => {
+                // A connection to a peer that failed: every later use of it fails alike.
+                if let Some(p) = e.peer().filter(|&p| p < self.world) {
+                    if l.started[p] && l.failed[p].is_none() {
+                        l.failed[p] = Some(e.clone());
+                    }
+                }
+                return Err(self.prefer_status(e, "connect on first use (shm)"));
+            }
+        };
+        for (p, s) in got {
+            let fresh = self
+                .peers
+                .get(p)
+                .and_then(Option::as_ref)
+                .is_some_and(|q| q.stream.is_none());
+            if !fresh {
+                return Err(Error::Transport {
+                    rank: Some(self.rank),
+                    peer: Some(p),
+                    op: "connect on first use (shm)".into(),
+                    what: format!("a second connection from rank {p}, or not a peer"),
+                });
+            }
+            s.set_nonblocking(true).map_err(|e| {
+                Error::io(
+                    Some(self.rank),
+                    Some(p),
+                    "configuring the liveness connection",
+                    e,
+                )
+            })?;
+            let _ = s.set_nodelay(true);
+            tracing::debug!(
+                rank = self.rank,
+                peer = p,
+                "liveness connection made on first use"
+            );
+            if let Some(q) = self.peers[p].as_mut() {
+                q.stream = Some(s);
+            }
+            self.commit(p)?;
+        }
+        if let Some(l) = self.lazy.as_ref() {
+            for (p, q) in self.peers.iter().enumerate() {
+                if let Some(q) = q {
+                    if q.stream.is_none() && l.started[p] {
+                        Self::notify(&q.seg);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a liveness connection this rank started is still in the making.
+    fn linking(&self) -> bool {
+        self.lazy.as_ref().is_some_and(|l| {
+            self.peers
+                .iter()
+                .enumerate()
+                .any(|(p, q)| q.as_ref().is_some_and(|q| q.stream.is_none()) && l.started[p])
+        })
+    }
+
+    /// Marks gone the peers whose liveness connection is still in the making and whose
+    /// process has ended (no such process, a zombie, or another process under its pid): a
+    /// peer that died before it took this rank's connection. At most every
+    /// [`LIVENESS_POLL`].
+    fn look_at_linking(&mut self) {
+        let Some(l) = self.lazy.as_mut() else {
+            return;
+        };
+        if l.looked.elapsed() < LIVENESS_POLL {
+            return;
+        }
+        l.looked = Instant::now();
+        let started = l.started.clone();
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            let Some(p) = p else { continue };
+            if p.stream.is_some() || !started[i] || p.state != PeerState::Open {
+                continue;
+            }
+            let alive = match proc_stat(p.pid) {
+                Some((state, t)) => {
+                    !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t)
+                }
+                None => false,
+            };
+            if !alive {
+                p.state = PeerState::Gone(format!(
+                    "its process {} ended before its liveness connection was made",
+                    p.pid
+                ));
+            }
+        }
     }
 }
 
@@ -800,6 +1244,10 @@ impl Transport for ShmTransport {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+
+    fn connected_peers(&self) -> Option<usize> {
+        self.lazy.as_ref().map(|_| self.connected())
     }
 
     fn send(
@@ -824,6 +1272,12 @@ impl Transport for ShmTransport {
             if let Some(e) = self.status_error(peer, OP) {
                 return Err(e);
             }
+        }
+        if p.stream.is_none() && !self.link(peer, true, OP)? {
+            return Ok(false);
+        }
+        if !self.peer_ref(peer, OP)?.committed {
+            self.commit(peer)?;
         }
         let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
             return Err(Error::invalid(
@@ -924,10 +1378,35 @@ impl Transport for ShmTransport {
         const OP: &str = "receive";
         let ring = self.ring as u64;
         let rank = self.rank;
-        let (rx_base, state_open) = {
+        let (rx_base, state_open, linked, committed) = {
             let p = self.peer_ref(peer, OP)?;
-            (p.rx_base, p.state == PeerState::Open)
+            (
+                p.rx_base,
+                p.state == PeerState::Open,
+                p.stream.is_some(),
+                p.committed,
+            )
         };
+        if !linked {
+            if let Err(e) = self.link(peer, false, OP) {
+                // What the peer wrote before it went is still taken; then its loss shows.
+                match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
+                    (Some(q), Some(p)) if q == peer => {
+                        if p.state == PeerState::Open {
+                            let why = match e {
+                                Error::PeerLost { detail, .. } => detail,
+                                e => e.to_string(),
+                            };
+                            p.state = PeerState::Gone(why);
+                        }
+                    }
+                    _ => return Err(e),
+                }
+            }
+        }
+        if !committed {
+            self.commit(peer)?;
+        }
         let head_word = self.own.u64_at(rx_base + RING_HEAD);
         let tail_word = self.own.u64_at(rx_base + RING_TAIL);
         let data_off = rx_base + RING_DATA;
@@ -1075,7 +1554,12 @@ impl Transport for ShmTransport {
             let bell = self.own.u32_at(OFF_BELL);
             let v = bell.load(Ordering::Acquire);
             if !self.anything_ready(interest) {
-                let slice = (deadline - now).min(LIVENESS_POLL);
+                let poll = if self.linking() {
+                    LINK_POLL
+                } else {
+                    LIVENESS_POLL
+                };
+                let slice = (deadline - now).min(poll);
                 seg::futex_wait(bell, v, slice);
             }
             self.own.u32_at(OFF_SLEEPING).store(0, Ordering::Relaxed);
@@ -1114,7 +1598,9 @@ impl Transport for ShmTransport {
             .store(STATUS_ABORT, Ordering::Release);
         for p in self.peers.iter_mut().flatten() {
             Self::ring_bell(&p.seg);
-            let _ = p.stream.shutdown(Shutdown::Both);
+            if let Some(s) = &p.stream {
+                let _ = s.shutdown(Shutdown::Both);
+            }
             p.state = PeerState::Lost("this rank aborted".into());
         }
     }
@@ -1129,7 +1615,9 @@ impl Transport for ShmTransport {
             .store(STATUS_BYE, Ordering::Release);
         for p in self.peers.iter_mut().flatten() {
             Self::ring_bell(&p.seg);
-            let _ = p.stream.shutdown(Shutdown::Write);
+            if let Some(s) = &p.stream {
+                let _ = s.shutdown(Shutdown::Write);
+            }
         }
     }
 }
@@ -1138,21 +1626,201 @@ impl Transport for ShmTransport {
 mod tests {
     use super::*;
 
+    /// What the segments of `n` ranks commit at init with the standing partners' rings.
+    fn at_init(n: usize, ring: usize) -> u64 {
+        (0..n)
+            .map(|r| committed_len(crate::plan::algo::standing_partners(n, r).len(), ring) as u64)
+            .sum()
+    }
+
     #[test]
-    fn segments_that_would_take_more_than_half_the_available_memory_are_refused() {
+    fn segments_that_would_commit_more_than_half_the_available_memory_at_init_are_refused() {
         let ring = 2 << 20;
-        // 8 ranks with 2 MiB rings: 8 segments of 7 rings, 112 MiB and a little.
-        let len = seg_len(8, ring);
-        assert!(fits_in_memory(8, len, ring, 1 << 30).is_ok());
-        assert!(fits_in_memory(8, len, ring, 200 << 20).is_err());
-        // 128 ranks: 128 × 127 rings of 2 MiB, about 32 GiB, refused on a 24 GiB machine.
-        let len = seg_len(128, ring);
-        let e = fits_in_memory(128, len, ring, 24 << 30).unwrap_err();
+        // 8 ranks with 2 MiB rings: at most 8 × 7 rings, 112 MiB and a little.
+        let c = at_init(8, ring);
+        assert!(c <= 8 * committed_len(7, ring) as u64);
+        assert!(fits_in_memory(8, c, ring, 1 << 30).is_ok());
+        assert!(fits_in_memory(8, c, ring, 150 << 20).is_err());
+        // 128 ranks: a ring per ordered pair would be 128 × 127 rings of 2 MiB, 32 GiB; the
+        // standing partners' (at most 20 per rank) are at most 5 GiB and fit on a 24 GiB host.
+        let c = at_init(128, ring);
+        assert!(c <= 128 * committed_len(20, ring) as u64, "{c}");
+        assert!(fits_in_memory(128, c, ring, 24 << 30).is_ok());
+        let e = fits_in_memory(128, c, ring, c).unwrap_err();
         assert!(
             e.contains("128 ranks") && e.contains("DSPARK_SHM_RING_BYTES"),
             "{e}"
         );
-        assert!(fits_in_memory(128, len, ring, 80 << 30).is_ok());
+        let all = 128 * seg_len(128, ring) as u64;
+        assert!(fits_in_memory(128, all, ring, 24 << 30).is_err());
+    }
+
+    /// Bytes of `file` the kernel has allocated.
+    fn allocated(file: &std::fs::File) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        file.metadata().unwrap().blocks() * 512
+    }
+
+    /// Three ranks in this process, of which only 0 and 1 are partners: each segment commits
+    /// the header and its partners' rings at init, and a pair's rings on its first use.
+    #[test]
+    fn only_partner_rings_are_committed_at_init_and_the_others_on_first_use() {
+        let ring = 64 * 1024;
+        let partners = |r: usize| match r {
+            0 => vec![1],
+            1 => vec![0],
+            _ => vec![],
+        };
+        let preps: Vec<Prepared> = (0..3)
+            .map(|r| prepare(r, 3, &partners, ShmOptions { ring_bytes: ring }).unwrap())
+            .collect();
+        let stride = ring_stride(ring) as u64;
+        let got: Vec<u64> = preps.iter().map(|p| allocated(&p.file)).collect();
+        assert_eq!(
+            got,
+            vec![RINGS as u64 + stride, RINGS as u64 + stride, RINGS as u64]
+        );
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+        let mut ts: Vec<ShmTransport> = preps
+            .into_iter()
+            .zip(segs)
+            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None, None]).unwrap())
+            .collect();
+        assert_eq!(ts[0].committed_at_init(), RINGS + stride as usize);
+        assert_eq!(ts[2].committed_at_init(), RINGS);
+        assert!(
+            ts[2].describe().contains("rings from 0 of 2 peers"),
+            "{}",
+            ts[2].describe()
+        );
+        // 2 sends to 0: 2 commits its ring in its own segment, and populates the one in 0's.
+        let data = vec![7u8; 1000];
+        let hdr = FrameHeader {
+            kind: FrameKind::Data,
+            coll: 0,
+            dtype: 0,
+            op: super::super::NO_OP,
+            root: 0,
+            len: data.len() as u32,
+            seq: 1,
+            count: data.len() as u64,
+        };
+        let mut sp = SendProgress::default();
+        assert!(ts[2].send(0, &hdr, &data, &mut sp).unwrap());
+        assert_eq!(allocated(&ts[2].file), RINGS as u64 + stride);
+        // 0 has not used the pair yet: its ring from 2 holds the frame (2 populated it), and
+        // its first receive commits it (a no-op for the pages 2 touched) and takes it.
+        struct Take(Vec<u8>);
+        impl RecvSink for Take {
+            fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
+                Ok(hdr.len as usize)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                Some(&mut self.0)
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        let mut sink = Take(vec![0u8; 1000]);
+        let mut rp = RecvProgress::default();
+        assert!(ts[0].recv(2, &mut rp, &mut sink).unwrap());
+        assert_eq!(sink.0, data);
+        assert_eq!(allocated(&ts[0].file), RINGS as u64 + 2 * stride);
+        assert!(ts[0].peers[2].as_ref().is_some_and(|p| p.committed));
+    }
+
+    /// Links that never connect anything (a peer that never answers).
+    #[derive(Debug)]
+    struct Silent;
+
+    impl Links for Silent {
+        fn start(&mut self, _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+            Ok(Vec::new())
+        }
+        fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+            Vec::new()
+        }
+    }
+
+    /// Until its liveness connection is made, a peer is watched through its process: one
+    /// that ended (here a child process that exited: a zombie, then reaped) is reported
+    /// lost, naming it, by the next check, long before any deadline.
+    #[test]
+    fn a_peer_whose_process_ended_before_its_connection_was_made_is_lost_not_waited_for() {
+        let partners = |_: usize| Vec::new();
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let preps: Vec<Prepared> = (0..2)
+            .map(|r| prepare(r, 2, &partners, opts).unwrap())
+            .collect();
+        // Rank 1's process is a child that exits at once.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let t = Instant::now();
+        while proc_stat(child.id()).is_some_and(|(s, _)| s != 'Z')
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        preps[1]
+            .seg
+            .u32_at(OFF_PID)
+            .store(child.id(), Ordering::Relaxed);
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs = preps[0].connect(&infos).unwrap();
+        let mut it = preps.into_iter();
+        let mut t0 = ShmTransport::new(it.next().unwrap(), segs, vec![None, None])
+            .unwrap()
+            .with_links(Box::new(Silent));
+        assert_eq!(t0.connected_peers(), Some(0));
+        assert!(t0
+            .describe()
+            .contains("liveness over TCP connections: 0 of 1 at init"));
+        // A receive starts the connection and finds nothing yet.
+        struct Nothing;
+        impl RecvSink for Nothing {
+            fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
+                Ok(0)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                None
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        let mut rp = RecvProgress::default();
+        assert!(!t0.recv(1, &mut rp, &mut Nothing).unwrap());
+        let interest = [Interest {
+            peer: 1,
+            recv: true,
+            send: false,
+        }];
+        let lost = |t0: &mut ShmTransport| -> Option<Error> {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Err(e) = t0.wait(&interest, Instant::now() + LIVENESS_POLL) {
+                    return Some(e);
+                }
+            }
+            None
+        };
+        // The zombie counts as gone.
+        let e = lost(&mut t0).expect("a zombie peer is lost");
+        assert!(
+            matches!(&e, Error::PeerLost { peer: 1, detail, .. } if detail.contains("ended")),
+            "{e:?}"
+        );
+        child.wait().unwrap();
     }
 
     #[test]
@@ -1174,11 +1842,11 @@ mod tests {
     fn a_peer_segment_of_another_length_is_refused_at_connect() {
         use std::os::fd::AsRawFd;
         let opts = ShmOptions { ring_bytes: 8192 };
-        let me = prepare(0, 2, opts).unwrap();
+        let me = prepare(0, 2, &|_| Vec::new(), opts).unwrap();
         // A well-formed header for rank 1 of 2 in a segment of 4096 bytes: too small for
         // one ring of 8 KiB.
         let len = 4096;
-        let file = seg::create(len, "dspark-shm-test-small").unwrap();
+        let file = seg::create(len, &[(0, len)], "dspark-shm-test-small").unwrap();
         let small = Seg::map(&file, len).unwrap();
         small.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
         small.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
@@ -1213,7 +1881,7 @@ mod tests {
             for owner in 0..world {
                 for sender in (0..world).filter(|&s| s != owner) {
                     let b = ring_base(owner, sender, ring);
-                    assert_eq!(b % LINE, 0);
+                    assert_eq!(b % PAGE, 0, "rings are committed by the page");
                     assert!(b + RING_DATA + ring <= len);
                 }
             }

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 /// Bytes of a cache line (and of the alignment of every shared word and frame).
 pub(super) const LINE: usize = 64;
+/// Bytes of a page: the unit in which ring memory is committed.
+pub(super) const PAGE: usize = 4096;
 
 /// A copy that would leave a segment: `len` bytes at `off` of a `seg_len`-byte mapping (an
 /// internal bug, or ring counters a misbehaving peer wrote). Checked before every copy, so
@@ -70,11 +72,9 @@ impl Drop for Seg {
 }
 
 impl Seg {
-    /// Maps `len` bytes of `file` shared, read-write, with its page tables populated up
-    /// front (`MAP_POPULATE`): the segment's pages exist already (`fallocate`), but without
-    /// it every process took a minor fault on the first touch of each page of every ring,
-    /// inside its first collectives — a 64 KiB all_reduce walks the ring, and fresh
-    /// `dspark-bench` runs at 64 KiB then took 29–766 µs where steady state is 7 µs.
+    /// Maps `len` bytes of `file` shared, read-write. Nothing is populated: the ranges in use
+    /// are, with [`Seg::populate`] (the rings of the pairs connected at init, and each other
+    /// ring when its pair is first used).
     pub(super) fn map(file: &File, len: usize) -> Result<Self, String> {
         // SAFETY: a fresh mapping chosen by the kernel (no fixed address), of a file we hold
         // open; the result is checked for MAP_FAILED before use.
@@ -83,7 +83,7 @@ impl Seg {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED,
                 file.as_raw_fd(),
                 0,
             )
@@ -95,6 +95,42 @@ impl Seg {
             ));
         }
         Ok(Seg { ptr: p.cast(), len })
+    }
+
+    /// Populates the page tables of `len` bytes at `off` (page-aligned, inside the segment),
+    /// as `MAP_POPULATE` does for a whole mapping: without it every process took a minor
+    /// fault on the first touch of each page of every ring, inside its first collectives — a
+    /// 64 KiB all_reduce walks the ring, and fresh `dspark-bench` runs at 64 KiB then took
+    /// 29–766 µs where steady state is 7 µs. `MADV_POPULATE_WRITE` (Linux 5.14) allocates the
+    /// pages not allocated yet ([`commit`] normally did) and reports a failure (ENOMEM) to the
+    /// caller instead of a SIGBUS at a later access; older kernels fault each page in by
+    /// reading it (a hole of a memory file is allocated on that read).
+    pub(super) fn populate(&self, off: usize, len: usize) -> Result<(), String> {
+        if len == 0 {
+            return Ok(());
+        }
+        let aligned = off.is_multiple_of(PAGE) && len.is_multiple_of(PAGE);
+        if !aligned || OutOfBounds::check(off, len, self.len).is_err() {
+            return Err(format!(
+                "internal: populating {len} bytes at {off} of a {}-byte segment",
+                self.len
+            ));
+        }
+        // SAFETY: madvise on a page-aligned range inside our own live mapping (checked just
+        // above); MADV_POPULATE_WRITE only fills page tables, it writes no byte.
+        let r = unsafe { libc::madvise(self.ptr.add(off).cast(), len, libc::MADV_POPULATE_WRITE) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(format!("populating {len} bytes of shared memory: {e}"));
+        }
+        // A kernel before 5.14: read a word of each page (atomically: a peer may write it).
+        for page in (off..off + len).step_by(PAGE) {
+            std::hint::black_box(self.u64_at(page).load(std::sync::atomic::Ordering::Relaxed));
+        }
+        Ok(())
     }
 
     pub(super) fn len(&self) -> usize {
@@ -167,9 +203,15 @@ impl Seg {
     }
 }
 
-/// Creates this rank's segment file: a sealed memfd of `len` bytes, all allocated now (so
-/// that a full memory cgroup fails init with ENOMEM/ENOSPC, not a later SIGBUS).
-pub(super) fn create(len: usize, name: &str) -> Result<File, String> {
+/// Creates this rank's segment file: a sealed memfd of `len` bytes, of which only the
+/// ranges `commit_now` (offset, length) are allocated now (so that a full memory cgroup fails
+/// init with ENOMEM/ENOSPC, not a later SIGBUS); the rest is reserved, and allocated by
+/// [`commit`] when first needed.
+pub(super) fn create(
+    len: usize,
+    commit_now: &[(usize, usize)],
+    name: &str,
+) -> Result<File, String> {
     let cname = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
     // SAFETY: a valid NUL-terminated name; the flags are documented memfd_create flags.
     let fd =
@@ -181,16 +223,12 @@ pub(super) fn create(len: usize, name: &str) -> Result<File, String> {
     let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     file.set_len(len as u64)
         .map_err(|e| format!("sizing the segment to {len} bytes: {e}"))?;
-    // SAFETY: plain fallocate(2) on our own descriptor, mode 0 (allocate).
-    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
-    if r != 0 {
-        return Err(format!(
-            "allocating {len} bytes of shared memory: {} (memory cgroup limit?)",
-            std::io::Error::last_os_error()
-        ));
+    for &(off, n) in commit_now {
+        commit(&file, off, n)?;
     }
     // SAFETY: fcntl(F_ADD_SEALS) on our own descriptor with documented seal bits: nobody
     // (a peer included) can shrink or grow it under a mapping (which would raise SIGBUS).
+    // Allocating inside the sealed size (`commit`) stays allowed.
     let r = unsafe {
         libc::fcntl(
             file.as_raw_fd(),
@@ -205,6 +243,24 @@ pub(super) fn create(len: usize, name: &str) -> Result<File, String> {
         ));
     }
     Ok(file)
+}
+
+/// Allocates `len` bytes at `off` of a segment file (fallocate; a no-op where they are
+/// allocated already). `Err` (ENOMEM or ENOSPC: a memory cgroup's limit, or the host's
+/// memory) names the size.
+pub(super) fn commit(file: &File, off: usize, len: usize) -> Result<(), String> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: plain fallocate(2) on our own descriptor, mode 0 (allocate), inside its size.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, off as libc::off_t, len as libc::off_t) };
+    if r != 0 {
+        return Err(format!(
+            "allocating {len} bytes of shared memory: {} (memory cgroup limit?)",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
 }
 
 /// Opens a peer's segment through its process's descriptor table, checking that it is a
@@ -299,7 +355,7 @@ mod tests {
     #[test]
     fn a_copy_outside_the_segment_is_an_error_naming_the_peer_not_a_panic() {
         let len = 4096;
-        let file = create(len, "dspark-seg-test").unwrap();
+        let file = create(len, &[(0, len)], "dspark-seg-test").unwrap();
         let seg = Seg::map(&file, len).unwrap();
         let mut buf = [0u8; 16];
         assert_eq!(seg.read(len - 16, &mut buf), Ok(()));
