@@ -559,8 +559,11 @@ impl CostModel {
         let wire = v.sent.max(v.recvd) as f64;
         let rank = v.sends as f64 * alpha + (wire * beta).max(v.reduced as f64 * gamma) * f;
         // Ranks sharing cores: the host's work (every copy and every reduction) over its cores.
+        // Each message costs the host a hop's latency and a switch between ranks
+        // (`alpha_oversub_us`): measured, small calls take the time of their total messages
+        // (module docs).
         let host = if f > 1.0 {
-            let total = v.total_sends as f64 * k.alpha_us
+            let total = v.total_sends as f64 * (k.alpha_us + k.alpha_oversub_us)
                 + v.total_sent as f64 * beta
                 + v.total_reduced as f64 * gamma;
             total * (self.local_ranks.min(n) as f64 / n as f64) / self.cores.max(1) as f64
