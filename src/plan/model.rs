@@ -31,7 +31,9 @@
 //! * **Ranks outnumbering cores** (`oversubscription`, local ranks `L` over cores `C`, `f =
 //!   L/C > 1`): every hop waits for the scheduler to run its receiver, so α grows by
 //!   `alpha_oversub_us · (f − 1)`; and the ranks of a host share its cores, so the time is at
-//!   least the host's total work over its cores (the third bound: `Σ_ranks work · L/(n·C)`).
+//!   least the host's total work over its cores (the third bound: `Σ_ranks work · L/(n·C)`),
+//!   where each message costs the host `α + alpha_oversub_us` (its latency and a switch
+//!   between ranks: small calls measured here take the time of their total messages, below).
 //!   This is what makes the ring win over recursive doubling from 128 KiB with 4 ranks on 2
 //!   cores here: the ring moves 3/4 of doubling's bytes and does 3/8 of its reductions.
 //! * **The hierarchical allreduce's phases** were slower than the ring below 4 MiB in every
@@ -67,6 +69,32 @@
 //! the model's choices reproduce the measured crossovers (tests below): with 2 ranks doubling
 //! up to 1 MiB (measured: a tie with the ring from 256 KiB to 1 MiB, the ring ahead from 2 MiB),
 //! with 3–16 ranks the ring from 64–128 KiB (measured: from 128 KiB), and doubling below.
+//!
+//! The oversubscribed terms were refitted to a matrix (`benches/model_matrix.sh`: 3–8 ranks
+//! on the 2 cores × 4 KiB–16 MiB, every allreduce algorithm side by side, 8 fresh runs; the
+//! rows and a summary are in `benches/data/model-matrix-2026-12-02*`; the medians are in the
+//! tests below, which check every choice against them):
+//!
+//! * below 64 KiB a call takes the time of its messages: 3–5 µs per message of the whole job,
+//!   whichever the algorithm (4 KiB: doubling, the tree and the ring in proportion to their
+//!   `total_sends`, at every world). Counting α alone per message in the host bound let the
+//!   tree's 4(n−1) messages undercut doubling at 5–7 ranks (7 ranks, 4 KiB: doubling 62 µs,
+//!   tree 111, and the tree was chosen); with `α + alpha_oversub_us` doubling keeps the
+//!   small sizes up to 32–64 KiB;
+//! * at 256 KiB the tree measured fastest at 3–8 ranks, 3–28% ahead of the ring (the model
+//!   takes it from 5 to 7 ranks; the ring, within 8%, elsewhere); at 1 MiB the ring was
+//!   ahead by 16–30% at 3, 4, 6 and 7 ranks and behind by 4–7% at 5 and 8;
+//! * at 4–16 MiB with 5–8 ranks the tree measured 10–34% ahead of the ring in the runs at
+//!   load 6–9 (other jobs on the cores), and the ring 1.1–2× ahead of it in the one quiet
+//!   run: the model keeps the ring there until quiet runs decide (the test lists these
+//!   cells with their bounds);
+//! * 4 ranks on 2 cores, 1 MiB, the ring: fresh runs are bimodal (680 or 1460 µs). Traces
+//!   (`DSPARK_TRACE`) show no blocking wait in any call — every rank spins, yielding — and
+//!   the slow calls have gaps of milliseconds in which no rank progresses while the data
+//!   sits in a socket: the rank that holds the next step is waiting for a core. Binding the
+//!   ranks alternately to the cores (ring neighbours apart) halved the median at 1 MiB under
+//!   load (1852 → 1045 µs, 5 fresh runs each) but cost 27% at 64 KiB, so the bench keeps
+//!   leaving oversubscribed ranks unbound.
 
 use std::fmt;
 
@@ -81,7 +109,9 @@ pub struct Costs {
     pub beta_us_per_byte: f64,
     /// Reduction cost per byte, µs/B.
     pub gamma_us_per_byte: f64,
-    /// Extra latency per hop for each core's worth of ranks beyond the cores, µs.
+    /// Extra latency per hop for each core's worth of ranks beyond the cores, µs; on a host
+    /// whose ranks outnumber its cores, also what each message costs beyond α (a switch
+    /// between ranks).
     pub alpha_oversub_us: f64,
 }
 
@@ -559,8 +589,11 @@ impl CostModel {
         let wire = v.sent.max(v.recvd) as f64;
         let rank = v.sends as f64 * alpha + (wire * beta).max(v.reduced as f64 * gamma) * f;
         // Ranks sharing cores: the host's work (every copy and every reduction) over its cores.
+        // Each message costs the host a hop's latency and a switch between ranks
+        // (`alpha_oversub_us`): measured, small calls take the time of their total messages
+        // (module docs).
         let host = if f > 1.0 {
-            let total = v.total_sends as f64 * k.alpha_us
+            let total = v.total_sends as f64 * (k.alpha_us + k.alpha_oversub_us)
                 + v.total_sent as f64 * beta
                 + v.total_reduced as f64 * gamma;
             total * (self.local_ranks.min(n) as f64 / n as f64) / self.cores.max(1) as f64
@@ -1125,15 +1158,31 @@ mod choice {
                 "{n} ranks at 32 KiB"
             );
         }
-        // 3–8 ranks: it is the ring that takes over (the tree measured slower there).
-        for n in [3, 4, 8] {
-            for b in [256 << 10, 1 << 20, 16 << 20] {
-                assert_eq!(
-                    tcp(n, 2).choose(Collective::AllReduce, b, n, 0),
-                    Algorithm::Ring,
-                    "{n} ranks at {b}"
-                );
-            }
+        // 4 ranks on 2 cores (issue 10's case): doubling to 32 KiB, the tree at 64–128 KiB,
+        // the ring from 256 KiB (measured: the tree and the ring within 7% at 256 KiB, the
+        // ring ahead at 1 MiB).
+        let m = tcp(4, 2);
+        let at = |b: usize| m.choose(Collective::AllReduce, b, 4, 0);
+        assert_eq!(at(32 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(at(64 << 10), Algorithm::Tree);
+        assert_eq!(at(128 << 10), Algorithm::Tree);
+        for b in [256 << 10, 1 << 20, 16 << 20] {
+            assert_eq!(at(b), Algorithm::Ring, "4 ranks at {b}");
+        }
+        // 5–7 ranks at 256 KiB: the tree (measured ahead of the ring by 3–27%), the ring
+        // from 1 MiB.
+        for n in [5, 6, 7] {
+            let m = tcp(n, 2);
+            assert_eq!(
+                m.choose(Collective::AllReduce, 256 << 10, n, 0),
+                Algorithm::Tree,
+                "{n} ranks at 256 KiB"
+            );
+            assert_eq!(
+                m.choose(Collective::AllReduce, 1 << 20, n, 0),
+                Algorithm::Ring,
+                "{n} ranks at 1 MiB"
+            );
         }
         // Several hosts of several ranks: the hierarchical allreduce from 4 MiB, not below.
         let m = tcp(2, 2);
@@ -1150,6 +1199,87 @@ mod choice {
             Algorithm::Hierarchical,
             "no host layout, no hierarchical"
         );
+    }
+
+    /// Medians (µs) of 8 fresh `dspark-bench --algo all` runs over TCP with every rank on this
+    /// machine's 2 cores, the worlds interleaved (`benches/model_matrix.sh`; the rows are in
+    /// `benches/data/model-matrix-2026-12-02*.csv`, taken at load averages 2.4–9.8 while other
+    /// jobs shared the cores): (ranks, KiB, recursive doubling, tree, ring).
+    const MEASURED_ON_TWO_CORES: [(usize, usize, f64, f64, f64); 36] = [
+        (3, 4, 16.0, 28.0, 43.0),
+        (3, 32, 29.0, 39.0, 51.0),
+        (3, 256, 302.0, 243.0, 262.0),
+        (3, 1024, 1623.0, 1598.0, 1346.0),
+        (3, 4096, 8084.0, 7331.0, 7521.0),
+        (3, 16384, 40888.0, 40141.0, 40872.0),
+        (4, 4, 26.0, 49.0, 90.0),
+        (4, 32, 53.0, 65.0, 88.0),
+        (4, 256, 410.0, 340.0, 365.0),
+        (4, 1024, 3175.0, 2538.0, 1959.0),
+        (4, 4096, 17687.0, 11938.0, 11064.0),
+        (4, 16384, 98058.0, 54016.0, 55795.0),
+        (5, 4, 49.0, 76.0, 140.0),
+        (5, 32, 74.0, 87.0, 179.0),
+        (5, 256, 609.0, 474.0, 489.0),
+        (5, 1024, 3984.0, 2931.0, 3046.0),
+        (5, 4096, 20512.0, 14622.0, 15369.0),
+        (5, 16384, 116360.0, 76263.0, 92662.0),
+        (6, 4, 66.0, 93.0, 199.0),
+        (6, 32, 105.0, 124.0, 241.0),
+        (6, 256, 721.0, 642.0, 735.0),
+        (6, 1024, 3484.0, 3362.0, 2844.0),
+        (6, 4096, 25691.0, 19382.0, 23319.0),
+        (6, 16384, 125594.0, 95250.0, 76680.0),
+        (7, 4, 62.0, 111.0, 271.0),
+        (7, 32, 131.0, 137.0, 316.0),
+        (7, 256, 882.0, 755.0, 968.0),
+        (7, 1024, 4657.0, 4554.0, 3624.0),
+        (7, 4096, 34694.0, 20858.0, 22845.0),
+        (7, 16384, 198300.0, 115098.0, 132663.0),
+        (8, 4, 105.0, 148.0, 411.0),
+        (8, 32, 264.0, 191.0, 448.0),
+        (8, 256, 1409.0, 983.0, 1045.0),
+        (8, 1024, 10920.0, 5455.0, 5853.0),
+        (8, 4096, 77063.0, 24643.0, 33117.0),
+        (8, 16384, 320029.0, 126149.0, 161359.0),
+    ];
+
+    #[test]
+    fn on_two_cores_the_choice_is_within_a_tenth_of_the_measured_fastest() {
+        // Where the model's choice measured more than 10% behind the fastest: the ring (its
+        // choice) behind the tree at 4–16 MiB with 5–8 ranks, in runs at load 6–9 (the one
+        // quiet run had the ring ahead there: 6 ranks 4 MiB ring 9.4 ms, tree 19.6), and the
+        // tree ahead of doubling at 32 KiB with 8 ranks. Bounded, so that they cannot get
+        // worse unnoticed.
+        let known = [
+            ((5, 16384), 1.25),
+            ((6, 4096), 1.25),
+            ((7, 16384), 1.2),
+            ((8, 32), 1.4),
+            ((8, 4096), 1.4),
+            ((8, 16384), 1.3),
+        ];
+        let mut misses = Vec::new();
+        for (n, kib, rd, tree, ring) in MEASURED_ON_TWO_CORES {
+            let a = tcp(n, 2).choose(Collective::AllReduce, kib << 10, n, 0);
+            let t = match a {
+                Algorithm::RecursiveDoubling => rd,
+                Algorithm::Tree => tree,
+                Algorithm::Ring => ring,
+                other => panic!("{n} ranks at {kib} KiB: {other} was not measured"),
+            };
+            let over = t / rd.min(tree).min(ring);
+            let limit = known
+                .iter()
+                .find(|(cell, _)| *cell == (n, kib))
+                .map_or(1.10, |(_, l)| *l);
+            if over > limit {
+                misses.push(format!(
+                    "{n} ranks {kib} KiB: {a} at {over:.2}x the fastest"
+                ));
+            }
+        }
+        assert!(misses.is_empty(), "{misses:#?}");
     }
 
     #[test]
