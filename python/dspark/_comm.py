@@ -99,13 +99,14 @@ class Communicator:
 
     # -- the collectives ---------------------------------------------------------------
     def _go(self, coll, dtype, send, recv, count, keep, result, op=None, peer=0,
-            async_op=False, timeout=None):
+            async_op=False, timeout=None, **exchange):
         if async_op:
             return Work(
-                self._c._start(coll, dtype, send, recv, count, keep, op, peer, timeout),
+                self._c._start(coll, dtype, send, recv, count, keep, op, peer, timeout,
+                               **exchange),
                 result,
             )
-        self._c._run(coll, dtype, send, recv, count, op, peer, timeout)
+        self._c._run(coll, dtype, send, recv, count, op, peer, timeout, **exchange)
         return result
 
     def _same(self, coll, a, b):
@@ -187,6 +188,21 @@ class Communicator:
         p, n, dt = describe(buf, True, "recv buffer")
         return self._go("recv", dt, 0, p, n, buf, buf, peer=self._rank_arg(peer, "peer"),
                         async_op=async_op, timeout=timeout)
+
+    def send_recv(self, send, dest, recv, source, *, async_op=False, timeout=None):
+        """Sends ``send`` to ``dest`` and receives ``recv`` from ``source`` at once (MPI's
+        ``Sendrecv``): the two progress together, so ranks that exchange buffers (a swap, a
+        ring shift) complete whatever the size, where a :meth:`send` then a :meth:`recv` on
+        both ranks of a swap wait on each other once the message outgrows what the transport
+        buffers. ``dest`` and ``source`` may be the same rank; a peer may answer with
+        :meth:`send_recv` or with :meth:`recv` and :meth:`send`."""
+        s = describe(send, False, "send_recv send")
+        r = describe(recv, True, "send_recv recv")
+        self._same("send_recv", s, r)
+        return self._go("send_recv", s[2], s[0], r[0], s[1], (send, recv), recv,
+                        peer=self._rank_arg(dest, "dest"), async_op=async_op,
+                        timeout=timeout, peer2=self._rank_arg(source, "source"),
+                        count2=r[1])
 
     def barrier(self, *, async_op=False, timeout=None):
         """Returns once every rank entered it."""

@@ -306,7 +306,7 @@ fn parse_op(s: &str) -> PyResult<ReduceOp> {
 }
 
 /// The call the Python layer describes. `peer` is the root or the peer, as the collective
-/// needs.
+/// needs; `send_recv` also names the source (`peer2`) and the elements received (`count2`).
 #[allow(clippy::too_many_arguments)]
 fn raw_call(
     coll: &str,
@@ -315,7 +315,7 @@ fn raw_call(
     recv: usize,
     count: usize,
     op: Option<&str>,
-    peer: usize,
+    (peer, peer2, count2): (usize, usize, usize),
     timeout: Option<f64>,
 ) -> PyResult<RawCall> {
     let red = || parse_op(op.unwrap_or("sum"));
@@ -331,6 +331,12 @@ fn raw_call(
         "all_to_all" => RawOp::AllToAll,
         "send" => RawOp::Send { peer },
         "recv" => RawOp::Recv { peer },
+        // `count` elements of `send` to `peer`, `count2` into `recv` from `peer2`.
+        "send_recv" => RawOp::SendRecv {
+            to: peer,
+            from: peer2,
+            recv_count: count2,
+        },
         "barrier" => RawOp::Barrier,
         other => {
             return Err(InvalidArgumentError::new_err(format!(
@@ -499,7 +505,7 @@ impl PyComm {
     /// Private to the package: the pointers must be those of live, contiguous buffers of
     /// the sizes the collective needs, which nothing here can check. `dspark.Communicator`
     /// and the torch backend pass pointers of objects they hold for the call's duration.
-    #[pyo3(signature = (coll, dtype, send, recv, count, op=None, peer=0, timeout=None))]
+    #[pyo3(signature = (coll, dtype, send, recv, count, op=None, peer=0, timeout=None, peer2=0, count2=0))]
     #[allow(clippy::too_many_arguments)]
     fn _run(
         &self,
@@ -512,8 +518,19 @@ impl PyComm {
         op: Option<&str>,
         peer: usize,
         timeout: Option<f64>,
+        peer2: usize,
+        count2: usize,
     ) -> PyResult<()> {
-        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let call = raw_call(
+            coll,
+            dtype,
+            send,
+            recv,
+            count,
+            op,
+            (peer, peer2, count2),
+            timeout,
+        )?;
         let c = self.get()?;
         // Raw pointers are not Send; their addresses are.
         let call = SendCall(call);
@@ -573,7 +590,7 @@ impl PyComm {
         peer: usize,
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
-        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let call = raw_call(coll, dtype, send, recv, count, op, (peer, 0, 0), timeout)?;
         self.pend(coll, keepalive, |c| {
             // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
             // tensors of `device`, held in `keepalive` until the operation completes (as in
@@ -587,7 +604,7 @@ impl PyComm {
     /// Starts one collective on raw buffers and returns its `Work`. `keepalive` (the
     /// objects owning the buffers) is held by the communicator until the operation
     /// completes, whatever happens to the `Work`.
-    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, op=None, peer=0, timeout=None))]
+    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, op=None, peer=0, timeout=None, peer2=0, count2=0))]
     #[allow(clippy::too_many_arguments)]
     fn _start(
         &self,
@@ -600,8 +617,19 @@ impl PyComm {
         op: Option<&str>,
         peer: usize,
         timeout: Option<f64>,
+        peer2: usize,
+        count2: usize,
     ) -> PyResult<PyWork> {
-        let call = raw_call(coll, dtype, send, recv, count, op, peer, timeout)?;
+        let call = raw_call(
+            coll,
+            dtype,
+            send,
+            recv,
+            count,
+            op,
+            (peer, peer2, count2),
+            timeout,
+        )?;
         self.pend(coll, keepalive, |c| {
             // SAFETY: as in `_run`, the pointers are those of the objects in `keepalive`,
             // which `pend` holds until the operation completes.

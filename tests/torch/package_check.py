@@ -122,6 +122,17 @@ for dt in DTYPES:
                 comm.recv(got, prv)
                 comm.send(everyone[RANK], nxt)
             check(np.array_equal(got, everyone[prv]), f"send/recv ring {dt.__name__} {count}")
+            # The same ring in one call per rank, no ordering by parity; the messages'
+            # lengths differ by rank (rank r sends count + r elements), blocking and not.
+            mine = data(RANK, count + RANK, dt, 3)
+            want = data(prv, count + prv, dt, 3)
+            for async_op in (False, True):
+                got = np.zeros(count + prv, dtype=dt)
+                w = comm.send_recv(mine, nxt, got, prv, async_op=async_op)
+                if async_op:
+                    w.wait()
+                check(np.array_equal(got, want),
+                      f"send_recv ring {dt.__name__} {count} async={async_op}")
 comm.barrier()
 
 # -- torch CPU tensors, bfloat16 included (numpy has none) --------------------------------
@@ -174,6 +185,11 @@ expect_raises(dspark.InvalidArgumentError,
               lambda: comm.all_reduce(np.ones((4, 4))[:, 1]), "non-contiguous")
 expect_raises(dspark.InvalidArgumentError,
               lambda: comm.all_reduce(np.ones(3, dtype=np.complex64)), "complex dtype")
+expect_raises(dspark.InvalidArgumentError,
+              lambda: comm.send_recv(np.ones(3), N, np.ones(3), 0), "bad send_recv dest")
+expect_raises(dspark.InvalidArgumentError,
+              lambda: comm.send_recv(np.ones(3), 0, np.ones(3, np.float32), 0),
+              "send_recv of two dtypes")
 check(issubclass(dspark.TimeoutError, dspark.Error) and issubclass(dspark.Error, RuntimeError),
       "exception hierarchy")
 
