@@ -251,37 +251,8 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
         local.len(),
         info.transport_detail
     ));
-    let others: Vec<usize> = (0..n)
-        .filter(|q| *q != r && !partners.contains(q))
-        .collect();
-    let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
-    for &q in &others {
-        comm.send(&msg(r, q), q)
-            .map_err(|e| format!("send to {q}: {e}"))?;
-    }
-    for &q in &others {
-        let mut got = vec![0i64; 3 + q % 4];
-        comm.recv(&mut got, q)
-            .map_err(|e| format!("recv from {q}: {e}"))?;
-        common::check(&format!("recv from {q}"), &got, &msg(q, r))?;
-    }
-    let b = 5;
-    let send: Vec<i32> = (0..n * b).map(|i| (r * 10_000 + i) as i32).collect();
-    let mut recv = vec![0i32; n * b];
-    comm.all_to_all(&send, &mut recv)
-        .map_err(|e| format!("all_to_all: {e}"))?;
-    let want: Vec<i32> = (0..n)
-        .flat_map(|q| (0..b).map(move |j| (q * 10_000 + r * b + j) as i32))
-        .collect();
-    common::check("all_to_all", &recv, &want)?;
-    let count = 1031;
-    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
-    comm.all_reduce(&mut v, ReduceOp::Sum)
-        .map_err(|e| format!("all_reduce: {e}"))?;
-    let closed: Vec<f64> = (0..count)
-        .map(|i| (count * n * (n - 1) / 2 + n * i) as f64)
-        .collect();
-    common::check("all_reduce", &v, &closed)?;
+    common::exchange_beyond_partners(comm, &partners)?;
+    common::all_reduce_closed_form(comm)?;
     comm.barrier().map_err(|e| e.to_string())?;
     Ok(OK)
 }

@@ -92,32 +92,9 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                     n - 1
                 ));
             }
-            let others: Vec<usize> = (0..n)
-                .filter(|q| *q != r && !partners.contains(q))
-                .collect();
-            // Every rank sends to each other rank first, then receives from each: the sends
-            // are small, so they must not wait for the receiver's matching call.
-            let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
-            for &q in &others {
-                comm.send(&msg(r, q), q)
-                    .map_err(|e| format!("send to {q}: {e}"))?;
-            }
-            for &q in &others {
-                let mut got = vec![0i64; 3 + q % 4];
-                comm.recv(&mut got, q)
-                    .map_err(|e| format!("recv from {q}: {e}"))?;
-                common::check(&format!("recv from {q}"), &got, &msg(q, r))?;
-            }
-            // All-to-all over every pair, then the collectives over the standing links.
-            let k = 5;
-            let send: Vec<i32> = (0..n * k).map(|i| (r * 10_000 + i) as i32).collect();
-            let mut recv = vec![0i32; n * k];
-            comm.all_to_all(&send, &mut recv)
-                .map_err(|e| format!("all_to_all: {e}"))?;
-            let want: Vec<i32> = (0..n)
-                .flat_map(|q| (0..k).map(move |j| (q * 10_000 + r * k + j) as i32))
-                .collect();
-            common::check("all_to_all", &recv, &want)?;
+            // Send/recv to every other rank, all-to-all over every pair, then the
+            // collectives over the standing links.
+            common::exchange_beyond_partners(&comm, &partners)?;
             common::run_matrix(&comm, &[0, 1, 7, 100], 0x1a27)?;
             comm.barrier().map_err(|e| e.to_string())?;
             Ok(OK)
@@ -213,17 +190,7 @@ fn sockets() -> usize {
 /// and what the rank holds afterwards.
 fn scale_rank(comm: Communicator) -> Result<i32, String> {
     let (r, n) = (comm.rank(), comm.world_size());
-    let count = 1031;
-    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
-    comm.all_reduce(&mut v, ReduceOp::Sum)
-        .map_err(|e| format!("all_reduce: {e}"))?;
-    for (i, x) in v.iter().enumerate() {
-        // Σ_r (r·count + i) = count·n(n−1)/2 + n·i
-        let want = (count * n * (n - 1) / 2 + n * i) as f64;
-        if *x != want {
-            return Err(format!("all_reduce element {i}: {x}, want {want}"));
-        }
-    }
+    common::all_reduce_closed_form(&comm)?;
     comm.barrier().map_err(|e| format!("barrier: {e}"))?;
     let partners = dspark::plan::algo::standing_partners(n, r).len();
     let info = comm.info();

@@ -677,25 +677,14 @@ impl Engine {
                 eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)
             })
             .map_err(|e| e.in_op(&op_name).at_rank(self.rank));
-        if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
-            let mut args = vec![
+        if let Some(t0) = t0 {
+            let args = vec![
                 ("to", to.to_string()),
                 ("from", from.to_string()),
                 ("bytes sent", src.len().to_string()),
                 ("bytes received", dst.len().to_string()),
             ];
-            if let Err(e) = &result {
-                args.push(("error", trace::json_str(&e.to_string())));
-            }
-            t.span(
-                trace::Lane::Calls,
-                "call",
-                &op_name,
-                t0,
-                Instant::now(),
-                &args,
-            );
-            t.flush();
+            self.trace_call(&op_name, t0, args, &result);
         }
         if let Err(e) = &result {
             self.fail(e.clone());
@@ -791,7 +780,7 @@ impl Engine {
                     let name = desc.op_name();
                     let t0 = self.trace.is_some().then(Instant::now);
                     let r = body(self, c.prog, desc).map_err(|e| e.in_op(&name));
-                    if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
+                    if let Some(t0) = t0 {
                         let mut args = vec![
                             ("algorithm", trace::json_str(algo.name())),
                             ("bytes", bytes.to_string()),
@@ -804,11 +793,7 @@ impl Engine {
                         if call.coll.rooted() || call.coll == Collective::SendRecv {
                             args.push(("root or peer", call.root.to_string()));
                         }
-                        if let Err(e) = &r {
-                            args.push(("error", trace::json_str(&e.to_string())));
-                        }
-                        t.span(trace::Lane::Calls, "call", &name, t0, Instant::now(), &args);
-                        t.flush();
+                        self.trace_call(&name, t0, args, &r);
                     }
                     r
                 }
@@ -1173,6 +1158,23 @@ impl Engine {
                     &args,
                 );
             }
+        }
+    }
+
+    /// Writes the trace span of one call that started at `t0`, with `args` and its error.
+    fn trace_call(
+        &mut self,
+        name: &str,
+        t0: Instant,
+        mut args: Vec<(&str, String)>,
+        result: &Result<()>,
+    ) {
+        if let Some(t) = self.trace.as_mut() {
+            if let Err(e) = result {
+                args.push(("error", trace::json_str(&e.to_string())));
+            }
+            t.span(trace::Lane::Calls, "call", name, t0, Instant::now(), &args);
+            t.flush();
         }
     }
 

@@ -624,8 +624,10 @@ static void test_all_to_all(dspark_comm_t *comm)
 }
 
 /* A ring: each rank sends to the next and receives from the previous. Operations of a
- * communicator run in issue order, so even ranks send first and odd ranks receive first. */
-static void test_send_recv(dspark_comm_t *comm)
+ * communicator run in issue order, so with dspark_send and dspark_recv even ranks send first
+ * and odd ranks receive first; with dspark_send_recv (`exchange`) every rank makes the same
+ * call (its send and receive progress together). */
+static void ring(dspark_comm_t *comm, int exchange)
 {
     static const dspark_dtype_t types[] = {DSPARK_I64, DSPARK_F32};
     int next = (g_rank + 1) % g_size, prev = (g_rank + g_size - 1) % g_size;
@@ -640,58 +642,30 @@ static void test_send_recv(dspark_comm_t *comm)
                 size_t n = COUNTS[c];
                 void *send = alloc(t, n), *recv = alloc(t, n);
                 double *want = calloc(n, sizeof(double));
-                dspark_work_t *ws = NULL, *wr = NULL;
-                dspark_result_t rs, rr;
+                dspark_work_t *ws = NULL, *wr = NULL, *w = NULL;
+                int ok;
                 for (i = 0; i < n; i++) {
                     put(t, send, i, in_sum(g_rank, i) * 10);
                     want[i] = in_sum(prev, i) * 10;
                 }
                 fill_sentinel(t, recv, n);
-                snprintf(what, sizeof what, "send/recv ring %s %s count %zu", dt_name(t),
-                         variant_name(v), n);
-                if (g_rank % 2 == 0) {
-                    rs = dspark_send(comm, send, n, t, next, v ? &ws : NULL);
-                    rr = dspark_recv(comm, recv, n, t, prev, v ? &wr : NULL);
+                snprintf(what, sizeof what, "%s ring %s %s count %zu",
+                         exchange ? "send_recv" : "send/recv", dt_name(t), variant_name(v), n);
+                if (exchange) {
+                    ok = complete(dspark_send_recv(comm, send, n, next, recv, n, prev, t, WORK(v)),
+                                  &w, v, what);
                 } else {
-                    rr = dspark_recv(comm, recv, n, t, prev, v ? &wr : NULL);
-                    rs = dspark_send(comm, send, n, t, next, v ? &ws : NULL);
+                    dspark_result_t rs, rr;
+                    if (g_rank % 2 == 0) {
+                        rs = dspark_send(comm, send, n, t, next, v ? &ws : NULL);
+                        rr = dspark_recv(comm, recv, n, t, prev, v ? &wr : NULL);
+                    } else {
+                        rr = dspark_recv(comm, recv, n, t, prev, v ? &wr : NULL);
+                        rs = dspark_send(comm, send, n, t, next, v ? &ws : NULL);
+                    }
+                    ok = complete(rs, &ws, v, what) & complete(rr, &wr, v, what);
                 }
-                if (complete(rs, &ws, v, what) & complete(rr, &wr, v, what))
-                    CHECK_BUF(what, t, recv, want, n);
-                free(send);
-                free(recv);
-                free(want);
-            }
-}
-
-/* The same ring with dspark_send_recv: every rank the same call, no ordering by parity (its
- * send and receive progress together). */
-static void test_send_recv_exchange(dspark_comm_t *comm)
-{
-    static const dspark_dtype_t types[] = {DSPARK_I64, DSPARK_F32};
-    int next = (g_rank + 1) % g_size, prev = (g_rank + g_size - 1) % g_size;
-    size_t d, c, i;
-    int v;
-    char what[160];
-    if (g_size < 2) return;
-    for (d = 0; d < 2; d++)
-        for (c = 0; c < N_COUNTS; c++)
-            for (v = 0; v < 3; v++) {
-                dspark_dtype_t t = types[d];
-                size_t n = COUNTS[c];
-                void *send = alloc(t, n), *recv = alloc(t, n);
-                double *want = calloc(n, sizeof(double));
-                dspark_work_t *w = NULL;
-                for (i = 0; i < n; i++) {
-                    put(t, send, i, in_sum(g_rank, i) * 10);
-                    want[i] = in_sum(prev, i) * 10;
-                }
-                fill_sentinel(t, recv, n);
-                snprintf(what, sizeof what, "send_recv ring %s %s count %zu", dt_name(t),
-                         variant_name(v), n);
-                if (complete(dspark_send_recv(comm, send, n, next, recv, n, prev, t, WORK(v)), &w,
-                             v, what))
-                    CHECK_BUF(what, t, recv, want, n);
+                if (ok) CHECK_BUF(what, t, recv, want, n);
                 free(send);
                 free(recv);
                 free(want);
@@ -1030,8 +1004,8 @@ int main(void)
     test_all_gather(comm);
     test_reduce_scatter(comm);
     test_all_to_all(comm);
-    test_send_recv(comm);
-    test_send_recv_exchange(comm);
+    ring(comm, 0);
+    ring(comm, 1);
     test_barrier(comm);
     test_split(comm);
     test_errors(comm);

@@ -441,3 +441,48 @@ pub fn run_mem_ranks<R: Send>(
             .collect()
     })
 }
+
+/// The traffic of the tests of connections on first use: every rank sends a small message to
+/// each rank outside `partners` (values a formula of sender and receiver), then receives one
+/// from each — the sends are small, so they must not wait for the receiver's matching call —
+/// and then an all_to_all over every pair, exact against a formula.
+pub fn exchange_beyond_partners(comm: &Communicator, partners: &[usize]) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let others: Vec<usize> = (0..n)
+        .filter(|q| *q != r && !partners.contains(q))
+        .collect();
+    let msg = |from: usize, to: usize| vec![(from * 1000 + to) as i64; 3 + from % 4];
+    for &q in &others {
+        comm.send(&msg(r, q), q)
+            .map_err(|e| format!("send to {q}: {e}"))?;
+    }
+    for &q in &others {
+        let mut got = vec![0i64; 3 + q % 4];
+        comm.recv(&mut got, q)
+            .map_err(|e| format!("recv from {q}: {e}"))?;
+        check(&format!("recv from {q}"), &got, &msg(q, r))?;
+    }
+    let b = 5;
+    let send: Vec<i32> = (0..n * b).map(|i| (r * 10_000 + i) as i32).collect();
+    let mut recv = vec![0i32; n * b];
+    comm.all_to_all(&send, &mut recv)
+        .map_err(|e| format!("all_to_all: {e}"))?;
+    let want: Vec<i32> = (0..n)
+        .flat_map(|q| (0..b).map(move |j| (q * 10_000 + r * b + j) as i32))
+        .collect();
+    check("all_to_all", &recv, &want)
+}
+
+/// An all_reduce of 1031 f64 (rank r holds r·1031 + i) against its closed form:
+/// Σ_q (q·count + i) = count·n(n−1)/2 + n·i.
+pub fn all_reduce_closed_form(comm: &Communicator) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = 1031;
+    let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce: {e}"))?;
+    let closed: Vec<f64> = (0..count)
+        .map(|i| (count * n * (n - 1) / 2 + n * i) as f64)
+        .collect();
+    check("all_reduce", &v, &closed)
+}
