@@ -678,6 +678,44 @@ fn a_forced_algorithm_is_reported_with_the_collectives_it_applies_to() {
     }
 }
 
+std::thread_local! {
+    static THREAD_LOG: std::cell::RefCell<Option<LogBuf>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Sends what this thread logs at WARN and above into `log` (None: nowhere). One global
+/// subscriber routes each event to its thread's buffer: per-thread `with_default` subscribers
+/// in parallel rank threads let tracing's global level hint race (one CI run lost a rank's
+/// warning that way).
+fn capture_this_threads_log(log: Option<LogBuf>) {
+    static GLOBAL: std::sync::Once = std::sync::Once::new();
+    GLOBAL.call_once(|| {
+        let sub = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(|| ThreadLog)
+            .finish();
+        tracing::subscriber::set_global_default(sub).expect("no other global subscriber");
+    });
+    THREAD_LOG.with(|l| *l.borrow_mut() = log);
+}
+
+/// The writer of that subscriber: into the calling thread's buffer, if it has one.
+struct ThreadLog;
+
+impl std::io::Write for ThreadLog {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        THREAD_LOG.with(|l| {
+            if let Some(log) = &*l.borrow() {
+                log.0.lock().unwrap().extend_from_slice(b);
+            }
+        });
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// What the rank logs: a `tracing` writer into a shared buffer.
 #[derive(Clone, Default)]
 struct LogBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
@@ -702,22 +740,16 @@ fn a_forced_algorithm_that_does_not_apply_is_warned_about_once_per_collective() 
     cfg.algo = Some(dspark::plan::Algorithm::BinomialTree);
     let logs = run_ranks(&fabric, 2, &cfg, |c| {
         let log = LogBuf::default();
-        let writer = log.clone();
-        let sub = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::with_default(sub, || {
-            let mut v = vec![1.0f32; 100];
-            for _ in 0..3 {
-                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
-                c.broadcast(&mut v, 0).unwrap();
-                c.barrier().unwrap();
-            }
-            let mut big = vec![1.0f32; 300_000];
-            c.all_reduce(&mut big, ReduceOp::Sum).unwrap();
-        });
+        capture_this_threads_log(Some(log.clone()));
+        let mut v = vec![1.0f32; 100];
+        for _ in 0..3 {
+            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            c.broadcast(&mut v, 0).unwrap();
+            c.barrier().unwrap();
+        }
+        let mut big = vec![1.0f32; 300_000];
+        c.all_reduce(&mut big, ReduceOp::Sum).unwrap();
+        capture_this_threads_log(None);
         let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
         text
     });
