@@ -15,7 +15,7 @@ d=collections.defaultdict(list)
 for f in sys.argv[1:]:
     for r in csv.DictReader(open(f)):
         d[(int(r['world']),int(r['bytes']),r['algo'])].append(float(r['time_us']))
-names={'ring':'ring','tree':'tree','recursive_doubling':'recursive_doubling'}
+names={'ring':'ring','tree':'tree','recursive_doubling':'recursive_doubling','rabenseifner':'rabenseifner'}
 def sz(b):
     return f"{b>>20}M" if b>=1<<20 else f"{b>>10}K"
 bad=0; tot=0

@@ -11,8 +11,8 @@ import statistics
 import sys
 from collections import defaultdict
 
-ALGOS = ["recursive_doubling", "tree", "ring"]
-SHORT = {"recursive_doubling": "rd", "tree": "tree", "ring": "ring", "hier": "hier"}
+ALGOS = ["recursive_doubling", "tree", "ring", "rabenseifner"]
+SHORT = {"recursive_doubling": "rd", "tree": "tree", "ring": "ring", "rabenseifner": "rab", "hier": "hier"}
 
 
 def main():

@@ -38,6 +38,7 @@ fn forced_algorithms_give_the_same_results() {
         "chain",
         "binomial_tree",
         "tree",
+        "rabenseifner",
     ] {
         for world in [2, 3, 5] {
             let fabric = MemFabric::new(world, 1);
@@ -62,18 +63,33 @@ fn forced_algorithms_give_the_same_results() {
 /// and of three frames.
 #[test]
 fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::plan::Algorithm::Tree);
+}
+
+/// #10: `DSPARK_ALGO=rabenseifner` — the halving reduce-scatter and doubling all-gather, with
+/// the ranks beyond the largest power of two folded in and out (worlds 3, 5, 6, 7, 9) — for
+/// every type and operator, as the tree above (reduce and broadcast run their defaults).
+#[test]
+fn rabenseifner_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::plan::Algorithm::Rabenseifner);
+}
+
+/// Every type, operator and the counts below (0, below the world size, odd, primes) on worlds
+/// 1..=9 with `algo` forced, segments of 40 bytes and of 4 KiB, links of one and of three
+/// frames, checked against the reference.
+fn forced_all_reduce_matches_the_reference_on_worlds_1_to_9(algo: dspark::plan::Algorithm) {
     let counts = [0, 1, 2, 3, 5, 8, 13, 64, 257];
     for world in 1..=9 {
         for (seg, cap) in [(40, 1), (4096, 3)] {
             let fabric = MemFabric::new(world, cap);
             let mut cfg = config(Duration::from_secs(30), seg);
-            cfg.algo = Some(dspark::plan::Algorithm::Tree);
+            cfg.algo = Some(algo);
             let res = run_ranks(&fabric, world, &cfg, |c| {
                 common::run_tree_matrix(c, &counts, 0x7ee)
             });
             for (r, x) in res.into_iter().enumerate() {
                 if let Err(e) = x {
-                    panic!("tree world {world} segment {seg} rank {r}: {e}");
+                    panic!("{algo} world {world} segment {seg} rank {r}: {e}");
                 }
             }
         }

@@ -36,10 +36,11 @@ fn all_algorithms() -> Vec<Algorithm> {
             Algorithm::Direct => 6,
             Algorithm::Tree => 7,
             Algorithm::Hierarchical => 8,
+            Algorithm::Rabenseifner => 9,
         }
     }
     /// The number of arms of the match above.
-    const VARIANTS: usize = 9;
+    const VARIANTS: usize = 10;
     assert_eq!(
         Algorithm::ALL.len(),
         VARIANTS,
@@ -201,6 +202,7 @@ fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
         (Collective::AllReduce, Algorithm::RecursiveDoubling),
         (Collective::AllReduce, Algorithm::Tree),
         (Collective::AllReduce, Algorithm::Hierarchical),
+        (Collective::AllReduce, Algorithm::Rabenseifner),
         (Collective::AllGather, Algorithm::Ring),
         (Collective::ReduceScatter, Algorithm::Ring),
         (Collective::Broadcast, Algorithm::Chain),
@@ -501,12 +503,12 @@ fn ring_allreduce_moves_exactly_two_n_minus_one_over_n_of_the_buffer() {
     }
 }
 
-/// Worlds 17..=64 for the double binary tree: each world gets `per_world` runs whose count,
+/// Worlds 17..=64 for `algo`'s allreduce: each world gets `per_world` runs whose count,
 /// segment size, link capacity, finalize and seeds are drawn from a fixed PRNG (so the
 /// sample is the same on every run). Counts include 0, 1, counts below the world size and
 /// odd counts.
-fn sampled_tree_calls(per_world: usize) -> Vec<(Call, SimConfig, u64)> {
-    let mut x = 0x7ee5_5eed_u64;
+fn sampled_calls(algo: Algorithm, per_world: usize) -> Vec<(Call, SimConfig, u64)> {
+    let mut x = 0x7ee5_5eed_u64 ^ u64::from(algo.code());
     let mut next = move |m: usize| {
         x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = x;
@@ -529,8 +531,7 @@ fn sampled_tree_calls(per_world: usize) -> Vec<(Call, SimConfig, u64)> {
             };
             let seg = [1, 2, 3, 7, 64, usize::MAX][next(6)];
             let cap = [1, 2, 4][next(3)];
-            let call = Call::new(Collective::AllReduce, Algorithm::Tree, n, count)
-                .with_finalize(next(2) == 1);
+            let call = Call::new(Collective::AllReduce, algo, n, count).with_finalize(next(2) == 1);
             let cfg = SimConfig {
                 seed: next(1 << 30) as u64,
                 seg_elems: seg,
@@ -549,7 +550,22 @@ fn double_binary_tree_all_reduce_gives_every_rank_the_sum_on_every_world_from_1_
 
 #[test]
 fn double_binary_tree_all_reduce_gives_every_rank_the_sum_on_sampled_worlds_up_to_64() {
-    let calls = sampled_tree_calls(6);
+    sampled_worlds_up_to_64(Algorithm::Tree);
+}
+
+#[test]
+fn rabenseifner_all_reduce_gives_every_rank_the_sum_on_every_world_from_1_to_16() {
+    sweep_worlds(Collective::AllReduce, Algorithm::Rabenseifner, 1..=16);
+}
+
+#[test]
+fn rabenseifner_all_reduce_gives_every_rank_the_sum_on_sampled_worlds_up_to_64() {
+    sampled_worlds_up_to_64(Algorithm::Rabenseifner);
+}
+
+/// [`sampled_calls`] for `algo`, each run against the reference.
+fn sampled_worlds_up_to_64(algo: Algorithm) {
+    let calls = sampled_calls(algo, 6);
     assert_eq!(calls.len(), 48 * 6);
     for (call, cfg, input_seed) in &calls {
         run_and_check(call, cfg, *input_seed);
@@ -608,6 +624,76 @@ fn double_binary_tree_all_reduce_sends_each_half_once_per_tree_edge_and_at_most_
         // Odd worlds: rank 0 is a leaf in both trees and sends each half up once.
         if n % 2 == 1 && n > 1 {
             assert_eq!(out.stats[0].elems_sent, count, "{ctx}: rank 0");
+        }
+    }
+}
+
+/// What rank `r` of Rabenseifner's allreduce over `n` ranks and `count` elements sends, from
+/// the block ownership alone (the largest power of two `p ≤ n` splits the buffer into blocks
+/// of `block_range(count, p, i)`, and rank `r` ends the halving owning block `b` = its
+/// log2 p bits reversed): in the halving every block but its own, once; in the doubling its
+/// own block, then the aligned groups of 2, 4, ... p/2 blocks around it; plus the whole
+/// buffer for a fold (ranks `p..n` to `r − p`, and back from `r < n − p`).
+fn rabenseifner_elems_sent(n: usize, r: usize, count: usize) -> usize {
+    let p = if n.is_power_of_two() {
+        n
+    } else {
+        n.next_power_of_two() / 2
+    };
+    if r >= p {
+        return count;
+    }
+    let bits = p.trailing_zeros();
+    let b = if bits == 0 {
+        0
+    } else {
+        r.reverse_bits() >> (usize::BITS - bits)
+    };
+    let blocks = |lo: usize, hi: usize| -> usize {
+        (lo..hi)
+            .map(|i| dspark::plan::block_range(count, p, i).len())
+            .sum()
+    };
+    let mut sent = count - blocks(b, b + 1);
+    let mut size = 1;
+    while size < p {
+        let lo = b / size * size;
+        sent += blocks(lo, lo + size);
+        size *= 2;
+    }
+    sent + if r < n - p { count } else { 0 }
+}
+
+#[test]
+fn rabenseifner_moves_the_rings_bytes_per_rank_and_the_fold_once_each_way() {
+    for n in 1..=64 {
+        let counts: Vec<usize> = if n <= 16 {
+            counts(n).into_iter().chain([n * 12 + 1, 1000]).collect()
+        } else {
+            vec![1, n - 1, 2 * n + 1, 1000]
+        };
+        for count in counts {
+            let out = volumes(Call::new(
+                Collective::AllReduce,
+                Algorithm::Rabenseifner,
+                n,
+                count,
+            ));
+            let ctx = format!("n={n} count={count}");
+            // The ring's total: every rank but one's data reaches every other once, reduced
+            // on one rank and copied back, 2(n−1)·count in all.
+            assert_eq!(out.elems_sent(), 2 * (n - 1) * count, "{ctx}: total");
+            for (r, s) in out.stats.iter().enumerate() {
+                let want = rabenseifner_elems_sent(n, r, count);
+                assert_eq!(s.elems_sent, want, "{ctx} rank {r}: sent");
+                assert_eq!(s.elems_received, want, "{ctx} rank {r}: received");
+            }
+            // Powers of two with an even split: exactly the ring's 2(n−1)/n per rank.
+            if n.is_power_of_two() && count % n == 0 {
+                for s in &out.stats {
+                    assert_eq!(s.elems_sent, 2 * (n - 1) * count / n, "{ctx}");
+                }
+            }
         }
     }
 }
@@ -901,6 +987,7 @@ fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::Tree,
+        Algorithm::Rabenseifner,
     ] {
         let call = Call::new(Collective::AllReduce, algo, 5, 11).with_finalize(true);
         let good = schedules(&call);

@@ -1,9 +1,10 @@
 //! Multi-process tests over real TCP: this test binary re-executes itself as N rank
 //! processes (`rank_process` is the entry point of a rank; it does nothing in a normal test
 //! run). Covers every collective, type and operator on worlds 1..=5, the double binary tree
-//! (`DSPARK_ALGO=tree`) on worlds 3, 5, 7 and 8, large messages, a killed rank, a stopped
-//! (SIGSTOP) rank, mismatched calls, and two ranks in separate network namespaces joined by a
-//! veth pair (root only; skipped with a reason elsewhere).
+//! (`DSPARK_ALGO=tree`) and Rabenseifner's allreduce (`DSPARK_ALGO=rabenseifner`) on worlds
+//! 3, 5, 7 and 8, large messages, a killed rank, a stopped (SIGSTOP) rank, mismatched calls,
+//! and two ranks in separate network namespaces joined by a veth pair (root only; skipped
+//! with a reason elsewhere).
 
 mod common;
 
@@ -36,12 +37,14 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::run_matrix(&comm, &[0, 1, 2, 3, 7, 13, 100, 1023], 0x5eed)?;
             Ok(OK)
         }
-        "tree" => {
-            // Run with DSPARK_ALGO=tree: the double binary tree all_reduce (and the binomial
-            // tree for reduce and broadcast), checked to be forced, not silently replaced.
+        "forced" => {
+            // Run with DSPARK_ALGO=tree (the double binary tree all_reduce, and the binomial
+            // tree for reduce and broadcast) or DSPARK_ALGO=rabenseifner (all_reduce only),
+            // checked to be forced, not silently replaced.
+            let want = std::env::var("DSPARK_ALGO").unwrap_or_default();
             let forced = comm.algorithm(dspark::plan::Collective::AllReduce, 1 << 20);
-            if forced != dspark::plan::Algorithm::Tree {
-                return Err(format!("all_reduce runs {forced}, not tree"));
+            if forced.name() != want {
+                return Err(format!("all_reduce runs {forced}, not {want}"));
             }
             common::run_tree_matrix(&comm, &[0, 1, 2, 5, 8, 13, 100, 1023], 0x7ee)?;
             Ok(OK)
@@ -126,13 +129,24 @@ fn every_collective_type_and_op_is_exact_across_processes_on_worlds_1_to_5() {
 /// the pipeline (down while still up) runs across processes.
 #[test]
 fn double_binary_tree_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8() {
-    for world in [3, 5, 7, 8] {
+    forced_all_reduce_is_exact_across_processes("tree", &[3, 5, 7, 8]);
+}
+
+/// #10: `DSPARK_ALGO=rabenseifner` on worlds 3, 5, 7 (folded) and 8 (a power of two), every
+/// type and operator, 1 KiB segments (the halving's first halves take several).
+#[test]
+fn rabenseifner_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8() {
+    forced_all_reduce_is_exact_across_processes("rabenseifner", &[3, 5, 7, 8]);
+}
+
+fn forced_all_reduce_is_exact_across_processes(algo: &str, worlds: &[usize]) {
+    for &world in worlds {
         let outs = spawn(
             world,
-            "tree",
+            "forced",
             &|_| {
                 vars(&[
-                    ("DSPARK_ALGO", "tree"),
+                    ("DSPARK_ALGO", algo),
                     ("DSPARK_CHUNK_BYTES", "1024"),
                     ("DSPARK_TIMEOUT", "60"),
                 ])
@@ -140,7 +154,7 @@ fn double_binary_tree_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8
             None,
         )
         .wait(Duration::from_secs(240));
-        assert_all(&outs, OK, &format!("tree, world {world}"));
+        assert_all(&outs, OK, &format!("{algo}, world {world}"));
     }
 }
 

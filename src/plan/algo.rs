@@ -18,6 +18,7 @@ pub(crate) fn build(req: &Request) -> Schedule {
         (Collective::AllReduce, Algorithm::Hierarchical) => {
             hierarchical_all_reduce(n, r, c, fin, req.per_host)
         }
+        (Collective::AllReduce, Algorithm::Rabenseifner) => rabenseifner_all_reduce(n, r, c, fin),
         (Collective::AllReduce, _) => recursive_doubling_all_reduce(n, r, c, fin),
         (Collective::AllGather, _) => ring_all_gather(n, r, c),
         (Collective::ReduceScatter, _) => ring_reduce_scatter(n, r, c, fin),
@@ -180,6 +181,84 @@ fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Sche
     }
     if fin {
         s.round().push(Op::Finalize { loc: all });
+    }
+    if r < extra {
+        s.round().send(r + p, all);
+    }
+    s
+}
+
+/// Rabenseifner's allreduce, in place: `p` = the largest power of two ≤ n, whose ranks own
+/// the blocks `A(i)` = [`block_range`]`(c, p, i)`; `A[lo, hi)` = blocks `lo..hi` (contiguous).
+///
+/// ```text
+/// fold in:   ranks p..n send the buffer to r−p, which reduces it in
+/// halving,   mask = 1, 2, ..., p/2:  the range [lo, hi) (first [0, p)) splits at mid; the
+///            rank whose bit `mask` is 0 keeps the lower half, its partner r XOR mask the
+///            upper: send the other half → r XOR mask, recv the kept half ← r XOR mask,
+///            reduce; after it rank r owns A(rev(r)) reduced, rev = r's log2 p bits
+///            reversed (finalized here for Avg)
+/// doubling,  mask = p/2, ..., 2, 1:  send the range → r XOR mask, recv the partner's (the
+///            adjacent range of the same size) ← r XOR mask, copy
+/// fold out:  rank r < n − p sends the buffer to r + p
+/// ```
+///
+/// The halving goes from the nearest partner to the farthest (MPICH's order), so the largest
+/// exchanges are with `r XOR 1`, `r XOR 2`: with ranks numbered host by host, on the same host.
+/// Every block is reduced on one rank only and copied from there, so results are bitwise
+/// identical on every rank. Partners differ by a power of two (the fold by `p`), so every link
+/// is a standing partner ([`standing_partners`]).
+fn rabenseifner_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
+    let mut s = Schedule::new();
+    let all = Loc::dst(0..c);
+    let p = if n.is_power_of_two() {
+        n
+    } else {
+        n.next_power_of_two() / 2
+    };
+    let extra = n - p;
+    if r >= p {
+        s.round().send(r - p, all);
+        s.round().recv_copy(r - p, all);
+        return s;
+    }
+    if r < extra {
+        s.round().recv_reduce(r + p, all, all);
+    }
+    let span =
+        |lo: usize, hi: usize| Loc::dst(block_range(c, p, lo).start..block_range(c, p, hi - 1).end);
+    let (mut lo, mut hi) = (0, p);
+    let mut mask = 1;
+    while mask < p {
+        let mid = lo + (hi - lo) / 2;
+        let ((keep_lo, keep_hi), (give_lo, give_hi)) = if r & mask == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        let keep = span(keep_lo, keep_hi);
+        s.round()
+            .send(r ^ mask, span(give_lo, give_hi))
+            .recv_reduce(r ^ mask, keep, keep);
+        (lo, hi) = (keep_lo, keep_hi);
+        mask *= 2;
+    }
+    if fin {
+        s.round().push(Op::Finalize { loc: span(lo, hi) });
+    }
+    let mut mask = p / 2;
+    while mask >= 1 {
+        let w = hi - lo;
+        let (their_lo, their_hi) = if r & mask == 0 {
+            (hi, hi + w)
+        } else {
+            (lo - w, lo)
+        };
+        s.round()
+            .send(r ^ mask, span(lo, hi))
+            .recv_copy(r ^ mask, span(their_lo, their_hi));
+        (lo, hi) = (lo.min(their_lo), hi.max(their_hi));
+        mask /= 2;
     }
     if r < extra {
         s.round().send(r + p, all);

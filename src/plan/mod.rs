@@ -405,11 +405,19 @@ pub enum Algorithm {
     /// links. Without a usable layout (no host information, uneven hosts, hosts whose ranks
     /// are not numbered contiguously) it runs the ring.
     Hierarchical,
+    /// Rabenseifner's allreduce (`rabenseifner`): a reduce-scatter by recursive halving
+    /// (log2 p exchanges of half, a quarter, ... of the buffer with `r XOR p/2`, `r XOR p/4`,
+    /// ...; rank `r` ends owning block `r` of `p`) then an all-gather by recursive doubling
+    /// (the same exchanges in reverse, copying); `p` is the largest power of two ≤ n and the
+    /// ranks `p..n` fold in first and out last as in [`Algorithm::RecursiveDoubling`]. The
+    /// ring's bytes (2(p−1)/p of the buffer per rank, plus the fold) in 2·log2 p steps instead
+    /// of 2(n−1), each between a pair of ranks rather than around the whole ring.
+    Rabenseifner,
 }
 
 impl Algorithm {
     /// Every algorithm, in wire-code order.
-    pub const ALL: [Algorithm; 9] = [
+    pub const ALL: [Algorithm; 10] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::Chain,
@@ -419,9 +427,10 @@ impl Algorithm {
         Algorithm::Direct,
         Algorithm::Tree,
         Algorithm::Hierarchical,
+        Algorithm::Rabenseifner,
     ];
 
-    /// Wire code (0..=8; fits in four bits).
+    /// Wire code (0..=9; fits in four bits).
     pub const fn code(self) -> u8 {
         self as u8
     }
@@ -443,6 +452,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::Tree => "tree",
             Algorithm::Hierarchical => "hier",
+            Algorithm::Rabenseifner => "rabenseifner",
         }
     }
 
@@ -460,6 +470,9 @@ impl Algorithm {
             "dissemination" => Some(Algorithm::Dissemination),
             "direct" => Some(Algorithm::Direct),
             "hier" | "hierarchical" => Some(Algorithm::Hierarchical),
+            "rabenseifner" | "halving_doubling" | "halving-doubling" | "rhd" => {
+                Some(Algorithm::Rabenseifner)
+            }
             _ => None,
         }
     }
@@ -481,7 +494,7 @@ impl Algorithm {
         matches!(
             (self, coll),
             (Ring, AllReduce | AllGather | ReduceScatter)
-                | (RecursiveDoubling | Hierarchical, AllReduce)
+                | (RecursiveDoubling | Hierarchical | Rabenseifner, AllReduce)
                 | (Chain | BinomialTree, Broadcast | Reduce)
                 | (Tree, AllReduce | Broadcast | Reduce)
                 | (Pairwise, AllToAll)
@@ -834,7 +847,8 @@ mod tests {
         assert_eq!(Algorithm::Direct.code(), 6);
         assert_eq!(Algorithm::Tree.code(), 7);
         assert_eq!(Algorithm::Hierarchical.code(), 8);
-        assert_eq!(Algorithm::from_code(9), None);
+        assert_eq!(Algorithm::Rabenseifner.code(), 9);
+        assert_eq!(Algorithm::from_code(10), None);
         assert_eq!(Algorithm::from_code(15), None);
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);

@@ -56,10 +56,11 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
     parse_size(s).ok_or_else(|| format!("{s:?} is not a size (e.g. 8, 64K, 1M, 1G)"))
 }
 
-const ALGOS: [Algorithm; 4] = [
+const ALGOS: [Algorithm; 5] = [
     Algorithm::Ring,
     Algorithm::Tree,
     Algorithm::RecursiveDoubling,
+    Algorithm::Rabenseifner,
     Algorithm::Hierarchical,
 ];
 
