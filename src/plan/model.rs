@@ -670,7 +670,8 @@ impl CostModel {
     /// `per_host` ranks per host ([`super::Request::per_host`]). The hierarchical allreduce
     /// competes only where [`hierarchical_fits`] and from [`CostModel::hier_min_bytes`]; ties
     /// go to the algorithm with fewer hops (recursive doubling, then the trees, then the ring),
-    /// except Rabenseifner's, which comes after the ring ([`PREFERENCE`]).
+    /// except Rabenseifner's, which comes after the ring: with 2 ranks the two are the same
+    /// exchange, and the ring keeps the name users know.
     pub fn choose(
         &self,
         coll: Collective,
