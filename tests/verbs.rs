@@ -245,6 +245,18 @@ fn lazy() -> Result<i32, String> {
             info.transport_detail
         ));
     }
+    // Soft-RoCE resizes completion queues: the queue is sized for the peers of init and
+    // grows as the others connect (the all_to_all below connects all of them), rather than
+    // being sized for every peer from the start.
+    if info
+        .transport_detail
+        .contains("completion queue sized for all")
+    {
+        return Err(format!(
+            "rank {r}: the completion queue did not grow on first use: {}",
+            info.transport_detail
+        ));
+    }
     let far = (1..n)
         .find(|p| !standing_partners(n, 0).contains(p))
         .ok_or_else(|| format!("rank 0 has no non-partner in a world of {n}"))?;

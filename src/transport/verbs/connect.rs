@@ -125,6 +125,15 @@ fn queue_depths(n: usize) -> (u32, u32) {
     ((2 * n + 8) as u32, (2 * n + 4) as u32)
 }
 
+/// Completion queue entries for `peers` queue pairs with `slots` slots per direction: room for
+/// every work request they can have outstanding at once (at least 16).
+pub(super) fn cq_entries(slots: usize, peers: usize) -> i32 {
+    let (sq, rq) = queue_depths(slots);
+    ((sq + rq) as usize)
+        .saturating_mul(peers)
+        .clamp(16, i32::MAX as usize) as i32
+}
+
 /// This rank's verbs resources, created by [`prepare`] before the connection round: the
 /// device, protection domain, completion queue, one queue pair (in INIT, receives posted) and
 /// the slot memory for every peer connected at init, and the direct region.
@@ -137,6 +146,9 @@ pub struct Prepared {
     opts: VerbsOptions,
     direct: Option<DirectOwn>,
     direct_info: DirectInfo,
+    /// Why the completion queue could not be sized for the peers of init only, if it could
+    /// not.
+    cq_note: Option<String>,
 }
 
 fn psn_for(rank: usize, peer: usize) -> u32 {
@@ -151,8 +163,11 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
 /// see [`VerbsTransport::with_links`]) needs, then asks `direct` (given the options and the
 /// device's name) for this rank's direct region and registers it.
 ///
-/// The completion queue is sized for a queue pair to every one of the other `world − 1`
-/// ranks, so that connections made later share it without overflowing it.
+/// The completion queue is sized for the queue pairs made at init and grows (`ibv_resize_cq`)
+/// as peers connect on first use, so that its pinned entries are O(log n) like the rest
+/// ([`cq_entries`]). Where the library or the provider cannot resize it (found at init by
+/// growing it once), it is sized for a queue pair to every one of the other `world − 1`
+/// ranks instead, and [`Prepared::cq_note`] says so.
 ///
 /// # Errors
 /// Why verbs cannot be used here, as a sentence naming the device (no library, no device,
@@ -179,9 +194,30 @@ pub fn prepare(
         return Err(format!("{dev}: {p}"));
     }
     let pd = Pd::new(&local.ctx).map_err(|e| format!("{dev}: {e}"))?;
-    let (sq_depth, rq_depth) = queue_depths(opts.slots);
-    let cq_depth = ((sq_depth + rq_depth) as usize * world.saturating_sub(1)).max(16) as i32;
-    let cq = Cq::new(&local.ctx, cq_depth).map_err(|e| format!("{dev}: {e}"))?;
+    let every = cq_entries(opts.slots, world.saturating_sub(1));
+    let (cq, cq_note) = if count + 1 >= world {
+        let cq = Cq::new(&local.ctx, every).map_err(|e| format!("{dev}: {e}"))?;
+        (cq, None)
+    } else {
+        // Sized for the peers of init, then grown by one peer's entries: a provider that
+        // cannot resize says so now, not when a peer connects on first use.
+        let mut cq = Cq::new(&local.ctx, cq_entries(opts.slots, count))
+            .map_err(|e| format!("{dev}: {e}"))?;
+        match cq.grow(cq_entries(opts.slots, count + 1)) {
+            Ok(()) => (cq, None),
+            Err(e) => {
+                drop(cq);
+                let cq = Cq::new(&local.ctx, every).map_err(|e| format!("{dev}: {e}"))?;
+                (
+                    cq,
+                    Some(format!(
+                        "completion queue sized for all {} peers ({e})",
+                        world - 1
+                    )),
+                )
+            }
+        }
+    };
     let mut halves = Vec::with_capacity(world);
     for (peer, &m) in mine.iter().enumerate() {
         halves.push(if m {
@@ -202,6 +238,7 @@ pub fn prepare(
         opts,
         direct,
         direct_info,
+        cq_note,
     })
 }
 
@@ -362,6 +399,7 @@ impl VerbsTransport {
             opts,
             direct,
             direct_info,
+            cq_note,
         } = prep;
         let mut direct_infos: Vec<DirectInfo> = (0..world)
             .map(|r| match blobs.get(r) {
@@ -437,6 +475,10 @@ impl VerbsTransport {
             r.retry_cnt,
             opts.zero_copy_min / 1024,
         );
+        let desc = match cq_note {
+            Some(note) => format!("{desc}, {note}"),
+            None => desc,
+        };
         // SAFETY: all-zero is a valid ibv_wc (integers and a union of integers).
         let wc = vec![unsafe { std::mem::zeroed::<ffi::ibv_wc>() }; POLL_BATCH];
         VerbsTransport {

@@ -696,6 +696,39 @@ impl Cq {
         self.cq.as_ptr()
     }
 
+    /// Whether the library has `ibv_resize_cq` (older rdma-core and some providers do not).
+    pub fn can_resize(&self) -> bool {
+        self.lib.ibv_resize_cq.is_ok()
+    }
+
+    /// Grows the queue to at least `depth` entries with `ibv_resize_cq`, keeping the
+    /// completions already in it; [`Cq::depth`] is then what the provider made (it may round
+    /// up). Nothing to do when it holds that many already.
+    ///
+    /// # Errors
+    /// The library or the provider cannot resize (`EOPNOTSUPP`), or the device's limit
+    /// (`max_cqe`) is below `depth` (`EINVAL`).
+    pub fn grow(&mut self, depth: i32) -> VResult<()> {
+        if depth <= self.depth {
+            return Ok(());
+        }
+        if !self.can_resize() {
+            return Err(VerbError {
+                verb: "ibv_resize_cq",
+                err: io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+            });
+        }
+        // SAFETY: live CQ, the symbol is present (checked above); the provider keeps the
+        // queued completions across the resize (verbs.h), and no other thread polls this CQ
+        // (the transport is `&mut`).
+        code("ibv_resize_cq", unsafe {
+            self.lib.ibv_resize_cq(self.as_ptr(), depth)
+        })?;
+        // SAFETY: plain field of the live CQ, updated by the resize.
+        self.depth = unsafe { (*self.as_ptr()).cqe }.max(depth);
+        Ok(())
+    }
+
     /// The completion channel's file descriptor (readable when an armed CQ got a completion).
     pub fn fd(&self) -> i32 {
         // SAFETY: plain field of the live channel.

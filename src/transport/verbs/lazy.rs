@@ -23,7 +23,7 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, BorrowedFd};
 
-use super::connect::{landing, Half, TheirEnd};
+use super::connect::{cq_entries, landing, Half, TheirEnd};
 use super::options::CTRL_BYTES;
 use super::wire::{self, Blob, DirectInfo, MAX_FIRST_USE, READY};
 use super::{Peer, VerbsTransport};
@@ -193,6 +193,28 @@ impl VerbsTransport {
             if p >= self.world || p == self.rank || self.peers[p].is_some() || l.shakes[p].is_some()
             {
                 return Err(self.err(p, format!("a second connection from rank {p}")));
+            }
+            // Room in the completion queue for one more queue pair (those connected and those
+            // being connected), doubling when it grows (all-to-all connects every peer: n
+            // resizes of a growing queue would copy O(n²) entries), never past every peer's.
+            let pairs = self.connected() + l.shakes.iter().flatten().count() + 1;
+            let need = cq_entries(self.opts.slots, pairs.min(self.world - 1));
+            let entries = if need > self.cq.depth {
+                let every = cq_entries(self.opts.slots, self.world - 1);
+                need.max(self.cq.depth.saturating_mul(2).min(every))
+            } else {
+                need
+            };
+            if let Err(e) = self.cq.grow(entries) {
+                let e = self.err(
+                    p,
+                    format!(
+                        "{}: cannot grow the completion queue to {entries} entries for its                          queue pair: {e}",
+                        self.device
+                    ),
+                );
+                l.failed[p] = Some(e.clone());
+                return Err(e);
             }
             match self.open_shake(p, s) {
                 Ok(sh) => {
