@@ -975,40 +975,7 @@ impl Candidate {
     /// that sends half a message therefore holds up nothing (the rank reads the next
     /// candidate, or returns to its collective) until it is dropped at [`Candidate::due`].
     fn pull(&mut self, max: usize) -> std::result::Result<Option<Vec<u8>>, String> {
-        use nix::sys::socket::{recv, MsgFlags};
-        use std::os::fd::AsRawFd;
-        loop {
-            let whole = if self.got.len() < 4 {
-                4
-            } else {
-                let mut len = [0u8; 4];
-                len.copy_from_slice(&self.got[..4]);
-                let n = u32::from_le_bytes(len) as usize;
-                if n == 0 || n > max {
-                    return Err(format!("bad message length {n} (not a dspark peer?)"));
-                }
-                4 + n
-            };
-            if whole > 4 && self.got.len() == whole {
-                let m = self.got.split_off(4);
-                self.got.clear();
-                return Ok(Some(m));
-            }
-            let old = self.got.len();
-            self.got.resize(whole, 0);
-            let r = recv(
-                self.s.as_raw_fd(),
-                &mut self.got[old..],
-                MsgFlags::MSG_DONTWAIT,
-            );
-            self.got.truncate(old + r.unwrap_or(0));
-            match r {
-                Ok(0) => return Err("closed the connection in the middle of the handshake".into()),
-                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(nix::errno::Errno::EAGAIN) => return Ok(None),
-                Err(e) => return Err(format!("reading the handshake: {e}")),
-            }
-        }
+        pull_message(&self.s, &mut self.got, max)
     }
 
     /// The rank it claims to be, if its hello arrived and fits this rank: a higher rank, or
@@ -1017,6 +984,47 @@ impl Candidate {
         let (_, h, _) = self.hello.as_ref()?;
         let r = h.from as usize;
         (h.to as usize == me && (r > me || (any && r != me)) && r < world).then_some(r)
+    }
+}
+
+/// Reads what has arrived on `s` of a length-prefixed message without waiting, into `got`
+/// (the part that arrived before, length prefix included): the message once it is whole (at
+/// most `max` bytes), `None` while part of it is still on the way. `Err` is a reason in words:
+/// the connection closed or failed, or the length is not a dspark message's.
+fn pull_message(
+    s: &TcpStream,
+    got: &mut Vec<u8>,
+    max: usize,
+) -> std::result::Result<Option<Vec<u8>>, String> {
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::AsRawFd;
+    loop {
+        let whole = if got.len() < 4 {
+            4
+        } else {
+            let mut len = [0u8; 4];
+            len.copy_from_slice(&got[..4]);
+            let n = u32::from_le_bytes(len) as usize;
+            if n == 0 || n > max {
+                return Err(format!("bad message length {n} (not a dspark peer?)"));
+            }
+            4 + n
+        };
+        if whole > 4 && got.len() == whole {
+            let m = got.split_off(4);
+            got.clear();
+            return Ok(Some(m));
+        }
+        let old = got.len();
+        got.resize(whole, 0);
+        let r = recv(s.as_raw_fd(), &mut got[old..], MsgFlags::MSG_DONTWAIT);
+        got.truncate(old + r.unwrap_or(0));
+        match r {
+            Ok(0) => return Err("closed the connection in the middle of the handshake".into()),
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(nix::errno::Errno::EAGAIN) => return Ok(None),
+            Err(e) => return Err(format!("reading the handshake: {e}")),
+        }
     }
 }
 
@@ -1619,6 +1627,12 @@ struct Dial {
     s: TcpStream,
     hello: Vec<u8>,
     challenged: bool,
+    /// The part of the peer's next message that has arrived (read without waiting, so a peer
+    /// that sends half a message holds up nothing until `due`).
+    got: Vec<u8>,
+    /// When the peer's next message must be whole: [`HELLO_WAIT`] after the hello, and again
+    /// after the answer to its challenge.
+    due: Instant,
 }
 
 impl std::fmt::Debug for LazyLinks {
@@ -1659,6 +1673,8 @@ impl crate::transport::tcp::Links for LazyLinks {
             s,
             hello,
             challenged: false,
+            got: Vec::new(),
+            due: Instant::now() + HELLO_WAIT,
         });
         self.door.dialing[peer] = true;
         Ok(())
@@ -1708,7 +1724,7 @@ impl crate::transport::tcp::Links for LazyLinks {
                     .collect()
             }
         };
-        for r in ready {
+        for r in 0..self.dials.len() {
             let Some(mut d) = self.dials[r].take() else {
                 continue;
             };
@@ -1717,7 +1733,34 @@ impl crate::transport::tcp::Links for LazyLinks {
             } else {
                 format!("waiting for rank {r}'s challenge")
             };
-            let m = ctx.recv_within(&mut d.s, Some(r), &what, HELLO_WAIT, MAX_HELLO)?;
+            let pulled = if ready.contains(&r) {
+                pull_message(&d.s, &mut d.got, MAX_HELLO)
+            } else {
+                Ok(None)
+            };
+            let m = match pulled {
+                Ok(Some(m)) => m,
+                Ok(None) if Instant::now() < d.due => {
+                    self.dials[r] = Some(d);
+                    continue;
+                }
+                Ok(None) => {
+                    self.door.dialing[r] = false;
+                    return Err(ctx.timeout(
+                        Some(r),
+                        format!("{what}: nothing whole within {HELLO_WAIT:?}"),
+                    ));
+                }
+                Err(why) => {
+                    self.door.dialing[r] = false;
+                    return Err(Error::Transport {
+                        rank: Some(ctx.rank()),
+                        peer: Some(r),
+                        op: "bootstrap".into(),
+                        what: format!("{what}: {why}"),
+                    });
+                }
+            };
             if d.challenged {
                 if let Ok(Err(rej)) = msg::decode_peer_ack(&m) {
                     if rej.why == CROSSED {
@@ -1743,6 +1786,7 @@ impl crate::transport::tcp::Links for LazyLinks {
             } else {
                 answer_challenge(&ctx, &mut d.s, &self.peers[r], &d.hello, &m)?;
                 d.challenged = true;
+                d.due = Instant::now() + HELLO_WAIT;
                 self.dials[r] = Some(d);
             }
         }
@@ -2143,6 +2187,72 @@ mod tests {
         assert!(msg::decode_peer_ack(&recv(&mut s)).unwrap().is_ok());
         acceptor.join().unwrap().unwrap();
         drop(stranger);
+    }
+
+    /// The dialling side of a connection on first use: a peer that accepts, reads the hello
+    /// and sends half a challenge holds up no `progress` call (each returns at once, so the
+    /// caller's collective goes on), and fails the connection naming it once the hello wait
+    /// is over. (The dialling side used to read a ready peer's message with a blocking read
+    /// bounded by [`HELLO_WAIT`].)
+    #[test]
+    fn a_peer_that_sends_half_a_challenge_holds_up_no_progress_call() {
+        use crate::transport::tcp::Links;
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fake_addr = fake.local_addr().unwrap();
+        let half = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let _hello = recv(&mut s);
+            s.write_all(&100u32.to_le_bytes()).unwrap();
+            s.write_all(&[7u8; 10]).unwrap();
+            // Hold the connection open until the dialling side gives up.
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let own = TcpListener::bind("127.0.0.1:0").unwrap();
+        let own_addr = own.local_addr().unwrap();
+        own.set_nonblocking(true).unwrap();
+        let cfg = config(1, 2, "a");
+        let mut door = Door::new(own, 2);
+        door.lazy = true;
+        let mut links = LazyLinks {
+            sec: Secret::of(&cfg),
+            cfg,
+            door,
+            peers: vec![peer(0, fake_addr), peer(1, own_addr)],
+            dials: (0..2).map(|_| None).collect(),
+            scratch: (0..2).map(|_| None).collect(),
+        };
+        let t0 = Instant::now();
+        links.start(0).unwrap();
+        let mut slowest = Duration::ZERO;
+        let e = loop {
+            let t = Instant::now();
+            let r = links.progress();
+            slowest = slowest.max(t.elapsed());
+            match r {
+                Ok(done) => assert!(done.is_empty(), "connected to a fake rank 0"),
+                Err(e) => break e,
+            }
+            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(0), .. })
+                && text.contains("waiting for rank 0's challenge"),
+            "{text}"
+        );
+        assert!(
+            t0.elapsed() >= HELLO_WAIT,
+            "gave up after {:?}",
+            t0.elapsed()
+        );
+        assert!(
+            slowest < Duration::from_millis(500),
+            "a progress call took {slowest:?}"
+        );
+        drop(links);
+        half.join().unwrap();
     }
 
     /// A rank of this job (it proves the token) that connects for another rank is confused,
