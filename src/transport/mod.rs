@@ -169,7 +169,9 @@ impl FrameHeader {
     }
 
     /// An abort frame header announcing that `rank` failed with an error of class `class`
-    /// ([`AbortClass`]), followed by a `len`-byte message.
+    /// ([`AbortClass`]), followed by a `len`-byte message. `seq` is 0; the verbs transport
+    /// puts there the last collective the sending rank completed
+    /// ([`Transport::collective_progress`]).
     pub fn abort(rank: usize, len: usize, class: AbortClass) -> Self {
         FrameHeader {
             kind: FrameKind::Abort,
