@@ -445,6 +445,10 @@ pub struct Engine {
     forced_warned: u16,
     poison: Option<Error>,
     seq: u64,
+    /// The sequence number of the last collective this rank completed (0: none yet); the
+    /// transport hears of it ([`Transport::collective_progress`]) so that an abort this rank
+    /// sends says how far it got.
+    coll_done: u64,
     p2p_sent: Vec<u64>,
     p2p_received: Vec<u64>,
     cache: Vec<CacheEntry>,
@@ -478,6 +482,7 @@ impl Engine {
             forced_warned: 0,
             poison: None,
             seq: 0,
+            coll_done: 0,
             p2p_sent: vec![0; world],
             p2p_received: vec![0; world],
             cache: Vec::new(),
@@ -737,6 +742,11 @@ impl Engine {
             }
         }
         let seq = self.next_seq(call);
+        let collective = call.coll != Collective::SendRecv;
+        if collective {
+            self.transport
+                .collective_progress(Some(seq), self.coll_done);
+        }
         let req = Request {
             coll: call.coll,
             algo,
@@ -801,6 +811,12 @@ impl Engine {
             Err(e) => Err(e),
         };
         let result = result.map_err(|e| e.at_rank(self.rank));
+        if collective {
+            if result.is_ok() {
+                self.coll_done = seq;
+            }
+            self.transport.collective_progress(None, self.coll_done);
+        }
         // Once the call has its sequence number, any failure — even an argument problem found
         // by a device or transport half-way — leaves this rank out of step with its peers
         // (and maybe half a frame on a wire): poison, and tell them.
@@ -852,7 +868,11 @@ impl Engine {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        self.next_seq(call);
+        let seq = self.next_seq(call);
+        if call.coll != Collective::SendRecv {
+            self.coll_done = seq;
+            self.transport.collective_progress(None, seq);
+        }
         Ok(())
     }
 
@@ -1371,5 +1391,140 @@ fn run_local(
             reduce::finalize(dtype, full_op, &mut dst[byte_range(&loc, esz)], world)
         }
         Op::Send { .. } | Op::Recv { .. } => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::mem::{MemFabric, MemTransport};
+    use std::sync::Mutex;
+
+    /// A `mem` transport that records what the engine tells it about its collectives and
+    /// its aborts, in order.
+    #[derive(Debug)]
+    struct Recording {
+        inner: MemTransport,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Recording {
+        fn note(&self, s: String) {
+            self.log.lock().unwrap().push(s);
+        }
+    }
+
+    impl Transport for Recording {
+        fn kind(&self) -> TransportKind {
+            self.inner.kind()
+        }
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn send(
+            &mut self,
+            peer: usize,
+            hdr: &FrameHeader,
+            data: &[u8],
+            progress: &mut SendProgress,
+        ) -> Result<bool> {
+            self.inner.send(peer, hdr, data, progress)
+        }
+        fn recv(
+            &mut self,
+            peer: usize,
+            progress: &mut RecvProgress,
+            sink: &mut dyn RecvSink,
+        ) -> Result<bool> {
+            self.inner.recv(peer, progress, sink)
+        }
+        fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+            self.inner.wait(interest, deadline)
+        }
+        fn check_peers(&mut self) -> Result<()> {
+            self.inner.check_peers()
+        }
+        fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+            self.note(format!("abort from {origin}"));
+            self.inner.abort(origin, class, reason);
+        }
+        fn close(&mut self) {
+            self.inner.close();
+        }
+        fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+            self.note(format!("running {running:?} completed {completed}"));
+        }
+    }
+
+    fn engine(fabric: &MemFabric, rank: usize, world: usize) -> (Engine, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let t = Recording {
+            inner: fabric.transport(rank),
+            log: Arc::clone(&log),
+        };
+        (
+            Engine::new(rank, world, Box::new(t), EngineOptions::default()),
+            log,
+        )
+    }
+
+    fn taken(log: &Mutex<Vec<String>>) -> Vec<String> {
+        std::mem::take(&mut *log.lock().unwrap())
+    }
+
+    #[test]
+    fn the_transport_hears_which_collective_runs_and_which_completed_before_an_abort() {
+        let fabric = MemFabric::new(2, 4);
+        let (mut eng, log) = engine(&fabric, 0, 1);
+        let sum = Some(ReduceOp::Sum);
+        let mut buf = [1u8; 8];
+        eng.run(
+            &Call::new(Collective::AllReduce, sum, 8, 0, false),
+            &[],
+            &mut buf,
+        )
+        .unwrap();
+        assert_eq!(
+            taken(&log),
+            ["running Some(1) completed 0", "running None completed 1"]
+        );
+        // A collective of no elements completes at once, with its own sequence number.
+        eng.skip_empty(&Call::new(Collective::AllReduce, sum, 0, 0, false))
+            .unwrap();
+        assert_eq!(taken(&log), ["running None completed 2"]);
+        // A collective that fails after it took its sequence number (two ranks: buffers too
+        // small for the call): the abort that tells the peers comes after the transport
+        // heard that #1 did not complete.
+        let fabric = MemFabric::new(2, 4);
+        let (mut eng, log) = engine(&fabric, 0, 2);
+        let e = eng
+            .run(
+                &Call::new(Collective::AllReduce, sum, 16, 0, false),
+                &[],
+                &mut buf,
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert_eq!(
+            taken(&log),
+            [
+                "running Some(1) completed 0",
+                "running None completed 0",
+                "abort from 0"
+            ]
+        );
+    }
+
+    #[test]
+    fn send_and_recv_are_no_collectives_to_the_transport() {
+        let fabric = MemFabric::new(2, 4);
+        let (mut eng, log) = engine(&fabric, 0, 2);
+        eng.run(
+            &Call::new(Collective::SendRecv, None, 4, 1, true),
+            &[7u8; 4],
+            &mut [],
+        )
+        .unwrap();
+        assert_eq!(taken(&log), Vec::<String>::new());
     }
 }

@@ -271,6 +271,11 @@ impl Transport for MixedTransport {
         self.net.close();
     }
 
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.shm.collective_progress(running, completed);
+        self.net.collective_progress(running, completed);
+    }
+
     fn flush(&mut self, deadline: Instant) -> Result<()> {
         self.shm.flush(deadline)?;
         self.net.flush(deadline)

@@ -169,7 +169,9 @@ impl FrameHeader {
     }
 
     /// An abort frame header announcing that `rank` failed with an error of class `class`
-    /// ([`AbortClass`]), followed by a `len`-byte message.
+    /// ([`AbortClass`]), followed by a `len`-byte message. `seq` is 0; the verbs transport
+    /// puts there the last collective the sending rank completed
+    /// ([`Transport::collective_progress`]).
     pub fn abort(rank: usize, len: usize, class: AbortClass) -> Self {
         FrameHeader {
             kind: FrameKind::Abort,
@@ -439,6 +441,21 @@ pub trait Transport: Send + fmt::Debug {
 
     /// Best effort: tells every peer this rank is leaving cleanly.
     fn close(&mut self);
+
+    /// Where the engine stands among the collectives (numbered communicator-wide from 1):
+    /// `running` is the collective in progress (`None` between collectives and during
+    /// send/recv), `completed` the last one this rank completed (0: none). The engine calls
+    /// it when a collective starts and when it ends.
+    ///
+    /// A peer that completed a collective has every frame it needed from this rank and has
+    /// delivered every frame this rank needs from it, so its abort (for a failure in a later
+    /// call, such as losing a third rank that exited right after that collective) must not
+    /// fail this rank's same collective: that rank finishes it with what was delivered, and
+    /// its next call reports the abort. A transport whose abort frames carry the aborting
+    /// rank's `completed` can tell the two apart (verbs does); the default ignores this.
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        let _ = (running, completed);
+    }
 
     /// Waits until every frame handed over so far is delivered to its peer, or that peer is
     /// found gone or failed, or `deadline` passes; the engine calls it before a call returns.

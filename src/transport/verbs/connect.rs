@@ -501,6 +501,9 @@ impl VerbsTransport {
             desc,
             next_mr_id: 1,
             finished: false,
+            coll_running: None,
+            coll_done: 0,
+            peer_aborted: false,
             zero_copy_frames: 0,
         }
     }

@@ -410,7 +410,8 @@ impl VerbsTransport {
                             detail: detail.clone(),
                         })
                     }
-                    PeerState::Open | PeerState::Closed(_) => {}
+                    // Reported by `progress` above unless this collective may still finish.
+                    PeerState::Open | PeerState::Closed(_) | PeerState::Aborted { .. } => {}
                 }
             }
         }
@@ -422,7 +423,10 @@ impl VerbsTransport {
         if self.finished {
             return;
         }
-        let hdr = FrameHeader::abort(origin, 0, class);
+        let mut hdr = FrameHeader::abort(origin, 0, class);
+        // How far this rank got: a peer still in a collective this rank completed finishes
+        // it (`VerbsTransport::abort_news`).
+        hdr.seq = self.coll_done;
         self.farewell(&hdr, reason.as_bytes());
         self.finished = true;
         self.drop_shakes();

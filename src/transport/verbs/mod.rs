@@ -38,8 +38,13 @@
 //!    delivered before still counts: its arrived frames are taken first, so a rank that
 //!    finished a call and exited (no goodbye: `process::exit`, a crash) fails no survivor's
 //!    same call. For that, a call returns only once its writes were acknowledged
-//!    ([`Transport::flush`]). A stopped process (`SIGSTOP`) is not noticed this way: its
-//!    kernel answers keepalives and its NIC acknowledges writes; it meets the deadline.
+//!    ([`Transport::flush`]). Likewise an abort frame carries the last collective its sender
+//!    completed ([`Transport::collective_progress`]): a survivor that finished that
+//!    collective and failed in the next one (it lost the rank that exited) fails the other
+//!    survivors' next call, not the same collective they may still be finishing; the
+//!    aborting rank's frames before the abort are still taken. A stopped process (`SIGSTOP`)
+//!    is not noticed this way: its kernel answers keepalives and its NIC acknowledges writes;
+//!    it meets the deadline.
 //!
 //! 6. *Direct frames* (GPUDirect RDMA): when both ranks registered a direct region at init
 //!    ([`DirectSpec`]; GPU memory through dma-buf or nvidia-peermem, or host memory standing in
@@ -108,6 +113,7 @@
 //! [`RecvSink::consume`]: crate::transport::RecvSink::consume
 //! [`RecvSink::direct`]: crate::transport::RecvSink::direct
 //! [`Transport::abort`]: crate::transport::Transport::abort
+//! [`Transport::collective_progress`]: crate::transport::Transport::collective_progress
 //! [`Transport::direct_send_done`]: crate::transport::Transport::direct_send_done
 //! [`Transport::flush`]: crate::transport::Transport::flush
 //! [`Transport::register_host`]: crate::transport::Transport::register_host
@@ -158,7 +164,19 @@ enum PeerState {
         at: Instant,
         detail: String,
     },
-    /// The connection failed, or the peer aborted: the error every later use returns.
+    /// The peer aborted (when its abort frame arrived, and the last collective it had
+    /// completed, as the frame says). The frames it wrote before are still taken (they
+    /// precede the abort on the queue pair); what needs more from it fails with `error`. Every
+    /// call of this rank fails with `error` too, except a collective the peer had completed
+    /// (`done` ≥ its sequence number): the peer delivered its part of it and needs nothing
+    /// more, so that call finishes and the next one reports the abort
+    /// ([`VerbsTransport::abort_news`]).
+    Aborted {
+        error: Error,
+        done: u64,
+        at: Instant,
+    },
+    /// The connection failed: the error every later use returns.
     Failed(Error),
 }
 
@@ -248,6 +266,12 @@ pub struct VerbsTransport {
     next_mr_id: u64,
     /// `abort` or `close` ran.
     finished: bool,
+    /// The collective the engine is running, and the last one it completed
+    /// ([`Transport::collective_progress`]); abort frames carry `coll_done`.
+    coll_running: Option<u64>,
+    coll_done: u64,
+    /// Some peer is [`PeerState::Aborted`] (so that `progress` looks for the news only then).
+    peer_aborted: bool,
     /// Frames sent straight from registered caller memory.
     zero_copy_frames: u64,
 }

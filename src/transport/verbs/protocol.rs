@@ -74,8 +74,32 @@ impl VerbsTransport {
                 op: op.into(),
                 detail: detail.clone(),
             }),
-            Some(PeerState::Failed(e)) => Some(e.clone()),
+            Some(PeerState::Aborted { error, .. }) | Some(PeerState::Failed(error)) => {
+                Some(error.clone())
+            }
         }
+    }
+
+    /// The abort of a peer that fails this rank's call now, if any: every peer's abort,
+    /// except during a collective that the peer had completed before it aborted. That peer
+    /// delivered every frame this rank needs from it for the collective (its call returned
+    /// only once its writes were acknowledged) and needs nothing more from this rank, so its
+    /// failure in a later call (say, losing a third rank that exited right after this
+    /// collective) must not fail this rank's same call: this rank finishes it with what was
+    /// delivered, and the next call reports the abort. What needs more from the aborted peer
+    /// still fails at once (`peer_err`).
+    pub(super) fn abort_news(&self) -> Option<Error> {
+        if !self.peer_aborted {
+            return None;
+        }
+        self.peers.iter().flatten().find_map(|p| match &p.state {
+            PeerState::Aborted { error, done, .. }
+                if self.coll_running.is_none_or(|c| c > *done) =>
+            {
+                Some(error.clone())
+            }
+            _ => None,
+        })
     }
 
     fn finished_err(&self, op: &str) -> Error {
@@ -122,6 +146,9 @@ impl VerbsTransport {
                 }
             }
         }
+        if let Some(e) = self.abort_news() {
+            first.get_or_insert(e);
+        }
         match first {
             Some(e) => Err(e),
             None => Ok(total),
@@ -166,6 +193,11 @@ impl VerbsTransport {
                 let why = match &p.state {
                     PeerState::Closed(_) => Some("peer closed its communicator".to_string()),
                     PeerState::Gone { detail, .. } => Some(detail.clone()),
+                    // It did not take that frame: nothing counts on this connection any more.
+                    PeerState::Aborted { error, .. } => {
+                        p.state = PeerState::Failed(error.clone());
+                        return Ok(());
+                    }
                     _ => None,
                 };
                 if let Some(why) = why {
@@ -310,8 +342,13 @@ impl VerbsTransport {
                             "communicator",
                             msg,
                         );
-                        p.state = PeerState::Failed(e.clone());
-                        return Err(e);
+                        // Reported by `progress` (`abort_news`), or by what needs this peer.
+                        p.state = PeerState::Aborted {
+                            error: e,
+                            done: hdr.seq,
+                            at: Instant::now(),
+                        };
+                        self.peer_aborted = true;
                     }
                     FrameKind::Data => {
                         return Err(
@@ -422,6 +459,11 @@ impl VerbsTransport {
             return Ok(true);
         }
         let late = match &p.state {
+            // A peer that aborted after taking this write acknowledged it before: as after a
+            // goodbye, its completion may still be on the way.
+            PeerState::Aborted { error, at, .. } if at.elapsed() >= CLOSED_GRACE => {
+                return Err(error.clone());
+            }
             PeerState::Closed(at) if at.elapsed() >= CLOSED_GRACE => {
                 Some(("peer closed its communicator", at))
             }
@@ -1001,6 +1043,11 @@ impl Transport for VerbsTransport {
 
     fn close(&mut self) {
         self.close_connections();
+    }
+
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.coll_running = running;
+        self.coll_done = completed;
     }
 
     fn flush(&mut self, deadline: Instant) -> Result<()> {
