@@ -165,9 +165,9 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
 ///
 /// The completion queue is sized for the queue pairs made at init and grows (`ibv_resize_cq`)
 /// as peers connect on first use, so that its pinned entries are O(log n) like the rest
-/// ([`cq_entries`]). Where the library or the provider cannot resize it (found at init by
+/// (`cq_entries`). Where the library or the provider cannot resize it (found at init by
 /// growing it once), it is sized for a queue pair to every one of the other `world − 1`
-/// ranks instead, and [`Prepared::cq_note`] says so.
+/// ranks instead, and the transport's description says so.
 ///
 /// # Errors
 /// Why verbs cannot be used here, as a sentence naming the device (no library, no device,

@@ -229,9 +229,9 @@ impl VerbsTransport {
         }
     }
 
-    /// [`Transport::wait`]: polls the completion queue (busy for the configured spin time),
-    /// then sleeps on the completion channel and the liveness connections until `deadline`
-    /// (at most 100 ms).
+    /// [`Transport::wait`](crate::transport::Transport::wait): polls the completion queue
+    /// (busy for the configured spin time), then sleeps on the completion channel and the
+    /// liveness connections until `deadline` (at most 100 ms).
     pub(super) fn wait_events(&mut self, deadline: Instant) -> Result<()> {
         if self.progress()? > 0 {
             if self.shaking() {
@@ -320,10 +320,10 @@ impl VerbsTransport {
         Ok(())
     }
 
-    /// [`Transport::flush`]: waits until every write posted to an open peer is acknowledged
-    /// (or the peer is found gone or failed, or `deadline` passes). Writes are mostly
-    /// unsignalled, so where the last one to a peer is, a signalled zero-length RDMA write
-    /// follows it: on a reliable connection its completion means every write before it was
+    /// [`Transport::flush`](crate::transport::Transport::flush): waits until every write
+    /// posted to an open peer is acknowledged (or the peer is found gone or failed, or
+    /// `deadline` passes). Writes are mostly unsignalled, so where the last one to a peer is,
+    /// a signalled zero-length RDMA write follows it: on a reliable connection its completion means every write before it was
     /// acknowledged. Without this, a rank that returned from a call and exited at once took
     /// its last frames with it (a queue pair destroyed with the process sends nothing more,
     /// and a large frame goes out only as acknowledgements come back), and its peers' same
@@ -394,7 +394,8 @@ impl VerbsTransport {
         }
     }
 
-    /// [`Transport::check_peers`]: the first failed connection, or a peer found gone.
+    /// [`Transport::check_peers`](crate::transport::Transport::check_peers): the first failed
+    /// connection, or a peer found gone.
     pub(super) fn check_liveness(&mut self) -> Result<()> {
         self.progress()?;
         for i in 0..self.peers.len() {
@@ -418,7 +419,8 @@ impl VerbsTransport {
         self.pump_links()
     }
 
-    /// [`Transport::abort`]: an abort frame to every open peer, then every queue pair to ERR.
+    /// [`Transport::abort`](crate::transport::Transport::abort): an abort frame to every open
+    /// peer, then every queue pair to ERR.
     pub(super) fn abort_connections(&mut self, origin: usize, class: AbortClass, reason: &str) {
         if self.finished {
             return;
@@ -442,7 +444,8 @@ impl VerbsTransport {
         let _ = self.progress();
     }
 
-    /// [`Transport::close`]: a goodbye frame to every open peer, then every queue pair to ERR.
+    /// [`Transport::close`](crate::transport::Transport::close): a goodbye frame to every
+    /// open peer, then every queue pair to ERR.
     pub(super) fn close_connections(&mut self) {
         if self.finished {
             return;

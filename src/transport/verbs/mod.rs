@@ -267,7 +267,8 @@ pub struct VerbsTransport {
     /// `abort` or `close` ran.
     finished: bool,
     /// The collective the engine is running, and the last one it completed
-    /// ([`Transport::collective_progress`]); abort frames carry `coll_done`.
+    /// ([`Transport::collective_progress`](crate::transport::Transport::collective_progress));
+    /// abort frames carry `coll_done`.
     coll_running: Option<u64>,
     coll_done: u64,
     /// Some peer is [`PeerState::Aborted`] (so that `progress` looks for the news only then).
