@@ -55,9 +55,20 @@ fn run_on<R: Send>(
     world: usize,
     f: impl Fn(&Communicator) -> R + Sync,
 ) -> Vec<R> {
+    run_forced(fabric, world, None, f)
+}
+
+/// [`run_on`] with `algo` forced (`DSPARK_ALGO`), or the model's choice.
+fn run_forced<R: Send>(
+    fabric: MemFabric,
+    world: usize,
+    algo: Option<dspark::plan::Algorithm>,
+    f: impl Fn(&Communicator) -> R + Sync,
+) -> Vec<R> {
     let mut cfg = Config::new(0, 1, "");
     cfg.timeout = Duration::from_secs(30);
     cfg.segment_bytes = SEG;
+    cfg.algo = algo;
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
@@ -331,6 +342,43 @@ fn direct_device_collectives_match_the_reference_on_worlds_1_to_4() {
             .enumerate()
         {
             res.unwrap_or_else(|e| panic!("world {world} rank {r}: {e}"));
+        }
+    }
+}
+
+/// Every allreduce schedule on the device paths, staged and direct: each algorithm forced
+/// (the rest of the matrix runs its default under it) on worlds 3 (folded for doubling and
+/// Rabenseifner), 4 and 5, where the model alone would pick doubling for these small counts,
+/// with links of one frame and pools of one and of two slots. (Before the last free slot of
+/// a pool was kept for the earliest step, the double binary tree on 5 ranks with two slots
+/// and Rabenseifner's on 5 with links of one frame deadlocked until the deadline: a later
+/// step to one peer held the slot an earlier step to another needed.)
+#[test]
+fn every_allreduce_algorithm_runs_on_the_staged_and_direct_device_paths() {
+    use dspark::plan::Algorithm;
+    for algo in [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Tree,
+        Algorithm::Rabenseifner,
+    ] {
+        for (world, slots) in [(3, 2), (4, 2), (5, 2), (5, 1)] {
+            let staged = run_forced(MemFabric::new(world, 1), world, Some(algo), |c| {
+                all_types(c, &[], Mode::Staged(slots, slots))
+            });
+            let direct = run_forced(
+                MemFabric::with_direct(world, 1, slots, SEG, 3),
+                world,
+                Some(algo),
+                |c| all_types(c, &[], Mode::Direct(slots)),
+            );
+            for (mode, res) in [("staged", staged), ("direct", direct)] {
+                for (r, x) in res.into_iter().enumerate() {
+                    x.unwrap_or_else(|e| {
+                        panic!("{algo} {mode} world {world} {slots} slots rank {r}: {e}")
+                    });
+                }
+            }
         }
     }
 }

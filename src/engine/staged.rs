@@ -382,6 +382,24 @@ impl Engine {
                 s.local.swap_remove(k);
             }
 
+            // The earliest send and receive steps not yet done, over every peer: the last free
+            // slot of each pool is kept for them. Slots go to any ready step while more than
+            // one is free, so sends and receives to several peers overlap; but a step later in
+            // the program that took the last slot and then waited on its peer (who may be
+            // waiting for this rank's earlier step, to another peer) would hold it forever:
+            // with two slots, the double binary tree on 5 ranks deadlocked that way.
+            let first_send = s
+                .active
+                .iter()
+                .filter_map(|&p| s.sendq[p].front())
+                .min()
+                .copied();
+            let first_recv = s
+                .active
+                .iter()
+                .filter_map(|&p| s.recvq[p].front())
+                .min()
+                .copied();
             for ai in 0..s.active.len() {
                 let p = s.active[ai];
 
@@ -393,6 +411,9 @@ impl Engine {
                     };
                     if send_state[iu] != SendState::Idle || src.len == 0 || !ready(&s.done, i) {
                         continue;
+                    }
+                    if free_send.len() == 1 && Some(i) != first_send {
+                        break;
                     }
                     let Some(slot) = free_send.pop() else { break };
                     if tracing {
@@ -517,6 +538,9 @@ impl Engine {
                         continue;
                     }
                     if len > 0 && recv_slot[p].is_none() {
+                        if free_recv.len() == 1 && Some(i) != first_recv {
+                            break;
+                        }
                         match free_recv.pop() {
                             Some(slot) => recv_slot[p] = Some(slot),
                             None => break,
