@@ -14,7 +14,10 @@
 //!
 //! Memory: `send_slots + recv_slots` pinned buffers of one segment each, whatever the message
 //! size. Send and receive slots are separate pools, so receives always progress and a rank can
-//! never fill every slot with sends its peer cannot take.
+//! never fill every slot with sends its peer cannot take. Within a pool, the last free slot is
+//! kept for the earliest step of the program that is not done, so a later step waiting on one
+//! peer never holds the slot an earlier step to another peer needs (with one slot per pool, a
+//! rank stages its sends and its receives in program order).
 
 use std::collections::VecDeque;
 use std::ops::Range;
