@@ -15,7 +15,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::procs::{
-    assert_all, rank_entry, say, shm_residue, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG,
+    assert_all, rank_entry, say, shm_residue, spawn, status_kb, vars, FAILED_AS_EXPECTED, OK, WRONG,
 };
 use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
@@ -175,19 +175,6 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         "lazy_lost" => lazy_lost(&comm),
         other => Err(format!("unknown scenario {other}")),
     }
-}
-
-/// A line of /proc/self/status in KiB (0 when unknown).
-fn status_kb(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with(&format!("{key}:")))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 /// The number just before `key` in `text` ("..., 140 KiB committed at init" with the key

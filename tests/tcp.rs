@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::procs::{assert_all, free_port, rank_entry, say, sh, spawn, vars, OK};
+use common::procs::{assert_all, free_port, rank_entry, say, sh, spawn, status_kb, vars, OK};
 use dspark::{Communicator, ReduceOp};
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
@@ -171,19 +171,6 @@ fn pairs_outside_the_schedules_connect_on_first_use() {
     )
     .wait(Duration::from_secs(240));
     assert_all(&outs, OK, "world 13");
-}
-
-/// A line of /proc/self/status in KiB (0 when unknown).
-fn status_kb(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with(&format!("{key}:")))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 /// Sockets this process holds.

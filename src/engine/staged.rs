@@ -391,18 +391,9 @@ impl Engine {
             // the program that took the last slot and then waited on its peer (who may be
             // waiting for this rank's earlier step, to another peer) would hold it forever:
             // with two slots, the double binary tree on 5 ranks deadlocked that way.
-            let first_send = s
-                .active
-                .iter()
-                .filter_map(|&p| s.sendq[p].front())
-                .min()
-                .copied();
-            let first_recv = s
-                .active
-                .iter()
-                .filter_map(|&p| s.recvq[p].front())
-                .min()
-                .copied();
+            let earliest =
+                |q: &[VecDeque<u32>]| s.active.iter().filter_map(|&p| q[p].front()).min().copied();
+            let (first_send, first_recv) = (earliest(&s.sendq), earliest(&s.recvq));
             for ai in 0..s.active.len() {
                 let p = s.active[ai];
 

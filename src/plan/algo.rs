@@ -157,6 +157,24 @@ pub fn hierarchical_all_reduce(n: usize, r: Rank, c: usize, fin: bool, l: usize)
 /// reduce. Every rank of `0..p` computes the same operands in the same pairing, so results are
 /// bitwise identical on every rank for commutative operators.
 fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
+    let all = Loc::dst(0..c);
+    folded(n, r, c, |s, p| {
+        let mut mask = 1;
+        while mask < p {
+            let partner = r ^ mask;
+            s.round().send(partner, all).recv_reduce(partner, all, all);
+            mask <<= 1;
+        }
+        if fin {
+            s.round().push(Op::Finalize { loc: all });
+        }
+    })
+}
+
+/// The fold of the allreduces that run on a power of two, `p` = the largest ≤ n: ranks
+/// `p..n` hand their buffer to rank `r − p` (which reduces it in) and get the result back at
+/// the end; `core(s, p)` writes what ranks `0..p` do between, on the `p` ranks alone.
+fn folded(n: usize, r: Rank, c: usize, core: impl FnOnce(&mut Schedule, usize)) -> Schedule {
     let mut s = Schedule::new();
     let all = Loc::dst(0..c);
     let p = if n.is_power_of_two() {
@@ -173,15 +191,7 @@ fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Sche
     if r < extra {
         s.round().recv_reduce(r + p, all, all);
     }
-    let mut mask = 1;
-    while mask < p {
-        let partner = r ^ mask;
-        s.round().send(partner, all).recv_reduce(partner, all, all);
-        mask <<= 1;
-    }
-    if fin {
-        s.round().push(Op::Finalize { loc: all });
-    }
+    core(&mut s, p);
     if r < extra {
         s.round().send(r + p, all);
     }
@@ -209,61 +219,44 @@ fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Sche
 /// identical on every rank. Partners differ by a power of two (the fold by `p`), so every link
 /// is a standing partner ([`standing_partners`]).
 fn rabenseifner_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
-    let mut s = Schedule::new();
-    let all = Loc::dst(0..c);
-    let p = if n.is_power_of_two() {
-        n
-    } else {
-        n.next_power_of_two() / 2
-    };
-    let extra = n - p;
-    if r >= p {
-        s.round().send(r - p, all);
-        s.round().recv_copy(r - p, all);
-        return s;
-    }
-    if r < extra {
-        s.round().recv_reduce(r + p, all, all);
-    }
-    let span =
-        |lo: usize, hi: usize| Loc::dst(block_range(c, p, lo).start..block_range(c, p, hi - 1).end);
-    let (mut lo, mut hi) = (0, p);
-    let mut mask = 1;
-    while mask < p {
-        let mid = lo + (hi - lo) / 2;
-        let ((keep_lo, keep_hi), (give_lo, give_hi)) = if r & mask == 0 {
-            ((lo, mid), (mid, hi))
-        } else {
-            ((mid, hi), (lo, mid))
+    folded(n, r, c, |s, p| {
+        let span = |lo: usize, hi: usize| {
+            Loc::dst(block_range(c, p, lo).start..block_range(c, p, hi - 1).end)
         };
-        let keep = span(keep_lo, keep_hi);
-        s.round()
-            .send(r ^ mask, span(give_lo, give_hi))
-            .recv_reduce(r ^ mask, keep, keep);
-        (lo, hi) = (keep_lo, keep_hi);
-        mask *= 2;
-    }
-    if fin {
-        s.round().push(Op::Finalize { loc: span(lo, hi) });
-    }
-    let mut mask = p / 2;
-    while mask >= 1 {
-        let w = hi - lo;
-        let (their_lo, their_hi) = if r & mask == 0 {
-            (hi, hi + w)
-        } else {
-            (lo - w, lo)
-        };
-        s.round()
-            .send(r ^ mask, span(lo, hi))
-            .recv_copy(r ^ mask, span(their_lo, their_hi));
-        (lo, hi) = (lo.min(their_lo), hi.max(their_hi));
-        mask /= 2;
-    }
-    if r < extra {
-        s.round().send(r + p, all);
-    }
-    s
+        let (mut lo, mut hi) = (0, p);
+        let mut mask = 1;
+        while mask < p {
+            let mid = lo + (hi - lo) / 2;
+            let ((keep_lo, keep_hi), (give_lo, give_hi)) = if r & mask == 0 {
+                ((lo, mid), (mid, hi))
+            } else {
+                ((mid, hi), (lo, mid))
+            };
+            let keep = span(keep_lo, keep_hi);
+            s.round()
+                .send(r ^ mask, span(give_lo, give_hi))
+                .recv_reduce(r ^ mask, keep, keep);
+            (lo, hi) = (keep_lo, keep_hi);
+            mask *= 2;
+        }
+        if fin {
+            s.round().push(Op::Finalize { loc: span(lo, hi) });
+        }
+        let mut mask = p / 2;
+        while mask >= 1 {
+            let w = hi - lo;
+            let (their_lo, their_hi) = if r & mask == 0 {
+                (hi, hi + w)
+            } else {
+                (lo - w, lo)
+            };
+            s.round()
+                .send(r ^ mask, span(lo, hi))
+                .recv_copy(r ^ mask, span(their_lo, their_hi));
+            (lo, hi) = (lo.min(their_lo), hi.max(their_hi));
+            mask /= 2;
+        }
+    })
 }
 
 /// One rank's place in one tree: its parent (`None` at the root) and its children (at most

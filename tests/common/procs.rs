@@ -554,3 +554,16 @@ pub fn shm_residue() -> (Vec<String>, Vec<String>) {
     }
     (names, maps)
 }
+
+/// A line of /proc/self/status in KiB (0 when unknown).
+pub fn status_kb(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with(&format!("{key}:")))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -207,6 +207,12 @@ pub fn prepare(
             Ok(()) => (cq, None),
             Err(e) => {
                 drop(cq);
+                tracing::warn!(
+                    rank,
+                    "{dev}: the completion queue cannot grow ({e}); sized for all {} peers \
+                     at init instead",
+                    world - 1
+                );
                 let cq = Cq::new(&local.ctx, every).map_err(|e| format!("{dev}: {e}"))?;
                 (
                     cq,
