@@ -472,14 +472,30 @@ fn last_write() -> Result<i32, String> {
         .root_addr
         .rsplit_once(':')
         .ok_or("DSPARK_ROOT_ADDR without a port")?;
-    let port: u16 = port.parse().map_err(|e| format!("port: {e}"))?;
+    let mut port: u16 = port.parse().map_err(|e| format!("port: {e}"))?;
     let n = 256 << 10;
     for round in 0..LAST_WRITE_ROUNDS {
         let mut cfg = base.clone();
         cfg.transport = TransportChoice::Verbs;
-        // A fresh rendezvous port per lifetime: the previous one may linger in TIME_WAIT.
-        cfg.root_addr = format!("{host}:{}", port + round as u16);
+        // A fresh rendezvous port per lifetime (the previous one may linger in TIME_WAIT),
+        // which rank 0 found free and sent in the round before: a fixed sequence of ports
+        // (port + round) met one taken as another socket's ephemeral port in CI.
+        cfg.root_addr = format!("{host}:{port}");
         let comm = Communicator::init(cfg).map_err(|e| format!("round {round}: init: {e}"))?;
+        let mut next = [0u32; 1];
+        if comm.rank() == 0 {
+            next[0] = std::net::TcpListener::bind((host, 0))
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("round {round}: a free port: {e}"))?
+                .port()
+                .into();
+            comm.send(&next, 1)
+                .map_err(|e| format!("round {round}: send the next port: {e}"))?;
+        } else {
+            comm.recv(&mut next, 0)
+                .map_err(|e| format!("round {round}: recv the next port: {e}"))?;
+        }
+        port = u16::try_from(next[0]).map_err(|e| format!("round {round}: port: {e}"))?;
         let payload: Vec<u8> = (0..n).map(|i| (i * 13 + round) as u8).collect();
         if comm.rank() == 0 {
             let reg = comm
