@@ -31,7 +31,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::procs::{assert_all, rank_entry, say, spawn, vars, Outcome, FAILED_AS_EXPECTED, OK};
+use common::procs::{
+    assert_all, free_port, rank_entry, say, spawn, vars, Outcome, FAILED_AS_EXPECTED, OK,
+};
 
 use dspark::config::TransportChoice;
 use dspark::transport::TransportKind;
@@ -484,11 +486,7 @@ fn last_write() -> Result<i32, String> {
         let comm = Communicator::init(cfg).map_err(|e| format!("round {round}: init: {e}"))?;
         let mut next = [0u32; 1];
         if comm.rank() == 0 {
-            next[0] = std::net::TcpListener::bind((host, 0))
-                .and_then(|l| l.local_addr())
-                .map_err(|e| format!("round {round}: a free port: {e}"))?
-                .port()
-                .into();
+            next[0] = free_port().into();
             comm.send(&next, 1)
                 .map_err(|e| format!("round {round}: send the next port: {e}"))?;
         } else {

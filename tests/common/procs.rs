@@ -16,12 +16,39 @@ pub const WRONG: i32 = 1;
 /// Exit code of a rank that failed the way its scenario expected (a dead peer, ...).
 pub const FAILED_AS_EXPECTED: i32 = 3;
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, for a rank to listen on a moment later: one below the
+/// kernel's ephemeral range (`ip_local_port_range`), which no `connect` or `bind(0)` is given
+/// meanwhile. (A port of that range, found free by binding port 0, was taken by another
+/// socket before rank 0 listened on it, twice in CI.) Tried from a start that differs per
+/// process and call, so that parallel tests rarely try the same one.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let base = 10_000u32;
+    if low <= base + 1000 {
+        return TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+    }
+    let span = low - base;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let seed = nanos
+        ^ std::process::id().wrapping_mul(2_654_435_761)
+        ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(40_503);
+    for k in 0..span {
+        let port = base + (seed.wrapping_add(k.wrapping_mul(7919))) % span;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free port in {base}..{low}");
 }
 
 /// Prints a line and flushes it (parents read rank output as it comes).
