@@ -23,6 +23,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::bootstrap::msg::{self, Hello, PeerHello, Reject, Reply};
 use crate::bootstrap::PeerInfo;
+use crate::comm::setup::offer::{mode_of, Confirm, SegOffer, ShmOffer, VerbsOffer};
 use crate::config::{join_host_port, parse_size, split_host_port, Config, TransportChoice};
 use crate::path::PathPolicy;
 use crate::plan::Algorithm;
@@ -48,6 +49,9 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("verbs_words", verbs_words),
     ("config_env", config_env),
     ("config_values", config_values),
+    ("setup_shm_offer", setup_shm_offer),
+    ("setup_verbs_offer", setup_verbs_offer),
+    ("setup_confirm", setup_confirm),
 ];
 
 /// The target called `name`.
@@ -551,6 +555,35 @@ pub fn is_message_target(name: &str) -> bool {
 /// panics unless the result is the value. Returns the encoding (a seed to mutate).
 pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
     match name {
+        "setup_shm_offer" => {
+            let v = shm_offer_value(r);
+            let b = v.encode();
+            // A boot id is sent cut to 255 bytes and read lossily; these are shorter.
+            assert_eq!(ShmOffer::decode(&b), v);
+            b
+        }
+        "setup_verbs_offer" => {
+            let v = VerbsOffer {
+                mode: mode_of(r.below(5) as u8),
+                blob: verbs_sample(r),
+            };
+            let rank = r.below(256) as u8;
+            let b = v.encode();
+            assert_eq!(VerbsOffer::decode(usize::from(rank), &b), v);
+            let mut out = vec![rank];
+            out.extend_from_slice(&b);
+            out
+        }
+        "setup_confirm" => {
+            let v = if r.below(2) == 0 {
+                Confirm::Ok
+            } else {
+                Confirm::Failed(text(r, 80))
+            };
+            let b = v.encode();
+            assert_eq!(Confirm::decode(&b), v);
+            b
+        }
         "bootstrap_hello" => {
             let v = hello_value(r);
             let b = v.encode().0;
@@ -731,6 +764,59 @@ pub fn sample(name: &str, r: &mut dyn Rng) -> Vec<u8> {
             VALUES[r.below(VALUES.len())].as_bytes().to_vec()
         }
         n => round_trip(n, r),
+    }
+}
+
+// ------------------------------------------------------------------------- setup
+
+/// A rank's shared-memory offer in the transport negotiation. Total (every input decodes);
+/// not canonical (reasons are read lossily, a boot id is cut to 255 bytes): what decodes
+/// re-encodes to bytes that decode to the same offer.
+pub fn setup_shm_offer(data: &[u8]) {
+    let o = ShmOffer::decode(data);
+    assert_eq!(
+        ShmOffer::decode(&o.encode()),
+        o,
+        "shm offer changed on re-encoding"
+    );
+}
+
+/// A rank's verbs offer (the first input byte is the sender's rank). Total: an unreadable blob
+/// is an incapable offer naming the rank, which re-encodes to itself.
+pub fn setup_verbs_offer(data: &[u8]) {
+    let (rank, rest) = split_first(data);
+    let o = VerbsOffer::decode(usize::from(rank), rest);
+    assert_eq!(
+        VerbsOffer::decode(usize::from(rank), &o.encode()),
+        o,
+        "verbs offer changed on re-encoding"
+    );
+}
+
+/// A rank's confirmation of the negotiation's second round. Total.
+pub fn setup_confirm(data: &[u8]) {
+    let c = Confirm::decode(data);
+    assert_eq!(Confirm::decode(&c.encode()), c, "confirmation changed");
+}
+
+fn shm_offer_value(r: &mut dyn Rng) -> ShmOffer {
+    let seg = match r.below(3) {
+        0 => SegOffer::Incapable(text(r, 60)),
+        1 => SegOffer::Malformed,
+        _ => SegOffer::Capable {
+            boot_id: text(r, 40),
+            info: crate::transport::shm::SegInfo {
+                pid: edgy(r) as u32,
+                fd: edgy(r) as u32,
+                len: edgy(r),
+                ring: edgy(r),
+                nonce: r.next_u64(),
+            },
+        },
+    };
+    ShmOffer {
+        mode: mode_of(r.below(5) as u8),
+        seg,
     }
 }
 

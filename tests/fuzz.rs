@@ -301,6 +301,21 @@ fn fuzz_config_values() {
 }
 
 #[test]
+fn fuzz_setup_shm_offer() {
+    fuzz("setup_shm_offer");
+}
+
+#[test]
+fn fuzz_setup_verbs_offer() {
+    fuzz("setup_verbs_offer");
+}
+
+#[test]
+fn fuzz_setup_confirm() {
+    fuzz("setup_confirm");
+}
+
+#[test]
 fn every_target_has_a_test_here() {
     let here = include_str!("fuzz.rs");
     for (name, _) in fuzzing::TARGETS {

@@ -988,14 +988,15 @@ fn device_region_registration_falls_back_in_order_and_names_each_failure() {
         (vec![MemoryKind::CudaDmaBuf { fd: -1, offset: 0 }], None),
     ] {
         let addr = stand_in.as_ptr() as u64;
-        let mut provider = |_: &verbs::VerbsOptions, _: &str| DirectSpec::Device {
+        let spec = DirectSpec::Device {
             addr,
             send_slots: 4,
             candidates: candidates.clone(),
             reasons: vec!["peermem: not probed in this test".into()],
         };
         // A world of one: the resources need no connection round.
-        let prep = verbs::prepare(0, 1, &[], opts.clone(), &mut provider).unwrap();
+        let mut prep = verbs::prepare(0, 1, &[], opts.clone()).unwrap();
+        prep.register_direct(&spec);
         let t = verbs::VerbsTransport::build(0, 1, prep, &[], Vec::new());
         let info = t.direct_infos()[0].clone();
         eprintln!("candidates {candidates:?}: {info:?}");

@@ -30,7 +30,7 @@ mod device;
 mod raw;
 mod rendezvous;
 mod scope;
-mod setup;
+pub(crate) mod setup;
 mod split;
 pub mod work;
 

@@ -144,6 +144,7 @@ pub struct Prepared {
     cq: Cq,
     halves: Vec<Option<Half>>,
     opts: VerbsOptions,
+    world: usize,
     direct: Option<DirectOwn>,
     direct_info: DirectInfo,
     /// Why the completion queue could not be sized for the peers of init only, if it could
@@ -160,8 +161,9 @@ fn psn_for(rank: usize, peer: usize) -> u32 {
 
 /// Opens this rank's RDMA device and port under `opts` and creates everything a connection
 /// to each rank of `partners` (the peers connected at init; the others connect on first use,
-/// see [`VerbsTransport::with_links`]) needs, then asks `direct` (given the options and the
-/// device's name) for this rank's direct region and registers it.
+/// see [`VerbsTransport::with_links`]) needs. The direct region comes after, once the caller
+/// knows which device it is near ([`Prepared::device_name`], [`Prepared::register_direct`]);
+/// until then the rank announces none.
 ///
 /// The completion queue is sized for the queue pairs made at init and grows (`ibv_resize_cq`)
 /// as peers connect on first use, so that its pinned entries are O(log n) like the rest
@@ -177,7 +179,6 @@ pub fn prepare(
     world: usize,
     partners: &[usize],
     opts: VerbsOptions,
-    direct: &mut dyn FnMut(&VerbsOptions, &str) -> DirectSpec,
 ) -> std::result::Result<Prepared, String> {
     let lib = ib::load()?;
     let local = choose_port(&lib, &opts)?;
@@ -232,9 +233,6 @@ pub fn prepare(
             None
         });
     }
-    // Only now, with a usable port, is it worth setting up device memory for the NIC.
-    let spec = direct(&opts, &local.ctx.name);
-    let (direct, direct_info) = register_direct(&pd, world, &opts, &spec);
     Ok(Prepared {
         lib,
         local,
@@ -242,8 +240,9 @@ pub fn prepare(
         cq,
         halves,
         opts,
-        direct,
-        direct_info,
+        world,
+        direct: None,
+        direct_info: DirectInfo::None,
         cq_note,
     })
 }
@@ -259,6 +258,25 @@ impl std::fmt::Debug for Prepared {
 }
 
 impl Prepared {
+    /// The RDMA device this rank opened (for choosing the GPU memory near it).
+    pub fn device_name(&self) -> &str {
+        &self.local.ctx.name
+    }
+
+    /// The options it was prepared with.
+    pub fn options(&self) -> &VerbsOptions {
+        &self.opts
+    }
+
+    /// Registers this rank's direct region as `spec` describes it (replacing one registered
+    /// before), so that its connection information announces it.
+    pub fn register_direct(&mut self, spec: &DirectSpec) {
+        self.direct = None;
+        let (direct, info) = register_direct(&self.pd, self.world, &self.opts, spec);
+        self.direct = direct;
+        self.direct_info = info;
+    }
+
     /// This rank's connection information, for every other rank: the port's address, the
     /// queue pairs and slot memory for each peer connected at init, and the direct region.
     pub fn blob(&self) -> Blob {
@@ -403,6 +421,7 @@ impl VerbsTransport {
             cq,
             halves,
             opts,
+            world: _,
             direct,
             direct_info,
             cq_note,
@@ -590,7 +609,7 @@ mod tests {
         // On machines without rdma-core this is the "cannot load" path; with it, the device
         // probe runs. Either way: a sentence, never a panic.
         let o = test_options(8);
-        if let Err(reason) = prepare(0, 2, &[1], o, &mut |_, _| DirectSpec::None) {
+        if let Err(reason) = prepare(0, 2, &[1], o) {
             assert!(!reason.is_empty());
         }
     }
