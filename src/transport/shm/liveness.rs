@@ -6,10 +6,6 @@
 //!
 //! A peer found gone is not an error by itself ([`PeerState::Gone`]): what it wrote to the
 //! ring is still taken, and only what needs more from it fails.
-//!
-//! [`Transport::wait`]: crate::transport::Transport::wait
-//! [`Transport::abort`]: crate::transport::Transport::abort
-//! [`Transport::close`]: crate::transport::Transport::close
 
 use std::io::{self, Read};
 use std::net::Shutdown;
@@ -266,7 +262,7 @@ impl ShmTransport {
         }
     }
 
-    /// [`Transport::wait`]: sleeps on this rank's `bell` until a peer rings it, something in
+    /// [`Transport::wait`](crate::transport::Transport::wait): sleeps on this rank's `bell` until a peer rings it, something in
     /// `interest` may move, the deadline or the next look at the liveness connections
     /// ([`LIVENESS_POLL`], [`LINK_POLL`] while one is in the making), then looks at them.
     pub(super) fn wait_on_bell(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
@@ -291,7 +287,7 @@ impl ShmTransport {
         self.check_liveness()
     }
 
-    /// [`Transport::abort`]: writes the abort (class, origin, message) into this rank's
+    /// [`Transport::abort`](crate::transport::Transport::abort): writes the abort (class, origin, message) into this rank's
     /// `status`, wakes every peer and shuts the liveness connections.
     pub(super) fn announce_abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
         if self.done {
@@ -327,7 +323,7 @@ impl ShmTransport {
         }
     }
 
-    /// [`Transport::close`]: says goodbye in this rank's `status`, wakes every peer and
+    /// [`Transport::close`](crate::transport::Transport::close): says goodbye in this rank's `status`, wakes every peer and
     /// half-closes the liveness connections.
     pub(super) fn say_goodbye(&mut self) {
         if self.done {

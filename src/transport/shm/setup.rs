@@ -27,7 +27,7 @@ pub struct Prepared {
     world: usize,
     /// The ranks that share memory with this one (ascending, this rank included): every rank
     /// of the job, or the ranks of this host in a job that spans several hosts (then the
-    /// other ranks are reached through another transport, see [`super::mixed`]). Rings are
+    /// other ranks are reached through another transport, see [`crate::transport::mixed`]). Rings are
     /// laid out by position in this list.
     members: Vec<usize>,
     ring: usize,
