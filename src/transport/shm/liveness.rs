@@ -1,0 +1,443 @@
+//! Liveness, goodbye and abort (see the module docs of [`super`]): the peers' liveness
+//! connections, polled without blocking, and their processes, watched through
+//! `/proc/<pid>/stat` while a connection is in the making; the errors a peer's `status` word
+//! (goodbye, abort) or its death turns into; sleeping on this rank's `bell` until something
+//! may move; and writing this rank's own goodbye or abort.
+//!
+//! A peer found gone is not an error by itself ([`PeerState::Gone`]): what it wrote to the
+//! ring is still taken, and only what needs more from it fails.
+
+use std::io::{self, Read};
+use std::net::Shutdown;
+use std::os::fd::AsFd;
+use std::sync::atomic::{fence, Ordering};
+use std::time::Instant;
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
+use super::seg;
+use super::{
+    out_of_bounds, PeerState, ShmTransport, LINK_POLL, LIVENESS_POLL, MSG_CAP, OFF_BELL, OFF_CLASS,
+    OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
+    STATUS_BYE, STATUS_OPEN,
+};
+use crate::error::{Error, Result};
+use crate::transport::{rdhup, AbortClass, Interest};
+
+/// The state and start time (clock ticks after boot) of process `pid`, from
+/// `/proc/<pid>/stat`; `None` when there is no such process.
+pub(super) fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold anything, so split after its last ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // starttime is the 22nd field; `rest` begins at the 3rd.
+    let start = f.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+impl ShmTransport {
+    /// The error a peer's `status` word announces (goodbye or abort), if any.
+    pub(super) fn status_error(&self, peer: usize, op: &str) -> Option<Error> {
+        let p = self.peers.get(peer)?.as_ref()?;
+        match p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) {
+            STATUS_OPEN => None,
+            STATUS_BYE => Some(self.lost(peer, op, "peer closed its communicator")),
+            _ => {
+                let class = p.seg.u32_at(OFF_CLASS).load(Ordering::Relaxed) as u8;
+                let origin = p.seg.u32_at(OFF_ORIGIN).load(Ordering::Relaxed) as usize;
+                let n = (p.seg.u32_at(OFF_MSG_LEN).load(Ordering::Relaxed) as usize).min(MSG_CAP);
+                let mut msg = vec![0u8; n];
+                if let Err(b) = p.seg.read(OFF_MSG, &mut msg) {
+                    return Some(out_of_bounds(self.rank, peer)(b));
+                }
+                let reason = String::from_utf8_lossy(&msg).into_owned();
+                Some(AbortClass::error(class, self.rank, origin, op, reason))
+            }
+        }
+    }
+
+    /// Whether the peer aborted (not a goodbye).
+    fn aborted_peer(&self, peer: usize) -> bool {
+        self.peers
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_some_and(|p| p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_ABORT)
+    }
+
+    /// Reads the liveness connection of `peer`: end of stream without a goodbye marks it
+    /// gone.
+    fn examine(&mut self, peer: usize) {
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return;
+        };
+        if p.state != PeerState::Open {
+            return;
+        }
+        let Some(stream) = p.stream.as_mut() else {
+            return;
+        };
+        let mut b = [0u8; 256];
+        let gone = loop {
+            match stream.read(&mut b) {
+                // Nothing is sent on it in shm mode: discard bootstrap leftovers.
+                Ok(0) => {
+                    break Some(
+                        "its process died: the liveness connection closed without a goodbye"
+                            .to_string(),
+                    )
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break None,
+                Err(e) => {
+                    break Some(format!(
+                        "its liveness connection failed: {e} (process died?)"
+                    ))
+                }
+            }
+        };
+        if let Some(d) = gone {
+            p.state = PeerState::Gone(d);
+        }
+    }
+
+    /// The error of a peer found gone, for an operation that needs more from it (or
+    /// `None` while what it wrote is still to be taken).
+    pub(super) fn gone_error(&self, peer: usize, op: &str) -> Option<Error> {
+        let p = self.peers.get(peer)?.as_ref()?;
+        match &p.state {
+            PeerState::Open => None,
+            PeerState::Lost(d) => Some(self.lost(peer, op, d.clone())),
+            PeerState::Gone(d) => {
+                if let Some(e) = self.status_error(peer, op) {
+                    return Some(e);
+                }
+                Some(self.lost(peer, op, d.clone()))
+            }
+        }
+    }
+
+    /// Polls every open peer's liveness connection without blocking; returns the first
+    /// failure that this rank cannot wait through: an abort, or a gone peer with nothing
+    /// more to take from it.
+    pub(super) fn check_liveness(&mut self) -> Result<()> {
+        self.look_at_linking();
+        let mut fds = Vec::with_capacity(self.world);
+        let mut which = Vec::with_capacity(self.world);
+        for (i, p) in self.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let Some(stream) = p.stream.as_ref() else {
+                continue;
+            };
+            if p.state == PeerState::Open {
+                fds.push(PollFd::new(stream.as_fd(), PollFlags::POLLIN | rdhup()));
+                which.push(i);
+            }
+        }
+        // Connections in the making (a peer connecting to this rank, or answering it): their
+        // links are advanced when one of their descriptors has something, or always where
+        // the links have none of their own (shm+tcp's, which only hand over).
+        let ours = fds.len();
+        let mut pump = false;
+        if let Some(l) = self.lazy.as_ref() {
+            let link_fds = l.links.fds();
+            pump = link_fds.is_empty();
+            fds.extend(
+                link_fds
+                    .into_iter()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
+        }
+        let mut flagged = Vec::new();
+        if !fds.is_empty() {
+            match nix::poll::poll(&mut fds, PollTimeout::ZERO) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(Error::io(Some(self.rank), None, "poll", io::Error::from(e)));
+                }
+            }
+            for (fd, &i) in fds[..ours].iter().zip(&which) {
+                if fd.revents().is_none_or(|r| !r.is_empty()) {
+                    flagged.push(i);
+                }
+            }
+            pump |= fds[ours..]
+                .iter()
+                .any(|f| f.revents().is_none_or(|r| !r.is_empty()));
+        }
+        drop(fds);
+        if pump {
+            self.pump_links()?;
+        }
+        for i in flagged {
+            self.examine(i);
+        }
+        for i in 0..self.peers.len() {
+            // An abort counts once everything the peer sent before it is taken, as over TCP
+            // (where the abort frame queues behind the data): a rank still finishing a call
+            // whose frames are all in the ring must not fail it for the peer's later failure.
+            let pending = self.peers[i].as_ref().is_some_and(|p| self.rx_pending(p));
+            if self.aborted_peer(i) && !pending {
+                if let Some(e) = self.status_error(i, "communicator") {
+                    return Err(e);
+                }
+            }
+            let Some(p) = self.peers[i].as_ref() else {
+                continue;
+            };
+            if let PeerState::Gone(_) = &p.state {
+                // Like a TCP connection closed with nothing left to read: an error now,
+                // unless it said goodbye (then only what needs it fails).
+                let says_bye = p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_BYE;
+                if !says_bye && !p.rx_in_frame && !self.rx_pending(p) {
+                    if let Some(e) = self.gone_error(i, "communicator") {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether anything in `interest` may move now (or a peer changed its status).
+    fn anything_ready(&self, interest: &[Interest]) -> bool {
+        for it in interest {
+            let Some(p) = self.peers.get(it.peer).and_then(Option::as_ref) else {
+                continue;
+            };
+            if p.state != PeerState::Open
+                || p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) != STATUS_OPEN
+            {
+                return true;
+            }
+            if it.recv && self.rx_pending(p) {
+                return true;
+            }
+            if it.send && p.stream.is_none() && self.lazy.is_some() {
+                // Its liveness connection is in the making (`wait` looks at it).
+                continue;
+            }
+            if it.send {
+                let tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
+                if tail != p.tx_tail || p.tx_head.wrapping_sub(tail) < self.ring as u64 {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Marks gone the peers whose liveness connection is still in the making and whose
+    /// process has ended (no such process, a zombie, or another process under its pid): a
+    /// peer that died before it took this rank's connection. At most every
+    /// [`LIVENESS_POLL`].
+    fn look_at_linking(&mut self) {
+        let Some(l) = self.lazy.as_mut() else {
+            return;
+        };
+        if l.looked.elapsed() < LIVENESS_POLL {
+            return;
+        }
+        l.looked = Instant::now();
+        let started = l.started.clone();
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            let Some(p) = p else { continue };
+            if p.stream.is_some() || !started[i] || p.state != PeerState::Open {
+                continue;
+            }
+            let alive = match proc_stat(p.pid) {
+                Some((state, t)) => {
+                    !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t)
+                }
+                None => false,
+            };
+            if !alive {
+                p.state = PeerState::Gone(format!(
+                    "its process {} ended before its liveness connection was made",
+                    p.pid
+                ));
+            }
+        }
+    }
+
+    /// [`Transport::wait`](crate::transport::Transport::wait): sleeps on this rank's `bell` until a peer rings it, something in
+    /// `interest` may move, the deadline or the next look at the liveness connections
+    /// ([`LIVENESS_POLL`], [`LINK_POLL`] while one is in the making), then looks at them.
+    pub(super) fn wait_on_bell(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        let now = Instant::now();
+        if now < deadline {
+            let sleeping = self.own.u32_at(OFF_SLEEPING);
+            sleeping.store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            let bell = self.own.u32_at(OFF_BELL);
+            let v = bell.load(Ordering::Acquire);
+            if !self.anything_ready(interest) {
+                let poll = if self.linking() {
+                    LINK_POLL
+                } else {
+                    LIVENESS_POLL
+                };
+                let slice = (deadline - now).min(poll);
+                seg::futex_wait(bell, v, slice);
+            }
+            self.own.u32_at(OFF_SLEEPING).store(0, Ordering::Relaxed);
+        }
+        self.check_liveness()
+    }
+
+    /// [`Transport::abort`](crate::transport::Transport::abort): writes the abort (class, origin, message) into this rank's
+    /// `status`, wakes every peer and shuts the liveness connections.
+    pub(super) fn announce_abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let msg = reason.as_bytes();
+        let msg = &msg[..msg.len().min(MSG_CAP)];
+        if let Err(b) = self.own.write(OFF_MSG, msg) {
+            tracing::warn!(
+                rank = self.rank,
+                "abort message not written to the segment: {b}"
+            );
+        }
+        self.own
+            .u32_at(OFF_MSG_LEN)
+            .store(msg.len() as u32, Ordering::Relaxed);
+        self.own
+            .u32_at(OFF_CLASS)
+            .store(class as u32, Ordering::Relaxed);
+        self.own
+            .u32_at(OFF_ORIGIN)
+            .store(origin as u32, Ordering::Relaxed);
+        self.own
+            .u32_at(OFF_STATUS)
+            .store(STATUS_ABORT, Ordering::Release);
+        for p in self.peers.iter_mut().flatten() {
+            Self::ring_bell(&p.seg);
+            if let Some(s) = &p.stream {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            p.state = PeerState::Lost("this rank aborted".into());
+        }
+    }
+
+    /// [`Transport::close`](crate::transport::Transport::close): says goodbye in this rank's `status`, wakes every peer and
+    /// half-closes the liveness connections.
+    pub(super) fn say_goodbye(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        self.own
+            .u32_at(OFF_STATUS)
+            .store(STATUS_BYE, Ordering::Release);
+        for p in self.peers.iter_mut().flatten() {
+            Self::ring_bell(&p.seg);
+            if let Some(s) = &p.stream {
+                let _ = s.shutdown(Shutdown::Write);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::transport::shm::{prepare, Prepared, SegInfo, ShmOptions, OFF_PID};
+    use crate::transport::tcp::Links;
+    use crate::transport::{FrameHeader, RecvProgress, RecvSink, Transport};
+
+    /// Links that never connect anything (a peer that never answers).
+    #[derive(Debug)]
+    struct Silent;
+
+    impl Links for Silent {
+        fn start(&mut self, _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+            Ok(Vec::new())
+        }
+        fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+            Vec::new()
+        }
+    }
+
+    /// Until its liveness connection is made, a peer is watched through its process: one
+    /// that ended (here a child process that exited: a zombie, then reaped) is reported
+    /// lost, naming it, by the next check, long before any deadline.
+    #[test]
+    fn a_peer_whose_process_ended_before_its_connection_was_made_is_lost_not_waited_for() {
+        let partners = |_: usize| Vec::new();
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let preps: Vec<Prepared> = (0..2)
+            .map(|r| prepare(r, 2, &partners, opts).unwrap())
+            .collect();
+        // Rank 1's process is a child that exits at once.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let t = Instant::now();
+        while proc_stat(child.id()).is_some_and(|(s, _)| s != 'Z')
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        preps[1]
+            .seg
+            .u32_at(OFF_PID)
+            .store(child.id(), Ordering::Relaxed);
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs = preps[0].connect(&infos).unwrap();
+        let mut it = preps.into_iter();
+        let mut t0 = ShmTransport::new(it.next().unwrap(), segs, vec![None, None])
+            .unwrap()
+            .with_links(Box::new(Silent));
+        assert_eq!(t0.connected_peers(), Some(0));
+        assert!(t0
+            .describe()
+            .contains("liveness over TCP connections: 0 of 1 at init"));
+        // A receive starts the connection and finds nothing yet.
+        struct Nothing;
+        impl RecvSink for Nothing {
+            fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
+                Ok(0)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                None
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        let mut rp = RecvProgress::default();
+        assert!(!t0.recv(1, &mut rp, &mut Nothing).unwrap());
+        let interest = [Interest {
+            peer: 1,
+            recv: true,
+            send: false,
+        }];
+        let lost = |t0: &mut ShmTransport| -> Option<Error> {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Err(e) = t0.wait(&interest, Instant::now() + LIVENESS_POLL) {
+                    return Some(e);
+                }
+            }
+            None
+        };
+        // The zombie counts as gone.
+        let e = lost(&mut t0).expect("a zombie peer is lost");
+        assert!(
+            matches!(&e, Error::PeerLost { peer: 1, detail, .. } if detail.contains("ended")),
+            "{e:?}"
+        );
+        child.wait().unwrap();
+    }
+}

@@ -1,0 +1,510 @@
+//! Setup: creating this rank's segment ([`prepare`], [`prepare_group`]: a sealed memfd with
+//! its header written and the standing partners' rings committed), what the ranks exchange
+//! to find each other's ([`SegInfo`]), mapping and checking the peers' segments
+//! ([`Prepared::connect`]), and building the transport over them ([`ShmTransport::new`]).
+//! The communicator's setup drives these steps through the bootstrap; nothing here talks to
+//! another rank.
+
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+
+use super::liveness::proc_stat;
+use super::seg::{self, Seg, LINE};
+use super::sizing::{
+    committed_len, fits_in_memory, mem_available, ring_base, ring_stride, seg_len,
+};
+use super::{
+    Peer, PeerState, ShmOptions, ShmTransport, MAGIC, MAX_RING_BYTES, MIN_RING_BYTES, OFF_MAGIC,
+    OFF_NONCE, OFF_PID, OFF_RANK, OFF_RING, OFF_VERSION, OFF_WORLD, RINGS, VERSION,
+};
+use crate::error::{Error, Result};
+
+/// This rank's segment, created before the ranks exchange where to find theirs.
+#[derive(Debug)]
+pub struct Prepared {
+    rank: usize,
+    world: usize,
+    /// The ranks that share memory with this one (ascending, this rank included): every rank
+    /// of the job, or the ranks of this host in a job that spans several hosts (then the
+    /// other ranks are reached through another transport, see [`crate::transport::mixed`]). Rings are
+    /// laid out by position in this list.
+    members: Vec<usize>,
+    ring: usize,
+    /// The peers (members) whose rings are committed at init: the standing partners.
+    partners: Vec<usize>,
+    file: std::fs::File,
+    pub(super) seg: Seg,
+    nonce: u64,
+}
+
+/// Where a rank's segment is, as announced to its peers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegInfo {
+    /// The owner's process id.
+    pub pid: u32,
+    /// Its descriptor of the segment.
+    pub fd: u32,
+    /// Segment bytes.
+    pub len: u64,
+    /// Ring bytes.
+    pub ring: u64,
+    /// The nonce written in the segment's header.
+    pub nonce: u64,
+}
+
+impl SegInfo {
+    /// Little-endian bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(32);
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.fd.to_le_bytes());
+        v.extend_from_slice(&self.len.to_le_bytes());
+        v.extend_from_slice(&self.ring.to_le_bytes());
+        v.extend_from_slice(&self.nonce.to_le_bytes());
+        v
+    }
+
+    /// Parses [`SegInfo::encode`]'s bytes.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != 32 {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or([0; 4]));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        Some(SegInfo {
+            pid: u32_at(0),
+            fd: u32_at(4),
+            len: u64_at(8),
+            ring: u64_at(16),
+            nonce: u64_at(24),
+        })
+    }
+}
+
+/// Creates this rank's segment (`Err`: why shared memory cannot be used here). `partners(r)`:
+/// the peers of rank `r` whose rings are committed at init (a symmetric relation, as
+/// [`crate::plan::algo::standing_partners`]); every other ring is reserved and committed when
+/// its pair is first used.
+pub fn prepare(
+    rank: usize,
+    world: usize,
+    partners: &dyn Fn(usize) -> Vec<usize>,
+    opts: ShmOptions,
+) -> std::result::Result<Prepared, String> {
+    prepare_group(rank, world, &(0..world).collect::<Vec<_>>(), partners, opts)
+}
+
+/// Creates this rank's segment for shared memory with `members` only (the ranks of its host,
+/// this rank included, in a `world`-rank job): one ring per member, none for the others;
+/// those of the members among `partners` (as in [`prepare`]) committed now. `Err`: why
+/// shared memory cannot be used here.
+pub fn prepare_group(
+    rank: usize,
+    world: usize,
+    members: &[usize],
+    partners: &dyn Fn(usize) -> Vec<usize>,
+    opts: ShmOptions,
+) -> std::result::Result<Prepared, String> {
+    let mut members = members.to_vec();
+    members.sort_unstable();
+    members.dedup();
+    if !members.contains(&rank) || members.iter().any(|&m| m >= world) {
+        return Err(format!(
+            "internal: shared-memory group {members:?} of a {world}-rank job without rank {rank}"
+        ));
+    }
+    let ring = opts
+        .ring_bytes
+        .clamp(MIN_RING_BYTES, MAX_RING_BYTES)
+        .div_ceil(LINE)
+        * LINE;
+    let len = seg_len(members.len(), ring);
+    // The members among `r`'s partners: the rings committed in `r`'s segment at init.
+    let at_init = |r: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = partners(r)
+            .into_iter()
+            .filter(|&p| p != r && members.binary_search(&p).is_ok())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    if let Some(avail) = mem_available() {
+        let total: u64 = members
+            .iter()
+            .map(|&m| committed_len(at_init(m).len(), ring) as u64)
+            .sum();
+        fits_in_memory(members.len(), total, ring, avail)?;
+    }
+    let mine = at_init(rank);
+    let pos = |r: usize| members.binary_search(&r).unwrap_or(0);
+    let stride = ring_stride(ring);
+    let ranges: Vec<(usize, usize)> = std::iter::once((0, RINGS))
+        .chain(
+            mine.iter()
+                .map(|&p| (ring_base(pos(rank), pos(p), ring), stride)),
+        )
+        .collect();
+    let file = seg::create(len, &ranges, &format!("dspark-shm-rank{rank}"))?;
+    let seg = Seg::map(&file, len)?;
+    for &(off, n) in &ranges {
+        seg.populate(off, n)?;
+    }
+    let nonce = seg::nonce();
+    seg.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+    seg.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+    seg.u32_at(OFF_WORLD).store(world as u32, Ordering::Relaxed);
+    seg.u32_at(OFF_RANK).store(rank as u32, Ordering::Relaxed);
+    seg.u64_at(OFF_RING).store(ring as u64, Ordering::Relaxed);
+    seg.u32_at(OFF_PID)
+        .store(std::process::id(), Ordering::Relaxed);
+    seg.u64_at(OFF_NONCE).store(nonce, Ordering::Release);
+    Ok(Prepared {
+        rank,
+        world,
+        members,
+        ring,
+        partners: mine,
+        file,
+        seg,
+        nonce,
+    })
+}
+
+impl Prepared {
+    /// What peers need to map this segment.
+    pub fn info(&self) -> SegInfo {
+        SegInfo {
+            pid: std::process::id(),
+            fd: self.file.as_raw_fd() as u32,
+            len: self.seg.len() as u64,
+            ring: self.ring as u64,
+            nonce: self.nonce,
+        }
+    }
+
+    /// Maps every peer's segment (`infos[r]` for rank `r`), checking each one's header.
+    /// `Err` says which peer's segment could not be had, and why.
+    pub fn connect(&self, infos: &[SegInfo]) -> std::result::Result<Vec<Option<Seg>>, String> {
+        let infos: Vec<Option<SegInfo>> = infos.iter().copied().map(Some).collect();
+        self.connect_group(&infos)
+    }
+
+    /// [`Prepared::connect`] for a group ([`prepare_group`]): `infos[r]` is needed for the
+    /// members only; the others get `None` in the result.
+    pub fn connect_group(
+        &self,
+        infos: &[Option<SegInfo>],
+    ) -> std::result::Result<Vec<Option<Seg>>, String> {
+        let mut segs = Vec::with_capacity(self.world);
+        for r in 0..self.world {
+            if r == self.rank || !self.members.contains(&r) {
+                segs.push(None);
+                continue;
+            }
+            let Some(info) = infos.get(r).copied().flatten() else {
+                return Err(format!("rank {r} announced no segment"));
+            };
+            if info.ring != self.ring as u64 {
+                return Err(format!(
+                    "rank {r} has rings of {} bytes, this rank {} (DSPARK_SHM_RING_BYTES differs)",
+                    info.ring, self.ring
+                ));
+            }
+            // Every offset this rank uses in a peer's segment (header words, its ring's
+            // counters and data) follows from the group's size and the ring size: a segment
+            // of another length is refused here, so that no later access can fall outside it.
+            let want = seg_len(self.members.len(), self.ring);
+            if info.len != want as u64 {
+                return Err(format!(
+                    "rank {r} announced a segment of {} bytes where {} ranks with rings of {} \
+                     bytes need {want}",
+                    info.len,
+                    self.members.len(),
+                    self.ring
+                ));
+            }
+            let file = seg::open_peer(info.pid, info.fd, info.len as usize)
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            let s = Seg::map(&file, info.len as usize)
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            // Its header, and the ring this rank sends into when they are partners.
+            let pos = |q: usize| self.members.binary_search(&q).unwrap_or(0);
+            s.populate(0, RINGS)
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            if self.partners.binary_search(&r).is_ok() {
+                s.populate(
+                    ring_base(pos(r), pos(self.rank), self.ring),
+                    ring_stride(self.ring),
+                )
+                .map_err(|w| format!("rank {r}'s segment: {w}"))?;
+            }
+            let ok = s.u64_at(OFF_MAGIC).load(Ordering::Relaxed) == MAGIC
+                && s.u32_at(OFF_VERSION).load(Ordering::Relaxed) == VERSION
+                && s.u32_at(OFF_WORLD).load(Ordering::Relaxed) as usize == self.world
+                && s.u32_at(OFF_RANK).load(Ordering::Relaxed) as usize == r
+                && s.u64_at(OFF_NONCE).load(Ordering::Acquire) == info.nonce;
+            if !ok {
+                return Err(format!(
+                    "rank {r}'s segment (pid {}, fd {}) has another header: not its segment",
+                    info.pid, info.fd
+                ));
+            }
+            segs.push(Some(s));
+        }
+        Ok(segs)
+    }
+}
+
+impl ShmTransport {
+    /// The transport over this rank's segment, its peers' (`segs[r]`, from
+    /// [`Prepared::connect`]) and the bootstrap's connections (`streams[r]`), kept as
+    /// liveness descriptors. A peer without a connection gets one on first use, through
+    /// [`ShmTransport::with_links`]. Once every peer has mapped this rank's segment (the
+    /// caller's second bootstrap round), peers open nothing of it any more.
+    pub fn new(
+        prep: Prepared,
+        segs: Vec<Option<Seg>>,
+        streams: Vec<Option<TcpStream>>,
+    ) -> Result<Self> {
+        let Prepared {
+            rank,
+            world,
+            members,
+            ring,
+            partners,
+            file,
+            seg: own,
+            ..
+        } = prep;
+        // Rings are laid out by position among the members.
+        let pos = |r: usize| members.iter().position(|&m| m == r).unwrap_or(0);
+        let mut peers = Vec::with_capacity(world);
+        for (r, (s, st)) in segs.into_iter().zip(streams).enumerate() {
+            if r != rank && !members.contains(&r) {
+                // Reached through another transport; its stream is not this transport's.
+                peers.push(None);
+                continue;
+            }
+            match s {
+                Some(seg) => {
+                    if let Some(stream) = &st {
+                        stream.set_nonblocking(true).map_err(|e| {
+                            Error::io(
+                                Some(rank),
+                                Some(r),
+                                "configuring the liveness connection",
+                                e,
+                            )
+                        })?;
+                        let _ = stream.set_nodelay(true);
+                    }
+                    let pid = seg.u32_at(OFF_PID).load(Ordering::Relaxed);
+                    peers.push(Some(Peer {
+                        seg,
+                        stream: st,
+                        pid,
+                        started: proc_stat(pid).map(|(_, t)| t),
+                        committed: partners.binary_search(&r).is_ok(),
+                        state: PeerState::Open,
+                        tx_head: 0,
+                        tx_tail: 0,
+                        tx_in_frame: false,
+                        rx_tail: 0,
+                        rx_head: 0,
+                        rx_in_frame: false,
+                        tx_base: ring_base(pos(r), pos(rank), ring),
+                        rx_base: ring_base(pos(rank), pos(r), ring),
+                    }));
+                }
+                None if r == rank => peers.push(None),
+                None => {
+                    return Err(Error::invalid(
+                        Some(rank),
+                        "shared-memory transport",
+                        format!("no segment for rank {r}"),
+                    ))
+                }
+            }
+        }
+        let among = if members.len() < world {
+            let rs: Vec<String> = members.iter().map(usize::to_string).collect();
+            format!("among ranks {}, ", rs.join(","))
+        } else {
+            String::new()
+        };
+        let connected_at_init = peers
+            .iter()
+            .flatten()
+            .filter(|p| p.stream.is_some())
+            .count();
+        let mut t = ShmTransport {
+            rank,
+            world,
+            ring,
+            own,
+            file,
+            peers,
+            committed_at_init: committed_len(partners.len(), ring),
+            connected_at_init,
+            among,
+            desc: String::new(),
+            done: false,
+            lazy: None,
+        };
+        t.desc = t.description();
+        Ok(t)
+    }
+
+    /// A transport for a world of one (no peers, no segment to share).
+    pub fn single() -> Result<Self> {
+        let prep = prepare(
+            0,
+            1,
+            &|_| Vec::new(),
+            ShmOptions {
+                ring_bytes: MIN_RING_BYTES,
+            },
+        )
+        .map_err(|w| Error::unavailable("the shared-memory transport", w))?;
+        Self::new(prep, vec![None], vec![None])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{
+        FrameHeader, FrameKind, RecvProgress, RecvSink, SendProgress, Transport,
+    };
+
+    /// Bytes of `file` the kernel has allocated.
+    fn allocated(file: &std::fs::File) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        file.metadata().unwrap().blocks() * 512
+    }
+
+    /// Three ranks in this process, of which only 0 and 1 are partners: each segment commits
+    /// the header and its partners' rings at init, and a pair's rings on its first use.
+    #[test]
+    fn only_partner_rings_are_committed_at_init_and_the_others_on_first_use() {
+        let ring = 64 * 1024;
+        let partners = |r: usize| match r {
+            0 => vec![1],
+            1 => vec![0],
+            _ => vec![],
+        };
+        let preps: Vec<Prepared> = (0..3)
+            .map(|r| prepare(r, 3, &partners, ShmOptions { ring_bytes: ring }).unwrap())
+            .collect();
+        let stride = ring_stride(ring) as u64;
+        let got: Vec<u64> = preps.iter().map(|p| allocated(&p.file)).collect();
+        assert_eq!(
+            got,
+            vec![RINGS as u64 + stride, RINGS as u64 + stride, RINGS as u64]
+        );
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+        let mut ts: Vec<ShmTransport> = preps
+            .into_iter()
+            .zip(segs)
+            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None, None]).unwrap())
+            .collect();
+        assert_eq!(ts[0].committed_at_init(), RINGS + stride as usize);
+        assert_eq!(ts[2].committed_at_init(), RINGS);
+        assert!(
+            ts[2].describe().contains("rings from 0 of 2 peers"),
+            "{}",
+            ts[2].describe()
+        );
+        // 2 sends to 0: 2 commits its ring in its own segment, and populates the one in 0's.
+        let data = vec![7u8; 1000];
+        let hdr = FrameHeader {
+            kind: FrameKind::Data,
+            coll: 0,
+            dtype: 0,
+            op: crate::transport::NO_OP,
+            root: 0,
+            len: data.len() as u32,
+            seq: 1,
+            count: data.len() as u64,
+        };
+        let mut sp = SendProgress::default();
+        assert!(ts[2].send(0, &hdr, &data, &mut sp).unwrap());
+        assert_eq!(allocated(&ts[2].file), RINGS as u64 + stride);
+        // 0 has not used the pair yet: its ring from 2 holds the frame (2 populated it), and
+        // its first receive commits it (a no-op for the pages 2 touched) and takes it.
+        struct Take(Vec<u8>);
+        impl RecvSink for Take {
+            fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
+                Ok(hdr.len as usize)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                Some(&mut self.0)
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        let mut sink = Take(vec![0u8; 1000]);
+        let mut rp = RecvProgress::default();
+        assert!(ts[0].recv(2, &mut rp, &mut sink).unwrap());
+        assert_eq!(sink.0, data);
+        assert_eq!(allocated(&ts[0].file), RINGS as u64 + 2 * stride);
+        assert!(ts[0].peers[2].as_ref().is_some_and(|p| p.committed));
+    }
+
+    #[test]
+    fn segment_info_round_trips_and_rejects_other_lengths() {
+        let i = SegInfo {
+            pid: 42,
+            fd: 7,
+            len: 1 << 22,
+            ring: 1 << 21,
+            nonce: 0xdead_beef_cafe_f00d,
+        };
+        assert_eq!(SegInfo::decode(&i.encode()), Some(i));
+        assert_eq!(SegInfo::decode(&[0u8; 31]), None);
+    }
+
+    /// A peer (misbehaving, or of another build) whose segment is too small for the layout
+    /// would make later ring accesses fall outside it: refused at connect, naming the rank.
+    #[test]
+    fn a_peer_segment_of_another_length_is_refused_at_connect() {
+        use std::os::fd::AsRawFd;
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let me = prepare(0, 2, &|_| Vec::new(), opts).unwrap();
+        // A well-formed header for rank 1 of 2 in a segment of 4096 bytes: too small for
+        // one ring of 8 KiB.
+        let len = 4096;
+        let file = seg::create(len, &[(0, len)], "dspark-shm-test-small").unwrap();
+        let small = Seg::map(&file, len).unwrap();
+        small.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        small.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        small.u32_at(OFF_WORLD).store(2, Ordering::Relaxed);
+        small.u32_at(OFF_RANK).store(1, Ordering::Relaxed);
+        small.u64_at(OFF_NONCE).store(7, Ordering::Relaxed);
+        let theirs = SegInfo {
+            pid: std::process::id(),
+            fd: file.as_raw_fd() as u32,
+            len: len as u64,
+            ring: me.ring as u64,
+            nonce: 7,
+        };
+        let e = me.connect(&[me.info(), theirs]).unwrap_err();
+        assert!(e.contains("rank 1") && e.contains("4096 bytes"), "{e}");
+        let right = SegInfo {
+            len: seg_len(2, me.ring) as u64,
+            ..theirs
+        };
+        let e = me.connect(&[me.info(), right]).unwrap_err();
+        assert!(
+            e.contains("rank 1's segment"),
+            "a mis-sized file is still caught: {e}"
+        );
+    }
+}
