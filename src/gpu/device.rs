@@ -11,19 +11,18 @@
 //! waited for through cudarc's per-buffer events. No device-wide synchronisation.
 
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
+use super::cuda::driver::{self, require_driver_symbols, CUdevice_attribute};
 use super::kernels::{self, KernelBuild, KernelKind, BLOCK_THREADS};
 use super::nvrtc::{self, DiskCache, GpuArch, ImageKind};
-use super::probe::{cu_check, cu_error_text, require_driver_symbols};
 use crate::error::{Error, Result};
 use crate::types::{DataType, Element, ReduceOp};
 
@@ -53,32 +52,19 @@ const CONTEXT_SYMBOLS: [&str; 22] = [
     "cuGetErrorString",
 ];
 
-/// Maps a cudarc driver error to [`Error::Cuda`] naming `op` (for `map_err`).
-pub(crate) fn driver_err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
-    move |e| Error::Cuda {
-        rank: None,
-        op: op.to_string(),
-        what: cu_error_text(e.0),
-    }
-}
+pub(crate) use super::cuda::driver::driver_err;
 
 /// Opens (retains) the primary context of GPU `ordinal`, checking first that the driver and the
 /// device exist: [`Error::Unavailable`] instead of cudarc's panic.
 pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     require_driver_symbols(&CONTEXT_SYMBOLS)?;
-    // SAFETY: the symbol exists (checked above); cuInit(0) may be called any number of times.
-    let r = unsafe { sys::cuInit(0) };
-    if r != sys::CUresult::CUDA_SUCCESS {
+    if let Err(reason) = driver::init() {
         return Err(Error::unavailable(
             "CUDA device",
-            format!("cuInit failed: {}", cu_error_text(r)),
+            format!("cuInit failed: {reason}"),
         ));
     }
-    let mut count: c_int = 0;
-    // SAFETY: the driver is initialised; writes one int.
-    cu_check("cuDeviceGetCount", unsafe {
-        sys::cuDeviceGetCount(&mut count)
-    })?;
+    let count = driver::device_count()?;
     if ordinal >= count.max(0) as usize {
         return Err(Error::unavailable(
             format!("CUDA device {ordinal}"),
@@ -109,7 +95,7 @@ impl GpuReducer {
             .compute_capability()
             .map_err(driver_err("cuDeviceGetAttribute"))?;
         let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("cuDeviceGetAttribute"))?;
         let arch = kernels::choose_arch(
             (major.max(0) as u32, minor.max(0) as u32),
@@ -395,11 +381,7 @@ impl DeviceAllocation {
         let len = len.max(1).div_ceil(page) * page;
         ctx.bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: the symbol exists and the context is current; the driver writes one pointer.
-        cu_check("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, len)
-        })?;
+        let ptr = driver::mem_alloc(len)?;
         Ok(DeviceAllocation {
             ctx: ctx.clone(),
             ptr,
@@ -434,7 +416,7 @@ impl Drop for DeviceAllocation {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc_v2 in this context and is freed exactly once.
-            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+            unsafe { driver::mem_free(self.ptr) };
         }
     }
 }
@@ -469,37 +451,9 @@ pub unsafe fn export_dmabuf(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Res
     }
     ctx.bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
-    let mut fd: c_int = -1;
-    // SAFETY: the symbol exists; `fd` is a valid int for the driver to write the descriptor to
-    // (the handle type DMA_BUF_FD returns an int); the range is device memory of the current
-    // context by the caller's contract; flags must be 0.
-    let r = unsafe {
-        sys::cuMemGetHandleForAddressRange(
-            (&mut fd as *mut c_int).cast::<c_void>(),
-            ptr,
-            len,
-            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-            0,
-        )
-    };
-    match r {
-        sys::CUresult::CUDA_SUCCESS if fd >= 0 => {
-            // SAFETY: the driver returned a new descriptor that nothing else owns.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        }
-        sys::CUresult::CUDA_SUCCESS => {
-            Err(Error::Cuda { rank: None, op: "cuMemGetHandleForAddressRange".into(), what: format!("returned fd {fd}") })
-        }
-        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => Err(Error::unavailable(
-            "dma-buf export of device memory",
-            format!(
-                "cuMemGetHandleForAddressRange: {} (needs an open-kernel-module NVIDIA driver >= 515, \
-                 Turing or newer, and a Linux kernel with dma-buf support)",
-                cu_error_text(r)
-            ),
-        )),
-        other => Err(Error::Cuda { rank: None, op: "cuMemGetHandleForAddressRange".into(), what: cu_error_text(other) }),
-    }
+    // SAFETY: the range is device memory of `ctx`, now current, that stays allocated while the
+    // descriptor is in use: the caller's contract.
+    unsafe { driver::dmabuf_fd_for_range(ptr, len) }
 }
 
 /// Makes GPUDirect RDMA writes that the NIC has completed visible to work launched afterwards
@@ -518,14 +472,9 @@ pub fn flush_gpudirect_writes(ctx: &Arc<CudaContext>) -> Result<()> {
 pub(crate) fn flush_gpudirect_writes_prechecked(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
-    // SAFETY: the symbol exists (checked by the caller's constructor, see above) and a context
-    // is current; the call takes two enum values.
-    cu_check("cuFlushGPUDirectRDMAWrites", unsafe {
-        sys::cuFlushGPUDirectRDMAWrites(
-            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-            sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
-        )
-    })
+    // The symbol exists (checked by the caller's constructor, see above) and a context is
+    // current.
+    driver::flush_gpudirect_rdma_writes()
 }
 
 #[cfg(test)]

@@ -37,15 +37,14 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use super::device::{
-    driver_err, flush_gpudirect_writes, flush_gpudirect_writes_prechecked, DeviceAllocation,
-    GpuReducer,
+use super::cuda::driver::{
+    self, cu_error_text, driver_err, require_driver_symbols, CUdevice_attribute,
 };
-use super::probe::{cu_check, cu_error_text, require_driver_symbols};
+use super::device::{
+    flush_gpudirect_writes, flush_gpudirect_writes_prechecked, DeviceAllocation, GpuReducer,
+};
 use super::staged::{check_contexts, DevBuffers, Marks};
 use super::sysfs::Sysfs;
 use super::MemoryKind;
@@ -145,9 +144,7 @@ impl DirectRegion {
             .map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the symbol was checked, the context is current, and `mem` is a live
         // allocation of exactly `mem.len()` bytes in it.
-        cu_check("cuMemsetD8_v2", unsafe {
-            sys::cuMemsetD8_v2(mem.ptr(), 0, mem.len())
-        })?;
+        unsafe { driver::memset_d8(mem.ptr(), 0, mem.len()) }?;
         // The memset runs on the legacy default stream, which the library's non-blocking
         // streams do not wait for: finish it here.
         ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
@@ -199,7 +196,7 @@ impl DirectRegion {
     /// Reasons start with `dma-buf:` or `peermem:`. An empty candidate list means GPUDirect
     /// RDMA cannot be had on this GPU; the reasons say why.
     pub fn registration_candidates(&self) -> (Vec<MemoryKind>, Vec<String>) {
-        use sys::CUdevice_attribute as A;
+        use CUdevice_attribute as A;
         let mut kinds = Vec::new();
         let mut why_not = Vec::new();
         let gpu = self.ctx.ordinal();
@@ -263,9 +260,7 @@ impl DirectRegion {
             .map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the symbol was checked at construction; `offset + src.len()` lies inside the
         // live allocation (checked) and `src` is readable for `src.len()` bytes.
-        cu_check("cuMemcpyHtoD_v2", unsafe {
-            sys::cuMemcpyHtoD_v2(self.ptr() + offset as u64, src.as_ptr().cast(), src.len())
-        })?;
+        unsafe { driver::memcpy_htod(self.ptr() + offset as u64, src) }?;
         // A copy from pageable memory may still be in flight when the call returns.
         self.ctx
             .synchronize()
@@ -285,13 +280,7 @@ impl DirectRegion {
             .map_err(driver_err("cuCtxSynchronize"))?;
         // SAFETY: as in `write_from_host`; `dst` is writable for `dst.len()` bytes, and a copy
         // to pageable memory has completed when the call returns.
-        cu_check("cuMemcpyDtoH_v2", unsafe {
-            sys::cuMemcpyDtoH_v2(
-                dst.as_mut_ptr().cast(),
-                self.ptr() + offset as u64,
-                dst.len(),
-            )
-        })
+        unsafe { driver::memcpy_dtoh(dst, self.ptr() + offset as u64) }
     }
 
     fn check_host_range(&self, op: &str, offset: usize, len: usize) -> Result<()> {
@@ -401,10 +390,6 @@ impl<'a> CudaDirectDevice<'a> {
         })
     }
 
-    fn cu_stream(&self) -> sys::CUstream {
-        self.stream.cu_stream()
-    }
-
     fn no_host_slots(op: &str) -> Error {
         bad(
             op,
@@ -459,9 +444,7 @@ impl StagedDevice for CudaDirectDevice<'_> {
         // slot of the live region (both checked); the engine hands the slot to the NIC only
         // after the mark following this copy, and reuses it only after the NIC read it; the
         // stream is synchronised before either buffer is released.
-        cu_check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(d, s, n, self.cu_stream())
-        })
+        unsafe { driver::memcpy_dtod_async(d, s, n, self.stream) }
     }
 
     fn h2d(&mut self, _slot: usize, _dst: Range<usize>) -> Result<()> {
@@ -587,9 +570,7 @@ impl StagedDevice for CudaDirectDevice<'_> {
             // SAFETY: `d` covers `n` bytes of the borrowed destination and `incoming` `n` bytes
             // of the live region (both checked); the engine releases the landing slot to the
             // sender only after the mark following this copy is reached.
-            None => cu_check("cuMemcpyDtoDAsync", unsafe {
-                sys::cuMemcpyDtoDAsync_v2(d, incoming, n, self.cu_stream())
-            }),
+            None => unsafe { driver::memcpy_dtod_async(d, incoming, n, self.stream) },
             // SAFETY: `d` and `a` cover `n` bytes of borrowed device buffers, either the same
             // range (in place) or disjoint, as the engine uses them; `incoming` covers `n` bytes
             // of the region, disjoint from both; all on the reducer's context (checked at

@@ -7,6 +7,9 @@
 //! ([`libcuda_present`], [`nvrtc::libnvrtc_present`]) and reports absence as
 //! [`Error::Unavailable`](crate::Error::Unavailable).
 //!
+//! - `cuda`: the one layer over CUDA's C APIs: every raw libcuda and libnvrtc call (through
+//!   `cudarc::driver::sys` and `cudarc::nvrtc::sys`) is a small function there returning the
+//!   crate's error, with the presence checks; the rest of `gpu/` calls only those.
 //! - [`kernels`]: the CUDA C reduction kernels, their names, options and launch geometry (no GPU).
 //! - [`nvrtc`]: run-time compilation with a process and disk cache (needs libnvrtc only).
 //! - [`sysfs`]: nvidia-peermem detection, GPU↔NIC PCIe distance, RDMA port facts, read from
@@ -22,8 +25,11 @@
 //!   NIC registers (dma-buf or nvidia-peermem), sends copied into it and payloads consumed from
 //!   it on the device.
 //!
-//! `unsafe` in this module is FFI; every block carries a `// SAFETY:` comment.
+//! `unsafe` in this module is FFI; every block carries a `// SAFETY:` comment. The raw calls are
+//! all in `cuda`; the `unsafe` elsewhere is where soundness rests on device addresses and
+//! host pointers that only the caller can vouch for.
 
+pub(crate) mod cuda;
 pub mod device;
 pub mod direct;
 pub mod kernels;

@@ -13,10 +13,11 @@
 //! `$XDG_CACHE_HOME/dspark`, else `~/.cache/dspark`. A cache that cannot be read or written is
 //! skipped, with a `tracing` debug line saying why.
 //!
-//! This module is FFI: every `unsafe` block names what makes it sound. Nothing here needs a GPU.
+//! The NVRTC calls themselves (presence, version, architectures, programs) are in the CUDA
+//! layer, `gpu::cuda::nvrtc`; this module has no `unsafe`. Nothing here needs a GPU.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::CString;
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -24,92 +25,13 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::nvrtc::sys;
-
+use super::cuda::nvrtc::{require_nvrtc, Program};
 use crate::error::{Error, Result};
+
+pub use super::cuda::nvrtc::{error_string, libnvrtc_present, supported_archs, version};
 
 /// Environment variable naming the disk cache directory (highest precedence).
 pub const CACHE_DIR_ENV: &str = "DSPARK_CACHE_DIR";
-
-/// Whether libnvrtc can be loaded by cudarc on this machine.
-pub fn libnvrtc_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        // SAFETY: `is_culib_present` only tries `dlopen` on cudarc's fixed list of library names
-        // and drops each handle it opens; loading libnvrtc runs no code of ours. It is unsafe only
-        // because loading any shared library runs its initialisers.
-        unsafe { sys::is_culib_present() }
-    })
-}
-
-fn require_nvrtc() -> Result<()> {
-    if libnvrtc_present() {
-        Ok(())
-    } else {
-        Err(Error::unavailable(
-            "NVRTC (libnvrtc)",
-            "libnvrtc.so could not be loaded: install the CUDA toolkit, or the PyPI wheel \
-             nvidia-cuda-nvrtc-cu12 (tests/gpu/install_nvrtc.sh), and put the directory holding \
-             libnvrtc.so.12 on LD_LIBRARY_PATH",
-        ))
-    }
-}
-
-fn nvrtc_err(op: &str, r: sys::nvrtcResult) -> Error {
-    Error::Cuda {
-        rank: None,
-        op: op.to_string(),
-        what: format!("{r:?}"),
-    }
-}
-
-fn check(op: &str, r: sys::nvrtcResult) -> Result<()> {
-    if r == sys::nvrtcResult::NVRTC_SUCCESS {
-        Ok(())
-    } else {
-        Err(nvrtc_err(op, r))
-    }
-}
-
-/// The version of the loaded libnvrtc, `(major, minor)`.
-pub fn version() -> Result<(i32, i32)> {
-    require_nvrtc()?;
-    static VERSION: OnceLock<std::result::Result<(i32, i32), sys::nvrtcResult>> = OnceLock::new();
-    let v = VERSION.get_or_init(|| {
-        let (mut major, mut minor): (c_int, c_int) = (0, 0);
-        // SAFETY: libnvrtc is present (checked above), and nvrtcVersion only writes the two ints
-        // through the valid pointers given.
-        let r = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
-        if r == sys::nvrtcResult::NVRTC_SUCCESS {
-            Ok((major, minor))
-        } else {
-            Err(r)
-        }
-    });
-    v.map_err(|r| nvrtc_err("nvrtcVersion", r))
-}
-
-/// The real architectures (`sm_XX`, as `XX`) this libnvrtc can generate code for.
-pub fn supported_archs() -> Result<Vec<u32>> {
-    require_nvrtc()?;
-    let mut n: c_int = 0;
-    // SAFETY: libnvrtc is present; the call writes one int.
-    check("nvrtcGetNumSupportedArchs", unsafe {
-        sys::nvrtcGetNumSupportedArchs(&mut n)
-    })?;
-    let mut archs = vec![0 as c_int; n.max(0) as usize];
-    if !archs.is_empty() {
-        // SAFETY: `archs` has room for the `n` ints NVRTC reported it will write.
-        check("nvrtcGetSupportedArchs", unsafe {
-            sys::nvrtcGetSupportedArchs(archs.as_mut_ptr())
-        })?;
-    }
-    Ok(archs
-        .into_iter()
-        .filter(|a| *a > 0)
-        .map(|a| a as u32)
-        .collect())
-}
 
 /// A GPU architecture to compile for: `sm_90` (real: CUBIN, run through ptxas) or `compute_90`
 /// (virtual: PTX, compiled by the driver at load time). A suffix `a` (`sm_90a`) selects the
@@ -380,46 +302,6 @@ pub fn parse_ptxas_report(log: &str) -> Vec<FunctionStats> {
     out
 }
 
-/// RAII owner of an `nvrtcProgram`; destroying it never panics.
-struct Program {
-    prog: sys::nvrtcProgram,
-}
-
-impl Drop for Program {
-    fn drop(&mut self) {
-        if !self.prog.is_null() {
-            // SAFETY: `prog` was created by nvrtcCreateProgram and is destroyed exactly once
-            // (here); the result is ignored because Drop cannot report it and a failure to free
-            // a program leaks memory at worst.
-            let _ = unsafe { sys::nvrtcDestroyProgram(&mut self.prog) };
-        }
-    }
-}
-
-fn program_log(prog: &Program) -> String {
-    let mut size: usize = 0;
-    // SAFETY: `prog.prog` is a live program; the call writes one usize.
-    if unsafe { sys::nvrtcGetProgramLogSize(prog.prog, &mut size) }
-        != sys::nvrtcResult::NVRTC_SUCCESS
-        || size == 0
-    {
-        return String::new();
-    }
-    let mut buf = vec![0 as c_char; size];
-    // SAFETY: `buf` holds `size` bytes, the size NVRTC reported for the NUL-terminated log.
-    if unsafe { sys::nvrtcGetProgramLog(prog.prog, buf.as_mut_ptr()) }
-        != sys::nvrtcResult::NVRTC_SUCCESS
-    {
-        return String::new();
-    }
-    let bytes: Vec<u8> = buf
-        .iter()
-        .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
 /// Compiles `source` (program name `name`, used in diagnostics) for `arch` with `options`
 /// (without `--gpu-architecture`, which is added), bypassing every cache.
 ///
@@ -449,31 +331,11 @@ pub fn compile_uncached(
             op: "nvrtcCompileProgram".into(),
             what: "option contains NUL".into(),
         })?;
-    let option_ptrs: Vec<*const c_char> = coptions.iter().map(|c| c.as_ptr()).collect();
-
     let start = Instant::now();
-    let mut prog = Program {
-        prog: std::ptr::null_mut(),
-    };
-    // SAFETY: `src` and `cname` are NUL-terminated and outlive the program: `prog` is declared
-    // after them, so it is destroyed first on every path. No headers are passed.
-    check("nvrtcCreateProgram", unsafe {
-        sys::nvrtcCreateProgram(
-            &mut prog.prog,
-            src.as_ptr(),
-            cname.as_ptr(),
-            0,
-            std::ptr::null(),
-            std::ptr::null(),
-        )
-    })?;
-    // SAFETY: `prog` is live; `option_ptrs` points at `coptions.len()` NUL-terminated strings that
-    // live until the end of this function.
-    let r = unsafe {
-        sys::nvrtcCompileProgram(prog.prog, option_ptrs.len() as c_int, option_ptrs.as_ptr())
-    };
-    let log = program_log(&prog);
-    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+    let mut prog = Program::create(&src, &cname)?;
+    let r = prog.compile(&coptions);
+    let log = prog.log();
+    if let Err(r) = r {
         return Err(Error::Cuda {
             rank: None,
             op: format!("nvrtcCompileProgram({name}, {arch})"),
@@ -484,33 +346,9 @@ pub fn compile_uncached(
         });
     }
     let (kind, image) = if arch.real {
-        let mut size: usize = 0;
-        // SAFETY: `prog` is live and compiled; writes one usize.
-        check("nvrtcGetCUBINSize", unsafe {
-            sys::nvrtcGetCUBINSize(prog.prog, &mut size)
-        })?;
-        let mut buf = vec![0u8; size];
-        if size > 0 {
-            // SAFETY: `buf` has the `size` bytes NVRTC reported for the CUBIN.
-            check("nvrtcGetCUBIN", unsafe {
-                sys::nvrtcGetCUBIN(prog.prog, buf.as_mut_ptr().cast())
-            })?;
-        }
-        (ImageKind::Cubin, buf)
+        (ImageKind::Cubin, prog.cubin()?)
     } else {
-        let mut size: usize = 0;
-        // SAFETY: `prog` is live and compiled; writes one usize.
-        check("nvrtcGetPTXSize", unsafe {
-            sys::nvrtcGetPTXSize(prog.prog, &mut size)
-        })?;
-        let mut buf = vec![0u8; size];
-        if size > 0 {
-            // SAFETY: `buf` has the `size` bytes (NUL included) NVRTC reported for the PTX.
-            check("nvrtcGetPTX", unsafe {
-                sys::nvrtcGetPTX(prog.prog, buf.as_mut_ptr().cast())
-            })?;
-        }
-        (ImageKind::Ptx, buf)
+        (ImageKind::Ptx, prog.ptx()?)
     };
     drop(prog);
     drop(src);
@@ -795,20 +633,6 @@ pub fn compile(
         m.insert(key, compiled.clone());
     }
     Ok(compiled)
-}
-
-/// The error string NVRTC gives for a result code (for diagnostics).
-pub fn error_string(r: sys::nvrtcResult) -> String {
-    if !libnvrtc_present() {
-        return format!("{r:?}");
-    }
-    // SAFETY: libnvrtc is present; nvrtcGetErrorString returns a pointer to a static string.
-    let p = unsafe { sys::nvrtcGetErrorString(r) };
-    if p.is_null() {
-        return format!("{r:?}");
-    }
-    // SAFETY: `p` is non-null and points at a NUL-terminated static string owned by libnvrtc.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
 #[cfg(test)]

@@ -25,18 +25,21 @@
 
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use std::marker::PhantomData;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+    CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
-use super::device::driver_err;
-use super::probe::{cu_check, require_driver_symbols};
-use crate::error::{Error, Result};
+use super::cuda::driver::{
+    self, driver_err, require_driver_symbols, CUdeviceptr, CU_MEMHOSTALLOC_DEVICEMAP,
+    CU_MEMHOSTALLOC_PORTABLE,
+};
+use crate::error::Result;
+
+pub(crate) use super::cuda::driver::copy_dtod_async;
 
 /// The driver functions a doorbell needs (checked before the first use: cudarc panics on a
 /// missing symbol).
@@ -54,7 +57,7 @@ pub(crate) struct Doorbell {
     /// The word, as the host writes it (`cuMemHostAlloc`, device-mapped).
     host: *mut u32,
     /// The same word as the GPU reads it.
-    dev: sys::CUdeviceptr,
+    dev: CUdeviceptr,
     /// The last ticket handed out: the issue lock, held while a ticket is issued and its
     /// operation queued, so that ticket order is queue order.
     issued: Mutex<u32>,
@@ -84,39 +87,28 @@ impl Doorbell {
     /// A doorbell on `ctx`'s GPU, at 0.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] when the driver lacks the functions; [`Error::Cuda`] when the
-    /// allocation fails.
+    /// [`Error::Unavailable`](crate::error::Error::Unavailable) when the driver lacks the
+    /// functions; [`Error::Cuda`](crate::error::Error::Cuda) when the allocation fails.
     pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         require_driver_symbols(&SYMBOLS)?;
         ctx.bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: the symbols were checked and a context is current; the driver writes one
-        // pointer to at least 4 bytes of page-locked, device-mapped memory.
-        cu_check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, 64, flags)
-        })?;
-        if p.is_null() {
-            return Err(Error::Cuda {
-                rank: None,
-                op: "cuMemHostAlloc".into(),
-                what: "null pointer".into(),
-            });
-        }
+        let flags = CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE;
+        // The symbols were checked and a context is current: at least 4 bytes (64) of
+        // page-locked, device-mapped memory, never null.
+        let p = driver::mem_host_alloc(64, flags)?;
         let host = p.cast::<u32>();
         // SAFETY: `host` points to 64 live bytes just allocated, suitably aligned (page).
         unsafe { host.write_volatile(0) };
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `p` is a device-mapped host allocation of this context; flags must be 0.
-        let r = cu_check("cuMemHostGetDevicePointer_v2", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0)
-        });
-        if let Err(e) = r {
-            // SAFETY: `p` came from cuMemHostAlloc and is freed once, here.
-            let _ = unsafe { sys::cuMemFreeHost(p) };
-            return Err(e);
-        }
+        // `p` is a device-mapped host allocation of this context.
+        let dev = match driver::mem_host_get_device_pointer(p) {
+            Ok(dev) => dev,
+            Err(e) => {
+                // SAFETY: `p` came from cuMemHostAlloc and is freed once, here.
+                unsafe { driver::mem_free_host(p) };
+                return Err(e);
+            }
+        };
         Ok(Doorbell {
             ctx: ctx.clone(),
             host,
@@ -181,7 +173,7 @@ impl Drop for Doorbell {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once; every stream
             // that waited on it has passed its wait (above).
-            let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+            unsafe { driver::mem_free_host(self.host.cast()) };
         }
     }
 }
@@ -215,14 +207,7 @@ impl Issue<'_> {
                 // SAFETY: the symbol was checked in `new`; the stream belongs to the
                 // doorbell's context (the caller checked the ordinal) and the address is the
                 // device mapping of the live word.
-                cu_check("cuStreamWaitValue32", unsafe {
-                    sys::cuStreamWaitValue32_v2(
-                        stream.cu_stream(),
-                        self.bell.dev,
-                        seq,
-                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                    )
-                })
+                unsafe { driver::stream_wait_value32_geq(stream, self.bell.dev, seq) }
             })
             .inspect_err(|_| self.bell.ring(seq))?;
         // Remembered until the word is freed; events of waits already passed are dropped.
@@ -266,7 +251,7 @@ impl Drop for Ticket {
 /// for that operation's doorbell.
 #[derive(Debug)]
 pub(crate) struct Raw<T> {
-    ptr: sys::CUdeviceptr,
+    ptr: CUdeviceptr,
     len: usize,
     stream: Arc<CudaStream>,
     _t: PhantomData<fn() -> T>,
@@ -274,7 +259,7 @@ pub(crate) struct Raw<T> {
 
 impl<T> Raw<T> {
     /// `len` elements of `T` at `ptr`, used on `stream`.
-    pub(crate) fn new(ptr: sys::CUdeviceptr, len: usize, stream: &Arc<CudaStream>) -> Self {
+    pub(crate) fn new(ptr: CUdeviceptr, len: usize, stream: &Arc<CudaStream>) -> Self {
         Raw {
             ptr,
             len,
@@ -294,40 +279,15 @@ impl<T> DeviceSlice<T> for Raw<T> {
 }
 
 impl<T> DevicePtr<T> for Raw<T> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         (self.ptr, SyncOnDrop::Record(None))
     }
 }
 
 impl<T> DevicePtrMut<T> for Raw<T> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        _stream: &'a CudaStream,
-    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         (self.ptr, SyncOnDrop::Record(None))
     }
-}
-
-/// Queues a copy of `bytes` bytes from device address `src` to `dst` on `stream`.
-///
-/// # Safety
-/// Both ranges must be device memory of `stream`'s context, valid for those bytes when the
-/// copy runs on the stream, and must not overlap.
-pub(crate) unsafe fn copy_dtod_async(
-    stream: &CudaStream,
-    dst: sys::CUdeviceptr,
-    src: sys::CUdeviceptr,
-    bytes: usize,
-) -> Result<()> {
-    require_driver_symbols(&["cuMemcpyDtoDAsync_v2"])?;
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
-    // SAFETY: the caller's contract; the symbol was checked above.
-    cu_check("cuMemcpyDtoDAsync_v2", unsafe {
-        sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream())
-    })
 }
 
 #[cfg(test)]

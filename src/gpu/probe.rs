@@ -6,83 +6,16 @@
 //! missing library or symbol). A machine without a driver gets [`Error::Unavailable`]; a driver
 //! without a GPU gets a probe with no devices and the driver's reason.
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::c_int;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
-use cudarc::driver::sys;
 use serde::Serialize;
 
+use super::cuda::driver::{self, require_driver_symbols, CUdevice_attribute as A};
 use super::sysfs::PciAddr;
 use crate::error::{Error, Result};
 
-/// Whether libcuda (the CUDA driver library) can be loaded on this machine.
-pub fn libcuda_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        // SAFETY: `is_culib_present` only tries `dlopen` on cudarc's fixed list of names for the
-        // driver library and closes what it opens; it is unsafe because loading a library runs
-        // its initialisers, which for libcuda is the vendor's intended use.
-        unsafe { sys::is_culib_present() }
-    })
-}
-
-/// Why libcuda is missing, and what to do, in one sentence.
-pub const NO_LIBCUDA: &str = "libcuda.so (the NVIDIA driver's CUDA library) could not be loaded: \
-    no NVIDIA driver is installed, or the container does not expose it (--gpus / nvidia-container-toolkit)";
-
-/// Checks that the driver exports every function in `names` (so that cudarc's loader cannot
-/// panic on a missing symbol).
-pub(crate) fn require_driver_symbols(names: &[&str]) -> Result<()> {
-    if !libcuda_present() {
-        return Err(Error::unavailable("CUDA", NO_LIBCUDA));
-    }
-    for name in names {
-        // SAFETY: libcuda is present, so `culib()` loads it without panicking; looking a symbol up
-        // only reads the library's symbol table and the returned pointer is dropped unused.
-        let found = unsafe {
-            sys::culib()
-                .get::<unsafe extern "C" fn()>(name.as_bytes())
-                .is_ok()
-        };
-        if !found {
-            return Err(Error::unavailable(
-                format!("CUDA driver function {name}"),
-                "the installed NVIDIA driver is too old for this function: update the driver",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Turns a driver result into `Result`, with the driver's error name in the message.
-pub(crate) fn cu_check(op: &str, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda {
-            rank: None,
-            op: op.to_string(),
-            what: cu_error_text(r),
-        })
-    }
-}
-
-/// `CUDA_ERROR_X: description` for a driver result.
-pub(crate) fn cu_error_text(r: sys::CUresult) -> String {
-    let mut desc: *const c_char = std::ptr::null();
-    // SAFETY: only called after libcuda was found present (every caller went through
-    // `require_driver_symbols`); cuGetErrorString writes a pointer to a static string or leaves it
-    // null.
-    let ok = unsafe { sys::cuGetErrorString(r, &mut desc) } == sys::CUresult::CUDA_SUCCESS;
-    if ok && !desc.is_null() {
-        // SAFETY: non-null pointers from cuGetErrorString are static NUL-terminated strings.
-        let d = unsafe { CStr::from_ptr(desc) }.to_string_lossy();
-        format!("{r:?}: {d}")
-    } else {
-        format!("{r:?}")
-    }
-}
+pub use super::cuda::driver::{libcuda_present, NO_LIBCUDA};
 
 const PROBE_SYMBOLS: [&str; 9] = [
     "cuInit",
@@ -131,25 +64,15 @@ pub struct CudaProbe {
 /// Probes the CUDA driver: version and every device. [`Error::Unavailable`] without libcuda.
 pub fn probe_cuda() -> Result<CudaProbe> {
     require_driver_symbols(&PROBE_SYMBOLS)?;
-    let mut version: c_int = 0;
-    // SAFETY: the symbol exists (checked); writes one int.
-    let got_version =
-        unsafe { sys::cuDriverGetVersion(&mut version) } == sys::CUresult::CUDA_SUCCESS;
-    let driver_version = got_version.then_some((version / 1000, (version % 1000) / 10));
-    // SAFETY: the symbol exists; cuInit(0) is the documented first call and may be repeated.
-    let r = unsafe { sys::cuInit(0) };
-    if r != sys::CUresult::CUDA_SUCCESS {
+    let driver_version = driver::driver_version().map(|v| (v / 1000, (v % 1000) / 10));
+    if let Err(reason) = driver::init() {
         return Ok(CudaProbe {
             driver_version,
             devices: Vec::new(),
-            init_error: Some(cu_error_text(r)),
+            init_error: Some(reason),
         });
     }
-    let mut count: c_int = 0;
-    // SAFETY: the driver is initialised; writes one int.
-    cu_check("cuDeviceGetCount", unsafe {
-        sys::cuDeviceGetCount(&mut count)
-    })?;
+    let count = driver::device_count()?;
     let mut devices = Vec::new();
     for ordinal in 0..count.max(0) {
         devices.push(device_info(ordinal)?);
@@ -161,61 +84,23 @@ pub fn probe_cuda() -> Result<CudaProbe> {
     })
 }
 
-fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Option<i32> {
-    let mut v: c_int = 0;
-    // SAFETY: `dev` came from cuDeviceGet; the call writes one int. An attribute unknown to an
-    // older driver returns CUDA_ERROR_INVALID_VALUE, reported as `None`.
-    (unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) } == sys::CUresult::CUDA_SUCCESS)
-        .then_some(v)
-}
-
 fn device_info(ordinal: c_int) -> Result<GpuInfo> {
-    use sys::CUdevice_attribute as A;
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: the driver is initialised and `ordinal` < cuDeviceGetCount; writes one handle.
-    cu_check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
-    let mut name = [0 as c_char; 256];
-    // SAFETY: `name` has 256 bytes and the length passed is 255, so the result stays
-    // NUL-terminated (the buffer starts zeroed).
-    cu_check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(name.as_mut_ptr(), 255, dev)
-    })?;
-    let name_bytes: Vec<u8> = name
-        .iter()
-        .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
-        .collect();
-    let mut bus = [0 as c_char; 64];
-    // SAFETY: `bus` has 64 bytes, the length passed is 63 (NUL kept).
-    let pci = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 63, dev) }
-        == sys::CUresult::CUDA_SUCCESS)
-        .then(|| {
-            let b: Vec<u8> = bus
-                .iter()
-                .take_while(|c| **c != 0)
-                .map(|c| *c as u8)
-                .collect();
-            PciAddr::parse(&String::from_utf8_lossy(&b))
-        })
-        .flatten();
-    let mut total: usize = 0;
-    // SAFETY: writes one usize.
-    let total_mem = (unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) }
-        == sys::CUresult::CUDA_SUCCESS)
-        .then_some(total);
-    let major = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
-    let minor = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).unwrap_or(0);
+    let dev = driver::device_get(ordinal)?;
+    let name = driver::device_name(dev)?;
+    let pci = driver::device_pci_bus_id(dev).and_then(|b| PciAddr::parse(&b));
+    let total_mem = driver::device_total_mem(dev);
+    let attribute = |attr| driver::device_attribute(dev, attr);
+    let major = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
+    let minor = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).unwrap_or(0);
     Ok(GpuInfo {
         ordinal: ordinal as usize,
-        name: String::from_utf8_lossy(&name_bytes).into_owned(),
+        name,
         compute_capability: (major, minor),
         pci,
         total_mem,
-        sm_count: attribute(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-        dma_buf_supported: attribute(dev, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED).map(|v| v != 0),
-        gpu_direct_rdma_supported: attribute(dev, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)
+        sm_count: attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        dma_buf_supported: attribute(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED).map(|v| v != 0),
+        gpu_direct_rdma_supported: attribute(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)
             .map(|v| v != 0),
     })
 }

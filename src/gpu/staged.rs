@@ -22,17 +22,16 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+    CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
 };
 
-use super::device::{driver_err, DeviceAllocation, GpuReducer};
-use super::probe::{cu_check, require_driver_symbols};
+use super::cuda::driver::{self, driver_err, require_driver_symbols};
+use super::device::{DeviceAllocation, GpuReducer};
 use crate::engine::staged::{DevRange, StagedDevice};
 use crate::error::{Error, Result};
 use crate::plan::Buf;
@@ -67,19 +66,9 @@ impl Pinned {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the symbol was checked by the caller and a context is current; the driver
-        // writes one pointer; flags 0 = plain page-locked memory of this context.
-        cu_check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, len.max(1), 0)
-        })?;
-        if p.is_null() {
-            return Err(Error::Cuda {
-                rank: None,
-                op: "cuMemHostAlloc".into(),
-                what: "null pointer".into(),
-            });
-        }
+        // The symbol was checked by the caller and a context is current; flags 0 = plain
+        // page-locked memory of this context.
+        let p = driver::mem_host_alloc(len.max(1), 0)?;
         Ok(Pinned {
             ctx: ctx.clone(),
             ptr: p.cast(),
@@ -93,7 +82,7 @@ impl Drop for Pinned {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemHostAlloc and is freed once; the owner synchronised
             // its stream first, so no copy still uses it.
-            let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+            unsafe { driver::mem_free_host(self.ptr.cast()) };
         }
     }
 }
@@ -231,10 +220,6 @@ impl<'a> CudaStagedDevice<'a> {
     fn dev_ptr(&self, op: &str, buf: Buf, bytes: &Range<usize>) -> Result<u64> {
         self.bufs.ptr(op, buf, bytes)
     }
-
-    fn cu_stream(&self) -> sys::CUstream {
-        self.stream.cu_stream()
-    }
 }
 
 impl StagedDevice for CudaStagedDevice<'_> {
@@ -288,9 +273,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         // SAFETY: `host` has `n` bytes of pinned memory and `dev` `n` bytes of a borrowed device
         // buffer (both checked); the copy is ordered on the stream, which is synchronised
         // before either buffer is released.
-        cu_check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, n, self.cu_stream())
-        })
+        unsafe { driver::memcpy_dtoh_async(host, dev, n, self.stream) }
     }
 
     fn h2d(&mut self, slot: usize, dst: Range<usize>) -> Result<()> {
@@ -302,9 +285,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         }
         self.enqueued(slot);
         // SAFETY: as in `d2h`, in the other direction.
-        cu_check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dev, host.cast_const().cast(), n, self.cu_stream())
-        })
+        unsafe { driver::memcpy_htod_async(dev, host.cast_const(), n, self.stream) }
     }
 
     fn h2d_reduce(
@@ -333,9 +314,7 @@ impl StagedDevice for CudaStagedDevice<'_> {
         // SAFETY: the scratch allocation holds `slot_bytes >= n` bytes (checked by
         // `slot_ptr`); the slot holds `n` bytes; ordered on the stream before the kernel that
         // reads the scratch, and the next copy into the scratch is ordered after that kernel.
-        cu_check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(scratch, host.cast_const().cast(), n, self.cu_stream())
-        })?;
+        unsafe { driver::memcpy_htod_async(scratch, host.cast_const(), n, self.stream) }?;
         // SAFETY: `d` and `a` cover `n` bytes of borrowed device buffers, `scratch` `n` bytes of
         // ours; `d` and `a` are either the same range (in place) or disjoint, as the engine
         // uses them; everything is on this reducer's context (the stream is checked).
@@ -474,9 +453,7 @@ impl<'a> DevBuffers<'a> {
             return Ok(());
         }
         // SAFETY: both ranges lie in borrowed device buffers (checked), ordered on the stream.
-        cu_check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(d, s, n, stream.cu_stream())
-        })
+        unsafe { driver::memcpy_dtod_async(d, s, n, stream) }
     }
 
     /// Enqueues the final step of `op` (Avg: divide by `world`) on `Dst[dst]`.
