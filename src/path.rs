@@ -39,8 +39,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
-
 use crate::error::{Error, Result};
 
 /// The environment variable holding the [`PathPolicy`].
@@ -70,19 +68,20 @@ pub const REQUESTED_STAGED_REASON: &str = "DSPARK_DATA_PATH=host-staged was requ
 pub use crate::transport::TransportKind;
 
 /// How bytes get between the user's buffer and the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MemoryPath {
     /// The buffer is host memory; the transport reads and writes it directly.
-    #[serde(rename = "host")]
+    #[cfg_attr(feature = "cli", serde(rename = "host"))]
     HostMemory,
     /// GPUDirect RDMA: device memory registered with the NIC through a dma-buf.
-    #[serde(rename = "gdr-dmabuf")]
+    #[cfg_attr(feature = "cli", serde(rename = "gdr-dmabuf"))]
     GpuDirectDmaBuf,
     /// GPUDirect RDMA: device memory registered through nvidia-peermem.
-    #[serde(rename = "gdr-peermem")]
+    #[cfg_attr(feature = "cli", serde(rename = "gdr-peermem"))]
     GpuDirectPeerMem,
     /// Device memory copied through pinned host buffers (GPU → host → wire → host → GPU).
-    #[serde(rename = "staged")]
+    #[cfg_attr(feature = "cli", serde(rename = "staged"))]
     HostStaged,
 }
 
@@ -130,7 +129,8 @@ impl fmt::Display for MemoryPath {
 }
 
 /// The data path of one direction of one connection.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DataPath {
     /// The transport.
     pub transport: TransportKind,
@@ -163,7 +163,8 @@ impl fmt::Display for DataPath {
 }
 
 /// Both directions of this rank's connection to `peer`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ConnectionPath {
     /// The peer rank.
     pub peer: usize,
@@ -193,8 +194,9 @@ impl fmt::Display for ConnectionPath {
 }
 
 /// `DSPARK_DATA_PATH`: which memory path device buffers should take.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "cli", serde(rename_all = "kebab-case"))]
 pub enum PathPolicy {
     /// GPUDirect when every rank can, host-staged (with a warning naming who cannot) otherwise.
     #[default]
@@ -247,8 +249,12 @@ impl FromStr for PathPolicy {
 }
 
 /// What one rank can do with its device memory and its NIC.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case", tag = "kind", content = "reason")]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "cli",
+    serde(rename_all = "kebab-case", tag = "kind", content = "reason")
+)]
 pub enum GpuDirectCapability {
     /// GPUDirect RDMA through dma-buf (preferred).
     DmaBuf,
@@ -270,8 +276,9 @@ impl GpuDirectCapability {
 }
 
 /// Where the collective's buffers live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "cli", serde(rename_all = "lowercase"))]
 pub enum BufferLocation {
     /// Host memory.
     Host,
@@ -297,7 +304,8 @@ pub struct PathInputs<'a> {
 }
 
 /// The decision for one rank.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PathPlan {
     /// One entry per peer, in the order given.
     pub connections: Vec<ConnectionPath>,
@@ -502,7 +510,8 @@ pub fn decide(inputs: &PathInputs<'_>) -> Result<PathPlan> {
 }
 
 /// The facts about one GPU/NIC pair that decide its GPUDirect capability (all probed elsewhere).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuNicFacts {
     /// `Err(reason)` when the NIC cannot be used at all (no libibverbs, port down, ...).
     pub nic_usable: std::result::Result<(), String>,
@@ -1032,6 +1041,7 @@ mod tests {
         assert_eq!(gpu_direct_capability(&f), GpuDirectCapability::DmaBuf);
     }
 
+    #[cfg(feature = "cli")]
     #[test]
     fn paths_serialize_for_tools() {
         let c = symmetric(

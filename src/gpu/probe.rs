@@ -9,8 +9,6 @@
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
 use super::cuda::driver::{self, require_driver_symbols, CUdevice_attribute as A};
 use super::sysfs::PciAddr;
 use crate::error::{Error, Result};
@@ -30,7 +28,8 @@ const PROBE_SYMBOLS: [&str; 9] = [
 ];
 
 /// One CUDA device as the driver describes it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
     /// CUDA ordinal.
     pub ordinal: usize,
@@ -51,7 +50,8 @@ pub struct GpuInfo {
 }
 
 /// What the CUDA driver reports.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaProbe {
     /// Driver API version `(major, minor)` (e.g. 12.8).
     pub driver_version: Option<(i32, i32)>,
@@ -106,7 +106,8 @@ fn device_info(ordinal: c_int) -> Result<GpuInfo> {
 }
 
 /// RLIMIT_MEMLOCK of this process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemlockLimit {
     /// Soft limit in bytes (`None` = unlimited).
     pub soft: Option<u64>,
@@ -144,7 +145,8 @@ pub fn memlock_limit() -> Result<MemlockLimit> {
 }
 
 /// Where rdma-core's libibverbs was found.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VerbsLibrary {
     /// The path of `libibverbs.so.1`, if found.
     pub path: Option<String>,

@@ -10,8 +10,6 @@ use std::fmt;
 use std::fs;
 use std::path::{Component, Path, PathBuf};
 
-use serde::Serialize;
-
 /// The three files NCCL checks (`net_ib/gdr.cc`): nvidia-peermem is loaded when any one exists.
 pub const PEERMEM_FILES: [&str; 3] = [
     "sys/kernel/mm/memory_peers/nv_mem/version",
@@ -32,7 +30,8 @@ impl Default for Sysfs {
 }
 
 /// Whether nvidia-peermem is loaded, and how that was decided.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeermemStatus {
     /// One of [`PEERMEM_FILES`] exists.
     pub loaded: bool,
@@ -46,7 +45,8 @@ pub struct PeermemStatus {
 
 /// A PCI address `domain:bus:device.function`, normalised to lower-case sysfs form
 /// (`0000:3b:00.0`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PciAddr {
     /// PCI domain (segment).
     pub domain: u32,
@@ -98,7 +98,8 @@ impl fmt::Display for PciAddr {
 }
 
 /// How far apart two PCI devices are, in NCCL's vocabulary (ordered from near to far).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum PcieDistance {
     /// The same PCI device.
     Same,
@@ -146,7 +147,8 @@ impl fmt::Display for PcieDistance {
 
 /// The PCIe placement of a device: its canonical sysfs path split into the root
 /// (`pci0000:00`) and the chain of PCI devices from the root port down to the device itself.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PciPlacement {
     /// The PCI root (host bridge) directory name, e.g. `pci0000:00`.
     pub root: String,
@@ -157,7 +159,8 @@ pub struct PciPlacement {
 }
 
 /// A distance with the explanation of how it was derived.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DistanceReport {
     /// The classification.
     pub distance: PcieDistance,
@@ -237,7 +240,8 @@ pub fn classify(a: &PciPlacement, b: &PciPlacement) -> DistanceReport {
 }
 
 /// One RDMA port as sysfs shows it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RdmaPort {
     /// Port number (1-based).
     pub port: u32,
@@ -265,7 +269,8 @@ impl RdmaPort {
 }
 
 /// One populated GID table entry.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GidEntry {
     /// Index in the GID table.
     pub index: u32,
@@ -278,7 +283,8 @@ pub struct GidEntry {
 }
 
 /// One RDMA device under `/sys/class/infiniband`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RdmaDevice {
     /// Device name (`mlx5_0`, `rxe0`).
     pub name: String,
@@ -294,7 +300,8 @@ pub struct RdmaDevice {
 
 /// An NVIDIA GPU seen on the PCI bus (vendor 0x10de, display/3D class) — found even when the
 /// CUDA driver is missing.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PciGpu {
     /// PCI address.
     pub addr: PciAddr,

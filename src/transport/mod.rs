@@ -43,8 +43,9 @@ pub const HEADER_LEN: usize = 32;
 pub const FRAME_MAGIC: u32 = 0x4453_504b;
 
 /// Which transport moves the data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "cli", serde(rename_all = "lowercase"))]
 pub enum TransportKind {
     /// In-process (tests).
     Mem,
@@ -56,7 +57,7 @@ pub enum TransportKind {
     Shm,
     /// Shared memory between the ranks of one host and TCP between hosts, in one
     /// communicator ([`mixed`]); [`Transport::peer_kind`] says which one a peer uses.
-    #[serde(rename = "shm+tcp")]
+    #[cfg_attr(feature = "cli", serde(rename = "shm+tcp"))]
     ShmTcp,
 }
 

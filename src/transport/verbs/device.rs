@@ -11,7 +11,8 @@ use super::wire::{LinkLayer, PortAddr};
 
 /// Whether an RDMA device accepts dma-buf registrations (GPUDirect RDMA without
 /// nvidia-peermem), as `dspark doctor` reports it: probed with [`ib::Pd::probe_dmabuf`].
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(serde::Serialize))]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NicDmaBuf {
     /// The device (`mlx5_0`).
     pub device: String,
