@@ -56,7 +56,7 @@ macro_rules! bench_float {
     };
 }
 
-pub(crate) trait DivBy {
+trait DivBy {
     fn div_by(a: Self, n: usize) -> Self;
 }
 impl DivBy for f32 {
@@ -86,7 +86,7 @@ bench_float!(bf16, |v: bf16| v.to_f64(), bf16::from_f64);
 
 /// Input of rank `r` at element `i` for `op`: small integers (sums of up to hundreds of ranks
 /// stay exact in bf16's 8 bits only for few ranks; products use ±1).
-pub(crate) fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
+fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
     let k = (r * 7 + i * 13) as i64;
     match op {
         ReduceOp::Sum | ReduceOp::Avg => k % 5 - 2,
@@ -101,13 +101,15 @@ pub(crate) fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
     }
 }
 
-pub(crate) fn fill<T: BenchElem>(buf: &mut [T], op: ReduceOp, r: usize, offset: usize) {
+/// Fills `buf` with rank `r`'s inputs from element `offset` on.
+fn fill<T: BenchElem>(buf: &mut [T], op: ReduceOp, r: usize, offset: usize) {
     for (i, x) in buf.iter_mut().enumerate() {
         *x = T::from_i64(input_value(op, r, offset + i));
     }
 }
 
-pub(crate) fn expected<T: BenchElem>(op: ReduceOp, n: usize, i: usize) -> T {
+/// The reduced value of element `i` over `n` ranks.
+fn expected<T: BenchElem>(op: ReduceOp, n: usize, i: usize) -> T {
     let mut acc = T::from_i64(input_value(op, 0, i));
     for r in 1..n {
         acc = T::combine(op, acc, T::from_i64(input_value(op, r, i)));
@@ -118,7 +120,8 @@ pub(crate) fn expected<T: BenchElem>(op: ReduceOp, n: usize, i: usize) -> T {
     acc
 }
 
-pub(crate) fn count_wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
+/// The elements of `got` whose bytes differ from `want`'s.
+fn count_wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
     got.iter()
         .enumerate()
         .filter(|(i, g)| bytemuck::bytes_of(*g) != bytemuck::bytes_of(&want(*i)))
@@ -131,6 +134,8 @@ pub(crate) struct Bufs<T> {
     pub(crate) recv: Vec<T>,
 }
 
+/// One size's host buffers (`send` and `recv` elements), the input filled in where the
+/// collective reads it.
 pub(crate) fn prepare<T: BenchElem>(
     args: &Args,
     comm: &Communicator,

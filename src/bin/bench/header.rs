@@ -19,6 +19,8 @@ pub(crate) struct PathView {
     pub(crate) lines: Vec<String>,
 }
 
+/// The data path of this run: host memory, the emulated device, or the path device buffers
+/// take per connection (decided as init decides it).
 pub(crate) fn path_view(
     args: &Args,
     comm: &Communicator,
@@ -64,6 +66,7 @@ pub(crate) fn path_view(
     }
 }
 
+/// Prints the `#` lines above the table, ending with the column headings.
 pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
     let info = comm.info();
     let n = comm.world_size();

@@ -12,11 +12,8 @@ use dspark::Communicator;
 use crate::data::{BenchElem, Bufs};
 use crate::{Args, CallApi, Coll, Mem};
 
-pub(crate) fn run_host<T: BenchElem>(
-    args: &Args,
-    comm: &Communicator,
-    b: &mut Bufs<T>,
-) -> dspark::Result<()> {
+/// One call of the collective on host memory, through the API `--api` names.
+fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> dspark::Result<()> {
     if args.api == CallApi::Nonblocking {
         return run_host_nonblocking(args, comm, b);
     }
@@ -43,7 +40,7 @@ pub(crate) fn run_host<T: BenchElem>(
 }
 
 /// [`run_host`] through the non-blocking API: start in a scope, then wait.
-pub(crate) fn run_host_nonblocking<T: BenchElem>(
+fn run_host_nonblocking<T: BenchElem>(
     args: &Args,
     comm: &Communicator,
     b: &mut Bufs<T>,
@@ -67,7 +64,7 @@ pub(crate) fn run_host_nonblocking<T: BenchElem>(
 }
 
 /// The engine call for the emulated device (`None`: this rank idles in send/recv).
-pub(crate) fn staged_call<T: BenchElem>(
+fn staged_call<T: BenchElem>(
     args: &Args,
     comm: &Communicator,
     send: usize,
@@ -143,7 +140,8 @@ pub(crate) enum Runner<T: BenchElem> {
     },
 }
 
-pub(crate) fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+/// Maps a CUDA driver error to the bench's message, prefixed with what was being done.
+fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
     move |e| format!("{what}: {e:?}")
 }
 
@@ -222,31 +220,25 @@ impl<T: BenchElem> Runner<T> {
 
 /// One call on the emulated device (`--mem emulated`, refused at start without `testing`).
 #[cfg(feature = "testing")]
-pub(crate) fn run_emulated(
-    comm: &Communicator,
-    call: Call,
-    dev: &mut EmulatedDevice,
-) -> dspark::Result<()> {
+fn run_emulated(comm: &Communicator, call: Call, dev: &mut EmulatedDevice) -> dspark::Result<()> {
     comm.run_staged(call, dev)
 }
 
 #[cfg(not(feature = "testing"))]
-pub(crate) fn run_emulated(
-    _: &Communicator,
-    _: Call,
-    _: &mut EmulatedDevice,
-) -> dspark::Result<()> {
+fn run_emulated(_: &Communicator, _: Call, _: &mut EmulatedDevice) -> dspark::Result<()> {
     Err(dspark::Error::unavailable(
         "dspark-bench --mem emulated",
         "this dspark-bench was built without the `testing` feature",
     ))
 }
 
-pub(crate) fn missing() -> dspark::Error {
+/// The error of a device call whose buffer was never allocated (an empty side).
+fn missing() -> dspark::Error {
     dspark::Error::invalid(None, "dspark-bench", "a device buffer is missing")
 }
 
-pub(crate) fn run_device<T: BenchElem>(
+/// One call of the collective on GPU memory, ordered on the rank's stream.
+fn run_device<T: BenchElem>(
     args: &Args,
     comm: &Communicator,
     stream: &Arc<CudaStream>,

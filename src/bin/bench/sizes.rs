@@ -3,6 +3,7 @@
 
 use crate::{Args, Coll};
 
+/// The sizes of the sweep: `--sizes`, else `-b` times `-f` up to `-e`, and `-e` itself.
 pub(crate) fn sizes(args: &Args) -> Vec<usize> {
     if !args.sizes.is_empty() {
         return args.sizes.clone();

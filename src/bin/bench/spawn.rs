@@ -10,6 +10,7 @@ use dspark::Communicator;
 use crate::bind::{self, Bind};
 use crate::Args;
 
+/// Whether a launcher started this process as one rank (its rank variable is set).
 pub(crate) fn launcher_present() -> bool {
     [
         "DSPARK_RANK",
@@ -22,6 +23,7 @@ pub(crate) fn launcher_present() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Set in the ranks [`spawn_local`] starts, so they run as ranks rather than spawn again.
 pub(crate) const CHILD: &str = "DSPARK_BENCH_CHILD";
 
 /// Spawns `n` copies of this program as ranks on 127.0.0.1; rank 0's output is the table.

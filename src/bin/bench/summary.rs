@@ -49,6 +49,7 @@ pub(crate) fn write_plot(
     Ok(())
 }
 
+/// nccl-tests' footer: the wrong values over the sweep and the average bus bandwidth.
 pub(crate) fn footer(rows: &[Row], factor: f64) {
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     let avg_bus = if rows.is_empty() {

@@ -64,18 +64,23 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 // The bench's own bookkeeping goes through all_gather, which has one algorithm: an algorithm
 // forced for the timed collective (`--algo chain`) then never applies to it, nor warns.
 
+/// The largest of every rank's `v` (the time of a step is its slowest rank's).
 pub(crate) fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
     let mut all = vec![0.0f64; comm.world_size()];
     comm.all_gather(&[v], &mut all)?;
     Ok(all.into_iter().fold(f64::MIN, f64::max))
 }
 
+/// The sum of every rank's `v`.
 pub(crate) fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64> {
     let mut all = vec![0u64; comm.world_size()];
     comm.all_gather(&[v], &mut all)?;
     Ok(all.iter().sum())
 }
 
+/// The sweep: per size, check once on fresh inputs, warm up, then time `-n` calls after a
+/// barrier (the slowest rank's mean); rank 0 prints the header and each row as it comes when
+/// `print`, and the footer.
 pub(crate) fn bench<T: BenchElem>(
     args: &Args,
     comm: &Communicator,

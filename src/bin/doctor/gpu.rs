@@ -109,6 +109,7 @@ pub(super) fn probe_nvrtc(args: &DoctorArgs, devices: &[GpuInfo]) -> Result<Nvrt
     Ok(nvrtc_section)
 }
 
+/// Whether a file can be created in `dir` (made if missing): the kernel cache's test.
 fn dir_writable(dir: &Path) -> bool {
     if std::fs::create_dir_all(dir).is_err() {
         return false;
@@ -119,6 +120,8 @@ fn dir_writable(dir: &Path) -> bool {
     ok
 }
 
+/// `--compile-kernels`: every reduction kernel for each architecture, timed, with its
+/// register use and spills, and where the module came from (compiled now or a cache).
 fn compile_kernels(archs: &[GpuArch]) -> Vec<KernelCompile> {
     archs
         .iter()

@@ -93,6 +93,7 @@ fn rounded_bytes(b: u64) -> String {
     }
 }
 
+/// A limit in [`rounded_bytes`], or `unlimited`.
 fn limit_text(v: Option<u64>) -> String {
     v.map_or("unlimited".to_string(), rounded_bytes)
 }

@@ -128,6 +128,7 @@ pub(super) fn verbs_usable(rdma: &RdmaSection) -> Result<String, Vec<(String, &'
     }
 }
 
+/// Whether one NIC can carry GPUDirect traffic: libibverbs installed and an ACTIVE port.
 pub(super) fn nic_usable(
     rdma: &RdmaSection,
     dev: &RdmaDevice,

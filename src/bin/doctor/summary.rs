@@ -135,7 +135,7 @@ fn gpu_direct(fast: &[FastPath], pairs: &[PairReport]) -> (bool, String) {
 /// What a communicator's init allocates on this machine for GPUDirect (issue #11 item 7), when
 /// that is anything to say: on a machine with a GPU/NIC pair and a usable CUDA driver, a CUDA
 /// context and the direct region, unless `DSPARK_DATA_PATH=host-staged`.
-pub(super) fn region_note(has_pair: bool, cuda_ok: bool, policy: PathPolicy) -> Option<String> {
+fn region_note(has_pair: bool, cuda_ok: bool, policy: PathPolicy) -> Option<String> {
     if !has_pair || !cuda_ok {
         return None;
     }
