@@ -1,0 +1,119 @@
+//! The sweep's sizes: the `-b`..`-e` list by `-f` (or `--sizes`), and per size and
+//! collective the element counts of each rank's buffers and the bytes one engine call moves.
+
+use crate::{Args, Coll};
+
+/// The sizes of the sweep: `--sizes`, else `-b` times `-f` up to `-e`, and `-e` itself.
+pub(crate) fn sizes(args: &Args) -> Vec<usize> {
+    if !args.sizes.is_empty() {
+        return args.sizes.clone();
+    }
+    let mut v = Vec::new();
+    let mut s = args.min_bytes.max(1);
+    let f = args.step_factor.max(2);
+    while s <= args.max_bytes {
+        v.push(s);
+        s = match s.checked_mul(f) {
+            Some(x) => x,
+            None => break,
+        };
+    }
+    if v.last() != Some(&args.max_bytes) && args.max_bytes >= args.min_bytes {
+        v.push(args.max_bytes);
+    }
+    v
+}
+
+/// The `i`-th size of the sweep (the `-b` size before the collective's rounding).
+pub(crate) fn bytes_of(args: &Args, i: usize) -> usize {
+    sizes(args).get(i).copied().unwrap_or(0)
+}
+
+/// Per-rank element counts for a size: (send, recv, total count shown in the table).
+pub(crate) fn counts(c: Coll, bytes: usize, esz: usize, n: usize) -> (usize, usize, usize) {
+    let total = bytes / esz;
+    match c {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => (0, total, total),
+        Coll::SendRecv => (total, total, total),
+        Coll::AllGather => {
+            let per = total / n;
+            (per, per * n, per * n)
+        }
+        Coll::ReduceScatter => {
+            let per = total / n;
+            (per * n, per, per * n)
+        }
+        Coll::AllToAll => {
+            let per = total / n;
+            (per * n, per * n, per * n)
+        }
+    }
+}
+
+/// The bytes of one call of a size as the engine counts them (its element count times the
+/// element size: the whole buffer, or one rank's block for all_gather, reduce_scatter and
+/// all_to_all), which the cost model predicts from.
+pub(crate) fn engine_bytes(c: Coll, bytes: usize, esz: usize, n: usize) -> usize {
+    let (send, recv, total) = counts(c, bytes, esz, n);
+    esz * match c {
+        Coll::AllGather => send,
+        Coll::ReduceScatter => recv,
+        Coll::AllToAll => send / n.max(1),
+        _ => total,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::parse_bytes;
+
+    fn args(extra: &[&str]) -> Args {
+        let argv = ["dspark-bench"].iter().chain(extra).copied();
+        Args::try_parse_from(argv).expect("arguments parse")
+    }
+
+    #[test]
+    fn sizes_take_binary_k_m_g_suffixes() {
+        assert_eq!(parse_bytes("8"), Ok(8));
+        assert_eq!(parse_bytes("64K"), Ok(64 * 1024));
+        assert_eq!(parse_bytes("64k"), Ok(64 * 1024));
+        assert_eq!(parse_bytes("16M"), Ok(16 * 1024 * 1024));
+        assert_eq!(parse_bytes("1G"), Ok(1024 * 1024 * 1024));
+        assert_eq!(parse_bytes("256MiB"), Ok(256 * 1024 * 1024));
+        assert!(parse_bytes("1T").is_err());
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("").is_err());
+        let a = args(&["-b", "1K", "-e", "2M"]);
+        assert_eq!((a.min_bytes, a.max_bytes), (1024, 2 * 1024 * 1024));
+        assert!(Args::try_parse_from(["dspark-bench", "-b", "8X"]).is_err());
+    }
+
+    #[test]
+    fn the_sweep_multiplies_by_the_factor_and_ends_at_the_maximum() {
+        assert_eq!(
+            sizes(&args(&["-b", "8", "-e", "64K", "-f", "64"])),
+            [8, 512, 32768, 65536]
+        );
+        assert_eq!(
+            sizes(&args(&["-b", "1K", "-e", "16K", "-f", "4"])),
+            [1024, 4096, 16384]
+        );
+        // --sizes replaces the sweep.
+        assert_eq!(sizes(&args(&["--sizes", "8,1M"])), [8, 1 << 20]);
+    }
+
+    #[test]
+    fn counts_round_to_whole_blocks_per_rank() {
+        // 1000 B of f32 over 4 ranks: 250 elements, 62 per rank's block.
+        assert_eq!(counts(Coll::AllReduce, 1000, 4, 4), (0, 250, 250));
+        assert_eq!(counts(Coll::AllGather, 1000, 4, 4), (62, 248, 248));
+        assert_eq!(counts(Coll::ReduceScatter, 1000, 4, 4), (248, 62, 248));
+        assert_eq!(counts(Coll::AllToAll, 1000, 4, 4), (248, 248, 248));
+        assert_eq!(engine_bytes(Coll::AllGather, 1000, 4, 4), 62 * 4);
+        assert_eq!(engine_bytes(Coll::AllToAll, 1000, 4, 4), 62 * 4);
+        assert_eq!(engine_bytes(Coll::AllReduce, 1000, 4, 4), 1000);
+    }
+}

@@ -1,0 +1,156 @@
+//! How dspark-bench's ranks start: spawned here as local copies of this program on
+//! 127.0.0.1 (`--ranks`, or no launcher around), each with the CPU binding the parent planned,
+//! or as one rank of a launcher (torchrun, srun, mpirun); and the header's binding line, every
+//! rank's CPUs gathered right after init.
+
+use std::process::{Command, ExitCode, Stdio};
+
+use dspark::Communicator;
+
+use crate::bind::{self, Bind};
+use crate::Args;
+
+/// Whether a launcher started this process as one rank (its rank variable is set).
+pub(crate) fn launcher_present() -> bool {
+    [
+        "DSPARK_RANK",
+        "RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Set in the ranks [`spawn_local`] starts, so they run as ranks rather than spawn again.
+pub(crate) const CHILD: &str = "DSPARK_BENCH_CHILD";
+
+/// Spawns `n` copies of this program as ranks on 127.0.0.1; rank 0's output is the table.
+pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
+    if n == 0 {
+        eprintln!("dspark-bench: --ranks must be at least 1");
+        return ExitCode::from(2);
+    }
+    let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("dspark-bench: cannot find a free port: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("dspark-bench: cannot find my own executable: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let plan = bind::plan(args.bind, n, &bind::allowed(), std::path::Path::new("/sys"));
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut cmd = Command::new(&exe);
+        match &plan {
+            Some(p) => cmd.env(bind::CPUS_ENV, bind::format_list(&p[r])),
+            // Asked for but impossible: say why in the header.
+            None if args.bind != Bind::None => cmd.env(bind::CPUS_ENV, ""),
+            None => cmd.env_remove(bind::CPUS_ENV),
+        };
+        cmd.args(&argv)
+            .env(CHILD, "1")
+            .env("DSPARK_RANK", r.to_string())
+            .env("DSPARK_WORLD_SIZE", n.to_string())
+            .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
+            .env("DSPARK_TRANSPORT", &args.transport)
+            .env("DSPARK_DATA_PATH", args.path.name())
+            .stdin(Stdio::null())
+            .stdout(if r == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .stderr(Stdio::inherit());
+        for v in bind::LAUNCHER_VARS {
+            cmd.env_remove(v);
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                eprintln!("dspark-bench: cannot start rank {r}: {e}");
+                for mut c in children {
+                    let _ = c.kill();
+                }
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let mut worst = 0u8;
+    for (r, mut c) in children.into_iter().enumerate() {
+        match c.wait() {
+            Ok(st) if st.success() => {}
+            Ok(st) => {
+                let code = st.code().unwrap_or(1).clamp(1, 255) as u8;
+                if code != 2 {
+                    eprintln!("dspark-bench: rank {r} exited with {st}");
+                }
+                worst = worst.max(code);
+            }
+            Err(e) => {
+                eprintln!("dspark-bench: waiting for rank {r}: {e}");
+                worst = worst.max(1);
+            }
+        }
+    }
+    ExitCode::from(worst)
+}
+
+/// The binding line of the header (every rank's CPUs), gathered right after init.
+pub(crate) static BINDING: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Applies the binding the parent chose for this spawned rank; returns how it was bound.
+pub(crate) fn apply_binding(args: &Args) -> String {
+    match std::env::var(bind::CPUS_ENV) {
+        Ok(list) if list.is_empty() => format!(
+            "--bind {}: not bound ({} ranks outnumber the {} CPUs this may use; mpirun does not \
+             bind oversubscribed ranks either)",
+            args.bind.name(),
+            std::env::var("DSPARK_WORLD_SIZE").unwrap_or_default(),
+            bind::allowed().len()
+        ),
+        Ok(list) => {
+            let cpus = bind::parse_list(&list);
+            match bind::bind_to(&cpus) {
+                Ok(()) => format!("--bind {}", args.bind.name()),
+                Err(e) => format!("--bind {} FAILED ({e})", args.bind.name()),
+            }
+        }
+        Err(_) if std::env::var_os(CHILD).is_some() => "--bind none".into(),
+        Err(_) => "as the launcher started it".into(),
+    }
+}
+
+/// Every rank's CPUs, as one header line (one all_gather).
+pub(crate) fn gather_binding(comm: &Communicator, how: &str) -> Result<String, String> {
+    let mine = bind::to_words(&bind::allowed());
+    let mut all = vec![0u64; 16 * comm.world_size()];
+    comm.all_gather(&mine, &mut all)
+        .map_err(|e| e.to_string())?;
+    let total = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let per: Vec<String> = all
+        .chunks(16)
+        .enumerate()
+        .take(8)
+        .map(|(r, w)| {
+            let cpus = bind::from_words(w);
+            let list = if cpus.len() >= total && total > 1 {
+                format!("any of {}", bind::format_list(&cpus))
+            } else {
+                bind::format_list(&cpus)
+            };
+            format!("rank {r} cpu {list}")
+        })
+        .collect();
+    let more = if comm.world_size() > 8 { ", …" } else { "" };
+    Ok(format!("{how}: {}{more}", per.join(", ")))
+}

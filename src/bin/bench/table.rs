@@ -1,0 +1,434 @@
+//! The rows: the nccl-tests-style human table (size, count, type, redop, root, time, algbw,
+//! busbw, #wrong, then the algorithm, the transport and the data path) and the `--csv` lines,
+//! the bandwidths they show, and the side-by-side tables of `--algo all` and
+//! `--compare-paths`. The lines are made by pure functions ([`csv_row`], [`human_row`],
+//! [`column_heads`]) that the tests below pin down.
+
+use std::io::Write;
+
+use dspark::path::{PathPolicy, TransportKind};
+use dspark::plan::Algorithm;
+use dspark::Communicator;
+
+use crate::sizes::{bytes_of, engine_bytes};
+use crate::sweep::default_algorithm;
+use crate::Args;
+
+/// One size of a sweep: the bytes and elements shown, the slowest rank's mean time, and the
+/// wrong elements over all ranks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Row {
+    pub(crate) bytes: usize,
+    pub(crate) count: usize,
+    pub(crate) time_us: f64,
+    pub(crate) wrong: u64,
+}
+
+/// The first line of `--csv` output.
+pub(crate) const CSV_HEADER: &str =
+    "collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path";
+
+/// Algorithm bandwidth (bytes / time, GB/s) and bus bandwidth (that times the collective's
+/// factor, [`crate::Coll::bus_factor`]).
+pub(crate) fn bandwidths(row: &Row, factor: f64) -> (f64, f64) {
+    let algbw = if row.time_us > 0.0 {
+        row.bytes as f64 / row.time_us / 1e3
+    } else {
+        0.0
+    };
+    (algbw, algbw * factor)
+}
+
+/// The redop column: the op of a reducing collective, else `none`.
+fn op_column(args: &Args) -> &'static str {
+    if args.collective.reduces() {
+        args.op.name()
+    } else {
+        "none"
+    }
+}
+
+/// The #wrong column: `N/A` without `--check`.
+fn wrong_column(args: &Args, row: &Row) -> String {
+    if args.check != 0 {
+        row.wrong.to_string()
+    } else {
+        "N/A".into()
+    }
+}
+
+/// One `--csv` line of a world of `n` ranks.
+pub(crate) fn csv_row(
+    args: &Args,
+    n: usize,
+    row: &Row,
+    transport: TransportKind,
+    path: &str,
+) -> String {
+    let coll = args.collective;
+    let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
+    format!(
+        "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
+        coll.collective().name(),
+        args.dtype.name(),
+        op_column(args),
+        n,
+        row.bytes,
+        row.count,
+        row.time_us,
+        algbw,
+        busbw,
+        wrong_column(args, row),
+        transport,
+        path,
+    )
+}
+
+/// One line of the human table of a world of `n` ranks; `algorithm` is the one the size ran.
+pub(crate) fn human_row(
+    args: &Args,
+    n: usize,
+    row: &Row,
+    algorithm: &str,
+    transport: TransportKind,
+    path: &str,
+) -> String {
+    let coll = args.collective;
+    let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
+    let root: i64 = if coll.collective().rooted() {
+        args.root as i64
+    } else {
+        -1
+    };
+    format!(
+        "  {:>12} {:>12} {:>9} {:>6} {:>5} {:>11.2} {:>8.3} {:>8.3} {:>7}  {:<18} {:<9} {}",
+        row.bytes,
+        row.count,
+        args.dtype.name(),
+        op_column(args),
+        root,
+        row.time_us,
+        algbw,
+        busbw,
+        wrong_column(args, row),
+        algorithm,
+        transport,
+        path,
+    )
+}
+
+/// The human table's two heading lines: the column names, then their units.
+pub(crate) fn column_heads() -> [String; 2] {
+    [
+        format!(
+            "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}  {:<18} {:<9} path",
+            "size",
+            "count",
+            "type",
+            "redop",
+            "root",
+            "time",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "algorithm",
+            "transport",
+        ),
+        format!(
+            "# {:>12} {:>12} {:>9} {:>6} {:>5} {:>11} {:>8} {:>8} {:>7}",
+            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+        ),
+    ]
+}
+
+/// Prints one row as `--csv` or the human table asks, at once (a long sweep shows progress).
+pub(crate) fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str) {
+    let n = comm.world_size();
+    let transport = comm.info().transport;
+    if args.csv {
+        println!("{}", csv_row(args, n, row, transport, path));
+    } else {
+        let algo = comm.algorithm(args.collective.collective(), row.bytes);
+        println!("{}", human_row(args, n, row, algo.name(), transport, path));
+    }
+    let _ = std::io::stdout().flush();
+}
+
+/// `--algo all`'s table: per size each algorithm's time, bus bandwidth and the model's
+/// prediction, then the fastest and the one the choice by size picks.
+pub(crate) fn print_algorithm_table(
+    args: &Args,
+    comm: &Communicator,
+    esz: usize,
+    runs: &[(Algorithm, Vec<Row>)],
+) {
+    let c = args.collective.collective();
+    let factor = args.collective.bus_factor(comm.world_size());
+    println!(
+        "# --algo all: the same sweep with each algorithm of {} (time in us, busbw in GB/s)",
+        c.name()
+    );
+    let mut head = format!("# {:>12}", "size");
+    for (a, _) in runs {
+        head += &format!(" {:>20} {:>8} {:>10}", a.name(), "busbw", "model");
+    }
+    println!("{head} {:>20} {:>20}", "fastest", "default");
+    for i in 0..runs.first().map_or(0, |r| r.1.len()) {
+        let bytes = runs[0].1[i].bytes;
+        let mut line = format!("  {bytes:>12}");
+        let mut best: Option<(Algorithm, f64)> = None;
+        for (a, rows) in runs {
+            match rows.get(i) {
+                Some(r) => {
+                    let call =
+                        engine_bytes(args.collective, bytes_of(args, i), esz, comm.world_size());
+                    let model = comm
+                        .predict(c, *a, call)
+                        .map_or("-".to_string(), |t| format!("{t:.1}"));
+                    line += &format!(
+                        " {:>20.2} {:>8.3} {:>10}",
+                        r.time_us,
+                        bandwidths(r, factor).1,
+                        model
+                    );
+                    if best.is_none_or(|(_, t)| r.time_us < t) {
+                        best = Some((*a, r.time_us));
+                    }
+                }
+                None => line += &format!(" {:>20} {:>8} {:>10}", "-", "-", "-"),
+            }
+        }
+        let default = default_algorithm(comm, c, bytes);
+        let fastest = best.map_or("-".to_string(), |(a, _)| a.name().to_string());
+        println!("{line} {fastest:>20} {default:>20}");
+    }
+}
+
+/// `--compare-paths`' table: per size the time and bus bandwidth over GPUDirect RDMA and
+/// host-staged (`results` in that order), and their ratio.
+pub(crate) fn print_path_table(factor: f64, results: &[(PathPolicy, Result<Vec<Row>, String>)]) {
+    println!("# --compare-paths: the same sweep on each data path (time in us, busbw in GB/s)");
+    for (policy, res) in results {
+        if let Err(e) = res {
+            println!("# {policy}: UNAVAILABLE — {e}");
+        }
+    }
+    println!(
+        "# {:>12} {:>12} {:>9} {:>12} {:>9} {:>14}",
+        "size", "gpu-direct", "busbw", "host-staged", "busbw", "staged/direct"
+    );
+    let staged = results[1].1.as_ref().ok();
+    let direct = results[0].1.as_ref().ok();
+    let list = staged.or(direct).map(|v| v.len()).unwrap_or(0);
+    for i in 0..list {
+        let d = direct.and_then(|v| v.get(i));
+        let h = staged.and_then(|v| v.get(i));
+        let bytes = d.or(h).map_or(0, |r| r.bytes);
+        let cell = |r: Option<&Row>| match r {
+            Some(r) => (
+                format!("{:.2}", r.time_us),
+                format!("{:.3}", bandwidths(r, factor).1),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        let (dt, db) = cell(d);
+        let (ht, hb) = cell(h);
+        let ratio = match (d, h) {
+            (Some(d), Some(h)) if d.time_us > 0.0 => format!("{:.2}x", h.time_us / d.time_us),
+            _ => "-".into(),
+        };
+        println!("  {bytes:>12} {dt:>12} {db:>9} {ht:>12} {hb:>9} {ratio:>14}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use dspark::path::TransportKind;
+
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let argv = ["dspark-bench"].iter().chain(extra).copied();
+        Args::try_parse_from(argv).expect("arguments parse")
+    }
+
+    /// nccl-tests' bus bandwidth factors (PERFORMANCE.md there), written out per collective
+    /// name rather than taken from `Coll::bus_factor`.
+    fn nccl_factor(collective: &str, n: usize) -> f64 {
+        let n = n as f64;
+        match collective {
+            "all_reduce" => 2.0 * (n - 1.0) / n,
+            "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1.0) / n,
+            "broadcast" | "reduce" | "send_recv" => 1.0,
+            other => panic!("no factor for {other}"),
+        }
+    }
+
+    const COLLECTIVES: [&str; 7] = [
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "send_recv",
+    ];
+
+    #[test]
+    fn csv_header_names_the_columns_in_order() {
+        assert_eq!(
+            CSV_HEADER,
+            "collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path"
+        );
+    }
+
+    #[test]
+    fn csv_row_of_a_known_measurement() {
+        // 1 MiB in 100 us: algbw 1048576 / 100 / 1e3 = 10.48576 GB/s; 4 ranks' all_reduce
+        // moves 2 * 3 / 4 of it over the bus: 15.72864 GB/s.
+        let row = Row {
+            bytes: 1 << 20,
+            count: 1 << 18,
+            time_us: 100.0,
+            wrong: 0,
+        };
+        let line = csv_row(&args(&[]), 4, &row, TransportKind::Tcp, "host");
+        assert_eq!(
+            line,
+            "all_reduce,float,sum,4,1048576,262144,100.00,10.4858,15.7286,0,tcp,host"
+        );
+        assert_eq!(line.split(',').count(), CSV_HEADER.split(',').count());
+
+        // A collective that does not reduce shows no op; without --check, no wrong count.
+        let row = Row {
+            bytes: 4096,
+            count: 2048,
+            time_us: 2.5,
+            wrong: 7,
+        };
+        let a = args(&["all_gather", "-d", "half", "-o", "max", "-c", "0"]);
+        assert_eq!(
+            csv_row(&a, 2, &row, TransportKind::Shm, "staged"),
+            "all_gather,half,none,2,4096,2048,2.50,1.6384,0.8192,N/A,shm,staged"
+        );
+    }
+
+    #[test]
+    fn busbw_is_algbw_times_nccl_tests_factor_for_every_collective() {
+        // 1 MB in 1000 us: algbw exactly 1 GB/s, so the busbw column is the factor.
+        let row = Row {
+            bytes: 1_000_000,
+            count: 250_000,
+            time_us: 1000.0,
+            wrong: 0,
+        };
+        for name in COLLECTIVES {
+            let a = args(&[name]);
+            for n in [1, 2, 3, 4, 7, 8, 16, 64] {
+                let want = nccl_factor(name, n);
+                assert!(
+                    (a.collective.bus_factor(n) - want).abs() < 1e-12,
+                    "{name} with {n} ranks: factor {} != {want}",
+                    a.collective.bus_factor(n)
+                );
+                let (algbw, busbw) = bandwidths(&row, a.collective.bus_factor(n));
+                assert!((algbw - 1.0).abs() < 1e-12, "{name}: algbw {algbw}");
+                assert!((busbw - want).abs() < 1e-12, "{name}: busbw {busbw}");
+                let line = csv_row(&a, n, &row, TransportKind::Tcp, "host");
+                let cols: Vec<&str> = line.split(',').collect();
+                assert_eq!(cols[0], name, "{line}");
+                assert_eq!(cols[7], "1.0000", "{name} algbw: {line}");
+                assert_eq!(cols[8], format!("{want:.4}"), "{name} busbw: {line}");
+            }
+        }
+    }
+
+    #[test]
+    fn bandwidth_of_an_unmeasured_row_is_zero() {
+        let row = Row {
+            bytes: 8,
+            count: 2,
+            time_us: 0.0,
+            wrong: 0,
+        };
+        assert_eq!(bandwidths(&row, 2.0), (0.0, 0.0));
+    }
+
+    #[test]
+    fn human_table_has_nccl_tests_columns_then_algorithm_transport_and_path() {
+        let [names, units] = column_heads();
+        let names: Vec<&str> = names.split_whitespace().collect();
+        assert_eq!(
+            names,
+            [
+                "#",
+                "size",
+                "count",
+                "type",
+                "redop",
+                "root",
+                "time",
+                "algbw",
+                "busbw",
+                "#wrong",
+                "algorithm",
+                "transport",
+                "path"
+            ]
+        );
+        let units: Vec<&str> = units.split_whitespace().collect();
+        assert_eq!(
+            units,
+            ["#", "(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"]
+        );
+    }
+
+    #[test]
+    fn human_row_of_a_known_measurement_lines_up_under_its_heading() {
+        let row = Row {
+            bytes: 1 << 20,
+            count: 1 << 18,
+            time_us: 100.0,
+            wrong: 0,
+        };
+        let a = args(&["broadcast", "-r", "1"]);
+        let line = human_row(&a, 4, &row, "ring", TransportKind::Tcp, "host");
+        assert_eq!(
+            line,
+            "       1048576       262144     float   none     1      100.00   10.486   10.486       0  ring               tcp host"
+        );
+        // Each nccl-tests column is right-aligned under its heading (ends where it ends), the
+        // algorithm and the transport start where theirs start. (The transport is not padded
+        // to its width: `TransportKind`'s Display ignores it, so the path follows one space on.)
+        let [names, _] = column_heads();
+        let spans = |s: &str| -> Vec<(usize, usize)> {
+            let mut out = Vec::new();
+            let mut start = None;
+            for (i, ch) in s.char_indices().chain([(s.len(), ' ')]) {
+                match (ch == ' ', start) {
+                    (false, None) => start = Some(i),
+                    (true, Some(b)) => {
+                        out.push((b, i));
+                        start = None;
+                    }
+                    _ => {}
+                }
+            }
+            out
+        };
+        let heads = &spans(&names)[1..]; // after "#"
+        let cells = spans(&line);
+        assert_eq!(heads.len(), cells.len(), "{names}\n{line}");
+        for k in 0..9 {
+            assert_eq!(cells[k].1, heads[k].1, "column {k} ends\n{names}\n{line}");
+        }
+        for k in 9..11 {
+            assert_eq!(cells[k].0, heads[k].0, "column {k} starts\n{names}\n{line}");
+        }
+
+        // Unrooted collectives show root -1.
+        let line = human_row(&args(&[]), 4, &row, "ring", TransportKind::Tcp, "host");
+        assert!(line.contains("  float    sum    -1 "), "{line}");
+    }
+}
