@@ -1608,7 +1608,7 @@ fn peer_mismatch(ctx: &Ctx<'_>, peer: usize, what: String) -> Error {
 /// `links` left out): the rank that needs the pair first connects to the other's data
 /// listener, and both prove the job token as when the ranks connect at init; when both
 /// connect at once, the higher rank's connection is kept. Never blocks on a peer:
-/// [`crate::transport::tcp::Links::progress`] advances the handshakes whose next message has
+/// [`crate::transport::Links::progress`] advances the handshakes whose next message has
 /// arrived.
 pub struct LazyLinks {
     cfg: Config,
@@ -1654,7 +1654,7 @@ impl std::fmt::Debug for LazyLinks {
     }
 }
 
-impl crate::transport::tcp::Links for LazyLinks {
+impl crate::transport::Links for LazyLinks {
     fn start(&mut self, peer: usize) -> Result<()> {
         let me = self.cfg.rank;
         if peer == me || self.dials.get(peer).is_none_or(Option::is_some) {
@@ -2196,7 +2196,7 @@ mod tests {
     /// bounded by [`HELLO_WAIT`].)
     #[test]
     fn a_peer_that_sends_half_a_challenge_holds_up_no_progress_call() {
-        use crate::transport::tcp::Links;
+        use crate::transport::Links;
         let fake = TcpListener::bind("127.0.0.1:0").unwrap();
         let fake_addr = fake.local_addr().unwrap();
         let half = std::thread::spawn(move || {

@@ -101,7 +101,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::tcp::Links;
+use super::Links;
 use super::{
     frame_len_mismatch, rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress,
     RecvSink, SendProgress, Transport, TransportKind, HEADER_LEN,
