@@ -286,7 +286,8 @@ impl Communicator {
         // on first use.
         let world = config.world_size;
         let links = move |r: usize| plan::algo::standing_partners(world, r);
-        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root, Some(&links))?;
+        let opts = bootstrap::BootstrapOptions::from_config(&config)?;
+        let (mut boot, streams) = bootstrap::rendezvous_with(&opts, root, Some(&links))?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap: verbs where every rank
