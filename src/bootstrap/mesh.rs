@@ -214,14 +214,10 @@ pub(super) mod tests {
     use crate::bootstrap::msg::Msg;
     use crate::bootstrap::BootstrapOptions;
     use crate::bootstrap::HELLO_WAIT;
-    use crate::config::Config;
 
     /// The options of rank `rank` of `world` with job token `token` (and a 10 s deadline).
     pub(in crate::bootstrap) fn config(rank: usize, world: usize, token: &str) -> BootstrapOptions {
-        let mut c = Config::new(rank, world, "127.0.0.1:1");
-        c.timeout = Duration::from_secs(10);
-        c.job_token = Some(token.into());
-        BootstrapOptions::from_config(&c).unwrap()
+        BootstrapOptions::for_test(rank, world, token)
     }
 
     fn mesh_of(opts: BootstrapOptions, listener: TcpListener, peers: Vec<PeerInfo>) -> Result<()> {

@@ -82,6 +82,15 @@ impl BootstrapOptions {
         })
     }
 
+    /// Test options: rank `rank` of `world` with job token `token` and a 10 s deadline.
+    #[cfg(test)]
+    pub(crate) fn for_test(rank: usize, world: usize, token: &str) -> Self {
+        let mut c = Config::new(rank, world, "127.0.0.1:1");
+        c.timeout = Duration::from_secs(10);
+        c.job_token = Some(token.into());
+        Self::from_config(&c).unwrap()
+    }
+
     /// The deadline of a step that starts at `start`.
     pub(crate) fn deadline(&self, start: Instant) -> Instant {
         crate::config::deadline(start, self.timeout)
