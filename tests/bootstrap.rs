@@ -20,6 +20,17 @@ fn cfg(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Config {
     c
 }
 
+/// The bootstrap's rendezvous alone for `c` (its options built from the config, as
+/// [`Communicator::init`] builds them).
+fn rendezvous(
+    c: &Config,
+) -> dspark::Result<(
+    dspark::bootstrap::Bootstrap,
+    Vec<Option<std::net::TcpStream>>,
+)> {
+    dspark::bootstrap::rendezvous(&dspark::bootstrap::BootstrapOptions::from_config(c)?)
+}
+
 /// Starts every config on its own thread and returns each init's result.
 fn init_all(cfgs: Vec<Config>) -> Vec<dspark::Result<Communicator>> {
     let handles: Vec<_> = cfgs
@@ -316,7 +327,7 @@ fn record_a_handshake(token: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
     let proxy_port = proxy.local_addr().unwrap().port();
     let root_cfg = with_token(cfg(0, 2, root_port, 20_000), token);
-    let root = std::thread::spawn(move || dspark::bootstrap::rendezvous(&root_cfg).map(|_| ()));
+    let root = std::thread::spawn(move || rendezvous(&root_cfg).map(|_| ()));
     let up = Arc::new(Mutex::new(Vec::new()));
     let down = Arc::new(Mutex::new(Vec::new()));
     let (up2, down2) = (up.clone(), down.clone());
@@ -347,7 +358,7 @@ fn record_a_handshake(token: &str) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
         b.join().unwrap();
     });
     let leaf_cfg = with_token(cfg(1, 2, proxy_port, 20_000), token);
-    let leaf = dspark::bootstrap::rendezvous(&leaf_cfg).map(|_| ());
+    let leaf = rendezvous(&leaf_cfg).map(|_| ());
     root.join().unwrap().unwrap();
     leaf.unwrap();
     // Both ends are dropped: the proxy sees EOF both ways and stops.
@@ -419,7 +430,7 @@ fn a_replayed_rank_0_is_refused_by_the_rank() {
     });
     let c = with_token(cfg(1, 2, port, 4000), "s3cret");
     // A mismatch, not the deadline's timeout: refused as soon as the table arrived.
-    let e = dspark::bootstrap::rendezvous(&c).map(|_| ()).unwrap_err();
+    let e = rendezvous(&c).map(|_| ()).unwrap_err();
     let s = e.to_string();
     assert!(
         matches!(e, Error::Mismatch { peer: Some(0), .. })
@@ -560,9 +571,7 @@ fn a_rank_0_of_the_old_protocol_version_refuses_this_version_by_name() {
         rej.extend_from_slice(why.as_bytes());
         send_frame(&mut s, &rej);
     });
-    let e = dspark::bootstrap::rendezvous(&cfg(1, 2, port, 3000))
-        .map(|_| ())
-        .unwrap_err();
+    let e = rendezvous(&cfg(1, 2, port, 3000)).map(|_| ()).unwrap_err();
     let s = e.to_string();
     assert!(
         matches!(e, Error::Mismatch { .. })
@@ -604,8 +613,8 @@ fn tap_rank_1(
     let proxy_port = proxy.local_addr().unwrap().port();
     let c0 = with_token(cfg(0, world, root_port, timeout_ms), token);
     let c1 = with_token(cfg(1, world, proxy_port, timeout_ms), token);
-    let r0 = std::thread::spawn(move || dspark::bootstrap::rendezvous(&c0).map(|_| ()));
-    let r1 = std::thread::spawn(move || dspark::bootstrap::rendezvous(&c1).map(|_| ()));
+    let r0 = std::thread::spawn(move || rendezvous(&c0).map(|_| ()));
+    let r1 = std::thread::spawn(move || rendezvous(&c1).map(|_| ()));
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let (mut client, _) = proxy.accept().unwrap();
@@ -690,9 +699,7 @@ fn a_stranger_on_a_data_listener_cannot_fail_the_init() {
         });
         // Only now the real rank 2: rank 1 meets the stranger first.
         let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");
-        ranks.push(std::thread::spawn(move || {
-            dspark::bootstrap::rendezvous(&c2).map(|_| ())
-        }));
+        ranks.push(std::thread::spawn(move || rendezvous(&c2).map(|_| ())));
         let res: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
         for (r, e) in res.iter().enumerate() {
             if let Err(e) = e {
@@ -720,9 +727,7 @@ fn a_silent_stranger_claiming_a_rank_does_not_hold_the_init_to_the_deadline() {
     let mut silent = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
     send_frame(&mut silent, &peer_hello(&heard, 3, 2, 1));
     let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");
-    ranks.push(std::thread::spawn(move || {
-        dspark::bootstrap::rendezvous(&c2).map(|_| ())
-    }));
+    ranks.push(std::thread::spawn(move || rendezvous(&c2).map(|_| ())));
     let res: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
     let took = t0.elapsed();
     for (r, e) in res.iter().enumerate() {

@@ -7,6 +7,10 @@
 //! The key is the job's secret, `DSPARK_JOB_TOKEN`, with the launcher's job id. Without a
 //! token the key is the job id alone (or nothing), which anybody can know: the handshake then
 //! only keeps ranks of different jobs from joining each other by accident.
+//!
+//! [`Secret`] holds that key and makes the four proofs of the handshakes (a rank to rank 0,
+//! rank 0 to a rank, and both ends of a data connection), each under its own label so that
+//! no proof made for one purpose verifies for another, and says in words why one failed.
 
 #![forbid(unsafe_code)]
 
@@ -197,6 +201,88 @@ pub(crate) fn job_key(token: Option<&str>, job_id: Option<&str>) -> Vec<u8> {
     }
     k
 }
+
+/// The job's handshake secret and what the hellos carry in the clear.
+#[derive(Clone)]
+pub(crate) struct Secret {
+    /// HMAC key: the job token and the launcher's job id.
+    key: Vec<u8>,
+    /// Hash of the launcher's job id alone (0 without one): the token never travels, not
+    /// even hashed.
+    pub(crate) job: u64,
+    /// Whether this rank has a job token.
+    pub(crate) token: bool,
+}
+
+impl Secret {
+    /// The secret of a job with `token` (`DSPARK_JOB_TOKEN`) and the launcher's `job_id`;
+    /// `job` is the hash of the job id alone (0 without one), which the hellos carry.
+    pub(crate) fn new(token: Option<&str>, job_id: Option<&str>, job: u64) -> Secret {
+        Secret {
+            key: job_key(token, job_id),
+            job,
+            token: token.is_some(),
+        }
+    }
+
+    /// A rank's proof to rank 0: over rank 0's nonce and the rank's whole hello (its own
+    /// nonce, rank, world size, address).
+    pub(crate) fn rank_proof(&self, nonce0: &Nonce, hello: &[u8]) -> [u8; TAG_LEN] {
+        hmac_sha256(&self.key, &[LABEL_RANK, nonce0, hello])
+    }
+
+    /// Rank 0's proof to a rank: over that rank's hello, rank 0's nonce and the welcome
+    /// (the rank table) it sends.
+    pub(crate) fn root_proof(&self, hello: &[u8], nonce0: &Nonce, welcome: &[u8]) -> [u8; TAG_LEN] {
+        hmac_sha256(&self.key, &[LABEL_ROOT, nonce0, hello, welcome])
+    }
+
+    /// A data connection's proofs, by the accepting (`LABEL_ACCEPTOR`) or the connecting
+    /// (`LABEL_CONNECTOR`) rank: over the connecting rank's hello and the acceptor's nonce.
+    pub(crate) fn peer_proof(&self, label: &[u8], hello: &[u8], nonce: &Nonce) -> [u8; TAG_LEN] {
+        hmac_sha256(&self.key, &[label, nonce, hello])
+    }
+
+    /// What to say when a peer's token flag differs from this rank's.
+    pub(crate) fn token_disagreement(&self, me: &str, them: &str) -> String {
+        let (has, hasnt) = if self.token { (me, them) } else { (them, me) };
+        format!(
+            "{has} has DSPARK_JOB_TOKEN set but {hasnt} has none (set the same DSPARK_JOB_TOKEN \
+             on every rank)"
+        )
+    }
+
+    /// What to say when a proof did not verify.
+    pub(crate) fn bad_proof(&self, who: &str, than: &str) -> String {
+        if self.token {
+            format!(
+                "{who} did not prove that it knows the job token: its DSPARK_JOB_TOKEN differs \
+                 from {than}'s (or a recorded handshake was replayed)"
+            )
+        } else {
+            format!(
+                "{who}'s handshake proof did not verify (no DSPARK_JOB_TOKEN is set: a replayed \
+                 or forged handshake, or a broken peer?)"
+            )
+        }
+    }
+}
+
+/// Says whether there is a token, never the key.
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Secret")
+            .field("job", &self.job)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+// The labels of the four proofs: no proof made for one purpose verifies for another.
+const LABEL_RANK: &[u8] = b"dspark/2 rank proves to rank 0\0";
+const LABEL_ROOT: &[u8] = b"dspark/2 rank 0 proves to a rank\0";
+pub(crate) const LABEL_ACCEPTOR: &[u8] = b"dspark/2 data acceptor proves\0";
+pub(crate) const LABEL_CONNECTOR: &[u8] = b"dspark/2 data connector proves\0";
 
 #[cfg(test)]
 mod tests {

@@ -70,7 +70,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::shm::ShmTransport;
-use super::tcp::Links;
+use super::Links;
 use super::{
     AbortClass, FrameHeader, Interest, RecvProgress, RecvSink, SendProgress, Transport,
     TransportKind,

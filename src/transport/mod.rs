@@ -36,6 +36,33 @@ pub mod shm;
 pub mod tcp;
 pub mod verbs;
 
+/// Connections a [`tcp::TcpTransport`] makes after init, on first use: to the peers it was not
+/// given a stream for (all-to-all and send/recv partners, and any pair the init-time links
+/// left out). The higher rank of a pair connects; both prove the job token. Implemented by
+/// the bootstrap ([`crate::bootstrap::LazyLinks`]), which owns this rank's data listener.
+/// The verbs transport uses them too, to exchange the information of a queue pair made on
+/// first use ([`crate::transport::verbs::VerbsTransport::with_links`]).
+pub trait Links: Send + fmt::Debug {
+    /// Starts connecting to `peer` unless a connection to it is in the making. Either rank
+    /// of a pair may start; when both do at once, the higher rank's connection is kept.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`](crate::error::Error::PeerLost) when its listener refuses (it closed
+    /// or died).
+    fn start(&mut self, peer: usize) -> Result<()>;
+
+    /// Advances, without waiting for a peer, the handshakes whose next message has arrived,
+    /// and accepts connections from higher ranks: returns the connections that completed.
+    ///
+    /// # Errors
+    /// A rank of this job that proved itself and does not fit, or a failed handshake with a
+    /// peer this rank was connecting to.
+    fn progress(&mut self) -> Result<Vec<(usize, std::net::TcpStream)>>;
+
+    /// Descriptors that are readable when [`Links::progress`] has work.
+    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>>;
+}
+
 /// Size of a frame header on the wire.
 pub const HEADER_LEN: usize = 32;
 

@@ -47,15 +47,15 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{sendmsg, MsgFlags, SockaddrStorage};
 
 use super::{
-    rdhup, AbortClass, FrameHeader, FrameKind, Interest, RecvProgress, RecvSink, SendProgress,
-    Transport, TransportKind, HEADER_LEN,
+    rdhup, AbortClass, FrameHeader, FrameKind, Interest, Links, RecvProgress, RecvSink,
+    SendProgress, Transport, TransportKind, HEADER_LEN,
 };
 use crate::error::{Error, Result};
 
@@ -217,32 +217,6 @@ impl Peer {
         }
         self.rx[self.start..self.start + HEADER_LEN].try_into().ok()
     }
-}
-
-/// Connections a [`TcpTransport`] makes after init, on first use: to the peers it was not
-/// given a stream for (all-to-all and send/recv partners, and any pair the init-time links
-/// left out). The higher rank of a pair connects; both prove the job token. Implemented by
-/// the bootstrap ([`crate::bootstrap::LazyLinks`]), which owns this rank's data listener.
-/// The verbs transport uses them too, to exchange the information of a queue pair made on
-/// first use ([`crate::transport::verbs::VerbsTransport::with_links`]).
-pub trait Links: Send + std::fmt::Debug {
-    /// Starts connecting to `peer` unless a connection to it is in the making. Either rank
-    /// of a pair may start; when both do at once, the higher rank's connection is kept.
-    ///
-    /// # Errors
-    /// [`Error::PeerLost`] when its listener refuses (it closed or died).
-    fn start(&mut self, peer: usize) -> Result<()>;
-
-    /// Advances, without waiting for a peer, the handshakes whose next message has arrived,
-    /// and accepts connections from higher ranks: returns the connections that completed.
-    ///
-    /// # Errors
-    /// A rank of this job that proved itself and does not fit, or a failed handshake with a
-    /// peer this rank was connecting to.
-    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>>;
-
-    /// Descriptors that are readable when [`Links::progress`] has work.
-    fn fds(&self) -> Vec<BorrowedFd<'_>>;
 }
 
 /// The TCP transport.

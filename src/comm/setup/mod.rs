@@ -291,14 +291,15 @@ impl Communicator {
                 return Self::init_through_torch_store(config, &prefix);
             }
         }
-        config.validate()?;
+        // The bootstrap's options, built once: this is where the configuration is checked.
+        let boot_opts = bootstrap::BootstrapOptions::from_config(&config)?;
         ensure_descriptors(config.rank, config.world_size);
         // Only the pairs the collectives' schedules use connect now (O(log n) per rank):
         // the transports that need every pair complete the mesh, TCP connects the others
         // on first use.
         let world = config.world_size;
         let links = move |r: usize| plan::algo::standing_partners(world, r);
-        let (mut boot, streams) = bootstrap::rendezvous_with(&config, root, Some(&links))?;
+        let (mut boot, streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).

@@ -11,7 +11,7 @@ use super::seg;
 use super::sizing::ring_stride;
 use super::ShmTransport;
 use crate::error::{Error, Result};
-use crate::transport::tcp::Links;
+use crate::transport::Links;
 
 /// Liveness connections on first use (the bootstrap's [`Links`], as TCP and verbs use them).
 #[derive(Debug)]

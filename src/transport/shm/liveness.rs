@@ -349,7 +349,7 @@ mod tests {
 
     use super::*;
     use crate::transport::shm::{prepare, Prepared, SegInfo, ShmOptions, OFF_PID};
-    use crate::transport::tcp::Links;
+    use crate::transport::Links;
     use crate::transport::{FrameHeader, RecvProgress, RecvSink, Transport};
 
     /// Links that never connect anything (a peer that never answers).

@@ -104,7 +104,7 @@
 //! | `lazy.rs` | liveness connections and ring commits on first use ([`ShmTransport::with_links`]) |
 //! | `seg.rs` | the memory file, its mapping, bounds-checked copies, futex calls |
 //!
-//! [`Links`]: super::tcp::Links
+//! [`Links`]: super::Links
 
 use std::net::TcpStream;
 use std::sync::atomic::{fence, Ordering};

@@ -28,7 +28,7 @@ use super::options::CTRL_BYTES;
 use super::wire::{self, Blob, DirectInfo, MAX_FIRST_USE, READY};
 use super::{Peer, VerbsTransport};
 use crate::error::{Error, Result};
-use crate::transport::tcp::Links;
+use crate::transport::Links;
 
 /// The operation named in errors.
 const OP: &str = "connect on first use (verbs)";

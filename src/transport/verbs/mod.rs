@@ -109,7 +109,7 @@
 //!   information, CTS entries and immediates.
 //!
 //! [`FrameHeader`]: crate::transport::FrameHeader
-//! [`Links`]: crate::transport::tcp::Links
+//! [`Links`]: crate::transport::Links
 //! [`RecvSink::consume`]: crate::transport::RecvSink::consume
 //! [`RecvSink::direct`]: crate::transport::RecvSink::direct
 //! [`Transport::abort`]: crate::transport::Transport::abort

@@ -1,0 +1,153 @@
+//! A rank's side of the rendezvous (steps 1 to 3 of the [module docs](super), other than
+//! rank 0): reaching rank 0 (retrying until the deadline), the hello, the answer to rank 0's
+//! challenge, and the rank table, accepted only with rank 0's proof that it knows the token.
+
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::time::Duration;
+
+use super::auth;
+use super::msg::{self, Reject, Reply, MSG_PROOF, REJECT_CONFIG};
+use super::net::resolve;
+use super::{fresh_nonce, BootstrapOptions, Ctx, PeerInfo, Star};
+use crate::error::{Error, Result};
+
+/// The rendezvous of a rank other than 0: `host`, `data_port` and `iface` are its own entry
+/// of the table.
+pub(super) fn leaf_rendezvous(
+    ctx: &Ctx<'_>,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+) -> Result<Star> {
+    let opts = ctx.opts;
+    let sec = ctx.sec();
+    let world = opts.world;
+    let (rhost, port) = (&opts.root.0, opts.root.1);
+    let mut last_err = String::from("no attempt made");
+    let mut s = loop {
+        match resolve(rhost, port) {
+            Ok(addrs) if !addrs.is_empty() => {
+                let mut connected = None;
+                for a in addrs {
+                    let rem = ctx.remaining().unwrap_or(Duration::from_millis(1));
+                    match TcpStream::connect_timeout(&a, rem.min(Duration::from_secs(5))) {
+                        Ok(s) => {
+                            connected = Some(s);
+                            break;
+                        }
+                        Err(e) => last_err = format!("{a}: {e}"),
+                    }
+                }
+                if let Some(s) = connected {
+                    break s;
+                }
+            }
+            Ok(_) => last_err = format!("{rhost} resolves to no address"),
+            Err(e) => last_err = format!("cannot resolve {rhost}: {e}"),
+        }
+        if ctx.remaining().is_none() {
+            return Err(ctx.timeout(
+                Some(0),
+                format!(
+                    "could not reach rank 0 at {} (from {}): {last_err} — is rank 0 running, \
+                     and is the address right?",
+                    opts.root_addr, opts.root_source
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = s.set_nodelay(true);
+    let root_at = s
+        .peer_addr()
+        .map_or_else(|_| opts.root_addr.clone(), |a| a.to_string());
+    let hello = msg::Hello {
+        world: world as u32,
+        rank: opts.rank as u32,
+        job: sec.job,
+        data_port,
+        host: host.to_string(),
+        segment: opts.segment_bytes as u64,
+        token: sec.token,
+        nonce: fresh_nonce(ctx)?,
+    }
+    .encode();
+    ctx.send(&mut s, Some(0), hello.clone())?;
+    let reply = ctx.recv(&mut s, Some(0), "waiting for rank 0's challenge")?;
+    let nonce0 = match Reply::decode(&reply, world).map_err(|w| ctx.bad(Some(0), w))? {
+        Reply::Challenge(n) => n,
+        Reply::Reject(rej) => return Err(refusal(opts, rej)),
+        Reply::Welcome { .. } => {
+            return Err(ctx.bad(
+                Some(0),
+                "rank 0 sent a rank table without a challenge".into(),
+            ))
+        }
+    };
+    let proof = sec.rank_proof(&nonce0, &hello.0);
+    ctx.send(&mut s, Some(0), msg::encode_proof(MSG_PROOF, &proof))?;
+    let reply = ctx.recv(&mut s, Some(0), "waiting for rank 0 to admit this rank")?;
+    let mut peers = match Reply::decode(&reply, world).map_err(|w| ctx.bad(Some(0), w))? {
+        Reply::Welcome { peers, signed, tag } => {
+            if !auth::ct_eq(&tag, &sec.root_proof(&hello.0, &nonce0, &reply[..signed])) {
+                return Err(Error::Mismatch {
+                    rank: Some(opts.rank),
+                    peer: Some(0),
+                    op: "bootstrap".into(),
+                    what: format!(
+                        "{}: refusing its rank table",
+                        sec.bad_proof(&format!("rank 0 at {root_at}"), "this rank")
+                    ),
+                });
+            }
+            peers
+        }
+        Reply::Reject(rej) => return Err(refusal(opts, rej)),
+        Reply::Challenge(_) => {
+            return Err(ctx.bad(Some(0), "rank 0 sent a second challenge".into()))
+        }
+    };
+    // A partial table (connections on first use): the rest is gathered after the mesh.
+    let me = opts.rank;
+    if peers.len() < world {
+        let known = std::mem::take(&mut peers);
+        peers = (0..world)
+            .map(|rank| PeerInfo {
+                rank,
+                host: String::new(),
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            })
+            .collect();
+        for p in known {
+            let r = p.rank;
+            peers[r] = p;
+        }
+        if peers[0].addr.port() == 0 || peers[me].addr.port() == 0 {
+            return Err(ctx.bad(Some(0), "rank 0's table lacks rank 0 or this rank".into()));
+        }
+    }
+    // Our own entry: rank 0 recorded the address it saw us connect from.
+    if let Some(ip) = iface {
+        peers[me].addr = SocketAddr::new(ip, data_port);
+    }
+    let mut star: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    star[0] = Some(s);
+    Ok((star, peers))
+}
+
+/// The error of a rank that rank 0 refused.
+fn refusal(opts: &BootstrapOptions, rej: Reject) -> Error {
+    let what = format!("rank 0 refused this rank: {}", rej.why);
+    if rej.class == REJECT_CONFIG {
+        Error::config(rej.var, what)
+    } else {
+        Error::Mismatch {
+            rank: Some(opts.rank),
+            peer: Some(0),
+            op: "bootstrap".into(),
+            what,
+        }
+    }
+}

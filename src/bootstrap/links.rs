@@ -1,0 +1,284 @@
+//! Data connections made after init, on first use: [`LazyLinks`], the bootstrap's side of
+//! the transports' [`Links`]. It dials with the init's own steps ([`super::mesh`]) and
+//! accepts on this rank's [`Door`], without ever waiting on a peer.
+
+#![forbid(unsafe_code)]
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
+use super::door::{pull_message, Door, CROSSED};
+use super::mesh::{answer_challenge, check_ack, say_hello};
+use super::{msg, BootstrapOptions, Ctx, PeerInfo, HELLO_WAIT, MAX_HELLO};
+use crate::error::{Error, Result};
+use crate::transport::Links;
+
+/// Data connections made after init, on first use (the pairs that [`rendezvous_with`](super::rendezvous_with)'s
+/// `links` left out): the rank that needs the pair first connects to the other's data
+/// listener, and both prove the job token as when the ranks connect at init; when both
+/// connect at once, the higher rank's connection is kept. Never blocks on a peer:
+/// [`crate::transport::Links::progress`] advances the handshakes whose next message has
+/// arrived.
+pub struct LazyLinks {
+    pub(super) opts: BootstrapOptions,
+    pub(super) door: Door,
+    pub(super) peers: Vec<PeerInfo>,
+    /// Connections this rank is making to lower ranks, by rank.
+    pub(super) dials: Vec<Option<Dial>>,
+    /// Where [`Door`] puts the higher ranks that proved themselves.
+    pub(super) scratch: Vec<Option<TcpStream>>,
+}
+
+/// A connection to a lower rank in the making: the hello is sent; `challenged` once this
+/// rank answered the challenge (and waits for the acknowledgement).
+pub(super) struct Dial {
+    s: TcpStream,
+    hello: Vec<u8>,
+    challenged: bool,
+    /// The part of the peer's next message that has arrived (read without waiting, so a peer
+    /// that sends half a message holds up nothing until `due`).
+    got: Vec<u8>,
+    /// When the peer's next message must be whole: [`HELLO_WAIT`] after the hello, and again
+    /// after the answer to its challenge.
+    due: Instant,
+}
+
+impl std::fmt::Debug for LazyLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyLinks")
+            .field("rank", &self.opts.rank)
+            .field("door", &self.door)
+            .field(
+                "dialing",
+                &self
+                    .dials
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, d)| d.is_some())
+                    .map(|(r, _)| r)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Links for LazyLinks {
+    fn start(&mut self, peer: usize) -> Result<()> {
+        let me = self.opts.rank;
+        if peer == me || self.dials.get(peer).is_none_or(Option::is_some) {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let ctx = Ctx {
+            opts: &self.opts,
+            deadline: now + HELLO_WAIT,
+            start: now,
+        };
+        let (s, hello) = say_hello(&ctx, &self.peers[peer], true)?;
+        tracing::debug!(rank = me, peer, "connecting on first use");
+        self.dials[peer] = Some(Dial {
+            s,
+            hello,
+            challenged: false,
+            got: Vec::new(),
+            due: Instant::now() + HELLO_WAIT,
+        });
+        self.door.dialing[peer] = true;
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+        let now = Instant::now();
+        let ctx = Ctx {
+            opts: &self.opts,
+            deadline: now + HELLO_WAIT,
+            start: now,
+        };
+        let mut done = Vec::new();
+        self.door.round(&ctx, &mut self.scratch, Duration::ZERO)?;
+        for (r, slot) in self.scratch.iter_mut().enumerate() {
+            if let Some(s) = slot.take() {
+                // A rank this one was connecting to connected first and is higher: its
+                // connection is the one (it refuses this rank's as crossed).
+                self.dials[r] = None;
+                self.door.dialing[r] = false;
+                tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");
+                done.push((r, s));
+            }
+        }
+        let ready: Vec<usize> = {
+            let (which, mut fds): (Vec<usize>, Vec<PollFd<'_>>) = self
+                .dials
+                .iter()
+                .enumerate()
+                .filter_map(|(r, d)| {
+                    d.as_ref()
+                        .map(|d| (r, PollFd::new(d.s.as_fd(), PollFlags::POLLIN)))
+                })
+                .unzip();
+            if fds.is_empty() {
+                Vec::new()
+            } else {
+                match nix::poll::poll(&mut fds, PollTimeout::ZERO) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => return Err(ctx.io(None, "polling connections", io::Error::from(e))),
+                }
+                fds.iter()
+                    .zip(which)
+                    .filter(|(f, _)| f.revents().is_some_and(|e| !e.is_empty()))
+                    .map(|(_, r)| r)
+                    .collect()
+            }
+        };
+        for r in 0..self.dials.len() {
+            let Some(mut d) = self.dials[r].take() else {
+                continue;
+            };
+            let what = if d.challenged {
+                format!("waiting for rank {r} to accept the connection")
+            } else {
+                format!("waiting for rank {r}'s challenge")
+            };
+            let pulled = if ready.contains(&r) {
+                pull_message(&d.s, &mut d.got, MAX_HELLO)
+            } else {
+                Ok(None)
+            };
+            let m = match pulled {
+                Ok(Some(m)) => m,
+                Ok(None) if Instant::now() < d.due => {
+                    self.dials[r] = Some(d);
+                    continue;
+                }
+                Ok(None) => {
+                    self.door.dialing[r] = false;
+                    return Err(ctx.timeout(
+                        Some(r),
+                        format!("{what}: nothing whole within {HELLO_WAIT:?}"),
+                    ));
+                }
+                Err(why) => {
+                    self.door.dialing[r] = false;
+                    return Err(Error::Transport {
+                        rank: Some(ctx.rank()),
+                        peer: Some(r),
+                        op: "bootstrap".into(),
+                        what: format!("{what}: {why}"),
+                    });
+                }
+            };
+            if d.challenged {
+                if let Ok(Err(rej)) = msg::decode_peer_ack(&m) {
+                    if rej.why == CROSSED {
+                        // The higher rank's connection to this one is kept: it arrives on
+                        // the listener.
+                        self.door.dialing[r] = false;
+                        continue;
+                    }
+                }
+                if let Err(e) = check_ack(&ctx, r, &m) {
+                    self.door.dialing[r] = false;
+                    return Err(e);
+                }
+                // Connected. A lower rank that was connecting to this one at the same time
+                // dropped its connection when this one arrived, but its proof may still be
+                // on the way: it stays refused as crossed (else this rank would take a
+                // second connection from it).
+                self.door.dialing[r] = r < ctx.rank();
+                let _ = d.s.set_read_timeout(None);
+                let _ = d.s.set_write_timeout(None);
+                tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");
+                done.push((r, d.s));
+            } else {
+                answer_challenge(&ctx, &mut d.s, &self.peers[r], &d.hello, &m)?;
+                d.challenged = true;
+                d.due = Instant::now() + HELLO_WAIT;
+                self.dials[r] = Some(d);
+            }
+        }
+        Ok(done)
+    }
+
+    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let mut v = vec![self.door.listener.as_fd()];
+        v.extend(self.door.cands.iter().map(|c| c.s.as_fd()));
+        v.extend(self.dials.iter().flatten().map(|d| d.s.as_fd()));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::bootstrap::mesh::tests::{config, peer, recv};
+
+    /// The dialling side of a connection on first use: a peer that accepts, reads the hello
+    /// and sends half a challenge holds up no `progress` call (each returns at once, so the
+    /// caller's collective goes on), and fails the connection naming it once the hello wait
+    /// is over. (The dialling side used to read a ready peer's message with a blocking read
+    /// bounded by [`HELLO_WAIT`].)
+    #[test]
+    fn a_peer_that_sends_half_a_challenge_holds_up_no_progress_call() {
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fake_addr = fake.local_addr().unwrap();
+        let half = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let _hello = recv(&mut s);
+            s.write_all(&100u32.to_le_bytes()).unwrap();
+            s.write_all(&[7u8; 10]).unwrap();
+            // Hold the connection open until the dialling side gives up.
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let own = TcpListener::bind("127.0.0.1:0").unwrap();
+        let own_addr = own.local_addr().unwrap();
+        own.set_nonblocking(true).unwrap();
+        let mut door = Door::new(own, 2);
+        door.lazy = true;
+        let mut links = LazyLinks {
+            opts: config(1, 2, "a"),
+            door,
+            peers: vec![peer(0, fake_addr), peer(1, own_addr)],
+            dials: (0..2).map(|_| None).collect(),
+            scratch: (0..2).map(|_| None).collect(),
+        };
+        let t0 = Instant::now();
+        links.start(0).unwrap();
+        let mut slowest = Duration::ZERO;
+        let e = loop {
+            let t = Instant::now();
+            let r = links.progress();
+            slowest = slowest.max(t.elapsed());
+            match r {
+                Ok(done) => assert!(done.is_empty(), "connected to a fake rank 0"),
+                Err(e) => break e,
+            }
+            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(0), .. })
+                && text.contains("waiting for rank 0's challenge"),
+            "{text}"
+        );
+        assert!(
+            t0.elapsed() >= HELLO_WAIT,
+            "gave up after {:?}",
+            t0.elapsed()
+        );
+        assert!(
+            slowest < Duration::from_millis(500),
+            "a progress call took {slowest:?}"
+        );
+        drop(links);
+        half.join().unwrap();
+    }
+}
