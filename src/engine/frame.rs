@@ -11,8 +11,10 @@ use crate::transport::{FrameHeader, FrameKind, RecvSink, NO_OP};
 use crate::types::{DataType, ReduceOp};
 
 /// The descriptors a drive loop checks frames against: the call's, for its sends and its
-/// receives alike, except in an exchange ([`Call::recv_from`](super::Call::recv_from)), whose send and receive are
+/// receives alike, except in an exchange ([`Call::recv_from`]), whose send and receive are
 /// two calls with a sequence number and a count each.
+///
+/// [`Call::recv_from`]: super::Call::recv_from
 #[derive(Clone, Copy)]
 pub(super) struct Descs<'a> {
     pub(super) send: &'a Desc,

@@ -27,8 +27,10 @@ enum Pace {
     Aborted,
 }
 
-/// The longest a drive loop blocks in [`Transport::wait`](crate::transport::Transport::wait) before it looks at the abort flag
+/// The longest a drive loop blocks in [`Transport::wait`] before it looks at the abort flag
 /// again: an abort from another thread is noticed within this (plus one pass).
+///
+/// [`Transport::wait`]: crate::transport::Transport::wait
 const ABORT_POLL: Duration = Duration::from_millis(50);
 
 /// Spin-then-block pacing of a drive loop, and its deadline.
@@ -60,8 +62,10 @@ impl Pacer {
         }
     }
 
-    /// How long the next [`Transport::wait`](crate::transport::Transport::wait) may block: until the deadline, but never so
+    /// How long the next [`Transport::wait`] may block: until the deadline, but never so
     /// long that an abort goes unnoticed.
+    ///
+    /// [`Transport::wait`]: crate::transport::Transport::wait
     fn wait_until(&self) -> Instant {
         self.deadline.min(Instant::now() + ABORT_POLL)
     }
@@ -106,12 +110,14 @@ impl Engine {
     /// Ends a pass of a drive loop that left steps to do (`moved`: whether any progressed): by
     /// [`Pacer`]'s verdict, returns at once for another pass, fails the call with the timeout
     /// error ([`Engine::timeout_error`]) or the abort's, or — nothing moved for the spin time —
-    /// blocks in [`Transport::wait`](crate::transport::Transport::wait) on the peers whose head steps may progress, until the
+    /// blocks in [`Transport::wait`] on the peers whose head steps may progress, until the
     /// deadline at most and never longer than [`ABORT_POLL`] (traced in the `waits` lane).
     /// `device_busy`: device work is in flight, whose completions are not file descriptors and
     /// take microseconds: yield the CPU and pass again instead of blocking.
     ///
     /// The tail of both drive loops, the host's and the device's ([`super::staged`]).
+    ///
+    /// [`Transport::wait`]: crate::transport::Transport::wait
     pub(super) fn end_pass(
         &mut self,
         pacer: &mut Pacer,

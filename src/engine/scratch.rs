@@ -51,7 +51,9 @@ impl Scratch {
         self.complete(i);
     }
 
-    /// The peers whose head send or receive may progress, for [`Transport::wait`](crate::transport::Transport::wait).
+    /// The peers whose head send or receive may progress, for [`Transport::wait`].
+    ///
+    /// [`Transport::wait`]: crate::transport::Transport::wait
     pub(super) fn collect_interest(&mut self, prog: &Program) {
         let ready = |i: u32| prog.deps(i as usize).iter().all(|&d| self.done[d as usize]);
         self.interest.clear();

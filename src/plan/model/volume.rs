@@ -50,10 +50,13 @@ fn ceil_log2(n: usize) -> usize {
 }
 
 /// The structure of `algo`'s schedule for `coll` over `world` ranks and `count` elements
-/// ([`Request::count`](crate::plan::Request::count)'s meaning), with `per_host` ranks per host for the hierarchical
+/// ([`super::Request::count`]'s meaning), with `per_host` ranks per host for the hierarchical
 /// allreduce. `None` where `algo` does not implement `coll`. The counts are exact for the
-/// schedules of [`schedule`](crate::plan::schedule) when `count ≥ world` (below that some blocks are empty and
+/// schedules of [`super::schedule`] when `count ≥ world` (below that some blocks are empty and
 /// their messages skipped); the hierarchical allreduce's per-rank bytes are the even split.
+///
+/// [`super::Request::count`]: crate::plan::Request::count
+/// [`super::schedule`]: crate::plan::schedule
 pub fn volume(
     coll: Collective,
     algo: Algorithm,

@@ -8,8 +8,8 @@
 //! | bytes | what |
 //! | --- | --- |
 //! | 0 | the medium, its index in [`Medium::ALL`] |
-//! | 1..33 | α, β, γ and `alpha_oversub_us` ([`Costs`]), each the little-endian bits of an `f64` |
-//! | 33..65 | `segment_bytes`, `local_ranks`, `cores`, `hier_min_bytes`, each a little-endian `u64` |
+//! | 1..33 | α, β, γ and `alpha_oversub_us` ([`Costs`]), each an `f64`'s bits, little-endian |
+//! | 33..65 | `segment_bytes`, `local_ranks`, `cores`, `hier_min_bytes`: `u64`, little-endian |
 //! | 65.. | the source (where the constants came from), UTF-8, read lossily |
 
 use super::{CostModel, Costs, Medium};

@@ -370,7 +370,7 @@ fn validate(rank: Rank, world: usize, prog: &Program, bufs: &Buffers) -> Result<
 ///
 /// `cfg.seg_elems` is ignored (the programs are already compiled). Every step is validated
 /// first ([`SimError::BadStep`]); then steps run one at a time in a seeded random order that
-/// respects the execution semantics (see the [module docs](self)).
+/// respects the execution semantics (see the [module docs](super)).
 pub fn run_programs(
     programs: &[Program],
     buffers: Vec<Buffers>,
