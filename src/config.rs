@@ -31,7 +31,7 @@
 
 use std::fmt;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::path::{PathPolicy, DATA_PATH_ENV};
@@ -714,14 +714,8 @@ impl Config {
     }
 }
 
-/// `start + timeout`, saturating far in the future (a `Duration::MAX` timeout means "no
-/// practical limit", not an overflow).
-pub fn deadline(start: Instant, timeout: Duration) -> Instant {
-    start
-        .checked_add(timeout)
-        .or_else(|| start.checked_add(Duration::from_secs(100 * 365 * 86_400)))
-        .unwrap_or(start)
-}
+/// For the callers not yet switched to [`crate::time::deadline`] (bootstrap, `comm::work`).
+pub(crate) use crate::time::deadline;
 
 /// `host:port`, bracketing IPv6 literals.
 pub fn join_host_port(host: &str, port: u16) -> String {

@@ -1,7 +1,7 @@
 //! Fuzz targets (`testing` feature only; not part of the library's API): the decoders that
 //! read what another process sent — the bootstrap's handshake messages, the frame header, the
-//! verbs connection blob, clear-to-send entries, immediates and work-request ids — and the
-//! parsers of the configuration.
+//! verbs connection blob, clear-to-send entries, immediates and work-request ids, the cost model
+//! rank 0 broadcasts at init — and the parsers of the configuration.
 //!
 //! Each target is a function of arbitrary bytes that panics only when a property fails:
 //!
@@ -26,6 +26,7 @@ use crate::bootstrap::PeerInfo;
 use crate::comm::setup::offer::{mode_of, Confirm, SegOffer, ShmOffer, VerbsOffer};
 use crate::config::{join_host_port, parse_size, split_host_port, Config, TransportChoice};
 use crate::path::PathPolicy;
+use crate::plan::model::{self, CostModel, Costs, Medium};
 use crate::plan::Algorithm;
 use crate::transport::verbs::parse_device;
 use crate::transport::verbs::wire::{
@@ -47,6 +48,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("frame_header", frame_header),
     ("verbs_blob", verbs_blob),
     ("verbs_words", verbs_words),
+    ("plan_cost_model", plan_cost_model),
     ("config_env", config_env),
     ("config_values", config_values),
     ("setup_shm_offer", setup_shm_offer),
@@ -228,6 +230,33 @@ pub fn verbs_words(data: &[u8]) {
     let (peer, kind, index) = split_wr_id(id);
     assert!(peer <= 0xffff && index < 1 << 44);
     assert_eq!(split_wr_id(wr_id(peer, kind, index)), (peer, kind, index));
+}
+
+// ------------------------------------------------------------------------- plan
+
+/// The cost model rank 0 broadcasts at init ([`model::decode`]). Not canonical (the source is
+/// read lossily as UTF-8): what decodes re-encodes to bytes that decode to the same model, bit
+/// for bit, and source; and to the input itself where its source is UTF-8.
+pub fn plan_cost_model(data: &[u8]) {
+    if let Some((m, source)) = model::decode(data) {
+        let again = model::encode(&m, &source);
+        if data
+            .get(65..)
+            .is_some_and(|s| std::str::from_utf8(s).is_ok())
+        {
+            assert_eq!(
+                again, data,
+                "the cost model does not re-encode to its bytes"
+            );
+        }
+        let (m2, source2) = model::decode(&again).expect("a re-encoded cost model decodes");
+        assert_eq!(source2, source);
+        assert_eq!(
+            model::encode(&m2, &source2),
+            again,
+            "the cost model decodes to another model"
+        );
+    }
 }
 
 // ------------------------------------------------------------------------- configuration
@@ -536,6 +565,31 @@ fn header_value(r: &mut dyn Rng) -> FrameHeader {
     }
 }
 
+fn cost_model_value(r: &mut dyn Rng) -> CostModel {
+    // Plausible constants and sizes, or any bits.
+    let f = |r: &mut dyn Rng, typical: f64| {
+        if r.below(4) == 0 {
+            f64::from_bits(edgy(r))
+        } else {
+            typical * (1.0 + r.below(1000) as f64 / 100.0)
+        }
+    };
+    let costs = Costs {
+        alpha_us: f(r, 1.0),
+        beta_us_per_byte: f(r, 1e-4),
+        gamma_us_per_byte: f(r, 1e-4),
+        alpha_oversub_us: f(r, 9.0),
+    };
+    CostModel {
+        medium: Medium::ALL[r.below(Medium::ALL.len())],
+        costs,
+        segment_bytes: edgy(r) as usize,
+        local_ranks: edgy(r) as usize,
+        cores: edgy(r) as usize,
+        hier_min_bytes: edgy(r) as usize,
+    }
+}
+
 fn cts_value(r: &mut dyn Rng) -> Cts {
     Cts {
         seq: edgy(r),
@@ -671,6 +725,32 @@ pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
                 out[..4].copy_from_slice(&imm.encode().to_le_bytes());
             }
             out
+        }
+        "plan_cost_model" => {
+            let (m, source) = (cost_model_value(r), text(r, 60));
+            let b = model::encode(&m, &source);
+            let (back, back_source) = model::decode(&b).expect("an encoded cost model decodes");
+            assert_eq!(back_source, source);
+            // Bit for bit (a NaN constant is not equal to itself).
+            assert_eq!(model::encode(&back, &back_source), b);
+            assert_eq!(back.costs.alpha_us.to_bits(), m.costs.alpha_us.to_bits());
+            assert_eq!(
+                (
+                    back.medium,
+                    back.segment_bytes,
+                    back.local_ranks,
+                    back.cores,
+                    back.hier_min_bytes
+                ),
+                (
+                    m.medium,
+                    m.segment_bytes,
+                    m.local_ranks,
+                    m.cores,
+                    m.hier_min_bytes
+                )
+            );
+            b
         }
         _ => Vec::new(),
     }

@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod path;
 pub mod plan;
 pub mod reduce;
+pub(crate) mod time;
 pub mod transport;
 pub mod types;
 

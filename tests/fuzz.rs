@@ -1,4 +1,5 @@
-//! Property-based fuzzing of every decoder that reads what another process sent, and of the
+//! Property-based fuzzing of every decoder that reads what another process sent (the
+//! bootstrap's messages, frame headers, the verbs blob and words, the cost model), and of the
 //! configuration parsers (the targets of `dspark::fuzzing`; issue #11, item 13).
 //!
 //! Each target gets `DSPARK_FUZZ_CASES` inputs (default 20 000: the quick mode CI runs; the
@@ -288,6 +289,11 @@ fn fuzz_verbs_blob() {
 #[test]
 fn fuzz_verbs_words() {
     fuzz("verbs_words");
+}
+
+#[test]
+fn fuzz_plan_cost_model() {
+    fuzz("plan_cost_model");
 }
 
 #[test]

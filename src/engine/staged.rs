@@ -24,8 +24,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::drive::{byte_range, internal};
+use super::frame::{Acc, Desc, Sink};
+use super::pace::Pacer;
+use super::scratch::Scratch;
 use super::trace::Lane;
-use super::{byte_range, internal, Acc, Call, Desc, Engine, Pace, Pacer, Scratch, Sink};
+use super::{Call, Engine};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
@@ -614,22 +618,11 @@ impl Engine {
                 }
                 return Ok(());
             }
-            match pacer.after_pass(moved) {
-                Pace::Again => continue,
-                Pace::TimedOut(waited) => return Err(self.timeout_error(prog, desc, s, waited)),
-                Pace::Aborted => return Err(self.aborted_error(desc.op_name())),
-                Pace::Block => {}
-            }
             // Device completions are not file descriptors, and copying one segment takes
             // microseconds: while device work is in flight, keep polling (yielding the CPU)
             // instead of sleeping in the transport.
             let device_busy = !landing.is_empty() || !draining.is_empty() || *staging > 0;
-            if device_busy {
-                std::thread::yield_now();
-                continue;
-            }
-            s.collect_interest(prog);
-            self.transport.wait(&s.interest, pacer.wait_until())?;
+            self.end_pass(&mut pacer, moved, prog, desc, s, device_busy)?;
         }
     }
 }

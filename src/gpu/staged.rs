@@ -633,7 +633,7 @@ impl Marks {
         op: &str,
     ) {
         if !self.pending.is_empty() {
-            let deadline = crate::config::deadline(Instant::now(), DROP_WAIT);
+            let deadline = crate::time::deadline(Instant::now(), DROP_WAIT);
             if let Err(e) = self.wait_all(ctx, stream, spare, op, deadline) {
                 tracing::error!(
                     "{op}: device work on GPU {} did not finish within {:?} ({e}); now waiting \
