@@ -714,8 +714,6 @@ impl Config {
     }
 }
 
-/// For the callers not yet switched to [`crate::time::deadline`] (bootstrap, `comm::work`).
-pub(crate) use crate::time::deadline;
 
 /// `host:port`, bracketing IPv6 literals.
 pub fn join_host_port(host: &str, port: u16) -> String {

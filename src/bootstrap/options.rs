@@ -93,6 +93,6 @@ impl BootstrapOptions {
 
     /// The deadline of a step that starts at `start`.
     pub(crate) fn deadline(&self, start: Instant) -> Instant {
-        crate::config::deadline(start, self.timeout)
+        crate::time::deadline(start, self.timeout)
     }
 }

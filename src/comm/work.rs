@@ -557,7 +557,7 @@ impl Work {
     /// [`Communicator::abort`](crate::Communicator::abort) the communicator to stop it).
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
-        let until = crate::config::deadline(start, timeout);
+        let until = crate::time::deadline(start, timeout);
         match self.wait_for(Some(until)) {
             Some(r) => r,
             None => Err(Error::Timeout {

@@ -155,52 +155,6 @@ fn medium_of(kind: TransportKind) -> Medium {
     }
 }
 
-/// Rank 0's model and its source, as every rank adopts it (ranks that chose with different
-/// constants would schedule one call differently).
-fn encode_model(m: &CostModel, source: &str) -> Vec<u8> {
-    let c = &m.costs;
-    let mut out = vec![Medium::ALL.iter().position(|x| *x == m.medium).unwrap_or(0) as u8];
-    for x in [
-        c.alpha_us,
-        c.beta_us_per_byte,
-        c.gamma_us_per_byte,
-        c.alpha_oversub_us,
-    ] {
-        out.extend_from_slice(&x.to_bits().to_le_bytes());
-    }
-    for x in [m.segment_bytes, m.local_ranks, m.cores, m.hier_min_bytes] {
-        out.extend_from_slice(&(x as u64).to_le_bytes());
-    }
-    out.extend_from_slice(source.as_bytes());
-    out
-}
-
-fn decode_model(b: &[u8]) -> Option<(CostModel, String)> {
-    let medium = *Medium::ALL.get(usize::from(*b.first()?))?;
-    let word = |i: usize| -> Option<u64> {
-        let s = b.get(1 + 8 * i..9 + 8 * i)?;
-        Some(u64::from_le_bytes(s.try_into().ok()?))
-    };
-    let f = |i| word(i).map(f64::from_bits);
-    let costs = Costs {
-        alpha_us: f(0)?,
-        beta_us_per_byte: f(1)?,
-        gamma_us_per_byte: f(2)?,
-        alpha_oversub_us: f(3)?,
-    };
-    let u = |i| word(i).and_then(|x| usize::try_from(x).ok());
-    let m = CostModel {
-        medium,
-        costs,
-        segment_bytes: u(4)?,
-        local_ranks: u(5)?,
-        cores: u(6)?,
-        hier_min_bytes: u(7)?,
-    };
-    let source = String::from_utf8_lossy(b.get(65..)?).into_owned();
-    Some((m, source))
-}
-
 /// The host's online cores, whatever this process is bound to (a launcher that binds each
 /// rank to one core does not make the ranks share it).
 fn host_cores() -> usize {
@@ -324,8 +278,8 @@ impl Communicator {
             ..CostModel::new(medium, costs)
         };
         if config.world_size > 1 {
-            let root = boot.broadcast_root(&encode_model(&model, &model_source))?;
-            match decode_model(&root) {
+            let root = boot.broadcast_root(&model::encode(&model, &model_source))?;
+            match model::decode(&root) {
                 Some((m, src)) => {
                     if config.rank != 0 && (m != model || src != model_source) {
                         model_source = format!("rank 0's: {src}");
