@@ -77,7 +77,23 @@ impl fmt::Display for TransportChoice {
 }
 
 /// Everything a communicator needs to start.
+///
+/// `#[non_exhaustive]`: a new setting is not a breaking change. Build one with
+/// [`Config::new`] (or [`Config::from_env`]) and the chainable setters:
+///
+/// ```
+/// use std::time::Duration;
+/// use dspark::config::{Config, TransportChoice};
+///
+/// let cfg = Config::new(0, 4, "node0:29500")
+///     .timeout(Duration::from_secs(60))
+///     .transport(TransportChoice::Tcp)
+///     .segment_bytes(256 << 10);
+/// assert_eq!(cfg.timeout, Duration::from_secs(60));
+/// assert!(cfg.validate().is_ok());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// This process's rank, `0..world_size`.
     pub rank: usize,
@@ -151,6 +167,7 @@ pub struct Config {
 /// reads no environment: [`Config::from_env`] parses them from the `DSPARK_IB_*` variables,
 /// and [`Config::validate`] checks their bounds.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct IbSettings {
     /// Slots per peer and direction (`DSPARK_IB_SLOTS`, 2–256).
     pub slots: usize,
@@ -224,6 +241,49 @@ fn truthy(v: &str) -> bool {
     )
 }
 
+/// Chainable setters, one per setting: `Config::new(..).timeout(d).transport(t)`.
+macro_rules! setters {
+    ($($name:ident: $ty:ty),* $(,)?) => {
+        impl Config {
+            $(
+                #[doc = concat!("Sets [`Config::", stringify!($name), "`].")]
+                #[must_use]
+                pub fn $name(mut self, value: $ty) -> Self {
+                    self.$name = value;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+setters! {
+    rank: usize,
+    world_size: usize,
+    root_addr: String,
+    timeout: Duration,
+    transport: TransportChoice,
+    host_id: Option<String>,
+    shm_ring_bytes: usize,
+    socket_ifname: Option<String>,
+    ib_device: Option<String>,
+    ib_gid_index: Option<u32>,
+    ib: IbSettings,
+    cache_dir: Option<PathBuf>,
+    trace: Option<PathBuf>,
+    tune_file: Option<PathBuf>,
+    job_token: Option<String>,
+    job_id: Option<String>,
+    algo: Option<Algorithm>,
+    segment_bytes: usize,
+    socket_buffer: usize,
+    spin: Option<Duration>,
+    data_path: PathPolicy,
+    cuda_device: Option<usize>,
+    emulate_gpu_direct: bool,
+    rendezvous: Rendezvous,
+}
+
 /// Default deadline.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -238,7 +298,7 @@ impl Config {
             timeout: DEFAULT_TIMEOUT,
             transport: TransportChoice::Auto,
             host_id: None,
-            shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
+            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
             socket_ifname: None,
             ib_device: None,
             ib_gid_index: None,
@@ -584,7 +644,7 @@ impl Config {
                 ),
             ));
         }
-        let ring = crate::transport::shm::MIN_RING_BYTES..=crate::transport::shm::MAX_RING_BYTES;
+        let ring = MIN_SHM_RING_BYTES..=MAX_SHM_RING_BYTES;
         if !ring.contains(&self.shm_ring_bytes) {
             return Err(Error::config(
                 "DSPARK_SHM_RING_BYTES",
@@ -638,6 +698,11 @@ pub fn tune_file_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Optio
 }
 
 /// Bounds of the segment size (`DSPARK_CHUNK_BYTES`).
+/// `DSPARK_SHM_RING_BYTES`' default and range (the shared-memory transport clamps to the
+/// same range; a test in `comm::setup` keeps the two in step).
+pub(crate) const DEFAULT_SHM_RING_BYTES: usize = 2 << 20;
+pub(crate) const MIN_SHM_RING_BYTES: usize = 4096;
+pub(crate) const MAX_SHM_RING_BYTES: usize = 1 << 30;
 const MIN_SEGMENT: usize = 64;
 const MAX_SEGMENT: usize = 1 << 30;
 const MAX_SOCKET_BUFFER: usize = 1 << 30;
@@ -713,7 +778,6 @@ impl Config {
         }
     }
 }
-
 
 /// `host:port`, bracketing IPv6 literals.
 pub fn join_host_port(host: &str, port: u16) -> String {

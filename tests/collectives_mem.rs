@@ -8,7 +8,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use dspark::transport::mem::{Fault, MemFabric};
-use dspark::{Communicator, Config, Error, ReduceOp};
+use dspark::{Communicator, Error, ReduceOp};
 
 use common::{mem_config as config, run_mem_ranks as run_ranks};
 
@@ -197,10 +197,8 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
         });
         // Recursive doubling (each rank sends the buffer once), whatever the cost model
         // would choose for 8-element segments.
-        let cfg = Config {
-            algo: Some(dspark::plan::Algorithm::RecursiveDoubling),
-            ..config(Duration::from_millis(500), 64)
-        };
+        let cfg = config(Duration::from_millis(500), 64)
+            .algo(Some(dspark::plan::Algorithm::RecursiveDoubling));
         let gate = Barrier::new(world);
         let res = run_ranks(&fabric, world, &cfg, |c| {
             let mut buf = vec![1i64; 100];

@@ -5,7 +5,7 @@
 //! toolkit and everything that does not touch a GPU works without one. cudarc panics when it is
 //! asked to use a library that is missing, so every entry point here checks first
 //! ([`libcuda_present`], [`nvrtc::libnvrtc_present`]) and reports absence as
-//! [`Error::Unavailable`](crate::Error::Unavailable).
+//! [`Error::Unavailable`](crate::error::Error::Unavailable).
 //!
 //! - `cuda`: the one layer over CUDA's C APIs: every raw libcuda and libnvrtc call (through
 //!   `cudarc::driver::sys` and `cudarc::nvrtc::sys`) is a small function there returning the

@@ -226,35 +226,41 @@ impl FrameHeader {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum AbortClass {
-    /// Anything else: survivors report [`Error::Aborted`](crate::Error::Aborted).
+    /// Anything else: survivors report [`Error::Aborted`](crate::error::Error::Aborted).
     Other = 0,
-    /// Ranks disagree about a call: survivors report [`Error::Mismatch`](crate::Error::Mismatch)
+    /// Ranks disagree about a call: survivors report [`Error::Mismatch`](crate::error::Error::Mismatch)
     /// with the same description.
     Mismatch = 1,
 }
 
 impl AbortClass {
     /// The class of an error, and the text to send with it.
-    pub fn of(e: &crate::Error) -> (Self, String) {
+    pub fn of(e: &crate::error::Error) -> (Self, String) {
         match e {
-            crate::Error::Mismatch { what, .. } => (AbortClass::Mismatch, what.clone()),
-            crate::Error::Aborted { reason, .. } => (AbortClass::Other, reason.clone()),
+            crate::error::Error::Mismatch { what, .. } => (AbortClass::Mismatch, what.clone()),
+            crate::error::Error::Aborted { reason, .. } => (AbortClass::Other, reason.clone()),
             e => (AbortClass::Other, e.to_string()),
         }
     }
 
     /// The error a survivor (`rank`, in operation `op`) reports for an abort frame from
     /// `origin` of class `code` with message `reason`.
-    pub fn error(code: u8, rank: usize, origin: usize, op: &str, reason: String) -> crate::Error {
+    pub fn error(
+        code: u8,
+        rank: usize,
+        origin: usize,
+        op: &str,
+        reason: String,
+    ) -> crate::error::Error {
         if code == AbortClass::Mismatch as u8 {
-            crate::Error::Mismatch {
+            crate::error::Error::Mismatch {
                 rank: Some(rank),
                 peer: Some(origin),
                 op: op.into(),
                 what: reason,
             }
         } else {
-            crate::Error::Aborted {
+            crate::error::Error::Aborted {
                 rank,
                 by: origin,
                 op: op.into(),
@@ -385,13 +391,13 @@ pub struct Landed {
 
 /// The error for a frame whose payload travels the other way than the receiver expects (one
 /// rank called a device collective, the other the host one).
-pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::Error {
+pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::error::Error {
     let (theirs, ours) = if direct_sent {
         ("device memory (direct)", "host memory")
     } else {
         ("host memory", "device memory (direct)")
     };
-    crate::Error::Mismatch {
+    crate::error::Error::Mismatch {
         rank: Some(rank),
         peer: Some(peer),
         op: "receive".into(),
@@ -401,8 +407,13 @@ pub fn direct_mismatch(rank: usize, peer: usize, direct_sent: bool) -> crate::Er
 
 /// The error for a frame whose header announces `got` payload bytes where the receiver's
 /// call expects `expected` (the ranks disagree about the call, or the frame is corrupt).
-pub fn frame_len_mismatch(rank: usize, peer: usize, got: usize, expected: usize) -> crate::Error {
-    crate::Error::Transport {
+pub fn frame_len_mismatch(
+    rank: usize,
+    peer: usize,
+    got: usize,
+    expected: usize,
+) -> crate::error::Error {
+    crate::error::Error::Transport {
         rank: Some(rank),
         peer: Some(peer),
         op: "receive".into(),
@@ -505,7 +516,7 @@ pub trait Transport: Send + fmt::Debug {
     /// would otherwise be sent from the old, still pinned pages — silently wrong data.
     ///
     /// # Errors
-    /// [`crate::Error::Transport`] naming the failed registration (e.g. memlock limit).
+    /// [`crate::error::Error::Transport`] naming the failed registration (e.g. memlock limit).
     fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
         let _ = region;
         Ok(None)
@@ -559,7 +570,7 @@ pub trait Transport: Send + fmt::Debug {
         progress: &mut SendProgress,
     ) -> Result<bool> {
         let _ = (hdr, offset, progress);
-        Err(crate::Error::invalid(
+        Err(crate::error::Error::invalid(
             None,
             "send_direct",
             format!("this transport has no direct region for rank {peer}"),
@@ -576,7 +587,7 @@ pub trait Transport: Send + fmt::Debug {
         sink: &mut dyn RecvSink,
     ) -> Result<Option<Landed>> {
         let _ = (progress, sink);
-        Err(crate::Error::invalid(
+        Err(crate::error::Error::invalid(
             None,
             "recv_direct",
             format!("this transport has no direct region for rank {peer}"),

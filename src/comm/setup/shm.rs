@@ -597,6 +597,18 @@ mod tests {
     use TransportChoice::{Auto, Shm, Tcp};
 
     #[test]
+    fn the_ring_setting_and_the_transport_agree_on_its_default_and_range() {
+        use crate::config;
+        assert_eq!(config::DEFAULT_SHM_RING_BYTES, shm::DEFAULT_RING_BYTES);
+        assert_eq!(config::MIN_SHM_RING_BYTES, shm::MIN_RING_BYTES);
+        assert_eq!(config::MAX_SHM_RING_BYTES, shm::MAX_RING_BYTES);
+        assert_eq!(
+            ShmOptions::default().ring_bytes,
+            config::DEFAULT_SHM_RING_BYTES
+        );
+    }
+
+    #[test]
     fn every_rank_capable_on_one_kernel_goes_ahead() {
         let c = one_host(1, &["a", "a", "a"], Auto);
         let offers = vec![capable(Auto, "k"); 3];

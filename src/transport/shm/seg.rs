@@ -378,7 +378,7 @@ mod tests {
             assert_eq!(seg.slice(len - 1, 1), Ok(&[7u8][..]));
         }
         match super::super::out_of_bounds(0, 3)(past) {
-            crate::Error::Transport {
+            crate::error::Error::Transport {
                 rank, peer, what, ..
             } => {
                 assert_eq!((rank, peer), (Some(0), Some(3)));
