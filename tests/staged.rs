@@ -453,7 +453,7 @@ fn a_host_rank_facing_a_direct_rank_gets_a_mismatch_not_a_hang() {
 
 #[test]
 fn a_device_over_another_region_is_refused_before_anything_moves() {
-    use dspark::transport::Transport;
+    use dspark::transport::DirectTransport;
     let res = run_direct(1, 2, |comm| {
         let other = MemFabric::with_direct(1, 4, 2, SEG, 3).transport(0);
         let region = other.direct_host_region().unwrap();
@@ -476,7 +476,7 @@ fn a_device_over_another_region_is_refused_before_anything_moves() {
 /// and the peers, which are in the call, fail promptly naming the rank — not at the deadline.
 #[test]
 fn a_device_call_failing_before_data_moves_fails_its_peers_promptly() {
-    use dspark::transport::Transport;
+    use dspark::transport::DirectTransport;
     for direct in [false, true] {
         let start = Instant::now();
         let count = 40;

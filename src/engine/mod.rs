@@ -588,32 +588,45 @@ impl Engine {
         self.poison = Some(e);
     }
 
-    /// Registers a caller buffer with the transport (see [`Transport::register_host`]).
+    /// Registers a caller buffer with the transport (see
+    /// [`Registering::register_host`](crate::transport::Registering::register_host));
+    /// `Ok(None)` when the transport has no use for registrations.
     pub fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        self.transport.register_host(region)
+        match self.transport.registration_mut() {
+            Some(r) => r.register_host(region),
+            None => Ok(None),
+        }
     }
 
-    /// The transport's direct region layout ([`Transport::direct_layout`]).
+    /// The transport's direct region layout
+    /// ([`DirectTransport::direct_layout`](crate::transport::DirectTransport::direct_layout));
+    /// `None` when it has none or cannot have one.
     pub fn direct_layout(&self) -> Option<crate::transport::DirectLayout> {
-        self.transport.direct_layout()
+        self.transport.direct().and_then(|d| d.direct_layout())
     }
 
-    /// Host access to the transport's direct region ([`Transport::direct_host_region`]).
+    /// Host access to the transport's direct region
+    /// ([`DirectTransport::direct_host_region`](crate::transport::DirectTransport::direct_host_region)).
     pub fn direct_host_region(&self) -> Option<Arc<dyn crate::transport::RegionAccess>> {
-        self.transport.direct_host_region()
+        self.transport.direct().and_then(|d| d.direct_host_region())
     }
 
-    /// Frames the transport sent zero-copy from registered buffers.
+    /// Frames the transport sent zero-copy from registered buffers (0 for transports that
+    /// always copy).
     pub fn zero_copy_frames(&self) -> u64 {
-        self.transport.zero_copy_frames()
+        self.transport
+            .registration()
+            .map_or(0, |r| r.zero_copy_frames())
     }
 
     /// Releases a registration.
     pub fn deregister(&mut self, id: u64) {
-        self.transport.deregister(id);
+        if let Some(r) = self.transport.registration_mut() {
+            r.deregister(id);
+        }
     }
 
     /// Closes the transport cleanly (goodbye to every peer).

@@ -33,7 +33,7 @@ use super::{Call, Engine};
 use crate::error::{Error, Result};
 use crate::plan::{Buf, Op, Program};
 use crate::reduce;
-use crate::transport::{DirectLayout, RegionAccess};
+use crate::transport::{no_direct_region, DirectLayout, DirectTransport, RegionAccess, Transport};
 use crate::types::{human_bytes, DataType, ReduceOp};
 
 /// A byte range of one of the device buffers.
@@ -107,7 +107,7 @@ pub trait StagedDevice {
     }
 
     /// Direct mode: the identity of the region this device's slots live in, which must be the
-    /// transport's ([`crate::transport::Transport::direct_base`]).
+    /// transport's ([`crate::transport::DirectTransport::direct_base`]).
     fn direct_base(&self) -> Option<u64> {
         None
     }
@@ -152,6 +152,29 @@ fn dev_range(loc: &crate::plan::Loc, esz: usize) -> DevRange {
         buf: loc.buf,
         bytes: byte_range(loc, esz),
     }
+}
+
+/// The transport's direct-region capability for the direct operation `op` with `peer`, or
+/// [`no_direct_region`]'s error when it has none.
+fn direct_of<'t>(
+    t: &'t mut dyn Transport,
+    op: &str,
+    peer: usize,
+) -> Result<&'t mut dyn DirectTransport> {
+    t.direct_mut().ok_or_else(|| no_direct_region(op, peer))
+}
+
+/// Whether the direct send to `peer` that left `token` finished reading its payload (at once
+/// on a transport without direct regions, which leaves no such sends).
+fn direct_send_done(t: &mut dyn Transport, peer: usize, token: u64) -> Result<bool> {
+    t.direct_mut()
+        .map_or(Ok(true), |d| d.direct_send_done(peer, token))
+}
+
+/// Gives back the oldest landing slot held from `peer` (nothing to give back on a transport
+/// without direct regions).
+fn release_direct(t: &mut dyn Transport, peer: usize) -> Result<()> {
+    t.direct_mut().map_or(Ok(()), |d| d.release_direct(peer))
 }
 
 /// The staged path's per-call bookkeeping, kept in the engine's [`Scratch`] between calls so
@@ -240,19 +263,21 @@ impl Engine {
     /// The transport's direct region layout, checked to be the region `dev` (a direct device)
     /// stages into and to hold its send slots.
     fn direct_layout_for(&self, dev: &dyn StagedDevice) -> Result<DirectLayout> {
-        let Some(l) = self.transport.direct_layout() else {
+        let direct = self.transport.direct();
+        let Some(l) = direct.and_then(|d| d.direct_layout()) else {
             return Err(Error::invalid(
                 Some(self.rank),
                 "direct device collective",
                 "the transport has no direct region (GPUDirect RDMA was not set up at init)",
             ));
         };
-        if dev.direct_base().is_none() || dev.direct_base() != self.transport.direct_base() {
+        let base = direct.and_then(|d| d.direct_base());
+        if dev.direct_base().is_none() || dev.direct_base() != base {
             return Err(internal(&format!(
                 "the device's direct region ({:?}) is not the one registered with the \
                  transport ({:?}): the NIC would move other memory",
                 dev.direct_base(),
-                self.transport.direct_base()
+                base
             )));
         }
         if l.send_slots < dev.send_slots() || l.slot_bytes < dev.slot_bytes() {
@@ -321,7 +346,7 @@ impl Engine {
         let tracing = self.trace.is_some();
         if direct.is_some() {
             for &p in &s.active {
-                if !self.transport.direct_peer(p) {
+                if !self.transport.direct().is_some_and(|d| d.direct_peer(p)) {
                     return Err(Error::invalid(
                         Some(self.rank),
                         "direct device collective",
@@ -351,14 +376,14 @@ impl Engine {
                 }
                 match held {
                     Held::Slot(slot) => free_recv.push(slot),
-                    Held::Landing(p) => self.transport.release_direct(p)?,
+                    Held::Landing(p) => release_direct(&mut *self.transport, p)?,
                 }
                 moved = true;
             }
             let mut k = 0;
             while k < draining.len() {
                 let (slot, p, token) = draining[k];
-                if self.transport.direct_send_done(p, token)? {
+                if direct_send_done(&mut *self.transport, p, token)? {
                     draining.swap_remove(k);
                     free_send.push(slot);
                     moved = true;
@@ -452,12 +477,12 @@ impl Engine {
                     }
                     let before = s.send_prog[p].written;
                     let fin = match (send_state[iu], direct) {
-                        (SendState::Ready { slot }, Some(l)) => self.transport.send_direct(
+                        (SendState::Ready { slot }, Some(l)) => direct_of(
+                            &mut *self.transport,
+                            "send_direct",
                             p,
-                            &hdr,
-                            l.send(slot),
-                            &mut s.send_prog[p],
-                        )?,
+                        )?
+                        .send_direct(p, &hdr, l.send(slot), &mut s.send_prog[p])?,
                         (SendState::Ready { slot }, None) => {
                             let data = dev.slot(slot).get(..len).ok_or_else(|| {
                                 internal("a send slot is smaller than its segment")
@@ -511,8 +536,11 @@ impl Engine {
                                 esz,
                                 done: 0,
                             };
-                            self.transport
-                                .recv_direct(p, &mut s.recv_prog[p], &mut sink)?
+                            direct_of(&mut *self.transport, "recv_direct", p)?.recv_direct(
+                                p,
+                                &mut s.recv_prog[p],
+                                &mut sink,
+                            )?
                         };
                         moved |= (s.recv_prog[p].header.is_some(), s.recv_prog[p].got) != before;
                         let Some(landed) = landed else { break };
@@ -613,7 +641,7 @@ impl Engine {
                 }
                 for (held, _) in landing.drain(..) {
                     if let Held::Landing(p) = held {
-                        self.transport.release_direct(p)?;
+                        release_direct(&mut *self.transport, p)?;
                     }
                 }
                 return Ok(());
@@ -729,7 +757,7 @@ impl EmulatedDevice {
     }
 
     /// An emulated device in *direct* mode over a transport's host-memory direct region
-    /// ([`Transport::direct_host_region`](crate::transport::Transport::direct_host_region)):
+    /// ([`DirectTransport::direct_host_region`]):
     /// the GPUDirect protocol without a GPU. Its `send_slots` send slots are the region's;
     /// operations complete late as in the staged mode, so releasing a landing slot before its
     /// consumer ran would let the sender overwrite data still to be read.
@@ -1049,7 +1077,6 @@ mod tests {
     use super::*;
     use crate::plan::Collective;
     use crate::transport::mem::MemFabric;
-    use crate::transport::Transport;
 
     fn range(buf: Buf, bytes: Range<usize>) -> DevRange {
         DevRange { buf, bytes }

@@ -10,8 +10,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind,
-    Interest, Landed, RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
+    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, DirectTransport, FrameHeader,
+    FrameKind, Interest, Landed, RecvProgress, RecvSink, RegionAccess, SendProgress, Transport,
+    TransportKind,
 };
 use crate::error::{Error, Result};
 
@@ -452,6 +453,76 @@ impl Transport for MemTransport {
         Ok(true)
     }
 
+    fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(());
+        }
+        // Delayed frames become visible without a notification: wake up periodically.
+        let dur = (deadline - now).min(Duration::from_millis(5));
+        let st = self.fabric.lock();
+        let _ = self.fabric.inner.1.wait_timeout(st, dur);
+        Ok(())
+    }
+
+    fn check_peers(&mut self) -> Result<()> {
+        let st = self.fabric.lock();
+        for p in 0..st.world {
+            if p == self.rank {
+                continue;
+            }
+            if let Some(e) = self.peer_error(&st, p, "communicator") {
+                if !matches!(st.ranks[p], RankState::Closed) {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        if self.done_abort {
+            return;
+        }
+        self.done_abort = true;
+        let mut st = self.fabric.lock();
+        if st.ranks[self.rank] == RankState::Alive {
+            st.ranks[self.rank] = RankState::Aborted {
+                by: origin,
+                class,
+                reason: reason.to_string(),
+            };
+        }
+        drop(st);
+        self.fabric.inner.1.notify_all();
+    }
+
+    fn close(&mut self) {
+        if self.done_abort {
+            return;
+        }
+        self.done_abort = true;
+        let mut st = self.fabric.lock();
+        if st.ranks[self.rank] == RankState::Alive {
+            st.ranks[self.rank] = RankState::Closed;
+        }
+        drop(st);
+        self.fabric.inner.1.notify_all();
+    }
+
+    fn direct(&self) -> Option<&dyn DirectTransport> {
+        Some(self)
+    }
+
+    fn direct_mut(&mut self) -> Option<&mut dyn DirectTransport> {
+        Some(self)
+    }
+}
+
+/// Direct regions in host memory, standing in for GPUDirect RDMA in tests
+/// ([`MemFabric::with_direct`]); a fabric made without them has no layout and refuses
+/// direct frames.
+impl DirectTransport for MemTransport {
     fn direct_layout(&self) -> Option<DirectLayout> {
         self.fabric.lock().direct
     }
@@ -589,60 +660,8 @@ impl Transport for MemTransport {
         Ok(())
     }
 
-    fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(());
-        }
-        // Delayed frames become visible without a notification: wake up periodically.
-        let dur = (deadline - now).min(Duration::from_millis(5));
-        let st = self.fabric.lock();
-        let _ = self.fabric.inner.1.wait_timeout(st, dur);
-        Ok(())
-    }
-
-    fn check_peers(&mut self) -> Result<()> {
-        let st = self.fabric.lock();
-        for p in 0..st.world {
-            if p == self.rank {
-                continue;
-            }
-            if let Some(e) = self.peer_error(&st, p, "communicator") {
-                if !matches!(st.ranks[p], RankState::Closed) {
-                    return Err(e);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
-        if self.done_abort {
-            return;
-        }
-        self.done_abort = true;
-        let mut st = self.fabric.lock();
-        if st.ranks[self.rank] == RankState::Alive {
-            st.ranks[self.rank] = RankState::Aborted {
-                by: origin,
-                class,
-                reason: reason.to_string(),
-            };
-        }
-        drop(st);
-        self.fabric.inner.1.notify_all();
-    }
-
-    fn close(&mut self) {
-        if self.done_abort {
-            return;
-        }
-        self.done_abort = true;
-        let mut st = self.fabric.lock();
-        if st.ranks[self.rank] == RankState::Alive {
-            st.ranks[self.rank] = RankState::Closed;
-        }
-        drop(st);
-        self.fabric.inner.1.notify_all();
+    fn direct_send_done(&mut self, _peer: usize, _token: u64) -> Result<bool> {
+        // `send_direct` copies the payload into the peer's region before it returns.
+        Ok(true)
     }
 }

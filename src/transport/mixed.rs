@@ -72,8 +72,8 @@ use std::time::{Duration, Instant};
 use super::shm::ShmTransport;
 use super::Links;
 use super::{
-    AbortClass, FrameHeader, Interest, RecvProgress, RecvSink, SendProgress, Transport,
-    TransportKind,
+    AbortClass, FrameHeader, Interest, RecvProgress, RecvSink, Registering, SendProgress,
+    Transport, TransportKind,
 };
 use crate::error::{Error, Result};
 
@@ -281,8 +281,10 @@ impl Transport for MixedTransport {
         self.net.flush(deadline)
     }
 
-    fn zero_copy_frames(&self) -> u64 {
-        self.shm.zero_copy_frames() + self.net.zero_copy_frames()
+    /// Reports the network side's zero-copy frames (the shm side always copies).
+    /// Registrations are not forwarded: `registration_mut` stays `None`.
+    fn registration(&self) -> Option<&dyn Registering> {
+        self.net.registration()
     }
 }
 

@@ -326,7 +326,7 @@ pub struct RecvProgress {
 /// Landing slot `i` for frames from `peer` starts at `(peer × slots + i) × slot_bytes`; send
 /// slot `j` at `(world × slots + j) × slot_bytes`. Direct frame `k` from a peer lands in that
 /// peer's landing slot `k % slots` and stays there, untouched by the sender, until the receiver
-/// [releases](Transport::release_direct) it.
+/// [releases](DirectTransport::release_direct) it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DirectLayout {
     /// Ranks.
@@ -375,7 +375,7 @@ pub trait RegionAccess: Send + Sync + fmt::Debug {
     /// Copies `src` to offset `off`; `false`, copying nothing, when that range is not inside
     /// the region.
     fn write(&self, off: usize, src: &[u8]) -> bool;
-    /// The region's identity, equal to [`Transport::direct_base`] of the transport that owns
+    /// The region's identity, equal to [`DirectTransport::direct_base`] of the transport that owns
     /// it (its address for a NIC).
     fn id(&self) -> u64;
 }
@@ -507,9 +507,102 @@ pub trait Transport: Send + fmt::Debug {
         Ok(())
     }
 
-    /// Registers a caller buffer so that later sends from inside it can move zero-copy
-    /// (RDMA transports); returns an id for [`Transport::deregister`], or `None` when this
-    /// transport has no use for registrations (the default).
+    /// The GPUDirect-region capability ([`DirectTransport`]): `Some` for transports that can
+    /// be set up with a direct region (`verbs`, `mem`), whether or not this one has a region
+    /// (then [`DirectTransport::direct_layout`] says `None`); `None` for the others (the
+    /// default), where every payload goes through host memory.
+    fn direct(&self) -> Option<&dyn DirectTransport> {
+        None
+    }
+
+    /// [`Transport::direct`], for moving direct frames.
+    fn direct_mut(&mut self) -> Option<&mut dyn DirectTransport> {
+        None
+    }
+
+    /// The capability of registering caller memory for zero-copy sends ([`Registering`]):
+    /// `Some` for RDMA transports (`verbs`); `None` (the default) for transports that always
+    /// copy. A composite may answer here for a part that counts zero-copy frames without
+    /// taking registrations itself (then [`Transport::registration_mut`] stays `None`).
+    fn registration(&self) -> Option<&dyn Registering> {
+        None
+    }
+
+    /// [`Transport::registration`], for registering and deregistering.
+    fn registration_mut(&mut self) -> Option<&mut dyn Registering> {
+        None
+    }
+}
+
+/// The error of a direct operation `op` with `peer` asked of a transport without a direct
+/// region capability ([`Transport::direct_mut`] is `None`): the same error every transport
+/// gave when the direct methods were defaults of [`Transport`].
+pub fn no_direct_region(op: &str, peer: usize) -> crate::error::Error {
+    crate::error::Error::invalid(
+        None,
+        op,
+        format!("this transport has no direct region for rank {peer}"),
+    )
+}
+
+/// Capability of a transport that can move payloads straight between the ranks' *direct
+/// regions* (GPUDirect RDMA over `verbs`; host memory standing in for it in `mem`), asked for
+/// with [`Transport::direct`] / [`Transport::direct_mut`]. The engine's device collectives
+/// use it; a transport without it stages every payload through host memory.
+pub trait DirectTransport {
+    /// The layout of this rank's direct region, when the transport was set up with one
+    /// (`None`: every payload goes through host memory).
+    fn direct_layout(&self) -> Option<DirectLayout>;
+
+    /// The identity of this rank's direct region (its address as registered with the NIC), so
+    /// that a device can be checked to use the very region the transport moves data in.
+    fn direct_base(&self) -> Option<u64>;
+
+    /// Host access to the direct region when it is host memory (emulation); `None` for GPU
+    /// memory or no region.
+    fn direct_host_region(&self) -> Option<std::sync::Arc<dyn RegionAccess>>;
+
+    /// Whether payloads to and from `peer` can move directly (both ends have a region).
+    fn direct_peer(&self, peer: usize) -> bool;
+
+    /// Like [`Transport::send`], for a frame whose `hdr.len`-byte payload is at `offset` of
+    /// this rank's direct region: it lands in `peer`'s region. Empty payloads travel as
+    /// ordinary frames. `Ok(true)` means the frame is posted; when the transport still reads
+    /// the payload after that, it leaves a non-zero `progress.token`, and the caller keeps
+    /// the bytes unchanged until [`DirectTransport::direct_send_done`] says so.
+    fn send_direct(
+        &mut self,
+        peer: usize,
+        hdr: &FrameHeader,
+        offset: usize,
+        progress: &mut SendProgress,
+    ) -> Result<bool>;
+
+    /// Like [`Transport::recv`] for a direct frame: validates its header through `sink`
+    /// (`on_header` only) and returns where its payload landed. A non-empty payload keeps its
+    /// landing slot until [`DirectTransport::release_direct`]; releases go in arrival order.
+    fn recv_direct(
+        &mut self,
+        peer: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<Option<Landed>>;
+
+    /// Whether the direct send to `peer` that left `token` finished reading its payload.
+    fn direct_send_done(&mut self, peer: usize, token: u64) -> Result<bool>;
+
+    /// Gives back the oldest landing slot still held from `peer`: its contents were consumed,
+    /// the peer may write it again.
+    fn release_direct(&mut self, peer: usize) -> Result<()>;
+}
+
+/// Capability of a transport that can send zero-copy from registered caller memory (RDMA
+/// transports), asked for with [`Transport::registration`] /
+/// [`Transport::registration_mut`].
+pub trait Registering {
+    /// Registers a caller buffer so that later sends from inside it can move zero-copy;
+    /// returns an id for [`Registering::deregister`], or `None` when there is nothing to
+    /// register (an empty buffer).
     ///
     /// The registration pins the buffer's pages *as they are now*. The caller must deregister
     /// before freeing or reallocating the buffer: a new allocation that reuses the address
@@ -517,95 +610,14 @@ pub trait Transport: Send + fmt::Debug {
     ///
     /// # Errors
     /// [`crate::error::Error::Transport`] naming the failed registration (e.g. memlock limit).
-    fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
-        let _ = region;
-        Ok(None)
-    }
+    fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>>;
 
-    /// Frames sent so far straight from registered caller memory (zero-copy); 0 for
-    /// transports that always copy or have no use for registrations.
-    fn zero_copy_frames(&self) -> u64 {
-        0
-    }
+    /// Frames sent so far straight from registered caller memory (zero-copy).
+    fn zero_copy_frames(&self) -> u64;
 
-    /// Releases a registration made by [`Transport::register_host`] (unknown ids are ignored).
-    fn deregister(&mut self, id: u64) {
-        let _ = id;
-    }
-
-    /// The layout of this rank's direct region, when the transport was set up with one
-    /// (`None`: every payload goes through host memory, the default).
-    fn direct_layout(&self) -> Option<DirectLayout> {
-        None
-    }
-
-    /// The identity of this rank's direct region (its address as registered with the NIC), so
-    /// that a device can be checked to use the very region the transport moves data in.
-    fn direct_base(&self) -> Option<u64> {
-        None
-    }
-
-    /// Host access to the direct region when it is host memory (emulation); `None` for GPU
-    /// memory or no region.
-    fn direct_host_region(&self) -> Option<std::sync::Arc<dyn RegionAccess>> {
-        None
-    }
-
-    /// Whether payloads to and from `peer` can move directly (both ends have a region).
-    fn direct_peer(&self, peer: usize) -> bool {
-        let _ = peer;
-        false
-    }
-
-    /// Like [`Transport::send`], for a frame whose `hdr.len`-byte payload is at `offset` of
-    /// this rank's direct region: it lands in `peer`'s region. Empty payloads travel as
-    /// ordinary frames. `Ok(true)` means the frame is posted; when the transport still reads
-    /// the payload after that, it leaves a non-zero `progress.token`, and the caller keeps
-    /// the bytes unchanged until [`Transport::direct_send_done`] says so.
-    fn send_direct(
-        &mut self,
-        peer: usize,
-        hdr: &FrameHeader,
-        offset: usize,
-        progress: &mut SendProgress,
-    ) -> Result<bool> {
-        let _ = (hdr, offset, progress);
-        Err(crate::error::Error::invalid(
-            None,
-            "send_direct",
-            format!("this transport has no direct region for rank {peer}"),
-        ))
-    }
-
-    /// Like [`Transport::recv`] for a direct frame: validates its header through `sink`
-    /// (`on_header` only) and returns where its payload landed. A non-empty payload keeps its
-    /// landing slot until [`Transport::release_direct`]; releases go in arrival order.
-    fn recv_direct(
-        &mut self,
-        peer: usize,
-        progress: &mut RecvProgress,
-        sink: &mut dyn RecvSink,
-    ) -> Result<Option<Landed>> {
-        let _ = (progress, sink);
-        Err(crate::error::Error::invalid(
-            None,
-            "recv_direct",
-            format!("this transport has no direct region for rank {peer}"),
-        ))
-    }
-
-    /// Whether the direct send to `peer` that left `token` finished reading its payload.
-    fn direct_send_done(&mut self, peer: usize, token: u64) -> Result<bool> {
-        let _ = (peer, token);
-        Ok(true)
-    }
-
-    /// Gives back the oldest landing slot still held from `peer`: its contents were consumed,
-    /// the peer may write it again.
-    fn release_direct(&mut self, peer: usize) -> Result<()> {
-        let _ = peer;
-        Ok(())
-    }
+    /// Releases a registration made by [`Registering::register_host`] (unknown ids are
+    /// ignored).
+    fn deregister(&mut self, id: u64);
 }
 
 #[cfg(test)]

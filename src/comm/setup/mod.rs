@@ -445,8 +445,9 @@ impl Communicator {
                 }
             },
         };
-        let direct_layout = transport.direct_layout();
-        let direct_host = transport.direct_host_region();
+        let direct = transport.direct();
+        let direct_layout = direct.and_then(|d| d.direct_layout());
+        let direct_host = direct.and_then(|d| d.direct_host_region());
         let mut engine = Engine::new(rank, world, transport, opts.clone());
         if let Some(prefix) = &config.trace {
             let path = engine.start_trace(prefix)?;

@@ -12,7 +12,7 @@ use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
 use crate::transport::verbs::wire::{DirectInfo, DirectKind};
 use crate::transport::verbs::{self, DirectSpec, VerbsOptions, VerbsTransport};
-use crate::transport::{Transport, TransportKind};
+use crate::transport::{DirectTransport, TransportKind};
 
 /// What this rank brings to the verbs transport as its direct region (called by the verbs
 /// transport once it found a usable port): the host-memory emulation when asked for (tests),

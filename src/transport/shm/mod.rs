@@ -83,7 +83,8 @@
 //!
 //! Device buffers are staged through host memory over this transport, like over TCP
 //! ([`crate::path::SHM_STAGED_REASON`]). GPU-to-GPU on one host (NCCL's P2P transport) would
-//! plug in as a direct region ([`Transport::direct_layout`], `send_direct`/`recv_direct`):
+//! plug in as a direct region ([`DirectTransport`](crate::transport::DirectTransport),
+//! `send_direct`/`recv_direct`):
 //! each rank exports its landing slots with `cuMemExportToShareableHandle` (a POSIX fd,
 //! passed like the segment's: `/proc/<pid>/fd` or SCM_RIGHTS) or `cuIpcGetMemHandle`
 //! (through the bootstrap), peers map them (`cuMemImportFromShareableHandle` / `cuIpcOpen`),

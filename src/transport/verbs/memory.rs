@@ -236,7 +236,7 @@ impl VerbsTransport {
 
 impl VerbsTransport {
     /// Registers memory of `kind` for zero-copy sends; returns its id for
-    /// [`Transport::deregister`](crate::transport::Transport::deregister).
+    /// [`Registering::deregister`](crate::transport::Registering::deregister).
     ///
     /// # Safety
     /// `addr..addr+len` must stay mapped and hold the data to send until the registration is

@@ -20,7 +20,7 @@
 //! 2. The sender copies the 32-byte [`FrameHeader`] and the payload into staging slot
 //!    `k % n` and writes it into the receiver's slot with one `RDMA_WRITE_WITH_IMM`; the
 //!    immediate carries the frame length and the low bits of its sequence number. For a caller
-//!    buffer registered with [`Transport::register_host`] the payload is gathered straight from
+//!    buffer registered with [`Registering::register_host`] the payload is gathered straight from
 //!    the caller's memory (zero-copy; the header comes from the staging slot).
 //! 3. The receiver learns of the frame from the receive completion, hands the payload to
 //!    [`RecvSink::consume`] straight out of the slot (reductions read the receive buffer) or
@@ -55,7 +55,7 @@
 //!    to the engine and re-advertises the slot (CTS `k + n`) only when the engine released it —
 //!    after the device consumed the payload; ordinary frames taken meanwhile wait behind it, so
 //!    CTS stay in order. The sender's send slot is reusable once the signalled header write
-//!    completed ([`Transport::direct_send_done`]).
+//!    completed ([`DirectTransport::direct_send_done`]).
 //!
 //! Work-completion errors become typed errors naming the peer, the operation and the
 //! `ibv_wc_status` string. After [`Transport::abort`] every queue pair is in the ERR state:
@@ -114,9 +114,9 @@
 //! [`RecvSink::direct`]: crate::transport::RecvSink::direct
 //! [`Transport::abort`]: crate::transport::Transport::abort
 //! [`Transport::collective_progress`]: crate::transport::Transport::collective_progress
-//! [`Transport::direct_send_done`]: crate::transport::Transport::direct_send_done
+//! [`DirectTransport::direct_send_done`]: crate::transport::DirectTransport::direct_send_done
 //! [`Transport::flush`]: crate::transport::Transport::flush
-//! [`Transport::register_host`]: crate::transport::Transport::register_host
+//! [`Registering::register_host`]: crate::transport::Registering::register_host
 //! [`Transport::wait`]: crate::transport::Transport::wait
 
 pub mod ib;

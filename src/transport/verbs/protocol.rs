@@ -17,9 +17,9 @@ use super::wire::{split_wr_id, wr_id, Cts, Imm, WrKind, CTS_LEN};
 use super::{MemoryKind, Peer, PeerState, VerbsTransport};
 use crate::error::{Error, Result};
 use crate::transport::{
-    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, FrameHeader, FrameKind,
-    Interest, Landed, RecvProgress, RecvSink, RegionAccess, SendProgress, Transport, TransportKind,
-    HEADER_LEN,
+    direct_mismatch, frame_len_mismatch, AbortClass, DirectLayout, DirectTransport, FrameHeader,
+    FrameKind, Interest, Landed, RecvProgress, RecvSink, RegionAccess, Registering, SendProgress,
+    Transport, TransportKind, HEADER_LEN,
 };
 
 /// Completions polled per `ibv_poll_cq` call.
@@ -775,10 +775,6 @@ impl Transport for VerbsTransport {
         Ok(false)
     }
 
-    fn zero_copy_frames(&self) -> u64 {
-        self.zero_copy_frames
-    }
-
     fn recv(
         &mut self,
         peer: usize,
@@ -832,6 +828,51 @@ impl Transport for VerbsTransport {
         Ok(true)
     }
 
+    fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
+        self.wait_events(deadline)
+    }
+
+    fn check_peers(&mut self) -> Result<()> {
+        self.check_liveness()
+    }
+
+    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
+        self.abort_connections(origin, class, reason);
+    }
+
+    fn close(&mut self) {
+        self.close_connections();
+    }
+
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.coll_running = running;
+        self.coll_done = completed;
+    }
+
+    fn flush(&mut self, deadline: Instant) -> Result<()> {
+        self.flush_writes(deadline)
+    }
+
+    fn direct(&self) -> Option<&dyn DirectTransport> {
+        Some(self)
+    }
+
+    fn direct_mut(&mut self) -> Option<&mut dyn DirectTransport> {
+        Some(self)
+    }
+
+    fn registration(&self) -> Option<&dyn Registering> {
+        Some(self)
+    }
+
+    fn registration_mut(&mut self) -> Option<&mut dyn Registering> {
+        Some(self)
+    }
+}
+
+/// The GPUDirect region: payloads RDMA-written from this rank's registered region into the
+/// peer's landing slots (the region is optional: without one, `direct_layout` is `None`).
+impl DirectTransport for VerbsTransport {
     fn direct_layout(&self) -> Option<DirectLayout> {
         self.direct.as_ref().map(|d| d.layout)
     }
@@ -1028,32 +1069,10 @@ impl Transport for VerbsTransport {
         }
         self.settle(peer, OP)
     }
+}
 
-    fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
-        self.wait_events(deadline)
-    }
-
-    fn check_peers(&mut self) -> Result<()> {
-        self.check_liveness()
-    }
-
-    fn abort(&mut self, origin: usize, class: AbortClass, reason: &str) {
-        self.abort_connections(origin, class, reason);
-    }
-
-    fn close(&mut self) {
-        self.close_connections();
-    }
-
-    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
-        self.coll_running = running;
-        self.coll_done = completed;
-    }
-
-    fn flush(&mut self, deadline: Instant) -> Result<()> {
-        self.flush_writes(deadline)
-    }
-
+/// Zero-copy sends from caller buffers registered with the NIC.
+impl Registering for VerbsTransport {
     fn register_host(&mut self, region: &[u8]) -> Result<Option<u64>> {
         if region.is_empty() {
             return Ok(None);
@@ -1067,5 +1086,9 @@ impl Transport for VerbsTransport {
 
     fn deregister(&mut self, id: u64) {
         self.user_mrs.retain(|m| m.id != id);
+    }
+
+    fn zero_copy_frames(&self) -> u64 {
+        self.zero_copy_frames
     }
 }
