@@ -608,8 +608,10 @@ impl Engine {
         self.transport.direct().and_then(|d| d.direct_layout())
     }
 
-    /// Host access to the transport's direct region
-    /// ([`DirectTransport::direct_host_region`](crate::transport::DirectTransport::direct_host_region)).
+    /// Host access to the transport's direct region ([`DirectTransport::direct_host_region`]).
+    ///
+    /// [`DirectTransport::direct_host_region`]:
+    ///     crate::transport::DirectTransport::direct_host_region
     pub fn direct_host_region(&self) -> Option<Arc<dyn crate::transport::RegionAccess>> {
         self.transport.direct().and_then(|d| d.direct_host_region())
     }

@@ -24,6 +24,23 @@
 //!   [`RecvSink::direct`] or, for reducing receives, in whole-element pieces to
 //!   [`RecvSink::consume`], which reduces straight out of the transport's receive buffer.
 //! * Frames from one peer arrive in the order that peer sent them.
+//!
+//! # Capabilities
+//!
+//! Every transport implements the core of [`Transport`]: moving frames, waiting, liveness,
+//! abort and close, and the few general questions every transport answers (which transport
+//! carries a peer, how many peers are connected, where the engine stands, flushing). What
+//! only some transports can do is a trait of its own, which a transport states it supports
+//! by answering `Some(self)` to the accessor the engine asks:
+//!
+//! * [`DirectTransport`] ([`Transport::direct`]): payloads that move between the ranks'
+//!   direct regions (GPUDirect RDMA); `verbs`, and `mem` emulating it in host memory.
+//! * [`Registering`] ([`Transport::registration`]): caller buffers registered for zero-copy
+//!   sends; `verbs`.
+//!
+//! Where a transport answers `None`, the engine does what the capability's absence means:
+//! no direct region (payloads are staged through host memory), no registration (`None`
+//! ids, no zero-copy frames).
 
 use std::fmt;
 use std::time::Instant;
@@ -375,8 +392,8 @@ pub trait RegionAccess: Send + Sync + fmt::Debug {
     /// Copies `src` to offset `off`; `false`, copying nothing, when that range is not inside
     /// the region.
     fn write(&self, off: usize, src: &[u8]) -> bool;
-    /// The region's identity, equal to [`DirectTransport::direct_base`] of the transport that owns
-    /// it (its address for a NIC).
+    /// The region's identity, equal to [`DirectTransport::direct_base`] of the transport that
+    /// owns it (its address for a NIC).
     fn id(&self) -> u64;
 }
 
