@@ -22,7 +22,7 @@ use std::io;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use dspark::bootstrap::store::Store;
+use dspark::internals::bootstrap::store::Store;
 use dspark::{Communicator, Config, DataType, RawCall, RawOp, ReduceOp};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};

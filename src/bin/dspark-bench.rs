@@ -46,7 +46,7 @@ use bind::Bind;
 
 use dspark::config::{parse_size, TransportChoice};
 use dspark::path::PathPolicy;
-use dspark::plan::{Algorithm, Collective};
+use dspark::internals::plan::{Algorithm, Collective};
 use dspark::{Communicator, Config, DataType, ReduceOp};
 use half::{bf16, f16};
 

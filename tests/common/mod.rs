@@ -1,7 +1,7 @@
 //! Shared test code: deterministic inputs, an independent reference for every collective,
 //! and a matrix runner that checks every collective × type × operator × count on one
 //! communicator. The reference is plain scalar code written here, independent of
-//! `dspark::reduce` and of the schedules.
+//! `dspark::internals::reduce` and of the schedules.
 
 #![allow(dead_code)]
 
@@ -9,7 +9,7 @@ pub mod procs;
 
 use std::time::Duration;
 
-use dspark::transport::mem::MemFabric;
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, Element, ReduceOp};
 use half::{bf16, f16};
 

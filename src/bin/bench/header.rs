@@ -3,7 +3,7 @@
 //! algorithm each size runs and the cost model's prediction for it.
 
 use dspark::path::{BufferLocation, TransportKind};
-use dspark::plan::Collective;
+use dspark::internals::plan::Collective;
 use dspark::types::human_bytes;
 use dspark::Communicator;
 

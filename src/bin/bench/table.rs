@@ -7,7 +7,7 @@
 use std::io::Write;
 
 use dspark::path::{PathPolicy, TransportKind};
-use dspark::plan::Algorithm;
+use dspark::internals::plan::Algorithm;
 use dspark::Communicator;
 
 use crate::sizes::{bytes_of, engine_bytes};

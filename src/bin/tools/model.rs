@@ -1,4 +1,4 @@
-//! `dspark model`: what the cost model ([`dspark::plan::model`]) predicts for allreduce, per
+//! `dspark model`: what the cost model ([`dspark::internals::plan::model`]) predicts for allreduce, per
 //! algorithm, size and world, and where the cheapest algorithm changes — the choice every call
 //! makes, run at plan level without any ranks.
 
@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use clap::Args;
 use dspark::config::parse_size;
-use dspark::plan::model::{self, CostModel, Costs, Medium};
-use dspark::plan::{hierarchical_fits, Algorithm, Collective};
+use dspark::internals::plan::model::{self, CostModel, Costs, Medium};
+use dspark::internals::plan::{hierarchical_fits, Algorithm, Collective};
 use dspark::types::human_bytes;
 
 /// `dspark model`'s arguments.

@@ -1,5 +1,5 @@
 //! `dspark tune`: measures the cost model's constants on this machine
-//! ([`dspark::plan::model`]) and writes them to the tune file that init reads.
+//! ([`dspark::internals::plan::model`]) and writes them to the tune file that init reads.
 //!
 //! * α: the one-way time of an 8-byte ping-pong between 2 local ranks (half the round trip);
 //! * β: the per-byte cost of an exchange (both ranks send and receive at once: a 2-rank
@@ -23,7 +23,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use dspark::plan::model::{self, Costs, Medium};
+use dspark::internals::plan::model::{self, Costs, Medium};
 use dspark::types::human_bytes;
 use dspark::{Communicator, ReduceOp};
 
@@ -370,12 +370,12 @@ fn measure_gamma(quick: bool) -> (f64, Vec<(usize, f64)>) {
         let mut dst = vec![1.0f32; n];
         let src = vec![0.5f32; n];
         for _ in 0..3 {
-            dspark::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
+            dspark::internals::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
         }
         let mut v = Vec::new();
         for _ in 0..if quick { 15 } else { 31 } {
             let t = Instant::now();
-            dspark::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
+            dspark::internals::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
             std::hint::black_box(&mut dst);
             v.push(elapsed_us(t) / b as f64);
         }
