@@ -4,6 +4,8 @@
 //! them (`src/plan/`, ...): the design map is `docs/design.md`.
 
 #![allow(missing_docs)]
+// Links between these hidden modules are for `cargo doc --document-private-items` readers.
+#![allow(rustdoc::private_intra_doc_links)]
 
 #[path = "bootstrap/mod.rs"]
 pub mod bootstrap;

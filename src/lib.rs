@@ -51,8 +51,8 @@ pub mod cuda {
 }
 
 pub use comm::{
-    CommInfo, Communicator, DirectRegionFact, Enqueue, RawCall, RawOp, Registration, Scope,
-    Timed, Work,
+    CommInfo, Communicator, DirectRegionFact, Enqueue, RawCall, RawOp, Registration, Scope, Timed,
+    Work,
 };
 pub use config::Config;
 pub use error::{Error, Result};

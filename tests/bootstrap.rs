@@ -28,7 +28,9 @@ fn rendezvous(
     dspark::internals::bootstrap::Bootstrap,
     Vec<Option<std::net::TcpStream>>,
 )> {
-    dspark::internals::bootstrap::rendezvous(&dspark::internals::bootstrap::BootstrapOptions::from_config(c)?)
+    dspark::internals::bootstrap::rendezvous(
+        &dspark::internals::bootstrap::BootstrapOptions::from_config(c)?,
+    )
 }
 
 /// Starts every config on its own thread and returns each init's result.

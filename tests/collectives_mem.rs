@@ -63,7 +63,9 @@ fn forced_algorithms_give_the_same_results() {
 /// and of three frames.
 #[test]
 fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
-    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::internals::plan::Algorithm::Tree);
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+        dspark::internals::plan::Algorithm::Tree,
+    );
 }
 
 /// #10: `DSPARK_ALGO=rabenseifner` — the halving reduce-scatter and doubling all-gather, with
@@ -71,13 +73,17 @@ fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to
 /// every type and operator, as the tree above (reduce and broadcast run their defaults).
 #[test]
 fn rabenseifner_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
-    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::internals::plan::Algorithm::Rabenseifner);
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+        dspark::internals::plan::Algorithm::Rabenseifner,
+    );
 }
 
 /// Every type, operator and the counts below (0, below the world size, odd, primes) on worlds
 /// 1..=9 with `algo` forced, segments of 40 bytes and of 4 KiB, links of one and of three
 /// frames, checked against the reference.
-fn forced_all_reduce_matches_the_reference_on_worlds_1_to_9(algo: dspark::internals::plan::Algorithm) {
+fn forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+    algo: dspark::internals::plan::Algorithm,
+) {
     let counts = [0, 1, 2, 3, 5, 8, 13, 64, 257];
     for world in 1..=9 {
         for (seg, cap) in [(40, 1), (4096, 3)] {

@@ -147,9 +147,12 @@ fn run_case<T: Element + DeviceRepr>(
     // The crate's CPU kernels on the same inputs: the GPU must agree with them too.
     let mut cpu = dst0.clone();
     match kind {
-        Kind::Inplace => {
-            dspark::internals::reduce::reduce_inplace(dtype, op, &mut cpu[range(offs.0)], &b0[range(offs.2)])
-        }
+        Kind::Inplace => dspark::internals::reduce::reduce_inplace(
+            dtype,
+            op,
+            &mut cpu[range(offs.0)],
+            &b0[range(offs.2)],
+        ),
         Kind::Into => dspark::internals::reduce::reduce_into(
             dtype,
             op,
@@ -686,7 +689,13 @@ fn direct_case(
     want[..b].copy_from_slice(&incoming);
     dspark::internals::reduce::reduce_into(dtype, op, &mut want[b..2 * b], &acc, &incoming);
     let in_place = dst0[2 * b..3 * b].to_vec();
-    dspark::internals::reduce::reduce_into(dtype, op, &mut want[2 * b..3 * b], &in_place, &incoming);
+    dspark::internals::reduce::reduce_into(
+        dtype,
+        op,
+        &mut want[2 * b..3 * b],
+        &in_place,
+        &incoming,
+    );
     let mut independent = want.clone();
     independent[b..2 * b].copy_from_slice(&reference::apply(dtype, op, &acc, &incoming));
     independent[2 * b..3 * b].copy_from_slice(&reference::apply(dtype, op, &in_place, &incoming));

@@ -19,9 +19,9 @@ use common::procs::{
     assert_all, netns_unavailable, rank_entry, say, shm_residue, spawn, vars, Hosts, Outcome,
     FAILED_AS_EXPECTED, OK, WRONG,
 };
-use dspark::path::BufferLocation;
 use dspark::internals::plan::{Algorithm, Collective};
 use dspark::internals::transport::TransportKind;
+use dspark::path::BufferLocation;
 use dspark::{Communicator, Error, ReduceOp};
 
 /// Ranks per host and hosts in every test here.

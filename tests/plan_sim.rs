@@ -11,7 +11,9 @@ use std::collections::BTreeSet;
 use dspark::internals::plan::sim::{
     self, BlockReason, Buffers, Call, SimConfig, SimError, SimOutcome, FINALIZE_FACTOR,
 };
-use dspark::internals::plan::{algo, compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule};
+use dspark::internals::plan::{
+    algo, compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule,
+};
 
 const MAX_WORLD: usize = 9;
 const SEGS: [usize; 4] = [1, 3, 64, usize::MAX];
@@ -354,7 +356,8 @@ fn hierarchical_all_reduce_moves_the_rings_bytes_with_only_the_rail_share_betwee
                 let (h, i) = (r / l, r % l);
                 let a = |j: usize| dspark::internals::plan::block_range(count, l, j % l).len();
                 let mine = a(i);
-                let sub = |k: usize| dspark::internals::plan::block_range(mine, hosts, k % hosts).len();
+                let sub =
+                    |k: usize| dspark::internals::plan::block_range(mine, hosts, k % hosts).len();
                 // Host phases: every block but A(i) (reduce-scatter), every block but A(i+1)
                 // (all-gather); the rail: A(i) but one sub-block, twice. Received: every
                 // block but A(i−1), then every block but A(i); on the rail, A(i) but

@@ -341,7 +341,13 @@ fn lazy_direct() -> Result<i32, String> {
         0x1a2d,
     );
     comm.run_staged(
-        emu_call::<u32>(dspark::internals::plan::Collective::AllToAll, None, count, 0, false),
+        emu_call::<u32>(
+            dspark::internals::plan::Collective::AllToAll,
+            None,
+            count,
+            0,
+            false,
+        ),
         &mut dev,
     )
     .map_err(|e| format!("rank {r}: device all_to_all: {e}"))?;
@@ -967,7 +973,9 @@ fn ranks_free_their_direct_region_at_init_when_one_rank_has_none_and_collectives
 #[test]
 fn device_region_registration_falls_back_in_order_and_names_each_failure() {
     use dspark::internals::gpu::MemoryKind;
-    use dspark::internals::transport::verbs::{self, wire::DirectInfo, wire::DirectKind, DirectSpec};
+    use dspark::internals::transport::verbs::{
+        self, wire::DirectInfo, wire::DirectKind, DirectSpec,
+    };
     if !in_vm() {
         return;
     }

@@ -216,7 +216,11 @@ pub(super) mod tests {
     use crate::bootstrap::HELLO_WAIT;
 
     /// The options of rank `rank` of `world` with job token `token` (and a 10 s deadline).
-    pub(in crate::internals::bootstrap) fn config(rank: usize, world: usize, token: &str) -> BootstrapOptions {
+    pub(in crate::internals::bootstrap) fn config(
+        rank: usize,
+        world: usize,
+        token: &str,
+    ) -> BootstrapOptions {
         BootstrapOptions::for_test(rank, world, token)
     }
 

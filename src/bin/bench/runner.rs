@@ -116,8 +116,8 @@ impl Gpu {
             return Err("--mem device: the CUDA driver reports no GPU".into());
         }
         let ordinal = local_index % count;
-        let ctx =
-            dspark::internals::gpu::device::open_context(ordinal).map_err(|e| format!("--mem device: {e}"))?;
+        let ctx = dspark::internals::gpu::device::open_context(ordinal)
+            .map_err(|e| format!("--mem device: {e}"))?;
         let stream = ctx
             .new_stream()
             .map_err(|e| format!("--mem device: creating a stream on GPU {ordinal}: {e:?}"))?;

@@ -31,7 +31,7 @@ use crate::bind::{self, Bind};
 
 /// `dspark tune`'s arguments.
 #[derive(Args, Debug)]
-pub struct TuneArgs {
+pub(crate) struct TuneArgs {
     /// The transport to measure between 2 local ranks.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TuneTransport,
@@ -63,7 +63,7 @@ impl TuneTransport {
 
 /// The hidden `dspark tune-rank`: one rank of a measurement.
 #[derive(Args, Debug)]
-pub struct RankArgs {
+pub(crate) struct RankArgs {
     /// pair: ping-pong and exchanges between ranks 0 and 1; crowd: every rank ping-pongs with
     /// its neighbour at once.
     #[arg(long, value_enum)]
@@ -112,7 +112,7 @@ fn elapsed_us(t: Instant) -> f64 {
 // The ranks.
 
 /// Runs one rank; rank 0 prints `RESULT <key> [<bytes>] <value>` lines for the parent.
-pub fn rank_main(args: &RankArgs) -> ExitCode {
+pub(crate) fn rank_main(args: &RankArgs) -> ExitCode {
     let run = || -> Result<(), String> {
         // The binding the parent chose (one core each, as `dspark-bench --bind core`).
         if let Ok(list) = std::env::var(bind::CPUS_ENV) {
@@ -405,7 +405,7 @@ fn rate(us_per_byte: f64) -> f64 {
 }
 
 /// Runs `dspark tune`.
-pub fn tune_main(args: &TuneArgs) -> ExitCode {
+pub(crate) fn tune_main(args: &TuneArgs) -> ExitCode {
     match tune(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
