@@ -281,8 +281,10 @@ check(xs[0] == N and ba[0] == 0, "the in-flight buffers' results")
 # reused there (or unmapped: a crash). Rank 0 keeps its storage and checks the result in it.
 BIG = 1 << 22  # 16 MiB of float32: allocated by mmap, unmapped when freed
 want_big = sum(torch.arange(BIG, dtype=torch.float32).remainder(97).add(r) for r in range(N))
-for case in ("set_", "del", "resize_"):
+for mem, case in [(m, c) for m in ("private", "shared") for c in ("set_", "del", "resize_")]:
     t = torch.arange(BIG, dtype=torch.float32).remainder(97).add(RANK)
+    if mem == "shared":
+        t.share_memory_()  # a mapping of its own, unmapped when freed
     held = t.untyped_storage() if RANK == 0 else None
     if RANK == 0:
         time.sleep(0.3)
@@ -301,9 +303,9 @@ for case in ("set_", "del", "resize_"):
             w.wait()
             check(t.untyped_storage().data_ptr() == held.data_ptr(), "resize_(0) kept storage")
         got = torch.empty(0, dtype=torch.float32).set_(held, 0, (BIG,))
-        check(torch.equal(got, want_big), f"async all_reduce result after {case} in flight")
+        check(torch.equal(got, want_big), f"async all_reduce ({mem}) result after {case}")
     check(all(bool((j == -12345.0).all()) for j in junk),
-          f"{case}: nothing written into memory allocated after the tensor was dropped")
+          f"{mem} {case}: nothing written into memory allocated after the tensor was dropped")
     del junk, held
 
 # -- errors --------------------------------------------------------------------------------
