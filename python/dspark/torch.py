@@ -32,11 +32,13 @@ How it plugs in (see the README's PyTorch section):
   back; never is wrong data sent.
 """
 
+import atexit
 import os
 import queue
 import sys
 import threading
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
@@ -172,6 +174,7 @@ class _Completer:
                     target=self._run, name="dspark-futures", daemon=True
                 )
                 self._t.start()
+                _COMPLETERS.add(self)
         self._q.put(pending)
 
     def _run(self):
@@ -182,7 +185,27 @@ class _Completer:
             p.complete()
 
     def stop(self):
+        """Lets the thread complete what was queued, then end; waits for that (bounded),
+        so that it does not run torch's future callbacks while the interpreter exits."""
         self._q.put(None)
+        t = self._t
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=_STOP_WAIT_S)
+
+
+# How long stopping a completer waits for it (every operation it waits for has completed or
+# failed by the time the communicators are closed, so this is a bound, not a delay).
+_STOP_WAIT_S = 5.0
+# Every completer with a thread, stopped at exit before the interpreter finalizes: a
+# daemon thread still inside torch's future callbacks then dies mid-C++ ("terminate
+# called without an active exception", SIGABRT at exit after dropped async Works).
+_COMPLETERS = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_completers():
+    for c in list(_COMPLETERS):
+        c.stop()
 
 
 def _async_work(completer, raws, result, finish):

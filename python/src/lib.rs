@@ -3,7 +3,7 @@
 //! It is deliberately small. Python code (`python/dspark/`) turns torch tensors and
 //! buffer-protocol objects (numpy arrays, `bytearray`, ...) into (data pointer, element
 //! count, dtype) and keeps their memory alive; the pointer of a buffer comes from
-//! [`_buffer_address`] (the exporter's own, never a number a Python object claims, such as
+//! `_buffer_address` (the exporter's own, never a number a Python object claims, such as
 //! an `__array_interface__`'s), that of a tensor is checked to lie in its storage. This
 //! module runs the collectives on those pointers through dspark's raw-pointer API
 //! ([`dspark::Communicator::run_raw`] / [`start_raw`](dspark::Communicator::start_raw)),
