@@ -25,8 +25,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
-use dspark::plan::{self, Algorithm, Collective, Request};
-use dspark::transport::mem::MemFabric;
+use dspark::internals::plan::{self, Algorithm, Collective, Request};
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, ReduceOp};
 
 /// One rank's part of an iteration: the same call on every rank (its rank tells it its role).

@@ -13,7 +13,9 @@
 //! * `reduce_into/f32/<size>`: `dst = a + b`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use dspark::reduce::{reduce_inplace, reduce_inplace_at, reduce_into, simd_level, SimdLevel};
+use dspark::internals::reduce::{
+    reduce_inplace, reduce_inplace_at, reduce_into, simd_level, SimdLevel,
+};
 use dspark::{DataType, ReduceOp};
 use std::hint::black_box;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //!
 //! | variable | meaning | fallbacks |
 //! | --- | --- | --- |
-//! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` |
+//! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks (at most [`MAX_WORLD_SIZE`], 2^20) | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` |
 //! | `DSPARK_ROOT_ADDR` | `host:port` where rank 0 listens for the rendezvous | `MASTER_ADDR` + `MASTER_PORT` |
 //! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
@@ -374,7 +374,7 @@ impl Config {
         sources.push(("rank".to_string(), rank_var.to_string()));
         sources.push(("world size".to_string(), size_var.to_string()));
         // Rank and world size first: they are the most common mistake.
-        if world_size == 0 || rank >= world_size {
+        if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
             let mut early = Config::new(rank, world_size, "unused:1");
             early.sources = sources.clone();
             early.validate()?;
@@ -617,6 +617,15 @@ impl Config {
                 "world size is 0: it must be at least 1",
             ));
         }
+        if self.world_size > MAX_WORLD_SIZE {
+            return Err(Error::config(
+                src("world size", "DSPARK_WORLD_SIZE"),
+                format!(
+                    "world size {} is above the largest dspark supports ({MAX_WORLD_SIZE})",
+                    self.world_size
+                ),
+            ));
+        }
         if self.rank >= self.world_size {
             return Err(Error::config(
                 src("rank", "DSPARK_RANK"),
@@ -698,6 +707,11 @@ pub fn tune_file_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Optio
 }
 
 /// Bounds of the segment size (`DSPARK_CHUNK_BYTES`).
+/// The largest world size (`DSPARK_WORLD_SIZE`) dspark accepts: 2^20 ranks. A larger one is a
+/// [`Error::Config`] at once (ranks and world sizes travel as 32-bit numbers at the
+/// rendezvous, and every rank holds per-peer state).
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// `DSPARK_SHM_RING_BYTES`' default and range (the shared-memory transport clamps to the
 /// same range; a test in `comm::setup` keeps the two in step).
 pub(crate) const DEFAULT_SHM_RING_BYTES: usize = 2 << 20;
@@ -824,6 +838,37 @@ pub fn parse_size(s: &str) -> Option<usize> {
     };
     let n: usize = num.trim().parse().ok()?;
     n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod world_size_limit_tests {
+    use super::*;
+
+    #[test]
+    fn absurd_world_sizes_are_a_config_error_naming_the_variable() {
+        for w in [
+            "0",
+            "1048577",
+            "4294967298",
+            "1099511627776",
+            "18446744073709551615",
+        ] {
+            let env = [("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", w)];
+            let e = Config::from_lookup(|k| {
+                env.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+            .unwrap_err();
+            assert!(matches!(e, Error::Config { .. }), "{w}: {e}");
+            assert!(e.to_string().contains("DSPARK_WORLD_SIZE"), "{w}: {e}");
+        }
+        // The largest accepted, and one above it through validate().
+        assert!(Config::new(0, MAX_WORLD_SIZE, "h:1").validate().is_ok());
+        assert!(Config::new(0, MAX_WORLD_SIZE + 1, "h:1")
+            .validate()
+            .is_err());
+    }
 }
 
 #[cfg(test)]

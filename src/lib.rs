@@ -1,31 +1,64 @@
 //! dspark: collective communication for distributed training.
+//!
+//! The API an embedder uses, in one sitting:
+//!
+//! - [`Communicator`]: joining a job ([`Communicator::from_env`], [`Communicator::init`],
+//!   [`Communicator::init_with_store`]), the collectives on host memory, their non-blocking
+//!   forms ([`Communicator::scope`] → [`Scope`], [`Work`]), device collectives
+//!   ([`Communicator::enqueue`] → [`Enqueue`]), registered buffers ([`Registration`]),
+//!   sub-communicators ([`Communicator::split`]), deadlines ([`Timed`]), abort, and what the
+//!   communicator runs on ([`CommInfo`]);
+//! - [`Config`] and its settings ([`config`]), [`Error`], the element and operator types
+//!   ([`types`]: [`Element`], [`DataType`], [`ReduceOp`]), the data-path facts ([`path`],
+//!   [`TransportKind`]), the algorithms ([`Algorithm`], [`Collective`]);
+//! - the key-value store behind the store rendezvous ([`store`]), the CUDA context helper
+//!   ([`cuda`]), and the raw forms the C ABI (`include/dspark.h`) and the Python package use
+//!   ([`RawCall`], [`RawOp`]).
+//!
+//! `dspark::internals` (hidden from these docs) holds the engine, the transports, the
+//! schedules and the rest for the project's own binaries, tests and benchmarks: it is not part
+//! of the API and changes without notice.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-pub mod bootstrap;
-/// The C ABI (`include/dspark.h`).
-pub mod capi;
-pub mod comm;
+mod comm;
 pub mod config;
-pub mod engine;
 pub mod error;
-/// Fuzz targets over the decoders and parsers (`testing` feature only; not part of the API).
-#[cfg(feature = "testing")]
-#[doc(hidden)]
-pub mod fuzzing;
-pub mod gpu;
 pub mod path;
-pub mod plan;
-pub mod reduce;
 pub(crate) mod time;
-pub mod transport;
 pub mod types;
 
-pub use comm::{CommInfo, Communicator, Enqueue, RawCall, RawOp, Registration, Scope, Timed, Work};
+/// Not API: the modules the project's binaries, tests, benchmarks and bindings use (quinn's
+/// pattern). Nothing here is covered by semver.
+#[doc(hidden)]
+pub mod internals;
+
+// Inside the crate the internal modules keep their short paths (`crate::plan`, ...).
+pub(crate) use internals::{bootstrap, engine, gpu, plan, reduce, transport};
+
+/// The key-value store behind the store rendezvous ([`Communicator::init_with_store`]): the
+/// trait, an in-process store, a key prefix, and a client of torch's `TCPStore`.
+pub mod store {
+    pub use crate::bootstrap::store::{MemStore, PrefixStore, Store, TcpStore};
+}
+
+/// CUDA helpers for the device collectives: opening a GPU's context without cudarc's panic
+/// where no driver is installed, and whether the driver and NVRTC libraries are present.
+pub mod cuda {
+    pub use crate::gpu::device::open_context;
+    pub use crate::gpu::{libcuda_present, libnvrtc_present};
+}
+
+pub use comm::{
+    CommInfo, Communicator, DirectRegionFact, Enqueue, RawCall, RawOp, Registration, Scope, Timed,
+    Work,
+};
 pub use config::Config;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use plan::{Algorithm, Collective};
+pub use transport::TransportKind;
 pub use types::{DataType, Element, ReduceOp};
 
 /// The README's examples, compiled as doc tests.

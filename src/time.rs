@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 /// `start + timeout`, saturating far in the future (a `Duration::MAX` timeout means "no
 /// practical limit", not an overflow).
-pub fn deadline(start: Instant, timeout: Duration) -> Instant {
+pub(crate) fn deadline(start: Instant, timeout: Duration) -> Instant {
     start
         .checked_add(timeout)
         .or_else(|| start.checked_add(Duration::from_secs(100 * 365 * 86_400)))

@@ -25,10 +25,12 @@ fn cfg(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Config {
 fn rendezvous(
     c: &Config,
 ) -> dspark::Result<(
-    dspark::bootstrap::Bootstrap,
+    dspark::internals::bootstrap::Bootstrap,
     Vec<Option<std::net::TcpStream>>,
 )> {
-    dspark::bootstrap::rendezvous(&dspark::bootstrap::BootstrapOptions::from_config(c)?)
+    dspark::internals::bootstrap::rendezvous(
+        &dspark::internals::bootstrap::BootstrapOptions::from_config(c)?,
+    )
 }
 
 /// Starts every config on its own thread and returns each init's result.
@@ -528,7 +530,7 @@ fn a_rank_of_the_old_protocol_version_is_refused_naming_both_versions() {
         reply[0] == 3
             && text.contains(&format!(
                 "protocol version 1 but rank 0 runs version {}",
-                dspark::bootstrap::VERSION
+                dspark::internals::bootstrap::VERSION
             )),
         "{text}"
     );
@@ -577,7 +579,7 @@ fn a_rank_0_of_the_old_protocol_version_refuses_this_version_by_name() {
         matches!(e, Error::Mismatch { .. })
             && s.contains(&format!(
                 "protocol version {} but rank 0 runs version 1",
-                dspark::bootstrap::VERSION
+                dspark::internals::bootstrap::VERSION
             )),
         "{s}"
     );
@@ -654,7 +656,7 @@ fn tap_rank_1(
 fn peer_hello(heard: &Overheard, world: u32, from: u32, to: u32) -> Vec<u8> {
     let mut m = vec![4u8];
     m.extend_from_slice(&0x6473_7061_726b_0001u64.to_le_bytes());
-    m.extend_from_slice(&dspark::bootstrap::VERSION.to_le_bytes());
+    m.extend_from_slice(&dspark::internals::bootstrap::VERSION.to_le_bytes());
     m.extend_from_slice(&heard.job.to_le_bytes());
     m.extend_from_slice(&world.to_le_bytes());
     m.extend_from_slice(&from.to_le_bytes());

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use dspark::transport::mem::{Fault, MemFabric};
+use dspark::internals::transport::mem::{Fault, MemFabric};
 use dspark::{Communicator, Error, ReduceOp};
 
 use common::{mem_config as config, run_mem_ranks as run_ranks};
@@ -43,7 +43,7 @@ fn forced_algorithms_give_the_same_results() {
         for world in [2, 3, 5] {
             let fabric = MemFabric::new(world, 1);
             let mut cfg = config(Duration::from_secs(30), 40);
-            cfg.algo = dspark::plan::Algorithm::from_name(algo);
+            cfg.algo = dspark::internals::plan::Algorithm::from_name(algo);
             let res = run_ranks(&fabric, world, &cfg, |c| {
                 common::run_matrix(c, &[1, 6, 31], 11)
             });
@@ -63,7 +63,9 @@ fn forced_algorithms_give_the_same_results() {
 /// and of three frames.
 #[test]
 fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
-    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::plan::Algorithm::Tree);
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+        dspark::internals::plan::Algorithm::Tree,
+    );
 }
 
 /// #10: `DSPARK_ALGO=rabenseifner` — the halving reduce-scatter and doubling all-gather, with
@@ -71,13 +73,17 @@ fn double_binary_tree_matches_the_reference_for_every_type_and_op_on_worlds_1_to
 /// every type and operator, as the tree above (reduce and broadcast run their defaults).
 #[test]
 fn rabenseifner_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
-    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(dspark::plan::Algorithm::Rabenseifner);
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+        dspark::internals::plan::Algorithm::Rabenseifner,
+    );
 }
 
 /// Every type, operator and the counts below (0, below the world size, odd, primes) on worlds
 /// 1..=9 with `algo` forced, segments of 40 bytes and of 4 KiB, links of one and of three
 /// frames, checked against the reference.
-fn forced_all_reduce_matches_the_reference_on_worlds_1_to_9(algo: dspark::plan::Algorithm) {
+fn forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+    algo: dspark::internals::plan::Algorithm,
+) {
     let counts = [0, 1, 2, 3, 5, 8, 13, 64, 257];
     for world in 1..=9 {
         for (seg, cap) in [(40, 1), (4096, 3)] {
@@ -198,7 +204,7 @@ fn dropped_frame_becomes_an_error_on_both_ranks_not_a_hang() {
         // Recursive doubling (each rank sends the buffer once), whatever the cost model
         // would choose for 8-element segments.
         let cfg = config(Duration::from_millis(500), 64)
-            .algo(Some(dspark::plan::Algorithm::RecursiveDoubling));
+            .algo(Some(dspark::internals::plan::Algorithm::RecursiveDoubling));
         let gate = Barrier::new(world);
         let res = run_ranks(&fabric, world, &cfg, |c| {
             let mut buf = vec![1i64; 100];
@@ -430,7 +436,7 @@ fn ranks_forced_to_different_algorithms_get_mismatch_not_wrong_data() {
                 let t = fabric.transport(r);
                 s.spawn(move || {
                     let mut cfg = config(Duration::from_secs(5), 1024);
-                    cfg.algo = dspark::plan::Algorithm::from_name(if r == 0 {
+                    cfg.algo = dspark::internals::plan::Algorithm::from_name(if r == 0 {
                         "ring"
                     } else {
                         "recursive_doubling"
@@ -451,7 +457,7 @@ fn ranks_forced_to_different_algorithms_get_mismatch_not_wrong_data() {
 /// as ranks forced differently at init do.
 #[test]
 fn switching_the_algorithm_on_every_rank_works_and_on_one_rank_is_a_mismatch() {
-    use dspark::plan::{Algorithm, Collective};
+    use dspark::internals::plan::{Algorithm, Collective};
     let world = 3;
     let fabric = MemFabric::new(world, 4);
     let cfg = config(Duration::from_secs(5), 1024);
@@ -572,7 +578,7 @@ fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_pro
             nth: 1,
         });
         let mut cfg = config(Duration::from_secs(60), 64);
-        cfg.algo = Some(dspark::plan::Algorithm::Ring);
+        cfg.algo = Some(dspark::internals::plan::Algorithm::Ring);
         let start = Instant::now();
         let res = run_ranks(&fabric, world, &cfg, |c| {
             let mut buf = vec![1.0f32; 1000];
@@ -628,7 +634,7 @@ fn a_panic_inside_a_collective_poisons_the_communicator_and_fails_every_peer_pro
 /// and what it does not apply to, is visible to the bench header through the communicator.
 #[test]
 fn a_forced_algorithm_is_reported_with_the_collectives_it_applies_to() {
-    use dspark::plan::{Algorithm, Collective};
+    use dspark::internals::plan::{Algorithm, Collective};
     let fabric = MemFabric::new(2, 4);
     let mut cfg = config(Duration::from_secs(30), 256);
     cfg.algo = Some(Algorithm::BinomialTree);
@@ -751,7 +757,7 @@ impl std::io::Write for LogBuf {
 fn a_forced_algorithm_that_does_not_apply_is_warned_about_once_per_collective() {
     let fabric = MemFabric::new(2, 4);
     let mut cfg = config(Duration::from_secs(30), 256);
-    cfg.algo = Some(dspark::plan::Algorithm::BinomialTree);
+    cfg.algo = Some(dspark::internals::plan::Algorithm::BinomialTree);
     let logs = run_ranks(&fabric, 2, &cfg, |c| {
         let log = LogBuf::default();
         capture_this_threads_log(Some(log.clone()));
@@ -795,7 +801,7 @@ fn a_trace_shows_every_call_and_every_segment_each_rank_moved() {
     let fabric = MemFabric::new(world, 4);
     // 3000 f32 = 3 blocks of 4000 B, each one segment.
     let mut cfg = config(Duration::from_secs(30), 4096);
-    cfg.algo = Some(dspark::plan::Algorithm::Ring);
+    cfg.algo = Some(dspark::internals::plan::Algorithm::Ring);
     cfg.trace = Some(dir.join("run"));
     run_ranks(&fabric, world, &cfg, |c| {
         let mut v = vec![1.0f32; 3000];

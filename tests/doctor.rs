@@ -54,7 +54,7 @@ impl Drop for Tree {
 }
 
 fn libcuda_here() -> bool {
-    dspark::gpu::libcuda_present()
+    dspark::internals::gpu::libcuda_present()
 }
 
 #[test]
@@ -304,8 +304,8 @@ fn compile_kernels_reports_every_kernel_or_says_why_it_cannot() {
         &[("DSPARK_CACHE_DIR", cache_s)],
     );
     let (out, err) = text(&o);
-    let total = dspark::gpu::kernels::all_kernels().len();
-    if dspark::gpu::libnvrtc_present() {
+    let total = dspark::internals::gpu::kernels::all_kernels().len();
+    if dspark::internals::gpu::libnvrtc_present() {
         assert!(o.status.success(), "{out}\n{err}");
         let line = out.lines().find(|l| l.contains("compile sm_90")).unwrap();
         assert!(

@@ -1,6 +1,6 @@
 //! Property-based fuzzing of every decoder that reads what another process sent (the
 //! bootstrap's messages, frame headers, the verbs blob and words, the cost model), and of the
-//! configuration parsers (the targets of `dspark::fuzzing`; issue #11, item 13).
+//! configuration parsers (the targets of `dspark::internals::fuzzing`; issue #11, item 13).
 //!
 //! Each target gets `DSPARK_FUZZ_CASES` inputs (default 20 000: the quick mode CI runs; the
 //! full mode is `DSPARK_FUZZ_CASES=1000000`): random bytes, valid messages (which must decode
@@ -18,7 +18,7 @@ use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use dspark::fuzzing::{self, Rng};
+use dspark::internals::fuzzing::{self, Rng};
 
 /// The system allocator, noting the largest single allocation of each thread.
 struct Counting;
@@ -175,7 +175,7 @@ fn mutate(r: &mut XorShift, b: &mut Vec<u8>, other: &[u8]) {
 
 /// Runs `DSPARK_FUZZ_CASES` inputs through target `name`.
 fn fuzz(name: &str) {
-    let target = fuzzing::target(name).expect("a target of dspark::fuzzing");
+    let target = fuzzing::target(name).expect("a target of dspark::internals::fuzzing");
     let n = cases();
     let run_seed = seed()
         ^ name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {

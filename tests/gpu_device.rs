@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr};
-use dspark::gpu::device::{self, DeviceAllocation, GpuReducer};
-use dspark::gpu::kernels::STEP_OPS;
-use dspark::gpu::{libcuda_present, libnvrtc_present, probe};
+use dspark::internals::gpu::device::{self, DeviceAllocation, GpuReducer};
+use dspark::internals::gpu::kernels::STEP_OPS;
+use dspark::internals::gpu::{libcuda_present, libnvrtc_present, probe};
 use dspark::{DataType, Element, Error, ReduceOp};
 use half::{bf16, f16};
 use reference::SplitMix64;
@@ -147,17 +147,20 @@ fn run_case<T: Element + DeviceRepr>(
     // The crate's CPU kernels on the same inputs: the GPU must agree with them too.
     let mut cpu = dst0.clone();
     match kind {
-        Kind::Inplace => {
-            dspark::reduce::reduce_inplace(dtype, op, &mut cpu[range(offs.0)], &b0[range(offs.2)])
-        }
-        Kind::Into => dspark::reduce::reduce_into(
+        Kind::Inplace => dspark::internals::reduce::reduce_inplace(
+            dtype,
+            op,
+            &mut cpu[range(offs.0)],
+            &b0[range(offs.2)],
+        ),
+        Kind::Into => dspark::internals::reduce::reduce_into(
             dtype,
             op,
             &mut cpu[range(offs.0)],
             &a0[range(offs.1)],
             &b0[range(offs.2)],
         ),
-        Kind::Finalize => dspark::reduce::finalize(
+        Kind::Finalize => dspark::internals::reduce::finalize(
             dtype,
             ReduceOp::Avg,
             &mut cpu[range(offs.0)],
@@ -444,10 +447,10 @@ fn staged_rank(
     count: usize,
     seg: usize,
 ) -> Result<(f64, f64, f64, f64), String> {
-    use dspark::engine::staged::{DevRange, StagedDevice};
-    use dspark::engine::Call;
-    use dspark::gpu::staged::{CudaStagedDevice, StagingPool};
-    use dspark::plan::{Buf, Collective};
+    use dspark::internals::engine::staged::{DevRange, StagedDevice};
+    use dspark::internals::engine::Call;
+    use dspark::internals::gpu::staged::{CudaStagedDevice, StagingPool};
+    use dspark::internals::plan::{Buf, Collective};
     let e = |w: &'static str| move |x: Error| format!("{w}: {x}");
     let rank = comm.rank();
     let world = comm.world_size();
@@ -607,16 +610,16 @@ fn staged_all_reduce_over_tcp_between_two_ranks_on_one_gpu_overlaps_its_stages()
 fn direct_case(
     r: &GpuReducer,
     stream: &Arc<CudaStream>,
-    region: &dspark::gpu::direct::DirectRegion,
+    region: &dspark::internals::gpu::direct::DirectRegion,
     rng: &mut SplitMix64,
     dtype: DataType,
     op: ReduceOp,
     n: usize,
     failures: &mut Vec<String>,
 ) {
-    use dspark::engine::staged::{DevRange, StagedDevice};
-    use dspark::gpu::direct::CudaDirectDevice;
-    use dspark::plan::Buf;
+    use dspark::internals::engine::staged::{DevRange, StagedDevice};
+    use dspark::internals::gpu::direct::CudaDirectDevice;
+    use dspark::internals::plan::Buf;
     let es = dtype.size();
     let b = n * es;
     let layout = region.layout();
@@ -684,9 +687,15 @@ fn direct_case(
     // The crate's CPU kernels, and the independent reference, on the same inputs.
     let mut want = dst0.clone();
     want[..b].copy_from_slice(&incoming);
-    dspark::reduce::reduce_into(dtype, op, &mut want[b..2 * b], &acc, &incoming);
+    dspark::internals::reduce::reduce_into(dtype, op, &mut want[b..2 * b], &acc, &incoming);
     let in_place = dst0[2 * b..3 * b].to_vec();
-    dspark::reduce::reduce_into(dtype, op, &mut want[2 * b..3 * b], &in_place, &incoming);
+    dspark::internals::reduce::reduce_into(
+        dtype,
+        op,
+        &mut want[2 * b..3 * b],
+        &in_place,
+        &incoming,
+    );
     let mut independent = want.clone();
     independent[b..2 * b].copy_from_slice(&reference::apply(dtype, op, &acc, &incoming));
     independent[2 * b..3 * b].copy_from_slice(&reference::apply(dtype, op, &in_place, &incoming));
@@ -710,8 +719,8 @@ fn direct_case(
 
 #[test]
 fn direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory() {
-    use dspark::gpu::direct::{CudaDirectDevice, DirectRegion};
-    use dspark::transport::DirectLayout;
+    use dspark::internals::gpu::direct::{CudaDirectDevice, DirectRegion};
+    use dspark::internals::transport::DirectLayout;
     let name = "direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory";
     let Some((ctx, r)) = reducer(name) else {
         return;
@@ -794,9 +803,9 @@ fn direct_device_lands_reduces_and_sends_from_a_region_of_gpu_memory() {
 /// reached, the copied bytes after it.
 #[test]
 fn a_staging_slot_is_hidden_while_a_copy_into_it_may_run() {
-    use dspark::engine::staged::{DevRange, StagedDevice};
-    use dspark::gpu::staged::{CudaStagedDevice, StagingPool};
-    use dspark::plan::Buf;
+    use dspark::internals::engine::staged::{DevRange, StagedDevice};
+    use dspark::internals::gpu::staged::{CudaStagedDevice, StagingPool};
+    use dspark::internals::plan::Buf;
     let test = "a_staging_slot_is_hidden_while_a_copy_into_it_may_run";
     let Some((ctx, r)) = reducer(test) else {
         return;

@@ -21,8 +21,8 @@ mod reference;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dspark::gpu::kernels::{self, KernelKind};
-use dspark::gpu::nvrtc::{self, CacheOrigin, DiskCache, GpuArch, ImageKind};
+use dspark::internals::gpu::kernels::{self, KernelKind};
+use dspark::internals::gpu::nvrtc::{self, CacheOrigin, DiskCache, GpuArch, ImageKind};
 use dspark::{DataType, Error, ReduceOp};
 use reference::SplitMix64;
 
@@ -361,20 +361,20 @@ impl Case {
         let range = |o: usize| o * es..(o + self.n) * es;
         let mut out = self.dst.clone();
         match self.kind {
-            0 | 3 => dspark::reduce::reduce_inplace(
+            0 | 3 => dspark::internals::reduce::reduce_inplace(
                 self.dtype,
                 self.op.unwrap(),
                 &mut out[range(od)],
                 &self.b[range(ob)],
             ),
-            1 => dspark::reduce::reduce_into(
+            1 => dspark::internals::reduce::reduce_into(
                 self.dtype,
                 self.op.unwrap(),
                 &mut out[range(od)],
                 &self.a[range(oa)],
                 &self.b[range(ob)],
             ),
-            _ => dspark::reduce::finalize(
+            _ => dspark::internals::reduce::finalize(
                 self.dtype,
                 ReduceOp::Avg,
                 &mut out[range(od)],

@@ -19,9 +19,9 @@ use common::procs::{
     assert_all, netns_unavailable, rank_entry, say, shm_residue, spawn, vars, Hosts, Outcome,
     FAILED_AS_EXPECTED, OK, WRONG,
 };
+use dspark::internals::plan::{Algorithm, Collective};
+use dspark::internals::transport::TransportKind;
 use dspark::path::BufferLocation;
-use dspark::plan::{Algorithm, Collective};
-use dspark::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
 /// Ranks per host and hosts in every test here.
@@ -226,7 +226,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
 fn lazy(comm: &Communicator) -> Result<i32, String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let info = comm.info();
-    let partners = dspark::plan::algo::standing_partners(n, r);
+    let partners = dspark::internals::plan::algo::standing_partners(n, r);
     if info.connected_at_init != Some(partners.len()) {
         return Err(format!(
             "connected to {:?} peers at init, want the {} standing partners",

@@ -8,10 +8,12 @@
 
 use std::collections::BTreeSet;
 
-use dspark::plan::sim::{
+use dspark::internals::plan::sim::{
     self, BlockReason, Buffers, Call, SimConfig, SimError, SimOutcome, FINALIZE_FACTOR,
 };
-use dspark::plan::{algo, compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule};
+use dspark::internals::plan::{
+    algo, compile, schedule, Algorithm, Collective, Loc, Op, Program, Schedule,
+};
 
 const MAX_WORLD: usize = 9;
 const SEGS: [usize; 4] = [1, 3, 64, usize::MAX];
@@ -293,7 +295,7 @@ fn hierarchical_all_reduce_gives_every_rank_the_sum_on_every_host_layout() {
 fn hierarchical_all_reduce_without_a_uniform_layout_runs_the_ring() {
     // 3+2 ranks (uneven hosts), interleaved hosts or no host information: per_host is 0
     // (`plan::uniform_per_host`), and every rank falls back to the same flat ring.
-    use dspark::plan::uniform_per_host;
+    use dspark::internals::plan::uniform_per_host;
     for hosts in [
         vec!["a", "a", "a", "b", "b"],
         vec!["a", "b", "a", "b"],
@@ -352,9 +354,10 @@ fn hierarchical_all_reduce_moves_the_rings_bytes_with_only_the_rail_share_betwee
             assert_eq!(out.elems_sent(), 2 * (n - 1) * count, "{ctx}: total");
             for (r, st) in out.stats.iter().enumerate() {
                 let (h, i) = (r / l, r % l);
-                let a = |j: usize| dspark::plan::block_range(count, l, j % l).len();
+                let a = |j: usize| dspark::internals::plan::block_range(count, l, j % l).len();
                 let mine = a(i);
-                let sub = |k: usize| dspark::plan::block_range(mine, hosts, k % hosts).len();
+                let sub =
+                    |k: usize| dspark::internals::plan::block_range(mine, hosts, k % hosts).len();
                 // Host phases: every block but A(i) (reduce-scatter), every block but A(i+1)
                 // (all-gather); the rail: A(i) but one sub-block, twice. Received: every
                 // block but A(i−1), then every block but A(i); on the rail, A(i) but
@@ -651,7 +654,7 @@ fn rabenseifner_elems_sent(n: usize, r: usize, count: usize) -> usize {
     };
     let blocks = |lo: usize, hi: usize| -> usize {
         (lo..hi)
-            .map(|i| dspark::plan::block_range(count, p, i).len())
+            .map(|i| dspark::internals::plan::block_range(count, p, i).len())
             .sum()
     };
     let mut sent = count - blocks(b, b + 1);

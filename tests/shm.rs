@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::procs::{
     assert_all, rank_entry, say, shm_residue, spawn, status_kb, vars, FAILED_AS_EXPECTED, OK, WRONG,
 };
-use dspark::transport::TransportKind;
+use dspark::internals::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
 /// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
@@ -189,7 +189,7 @@ fn number_before(text: &str, key: &str) -> Option<u64> {
 fn lazy(comm: &Communicator) -> Result<i32, String> {
     expect_transport(comm, TransportKind::Shm)?;
     let (r, n) = (comm.rank(), comm.world_size());
-    let partners = dspark::plan::algo::standing_partners(n, r);
+    let partners = dspark::internals::plan::algo::standing_partners(n, r);
     let k = partners.len();
     let info = comm.info();
     if info.connected_at_init != Some(k) || k + 1 >= n {
@@ -253,9 +253,9 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
 /// The rank that leaves in `lazy_lost` (the first that is no standing partner of rank 0),
 /// and the ranks that are not its standing partners.
 fn victim_and_strangers(n: usize) -> (usize, Vec<usize>) {
-    let of0 = dspark::plan::algo::standing_partners(n, 0);
+    let of0 = dspark::internals::plan::algo::standing_partners(n, 0);
     let victim = (1..n).find(|q| !of0.contains(q)).unwrap_or(0);
-    let of_victim = dspark::plan::algo::standing_partners(n, victim);
+    let of_victim = dspark::internals::plan::algo::standing_partners(n, victim);
     let strangers = (0..n)
         .filter(|&q| q != victim && !of_victim.contains(&q))
         .collect();

@@ -10,10 +10,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::TestElem;
-use dspark::engine::staged::EmulatedDevice;
-use dspark::engine::Call;
-use dspark::plan::Collective;
-use dspark::transport::mem::MemFabric;
+use dspark::internals::engine::staged::EmulatedDevice;
+use dspark::internals::engine::Call;
+use dspark::internals::plan::Collective;
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{bf16, f16, Communicator, Config, ReduceOp};
 
 fn bytes<T: TestElem>(v: &[T]) -> Vec<u8> {
@@ -62,7 +62,7 @@ fn run_on<R: Send>(
 fn run_forced<R: Send>(
     fabric: MemFabric,
     world: usize,
-    algo: Option<dspark::plan::Algorithm>,
+    algo: Option<dspark::internals::plan::Algorithm>,
     f: impl Fn(&Communicator) -> R + Sync,
 ) -> Vec<R> {
     let mut cfg = Config::new(0, 1, "");
@@ -355,7 +355,7 @@ fn direct_device_collectives_match_the_reference_on_worlds_1_to_4() {
 /// step to one peer held the slot an earlier step to another needed.)
 #[test]
 fn every_allreduce_algorithm_runs_on_the_staged_and_direct_device_paths() {
-    use dspark::plan::Algorithm;
+    use dspark::internals::plan::Algorithm;
     for algo in [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
@@ -453,7 +453,7 @@ fn a_host_rank_facing_a_direct_rank_gets_a_mismatch_not_a_hang() {
 
 #[test]
 fn a_device_over_another_region_is_refused_before_anything_moves() {
-    use dspark::transport::DirectTransport;
+    use dspark::internals::transport::DirectTransport;
     let res = run_direct(1, 2, |comm| {
         let other = MemFabric::with_direct(1, 4, 2, SEG, 3).transport(0);
         let region = other.direct_host_region().unwrap();
@@ -476,7 +476,7 @@ fn a_device_over_another_region_is_refused_before_anything_moves() {
 /// and the peers, which are in the call, fail promptly naming the rank — not at the deadline.
 #[test]
 fn a_device_call_failing_before_data_moves_fails_its_peers_promptly() {
-    use dspark::transport::DirectTransport;
+    use dspark::internals::transport::DirectTransport;
     for direct in [false, true] {
         let start = Instant::now();
         let count = 40;

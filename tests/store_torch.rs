@@ -15,7 +15,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use dspark::bootstrap::store::{PrefixStore, Store, TcpStore};
+use dspark::internals::bootstrap::store::{PrefixStore, Store, TcpStore};
 use dspark::Error;
 
 /// Deadline for python to import torch and start the store (seconds, under load).

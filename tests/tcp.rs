@@ -42,7 +42,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // tree for reduce and broadcast) or DSPARK_ALGO=rabenseifner (all_reduce only),
             // checked to be forced, not silently replaced.
             let want = std::env::var("DSPARK_ALGO").unwrap_or_default();
-            let forced = comm.algorithm(dspark::plan::Collective::AllReduce, 1 << 20);
+            let forced = comm.algorithm(dspark::internals::plan::Collective::AllReduce, 1 << 20);
             if forced.name() != want {
                 return Err(format!("all_reduce runs {forced}, not {want}"));
             }
@@ -86,7 +86,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // Only the schedules' partners are connected at init; the other pairs connect on
             // first use, from either end, also when both ends start at once.
             let n = comm.world_size();
-            let partners = dspark::plan::algo::standing_partners(n, r);
+            let partners = dspark::internals::plan::algo::standing_partners(n, r);
             let at_init = comm.info().connected_at_init;
             if at_init != Some(partners.len()) || partners.len() + 1 >= n {
                 return Err(format!(
@@ -193,7 +193,7 @@ fn scale_rank(comm: Communicator) -> Result<i32, String> {
     let (r, n) = (comm.rank(), comm.world_size());
     common::all_reduce_closed_form(&comm)?;
     comm.barrier().map_err(|e| format!("barrier: {e}"))?;
-    let partners = dspark::plan::algo::standing_partners(n, r).len();
+    let partners = dspark::internals::plan::algo::standing_partners(n, r).len();
     let info = comm.info();
     let memory_reason = info
         .transport_reason

@@ -1,8 +1,10 @@
 //! The `dspark` torch.distributed backend, driven from Python scripts in `tests/torch/`:
 //! every operation x dtype x reduce op against gloo on 1, 2 and 3 ranks (`ops_check.py`), DDP
 //! against gloo on 2 and 3 ranks (`ddp_check.py`), FSDP2 on 2 ranks (`fsdp_check.py`), killed
-//! ranks and mismatched collectives (`failure_check.py`) and a curated list of PyTorch's own
-//! distributed suite (`distributed_suite.py --ci`).
+//! ranks and mismatched collectives (`failure_check.py`), a curated list of PyTorch's own
+//! distributed suite (`distributed_suite.py --ci`), tensors dropped while a non-blocking call
+//! uses them (`inflight_check.py`) and absurd world sizes and ranks through the Python
+//! package (`limits_check.py`).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -315,6 +317,40 @@ fn the_package_runs_every_collective_on_numpy_and_tensors_on_1_rank() {
 #[test]
 fn the_package_runs_every_collective_on_numpy_and_tensors_on_3_ranks() {
     package_check(3);
+}
+
+/// A tensor's `set_()`, `del` or `resize_(0)` right after a non-blocking `dist.all_reduce`
+/// (the fast path) or `dist.broadcast` (the general path) returned, while the call waits for
+/// a late rank: the backend holds the storage, so the result lands in it and nothing is
+/// written into memory allocated afterwards (before, a use after free: SIGSEGV or SIGABRT).
+#[test]
+fn a_tensor_dropped_during_a_non_blocking_call_keeps_its_memory_until_the_call_completes() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        torchrun_standalone(&t, 3, "inflight_check.py", "dspark"),
+        Duration::from_secs(240),
+    );
+    assert_pass(
+        &r,
+        "INFLIGHT_CHECK world=3 rank=0 ",
+        "inflight_check.py on 3 ranks",
+    );
+}
+
+/// World sizes 0, 2^32+2, 2^40 and 2^64-1 (`DSPARK_WORLD_SIZE` and `from_store`), and ranks
+/// and world sizes no usize holds, raise `dspark.ConfigError` within a second: each case in
+/// a child process, so an abort, a panic or a hang is a failed case.
+#[test]
+fn absurd_world_sizes_through_python_raise_config_error_within_a_second() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    // 12 cases, each bounded by 20 s inside the script
+    let r = run(
+        python(&t, "limits_check.py", &[], "dspark"),
+        Duration::from_secs(400),
+    );
+    assert_pass(&r, "LIMITS_CHECK ", "limits_check.py");
 }
 
 /// The two routes into torch (python/dspark/torch.py, `_route`). A group that is dspark's

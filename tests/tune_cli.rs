@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use dspark::plan::model::{format_tune_file, parse_tune_file, CostModel, Costs, Medium};
-use dspark::plan::{Algorithm, Collective};
+use dspark::internals::plan::model::{format_tune_file, parse_tune_file, CostModel, Costs, Medium};
+use dspark::internals::plan::{Algorithm, Collective};
 
 /// A 2-rank, 8-byte all_reduce run of dspark-bench over TCP with `envs`.
 fn bench_8_bytes(envs: &[(&str, &str)]) -> Output {

@@ -36,7 +36,7 @@ use common::procs::{
 };
 
 use dspark::config::TransportChoice;
-use dspark::transport::TransportKind;
+use dspark::internals::transport::TransportKind;
 use dspark::{Communicator, Config, Error, ReduceOp};
 
 fn in_vm() -> bool {
@@ -224,7 +224,7 @@ fn check_from(got: &[u64], from: usize, to: usize, what: &str) -> Result<(), Str
 /// receiver late, so the sender waits for it) and all-to-all connect the others on first use;
 /// then an all_reduce against its closed form.
 fn lazy() -> Result<i32, String> {
-    use dspark::plan::algo::standing_partners;
+    use dspark::internals::plan::algo::standing_partners;
     let comm = verbs_comm()?;
     let (r, n) = (comm.rank(), comm.world_size());
     let partners = standing_partners(n, r);
@@ -317,7 +317,7 @@ fn lazy() -> Result<i32, String> {
 fn lazy_direct() -> Result<i32, String> {
     let comm = verbs_comm()?;
     let (r, n) = (comm.rank(), comm.world_size());
-    let partners = dspark::plan::algo::standing_partners(n, r);
+    let partners = dspark::internals::plan::algo::standing_partners(n, r);
     if comm.info().connected_at_init != Some(partners.len()) {
         return Err(format!(
             "rank {r}: connected_at_init is {:?}, expected {}",
@@ -332,7 +332,7 @@ fn lazy_direct() -> Result<i32, String> {
     let send: Vec<u32> = (0..n * count)
         .map(|k| value(r, k / count, k % count))
         .collect();
-    let mut dev = dspark::engine::staged::EmulatedDevice::direct(
+    let mut dev = dspark::internals::engine::staged::EmulatedDevice::direct(
         to_bytes(&send),
         vec![0; n * count * 4],
         comm.direct_host_region().ok_or("no direct region")?,
@@ -341,7 +341,13 @@ fn lazy_direct() -> Result<i32, String> {
         0x1a2d,
     );
     comm.run_staged(
-        emu_call::<u32>(dspark::plan::Collective::AllToAll, None, count, 0, false),
+        emu_call::<u32>(
+            dspark::internals::plan::Collective::AllToAll,
+            None,
+            count,
+            0,
+            false,
+        ),
         &mut dev,
     )
     .map_err(|e| format!("rank {r}: device all_to_all: {e}"))?;
@@ -383,7 +389,7 @@ fn lazy_lost() -> Result<i32, String> {
     let comm = verbs_comm()?;
     let (r, n) = (comm.rank(), comm.world_size());
     let victim = 3;
-    if dspark::plan::algo::standing_partners(n, 0).contains(&victim) {
+    if dspark::internals::plan::algo::standing_partners(n, 0).contains(&victim) {
         return Err(format!(
             "rank {victim} is a standing partner of rank 0 in a world of {n}"
         ));
@@ -643,13 +649,13 @@ fn exit_after_call() -> Result<i32, String> {
 }
 
 fn emu_call<T: common::TestElem>(
-    coll: dspark::plan::Collective,
+    coll: dspark::internals::plan::Collective,
     op: Option<ReduceOp>,
     count: usize,
     root: usize,
     is_send: bool,
-) -> dspark::engine::Call {
-    let mut c = dspark::engine::Call::new(coll, op, count, root, is_send);
+) -> dspark::internals::engine::Call {
+    let mut c = dspark::internals::engine::Call::new(coll, op, count, root, is_send);
     c.dtype = T::DATA_TYPE;
     c
 }
@@ -674,8 +680,8 @@ fn device_round<T: common::TestElem>(
     seed: u64,
     direct: bool,
 ) -> Result<usize, String> {
-    use dspark::engine::staged::EmulatedDevice;
-    use dspark::plan::Collective as C;
+    use dspark::internals::engine::staged::EmulatedDevice;
+    use dspark::internals::plan::Collective as C;
     let (n, r) = (comm.world_size(), comm.rank());
     let region = match direct {
         true => Some((
@@ -832,7 +838,7 @@ fn direct() -> Result<i32, String> {
 /// ranks that registered theirs must have freed it at init (#11 item 7), and host and device
 /// collectives must still be exact, device payloads staged.
 fn direct_not_agreed() -> Result<i32, String> {
-    use dspark::comm::DirectRegionFact;
+    use dspark::DirectRegionFact;
     let comm = verbs_comm()?;
     let r = comm.rank();
     let fact = &comm.info().direct_region;
@@ -966,8 +972,10 @@ fn ranks_free_their_direct_region_at_init_when_one_rank_has_none_and_collectives
 /// memory here, which `ibv_reg_mr` accepts) must then be taken.
 #[test]
 fn device_region_registration_falls_back_in_order_and_names_each_failure() {
-    use dspark::gpu::MemoryKind;
-    use dspark::transport::verbs::{self, wire::DirectInfo, wire::DirectKind, DirectSpec};
+    use dspark::internals::gpu::MemoryKind;
+    use dspark::internals::transport::verbs::{
+        self, wire::DirectInfo, wire::DirectKind, DirectSpec,
+    };
     if !in_vm() {
         return;
     }

@@ -9,7 +9,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use common::{check, inputs, mem_config as config, reduced};
-use dspark::transport::mem::MemFabric;
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, Error, ReduceOp};
 
 /// Ranks as threads over a fresh `mem` fabric of 2 frames per link.
@@ -440,7 +440,7 @@ fn split_with_no_colour_opts_out_and_the_rest_form_a_group() {
 
 #[test]
 fn init_with_store_meets_through_the_store_twice_in_a_row_without_a_fixed_port() {
-    use dspark::bootstrap::store::MemStore;
+    use dspark::internals::bootstrap::store::MemStore;
     let store = MemStore::new();
     let world = 3;
     std::thread::scope(|t| {

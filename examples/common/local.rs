@@ -7,7 +7,7 @@ use std::process::Command;
 
 /// `true` in a rank process; `false` in the parent, after all its local ranks exited
 /// successfully (it exits with the first failing rank's status otherwise).
-pub fn as_rank() -> bool {
+pub(crate) fn as_rank() -> bool {
     let launched = [
         "DSPARK_RANK",
         "RANK",

@@ -1,4 +1,4 @@
-//! `dspark-fuzz TARGET`: one of `dspark::fuzzing::TARGETS` under AFL++ (`cargo afl fuzz`).
+//! `dspark-fuzz TARGET`: one of `dspark::internals::fuzzing::TARGETS` under AFL++ (`cargo afl fuzz`).
 //! `dspark-fuzz --seeds DIR`: writes a seed corpus of valid inputs, `DIR/TARGET/NNN`.
 
 use std::io::Write;
@@ -6,7 +6,7 @@ use std::io::Write;
 /// xorshift64*, for the seeds.
 struct XorShift(u64);
 
-impl dspark::fuzzing::Rng for XorShift {
+impl dspark::internals::fuzzing::Rng for XorShift {
     fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
@@ -19,7 +19,7 @@ impl dspark::fuzzing::Rng for XorShift {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let names: Vec<&str> = dspark::fuzzing::TARGETS.iter().map(|(n, _)| *n).collect();
+    let names: Vec<&str> = dspark::internals::fuzzing::TARGETS.iter().map(|(n, _)| *n).collect();
     match args.get(1).map(String::as_str) {
         Some("--seeds") => {
             let dir = std::path::Path::new(args.get(2).map_or("seeds", String::as_str));
@@ -29,13 +29,13 @@ fn main() {
                 std::fs::create_dir_all(&d).expect("seed directory");
                 for i in 0..16 {
                     let mut f = std::fs::File::create(d.join(format!("{i:03}"))).expect("seed");
-                    f.write_all(&dspark::fuzzing::sample(name, &mut r))
+                    f.write_all(&dspark::internals::fuzzing::sample(name, &mut r))
                         .expect("seed");
                 }
             }
         }
         Some(name) => {
-            let Some(target) = dspark::fuzzing::target(name) else {
+            let Some(target) = dspark::internals::fuzzing::target(name) else {
                 eprintln!("unknown target {name:?}; targets: {}", names.join(", "));
                 std::process::exit(2);
             };

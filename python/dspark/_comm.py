@@ -22,7 +22,16 @@ class Work:
     """A non-blocking operation in flight, returned by ``async_op=True`` calls.
 
     The operation runs to completion in issue order whether or not anybody waits for it;
-    the communicator keeps its arrays alive until then, so dropping a ``Work`` is safe.
+    the communicator keeps its buffers alive until then, so dropping a ``Work`` is safe.
+
+    What is kept is the memory itself: a tensor's ``untyped_storage()``, and a
+    ``memoryview`` of a numpy array or other buffer. So ``del`` of the array or tensor,
+    ``tensor.set_(...)`` and a ``resize_`` within the storage's size are harmless while the
+    operation runs, and a ``bytearray``/``array.array`` resize or a numpy ``resize()``
+    raises. What remains the caller's contract, as with torch's own asynchronous work: do
+    not grow a tensor with ``resize_`` (torch reallocates the storage in place and frees
+    the old memory the operation still uses) nor ``resize(refcheck=False)`` a numpy array,
+    and do not read or write the buffers, until the ``Work`` completed.
     """
 
     __slots__ = ("_w", "_result")
@@ -59,9 +68,14 @@ class Communicator:
     has a deadline (``DSPARK_TIMEOUT``, or ``timeout=`` per call), so a dead peer raises
     instead of hanging.
 
-    Buffers are C-contiguous numpy arrays or contiguous torch CPU tensors of one of
-    float32, float64, float16, bfloat16, int8, uint8, int32, uint32, int64, uint64. They
-    are used in place, without copies, and the GIL is released while dspark communicates.
+    Buffers are C-contiguous numpy arrays, contiguous torch CPU tensors, or other objects
+    with the buffer protocol (``bytearray``, ``array.array``, ``memoryview``; ``bytes``
+    where dspark only reads), of one of float32, float64, float16, bfloat16, int8, uint8,
+    int32, uint32, int64, uint64. They are used in place, without copies, and the GIL is
+    released while dspark communicates. Any other object (one that only offers
+    ``__array_interface__``, say) raises ``InvalidArgumentError``, which is then also a
+    ``TypeError``; an unusable buffer (read-only where dspark writes, strided, another
+    dtype) one that is also a ``ValueError``.
     ``async_op=True`` returns a :class:`Work` instead of waiting.
     """
 
@@ -118,8 +132,8 @@ class Communicator:
     def all_reduce(self, buf, op="sum", *, async_op=False, timeout=None):
         """Reduces ``buf`` across the ranks, in place, with ``op`` (sum, prod, min, max,
         avg)."""
-        p, n, dt = describe(buf, True, "all_reduce buffer")
-        return self._go("all_reduce", dt, p, p, n, buf, buf, _op_name(op),
+        p, n, dt, keep = describe(buf, True, "all_reduce buffer")
+        return self._go("all_reduce", dt, p, p, n, keep, buf, _op_name(op),
                         async_op=async_op, timeout=timeout)
 
     def all_gather(self, send, recv, *, async_op=False, timeout=None):
@@ -133,7 +147,7 @@ class Communicator:
                 f"dspark: all_gather: recv has {r[1]} elements, expected {s[1]} x world "
                 f"{self.world_size} = {s[1] * self.world_size}"
             )
-        return self._go("all_gather", s[2], s[0], r[0], s[1], (send, recv), recv,
+        return self._go("all_gather", s[2], s[0], r[0], s[1], (s[3], r[3]), recv,
                         async_op=async_op, timeout=timeout)
 
     def reduce_scatter(self, send, recv, op="sum", *, async_op=False, timeout=None):
@@ -147,20 +161,20 @@ class Communicator:
                 f"dspark: reduce_scatter: send has {s[1]} elements, expected recv's {r[1]} "
                 f"x world {self.world_size} = {r[1] * self.world_size}"
             )
-        return self._go("reduce_scatter", s[2], s[0], r[0], r[1], (send, recv), recv,
+        return self._go("reduce_scatter", s[2], s[0], r[0], r[1], (s[3], r[3]), recv,
                         _op_name(op), async_op=async_op, timeout=timeout)
 
     def broadcast(self, buf, root=0, *, async_op=False, timeout=None):
         """Copies the root's ``buf`` into every rank's ``buf``."""
-        p, n, dt = describe(buf, True, "broadcast buffer")
-        return self._go("broadcast", dt, p, p, n, buf, buf, peer=self._rank_arg(root, "root"),
+        p, n, dt, keep = describe(buf, True, "broadcast buffer")
+        return self._go("broadcast", dt, p, p, n, keep, buf, peer=self._rank_arg(root, "root"),
                         async_op=async_op, timeout=timeout)
 
     def reduce(self, buf, op="sum", root=0, *, async_op=False, timeout=None):
         """Reduces ``buf`` across the ranks into the root's ``buf`` (in place; other ranks'
         buffers are left as they were)."""
-        p, n, dt = describe(buf, True, "reduce buffer")
-        return self._go("reduce", dt, p, p, n, buf, buf, _op_name(op),
+        p, n, dt, keep = describe(buf, True, "reduce buffer")
+        return self._go("reduce", dt, p, p, n, keep, buf, _op_name(op),
                         peer=self._rank_arg(root, "root"), async_op=async_op, timeout=timeout)
 
     def all_to_all(self, send, recv, *, async_op=False, timeout=None):
@@ -175,18 +189,18 @@ class Communicator:
                 f"number of elements, a multiple of world {self.world_size}"
             )
         return self._go("all_to_all", s[2], s[0], r[0], s[1] // self.world_size,
-                        (send, recv), recv, async_op=async_op, timeout=timeout)
+                        (s[3], r[3]), recv, async_op=async_op, timeout=timeout)
 
     def send(self, buf, peer, *, async_op=False, timeout=None):
         """Sends ``buf`` to ``peer`` (which calls :meth:`recv` with as many elements)."""
-        p, n, dt = describe(buf, False, "send buffer")
-        return self._go("send", dt, p, 0, n, buf, None, peer=self._rank_arg(peer, "peer"),
+        p, n, dt, keep = describe(buf, False, "send buffer")
+        return self._go("send", dt, p, 0, n, keep, None, peer=self._rank_arg(peer, "peer"),
                         async_op=async_op, timeout=timeout)
 
     def recv(self, buf, peer, *, async_op=False, timeout=None):
         """Receives into ``buf`` from ``peer``."""
-        p, n, dt = describe(buf, True, "recv buffer")
-        return self._go("recv", dt, 0, p, n, buf, buf, peer=self._rank_arg(peer, "peer"),
+        p, n, dt, keep = describe(buf, True, "recv buffer")
+        return self._go("recv", dt, 0, p, n, keep, buf, peer=self._rank_arg(peer, "peer"),
                         async_op=async_op, timeout=timeout)
 
     def send_recv(self, send, dest, recv, source, *, async_op=False, timeout=None):
@@ -199,7 +213,7 @@ class Communicator:
         s = describe(send, False, "send_recv send")
         r = describe(recv, True, "send_recv recv")
         self._same("send_recv", s, r)
-        return self._go("send_recv", s[2], s[0], r[0], s[1], (send, recv), recv,
+        return self._go("send_recv", s[2], s[0], r[0], s[1], (s[3], r[3]), recv,
                         peer=self._rank_arg(dest, "dest"), async_op=async_op,
                         timeout=timeout, peer2=self._rank_arg(source, "source"),
                         count2=r[1])

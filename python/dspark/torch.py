@@ -22,17 +22,23 @@ How it plugs in (see the README's PyTorch section):
   released; asynchronous ones go through the communicator's progress thread and complete in
   issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
   (torch has no watchdog for Python backends: dspark's deadlines are the guard).
+- Asynchronous operations hold their tensors and the tensors' storages until they
+  completed, so ``del`` or ``set_()`` of a tensor in flight is harmless. As with torch's
+  own backends, growing a tensor in flight with ``resize_`` (which reallocates its storage
+  in place) or using it before the Work completed is the caller's error.
 - Tensors reach dspark as data pointers: no copies for contiguous tensors of float32,
   float64, float16, bfloat16, int8, uint8, int32, int64 (and uint32, uint64, bool, complex
   where an op makes sense for them). Non-contiguous tensors are copied to contiguous ones and
   back; never is wrong data sent.
 """
 
+import atexit
 import os
 import queue
 import sys
 import threading
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
@@ -168,6 +174,7 @@ class _Completer:
                     target=self._run, name="dspark-futures", daemon=True
                 )
                 self._t.start()
+                _COMPLETERS.add(self)
         self._q.put(pending)
 
     def _run(self):
@@ -178,7 +185,27 @@ class _Completer:
             p.complete()
 
     def stop(self):
+        """Lets the thread complete what was queued, then end; waits for that (bounded),
+        so that it does not run torch's future callbacks while the interpreter exits."""
         self._q.put(None)
+        t = self._t
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=_STOP_WAIT_S)
+
+
+# How long stopping a completer waits for it (every operation it waits for has completed or
+# failed by the time the communicators are closed, so this is a bound, not a delay).
+_STOP_WAIT_S = 5.0
+# Every completer with a thread, stopped at exit before the interpreter finalizes: a
+# daemon thread still inside torch's future callbacks then dies mid-C++ ("terminate
+# called without an active exception", SIGABRT at exit after dropped async Works).
+_COMPLETERS = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_completers():
+    for c in list(_COMPLETERS):
+        c.stop()
 
 
 def _async_work(completer, raws, result, finish):
@@ -387,6 +414,9 @@ class _Ops:
         finish = _chain(list(finishers))
         prepared = []
         devices = set()
+        # The storages the pointers point into, held with the tensors until the calls
+        # completed: a `set_()` or `del` of a tensor meanwhile leaves its memory alive.
+        storages = []
         for coll, s, r, count, op, peer in calls:
             dt = "u8"
             sp = rp = 0
@@ -394,14 +424,17 @@ class _Ops:
                 devices.add(s.device)
                 s, dt = _flat(s)
                 sp = s.data_ptr()
+                storages.append(s.untyped_storage())
             if r is not None:
                 devices.add(r.device)
                 r, dt = _flat(r)
                 rp = r.data_ptr()
+                storages.append(r.untyped_storage())
             if count is None:
                 count = (s if s is not None else r).numel()
             c = self._p2p_comm(coll, peer) if coll in ("send", "recv") else self._comm
             prepared.append((c, coll, dt, sp, rp, count, op, peer))
+        keep = (keep, storages)
         cuda = [d for d in devices if d.type == "cuda"]
         if cuda:
             return self._go_cuda(devices, prepared, keep, result, finish, timeout)
@@ -482,9 +515,10 @@ class _Ops:
                 timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
                 if opts.asyncOp:
                     p = t.data_ptr()
+                    # The storage too: see `_go`.
                     w = self._comm._start("all_reduce", _dspark._FAST_DTYPES[dt], p, p,
-                                          t.numel(), tensors, _dspark._FAST_OPS[op], 0,
-                                          timeout)
+                                          t.numel(), (tensors, t.untyped_storage()),
+                                          _dspark._FAST_OPS[op], 0, timeout)
                     return _async_work(self._completer, [w], tensors, None)
                 self._all_reduce(t.data_ptr(), t.numel(), dt, op, timeout)
                 self._sync_tensors[0] = t

@@ -1,17 +1,23 @@
 //! `dspark._dspark`: the native half of the `dspark` Python package.
 //!
-//! It is deliberately small. Python code (`python/dspark/`) turns numpy arrays and torch
-//! tensors into (data pointer, element count, dtype) and keeps them alive; this module runs
-//! the collectives on those pointers through dspark's raw-pointer API
+//! It is deliberately small. Python code (`python/dspark/`) turns torch tensors and
+//! buffer-protocol objects (numpy arrays, `bytearray`, ...) into (data pointer, element
+//! count, dtype) and keeps their memory alive; the pointer of a buffer comes from
+//! `_buffer_address` (the exporter's own, never a number a Python object claims, such as
+//! an `__array_interface__`'s), that of a tensor is checked to lie in its storage. This
+//! module runs the collectives on those pointers through dspark's raw-pointer API
 //! ([`dspark::Communicator::run_raw`] / [`start_raw`](dspark::Communicator::start_raw)),
 //! always with the GIL released. It never links libtorch, so one abi3 wheel serves every
 //! CPython ≥ 3.9 and every torch 2.x.
 //!
 //! # Lifetimes (why the raw pointers are safe to use)
-//! A non-blocking call is given a `keepalive` object (the arrays or tensors it reads and
-//! writes). The communicator itself holds that object until the operation completes: the
-//! `Work` returned to Python may be dropped or leaked at any time without the buffers being
-//! freed under the operation. Operations complete in issue order, so completed ones are
+//! A non-blocking call is given a `keepalive` object: the memoryviews of the buffers it
+//! reads and writes (an exported buffer cannot be resized or freed), the tensors and their
+//! storages (a tensor's `set_()` or `del` leaves the storage's memory alive). The
+//! communicator itself holds that object until the operation completes: the `Work`
+//! returned to Python may be dropped or leaked at any time without the buffers being freed
+//! under the operation. (Growing a tensor with `resize_` in flight reallocates its storage
+//! in place: that stays the caller's contract, as with torch's own asynchronous work.) Operations complete in issue order, so completed ones are
 //! released from the front of the list at the next call, and all of them when the
 //! communicator closes (closing runs every issued operation to completion first).
 //!
@@ -22,12 +28,12 @@ use std::io;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use dspark::bootstrap::store::Store;
+use dspark::internals::bootstrap::store::Store;
 use dspark::{Communicator, Config, DataType, RawCall, RawOp, ReduceOp};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
 
 create_exception!(
     dspark,
@@ -399,6 +405,23 @@ fn fast_call(
     })
 }
 
+/// A rank or a world size from Python: any int that fits in `usize` goes on to `Config`'s
+/// validation (which says what the largest allowed value is); a negative or larger int is
+/// a `ConfigError` naming it, not an `OverflowError` from the conversion.
+fn count_arg(v: &Bound<'_, PyAny>, what: &str, var: &str) -> PyResult<usize> {
+    v.extract::<usize>().map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(v.py()) {
+            ConfigError::new_err(format!(
+                "dspark: {what} {} (as {var}) is not a number from 0 to {}",
+                v.repr().map(|r| r.to_string()).unwrap_or_default(),
+                usize::MAX
+            ))
+        } else {
+            e
+        }
+    })
+}
+
 fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Config> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     // Rank 0's address comes from the store; MASTER_ADDR / DSPARK_ROOT_ADDR, where set,
@@ -451,10 +474,12 @@ impl PyComm {
     fn init_with_store(
         py: Python<'_>,
         store: Py<PyAny>,
-        rank: usize,
-        world_size: usize,
+        rank: &Bound<'_, PyAny>,
+        world_size: &Bound<'_, PyAny>,
         timeout: Option<f64>,
     ) -> PyResult<Self> {
+        let rank = count_arg(rank, "rank", "DSPARK_RANK")?;
+        let world_size = count_arg(world_size, "world size", "DSPARK_WORLD_SIZE")?;
         secs(timeout)?;
         let config = config_for(rank, world_size, timeout)?;
         let store = PyStore { store, rank };
@@ -764,12 +789,71 @@ impl PyWork {
     }
 }
 
+// ------------------------------------------------------------------------------ buffers
+
+/// CPython's `Py_buffer` (PEP 3118). PyO3's buffer API is not part of the abi3-py39
+/// limited API it builds against (the buffer functions entered the stable ABI in 3.11),
+/// so the two functions below are declared here: every CPython 3 exports them, and this
+/// struct's layout has been the same since 3.3 (it is the stable ABI's from 3.11 on).
+#[repr(C)]
+struct RawBuffer {
+    buf: *mut std::ffi::c_void,
+    obj: *mut pyo3::ffi::PyObject,
+    len: pyo3::ffi::Py_ssize_t,
+    itemsize: pyo3::ffi::Py_ssize_t,
+    readonly: std::ffi::c_int,
+    ndim: std::ffi::c_int,
+    format: *mut std::ffi::c_char,
+    shape: *mut pyo3::ffi::Py_ssize_t,
+    strides: *mut pyo3::ffi::Py_ssize_t,
+    suboffsets: *mut pyo3::ffi::Py_ssize_t,
+    internal: *mut std::ffi::c_void,
+}
+
+/// `PyBUF_WRITABLE`: the request fails on a read-only buffer.
+const PYBUF_WRITABLE: std::ffi::c_int = 0x0001;
+
+extern "C" {
+    fn PyObject_GetBuffer(
+        obj: *mut pyo3::ffi::PyObject,
+        view: *mut RawBuffer,
+        flags: std::ffi::c_int,
+    ) -> std::ffi::c_int;
+    fn PyBuffer_Release(view: *mut RawBuffer);
+}
+
+/// The address of the memory a `memoryview` shows, for `dspark/_buffers.py`, which keeps
+/// the view (and with it the exporter's promise not to move or free that memory) for as
+/// long as dspark uses the address. The view must be C-contiguous (`PyBUF_SIMPLE`), and
+/// writable when `writable`; otherwise the exporter's `BufferError` is raised. The address
+/// is the exporter's, never a number a Python object claimed.
+#[pyfunction]
+fn _buffer_address(view: &Bound<'_, PyMemoryView>, writable: bool) -> PyResult<usize> {
+    let mut raw = std::mem::MaybeUninit::<RawBuffer>::zeroed();
+    let flags = if writable { PYBUF_WRITABLE } else { 0 };
+    // SAFETY: `view` is a live memoryview (the GIL is held through `Bound`) and `raw` a
+    // writable `Py_buffer` of CPython's layout; on success CPython filled it in and holds
+    // a reference for it, which `PyBuffer_Release` below gives back exactly once.
+    let rc = unsafe { PyObject_GetBuffer(view.as_ptr(), raw.as_mut_ptr(), flags) };
+    if rc != 0 {
+        return Err(PyErr::fetch(view.py()));
+    }
+    // SAFETY: `PyObject_GetBuffer` returned 0, so it initialised `raw`.
+    let mut raw = unsafe { raw.assume_init() };
+    let addr = raw.buf as usize;
+    // SAFETY: `raw` was filled by the successful `PyObject_GetBuffer` above and is
+    // released once; the memory stays exported by `view` itself, which the caller keeps.
+    unsafe { PyBuffer_Release(&mut raw) };
+    Ok(addr)
+}
+
 /// The module.
 #[pymodule]
 fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
+    m.add_function(wrap_pyfunction!(_buffer_address, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("PeerLostError", py.get_type::<PeerLostError>())?;

@@ -45,8 +45,8 @@ mod table;
 use bind::Bind;
 
 use dspark::config::{parse_size, TransportChoice};
+use dspark::internals::plan::{Algorithm, Collective};
 use dspark::path::PathPolicy;
-use dspark::plan::{Algorithm, Collective};
 use dspark::{Communicator, Config, DataType, ReduceOp};
 use half::{bf16, f16};
 

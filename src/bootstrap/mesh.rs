@@ -216,7 +216,11 @@ pub(super) mod tests {
     use crate::bootstrap::HELLO_WAIT;
 
     /// The options of rank `rank` of `world` with job token `token` (and a 10 s deadline).
-    pub(in crate::bootstrap) fn config(rank: usize, world: usize, token: &str) -> BootstrapOptions {
+    pub(in crate::internals::bootstrap) fn config(
+        rank: usize,
+        world: usize,
+        token: &str,
+    ) -> BootstrapOptions {
         BootstrapOptions::for_test(rank, world, token)
     }
 
@@ -235,7 +239,7 @@ pub(super) mod tests {
         connect_mesh(&ctx, &mut door, &peers, &mut mesh, &|_| true)
     }
 
-    pub(in crate::bootstrap) fn peer(rank: usize, addr: SocketAddr) -> PeerInfo {
+    pub(in crate::internals::bootstrap) fn peer(rank: usize, addr: SocketAddr) -> PeerInfo {
         PeerInfo {
             rank,
             host: "h".into(),
@@ -248,7 +252,7 @@ pub(super) mod tests {
         s.write_all(&m.0).unwrap();
     }
 
-    pub(in crate::bootstrap) fn recv(s: &mut TcpStream) -> Vec<u8> {
+    pub(in crate::internals::bootstrap) fn recv(s: &mut TcpStream) -> Vec<u8> {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut len = [0u8; 4];
         s.read_exact(&mut len).unwrap();

@@ -140,7 +140,7 @@ impl Rd<'_> {
 
 /// Why a hello (to rank 0, or on a data connection) was not read.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum HelloError {
+pub(crate) enum HelloError {
     /// Not a dspark hello at all (another kind of message, a bad magic number).
     Foreign(String),
     /// A dspark rank speaking another protocol version.
@@ -173,7 +173,7 @@ fn greeting(r: &mut Rd<'_>, kind: u8) -> Result<(), HelloError> {
 
 /// A rank's hello to rank 0.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Hello {
+pub(crate) struct Hello {
     /// World size.
     pub world: u32,
     /// The rank.
@@ -229,7 +229,7 @@ impl Hello {
 
 /// The hello that opens a data connection (from the higher rank to the lower).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerHello {
+pub(crate) struct PeerHello {
     /// Hash of the launcher's job id.
     pub job: u64,
     /// World size.
@@ -276,7 +276,7 @@ impl PeerHello {
 
 /// Rank 0's refusal of a rank (or of the whole rendezvous).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Reject {
+pub(crate) struct Reject {
     /// `REJECT_MISMATCH` or `REJECT_CONFIG` (any other value reads as a mismatch).
     pub class: u8,
     /// The variable to fix (for `REJECT_CONFIG`), or empty.
@@ -305,7 +305,7 @@ impl Reject {
 
 /// What a rank reads from rank 0 after its hello, or after its proof.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// Rank 0's nonce: prove the token over it.
     Challenge(Nonce),
     /// Admitted: the rank table (in rank order), and rank 0's proof over it.

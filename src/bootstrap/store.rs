@@ -313,34 +313,34 @@ impl<S: Store> Store for PrefixStore<S> {
 
 /// torch's c10d TCPStore protocol constants (torch 2.15.0, `store/TCPStoreBackend.hpp`).
 mod wire {
-    pub const VALIDATE: u8 = 0;
-    pub const SET: u8 = 1;
-    pub const GET: u8 = 3;
-    pub const ADD: u8 = 4;
-    pub const CHECK: u8 = 5;
-    pub const WAIT: u8 = 6;
-    pub const CANCEL_WAIT: u8 = 12;
-    pub const PING: u8 = 13;
+    pub(super) const VALIDATE: u8 = 0;
+    pub(super) const SET: u8 = 1;
+    pub(super) const GET: u8 = 3;
+    pub(super) const ADD: u8 = 4;
+    pub(super) const CHECK: u8 = 5;
+    pub(super) const WAIT: u8 = 6;
+    pub(super) const CANCEL_WAIT: u8 = 12;
+    pub(super) const PING: u8 = 13;
 
     /// The `u32` that `VALIDATE` carries.
-    pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+    pub(super) const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
 
     /// `WaitResponseType`.
-    pub const STOP_WAITING: u8 = 0;
-    pub const WAIT_CANCELED: u8 = 1;
+    pub(super) const STOP_WAITING: u8 = 0;
+    pub(super) const WAIT_CANCELED: u8 = 1;
     /// `CheckResponseType`.
-    pub const READY: u8 = 0;
-    pub const NOT_READY: u8 = 1;
+    pub(super) const READY: u8 = 0;
+    pub(super) const NOT_READY: u8 = 1;
 
     /// What torch's `TCPStore` puts before every key.
-    pub const KEY_PREFIX: &str = "/";
+    pub(super) const KEY_PREFIX: &str = "/";
     /// The libuv server's limits (`MAX_STRING_LEN`, `MAX_PAYLOAD_LEN`); beyond them it drops
     /// the connection.
-    pub const MAX_KEY_LEN: usize = 8 * 1024;
-    pub const MAX_VALUE_LEN: usize = 8 * 1024 * 1024;
+    pub(super) const MAX_KEY_LEN: usize = 8 * 1024;
+    pub(super) const MAX_VALUE_LEN: usize = 8 * 1024 * 1024;
     /// The most this client accepts as a reply value (the legacy server has no limit of its
     /// own; a garbage length must not make the client allocate without bound).
-    pub const MAX_REPLY_LEN: u64 = 1 << 30;
+    pub(super) const MAX_REPLY_LEN: u64 = 1 << 30;
 }
 
 /// One request being built.

@@ -25,9 +25,9 @@
 //! [`Error`]: crate::Error
 //! [`Error::Transport`]: crate::Error::Transport
 //! [`Error::Cuda`]: crate::Error::Cuda
-//! [`dspark_result_t`]: crate::capi::dspark_result_t
-//! [`dspark_dtype_t`]: crate::capi::dspark_dtype_t
-//! [`dspark_op_t`]: crate::capi::dspark_op_t
+//! [`dspark_result_t`]: crate::internals::capi::dspark_result_t
+//! [`dspark_dtype_t`]: crate::internals::capi::dspark_dtype_t
+//! [`dspark_op_t`]: crate::internals::capi::dspark_op_t
 
 #![allow(non_camel_case_types)]
 

@@ -597,10 +597,10 @@ pub(crate) mod fake {
     use std::path::{Path, PathBuf};
 
     /// A temporary directory removed on drop.
-    pub struct TempTree(pub PathBuf);
+    pub(crate) struct TempTree(pub PathBuf);
 
     impl TempTree {
-        pub fn new(tag: &str) -> Self {
+        pub(crate) fn new(tag: &str) -> Self {
             static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
             let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let p =
@@ -610,13 +610,13 @@ pub(crate) mod fake {
             TempTree(p)
         }
 
-        pub fn write(&self, rel: &str, content: &str) {
+        pub(crate) fn write(&self, rel: &str, content: &str) {
             let p = self.0.join(rel);
             fs::create_dir_all(p.parent().unwrap()).unwrap();
             fs::write(p, content).unwrap();
         }
 
-        pub fn link(&self, rel: &str, target: &str) {
+        pub(crate) fn link(&self, rel: &str, target: &str) {
             let p = self.0.join(rel);
             fs::create_dir_all(p.parent().unwrap()).unwrap();
             symlink(target, p).unwrap();
@@ -624,7 +624,7 @@ pub(crate) mod fake {
 
         /// A PCI device at `devpath` (below sys/devices, e.g. `pci0000:00/0000:00:01.0/0000:01:00.0`)
         /// with its /sys/bus/pci/devices link (relative, as the kernel makes it).
-        pub fn pci_device(&self, devpath: &str, numa: i32, vendor: &str, class: &str) {
+        pub(crate) fn pci_device(&self, devpath: &str, numa: i32, vendor: &str, class: &str) {
             let dir = format!("sys/devices/{devpath}");
             self.write(&format!("{dir}/numa_node"), &format!("{numa}\n"));
             self.write(&format!("{dir}/vendor"), &format!("{vendor}\n"));
@@ -641,7 +641,7 @@ pub(crate) mod fake {
         }
 
         /// An RDMA device `name` whose `device` link points at the PCI device at `devpath`.
-        pub fn rdma_device(&self, name: &str, devpath: Option<&str>) {
+        pub(crate) fn rdma_device(&self, name: &str, devpath: Option<&str>) {
             self.write(
                 &format!("sys/devices/virtual/infiniband/{name}/node_type"),
                 "1: CA\n",

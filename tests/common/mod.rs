@@ -1,20 +1,20 @@
 //! Shared test code: deterministic inputs, an independent reference for every collective,
 //! and a matrix runner that checks every collective × type × operator × count on one
 //! communicator. The reference is plain scalar code written here, independent of
-//! `dspark::reduce` and of the schedules.
+//! `dspark::internals::reduce` and of the schedules.
 
 #![allow(dead_code)]
 
-pub mod procs;
+pub(crate) mod procs;
 
 use std::time::Duration;
 
-use dspark::transport::mem::MemFabric;
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, Element, ReduceOp};
 use half::{bf16, f16};
 
 /// SplitMix64: deterministic per (seed, rank, index).
-pub fn mix(mut x: u64) -> u64 {
+pub(crate) fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -59,7 +59,7 @@ fn fmax(a: f64, b: f64) -> f64 {
 }
 
 /// Test-side knowledge of an element type: exact inputs and the reference reduction.
-pub trait TestElem: Element + Copy {
+pub(crate) trait TestElem: Element + Copy {
     /// An input value for rank `rank`, element `i`, chosen so that every reduction order gives
     /// the same exact result.
     fn input(op: ReduceOp, seed: u64, rank: usize, i: usize) -> Self;
@@ -173,12 +173,12 @@ impl TestElem for bf16 {
     }
 }
 
-pub fn inputs<T: TestElem>(op: ReduceOp, seed: u64, rank: usize, n: usize) -> Vec<T> {
+pub(crate) fn inputs<T: TestElem>(op: ReduceOp, seed: u64, rank: usize, n: usize) -> Vec<T> {
     (0..n).map(|i| T::input(op, seed, rank, i)).collect()
 }
 
 /// The reduction of every rank's input, element by element, in rank order.
-pub fn reduced<T: TestElem>(op: ReduceOp, seed: u64, world: usize, n: usize) -> Vec<T> {
+pub(crate) fn reduced<T: TestElem>(op: ReduceOp, seed: u64, world: usize, n: usize) -> Vec<T> {
     (0..n)
         .map(|i| {
             let mut acc = T::input(op, seed, 0, i);
@@ -193,7 +193,7 @@ pub fn reduced<T: TestElem>(op: ReduceOp, seed: u64, world: usize, n: usize) -> 
         .collect()
 }
 
-pub fn check<T: TestElem>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+pub(crate) fn check<T: TestElem>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!("{what}: length {} != {}", got.len(), want.len()));
     }
@@ -213,7 +213,7 @@ pub fn check<T: TestElem>(what: &str, got: &[T], want: &[T]) -> Result<(), Strin
 }
 
 /// Runs every collective for type `T` and operator `op` at `count` and checks the results.
-pub fn run_all_collectives<T: TestElem>(
+pub(crate) fn run_all_collectives<T: TestElem>(
     comm: &Communicator,
     op: ReduceOp,
     count: usize,
@@ -350,7 +350,7 @@ macro_rules! for_every_type_op_and_count {
 }
 
 /// The whole matrix for one communicator: every type, every operator, every count.
-pub fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
+pub(crate) fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
     for_every_type_op_and_count!(run_all_collectives, comm, counts, seed)
 }
 
@@ -358,7 +358,7 @@ pub fn run_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<()
 /// all_reduce (the double binary tree), reduce to one root and, for `Sum`, broadcast from
 /// another (the binomial tree). The roots move with the count so that a list of counts
 /// covers several.
-pub fn run_tree_collectives<T: TestElem>(
+pub(crate) fn run_tree_collectives<T: TestElem>(
     comm: &Communicator,
     op: ReduceOp,
     count: usize,
@@ -405,12 +405,16 @@ pub fn run_tree_collectives<T: TestElem>(
 }
 
 /// [`run_tree_collectives`] for every type, every operator, every count.
-pub fn run_tree_matrix(comm: &Communicator, counts: &[usize], seed: u64) -> Result<(), String> {
+pub(crate) fn run_tree_matrix(
+    comm: &Communicator,
+    counts: &[usize],
+    seed: u64,
+) -> Result<(), String> {
     for_every_type_op_and_count!(run_tree_collectives, comm, counts, seed)
 }
 
 /// A configuration for ranks over `mem`: this deadline and segment size, defaults otherwise.
-pub fn mem_config(timeout: Duration, segment_bytes: usize) -> Config {
+pub(crate) fn mem_config(timeout: Duration, segment_bytes: usize) -> Config {
     let mut c = Config::new(0, 1, "");
     c.timeout = timeout;
     c.segment_bytes = segment_bytes;
@@ -418,7 +422,7 @@ pub fn mem_config(timeout: Duration, segment_bytes: usize) -> Config {
 }
 
 /// Runs `f` on `world` ranks (threads) over one `mem` fabric and returns each rank's result.
-pub fn run_mem_ranks<R: Send>(
+pub(crate) fn run_mem_ranks<R: Send>(
     fabric: &MemFabric,
     world: usize,
     cfg: &Config,
@@ -446,7 +450,10 @@ pub fn run_mem_ranks<R: Send>(
 /// each rank outside `partners` (values a formula of sender and receiver), then receives one
 /// from each — the sends are small, so they must not wait for the receiver's matching call —
 /// and then an all_to_all over every pair, exact against a formula.
-pub fn exchange_beyond_partners(comm: &Communicator, partners: &[usize]) -> Result<(), String> {
+pub(crate) fn exchange_beyond_partners(
+    comm: &Communicator,
+    partners: &[usize],
+) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let others: Vec<usize> = (0..n)
         .filter(|q| *q != r && !partners.contains(q))
@@ -475,7 +482,7 @@ pub fn exchange_beyond_partners(comm: &Communicator, partners: &[usize]) -> Resu
 
 /// An all_reduce of 1031 f64 (rank r holds r·1031 + i) against its closed form:
 /// Σ_q (q·count + i) = count·n(n−1)/2 + n·i.
-pub fn all_reduce_closed_form(comm: &Communicator) -> Result<(), String> {
+pub(crate) fn all_reduce_closed_form(comm: &Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let count = 1031;
     let mut v: Vec<f64> = (0..count).map(|i| (r * count + i) as f64).collect();

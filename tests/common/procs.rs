@@ -8,20 +8,20 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The variable naming the scenario a rank process runs.
-pub const SCENARIO: &str = "DSPARK_TEST_SCENARIO";
+pub(crate) const SCENARIO: &str = "DSPARK_TEST_SCENARIO";
 /// Exit code of a rank whose scenario passed.
-pub const OK: i32 = 0;
+pub(crate) const OK: i32 = 0;
 /// Exit code of a rank whose scenario produced wrong results or the wrong error.
-pub const WRONG: i32 = 1;
+pub(crate) const WRONG: i32 = 1;
 /// Exit code of a rank that failed the way its scenario expected (a dead peer, ...).
-pub const FAILED_AS_EXPECTED: i32 = 3;
+pub(crate) const FAILED_AS_EXPECTED: i32 = 3;
 
 /// A free TCP port on 127.0.0.1, for a rank to listen on a moment later: one below the
 /// kernel's ephemeral range (`ip_local_port_range`), which no `connect` or `bind(0)` is given
 /// meanwhile. (A port of that range, found free by binding port 0, was taken by another
 /// socket before rank 0 listened on it, twice in CI.) Tried from a start that differs per
 /// process and call, so that parallel tests rarely try the same one.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static CALLS: AtomicU32 = AtomicU32::new(0);
     let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
@@ -52,7 +52,7 @@ pub fn free_port() -> u16 {
 }
 
 /// Prints a line and flushes it (parents read rank output as it comes).
-pub fn say(msg: &str) {
+pub(crate) fn say(msg: &str) {
     let mut o = std::io::stdout();
     let _ = writeln!(o, "{msg}");
     let _ = o.flush();
@@ -60,7 +60,7 @@ pub fn say(msg: &str) {
 
 /// The body of a binary's `rank_process` test: runs `run(scenario)` when a scenario is set,
 /// prints `SCENARIO <name> EXIT <code>` and exits with the code.
-pub fn rank_entry(run: impl FnOnce(&str) -> Result<i32, String>) {
+pub(crate) fn rank_entry(run: impl FnOnce(&str) -> Result<i32, String>) {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
@@ -76,14 +76,14 @@ pub fn rank_entry(run: impl FnOnce(&str) -> Result<i32, String>) {
 }
 
 /// Running rank processes.
-pub struct Ranks {
+pub(crate) struct Ranks {
     /// One child per rank.
     pub children: Vec<Child>,
 }
 
 /// How one rank process ended.
 #[derive(Debug)]
-pub struct Outcome {
+pub(crate) struct Outcome {
     /// Exit code (`None`: killed, e.g. after the time limit).
     pub code: Option<i32>,
     /// Its stdout then stderr.
@@ -95,7 +95,7 @@ pub struct Outcome {
 /// Starts `world` rank processes of this binary running `scenario`, meeting on a fresh
 /// 127.0.0.1 port; `env(rank)` adds variables; `wrap(rank)` prefixes the command (e.g.
 /// `ip netns exec NS`).
-pub fn spawn(
+pub(crate) fn spawn(
     world: usize,
     scenario: &str,
     env: &dyn Fn(usize) -> Vec<(String, String)>,
@@ -140,7 +140,7 @@ pub fn spawn(
 }
 
 /// `list` as owned variables.
-pub fn vars(list: &[(&str, &str)]) -> Vec<(String, String)> {
+pub(crate) fn vars(list: &[(&str, &str)]) -> Vec<(String, String)> {
     list.iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
@@ -148,7 +148,7 @@ pub fn vars(list: &[(&str, &str)]) -> Vec<(String, String)> {
 
 impl Ranks {
     /// Waits for every rank, killing the ones still running after `limit`.
-    pub fn wait(mut self, limit: Duration) -> Vec<Outcome> {
+    pub(crate) fn wait(mut self, limit: Duration) -> Vec<Outcome> {
         let t0 = Instant::now();
         let mut done: Vec<Option<(Option<i32>, Duration)>> = vec![None; self.children.len()];
         while done.iter().any(Option::is_none) {
@@ -188,12 +188,12 @@ impl Ranks {
     }
 
     /// Blocks until each of the first `n` ranks printed READY (after its first collective).
-    pub fn wait_ready(&mut self, n: usize) {
+    pub(crate) fn wait_ready(&mut self, n: usize) {
         self.wait_ready_of(&(0..n).collect::<Vec<_>>());
     }
 
     /// Blocks until each rank in `ranks` printed READY.
-    pub fn wait_ready_of(&mut self, ranks: &[usize]) {
+    pub(crate) fn wait_ready_of(&mut self, ranks: &[usize]) {
         for &r in ranks {
             let c = &mut self.children[r];
             let out = c.stdout.as_mut().expect("piped stdout");
@@ -218,7 +218,7 @@ impl Ranks {
 }
 
 /// Asserts every rank exited with `want` after actually running its scenario.
-pub fn assert_all(outs: &[Outcome], want: i32, what: &str) {
+pub(crate) fn assert_all(outs: &[Outcome], want: i32, what: &str) {
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(
             o.code,
@@ -238,7 +238,7 @@ pub fn assert_all(outs: &[Outcome], want: i32, what: &str) {
 }
 
 /// Runs `cmd`, returning its stderr on failure.
-pub fn sh(cmd: &[&str]) -> Result<(), String> {
+pub(crate) fn sh(cmd: &[&str]) -> Result<(), String> {
     let out = Command::new(cmd[0])
         .args(&cmd[1..])
         .output()
@@ -256,7 +256,7 @@ pub fn sh(cmd: &[&str]) -> Result<(), String> {
 
 /// Why network-namespace tests cannot run here (not root, a tool missing), or `None` where
 /// they can. Where they can, a failure to set them up is a test failure, not a skip.
-pub fn netns_unavailable(tools: &[&str]) -> Option<String> {
+pub(crate) fn netns_unavailable(tools: &[&str]) -> Option<String> {
     // The effective uid, second on the `Uid:` line.
     let euid = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -282,7 +282,7 @@ pub fn netns_unavailable(tools: &[&str]) -> Option<String> {
 
 /// "Hosts": network namespaces, each with one interface `eth0` at 10.232.0.(i+1)/24, joined by
 /// a bridge in a further "switch" namespace. Everything is deleted on drop.
-pub struct Hosts {
+pub(crate) struct Hosts {
     /// The hosts' namespaces.
     pub names: Vec<String>,
     /// The switch's namespace.
@@ -291,7 +291,7 @@ pub struct Hosts {
 
 impl Hosts {
     /// Creates `n` hosts named after `tag` (unique per test and process).
-    pub fn new(n: usize, tag: &str) -> Result<Hosts, String> {
+    pub(crate) fn new(n: usize, tag: &str) -> Result<Hosts, String> {
         let tag = format!("{tag}{}", std::process::id() % 100_000);
         let mut hosts = Hosts {
             names: Vec::new(),
@@ -321,19 +321,19 @@ impl Hosts {
     }
 
     /// Host `i`'s address.
-    pub fn addr(i: usize) -> String {
+    pub(crate) fn addr(i: usize) -> String {
         format!("10.232.0.{}", i + 1)
     }
 
     /// Runs `cmd` inside host `i`'s namespace.
-    pub fn exec(&self, i: usize, cmd: &[&str]) -> Result<(), String> {
+    pub(crate) fn exec(&self, i: usize, cmd: &[&str]) -> Result<(), String> {
         let mut argv = vec!["ip", "netns", "exec", self.names[i].as_str()];
         argv.extend_from_slice(cmd);
         sh(&argv)
     }
 
     /// The command prefix that starts a process in host `i`.
-    pub fn wrap(&self, i: usize) -> Vec<String> {
+    pub(crate) fn wrap(&self, i: usize) -> Vec<String> {
         ["ip", "netns", "exec", self.names[i].as_str()]
             .map(String::from)
             .to_vec()
@@ -349,11 +349,11 @@ impl Drop for Hosts {
 }
 
 /// The rank-process variables of a fault test: `DSPARK_TIMEOUT` plus the transport's own.
-pub type Env<'a> = &'a dyn Fn(&str) -> Vec<(String, String)>;
+pub(crate) type Env<'a> = &'a dyn Fn(&str) -> Vec<(String, String)>;
 
 /// Scenario `loop`: all_reduce until something fails; `FAILED_AS_EXPECTED` for a lost peer,
 /// an abort or a timeout, `WRONG` for any other error. Prints `READY` after the first call.
-pub fn loop_until_failure(comm: &dspark::Communicator) -> Result<i32, String> {
+pub(crate) fn loop_until_failure(comm: &dspark::Communicator) -> Result<i32, String> {
     use dspark::{Error, ReduceOp};
     let mut buf = vec![1.0f32; 256 * 1024];
     comm.all_reduce(&mut buf, ReduceOp::Sum)
@@ -373,7 +373,7 @@ pub fn loop_until_failure(comm: &dspark::Communicator) -> Result<i32, String> {
 
 /// Scenario `watch`: rank 0 receives from rank 1, which is alive and silent (8 s); rank 2
 /// is killed meanwhile, and rank 0 must report `PeerLost` of rank 2.
-pub fn watch_while_another_dies(comm: &dspark::Communicator) -> Result<i32, String> {
+pub(crate) fn watch_while_another_dies(comm: &dspark::Communicator) -> Result<i32, String> {
     use dspark::Error;
     match comm.rank() {
         0 => {
@@ -401,7 +401,7 @@ pub fn watch_while_another_dies(comm: &dspark::Communicator) -> Result<i32, Stri
 }
 
 /// Scenario `mismatch`: every rank passes a different count; each must get `Mismatch`.
-pub fn mismatched_count(comm: &dspark::Communicator) -> Result<i32, String> {
+pub(crate) fn mismatched_count(comm: &dspark::Communicator) -> Result<i32, String> {
     let mut buf = vec![1.0f32; 10 + comm.rank()];
     match comm.all_reduce(&mut buf, dspark::ReduceOp::Sum) {
         Err(e @ dspark::Error::Mismatch { .. }) => {
@@ -416,7 +416,7 @@ pub fn mismatched_count(comm: &dspark::Communicator) -> Result<i32, String> {
 /// must fail as expected well within the 30 s deadline, and one of them must name rank 2
 /// (the dead rank directly, or inside the abort a survivor that noticed first sent).
 /// `env(timeout)` gives a rank's variables. Returns the outcomes for further checks.
-pub fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>) -> Vec<Outcome> {
+pub(crate) fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>) -> Vec<Outcome> {
     let world = 4;
     let vars = env("30");
     let mut ranks = spawn(world, "loop", &|_| vars.clone(), None);
@@ -453,7 +453,7 @@ pub fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>) -> Vec
 /// Three ranks in scenario `loop`, rank 1 stopped (SIGSTOP): both survivors must finish on
 /// their own with a timeout within the 2 s deadline (well under 8 s), naming the peer they
 /// waited for; the stopped rank is killed afterwards.
-pub fn stopped_rank_times_out_every_survivor_within_the_deadline(env: Env<'_>) {
+pub(crate) fn stopped_rank_times_out_every_survivor_within_the_deadline(env: Env<'_>) {
     let world = 3;
     let vars = env("2");
     let mut ranks = spawn(world, "loop", &|_| vars.clone(), None);
@@ -500,7 +500,7 @@ pub fn stopped_rank_times_out_every_survivor_within_the_deadline(env: Env<'_>) {
 
 /// Three ranks in scenario `mismatch`: every one must fail with a `Mismatch` naming the
 /// count, within 10 s (deadline 20 s).
-pub fn mismatched_counts_fail_every_process(env: Env<'_>) {
+pub(crate) fn mismatched_counts_fail_every_process(env: Env<'_>) {
     let vars = env("20");
     let outs = spawn(3, "mismatch", &|_| vars.clone(), None).wait(Duration::from_secs(30));
     for (r, o) in outs.iter().enumerate() {
@@ -517,7 +517,7 @@ pub fn mismatched_counts_fail_every_process(env: Env<'_>) {
 /// Three ranks in scenario `watch`: rank 0 waits on the silent rank 1 while rank 2 is killed;
 /// rank 0 must fail as expected within 5 s — long before rank 1 wakes up (8 s) or the
 /// deadline (30 s).
-pub fn a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(env: Env<'_>) {
+pub(crate) fn a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(env: Env<'_>) {
     let vars = env("30");
     let mut ranks = spawn(3, "watch", &|_| vars.clone(), None);
     // Rank 0 is in its receive from the silent rank 1 once it printed READY.
@@ -542,7 +542,7 @@ pub fn a_peer_dying_while_rank_0_waits_on_another_is_noticed_at_once(env: Env<'_
 /// processes of this test binary, other than this process and its running ranks (other tests
 /// run in parallel), that still map a dspark segment: an orphaned rank would keep one alive.
 /// Other programs' processes are not looked at: the machine is shared.
-pub fn shm_residue() -> (Vec<String>, Vec<String>) {
+pub(crate) fn shm_residue() -> (Vec<String>, Vec<String>) {
     let names: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.flatten()
@@ -583,7 +583,7 @@ pub fn shm_residue() -> (Vec<String>, Vec<String>) {
 }
 
 /// A line of /proc/self/status in KiB (0 when unknown).
-pub fn status_kb(key: &str) -> u64 {
+pub(crate) fn status_kb(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|t| {

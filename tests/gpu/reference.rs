@@ -17,10 +17,10 @@ use half::{bf16, f16};
 
 /// A small deterministic generator (SplitMix64).
 #[derive(Clone, Debug)]
-pub struct SplitMix64(pub u64);
+pub(crate) struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -28,11 +28,11 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
-    pub fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n.max(1)
     }
 
-    pub fn fill(&mut self, buf: &mut [u8]) {
+    pub(crate) fn fill(&mut self, buf: &mut [u8]) {
         for chunk in buf.chunks_mut(8) {
             let v = self.next_u64().to_le_bytes();
             chunk.copy_from_slice(&v[..chunk.len()]);
@@ -42,7 +42,7 @@ impl SplitMix64 {
     /// Elements of `dtype` drawn so that every class appears: random bit patterns (NaN, inf,
     /// subnormals included) mixed with small values, zeros of both signs and exact halves that
     /// round to even.
-    pub fn elements(&mut self, dtype: DataType, n: usize) -> Vec<u8> {
+    pub(crate) fn elements(&mut self, dtype: DataType, n: usize) -> Vec<u8> {
         let es = dtype.size();
         let mut out = vec![0u8; n * es];
         for i in 0..n {
@@ -189,7 +189,7 @@ macro_rules! int_ops {
 }
 
 /// `a ⊕ b` for one element (bytes in, bytes out). `Avg` is its step op, `Sum`.
-pub fn apply_one(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
+pub(crate) fn apply_one(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
     match dtype {
         DataType::I8 => int_ops!(i8, a, b, op),
         DataType::U8 => int_ops!(u8, a, b, op),
@@ -228,7 +228,7 @@ pub fn apply_one(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
 }
 
 /// `x / world` for one element (Avg's finalize).
-pub fn finalize_one(dtype: DataType, x: &[u8], world: u64) -> Vec<u8> {
+pub(crate) fn finalize_one(dtype: DataType, x: &[u8], world: u64) -> Vec<u8> {
     macro_rules! signed {
         ($t:ty) => {{
             let v = <$t>::from_le_bytes(x.try_into().unwrap()) as i128;
@@ -266,7 +266,7 @@ pub fn finalize_one(dtype: DataType, x: &[u8], world: u64) -> Vec<u8> {
 }
 
 /// Element-wise `a ⊕ b` over whole buffers.
-pub fn apply(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
+pub(crate) fn apply(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
     let es = dtype.size();
     a.chunks(es)
         .zip(b.chunks(es))
@@ -275,14 +275,14 @@ pub fn apply(dtype: DataType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
 }
 
 /// Element-wise `x / world` over a whole buffer.
-pub fn finalize(dtype: DataType, x: &[u8], world: u64) -> Vec<u8> {
+pub(crate) fn finalize(dtype: DataType, x: &[u8], world: u64) -> Vec<u8> {
     x.chunks(dtype.size())
         .flat_map(|e| finalize_one(dtype, e, world))
         .collect()
 }
 
 /// Whether the element `bytes` of `dtype` is a NaN.
-pub fn is_nan(dtype: DataType, bytes: &[u8]) -> bool {
+pub(crate) fn is_nan(dtype: DataType, bytes: &[u8]) -> bool {
     match dtype {
         DataType::F16 => f16::from_le_bytes(bytes.try_into().unwrap()).is_nan(),
         DataType::BF16 => bf16::from_le_bytes(bytes.try_into().unwrap()).is_nan(),
@@ -294,7 +294,12 @@ pub fn is_nan(dtype: DataType, bytes: &[u8]) -> bool {
 
 /// Compares a result with the reference: bit for bit, except that for Sum/Prod/finalize
 /// (`exact_nan == false`) any NaN matches any NaN. Returns the first mismatching element index.
-pub fn first_mismatch(dtype: DataType, got: &[u8], want: &[u8], exact_nan: bool) -> Option<usize> {
+pub(crate) fn first_mismatch(
+    dtype: DataType,
+    got: &[u8],
+    want: &[u8],
+    exact_nan: bool,
+) -> Option<usize> {
     if got.len() != want.len() {
         return Some(got.len().min(want.len()) / dtype.size());
     }
@@ -308,7 +313,7 @@ pub fn first_mismatch(dtype: DataType, got: &[u8], want: &[u8], exact_nan: bool)
 }
 
 /// Whether NaN payloads must match exactly for this op (Min/Max: the canonical NaN).
-pub fn exact_nan(op: Option<ReduceOp>) -> bool {
+pub(crate) fn exact_nan(op: Option<ReduceOp>) -> bool {
     matches!(
         op.map(|o| o.step_op()),
         Some(ReduceOp::Min) | Some(ReduceOp::Max)
@@ -316,7 +321,7 @@ pub fn exact_nan(op: Option<ReduceOp>) -> bool {
 }
 
 /// Self-checks of the reference on hand-picked values, run by both tests.
-pub fn self_check() {
+pub(crate) fn self_check() {
     let f = |v: f32| v.to_le_bytes().to_vec();
     let neg0 = f(-0.0);
     let pos0 = f(0.0);

@@ -1,6 +1,8 @@
 """The dspark Python package without torch.distributed: dspark.Communicator on numpy arrays
 and torch CPU tensors, checked against numpy references computed from every rank's
-(seeded, hence known) inputs; the error classes; the GIL release; leaked Work.
+(seeded, hence known) inputs; the error classes; the GIL release; leaked Work; only
+tensors and buffer-protocol objects accepted (a fake ``__array_interface__`` raises, a
+bytearray or array.array works); a tensor dropped while a non-blocking call uses it.
 
     torchrun --standalone --nproc-per-node 3 tests/torch/package_check.py
 
@@ -8,6 +10,7 @@ Joins through torchrun's agent store (Communicator.from_env). Exits non-zero nam
 first failing check; every rank ends with "PACKAGE_CHECK world=N rank=R checks=K RESULT=PASS".
 """
 
+import array
 import gc
 import os
 import sys
@@ -175,6 +178,135 @@ gc.collect()
 x = np.ones(4, dtype=np.float32)
 comm.all_reduce(x)
 check(np.array_equal(x, np.full(4, N, dtype=np.float32)), "after leaked Work")
+
+# -- only tensors and buffer-protocol objects: a claimed pointer is never used ----------------
+class FakeArray:
+    """Claims a million float32 at an address nobody owns, through ``__array_interface__``
+    and the attributes dspark used to read (before, it read and wrote there: SIGSEGV)."""
+
+    def __init__(self, addr):
+        self.__array_interface__ = {"version": 3, "shape": (1 << 20,), "typestr": "<f4",
+                                    "data": (addr, False)}
+        self.dtype = np.dtype(np.float32)
+        self.size = 1 << 20
+        self.shape = (1 << 20,)
+        self.flags = {"C_CONTIGUOUS": True, "WRITEABLE": True}
+
+
+class LyingTensor(torch.Tensor):
+    """A tensor subclass whose data_ptr() points outside its storage."""
+
+    def data_ptr(self):
+        return 16
+
+
+def raises(cls, fn):
+    try:
+        fn()
+    except cls:
+        return True
+    return False
+
+
+def not_a_buffer(fn, what):
+    e = expect_raises(dspark.InvalidArgumentError, fn, what)
+    check(isinstance(e, TypeError), f"{what}: {type(e).__name__} is not a TypeError")
+    check(type(FAKE).__name__ in str(e) or "list" in str(e) or "dict" in str(e),
+          f"{what}: the message names what was passed: {e}")
+
+
+def bad_buffer(fn, what):
+    e = expect_raises(dspark.InvalidArgumentError, fn, what)
+    check(isinstance(e, ValueError), f"{what}: {type(e).__name__} is not a ValueError")
+
+
+FAKE = FakeArray(16)
+real = np.zeros(1 << 20, dtype=np.float32)
+for addr in (16, real.ctypes.data + (1 << 40)):
+    FAKE = FakeArray(addr)
+    not_a_buffer(lambda: comm.all_reduce(FAKE), "all_reduce of a fake __array_interface__")
+    not_a_buffer(lambda: comm.all_reduce(FAKE, async_op=True), "async all_reduce of a fake")
+    not_a_buffer(lambda: comm.broadcast(FAKE, 0), "broadcast of a fake")
+    not_a_buffer(lambda: comm.all_gather(FAKE, np.zeros(N << 20, np.float32)),
+                 "all_gather from a fake")
+    not_a_buffer(lambda: comm.all_gather(real, FAKE), "all_gather into a fake")
+    not_a_buffer(lambda: comm.send_recv(FAKE, RANK, real, RANK), "send_recv from a fake")
+    not_a_buffer(lambda: comm.send_recv(real, RANK, FAKE, RANK), "send_recv into a fake")
+not_a_buffer(lambda: comm.all_reduce([1.0, 2.0]), "all_reduce of a list")
+not_a_buffer(lambda: comm.all_reduce({"data": (16, False)}), "all_reduce of a dict")
+bad_buffer(lambda: comm.all_reduce(torch.ones(4).as_subclass(LyingTensor)),
+           "a tensor whose data_ptr lies outside its storage")
+bad_buffer(lambda: comm.all_reduce(b"abcd"), "all_reduce into read-only bytes")
+bad_buffer(lambda: comm.all_reduce(array.array("h", [1, 2])), "int16 array.array")
+bad_buffer(lambda: comm.all_reduce(np.ones(3, dtype=">f4")), "big-endian numpy")
+bad_buffer(lambda: comm.all_reduce(memoryview(bytearray(16))[::2]), "strided memoryview")
+x = np.ones(4, np.float32)
+comm.all_reduce(x)
+check(np.array_equal(x, np.full(4, N, np.float32)), "the communicator works after refusals")
+
+# Buffer-protocol objects are used in place.
+ba = bytearray([RANK + 1] * 5)
+comm.all_reduce(ba)
+check(ba == bytearray([N * (N + 1) // 2 % 256] * 5), f"all_reduce of a bytearray: {ba}")
+aa = array.array("i", [RANK, -RANK, 7])
+comm.all_reduce(aa, "max")
+check(list(aa) == [N - 1, 0, 7], f"all_reduce max of an array.array('i'): {aa}")
+ad = array.array("d", [RANK + 0.5] * 3)
+comm.all_reduce(ad)
+check(list(ad) == [sum(r + 0.5 for r in range(N))] * 3, f"all_reduce of array.array('d'): {ad}")
+mv = memoryview(bytearray(8 * 4)).cast("q")
+mv[0], mv[3] = RANK, 2 ** 40 + RANK
+comm.all_reduce(mv)
+check(mv.tolist() == [sum(range(N)), 0, 0, 2 ** 40 * N + sum(range(N))],
+      f"all_reduce of a memoryview: {mv.tolist()}")
+gathered = bytearray(3 * N)
+comm.all_gather(bytes([RANK, 7, 255 - RANK]), gathered)
+check(gathered == b"".join(bytes([r, 7, 255 - r]) for r in range(N)),
+      "all_gather from bytes into a bytearray")
+# In flight, an exported buffer cannot be resized: the memory cannot move.
+ba = bytearray(1 << 20)
+w = comm.all_reduce(ba, async_op=True)
+check(raises(BufferError, lambda: ba.extend(b"x" * (1 << 20))), "resize a bytearray in flight")
+xs = np.ones(1 << 18, np.float32)
+w2 = comm.all_reduce(xs, async_op=True)
+check(raises(ValueError, lambda: xs.resize(1 << 20)), "numpy resize() in flight")
+w.wait()
+w2.wait()
+check(xs[0] == N and ba[0] == 0, "the in-flight buffers' results")
+
+# A tensor's memory outlives the tensor while a non-blocking call uses it. Rank 0 issues
+# last (after a pause), so the others' calls are surely still in flight when they drop
+# their tensor's storage (set_), the tensor (del) or shrink it (resize_), and then fill
+# fresh tensors of the same size with a sentinel: memory freed under the call would be
+# reused there (or unmapped: a crash). Rank 0 keeps its storage and checks the result in it.
+BIG = 1 << 22  # 16 MiB of float32: allocated by mmap, unmapped when freed
+want_big = sum(torch.arange(BIG, dtype=torch.float32).remainder(97).add(r) for r in range(N))
+for mem, case in [(m, c) for m in ("private", "shared") for c in ("set_", "del", "resize_")]:
+    t = torch.arange(BIG, dtype=torch.float32).remainder(97).add(RANK)
+    if mem == "shared":
+        t.share_memory_()  # a mapping of its own, unmapped when freed
+    held = t.untyped_storage() if RANK == 0 else None
+    if RANK == 0:
+        time.sleep(0.3)
+    w = comm.all_reduce(t, async_op=True)
+    if case == "set_":
+        t.set_(torch.empty(0))
+    elif case == "resize_":
+        t.resize_(0)
+    if case != "resize_" or RANK != 0:
+        del t, w
+        gc.collect()
+    junk = [torch.full((BIG,), -12345.0) for _ in range(3)]
+    comm.barrier()  # after the all_reduce: it completed
+    if RANK == 0:
+        if case == "resize_":
+            w.wait()
+            check(t.untyped_storage().data_ptr() == held.data_ptr(), "resize_(0) kept storage")
+        got = torch.empty(0, dtype=torch.float32).set_(held, 0, (BIG,))
+        check(torch.equal(got, want_big), f"async all_reduce ({mem}) result after {case}")
+    check(all(bool((j == -12345.0).all()) for j in junk),
+          f"{mem} {case}: nothing written into memory allocated after the tensor was dropped")
+    del junk, held
 
 # -- errors --------------------------------------------------------------------------------
 expect_raises(dspark.InvalidArgumentError, lambda: comm.all_reduce(np.ones(3), "xor"), "bad op")

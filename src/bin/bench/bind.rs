@@ -10,12 +10,12 @@ use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 
 /// Environment variable that carries a spawned rank's CPUs (`0,2`), set by the parent.
-pub const CPUS_ENV: &str = "DSPARK_BENCH_CPUS";
+pub(crate) const CPUS_ENV: &str = "DSPARK_BENCH_CPUS";
 
 /// The launchers' rank variables: a rank spawned by a tool (dspark-bench, dspark tune) must
 /// not take them from the tool's own environment for its own (the tool may itself run under
 /// torchrun, mpirun or srun).
-pub const LAUNCHER_VARS: [&str; 10] = [
+pub(crate) const LAUNCHER_VARS: [&str; 10] = [
     "RANK",
     "WORLD_SIZE",
     "MASTER_ADDR",
@@ -30,7 +30,7 @@ pub const LAUNCHER_VARS: [&str; 10] = [
 
 /// How the bench binds the local ranks it spawns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Bind {
+pub(crate) enum Bind {
     /// No binding: the kernel places every rank.
     None,
     /// One core per rank (one hardware thread); none when ranks outnumber the CPUs.
@@ -40,7 +40,7 @@ pub enum Bind {
 }
 
 impl Bind {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Bind::None => "none",
             Bind::Core => "core",
@@ -50,7 +50,7 @@ impl Bind {
 }
 
 /// The CPUs this process may run on.
-pub fn allowed() -> Vec<usize> {
+pub(crate) fn allowed() -> Vec<usize> {
     match sched_getaffinity(Pid::from_raw(0)) {
         Ok(set) => (0..CpuSet::count())
             .filter(|&c| set.is_set(c).unwrap_or(false))
@@ -60,7 +60,7 @@ pub fn allowed() -> Vec<usize> {
 }
 
 /// Binds this process to `cpus`.
-pub fn bind_to(cpus: &[usize]) -> Result<(), String> {
+pub(crate) fn bind_to(cpus: &[usize]) -> Result<(), String> {
     let mut set = CpuSet::new();
     for &c in cpus {
         set.set(c).map_err(|e| format!("cpu {c}: {e}"))?;
@@ -69,7 +69,7 @@ pub fn bind_to(cpus: &[usize]) -> Result<(), String> {
 }
 
 /// Parses a kernel CPU list (`0-3,8,10-11`).
-pub fn parse_list(s: &str) -> Vec<usize> {
+pub(crate) fn parse_list(s: &str) -> Vec<usize> {
     let mut v = Vec::new();
     for part in s.trim().split(',').filter(|p| !p.is_empty()) {
         match part.split_once('-') {
@@ -87,7 +87,7 @@ pub fn parse_list(s: &str) -> Vec<usize> {
 }
 
 /// Formats CPUs as a kernel CPU list (`0-3,8`).
-pub fn format_list(cpus: &[usize]) -> String {
+pub(crate) fn format_list(cpus: &[usize]) -> String {
     let mut v = cpus.to_vec();
     v.sort_unstable();
     v.dedup();
@@ -156,7 +156,12 @@ fn thread_index(root: &Path, cpu: usize) -> usize {
 /// The CPUs of each of `ranks` local ranks under `mode`, from the CPUs this process may use
 /// and the machine's topology under `root` (`/sys`); `None` for [`Bind::None`] or when there
 /// is nothing to bind to.
-pub fn plan(mode: Bind, ranks: usize, allowed: &[usize], root: &Path) -> Option<Vec<Vec<usize>>> {
+pub(crate) fn plan(
+    mode: Bind,
+    ranks: usize,
+    allowed: &[usize],
+    root: &Path,
+) -> Option<Vec<Vec<usize>>> {
     if mode == Bind::None || allowed.is_empty() || ranks == 0 {
         return None;
     }
@@ -207,7 +212,7 @@ pub fn plan(mode: Bind, ranks: usize, allowed: &[usize], root: &Path) -> Option<
 }
 
 /// A CPU set as 16 words (CPUs 0..1024), for gathering every rank's binding.
-pub fn to_words(cpus: &[usize]) -> [u64; 16] {
+pub(crate) fn to_words(cpus: &[usize]) -> [u64; 16] {
     let mut w = [0u64; 16];
     for &c in cpus.iter().filter(|&&c| c < 1024) {
         w[c / 64] |= 1 << (c % 64);
@@ -216,7 +221,7 @@ pub fn to_words(cpus: &[usize]) -> [u64; 16] {
 }
 
 /// The CPUs of a word set.
-pub fn from_words(w: &[u64]) -> Vec<usize> {
+pub(crate) fn from_words(w: &[u64]) -> Vec<usize> {
     (0..w.len() * 64)
         .filter(|&c| w[c / 64] & (1 << (c % 64)) != 0)
         .collect()

@@ -2,8 +2,8 @@
 //! (or that they are in host memory), every rank's binding, each connection's transport, the
 //! algorithm each size runs and the cost model's prediction for it.
 
+use dspark::internals::plan::Collective;
 use dspark::path::{BufferLocation, TransportKind};
-use dspark::plan::Collective;
 use dspark::types::human_bytes;
 use dspark::Communicator;
 

@@ -9,7 +9,7 @@
 use std::fmt::Write as _;
 
 /// One curve: its name and (bytes, busbw GB/s) points.
-pub struct Series {
+pub(crate) struct Series {
     pub label: String,
     pub points: Vec<(f64, f64)>,
 }
@@ -49,7 +49,7 @@ fn nice_step(max: f64) -> f64 {
 }
 
 /// The SVG text of the plot.
-pub fn svg(title: &str, series: &[Series]) -> String {
+pub(crate) fn svg(title: &str, series: &[Series]) -> String {
     let pts = || series.iter().flat_map(|s| s.points.iter());
     let xs = pts().map(|p| p.0).filter(|&x| x > 0.0);
     let (lo, hi) = xs.fold((f64::MAX, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
@@ -184,7 +184,7 @@ pub fn svg(title: &str, series: &[Series]) -> String {
 
 /// Curves from a CSV with a header naming `bytes` and `busbw_GBps`: one per `peer`, else one
 /// per `transport`/`path`; rows whose `ranks` differs from `world` are skipped.
-pub fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> {
+pub(crate) fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> {
     let mut lines = text
         .lines()
         .filter(|l| !l.trim().is_empty() && !l.starts_with('#'));

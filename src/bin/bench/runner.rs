@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use dspark::engine::staged::EmulatedDevice;
-use dspark::engine::Call;
+use dspark::internals::engine::staged::EmulatedDevice;
+use dspark::internals::engine::Call;
 use dspark::Communicator;
 
 use crate::data::{BenchElem, Bufs};
@@ -108,7 +108,7 @@ impl Gpu {
             .iter()
             .filter(|h| *h == me)
             .count();
-        let count = dspark::gpu::probe::probe_cuda()
+        let count = dspark::internals::gpu::probe::probe_cuda()
             .map_err(|e| format!("--mem device: {e}"))?
             .devices
             .len();
@@ -116,8 +116,8 @@ impl Gpu {
             return Err("--mem device: the CUDA driver reports no GPU".into());
         }
         let ordinal = local_index % count;
-        let ctx =
-            dspark::gpu::device::open_context(ordinal).map_err(|e| format!("--mem device: {e}"))?;
+        let ctx = dspark::internals::gpu::device::open_context(ordinal)
+            .map_err(|e| format!("--mem device: {e}"))?;
         let stream = ctx
             .new_stream()
             .map_err(|e| format!("--mem device: creating a stream on GPU {ordinal}: {e:?}"))?;

@@ -5,8 +5,8 @@
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
+use dspark::internals::plan::{Algorithm, Collective};
 use dspark::path::PathPolicy;
-use dspark::plan::{Algorithm, Collective};
 use dspark::types::human_bytes;
 use dspark::Communicator;
 

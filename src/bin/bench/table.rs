@@ -6,8 +6,8 @@
 
 use std::io::Write;
 
+use dspark::internals::plan::Algorithm;
 use dspark::path::{PathPolicy, TransportKind};
-use dspark::plan::Algorithm;
 use dspark::Communicator;
 
 use crate::sizes::{bytes_of, engine_bytes};

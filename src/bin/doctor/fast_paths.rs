@@ -3,8 +3,8 @@
 //! NVRTC), each OK with what was found or UNAVAILABLE with every blocker and its fix; in the
 //! human report the "Fast paths" section, in the JSON `fast_paths`.
 
-use dspark::gpu::probe::{GpuInfo, MEMLOCK_MIN_BYTES};
-use dspark::gpu::sysfs::PeermemStatus;
+use dspark::internals::gpu::probe::{GpuInfo, MEMLOCK_MIN_BYTES};
+use dspark::internals::gpu::sysfs::PeermemStatus;
 use serde::Serialize;
 
 use super::fixes::{

@@ -6,10 +6,10 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use dspark::gpu::kernels;
-use dspark::gpu::nvrtc::{self, CacheOrigin, DiskCache, GpuArch};
-use dspark::gpu::probe::{self, CudaProbe, GpuInfo};
-use dspark::gpu::sysfs::{PciGpu, PeermemStatus, Sysfs};
+use dspark::internals::gpu::kernels;
+use dspark::internals::gpu::nvrtc::{self, CacheOrigin, DiskCache, GpuArch};
+use dspark::internals::gpu::probe::{self, CudaProbe, GpuInfo};
+use dspark::internals::gpu::sysfs::{PciGpu, PeermemStatus, Sysfs};
 use serde::Serialize;
 
 use super::{kv, rounded_bytes, DoctorArgs};

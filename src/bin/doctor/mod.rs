@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
-use dspark::gpu::sysfs::{PeermemStatus, Sysfs};
+use dspark::internals::gpu::sysfs::{PeermemStatus, Sysfs};
 use dspark::path;
 use serde::Serialize;
 

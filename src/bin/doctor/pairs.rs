@@ -3,8 +3,8 @@
 //! the path device buffers take over verbs between two machines configured like this one;
 //! in the human report the "GPU <-> NIC" and "Resulting data path for GPU buffers" sections.
 
-use dspark::gpu::probe::GpuInfo;
-use dspark::gpu::sysfs::{PciAddr, PcieDistance, PeermemStatus, Sysfs};
+use dspark::internals::gpu::probe::GpuInfo;
+use dspark::internals::gpu::sysfs::{PciAddr, PcieDistance, PeermemStatus, Sysfs};
 use dspark::path::{
     self, BufferLocation, GpuDirectCapability, GpuNicFacts, PathInputs, PathPolicy, TransportKind,
 };

@@ -5,9 +5,9 @@
 
 use std::path::Path;
 
-use dspark::gpu::probe::{self, MemlockLimit, VerbsLibrary, MEMLOCK_MIN_BYTES};
-use dspark::gpu::sysfs::{RdmaDevice, Sysfs};
-use dspark::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
+use dspark::internals::gpu::probe::{self, MemlockLimit, VerbsLibrary, MEMLOCK_MIN_BYTES};
+use dspark::internals::gpu::sysfs::{RdmaDevice, Sysfs};
+use dspark::internals::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
 use serde::Serialize;
 
 use super::fixes::{FIX_NO_NIC, FIX_PORT, FIX_RDMA_CORE};

@@ -1,4 +1,4 @@
-//! `dspark model`: what the cost model ([`dspark::plan::model`]) predicts for allreduce, per
+//! `dspark model`: what the cost model ([`dspark::internals::plan::model`]) predicts for allreduce, per
 //! algorithm, size and world, and where the cheapest algorithm changes — the choice every call
 //! makes, run at plan level without any ranks.
 
@@ -7,13 +7,13 @@ use std::process::ExitCode;
 
 use clap::Args;
 use dspark::config::parse_size;
-use dspark::plan::model::{self, CostModel, Costs, Medium};
-use dspark::plan::{hierarchical_fits, Algorithm, Collective};
+use dspark::internals::plan::model::{self, CostModel, Costs, Medium};
+use dspark::internals::plan::{hierarchical_fits, Algorithm, Collective};
 use dspark::types::human_bytes;
 
 /// `dspark model`'s arguments.
 #[derive(Args, Debug)]
-pub struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Whose constants: tcp, shm, verbs or mem.
     #[arg(long, default_value = "tcp")]
     transport: String,
@@ -109,7 +109,7 @@ fn time_text(us: f64) -> String {
 
 /// The algorithm the model chooses at every power of two from `min` to `max`, as ranges:
 /// `(algorithm, first size, last size)`.
-pub fn crossovers(
+pub(crate) fn crossovers(
     m: &CostModel,
     world: usize,
     per_host: usize,
@@ -133,7 +133,7 @@ pub fn crossovers(
 }
 
 /// Runs `dspark model`.
-pub fn model_main(args: &ModelArgs) -> ExitCode {
+pub(crate) fn model_main(args: &ModelArgs) -> ExitCode {
     let Some(medium) = Medium::from_name(&args.transport) else {
         eprintln!(
             "dspark model: --transport {:?}: expected tcp, shm, verbs or mem",

@@ -1,5 +1,5 @@
 //! `dspark tune`: measures the cost model's constants on this machine
-//! ([`dspark::plan::model`]) and writes them to the tune file that init reads.
+//! ([`dspark::internals::plan::model`]) and writes them to the tune file that init reads.
 //!
 //! * α: the one-way time of an 8-byte ping-pong between 2 local ranks (half the round trip);
 //! * β: the per-byte cost of an exchange (both ranks send and receive at once: a 2-rank
@@ -23,7 +23,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use dspark::plan::model::{self, Costs, Medium};
+use dspark::internals::plan::model::{self, Costs, Medium};
 use dspark::types::human_bytes;
 use dspark::{Communicator, ReduceOp};
 
@@ -31,7 +31,7 @@ use crate::bind::{self, Bind};
 
 /// `dspark tune`'s arguments.
 #[derive(Args, Debug)]
-pub struct TuneArgs {
+pub(crate) struct TuneArgs {
     /// The transport to measure between 2 local ranks.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TuneTransport,
@@ -63,7 +63,7 @@ impl TuneTransport {
 
 /// The hidden `dspark tune-rank`: one rank of a measurement.
 #[derive(Args, Debug)]
-pub struct RankArgs {
+pub(crate) struct RankArgs {
     /// pair: ping-pong and exchanges between ranks 0 and 1; crowd: every rank ping-pongs with
     /// its neighbour at once.
     #[arg(long, value_enum)]
@@ -112,7 +112,7 @@ fn elapsed_us(t: Instant) -> f64 {
 // The ranks.
 
 /// Runs one rank; rank 0 prints `RESULT <key> [<bytes>] <value>` lines for the parent.
-pub fn rank_main(args: &RankArgs) -> ExitCode {
+pub(crate) fn rank_main(args: &RankArgs) -> ExitCode {
     let run = || -> Result<(), String> {
         // The binding the parent chose (one core each, as `dspark-bench --bind core`).
         if let Ok(list) = std::env::var(bind::CPUS_ENV) {
@@ -370,12 +370,12 @@ fn measure_gamma(quick: bool) -> (f64, Vec<(usize, f64)>) {
         let mut dst = vec![1.0f32; n];
         let src = vec![0.5f32; n];
         for _ in 0..3 {
-            dspark::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
+            dspark::internals::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
         }
         let mut v = Vec::new();
         for _ in 0..if quick { 15 } else { 31 } {
             let t = Instant::now();
-            dspark::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
+            dspark::internals::reduce::reduce_slice(ReduceOp::Sum, &mut dst, &src);
             std::hint::black_box(&mut dst);
             v.push(elapsed_us(t) / b as f64);
         }
@@ -405,7 +405,7 @@ fn rate(us_per_byte: f64) -> f64 {
 }
 
 /// Runs `dspark tune`.
-pub fn tune_main(args: &TuneArgs) -> ExitCode {
+pub(crate) fn tune_main(args: &TuneArgs) -> ExitCode {
     match tune(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

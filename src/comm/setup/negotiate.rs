@@ -15,7 +15,7 @@
 
 use std::net::TcpStream;
 
-use super::offer::Confirm;
+use super::offer::{Confirm, Wire};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
@@ -37,17 +37,12 @@ pub(crate) enum Verdict {
 
 /// One way the job may connect, as the negotiation driver sees it.
 pub(crate) trait Candidate {
-    /// What a rank announces.
-    type Offer;
+    /// What a rank announces (its bytes: [`Wire`]).
+    type Offer: Wire;
     /// What this rank set up for its offer, kept until the verdict.
     type Prepared;
     /// What connecting made on this rank.
     type Connected;
-
-    /// The offer's bytes.
-    fn encode(offer: &Self::Offer) -> Vec<u8>;
-    /// Total: whatever `rank` sent decodes to an offer (a malformed one says so).
-    fn decode(rank: usize, bytes: &[u8]) -> Self::Offer;
 
     /// Round one on this rank: its offer, and the resources it set up for it (`None` when it
     /// has nothing to offer).
@@ -116,10 +111,10 @@ pub(crate) fn negotiate<C: Candidate>(
 ) -> Result<NegotiationOf<C>> {
     let (offer, mut prepared) = c.offer()?;
     let offers: Vec<C::Offer> = boot
-        .all_gather(streams, &C::encode(&offer))?
+        .all_gather(streams, &offer.encode())?
         .iter()
         .enumerate()
-        .map(|(r, m)| C::decode(r, m))
+        .map(|(r, m)| C::Offer::decode(r, m))
         .collect();
     let declined = |offers, why| Negotiation {
         offers,

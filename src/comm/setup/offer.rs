@@ -42,6 +42,33 @@ fn split_mode(b: &[u8]) -> (Option<TransportChoice>, &[u8]) {
     }
 }
 
+/// An offer's wire form: encoded by this rank, decoded from any rank's bytes by a total
+/// function (a malformed message decodes to an offer that says so).
+pub(crate) trait Wire: Sized {
+    /// The offer's bytes.
+    fn encode(&self) -> Vec<u8>;
+    /// What `rank` sent, whatever the bytes.
+    fn decode(rank: usize, bytes: &[u8]) -> Self;
+}
+
+impl Wire for ShmOffer {
+    fn encode(&self) -> Vec<u8> {
+        ShmOffer::encode(self)
+    }
+    fn decode(_: usize, bytes: &[u8]) -> Self {
+        ShmOffer::decode(bytes)
+    }
+}
+
+impl Wire for VerbsOffer {
+    fn encode(&self) -> Vec<u8> {
+        VerbsOffer::encode(self)
+    }
+    fn decode(rank: usize, bytes: &[u8]) -> Self {
+        VerbsOffer::decode(rank, bytes)
+    }
+}
+
 /// Whether a rank can share memory, as it announced it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum SegOffer {

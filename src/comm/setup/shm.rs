@@ -141,9 +141,9 @@ fn shm_unavailable(forced: &[usize], reason: &str) -> Error {
 
 // ------------------------------------------------------------------------------ one host
 
-/// The job-wide facts the one-host decision reads (the same on every rank but `rank`).
+/// The job-wide facts a shared-memory decision reads (the same on every rank but `rank`).
 #[derive(Debug)]
-pub(crate) struct OneHost {
+pub(crate) struct ShmFacts {
     pub(crate) rank: usize,
     pub(crate) world: usize,
     /// Every rank's host identity.
@@ -151,6 +151,29 @@ pub(crate) struct OneHost {
     /// What this rank asked for.
     pub(crate) mode: TransportChoice,
     pub(crate) opts: ShmOptions,
+}
+
+impl ShmFacts {
+    fn of(boot: &Bootstrap, cfg: &Config) -> Self {
+        ShmFacts {
+            rank: cfg.rank,
+            world: cfg.world_size,
+            hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
+            mode: cfg.transport,
+            opts: shm_options(cfg),
+        }
+    }
+}
+
+/// The whole job over shared memory.
+#[derive(Debug)]
+pub(crate) struct OneHost(pub(crate) ShmFacts);
+
+impl std::ops::Deref for OneHost {
+    type Target = ShmFacts;
+    fn deref(&self) -> &ShmFacts {
+        &self.0
+    }
 }
 
 impl OneHost {
@@ -203,14 +226,6 @@ impl Candidate for OneHost {
     type Offer = ShmOffer;
     type Prepared = Prepared;
     type Connected = Vec<Option<Seg>>;
-
-    fn encode(offer: &ShmOffer) -> Vec<u8> {
-        offer.encode()
-    }
-
-    fn decode(_: usize, bytes: &[u8]) -> ShmOffer {
-        ShmOffer::decode(bytes)
-    }
 
     fn offer(&mut self) -> Result<(ShmOffer, Option<Prepared>)> {
         let wants = matches!(self.mode, TransportChoice::Auto | TransportChoice::Shm);
@@ -286,13 +301,7 @@ pub(crate) fn select(
         }
         return Ok(Err(None));
     }
-    let mut c = OneHost {
-        rank,
-        world,
-        hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
-        mode: cfg.transport,
-        opts: shm_options(cfg),
-    };
+    let mut c = OneHost(ShmFacts::of(boot, cfg));
     match negotiate::negotiate(&mut c, boot, streams)?.outcome {
         Outcome::Won(prep, segs) => {
             // Shared memory watches each peer's liveness through a connection to it: the
@@ -320,16 +329,15 @@ pub(crate) fn select(
 
 // ------------------------------------------------------------------------ within each host
 
-/// The job-wide facts the within-hosts decision reads.
+/// Shared memory among the ranks of each host of a job on several.
 #[derive(Debug)]
-pub(crate) struct WithinHosts {
-    pub(crate) rank: usize,
-    pub(crate) world: usize,
-    /// Every rank's host identity.
-    pub(crate) hosts: Vec<String>,
-    /// What this rank asked for.
-    pub(crate) mode: TransportChoice,
-    pub(crate) opts: ShmOptions,
+pub(crate) struct WithinHosts(pub(crate) ShmFacts);
+
+impl std::ops::Deref for WithinHosts {
+    type Target = ShmFacts;
+    fn deref(&self) -> &ShmFacts {
+        &self.0
+    }
 }
 
 impl WithinHosts {
@@ -422,14 +430,6 @@ impl Candidate for WithinHosts {
     type Prepared = Prepared;
     type Connected = Vec<Option<Seg>>;
 
-    fn encode(offer: &ShmOffer) -> Vec<u8> {
-        offer.encode()
-    }
-
-    fn decode(_: usize, bytes: &[u8]) -> ShmOffer {
-        ShmOffer::decode(bytes)
-    }
-
     fn offer(&mut self) -> Result<(ShmOffer, Option<Prepared>)> {
         let mine = self.members(self.rank);
         let prepared = if self.mode != TransportChoice::Auto {
@@ -498,13 +498,7 @@ pub(crate) fn select_within_hosts(
     streams: &mut [Option<TcpStream>],
 ) -> Result<WithinHostsSelected> {
     let (rank, world) = (cfg.rank, cfg.world_size);
-    let mut c = WithinHosts {
-        rank,
-        world,
-        hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
-        mode: cfg.transport,
-        opts: shm_options(cfg),
-    };
+    let mut c = WithinHosts(ShmFacts::of(boot, cfg));
     if !c.applies() {
         return Ok(WithinHostsSelected {
             shm: None,
@@ -574,8 +568,8 @@ mod tests {
         }
     }
 
-    fn one_host(rank: usize, hosts: &[&str], mode: TransportChoice) -> OneHost {
-        OneHost {
+    fn facts(rank: usize, hosts: &[&str], mode: TransportChoice) -> ShmFacts {
+        ShmFacts {
             rank,
             world: hosts.len(),
             hosts: hosts.iter().map(|h| h.to_string()).collect(),
@@ -584,14 +578,12 @@ mod tests {
         }
     }
 
+    fn one_host(rank: usize, hosts: &[&str], mode: TransportChoice) -> OneHost {
+        OneHost(facts(rank, hosts, mode))
+    }
+
     fn within(rank: usize, hosts: &[&str]) -> WithinHosts {
-        WithinHosts {
-            rank,
-            world: hosts.len(),
-            hosts: hosts.iter().map(|h| h.to_string()).collect(),
-            mode: Auto,
-            opts: ShmOptions::default(),
-        }
+        WithinHosts(facts(rank, hosts, Auto))
     }
 
     use TransportChoice::{Auto, Shm, Tcp};

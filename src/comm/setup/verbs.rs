@@ -122,14 +122,6 @@ impl Candidate for Verbs<'_> {
     type Prepared = Prepared;
     type Connected = ();
 
-    fn encode(offer: &VerbsOffer) -> Vec<u8> {
-        offer.encode()
-    }
-
-    fn decode(rank: usize, bytes: &[u8]) -> VerbsOffer {
-        VerbsOffer::decode(rank, bytes)
-    }
-
     fn offer(&mut self) -> Result<(VerbsOffer, Option<Prepared>)> {
         let (blob, prep) = if self.mode == TransportChoice::Tcp {
             let reason = "DSPARK_TRANSPORT=tcp".into();

@@ -15,7 +15,7 @@ use cudarc::nvrtc::sys;
 
 use crate::error::{Error, Result};
 
-pub use sys::nvrtcResult;
+pub(crate) use sys::nvrtcResult;
 
 /// Whether libnvrtc can be loaded by cudarc on this machine.
 pub fn libnvrtc_present() -> bool {

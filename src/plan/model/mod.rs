@@ -12,7 +12,7 @@
 //! * **γ** (`gamma_us_per_byte`): the cost of reducing one received byte into the buffer (the
 //!   CPU kernel's throughput).
 //!
-//! From the schedules the model takes, in closed form ([`volume`]): the *hops* of the
+//! From the schedules the model takes, in closed form ([`volume()`](fn@volume)): the *hops* of the
 //! critical path (the longest chain of messages in which each one waits for the one before),
 //! how many of them reduce, the bytes each hop carries, and the busiest rank's messages,
 //! bytes sent or received and bytes reduced (and the same summed over all ranks). The tests
@@ -72,7 +72,7 @@
 //! The closed forms are O(1) (no schedule is built), so choosing per call costs nanoseconds.
 //!
 //! Where things live: this file holds the constants, the model, its prediction and its
-//! choice; `volume.rs` the closed forms ([`volume`]); `tune.rs` the tune file
+//! choice; `volume.rs` the closed forms ([`volume()`](fn@volume)); `tune.rs` the tune file
 //! ([`parse_tune_file`], [`format_tune_file`]); `wire.rs` the form in which rank 0 broadcasts
 //! its model at init ([`encode`], [`decode`]).
 //!

@@ -1,0 +1,30 @@
+//! Not API: the modules the project's binaries, tests, benchmarks and bindings use (quinn's
+//! pattern), hidden from the documentation. Nothing here is covered by semver; inside the crate
+//! they keep their short paths (`crate::plan`, ...). Their files stay where the layout puts
+//! them (`src/plan/`, ...): the design map is `docs/design.md`.
+
+#![allow(missing_docs)]
+// Links between these hidden modules are for `cargo doc --document-private-items` readers.
+#![allow(rustdoc::private_intra_doc_links)]
+
+#[path = "bootstrap/mod.rs"]
+pub mod bootstrap;
+/// The C ABI (`include/dspark.h`): `extern "C"` functions exported from the library.
+#[path = "capi/mod.rs"]
+pub mod capi;
+#[path = "engine/mod.rs"]
+pub mod engine;
+/// Fuzz targets over the decoders and parsers (`testing` feature only).
+#[cfg(feature = "testing")]
+#[path = "fuzzing.rs"]
+pub mod fuzzing;
+#[path = "gpu/mod.rs"]
+pub mod gpu;
+#[path = "plan/mod.rs"]
+pub mod plan;
+#[path = "reduce/mod.rs"]
+pub mod reduce;
+#[path = "transport/mod.rs"]
+pub mod transport;
+
+pub use crate::comm::work;
