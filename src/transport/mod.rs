@@ -47,6 +47,7 @@ use std::time::Instant;
 
 use crate::error::Result;
 
+mod links;
 pub mod mem;
 pub mod mixed;
 pub mod shm;

@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{sendmsg, MsgFlags, SockaddrStorage};
 
+use super::links::{Accept, FirstUse};
 use super::{
     rdhup, AbortClass, FrameHeader, FrameKind, Interest, Links, RecvProgress, RecvSink,
     SendProgress, Transport, TransportKind, HEADER_LEN,
@@ -121,6 +122,24 @@ struct Peer {
     inode: Option<u64>,
     /// IPv6 (`/proc/net/tcp6`) rather than IPv4.
     v6: bool,
+}
+
+/// A connection on first use becomes a data connection (see [`Peer::configure`]).
+struct Install<'a> {
+    rank: usize,
+    fixed_buffer: Option<usize>,
+    peers: &'a mut [Option<Peer>],
+}
+
+impl Accept for Install<'_> {
+    fn wants(&self, peer: usize) -> bool {
+        self.peers.get(peer).is_some_and(Option::is_none)
+    }
+
+    fn accept(&mut self, peer: usize, stream: TcpStream) -> Result<()> {
+        self.peers[peer] = Some(Peer::configure(self.rank, peer, stream, self.fixed_buffer)?);
+        Ok(())
+    }
 }
 
 enum Fill {
@@ -226,7 +245,7 @@ pub struct TcpTransport {
     world: usize,
     peers: Vec<Option<Peer>>,
     /// Connections on first use (None: every peer's stream was given at init).
-    links: Option<Box<dyn Links>>,
+    links: Option<FirstUse>,
     /// The socket buffer size to set on new connections (None: autotuned).
     fixed_buffer: Option<usize>,
     desc: String,
@@ -435,7 +454,13 @@ impl TcpTransport {
 
     /// Connects the peers it has no stream for on first use, through `links`.
     pub fn with_links(mut self, links: Box<dyn Links>) -> Self {
-        self.links = Some(links);
+        self.links = Some(FirstUse::new(
+            links,
+            self.rank,
+            self.world,
+            "connect",
+            |p| format!("a second connection to rank {p}"),
+        ));
         let n = self.connected();
         if n + 1 < self.world {
             self.desc = self.desc.replace(
@@ -456,21 +481,14 @@ impl TcpTransport {
 
     /// Installs the connections [`Links::progress`] completed.
     fn pump(&mut self) -> Result<()> {
-        let Some(links) = self.links.as_mut() else {
+        let Some(l) = self.links.as_mut() else {
             return Ok(());
         };
-        for (p, stream) in links.progress()? {
-            if p >= self.world || p == self.rank || self.peers[p].is_some() {
-                return Err(Error::Transport {
-                    rank: Some(self.rank),
-                    peer: Some(p),
-                    op: "connect".into(),
-                    what: format!("a second connection to rank {p}"),
-                });
-            }
-            self.peers[p] = Some(Peer::configure(self.rank, p, stream, self.fixed_buffer)?);
-        }
-        Ok(())
+        l.pump(&mut Install {
+            rank: self.rank,
+            fixed_buffer: self.fixed_buffer,
+            peers: &mut self.peers,
+        })
     }
 
     /// Whether `peer` is connected; if not, starts or advances connecting to it (on first
@@ -484,9 +502,15 @@ impl TcpTransport {
             return Ok(true);
         }
         if let Some(l) = self.links.as_mut() {
-            l.start(peer)?;
+            l.link(
+                peer,
+                &mut Install {
+                    rank: self.rank,
+                    fixed_buffer: self.fixed_buffer,
+                    peers: &mut self.peers,
+                },
+            )?;
         }
-        self.pump()?;
         Ok(self.peers[peer].is_some())
     }
 

@@ -5,24 +5,35 @@
 //! that exchanged frames can tell a goodbye from a death); a receive starts it and goes on.
 //! Nothing here blocks: [`Links`] is advanced whenever this rank looks at its peers.
 
+use std::net::TcpStream;
+use std::ops::Deref;
 use std::time::Instant;
 
 use super::seg;
 use super::sizing::ring_stride;
 use super::ShmTransport;
 use crate::error::{Error, Result};
+use crate::transport::links::{Accept, FirstUse};
 use crate::transport::Links;
 
+/// The operation named in errors.
+const OP: &str = "connect on first use (shm)";
+
 /// Liveness connections on first use (the bootstrap's [`Links`], as TCP and verbs use them).
+/// The liveness code reads the links' descriptors and the started peers through it.
 #[derive(Debug)]
 pub(super) struct Lazy {
-    pub(super) links: Box<dyn Links>,
-    /// Peers this rank started connecting to.
-    pub(super) started: Vec<bool>,
-    /// Peers whose connection on first use failed: the error every later use returns.
-    pub(super) failed: Vec<Option<Error>>,
+    first: FirstUse,
     /// When the processes of the peers still being connected were last looked at.
     pub(super) looked: Instant,
+}
+
+impl Deref for Lazy {
+    type Target = FirstUse;
+
+    fn deref(&self) -> &FirstUse {
+        &self.first
+    }
 }
 
 impl ShmTransport {
@@ -30,11 +41,10 @@ impl ShmTransport {
     /// (the bootstrap's, as the TCP and verbs transports do): the first send to such a peer
     /// reports "not yet" until the connection is made; a receive starts it and goes on.
     pub fn with_links(mut self, links: Box<dyn Links>) -> Self {
-        let world = self.world;
         self.lazy = Some(Lazy {
-            links,
-            started: vec![false; world],
-            failed: vec![None; world],
+            first: FirstUse::new(links, self.rank, self.world, OP, |p| {
+                format!("a second connection from rank {p}, or not a peer")
+            }),
             looked: Instant::now(),
         });
         self.desc = self.description();
@@ -96,38 +106,22 @@ impl ShmTransport {
         {
             return Ok(true);
         }
-        let linked = |t: &Self| {
-            t.peers
-                .get(peer)
-                .and_then(Option::as_ref)
-                .is_some_and(|p| p.stream.is_some())
-        };
-        let Some(l) = self.lazy.as_ref() else {
+        let Some(mut l) = self.lazy.take() else {
             return Ok(true);
         };
-        if let Some(e) = &l.failed[peer] {
-            return Err(self.prefer_status(e.clone(), op));
-        }
         // A connection the peer made may be waiting already (then there is nothing to start:
         // the peer may even have exited since, after its last frames).
-        let mut res = self.pump_links();
-        if res.is_ok() && !linked(self) {
-            if let Some(l) = self.lazy.as_mut() {
-                if !l.started[peer] {
-                    l.started[peer] = true;
-                    res = l.links.start(peer).inspect_err(|e| {
-                        l.failed[peer] = Some(e.clone());
-                    });
-                    if res.is_ok() {
-                        res = self.pump_links();
-                    }
-                }
-            }
-        }
+        let res = l.first.link(peer, self);
+        self.lazy = Some(l);
         if let Err(e) = res {
             return Err(self.prefer_status(e, op));
         }
-        Ok(linked(self) || !sending)
+        let linked = self
+            .peers
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_some_and(|p| p.stream.is_some());
+        Ok(linked || !sending)
     }
 
     /// `e`, or the goodbye or abort of the peer it names, which says more.
@@ -145,73 +139,57 @@ impl ShmTransport {
         if self.done {
             return Ok(());
         }
-        let Some(l) = self.lazy.as_mut() else {
+        let Some(mut l) = self.lazy.take() else {
             return Ok(());
         };
-        let got = match l.links.progress() {
-            Ok(g) => g,
-            Err(e) => {
-                // A connection to a peer that failed: every later use of it fails alike.
-                if let Some(p) = e.peer().filter(|&p| p < self.world) {
-                    if l.started[p] && l.failed[p].is_none() {
-                        l.failed[p] = Some(e.clone());
-                    }
-                }
-                return Err(self.prefer_status(e, "connect on first use (shm)"));
-            }
-        };
-        for (p, s) in got {
-            let fresh = self
-                .peers
-                .get(p)
-                .and_then(Option::as_ref)
-                .is_some_and(|q| q.stream.is_none());
-            if !fresh {
-                return Err(Error::Transport {
-                    rank: Some(self.rank),
-                    peer: Some(p),
-                    op: "connect on first use (shm)".into(),
-                    what: format!("a second connection from rank {p}, or not a peer"),
-                });
-            }
-            s.set_nonblocking(true).map_err(|e| {
-                Error::io(
-                    Some(self.rank),
-                    Some(p),
-                    "configuring the liveness connection",
-                    e,
-                )
-            })?;
-            let _ = s.set_nodelay(true);
-            tracing::debug!(
-                rank = self.rank,
-                peer = p,
-                "liveness connection made on first use"
-            );
-            if let Some(q) = self.peers[p].as_mut() {
-                q.stream = Some(s);
-            }
-            self.commit(p)?;
-        }
-        if let Some(l) = self.lazy.as_ref() {
-            for (p, q) in self.peers.iter().enumerate() {
-                if let Some(q) = q {
-                    if q.stream.is_none() && l.started[p] {
-                        Self::notify(&q.seg);
-                    }
-                }
-            }
-        }
-        Ok(())
+        let res = l.first.pump(self);
+        self.lazy = Some(l);
+        res
     }
 
     /// Whether a liveness connection this rank started is still in the making.
     pub(super) fn linking(&self) -> bool {
-        self.lazy.as_ref().is_some_and(|l| {
-            self.peers
-                .iter()
-                .enumerate()
-                .any(|(p, q)| q.as_ref().is_some_and(|q| q.stream.is_none()) && l.started[p])
-        })
+        self.lazy.as_ref().is_some_and(|l| l.linking(self))
+    }
+}
+
+/// What a liveness connection on first use becomes (the transport's half of [`FirstUse`]).
+impl Accept for ShmTransport {
+    fn wants(&self, peer: usize) -> bool {
+        self.peers
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_some_and(|q| q.stream.is_none())
+    }
+
+    fn accept(&mut self, p: usize, s: TcpStream) -> Result<()> {
+        s.set_nonblocking(true).map_err(|e| {
+            Error::io(
+                Some(self.rank),
+                Some(p),
+                "configuring the liveness connection",
+                e,
+            )
+        })?;
+        let _ = s.set_nodelay(true);
+        tracing::debug!(
+            rank = self.rank,
+            peer = p,
+            "liveness connection made on first use"
+        );
+        if let Some(q) = self.peers[p].as_mut() {
+            q.stream = Some(s);
+        }
+        self.commit(p)
+    }
+
+    fn in_making(&mut self, peer: usize) {
+        if let Some(q) = self.peers.get(peer).and_then(Option::as_ref) {
+            Self::notify(&q.seg);
+        }
+    }
+
+    fn progress_failed(&self, e: Error) -> Error {
+        self.prefer_status(e, OP)
     }
 }

@@ -28,6 +28,7 @@ use super::options::CTRL_BYTES;
 use super::wire::{self, Blob, DirectInfo, MAX_FIRST_USE, READY};
 use super::{Peer, VerbsTransport};
 use crate::error::{Error, Result};
+use crate::transport::links::{Accept, FirstUse};
 use crate::transport::Links;
 
 /// The operation named in errors.
@@ -35,13 +36,18 @@ const OP: &str = "connect on first use (verbs)";
 
 /// Connections on first use of one transport.
 pub(super) struct Lazy {
-    links: Box<dyn Links>,
+    first: FirstUse,
     /// Exchanges in progress, by peer.
     shakes: Vec<Option<Shake>>,
     /// How many of `shakes` are in progress (so that `wait` asks in O(1)).
     active: usize,
-    /// Peers whose connection on first use failed: the error every later use returns.
-    failed: Vec<Option<Error>>,
+}
+
+/// What a connection on first use becomes: an exchange of queue pairs (the transport's half
+/// of [`FirstUse`]).
+struct Shaking<'a> {
+    t: &'a mut VerbsTransport,
+    shakes: &'a mut [Option<Shake>],
 }
 
 /// One exchange of queue-pair information over a fresh TCP connection.
@@ -67,10 +73,11 @@ impl VerbsTransport {
     pub fn with_links(mut self, links: Box<dyn Links>) -> Self {
         let world = self.world;
         self.lazy = Some(Lazy {
-            links,
+            first: FirstUse::new(links, self.rank, world, OP, |p| {
+                format!("a second connection from rank {p}")
+            }),
             shakes: (0..world).map(|_| None).collect(),
             active: 0,
-            failed: vec![None; world],
         });
         let n = self.connected();
         if n + 1 < world {
@@ -112,7 +119,7 @@ impl VerbsTransport {
         let Some(l) = self.lazy.as_ref() else {
             return Vec::new();
         };
-        let mut v = l.links.fds();
+        let mut v = l.first.fds();
         if l.active > 0 {
             v.extend(l.shakes.iter().flatten().map(|s| s.s.as_fd()));
         }
@@ -151,19 +158,22 @@ impl VerbsTransport {
         if peer >= self.world || peer == self.rank || self.finished {
             return Ok(true);
         }
-        let Some(l) = self.lazy.as_mut() else {
+        let Some(mut l) = self.lazy.take() else {
             return Ok(true);
         };
-        if let Some(e) = &l.failed[peer] {
-            return Err(e.clone());
-        }
-        if l.shakes[peer].is_none() {
-            if let Err(e) = l.links.start(peer) {
-                l.failed[peer] = Some(e.clone());
-                return Err(e);
-            }
-        }
-        self.pump_links()?;
+        let r = l
+            .first
+            .link(
+                peer,
+                &mut Shaking {
+                    t: self,
+                    shakes: &mut l.shakes,
+                },
+            )
+            .and_then(|()| self.advance_shakes(&mut l));
+        l.active = l.shakes.iter().filter(|s| s.is_some()).count();
+        self.lazy = Some(l);
+        r?;
         Ok(self.peers[peer]
             .as_ref()
             .is_some_and(|p| !sending || !p.await_ready))
@@ -189,44 +199,15 @@ impl VerbsTransport {
         if self.finished {
             return Ok(());
         }
-        for (p, s) in l.links.progress()? {
-            if p >= self.world || p == self.rank || self.peers[p].is_some() || l.shakes[p].is_some()
-            {
-                return Err(self.err(p, format!("a second connection from rank {p}")));
-            }
-            // Room in the completion queue for one more queue pair (those connected and those
-            // being connected), doubling when it grows (all-to-all connects every peer: n
-            // resizes of a growing queue would copy O(n²) entries), never past every peer's.
-            let pairs = self.connected() + l.shakes.iter().flatten().count() + 1;
-            let need = cq_entries(self.opts.slots, pairs.min(self.world - 1));
-            let entries = if need > self.cq.depth {
-                let every = cq_entries(self.opts.slots, self.world - 1);
-                need.max(self.cq.depth.saturating_mul(2).min(every))
-            } else {
-                need
-            };
-            if let Err(e) = self.cq.grow(entries) {
-                let e = self.err(
-                    p,
-                    format!(
-                        "{}: cannot grow the completion queue to {entries} entries for its                          queue pair: {e}",
-                        self.device
-                    ),
-                );
-                l.failed[p] = Some(e.clone());
-                return Err(e);
-            }
-            match self.open_shake(p, s) {
-                Ok(sh) => {
-                    tracing::debug!(rank = self.rank, peer = p, "exchanging queue pairs");
-                    l.shakes[p] = Some(sh);
-                }
-                Err(e) => {
-                    l.failed[p] = Some(e.clone());
-                    return Err(e);
-                }
-            }
-        }
+        l.first.pump(&mut Shaking {
+            t: self,
+            shakes: &mut l.shakes,
+        })?;
+        self.advance_shakes(l)
+    }
+
+    /// Advances every exchange, without waiting; installs the pairs that are connected.
+    fn advance_shakes(&mut self, l: &mut Lazy) -> Result<()> {
         for p in 0..l.shakes.len() {
             let Some(mut sh) = l.shakes[p].take() else {
                 continue;
@@ -255,7 +236,7 @@ impl VerbsTransport {
                 }
                 Ok(false) => l.shakes[p] = Some(sh),
                 Err(e) => {
-                    l.failed[p] = Some(e.clone());
+                    l.first.fail(p, &e);
                     return Err(e);
                 }
             }
@@ -439,5 +420,39 @@ impl VerbsTransport {
             ctrl_bytes: *ctrl_bytes as usize,
             landing: self.landing_of(peer),
         })
+    }
+}
+
+impl Accept for Shaking<'_> {
+    fn wants(&self, peer: usize) -> bool {
+        self.t.peers.get(peer).is_some_and(Option::is_none)
+            && self.shakes.get(peer).is_some_and(Option::is_none)
+    }
+
+    fn accept(&mut self, p: usize, s: TcpStream) -> Result<()> {
+        // Room in the completion queue for one more queue pair (those connected and those
+        // being connected), doubling when it grows (all-to-all connects every peer: n
+        // resizes of a growing queue would copy O(n²) entries), never past every peer's.
+        let pairs = self.t.connected() + self.shakes.iter().flatten().count() + 1;
+        let need = cq_entries(self.t.opts.slots, pairs.min(self.t.world - 1));
+        let entries = if need > self.t.cq.depth {
+            let every = cq_entries(self.t.opts.slots, self.t.world - 1);
+            need.max(self.t.cq.depth.saturating_mul(2).min(every))
+        } else {
+            need
+        };
+        if let Err(e) = self.t.cq.grow(entries) {
+            return Err(self.t.err(
+                p,
+                format!(
+                    "{}: cannot grow the completion queue to {entries} entries for its                          queue pair: {e}",
+                    self.t.device
+                ),
+            ));
+        }
+        let sh = self.t.open_shake(p, s)?;
+        tracing::debug!(rank = self.t.rank, peer = p, "exchanging queue pairs");
+        self.shakes[p] = Some(sh);
+        Ok(())
     }
 }

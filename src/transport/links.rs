@@ -1,0 +1,163 @@
+//! Connections on first use, the bookkeeping the TCP, shared-memory and verbs transports
+//! share: [`FirstUse`] owns the bootstrap's [`Links`] and remembers which peers this rank
+//! started connecting to and which failed (a failure is the error of every later use of that
+//! peer), takes the connections [`Links::progress`] completed (refusing a second connection
+//! from a peer, or one from a rank that is no peer) and hands each to its transport through
+//! [`Accept`]. What a transport then does with the stream (TCP configures it as a data
+//! connection, shm as a liveness connection and commits the pair's rings, verbs exchanges
+//! queue pairs over it) stays in the transport.
+
+#![forbid(unsafe_code)]
+
+use std::net::TcpStream;
+use std::os::fd::BorrowedFd;
+
+use super::Links;
+use crate::error::{Error, Result};
+
+/// A transport's side of [`FirstUse`]: which peers want a connection, and what becomes of one.
+pub(crate) trait Accept {
+    /// Whether a connection from `peer` is welcome: a peer of this transport with no
+    /// connection, made or in the making.
+    fn wants(&self, peer: usize) -> bool;
+
+    /// Takes the connection to `peer`. An error fails the peer (every later use returns it).
+    fn accept(&mut self, peer: usize, stream: TcpStream) -> Result<()>;
+
+    /// After the connections that completed were taken: `peer`'s connection, which this rank
+    /// started, is still in the making (shm wakes the peer so that it advances it).
+    fn in_making(&mut self, _peer: usize) {}
+
+    /// What a failed [`Links::progress`] is reported as (shm names a peer's goodbye or abort
+    /// instead). The failure recorded for the peer is the error itself.
+    fn progress_failed(&self, e: Error) -> Error {
+        e
+    }
+}
+
+/// Connections on first use of one transport (see the module docs).
+#[derive(Debug)]
+pub(crate) struct FirstUse {
+    /// The bootstrap's links (shm's liveness code asks them for descriptors).
+    pub(super) links: Box<dyn Links>,
+    rank: usize,
+    /// The operation named in the error about a connection that is not welcome.
+    op: &'static str,
+    /// That error's text, given the rank the connection came from.
+    second: fn(usize) -> String,
+    /// Peers this rank started connecting to (shm's liveness code reads them).
+    pub(super) started: Vec<bool>,
+    /// Peers whose connection on first use failed: the error every later use returns.
+    failed: Vec<Option<Error>>,
+}
+
+impl FirstUse {
+    /// Connections on first use for `rank` of `world` through `links`; a connection that is
+    /// not welcome is an [`Error::Transport`] with `op` and the text `second` makes of the
+    /// rank it came from.
+    pub(crate) fn new(
+        links: Box<dyn Links>,
+        rank: usize,
+        world: usize,
+        op: &'static str,
+        second: fn(usize) -> String,
+    ) -> Self {
+        FirstUse {
+            links,
+            rank,
+            op,
+            second,
+            started: vec![false; world],
+            failed: vec![None; world],
+        }
+    }
+
+    /// Starts or advances connecting to `peer` (whom the caller needs and has no connection
+    /// to): takes the connections that completed (the peer's own may be waiting already),
+    /// then starts connecting to `peer` unless this rank did so before or `t` has no more use
+    /// for it, and takes again. Whether `peer` is connected now is `t`'s to say.
+    ///
+    /// # Errors
+    /// A connection on first use that failed, now or before (then every later call for that
+    /// peer returns the same error), or one that is not welcome.
+    pub(crate) fn link(&mut self, peer: usize, t: &mut impl Accept) -> Result<()> {
+        if let Some(Some(e)) = self.failed.get(peer) {
+            return Err(e.clone());
+        }
+        self.pump(t)?;
+        if self.started.get(peer) == Some(&false) && t.wants(peer) {
+            self.started[peer] = true;
+            if let Err(e) = self.links.start(peer) {
+                self.failed[peer] = Some(e.clone());
+                return Err(e);
+            }
+            self.pump(t)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the connections [`Links::progress`] completed, without waiting, and hands each
+    /// to `t`; then tells `t` of the peers whose connection this rank started and that are
+    /// still in the making.
+    ///
+    /// # Errors
+    /// A failed link (a peer this rank started connecting to is failed from then on), a
+    /// connection `t` could not take (its peer is failed from then on), or one that is not
+    /// welcome: a second connection from a peer, or one from a rank that is no peer.
+    pub(crate) fn pump(&mut self, t: &mut impl Accept) -> Result<()> {
+        let world = self.started.len();
+        let got = match self.links.progress() {
+            Ok(g) => g,
+            Err(e) => {
+                // A connection to a peer that failed: every later use of it fails alike.
+                if let Some(p) = e.peer().filter(|&p| p < world) {
+                    if self.started[p] && self.failed[p].is_none() {
+                        self.failed[p] = Some(e.clone());
+                    }
+                }
+                return Err(t.progress_failed(e));
+            }
+        };
+        for (p, s) in got {
+            if p >= world || p == self.rank || !t.wants(p) {
+                return Err(Error::Transport {
+                    rank: Some(self.rank),
+                    peer: Some(p),
+                    op: self.op.into(),
+                    what: (self.second)(p),
+                });
+            }
+            if let Err(e) = t.accept(p, s) {
+                self.failed[p] = Some(e.clone());
+                return Err(e);
+            }
+        }
+        for p in 0..world {
+            if self.started[p] && t.wants(p) {
+                t.in_making(p);
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails `peer` from now on with `e` (a step of the transport's own after the connection
+    /// was taken failed).
+    pub(crate) fn fail(&mut self, peer: usize, e: &Error) {
+        if let Some(f) = self.failed.get_mut(peer) {
+            *f = Some(e.clone());
+        }
+    }
+
+    /// Whether a connection this rank started is still in the making.
+    pub(crate) fn linking(&self, t: &impl Accept) -> bool {
+        self.started
+            .iter()
+            .enumerate()
+            .any(|(p, &s)| s && t.wants(p))
+    }
+
+    /// The descriptors that are readable when [`FirstUse::pump`] has work.
+    pub(crate) fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        self.links.fds()
+    }
+}
