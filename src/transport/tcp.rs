@@ -6,8 +6,13 @@
 //!   one system call; large copying receives bypass the buffer and land in the caller's
 //!   memory directly; reducing receives are reduced straight out of the buffer while the kernel
 //!   keeps receiving the next bytes.
-//! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] at once; one
-//!   that sent an abort frame fails every survivor with [`Error::Aborted`].
+//! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] for what
+//!   needs more from it (its bytes before the end are still taken), and at once outside a
+//!   collective; one that sent an abort frame fails every survivor with [`Error::Aborted`],
+//!   except a collective the aborting rank had completed: the abort frame carries that
+//!   rank's last completed collective in its `seq` ([`Transport::collective_progress`]), so
+//!   a survivor still finishing it finishes with what was delivered, and its next call
+//!   fails. See "Nothing hangs" in the README for the rule every transport follows.
 //!
 //! # Dead hosts
 //!
@@ -100,8 +105,12 @@ enum PeerState {
     Open,
     /// The peer said goodbye.
     Closed,
-    /// The connection failed.
+    /// The connection failed (or ended without a goodbye): bytes already buffered are still
+    /// taken; what needs more fails.
     Lost(String),
+    /// The peer aborted after completing collective `.0` (its abort frame, at the front of
+    /// what it sent, says so); reported by [`TcpTransport::abort_news`].
+    Aborted(u64),
 }
 
 #[derive(Debug)]
@@ -259,6 +268,12 @@ pub struct TcpTransport {
     aborted: bool,
     /// When `wait` last read the retransmission counters.
     stall_checked: Instant,
+    /// The collective the engine runs and the last one it completed
+    /// ([`Transport::collective_progress`]); abort frames carry `coll_done`.
+    coll_running: Option<u64>,
+    coll_done: u64,
+    /// Some peer is [`PeerState::Aborted`] (so that `abort_news` looks only then).
+    peer_aborted: bool,
 }
 
 /// What the kernel says about one connection's timers (a line of `/proc/net/tcp`).
@@ -456,6 +471,9 @@ impl TcpTransport {
             desc,
             aborted: false,
             stall_checked: Instant::now(),
+            coll_running: None,
+            coll_done: 0,
+            peer_aborted: false,
         })
     }
 
@@ -645,26 +663,38 @@ impl TcpTransport {
         if p.state != PeerState::Open || p.eof_seen {
             return Ok(());
         }
-        let fill = p.fill();
-        let eof = match fill {
-            Ok(Fill::Eof) => true,
-            Ok(_) => false,
-            Err(e) => {
-                let d = lost_detail(&e);
-                p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost {
+        // A peer found gone fails the collective in progress only where it needs the peer
+        // (the send or receive that does fails): every rank takes part in a collective, so
+        // some survivor needs it at once and its abort tells the others; but this rank's same
+        // collective, complete on the exited rank's side, finishes. Outside a collective no
+        // one else may notice: at once.
+        let gone = |p: &mut Peer, d: String, running: Option<u64>| {
+            p.state = PeerState::Lost(d.clone());
+            running.map_or(
+                Err(Error::PeerLost {
                     rank,
                     peer,
                     op: "communicator".into(),
                     detail: d,
-                });
-            }
+                }),
+                |_| Ok(()),
+            )
+        };
+        let fill = p.fill();
+        let eof = match fill {
+            Ok(Fill::Eof) => true,
+            Ok(_) => false,
+            Err(e) => return gone(p, lost_detail(&e), self.coll_running),
         };
         if !p.rx_in_frame {
             if let Some(b) = p.peek_header() {
                 if let Ok(h) = FrameHeader::decode(b) {
                     match h.kind {
-                        FrameKind::Abort => return Err(self.abort_error(peer, &h, "communicator")),
+                        FrameKind::Abort => {
+                            p.state = PeerState::Aborted(h.seq);
+                            self.peer_aborted = true;
+                            return self.abort_news().map_or(Ok(()), Err);
+                        }
                         FrameKind::Bye => {
                             p.take(HEADER_LEN);
                             p.state = PeerState::Closed;
@@ -678,18 +708,65 @@ impl TcpTransport {
         if eof {
             if p.buffered() == 0 && !p.rx_in_frame {
                 let d = "connection closed without goodbye (process died?)".to_string();
-                p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: "communicator".into(),
-                    detail: d,
-                });
+                return gone(p, d, self.coll_running);
             }
             // Data is still buffered for later receives: remember and stop polling it.
             p.eof_seen = true;
         }
         Ok(())
+    }
+
+    /// After a frame from `peer` that ended its stream: an abort frame behind it is recorded
+    /// (`examine` no longer looks at a peer whose end was seen).
+    fn note_abort(&mut self, peer: usize) {
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return;
+        };
+        let hdr = p.peek_header().and_then(|b| FrameHeader::decode(b).ok());
+        if let (PeerState::Open, Some(h)) = (&p.state, hdr) {
+            if h.kind == FrameKind::Abort {
+                p.state = PeerState::Aborted(h.seq);
+                self.peer_aborted = true;
+            }
+        }
+    }
+
+    /// The abort of a peer that fails this rank's call now, if any: every peer's abort
+    /// except, during a collective the aborting peer had completed, that peer's (it delivered
+    /// all this rank needs from it and needs nothing more: this rank finishes the collective
+    /// and its next call fails). What needs more from that peer fails at once (`recv` meets
+    /// its abort frame, `send` its state).
+    fn abort_news(&mut self) -> Option<Error> {
+        if !self.peer_aborted {
+            return None;
+        }
+        let running = self.coll_running;
+        let peer = self.peers.iter().position(|p| {
+            p.as_ref().is_some_and(|p| match p.state {
+                PeerState::Aborted(done) => running.is_none_or(|c| c > done),
+                _ => false,
+            })
+        })?;
+        Some(self.aborted_error(peer, "communicator"))
+    }
+
+    /// The error of `peer`'s abort frame at the front of its buffer, its message read whole
+    /// where the socket has it.
+    fn aborted_error(&mut self, peer: usize, op: &str) -> Error {
+        let hdr = self
+            .peers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .and_then(|p| {
+                let hdr = FrameHeader::decode(p.peek_header()?).ok()?;
+                let need = HEADER_LEN + hdr.len as usize;
+                while p.buffered() < need && need <= RX_CAP && matches!(p.fill(), Ok(Fill::Data)) {}
+                Some(hdr)
+            });
+        match hdr {
+            Some(hdr) => self.abort_error(peer, &hdr, op),
+            None => self.lost(peer, op, "peer aborted"),
+        }
     }
 }
 
@@ -715,6 +792,9 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "send";
         let rank = self.rank;
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         if !self.link(peer, OP)? {
             return Ok(false);
         }
@@ -728,6 +808,7 @@ impl Transport for TcpTransport {
                 let d = d.clone();
                 return Err(self.lost(peer, OP, d));
             }
+            PeerState::Aborted(_) => return Err(self.aborted_error(peer, OP)),
         }
         let head = hdr.encode();
         let total = HEADER_LEN + data.len();
@@ -793,13 +874,16 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "receive";
         let rank = self.rank;
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         if !self.link(peer, OP)? {
             return Ok(false);
         }
         loop {
             let p = self.peer_mut(peer, OP)?;
             if progress.header.is_none() {
-                if let PeerState::Lost(d) = &p.state {
+                if let (PeerState::Lost(d), 0) = (&p.state, p.buffered()) {
                     let d = d.clone();
                     return Err(self.lost(peer, OP, d));
                 }
@@ -857,6 +941,9 @@ impl Transport for TcpTransport {
             if want == 0 {
                 p.rx_in_frame = false;
                 progress.header = None;
+                if p.eof_seen {
+                    self.note_abort(peer);
+                }
                 return Ok(true);
             }
             let avail = p.buffered();
@@ -908,6 +995,9 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         let now = Instant::now();
         if now >= deadline {
             return Ok(());
@@ -993,6 +1083,9 @@ impl Transport for TcpTransport {
     }
 
     fn check_peers(&mut self) -> Result<()> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         for i in 0..self.peers.len() {
             self.examine(i)?;
         }
@@ -1006,7 +1099,11 @@ impl Transport for TcpTransport {
         self.aborted = true;
         let msg = reason.as_bytes();
         let msg = &msg[..msg.len().min(16 * 1024)];
-        let head = FrameHeader::abort(origin, msg.len(), class).encode();
+        let mut head = FrameHeader::abort(origin, msg.len(), class);
+        // How far this rank got: a peer still in a collective this rank completed finishes
+        // it (`TcpTransport::abort_news`).
+        head.seq = self.coll_done;
+        let head = head.encode();
         for p in self.peers.iter_mut().flatten() {
             if p.state == PeerState::Open && !p.tx_in_frame {
                 let _ = p.stream.set_nonblocking(false);
@@ -1036,6 +1133,11 @@ impl Transport for TcpTransport {
             let _ = p.stream.shutdown(Shutdown::Write);
         }
         self.aborted = true;
+    }
+
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.coll_running = running;
+        self.coll_done = completed;
     }
 }
 

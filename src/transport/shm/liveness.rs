@@ -5,7 +5,9 @@
 //! may move; and writing this rank's own goodbye or abort.
 //!
 //! A peer found gone is not an error by itself ([`PeerState::Gone`]): what it wrote to the
-//! ring is still taken, and only what needs more from it fails.
+//! ring is still taken, and only what needs more from it fails (outside a collective, the
+//! next look at the peers fails too). Nor is, during a collective, the abort of a peer that
+//! had completed that collective ([`ShmTransport::abort_news`]).
 
 use std::io::{self, Read};
 use std::net::Shutdown;
@@ -18,7 +20,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use super::seg;
 use super::{
     out_of_bounds, PeerState, ShmTransport, LINK_POLL, LIVENESS_POLL, MSG_CAP, OFF_BELL, OFF_CLASS,
-    OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
+    OFF_DONE, OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
     STATUS_BYE, STATUS_OPEN,
 };
 use crate::error::{Error, Result};
@@ -64,6 +66,35 @@ impl ShmTransport {
             .get(peer)
             .and_then(Option::as_ref)
             .is_some_and(|p| p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_ABORT)
+    }
+
+    /// The abort of `peer`, if it aborted and it fails this rank's call now: once everything
+    /// the peer sent before it is taken, as over TCP (where the abort frame queues behind the
+    /// data), and except during a collective the peer had completed when it aborted. That
+    /// peer wrote all this rank needs from it and needs nothing more, so its failure in a
+    /// later call (losing a third rank that exited right after this collective) must not fail
+    /// this one: this rank finishes it, and its next call fails. What needs more from the
+    /// peer fails at once (the receive finds its ring empty, the send its `status`).
+    fn abort_of(&mut self, peer: usize) -> Option<Error> {
+        let p = self.peers.get(peer)?.as_ref()?;
+        if !self.aborted_peer(peer) || self.rx_pending(p) {
+            return None;
+        }
+        let done = p.seg.u64_at(OFF_DONE).load(Ordering::Relaxed);
+        if self.coll_running.is_some_and(|c| c <= done) {
+            self.peer_aborted = true;
+            return None;
+        }
+        self.status_error(peer, "communicator")
+    }
+
+    /// The abort that fails this rank's call now ([`ShmTransport::abort_of`]), looked for by
+    /// `send` and `recv` once an abort was let through a collective (`wait` looks always).
+    pub(super) fn abort_news(&mut self) -> Option<Error> {
+        if !self.peer_aborted {
+            return None;
+        }
+        (0..self.peers.len()).find_map(|i| self.abort_of(i))
     }
 
     /// Reads the liveness connection of `peer`: end of stream without a goodbye marks it
@@ -175,23 +206,19 @@ impl ShmTransport {
             self.examine(i);
         }
         for i in 0..self.peers.len() {
-            // An abort counts once everything the peer sent before it is taken, as over TCP
-            // (where the abort frame queues behind the data): a rank still finishing a call
-            // whose frames are all in the ring must not fail it for the peer's later failure.
-            let pending = self.peers[i].as_ref().is_some_and(|p| self.rx_pending(p));
-            if self.aborted_peer(i) && !pending {
-                if let Some(e) = self.status_error(i, "communicator") {
-                    return Err(e);
-                }
+            if let Some(e) = self.abort_of(i) {
+                return Err(e);
             }
             let Some(p) = self.peers[i].as_ref() else {
                 continue;
             };
             if let PeerState::Gone(_) = &p.state {
-                // Like a TCP connection closed with nothing left to read: an error now,
-                // unless it said goodbye (then only what needs it fails).
+                // Like a TCP connection closed with nothing left to read: outside a
+                // collective an error now, unless it said goodbye (then only what needs it
+                // fails); during one, only what needs it fails (see the module docs).
                 let says_bye = p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_BYE;
-                if !says_bye && !p.rx_in_frame && !self.rx_pending(p) {
+                let idle = self.coll_running.is_none();
+                if idle && !says_bye && !p.rx_in_frame && !self.rx_pending(p) {
                     if let Some(e) = self.gone_error(i, "communicator") {
                         return Err(e);
                     }
@@ -311,6 +338,11 @@ impl ShmTransport {
         self.own
             .u32_at(OFF_ORIGIN)
             .store(origin as u32, Ordering::Relaxed);
+        // How far this rank got: a peer still in a collective this rank completed finishes
+        // it (`ShmTransport::abort_of`).
+        self.own
+            .u64_at(OFF_DONE)
+            .store(self.coll_done, Ordering::Relaxed);
         self.own
             .u32_at(OFF_STATUS)
             .store(STATUS_ABORT, Ordering::Release);
