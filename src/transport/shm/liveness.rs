@@ -384,6 +384,24 @@ mod tests {
     use crate::transport::tcp::Links;
     use crate::transport::{FrameHeader, RecvProgress, RecvSink, Transport};
 
+    /// A sink that takes nothing.
+    struct Nothing;
+
+    impl RecvSink for Nothing {
+        fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
+            Ok(0)
+        }
+        fn direct(&mut self) -> Option<&mut [u8]> {
+            None
+        }
+        fn granule(&self) -> usize {
+            1
+        }
+        fn consume(&mut self, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
     /// Links that never connect anything (a peer that never answers).
     #[derive(Debug)]
     struct Silent;
@@ -433,21 +451,6 @@ mod tests {
             .describe()
             .contains("liveness over TCP connections: 0 of 1 at init"));
         // A receive starts the connection and finds nothing yet.
-        struct Nothing;
-        impl RecvSink for Nothing {
-            fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
-                Ok(0)
-            }
-            fn direct(&mut self) -> Option<&mut [u8]> {
-                None
-            }
-            fn granule(&self) -> usize {
-                1
-            }
-            fn consume(&mut self, _: &[u8]) -> Result<()> {
-                Ok(())
-            }
-        }
         let mut rp = RecvProgress::default();
         assert!(!t0.recv(1, &mut rp, &mut Nothing).unwrap());
         let interest = [Interest {
@@ -471,5 +474,56 @@ mod tests {
             "{e:?}"
         );
         child.wait().unwrap();
+    }
+
+    /// An abort from a peer that had completed the collective this rank runs (it failed in
+    /// the next one, say on losing a rank that exited) lets that collective finish: the
+    /// abort fails the next call instead (#22 item 3). One that had not completed it fails
+    /// it at once.
+    #[test]
+    fn an_abort_from_a_peer_that_completed_the_running_collective_fails_only_the_next_call() {
+        let partners = |_: usize| Vec::new();
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let two = || -> Vec<ShmTransport> {
+            let preps: Vec<Prepared> = (0..2)
+                .map(|r| prepare(r, 2, &partners, opts).unwrap())
+                .collect();
+            let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+            let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+            preps
+                .into_iter()
+                .zip(segs)
+                .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
+                .collect()
+        };
+        let by_1 = |r: &Result<()>| matches!(r, Err(Error::Aborted { by: 1, reason, .. }) if reason.contains("lost rank 2"));
+
+        let mut t = two();
+        t[1].collective_progress(Some(2), 1);
+        t[1].abort(
+            1,
+            AbortClass::Other,
+            "rank 1: lost rank 2 during all_reduce #2",
+        );
+        t[0].collective_progress(Some(1), 0);
+        t[0].check_peers().expect("#1 is not failed by the abort");
+        t[0].wait(&[], Instant::now() + Duration::from_millis(5))
+            .unwrap();
+        t[0].collective_progress(None, 1);
+        assert!(by_1(&t[0].check_peers()));
+        // The next call's first receive reports it too, before it looks at any ring.
+        let mut rp = RecvProgress::default();
+        let r = t[0].recv(1, &mut rp, &mut Nothing).map(|_| ());
+        assert!(by_1(&r), "{r:?}");
+
+        let mut t = two();
+        t[1].collective_progress(Some(1), 0);
+        t[1].abort(
+            1,
+            AbortClass::Other,
+            "rank 1: lost rank 2 during all_reduce #1",
+        );
+        t[0].collective_progress(Some(1), 0);
+        assert!(by_1(&t[0].check_peers()));
     }
 }
