@@ -129,6 +129,9 @@ fn run_lifetimes(name: &str, env: &dyn Fn(usize) -> Vec<(String, String)>) {
     let n = lifetimes();
     let t0 = Instant::now();
     let (mut first, mut next, mut other, mut failed) = (0usize, 0usize, 0usize, 0usize);
+    // How the survivors' next calls failed: the exited rank lost, or the other survivor's
+    // abort (which, arriving during all_reduce #1, must have been held for the next call).
+    let (mut lost, mut aborted) = (0usize, 0usize);
     let mut shown = Vec::new();
     for life in 0..n {
         let life_env = |r: usize| {
@@ -144,6 +147,8 @@ fn run_lifetimes(name: &str, env: &dyn Fn(usize) -> Vec<(String, String)>) {
         let mut bad = Vec::new();
         let (mut f1, mut fnext, mut fother) = (false, false, false);
         for (r, o) in outs.iter().enumerate() {
+            lost += o.out.matches("next call failed after").count();
+            aborted += o.out.matches("next call aborted by").count();
             let want = if r == VICTIM { VICTIM_EXIT } else { OK };
             if o.code == Some(want) {
                 continue;
@@ -177,7 +182,8 @@ fn run_lifetimes(name: &str, env: &dyn Fn(usize) -> Vec<(String, String)>) {
     eprintln!(
         "exit race over {name}: {n} lifetimes in {:.1?}: {failed} failed: {first} with a survivor's all_reduce \
          #1 failed, {next} with a next call that did not fail naming rank {VICTIM}, {other} \
-         with another failure",
+         with another failure; the survivors' next calls: {lost} lost rank {VICTIM}, {aborted} \
+         aborted by the other survivor",
         t0.elapsed()
     );
     assert!(
