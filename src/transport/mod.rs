@@ -215,9 +215,10 @@ impl FrameHeader {
     }
 
     /// An abort frame header announcing that `rank` failed with an error of class `class`
-    /// ([`AbortClass`]), followed by a `len`-byte message. `seq` is 0; the verbs transport
-    /// puts there the last collective the sending rank completed
-    /// ([`Transport::collective_progress`]).
+    /// ([`AbortClass`]), followed by a `len`-byte message. `seq` is 0 here; the transports put
+    /// there the last collective the sending rank completed
+    /// ([`Transport::collective_progress`]; 0, as from a sender that predates it, lets the
+    /// abort fail every call).
     pub fn abort(rank: usize, len: usize, class: AbortClass) -> Self {
         FrameHeader {
             kind: FrameKind::Abort,
@@ -488,7 +489,8 @@ pub trait Transport: Send + fmt::Debug {
     fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()>;
 
     /// Checks, without blocking, every peer for an abort or a lost connection; returns the
-    /// error if one is found.
+    /// error if one fails the call in progress (see [`Transport::collective_progress`] for
+    /// what does not).
     fn check_peers(&mut self) -> Result<()>;
 
     /// Best effort: tells every peer that rank `origin` (this rank, or the rank whose abort
@@ -509,7 +511,9 @@ pub trait Transport: Send + fmt::Debug {
     /// call, such as losing a third rank that exited right after that collective) must not
     /// fail this rank's same collective: that rank finishes it with what was delivered, and
     /// its next call reports the abort. A transport whose abort frames carry the aborting
-    /// rank's `completed` can tell the two apart (verbs does); the default ignores this.
+    /// rank's `completed` can tell the two apart (TCP, shm and verbs do; mixed forwards to
+    /// both sides); the default ignores this. Likewise, during a collective, a peer found gone
+    /// fails only the send or receive that needs more from it.
     fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
         let _ = (running, completed);
     }

@@ -6,8 +6,13 @@
 //!   one system call; large copying receives bypass the buffer and land in the caller's
 //!   memory directly; reducing receives are reduced straight out of the buffer while the kernel
 //!   keeps receiving the next bytes.
-//! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] at once; one
-//!   that sent an abort frame fails every survivor with [`Error::Aborted`].
+//! * A peer that closed its socket without saying goodbye is [`Error::PeerLost`] for what
+//!   needs more from it (its bytes before the end are still taken), and at once outside a
+//!   collective; one that sent an abort frame fails every survivor with [`Error::Aborted`],
+//!   except a collective the aborting rank had completed: the abort frame carries that
+//!   rank's last completed collective in its `seq` ([`Transport::collective_progress`]), so
+//!   a survivor still finishing it finishes with what was delivered, and its next call
+//!   fails. See "Nothing hangs" in the README for the rule every transport follows.
 //!
 //! # Dead hosts
 //!
@@ -41,7 +46,7 @@
 //! (the operation times out naming the peer it waited for).
 //!
 //! No `unsafe` here: sockets come from `std`, `poll`, `sendmsg` and the socket options from
-//! `nix`.
+//! `nix`. The retransmission-stall check reads the kernel's timers in `stall.rs`.
 
 #![forbid(unsafe_code)]
 
@@ -59,6 +64,10 @@ use super::{
     SendProgress, Transport, TransportKind, HEADER_LEN,
 };
 use crate::error::{Error, Result};
+
+#[cfg(test)]
+mod exit_tests;
+mod stall;
 
 /// Per-peer receive buffer size.
 const RX_CAP: usize = 256 * 1024;
@@ -101,8 +110,12 @@ enum PeerState {
     Open,
     /// The peer said goodbye.
     Closed,
-    /// The connection failed.
+    /// The connection failed (or ended without a goodbye): bytes already buffered are still
+    /// taken; what needs more fails.
     Lost(String),
+    /// The peer aborted after completing collective `.0` (its abort frame, at the front of
+    /// what it sent, says so); reported by [`TcpTransport::abort_news`].
+    Aborted(u64),
 }
 
 #[derive(Debug)]
@@ -252,75 +265,12 @@ pub struct TcpTransport {
     aborted: bool,
     /// When `wait` last read the retransmission counters.
     stall_checked: Instant,
-}
-
-/// What the kernel says about one connection's timers (a line of `/proc/net/tcp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct TimerState {
-    /// `tr`: 1 retransmission, 2 keepalive, 4 zero-window probe, 0 none.
-    timer: u32,
-    /// `retrnsmt`: consecutive retransmission timeouts without an acknowledgement.
-    retransmits: u32,
-    /// `timeout`: unanswered (keepalive or zero-window) probes.
-    probes: u32,
-}
-
-impl TimerState {
-    /// Whether the peer's host has answered nothing for long enough to be given up.
-    fn stalled(&self) -> Option<String> {
-        match self.timer {
-            1 if self.retransmits >= STALL_RETRANSMITS => Some(format!(
-                "no acknowledgement from its host for {} retransmissions of unacknowledged \
-                 data (at least {} s): host down or network cut",
-                self.retransmits,
-                stall_seconds(self.retransmits)
-            )),
-            4 if self.probes >= STALL_RETRANSMITS => Some(format!(
-                "no answer from its host to {} zero-window probes: host down or network cut",
-                self.probes
-            )),
-            _ => None,
-        }
-    }
-}
-
-/// The least time `n` consecutive retransmission timeouts take (RTO from 200 ms, doubling).
-fn stall_seconds(n: u32) -> u64 {
-    (200u64 * ((1u64 << n.min(20)) - 1)) / 1000
-}
-
-/// Parses `/proc/net/tcp` (or `tcp6`) text into the timer state of the sockets in `inodes`.
-fn parse_proc_net_tcp(text: &str, inodes: &[u64]) -> Vec<(u64, TimerState)> {
-    let mut found = Vec::new();
-    for line in text.lines().skip(1) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 10 {
-            continue;
-        }
-        let Ok(inode) = f[9].parse::<u64>() else {
-            continue;
-        };
-        if !inodes.contains(&inode) {
-            continue;
-        }
-        let timer = f[5]
-            .split(':')
-            .next()
-            .and_then(|t| u32::from_str_radix(t, 16).ok());
-        let retransmits = u32::from_str_radix(f[6], 16).ok();
-        let probes = f[8].parse::<u32>().ok();
-        if let (Some(timer), Some(retransmits), Some(probes)) = (timer, retransmits, probes) {
-            found.push((
-                inode,
-                TimerState {
-                    timer,
-                    retransmits,
-                    probes,
-                },
-            ));
-        }
-    }
-    found
+    /// The collective the engine runs and the last one it completed
+    /// ([`Transport::collective_progress`]); abort frames carry `coll_done`.
+    coll_running: Option<u64>,
+    coll_done: u64,
+    /// Some peer is [`PeerState::Aborted`] (so that `abort_news` looks only then).
+    peer_aborted: bool,
 }
 
 fn lost_detail(e: &io::Error) -> String {
@@ -449,6 +399,9 @@ impl TcpTransport {
             desc,
             aborted: false,
             stall_checked: Instant::now(),
+            coll_running: None,
+            coll_done: 0,
+            peer_aborted: false,
         })
     }
 
@@ -512,47 +465,6 @@ impl TcpTransport {
             )?;
         }
         Ok(self.peers[peer].is_some())
-    }
-
-    /// Fails the first open peer whose host has stopped acknowledging (see the module docs).
-    /// Without `/proc/net/tcp` it finds nothing and the deadline stays the only limit.
-    fn check_stalls(&mut self) -> Result<()> {
-        self.stall_checked = Instant::now();
-        for v6 in [false, true] {
-            let inodes: Vec<u64> = self
-                .peers
-                .iter()
-                .flatten()
-                .filter(|p| p.v6 == v6 && p.state == PeerState::Open)
-                .filter_map(|p| p.inode)
-                .collect();
-            if inodes.is_empty() {
-                continue;
-            }
-            let file = if v6 {
-                "/proc/net/tcp6"
-            } else {
-                "/proc/net/tcp"
-            };
-            let Ok(text) = std::fs::read_to_string(file) else {
-                continue;
-            };
-            for (inode, st) in parse_proc_net_tcp(&text, &inodes) {
-                let Some(detail) = st.stalled() else { continue };
-                let Some(peer) = self
-                    .peers
-                    .iter()
-                    .position(|p| p.as_ref().is_some_and(|p| p.inode == Some(inode)))
-                else {
-                    continue;
-                };
-                if let Some(p) = self.peers[peer].as_mut() {
-                    p.state = PeerState::Lost(detail.clone());
-                }
-                return Err(self.lost(peer, "communicator", detail));
-            }
-        }
-        Ok(())
     }
 
     fn peer_mut(&mut self, p: usize, op: &str) -> Result<&mut Peer> {
@@ -643,26 +555,38 @@ impl TcpTransport {
         if p.state != PeerState::Open || p.eof_seen {
             return Ok(());
         }
-        let fill = p.fill();
-        let eof = match fill {
-            Ok(Fill::Eof) => true,
-            Ok(_) => false,
-            Err(e) => {
-                let d = lost_detail(&e);
-                p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost {
+        // A peer found gone fails the collective in progress only where it needs the peer
+        // (the send or receive that does fails): every rank takes part in a collective, so
+        // some survivor needs it at once and its abort tells the others; but this rank's same
+        // collective, complete on the exited rank's side, finishes. Outside a collective no
+        // one else may notice: at once.
+        let gone = |p: &mut Peer, d: String, running: Option<u64>| {
+            p.state = PeerState::Lost(d.clone());
+            running.map_or(
+                Err(Error::PeerLost {
                     rank,
                     peer,
                     op: "communicator".into(),
                     detail: d,
-                });
-            }
+                }),
+                |_| Ok(()),
+            )
+        };
+        let fill = p.fill();
+        let eof = match fill {
+            Ok(Fill::Eof) => true,
+            Ok(_) => false,
+            Err(e) => return gone(p, lost_detail(&e), self.coll_running),
         };
         if !p.rx_in_frame {
             if let Some(b) = p.peek_header() {
                 if let Ok(h) = FrameHeader::decode(b) {
                     match h.kind {
-                        FrameKind::Abort => return Err(self.abort_error(peer, &h, "communicator")),
+                        FrameKind::Abort => {
+                            p.state = PeerState::Aborted(h.seq);
+                            self.peer_aborted = true;
+                            return self.abort_news().map_or(Ok(()), Err);
+                        }
                         FrameKind::Bye => {
                             p.take(HEADER_LEN);
                             p.state = PeerState::Closed;
@@ -676,18 +600,65 @@ impl TcpTransport {
         if eof {
             if p.buffered() == 0 && !p.rx_in_frame {
                 let d = "connection closed without goodbye (process died?)".to_string();
-                p.state = PeerState::Lost(d.clone());
-                return Err(Error::PeerLost {
-                    rank,
-                    peer,
-                    op: "communicator".into(),
-                    detail: d,
-                });
+                return gone(p, d, self.coll_running);
             }
             // Data is still buffered for later receives: remember and stop polling it.
             p.eof_seen = true;
         }
         Ok(())
+    }
+
+    /// After a frame from `peer` that ended its stream: an abort frame behind it is recorded
+    /// (`examine` no longer looks at a peer whose end was seen).
+    fn note_abort(&mut self, peer: usize) {
+        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return;
+        };
+        let hdr = p.peek_header().and_then(|b| FrameHeader::decode(b).ok());
+        if let (PeerState::Open, Some(h)) = (&p.state, hdr) {
+            if h.kind == FrameKind::Abort {
+                p.state = PeerState::Aborted(h.seq);
+                self.peer_aborted = true;
+            }
+        }
+    }
+
+    /// The abort of a peer that fails this rank's call now, if any: every peer's abort
+    /// except, during a collective the aborting peer had completed, that peer's (it delivered
+    /// all this rank needs from it and needs nothing more: this rank finishes the collective
+    /// and its next call fails). What needs more from that peer fails at once (`recv` meets
+    /// its abort frame, `send` its state).
+    fn abort_news(&mut self) -> Option<Error> {
+        if !self.peer_aborted {
+            return None;
+        }
+        let running = self.coll_running;
+        let peer = self.peers.iter().position(|p| {
+            p.as_ref().is_some_and(|p| match p.state {
+                PeerState::Aborted(done) => running.is_none_or(|c| c > done),
+                _ => false,
+            })
+        })?;
+        Some(self.aborted_error(peer, "communicator"))
+    }
+
+    /// The error of `peer`'s abort frame at the front of its buffer, its message read whole
+    /// where the socket has it.
+    fn aborted_error(&mut self, peer: usize, op: &str) -> Error {
+        let hdr = self
+            .peers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .and_then(|p| {
+                let hdr = FrameHeader::decode(p.peek_header()?).ok()?;
+                let need = HEADER_LEN + hdr.len as usize;
+                while p.buffered() < need && need <= RX_CAP && matches!(p.fill(), Ok(Fill::Data)) {}
+                Some(hdr)
+            });
+        match hdr {
+            Some(hdr) => self.abort_error(peer, &hdr, op),
+            None => self.lost(peer, op, "peer aborted"),
+        }
     }
 }
 
@@ -713,6 +684,9 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "send";
         let rank = self.rank;
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         if !self.link(peer, OP)? {
             return Ok(false);
         }
@@ -726,6 +700,7 @@ impl Transport for TcpTransport {
                 let d = d.clone();
                 return Err(self.lost(peer, OP, d));
             }
+            PeerState::Aborted(_) => return Err(self.aborted_error(peer, OP)),
         }
         let head = hdr.encode();
         let total = HEADER_LEN + data.len();
@@ -791,13 +766,16 @@ impl Transport for TcpTransport {
     ) -> Result<bool> {
         const OP: &str = "receive";
         let rank = self.rank;
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         if !self.link(peer, OP)? {
             return Ok(false);
         }
         loop {
             let p = self.peer_mut(peer, OP)?;
             if progress.header.is_none() {
-                if let PeerState::Lost(d) = &p.state {
+                if let (PeerState::Lost(d), 0) = (&p.state, p.buffered()) {
                     let d = d.clone();
                     return Err(self.lost(peer, OP, d));
                 }
@@ -855,6 +833,9 @@ impl Transport for TcpTransport {
             if want == 0 {
                 p.rx_in_frame = false;
                 progress.header = None;
+                if p.eof_seen {
+                    self.note_abort(peer);
+                }
                 return Ok(true);
             }
             let avail = p.buffered();
@@ -906,6 +887,9 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         let now = Instant::now();
         if now >= deadline {
             return Ok(());
@@ -991,6 +975,9 @@ impl Transport for TcpTransport {
     }
 
     fn check_peers(&mut self) -> Result<()> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         for i in 0..self.peers.len() {
             self.examine(i)?;
         }
@@ -1004,7 +991,11 @@ impl Transport for TcpTransport {
         self.aborted = true;
         let msg = reason.as_bytes();
         let msg = &msg[..msg.len().min(16 * 1024)];
-        let head = FrameHeader::abort(origin, msg.len(), class).encode();
+        let mut head = FrameHeader::abort(origin, msg.len(), class);
+        // How far this rank got: a peer still in a collective this rank completed finishes
+        // it (`TcpTransport::abort_news`).
+        head.seq = self.coll_done;
+        let head = head.encode();
         for p in self.peers.iter_mut().flatten() {
             if p.state == PeerState::Open && !p.tx_in_frame {
                 let _ = p.stream.set_nonblocking(false);
@@ -1035,62 +1026,9 @@ impl Transport for TcpTransport {
         }
         self.aborted = true;
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    // Lines as Linux 6.x prints them: an established connection retransmitting (tr 1, 7
-    // timeouts), one probing a zero window (tr 4, 2 unanswered probes), and a listener.
-    const TEXT: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100E80A:7445 0200E80A:D1C2 01 00040000:00000000 01:00000C80 00000007     0        0 4242 2 0000000000000000 3200 4 30 10 -1
-   1: 0100E80A:7445 0300E80A:D1C4 01 00040000:00000000 04:00000C80 00000000     0        2 4343 2 0000000000000000 201 4 30 10 -1
-   2: 00000000:7445 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0
-";
-
-    #[test]
-    fn proc_net_tcp_lines_give_timer_retransmissions_and_probes_of_the_asked_sockets() {
-        let got = parse_proc_net_tcp(TEXT, &[4242, 4343]);
-        assert_eq!(
-            got,
-            vec![
-                (
-                    4242,
-                    TimerState {
-                        timer: 1,
-                        retransmits: 7,
-                        probes: 0
-                    }
-                ),
-                (
-                    4343,
-                    TimerState {
-                        timer: 4,
-                        retransmits: 0,
-                        probes: 2
-                    }
-                ),
-            ]
-        );
-        assert!(parse_proc_net_tcp(TEXT, &[9]).is_empty());
-        assert!(parse_proc_net_tcp("header only\n", &[4242]).is_empty());
-    }
-
-    #[test]
-    fn a_connection_is_stalled_only_after_seven_unanswered_retransmissions_or_probes() {
-        let st = |timer, retransmits, probes| TimerState {
-            timer,
-            retransmits,
-            probes,
-        };
-        assert!(st(1, 6, 0).stalled().is_none());
-        let d = st(1, 7, 0).stalled().expect("stalled");
-        assert!(d.contains("at least 25 s"), "{d}");
-        assert!(st(4, 0, 6).stalled().is_none());
-        assert!(st(4, 0, 7).stalled().is_some());
-        // Keepalive is the kernel's own business; no timer is nothing.
-        assert!(st(2, 0, 9).stalled().is_none());
-        assert!(st(0, 9, 9).stalled().is_none());
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.coll_running = running;
+        self.coll_done = completed;
     }
 }

@@ -5,7 +5,9 @@
 //! may move; and writing this rank's own goodbye or abort.
 //!
 //! A peer found gone is not an error by itself ([`PeerState::Gone`]): what it wrote to the
-//! ring is still taken, and only what needs more from it fails.
+//! ring is still taken, and only what needs more from it fails (outside a collective, the
+//! next look at the peers fails too). Nor is, during a collective, the abort of a peer that
+//! had completed that collective ([`ShmTransport::abort_news`]).
 
 use std::io::{self, Read};
 use std::net::Shutdown;
@@ -18,7 +20,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use super::seg;
 use super::{
     out_of_bounds, PeerState, ShmTransport, LINK_POLL, LIVENESS_POLL, MSG_CAP, OFF_BELL, OFF_CLASS,
-    OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
+    OFF_DONE, OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
     STATUS_BYE, STATUS_OPEN,
 };
 use crate::error::{Error, Result};
@@ -64,6 +66,35 @@ impl ShmTransport {
             .get(peer)
             .and_then(Option::as_ref)
             .is_some_and(|p| p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_ABORT)
+    }
+
+    /// The abort of `peer`, if it aborted and it fails this rank's call now: once everything
+    /// the peer sent before it is taken, as over TCP (where the abort frame queues behind the
+    /// data), and except during a collective the peer had completed when it aborted. That
+    /// peer wrote all this rank needs from it and needs nothing more, so its failure in a
+    /// later call (losing a third rank that exited right after this collective) must not fail
+    /// this one: this rank finishes it, and its next call fails. What needs more from the
+    /// peer fails at once (the receive finds its ring empty, the send its `status`).
+    fn abort_of(&mut self, peer: usize) -> Option<Error> {
+        let p = self.peers.get(peer)?.as_ref()?;
+        if !self.aborted_peer(peer) || self.rx_pending(p) {
+            return None;
+        }
+        let done = p.seg.u64_at(OFF_DONE).load(Ordering::Relaxed);
+        if self.coll_running.is_some_and(|c| c <= done) {
+            self.peer_aborted = true;
+            return None;
+        }
+        self.status_error(peer, "communicator")
+    }
+
+    /// The abort that fails this rank's call now ([`ShmTransport::abort_of`]), looked for by
+    /// `send` and `recv` once an abort was let through a collective (`wait` looks always).
+    pub(super) fn abort_news(&mut self) -> Option<Error> {
+        if !self.peer_aborted {
+            return None;
+        }
+        (0..self.peers.len()).find_map(|i| self.abort_of(i))
     }
 
     /// Reads the liveness connection of `peer`: end of stream without a goodbye marks it
@@ -175,23 +206,19 @@ impl ShmTransport {
             self.examine(i);
         }
         for i in 0..self.peers.len() {
-            // An abort counts once everything the peer sent before it is taken, as over TCP
-            // (where the abort frame queues behind the data): a rank still finishing a call
-            // whose frames are all in the ring must not fail it for the peer's later failure.
-            let pending = self.peers[i].as_ref().is_some_and(|p| self.rx_pending(p));
-            if self.aborted_peer(i) && !pending {
-                if let Some(e) = self.status_error(i, "communicator") {
-                    return Err(e);
-                }
+            if let Some(e) = self.abort_of(i) {
+                return Err(e);
             }
             let Some(p) = self.peers[i].as_ref() else {
                 continue;
             };
             if let PeerState::Gone(_) = &p.state {
-                // Like a TCP connection closed with nothing left to read: an error now,
-                // unless it said goodbye (then only what needs it fails).
+                // Like a TCP connection closed with nothing left to read: outside a
+                // collective an error now, unless it said goodbye (then only what needs it
+                // fails); during one, only what needs it fails (see the module docs).
                 let says_bye = p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) == STATUS_BYE;
-                if !says_bye && !p.rx_in_frame && !self.rx_pending(p) {
+                let idle = self.coll_running.is_none();
+                if idle && !says_bye && !p.rx_in_frame && !self.rx_pending(p) {
                     if let Some(e) = self.gone_error(i, "communicator") {
                         return Err(e);
                     }
@@ -311,6 +338,11 @@ impl ShmTransport {
         self.own
             .u32_at(OFF_ORIGIN)
             .store(origin as u32, Ordering::Relaxed);
+        // How far this rank got: a peer still in a collective this rank completed finishes
+        // it (`ShmTransport::abort_of`).
+        self.own
+            .u64_at(OFF_DONE)
+            .store(self.coll_done, Ordering::Relaxed);
         self.own
             .u32_at(OFF_STATUS)
             .store(STATUS_ABORT, Ordering::Release);
@@ -351,6 +383,24 @@ mod tests {
     use crate::transport::shm::{prepare, Prepared, SegInfo, ShmOptions, OFF_PID};
     use crate::transport::Links;
     use crate::transport::{FrameHeader, RecvProgress, RecvSink, Transport};
+
+    /// A sink that takes nothing.
+    struct Nothing;
+
+    impl RecvSink for Nothing {
+        fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
+            Ok(0)
+        }
+        fn direct(&mut self) -> Option<&mut [u8]> {
+            None
+        }
+        fn granule(&self) -> usize {
+            1
+        }
+        fn consume(&mut self, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
 
     /// Links that never connect anything (a peer that never answers).
     #[derive(Debug)]
@@ -401,21 +451,6 @@ mod tests {
             .describe()
             .contains("liveness over TCP connections: 0 of 1 at init"));
         // A receive starts the connection and finds nothing yet.
-        struct Nothing;
-        impl RecvSink for Nothing {
-            fn on_header(&mut self, _: &FrameHeader) -> Result<usize> {
-                Ok(0)
-            }
-            fn direct(&mut self) -> Option<&mut [u8]> {
-                None
-            }
-            fn granule(&self) -> usize {
-                1
-            }
-            fn consume(&mut self, _: &[u8]) -> Result<()> {
-                Ok(())
-            }
-        }
         let mut rp = RecvProgress::default();
         assert!(!t0.recv(1, &mut rp, &mut Nothing).unwrap());
         let interest = [Interest {
@@ -439,5 +474,56 @@ mod tests {
             "{e:?}"
         );
         child.wait().unwrap();
+    }
+
+    /// An abort from a peer that had completed the collective this rank runs (it failed in
+    /// the next one, say on losing a rank that exited) lets that collective finish: the
+    /// abort fails the next call instead (#22 item 3). One that had not completed it fails
+    /// it at once.
+    #[test]
+    fn an_abort_from_a_peer_that_completed_the_running_collective_fails_only_the_next_call() {
+        let partners = |_: usize| Vec::new();
+        let opts = ShmOptions { ring_bytes: 8192 };
+        let two = || -> Vec<ShmTransport> {
+            let preps: Vec<Prepared> = (0..2)
+                .map(|r| prepare(r, 2, &partners, opts).unwrap())
+                .collect();
+            let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+            let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+            preps
+                .into_iter()
+                .zip(segs)
+                .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
+                .collect()
+        };
+        let by_1 = |r: &Result<()>| matches!(r, Err(Error::Aborted { by: 1, reason, .. }) if reason.contains("lost rank 2"));
+
+        let mut t = two();
+        t[1].collective_progress(Some(2), 1);
+        t[1].abort(
+            1,
+            AbortClass::Other,
+            "rank 1: lost rank 2 during all_reduce #2",
+        );
+        t[0].collective_progress(Some(1), 0);
+        t[0].check_peers().expect("#1 is not failed by the abort");
+        t[0].wait(&[], Instant::now() + Duration::from_millis(5))
+            .unwrap();
+        t[0].collective_progress(None, 1);
+        assert!(by_1(&t[0].check_peers()));
+        // The next call's first receive reports it too, before it looks at any ring.
+        let mut rp = RecvProgress::default();
+        let r = t[0].recv(1, &mut rp, &mut Nothing).map(|_| ());
+        assert!(by_1(&r), "{r:?}");
+
+        let mut t = two();
+        t[1].collective_progress(Some(1), 0);
+        t[1].abort(
+            1,
+            AbortClass::Other,
+            "rank 1: lost rank 2 during all_reduce #1",
+        );
+        t[0].collective_progress(Some(1), 0);
+        assert!(by_1(&t[0].check_peers()));
     }
 }

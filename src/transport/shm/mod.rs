@@ -29,7 +29,7 @@
 //! | 0 | magic, version, world, rank, ring size, nonce, pid | owner, at init |
 //! | 64 | `bell`: futex word, bumped to wake the owner | peers |
 //! | 128 | `sleeping`: the owner is about to block on `bell` | owner |
-//! | 192 | `status` (open, goodbye, abort), abort class, origin, message length | owner |
+//! | 192 | `status` (open, goodbye, abort), abort class, origin, message length, and (+16) the last collective the owner completed when it aborted | owner |
 //! | 256 | abort message (up to 3840 bytes) | owner |
 //! | 4096 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
 //!
@@ -76,7 +76,13 @@
 //! followed by a wake of every peer: unlike an in-ring frame it is deliverable even when a
 //! ring is full or a frame half written. As over TCP,
 //! a receive takes what the ring holds first and meets a goodbye only after it; an abort
-//! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text).
+//! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text),
+//! except a collective the aborting rank had completed (its `status` line says which,
+//! [`Transport::collective_progress`]): a survivor still finishing that one finishes it, and
+//! its next call fails. Likewise a peer found gone fails, during a collective, only the send
+//! or receive that needs more from it (every rank takes part: a survivor that needs it fails
+//! at once and its abort tells the others), and at once outside a collective. See "Nothing
+//! hangs" in the README for the rule every transport follows.
 
 //!
 //! # Device memory (not implemented)
@@ -158,6 +164,9 @@ const OFF_STATUS: usize = 192;
 const OFF_CLASS: usize = 196;
 const OFF_ORIGIN: usize = 200;
 const OFF_MSG_LEN: usize = 204;
+/// The last collective an aborting owner completed (0 where none, or a segment that predates
+/// the word: the abort then fails every call, as before).
+const OFF_DONE: usize = 208;
 const OFF_MSG: usize = 256;
 const MSG_CAP: usize = RINGS - OFF_MSG;
 const RINGS: usize = 4096;
@@ -265,6 +274,13 @@ pub struct ShmTransport {
     done: bool,
     /// Liveness connections made on first use (None: every peer has one from init).
     lazy: Option<Lazy>,
+    /// The collective the engine runs and the last one it completed
+    /// ([`Transport::collective_progress`]); an abort publishes `coll_done`.
+    coll_running: Option<u64>,
+    coll_done: u64,
+    /// Some peer's abort was let through a collective it had completed (so that `send` and
+    /// `recv` look for the news only then: [`ShmTransport::abort_news`]).
+    peer_aborted: bool,
 }
 
 impl ShmTransport {
@@ -365,6 +381,9 @@ impl Transport for ShmTransport {
         data: &[u8],
         progress: &mut SendProgress,
     ) -> Result<bool> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         self.send_frame(peer, hdr, data, progress)
     }
 
@@ -374,6 +393,9 @@ impl Transport for ShmTransport {
         progress: &mut RecvProgress,
         sink: &mut dyn RecvSink,
     ) -> Result<bool> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
         self.recv_frame(peer, progress, sink)
     }
 
@@ -391,5 +413,10 @@ impl Transport for ShmTransport {
 
     fn close(&mut self) {
         self.say_goodbye();
+    }
+
+    fn collective_progress(&mut self, running: Option<u64>, completed: u64) {
+        self.coll_running = running;
+        self.coll_done = completed;
     }
 }

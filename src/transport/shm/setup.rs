@@ -352,6 +352,9 @@ impl ShmTransport {
             desc: String::new(),
             done: false,
             lazy: None,
+            coll_running: None,
+            coll_done: 0,
+            peer_aborted: false,
         };
         t.desc = t.description();
         Ok(t)
