@@ -26,7 +26,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::procs::{rank_entry, say, spawn, vars, OK};
-use dspark::transport::TransportKind;
+use dspark::internals::transport::TransportKind;
 use dspark::{Communicator, Error, ReduceOp};
 
 /// Ranks of every lifetime; the last one exits.
