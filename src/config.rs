@@ -841,7 +841,7 @@ pub fn parse_size(s: &str) -> Option<usize> {
 }
 
 #[cfg(test)]
-mod world_size_limit_tests {
+mod tests {
     use super::*;
 
     #[test]
@@ -869,11 +869,6 @@ mod world_size_limit_tests {
             .validate()
             .is_err());
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
     use std::collections::HashMap;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
