@@ -496,7 +496,7 @@ impl Communicator {
     /// # fn main() -> dspark::Result<()> {
     /// use dspark::{Communicator, ReduceOp};
     /// let comm = Communicator::from_env()?;
-    /// let ctx = dspark::gpu::device::open_context(0)?;
+    /// let ctx = dspark::cuda::open_context(0)?;
     /// let stream = ctx.default_stream();
     /// let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
     /// let work = comm.enqueue().all_reduce(&mut grads, ReduceOp::Avg, &stream)?;

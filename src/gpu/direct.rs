@@ -16,8 +16,8 @@
 //!
 //! ```no_run
 //! # fn main() -> dspark::Result<()> {
-//! use dspark::gpu::{device, direct::{CudaDirectDevice, DirectRegion}};
-//! use dspark::transport::DirectLayout;
+//! use dspark::internals::gpu::{device, direct::{CudaDirectDevice, DirectRegion}};
+//! use dspark::internals::transport::DirectLayout;
 //! let ctx = device::open_context(0)?;
 //! let reducer = device::GpuReducer::new(&ctx)?;
 //! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { rank: None, op: "stream".into(), what: format!("{e:?}") })?;

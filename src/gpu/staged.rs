@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # fn main() -> dspark::Result<()> {
-//! use dspark::gpu::{device, staged::{CudaStagedDevice, StagingPool}};
+//! use dspark::internals::gpu::{device, staged::{CudaStagedDevice, StagingPool}};
 //! let ctx = device::open_context(0)?;
 //! let reducer = device::GpuReducer::new(&ctx)?;
 //! let stream = ctx.new_stream().map_err(|e| dspark::Error::Cuda { rank: None, op: "stream".into(), what: format!("{e:?}") })?;

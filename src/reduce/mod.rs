@@ -28,7 +28,7 @@
 //! the scalar loop, which is also the definition the SIMD kernels are tested against.
 //!
 //! ```
-//! use dspark::reduce::{finalize, reduce_slice};
+//! use dspark::internals::reduce::{finalize, reduce_slice};
 //! use dspark::ReduceOp;
 //!
 //! let mut acc = vec![1.0f32, 2.0, 3.0];

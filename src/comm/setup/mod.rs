@@ -333,7 +333,7 @@ impl Communicator {
     /// Three ranks as threads over the in-process transport:
     ///
     /// ```
-    /// use dspark::transport::mem::MemFabric;
+    /// use dspark::internals::transport::mem::MemFabric;
     /// use dspark::{Communicator, Config, ReduceOp};
     ///
     /// let fabric = MemFabric::new(3, 4);

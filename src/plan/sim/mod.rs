@@ -46,8 +46,8 @@
 //!   ([`Call::expected`]), independent of any schedule.
 //!
 //! ```
-//! use dspark::plan::sim::{Call, SimConfig};
-//! use dspark::plan::{Algorithm, Collective};
+//! use dspark::internals::plan::sim::{Call, SimConfig};
+//! use dspark::{Algorithm, Collective};
 //!
 //! let call = Call::new(Collective::AllReduce, Algorithm::Ring, 4, 10).with_finalize(true);
 //! let inputs = call.random_inputs(7);
