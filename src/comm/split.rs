@@ -9,12 +9,12 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// Bytes each rank contributes to the split exchange: colour, key, listener port, IP.
-const RECORD: usize = 8 + 8 + 2 + 16;
+pub(crate) const RECORD: usize = 8 + 8 + 2 + 16;
 
 /// The colour of a rank that opts out.
 const NO_COLOUR: i64 = i64::MIN;
 
-fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
+pub(crate) fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
     let mut b = [0u8; RECORD];
     b[0..8].copy_from_slice(&colour.to_le_bytes());
     b[8..16].copy_from_slice(&key.to_le_bytes());
@@ -29,7 +29,7 @@ fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
     b
 }
 
-fn decode(b: &[u8]) -> (i64, i64, SocketAddr) {
+pub(crate) fn decode(b: &[u8]) -> (i64, i64, SocketAddr) {
     let i64_at = |i: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&b[i..i + 8]);

@@ -32,7 +32,11 @@ pub(super) fn committed_len(peers: usize, ring: usize) -> usize {
 
 /// `MemAvailable` of `/proc/meminfo` in bytes.
 pub(super) fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` in bytes, from the text of `/proc/meminfo`.
+pub(crate) fn parse_mem_available(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
