@@ -26,6 +26,7 @@ mod files;
 #[path = "fuzzing/streams.rs"]
 mod streams;
 
+pub use crate::transport::shm::fuzz::shm_ring;
 pub use files::{proc_files, shm_seg_info, split_record, tune_file};
 pub use streams::{door_messages, store_replies, tcp_frames};
 
@@ -72,12 +73,13 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("tcp_frames", tcp_frames),
     ("door_messages", door_messages),
     ("store_replies", store_replies),
+    ("shm_ring", shm_ring),
 ];
 
 /// The stateful targets, which run each input over a loopback connection (a fresh
 /// transport, or a TCPStore client's connection, per input): the harness gives them this
 /// many times fewer inputs than the others.
-pub const STATEFUL: &[&str] = &["tcp_frames", "door_messages", "store_replies"];
+pub const STATEFUL: &[&str] = &["tcp_frames", "door_messages", "store_replies", "shm_ring"];
 
 /// What target `name` allocates at once whatever its input, beyond what the input's size
 /// justifies: the TCP transport's 256 KiB receive buffer (`tcp_frames`); a TCPStore client
@@ -655,6 +657,7 @@ fn more_samples(name: &str, r: &mut dyn Rng) -> Vec<u8> {
         "tcp_frames" => streams::tcp_frames_sample(r),
         "door_messages" => streams::door_messages_sample(r),
         "store_replies" => streams::store_replies_sample(r),
+        "shm_ring" => crate::transport::shm::fuzz::shm_ring_sample(r),
         _ => Vec::new(),
     }
 }

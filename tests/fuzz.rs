@@ -13,6 +13,7 @@
 //! | the cost model rank 0 broadcasts (`plan::model::wire`: `decode` is its only decoder) | `plan_cost_model` |
 //! | the transport negotiation: shm offer, verbs offer, confirmation | `setup_shm_offer`, `setup_verbs_offer`, `setup_confirm` |
 //! | shared-memory segment info (`SegInfo`, all-gathered at init) | `shm_seg_info` |
+//! | a peer's shared segment: header words (checked when mapped), ring counters and frames, `status` words and abort message, the published `tail` (stateful: two real ranks per input) | `shm_ring` |
 //! | a split's all-gathered record (colour, key, the new group's leader address) | `split_record` |
 //! | the tune file (`dspark tune` writes it, every rank reads it) | `tune_file` |
 //! | `/proc/<pid>/stat`, `/proc/meminfo`, `/proc/net/tcp` | `proc_files` |
@@ -384,6 +385,11 @@ fn fuzz_door_messages() {
 #[test]
 fn fuzz_store_replies() {
     fuzz("store_replies");
+}
+
+#[test]
+fn fuzz_shm_ring() {
+    fuzz("shm_ring");
 }
 
 #[test]

@@ -123,6 +123,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+#[cfg(feature = "testing")]
+pub(crate) mod fuzz;
 mod lazy;
 mod liveness;
 mod ring;
