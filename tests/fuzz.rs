@@ -16,7 +16,7 @@
 //! | a peer's shared segment: header words (checked when mapped), ring counters and frames, `status` words and abort message, the published `tail` (stateful: two real ranks per input) | `shm_ring` |
 //! | a split's all-gathered record (colour, key, the new group's leader address) | `split_record` |
 //! | the tune file (`dspark tune` writes it, every rank reads it) | `tune_file` |
-//! | `/proc/<pid>/stat`, `/proc/meminfo`, `/proc/net/tcp` | `proc_files` |
+//! | `/proc/<pid>/stat`, `/proc/meminfo`, `/proc/self/status` (`CapEff`), `/proc/net/tcp` | `proc_files` |
 //! | TCPStore replies (GET, ADD, CHECK, WAIT, PING), and a stored counter's text | `store_replies` |
 //! | the TCP transport's frame reassembly from a byte stream (stateful) | `tcp_frames` |
 //! | the data listener's non-blocking handshake-message reader (`door::pull_message`, stateful) | `door_messages` |

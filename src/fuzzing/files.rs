@@ -10,6 +10,7 @@ use crate::comm::split;
 use crate::plan::model::{format_tune_file, parse_tune_file, Costs, Medium};
 use crate::transport::shm::{parse_mem_available, parse_proc_stat, SegInfo};
 use crate::transport::tcp::stall::parse_proc_net_tcp;
+use crate::transport::verbs::cap_ipc_lock_in;
 
 /// Where a peer's shared segment is ([`SegInfo`], 32 bytes, all-gathered at init). Canonical:
 /// what decodes (exactly 32 bytes) re-encodes byte for byte.
@@ -112,7 +113,8 @@ pub(super) fn tune_file_sample(r: &mut dyn Rng) -> Vec<u8> {
 
 /// The `/proc` files the transports parse, on the input as (lossy) UTF-8: a process's
 /// `stat` (state and start time: how a shared-memory peer's death is seen), `meminfo`
-/// (`MemAvailable`, sizing the shared segments) and `net/tcp` (retransmission timers: stalled
+/// (`MemAvailable`, sizing the shared segments), `status` (`CapEff`: whether the verbs
+/// transport's memlock limit applies) and `net/tcp` (retransmission timers: stalled
 /// TCP peers; the sockets asked for are the input's bytes 1 to 4 as inode numbers). Checks:
 /// no panic; what they find is there: a start time printed in the text, every socket found
 /// one asked for, and at most one per line.
@@ -126,6 +128,12 @@ pub fn proc_files(data: &[u8]) {
     if let Some(b) = parse_mem_available(&text) {
         assert!(b.is_multiple_of(1024), "{b} bytes");
     }
+    if cap_ipc_lock_in(&text) {
+        assert!(
+            text.contains("CapEff:"),
+            "CAP_IPC_LOCK without a CapEff line"
+        );
+    }
     let inodes: Vec<u64> = data.iter().skip(1).take(4).map(|&b| u64::from(b)).collect();
     let found = parse_proc_net_tcp(&text, &inodes);
     assert!(found.len() <= text.lines().count());
@@ -136,7 +144,13 @@ pub fn proc_files(data: &[u8]) {
 }
 
 pub(super) fn proc_files_sample(r: &mut dyn Rng) -> Vec<u8> {
-    match r.below(3) {
+    match r.below(4) {
+        3 => {
+            let caps = r.next_u64() >> r.below(64);
+            let text = format!("Name:\tdspark\nCapInh:\t0000000000000000\nCapEff:\t{caps:016x}\n");
+            assert_eq!(cap_ipc_lock_in(&text), caps & (1 << 14) != 0);
+            text.into_bytes()
+        }
         0 => {
             let comm = ["bash", "a) b", "x (y) z", "", "python3"][r.below(5)];
             let state = ['R', 'S', 'Z', 'D', 'T'][r.below(5)];
