@@ -13,11 +13,11 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TimerState {
     /// `tr`: 1 retransmission, 2 keepalive, 4 zero-window probe, 0 none.
-    pub(crate) timer: u32,
+    timer: u32,
     /// `retrnsmt`: consecutive retransmission timeouts without an acknowledgement.
-    pub(crate) retransmits: u32,
+    retransmits: u32,
     /// `timeout`: unanswered (keepalive or zero-window) probes.
-    pub(crate) probes: u32,
+    probes: u32,
 }
 
 impl TimerState {
