@@ -13,35 +13,22 @@ use super::net::resolve;
 use super::{fresh_nonce, BootstrapOptions, Ctx, PeerInfo, Star};
 use crate::error::{Error, Result};
 
-/// The rendezvous of a rank other than 0: `host`, `data_port` and `iface` are its own entry
-/// of the table.
-pub(super) fn leaf_rendezvous(
-    ctx: &Ctx<'_>,
-    host: &str,
-    data_port: u16,
-    iface: Option<IpAddr>,
-) -> Result<Star> {
+/// Step 1 of a rank other than 0: connects to rank 0, retrying until the deadline (rank 0
+/// may not listen yet). The connection's local address is the one this rank advertises: its
+/// data listener binds it.
+pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
     let opts = ctx.opts;
-    let sec = ctx.sec();
-    let world = opts.world;
     let (rhost, port) = (&opts.root.0, opts.root.1);
     let mut last_err = String::from("no attempt made");
-    let mut s = loop {
+    loop {
         match resolve(rhost, port) {
             Ok(addrs) if !addrs.is_empty() => {
-                let mut connected = None;
                 for a in addrs {
                     let rem = ctx.remaining().unwrap_or(Duration::from_millis(1));
                     match TcpStream::connect_timeout(&a, rem.min(Duration::from_secs(5))) {
-                        Ok(s) => {
-                            connected = Some(s);
-                            break;
-                        }
+                        Ok(s) => return Ok(s),
                         Err(e) => last_err = format!("{a}: {e}"),
                     }
-                }
-                if let Some(s) = connected {
-                    break s;
                 }
             }
             Ok(_) => last_err = format!("{rhost} resolves to no address"),
@@ -58,7 +45,21 @@ pub(super) fn leaf_rendezvous(
             ));
         }
         std::thread::sleep(Duration::from_millis(50));
-    };
+    }
+}
+
+/// The rendezvous of a rank other than 0 on `s`, its connection to rank 0 ([`reach_root`]):
+/// `host`, `data_port` and `iface` are its own entry of the table.
+pub(super) fn leaf_rendezvous(
+    ctx: &Ctx<'_>,
+    mut s: TcpStream,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+) -> Result<Star> {
+    let opts = ctx.opts;
+    let sec = ctx.sec();
+    let world = opts.world;
     let _ = s.set_nodelay(true);
     let root_at = s
         .peer_addr()

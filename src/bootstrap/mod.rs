@@ -291,28 +291,31 @@ pub fn rendezvous_with(
         .as_deref()
         .map(interface_ip)
         .transpose()?;
-    let data_bind = SocketAddr::new(iface_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)), 0);
-    let data_listener = TcpListener::bind(data_bind).map_err(|e| {
-        Error::io(
-            Some(opts.rank),
-            None,
-            format!("bootstrap: binding the data listener on {data_bind}"),
-            e,
-        )
-    })?;
-    let data_port = data_listener
-        .local_addr()
-        .map_err(|e| ctx.io(None, "data listener address", e))?
-        .port();
-    let (star, peers) = if opts.rank == 0 {
-        root::root_rendezvous(&ctx, &host, data_port, iface_ip, root, links)?
+    let ((star, peers), data_listener) = if opts.rank == 0 {
+        root::root_rendezvous(&ctx, &host, iface_ip, root, links)?
     } else {
-        leaf::leaf_rendezvous(&ctx, &host, data_port, iface_ip)?
+        let s = leaf::reach_root(&ctx)?;
+        // The data listener binds the address this rank advertises: the interface asked for,
+        // else the one it reaches rank 0 from (which rank 0 puts in the table).
+        let ip = match iface_ip {
+            Some(ip) => ip,
+            None => s
+                .local_addr()
+                .map_err(|e| ctx.io(Some(0), "the local address of the connection to rank 0", e))?
+                .ip(),
+        };
+        let l = bind_data(&ctx, ip)?;
+        let port = l
+            .local_addr()
+            .map_err(|e| ctx.io(None, "data listener address", e))?
+            .port();
+        (leaf::leaf_rendezvous(&ctx, s, &host, port, iface_ip)?, l)
     };
     data_listener
         .set_nonblocking(true)
         .map_err(|e| ctx.io(None, "listener", e))?;
     let mut door = Door::new(data_listener, opts.world);
+    door.allow(&peers, opts.any_source);
     let mut mesh: Vec<Option<TcpStream>> = (0..opts.world).map(|_| None).collect();
     let mine = links.map(|l| l(opts.rank));
     let need = |p: usize| mine.as_ref().is_none_or(|l| l.binary_search(&p).is_ok());
@@ -328,8 +331,31 @@ pub fn rendezvous_with(
     };
     if links.is_some() {
         boot.gather_table(&mut mesh)?;
+        // The whole table is known now: every rank's address may connect.
+        if let Some(d) = boot.door.as_mut() {
+            d.allow(&boot.peers, opts.any_source);
+        }
     }
     Ok((boot, mesh))
+}
+
+/// Binds this rank's data listener on `ip`, the address it advertises (an ephemeral port), or
+/// on every interface with `DSPARK_LISTEN_ANY`.
+fn bind_data(ctx: &Ctx<'_>, ip: IpAddr) -> Result<TcpListener> {
+    let ip = match ip {
+        _ if !ctx.opts.listen_any => ip,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let at = SocketAddr::new(ip, 0);
+    TcpListener::bind(at).map_err(|e| {
+        Error::io(
+            Some(ctx.rank()),
+            None,
+            format!("bootstrap: binding the data listener on {at}"),
+            e,
+        )
+    })
 }
 
 /// The connections to rank 0 (rank 0: to every rank) and the rank table.
