@@ -720,3 +720,130 @@ fn reject(s: &TcpStream, why: &str) {
     };
     let _ = send_now(s, &rej.encode());
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::Ipv4Addr;
+    use std::os::fd::OwnedFd;
+
+    use super::*;
+    use crate::bootstrap::mesh::tests::{config, peer};
+
+    /// A connection to `to` from `from` (an address of this host other than the default, as
+    /// a stranger on another host would have).
+    fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+        use nix::sys::socket::{
+            bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn,
+        };
+        let fd: OwnedFd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::empty(),
+            None,
+        )
+        .unwrap();
+        let [a, b, c, d] = from.octets();
+        bind(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            &SockaddrIn::new(a, b, c, d, 0),
+        )
+        .unwrap();
+        let SocketAddr::V4(to) = to else {
+            panic!("an IPv4 address")
+        };
+        let [a, b, c, d] = to.ip().octets();
+        connect(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            &SockaddrIn::new(a, b, c, d, to.port()),
+        )
+        .unwrap();
+        TcpStream::from(fd)
+    }
+
+    /// A connection from an address that is no rank's is closed before anything is read from
+    /// it (its bytes unread, the kernel resets it), and counted; the same bytes from a rank's
+    /// address are read (and, not being a hello, refused after reading: a plain close).
+    #[test]
+    fn a_connection_from_no_ranks_address_is_closed_unread() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut door = Door::new(listener, 2);
+        door.allow(
+            &[peer(0, addr), peer(1, "127.0.0.1:9".parse().unwrap())],
+            false,
+        );
+        let opts = config(0, 2, "a");
+        let ctx = Ctx::new(&opts);
+        let mut mesh: Vec<Option<TcpStream>> = vec![None, None];
+        // A whole frame that is no hello: 8 bytes.
+        let frame = [8u8, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+        let mut stranger = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr);
+        stranger.write_all(&frame).unwrap();
+        let mut rank = connect_from(Ipv4Addr::LOCALHOST, addr);
+        rank.write_all(&frame).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..5 {
+            door.round(&ctx, &mut mesh, Duration::from_millis(50))
+                .unwrap();
+        }
+        let heard = |s: &mut TcpStream| {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut b = [0u8; 16];
+            s.read(&mut b).map_err(|e| e.kind())
+        };
+        assert_eq!(heard(&mut stranger), Err(io::ErrorKind::ConnectionReset));
+        assert_eq!(heard(&mut rank), Ok(0));
+        let text = door.gate.refused.suffix();
+        assert!(
+            text.contains(&format!(
+                "{}: not the address of any rank",
+                stranger.local_addr().unwrap()
+            )) && text.contains("closed unread")
+                && text.contains(&rank.local_addr().unwrap().to_string()),
+            "{text}"
+        );
+        // Without the table (or with DSPARK_ACCEPT_ANY_SOURCE) any address is read.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut door = Door::new(listener, 2);
+        door.allow(&[peer(0, addr)], true);
+        let mut stranger = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr);
+        stranger.write_all(&frame).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..5 {
+            door.round(&ctx, &mut mesh, Duration::from_millis(50))
+                .unwrap();
+        }
+        assert_eq!(heard(&mut stranger), Ok(0));
+    }
+
+    /// However many are refused, the text that lists them stays short: the first few, cut,
+    /// and a count.
+    #[test]
+    fn the_refused_list_is_capped_in_count_and_bytes() {
+        let mut r = Refused::default();
+        assert_eq!(r.suffix(), "");
+        for i in 0..10_000 {
+            r.push(format!("127.0.0.1:{i}: {}", "é".repeat(1000)));
+        }
+        let s = r.suffix();
+        assert!(
+            s.len() < SHOWN * (ENTRY_BYTES + 4) + 64,
+            "{} bytes",
+            s.len()
+        );
+        assert!(
+            s.ends_with(&format!(" … and {} more refused", 10_000 - SHOWN)),
+            "{s}"
+        );
+        assert_eq!(r.count(), 10_000);
+        let l = capped_list((0..1000).map(|i| i.to_string()));
+        assert!(
+            l.starts_with("0, 1, 2") && l.ends_with(&format!(" … and {} more", 1000 - SHOWN)),
+            "{l}"
+        );
+    }
+}

@@ -477,3 +477,114 @@ fn abort_all(ctx: &Ctx<'_>, star: &mut [Option<TcpStream>], class: u8, var: &str
         let _ = ctx.send(s, None, rej.encode());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::bootstrap::{rendezvous, BootstrapOptions, HELLO_WAIT};
+
+    /// Rank `rank` of `world` with a job token, meeting at 127.0.0.1:`port`.
+    fn opts(rank: usize, world: usize, port: u16, timeout: Duration) -> BootstrapOptions {
+        let mut o = BootstrapOptions::for_test(rank, world, "a");
+        o.root = ("127.0.0.1".into(), port);
+        o.root_addr = format!("127.0.0.1:{port}");
+        o.timeout = timeout;
+        o
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// Connects to rank 0, retrying until it listens.
+    fn reach(port: u16) -> TcpStream {
+        let t0 = Instant::now();
+        loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => return s,
+                Err(e) if t0.elapsed() > Duration::from_secs(5) => panic!("{e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    /// 200 connections that stay silent or send half a message (more than rank 0 holds at
+    /// once) are there before the real rank 1 arrives: rank 0 reads them all side by side, so
+    /// rank 1 joins at once rather than after one hello wait per stranger. (Rank 0 used to
+    /// read each connection's hello with a blocking wait of up to 5 s, one after another.)
+    #[test]
+    fn silent_and_half_speaking_connections_hold_up_no_rank() {
+        let port = free_port();
+        let o0 = opts(0, 2, port, Duration::from_secs(20));
+        let root = std::thread::spawn(move || rendezvous(&o0).map(|_| ()));
+        let mut strangers = Vec::new();
+        for i in 0..200 {
+            let mut s = reach(port);
+            if i % 2 == 1 {
+                s.write_all(&100u32.to_le_bytes()).unwrap();
+                s.write_all(&[7u8; 10]).unwrap();
+            }
+            strangers.push(s);
+        }
+        let t0 = Instant::now();
+        let o1 = opts(1, 2, port, Duration::from_secs(20));
+        let leaf = std::thread::spawn(move || rendezvous(&o1).map(|_| ()));
+        leaf.join().unwrap().unwrap();
+        root.join().unwrap().unwrap();
+        assert!(
+            t0.elapsed() < HELLO_WAIT / 2,
+            "rank 1 took {:?} to join",
+            t0.elapsed()
+        );
+        drop(strangers);
+    }
+
+    /// Connections that connect and reset, or send garbage, for the whole wait, and a rank
+    /// that never comes: the error names the missing rank, and its list of refused
+    /// connections stays short whatever their number.
+    #[test]
+    fn connect_and_reset_churn_keeps_the_error_short() {
+        let port = free_port();
+        let o0 = opts(0, 2, port, Duration::from_millis(1500));
+        let root = std::thread::spawn(move || rendezvous(&o0).map(|_| ()));
+        let churn = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let mut n = 0u32;
+            while t0.elapsed() < Duration::from_millis(1400) {
+                let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                };
+                if n % 2 == 0 {
+                    let _ = s.write_all(&[0, 0, 0, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+                }
+                let lin = libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                };
+                let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Linger, &lin);
+                n += 1;
+            }
+            n
+        });
+        let e = root.join().unwrap().unwrap_err();
+        let n = churn.join().unwrap();
+        let text = e.to_string();
+        assert!(n > 100, "only {n} connections churned");
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(1), .. })
+                && text.contains("missing rank(s) 1")
+                && text.contains("more refused")
+                && text.len() < 4096,
+            "{} bytes after {n} connections: {text}",
+            text.len()
+        );
+    }
+}
