@@ -32,6 +32,15 @@
 //! A rank of another protocol version is refused with both versions named, in either
 //! direction: version 2's hello starts with version 1's fields.
 //!
+//! Strangers cannot stall it: rank 0 and every data listener read all their pending
+//! connections side by side without waiting on any ([`door`]'s `Gate`), each with its own
+//! hello wait, at most a bounded number at once, and list what they refused in capped error
+//! text. Listeners bind the address the rank advertises (rank 0's rendezvous listener the
+//! root address's IP, a data listener `DSPARK_SOCKET_IFNAME`'s address or the one the rank
+//! reaches rank 0 from), never a wildcard unless `DSPARK_LISTEN_ANY=1`; once the rank table is
+//! known, a data listener closes a connection from an address that is no rank's before
+//! reading anything (`DSPARK_ACCEPT_ANY_SOURCE=1` turns that off for multi-homed hosts).
+//!
 //! The connections to rank 0 stay open until init is over for small exchanges
 //! ([`Bootstrap::all_gather`]), e.g. the verbs connection information.
 //!

@@ -278,7 +278,7 @@ fn churn(port: u16, span: Duration) -> usize {
             std::thread::sleep(Duration::from_millis(1));
             continue;
         };
-        if n % 2 == 0 {
+        if n.is_multiple_of(2) {
             let _ = s.write_all(&[0, 0, 0, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
         }
         let lin = libc::linger {
@@ -387,13 +387,30 @@ fn hear(mut s: TcpStream, frame: &[u8], limit: Duration) -> Result<usize, std::i
 
 #[test]
 fn listeners_bind_no_wildcard_and_a_stranger_after_init_is_refused_unread() {
+    // Over TCP, and over the default (shared memory on one host, which keeps the data
+    // listener for its liveness connections).
+    let mut verdicts = listen_case("tcp");
+    verdicts.extend(listen_case("auto"));
+    assert!(verdicts.is_empty(), "{}", verdicts.join("\n"));
+}
+
+/// A 2-rank job over `transport`: what is wrong with its listeners.
+fn listen_case(transport: &str) -> Vec<String> {
     let port = free_port();
     let stop =
         std::env::temp_dir().join(format!("dspark-flood-stop-{}-{port}", std::process::id()));
     let _ = std::fs::remove_file(&stop);
     let stop_s = stop.display().to_string();
     let mut ranks: Vec<Child> = (0..2)
-        .map(|r| spawn_rank(r, 2, port, "listen", &[(STOP, &stop_s)]))
+        .map(|r| {
+            spawn_rank(
+                r,
+                2,
+                port,
+                "listen",
+                &[(STOP, &stop_s), ("DSPARK_TRANSPORT", transport)],
+            )
+        })
         .collect();
     // Each rank's listening sockets, printed before READY.
     let mut seen: Vec<String> = Vec::new();
@@ -434,6 +451,7 @@ fn listeners_bind_no_wildcard_and_a_stranger_after_init_is_refused_unread() {
     // A stranger on this host, but at an address of no rank, is closed before anything it
     // sent is read (so the kernel resets it); the same bytes from a rank's address are read.
     let frame = [8u8, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    println!("{transport}: the ranks listen on {data_ports:?}");
     for a in &data_ports {
         let t0 = Instant::now();
         let stranger = hear(connect_from(2, *a), &frame, Duration::from_secs(4));
@@ -463,5 +481,8 @@ fn listeners_bind_no_wildcard_and_a_stranger_after_init_is_refused_unread() {
             verdicts.push(format!("rank {r} exited {code:?}:\n{}{out}", seen[r]));
         }
     }
-    assert!(verdicts.is_empty(), "{}", verdicts.join("\n"));
+    verdicts
+        .into_iter()
+        .map(|v| format!("{transport}: {v}"))
+        .collect()
 }
