@@ -212,13 +212,15 @@ pub(super) fn pull_message(
             got.clear();
             return Ok(Some(m));
         }
-        let old = got.len();
-        got.resize(whole, 0);
-        let r = recv(s.as_raw_fd(), &mut got[old..], MsgFlags::MSG_DONTWAIT);
-        got.truncate(old + r.unwrap_or(0));
+        // Read into a small buffer: what a connection makes this rank hold grows with what
+        // it actually sent, not with the length it announced.
+        let mut buf = [0u8; 4096];
+        let want = (whole - got.len()).min(buf.len());
+        let r = recv(s.as_raw_fd(), &mut buf[..want], MsgFlags::MSG_DONTWAIT);
         match r {
             Ok(0) => return Err("closed the connection in the middle of the handshake".into()),
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR) => {}
             Err(nix::errno::Errno::EAGAIN) => return Ok(None),
             Err(e) => return Err(format!("reading the handshake: {e}")),
         }
@@ -818,6 +820,35 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(heard(&mut stranger), Ok(0));
+    }
+
+    /// A message that arrives in pieces is whole only once its last byte came; a length
+    /// beyond the limit is refused before its body is read.
+    #[test]
+    fn pull_message_assembles_pieces_and_refuses_long_lengths() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (rx, _) = listener.accept().unwrap();
+        let mut got = Vec::new();
+        assert_eq!(pull_message(&rx, &mut got, 100), Ok(None));
+        let body: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        for piece in frame.chunks(3001) {
+            assert_eq!(pull_message(&rx, &mut got, 20_000), Ok(None));
+            tx.write_all(piece).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(pull_message(&rx, &mut got, 20_000), Ok(Some(body)));
+        assert!(got.is_empty());
+        tx.write_all(&200u32.to_le_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let e = pull_message(&rx, &mut got, 100).unwrap_err();
+        assert!(e.contains("bad message length 200"), "{e}");
+        drop(tx);
+        let mut got = Vec::new();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(pull_message(&rx, &mut got, 100).is_err());
     }
 
     /// However many are refused, the text that lists them stays short: the first few, cut,
