@@ -296,11 +296,14 @@ fn churn(port: u16, span: Duration) -> usize {
 fn silent_connections_and_reset_churn_do_not_fail_a_tokened_init() {
     let port = free_port();
     let r0 = spawn_rank(0, 2, port, "init", &[]);
-    // 200 silent connections are there before rank 1 starts, and churn goes on meanwhile.
+    // 200 silent connections are there before rank 1 starts (within their hello wait), and
+    // churn goes on meanwhile.
     let silent: Vec<TcpStream> = (0..200)
         .map(|_| reach(port, Duration::from_secs(20)))
         .collect();
     let churner = std::thread::spawn(move || churn(port, Duration::from_secs(2)));
+    // Rank 1 comes while the churn goes on (init ends as soon as it joined).
+    std::thread::sleep(Duration::from_millis(1500));
     let r1 = spawn_rank(1, 2, port, "init", &[]);
     let (c1, out1) = finish(r1, Duration::from_secs(40));
     let (c0, out0) = finish(r0, Duration::from_secs(10));
