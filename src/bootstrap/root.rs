@@ -550,6 +550,33 @@ mod tests {
         drop(strangers);
     }
 
+    /// A root address that is not this host's is a configuration error naming the way out,
+    /// not a silent wildcard listener; with `DSPARK_LISTEN_ANY` rank 0 listens on every
+    /// interface (and waits for rank 1).
+    #[test]
+    fn a_root_address_of_another_host_needs_listen_any() {
+        let port = free_port();
+        let mut o = opts(0, 2, port, Duration::from_millis(300));
+        // TEST-NET-1 (RFC 5737): never an address of this host.
+        o.root = ("192.0.2.1".into(), port);
+        o.root_addr = format!("192.0.2.1:{port}");
+        let e = rendezvous(&o).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Config { .. })
+                && text.contains("no address of this host")
+                && text.contains("DSPARK_LISTEN_ANY=1"),
+            "{text}"
+        );
+        o.listen_any = true;
+        let e = rendezvous(&o).unwrap_err();
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(1), .. })
+                && e.to_string().contains(&format!("0.0.0.0:{port}")),
+            "{e}"
+        );
+    }
+
     /// Connections that connect and reset, or send garbage, for the whole wait, and a rank
     /// that never comes: the error names the missing rank, and its list of refused
     /// connections stays short whatever their number.
