@@ -303,8 +303,19 @@ impl<H: Claim> Gate<H> {
             .as_ref()
             .map(|(_, h, _)| h.claim())
             .unwrap_or_default();
-        tracing::warn!(from = %c.from, "refused a bootstrap connection{claim}: {why}");
-        self.refused.push(format!("{}{claim}: {why}", c.from));
+        self.note(format!("{}{claim}: {why}", c.from));
+    }
+
+    /// Records a refusal, with a warning: each of the first few, then one at every power of
+    /// two with the count, so that a flood of connections does not flood the log either.
+    fn note(&mut self, line: String) {
+        let n = self.refused.count().saturating_add(1);
+        if n <= SHOWN {
+            tracing::warn!("refused a bootstrap connection: {line}");
+        } else if n.is_power_of_two() {
+            tracing::warn!("refused {n} bootstrap connections so far; the latest: {line}");
+        }
+        self.refused.push(line);
     }
 
     /// Closes the candidates whose time is up, then waits at most `rem` (and at most a
@@ -390,8 +401,7 @@ impl<H: Claim> Gate<H> {
                 if !ranks.contains(&from.ip().to_canonical()) {
                     // Closed before anything is read from it.
                     drop(s);
-                    tracing::warn!(%from, "refused a connection from an address of no rank");
-                    self.refused.push(format!(
+                    self.note(format!(
                         "{from}: not the address of any rank of this job (closed unread; \
                          DSPARK_ACCEPT_ANY_SOURCE=1 accepts any address)"
                     ));
