@@ -550,6 +550,23 @@ mod tests {
         drop(strangers);
     }
 
+    /// Rank 0 closes a rank's connection before reading its hello (as it does to the oldest
+    /// silent connection when strangers fill its listener): the rank connects again and
+    /// joins, rather than failing with a lost rank 0.
+    #[test]
+    fn a_rank_whose_connection_rank_0_closed_unread_connects_again() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let o1 = opts(1, 2, port, Duration::from_secs(10));
+        let leaf = std::thread::spawn(move || rendezvous(&o1).map(|_| ()));
+        let (first, _) = l.accept().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(first);
+        let o0 = opts(0, 2, port, Duration::from_secs(10));
+        crate::bootstrap::rendezvous_with(&o0, Some(l), None).unwrap();
+        leaf.join().unwrap().unwrap();
+    }
+
     /// A root address that is not this host's is a configuration error naming the way out,
     /// not a silent wildcard listener; with `DSPARK_LISTEN_ANY` rank 0 listens on every
     /// interface (and waits for rank 1).
