@@ -449,9 +449,11 @@ pub(super) enum Until {
 /// else is dropped at once with a warning naming its address, one that says no hello within
 /// [`HELLO_WAIT`], or does not answer the challenge within [`HELLO_WAIT`], too. Candidates
 /// are read without waiting ([`Candidate::pull`]): one that sends half a message holds up
-/// nothing, and the real rank is accepted and proved next to it. Only a connection
-/// that proved the token and then does not fit (for another rank, or a rank already
-/// connected) fails the init: that is a rank of this job, confused.
+/// nothing, and the real rank is accepted and proved next to it. Once the rank table is
+/// known ([`Door::allow`]), a connection from an address that is no rank's is closed before
+/// anything is read from it. Only a connection that proved the token and then does not fit
+/// (for another rank, or a rank already connected) fails the init: that is a rank of this
+/// job, confused. (The warnings are rate-limited and the refusals counted: see [`Gate`].)
 pub(super) struct Door {
     /// The listener and its candidates.
     pub(super) gate: Gate<PeerHello>,
