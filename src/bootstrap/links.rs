@@ -5,14 +5,14 @@
 #![forbid(unsafe_code)]
 
 use std::io;
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::door::{pull_message, Door, CROSSED};
-use super::mesh::{answer_challenge, check_ack, say_hello};
+use super::mesh::{answer_challenge, check_ack, connect_failed, send_hello};
 use super::{msg, BootstrapOptions, Ctx, PeerInfo, HELLO_WAIT, MAX_HELLO};
 use crate::error::{Error, Result};
 use crate::transport::Links;
@@ -33,16 +33,20 @@ pub struct LazyLinks {
     pub(super) scratch: Vec<Option<TcpStream>>,
 }
 
-/// A connection to a lower rank in the making: the hello is sent; `challenged` once this
-/// rank answered the challenge (and waits for the acknowledgement).
+/// A connection to a lower rank in the making: `connecting` until the TCP connection is made
+/// (started without waiting, so a peer host that does not answer holds up no call), then the
+/// hello is sent; `challenged` once this rank answered the challenge (and waits for the
+/// acknowledgement).
 pub(super) struct Dial {
     s: TcpStream,
+    connecting: bool,
     hello: Vec<u8>,
     challenged: bool,
     /// The part of the peer's next message that has arrived (read without waiting, so a peer
     /// that sends half a message holds up nothing until `due`).
     got: Vec<u8>,
-    /// When the peer's next message must be whole: [`HELLO_WAIT`] after the hello, and again
+    /// When the connection must be made, and then when the peer's next message must be
+    /// whole: [`HELLO_WAIT`] after the connection was started, after the hello, and again
     /// after the answer to its challenge.
     due: Instant,
 }
@@ -78,11 +82,13 @@ impl Links for LazyLinks {
             deadline: now + HELLO_WAIT,
             start: now,
         };
-        let (s, hello) = say_hello(&ctx, &self.peers[peer], true)?;
+        let s = connect_without_waiting(self.peers[peer].addr)
+            .map_err(|e| connect_failed(&ctx, &self.peers[peer], e))?;
         tracing::debug!(rank = me, peer, "connecting on first use");
         self.dials[peer] = Some(Dial {
             s,
-            hello,
+            connecting: true,
+            hello: Vec::new(),
             challenged: false,
             got: Vec::new(),
             due: Instant::now() + HELLO_WAIT,
@@ -116,8 +122,15 @@ impl Links for LazyLinks {
                 .iter()
                 .enumerate()
                 .filter_map(|(r, d)| {
-                    d.as_ref()
-                        .map(|d| (r, PollFd::new(d.s.as_fd(), PollFlags::POLLIN)))
+                    d.as_ref().map(|d| {
+                        // Made: writable. (Errors and hang-ups are reported either way.)
+                        let ev = if d.connecting {
+                            PollFlags::POLLOUT
+                        } else {
+                            PollFlags::POLLIN
+                        };
+                        (r, PollFd::new(d.s.as_fd(), ev))
+                    })
                 })
                 .unzip();
             if fds.is_empty() {
@@ -138,6 +151,42 @@ impl Links for LazyLinks {
             let Some(mut d) = self.dials[r].take() else {
                 continue;
             };
+            if d.connecting {
+                if ready.contains(&r) {
+                    let failed = match d.s.take_error() {
+                        Ok(None) => None,
+                        Ok(Some(e)) | Err(e) => Some(e),
+                    };
+                    let made = match failed {
+                        None => d.s.set_nonblocking(false),
+                        Some(e) => Err(e),
+                    };
+                    if let Err(e) = made {
+                        self.door.dialing[r] = false;
+                        return Err(connect_failed(&ctx, &self.peers[r], e));
+                    }
+                    d.hello = match send_hello(&ctx, &mut d.s, &self.peers[r]) {
+                        Ok(h) => h,
+                        Err(e) => {
+                            self.door.dialing[r] = false;
+                            return Err(e);
+                        }
+                    };
+                    d.connecting = false;
+                    d.due = Instant::now() + HELLO_WAIT;
+                } else if Instant::now() >= d.due {
+                    self.door.dialing[r] = false;
+                    return Err(ctx.timeout(
+                        Some(r),
+                        format!(
+                            "connecting to rank {r} at {}: not made within {HELLO_WAIT:?}",
+                            self.peers[r].addr
+                        ),
+                    ));
+                }
+                self.dials[r] = Some(d);
+                continue;
+            }
             let what = if d.challenged {
                 format!("waiting for rank {r} to accept the connection")
             } else {
@@ -203,11 +252,44 @@ impl Links for LazyLinks {
         Ok(done)
     }
 
-    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        let mut v = vec![self.door.gate.listener.as_fd()];
-        v.extend(self.door.gate.cands.iter().map(|c| c.s.as_fd()));
-        v.extend(self.dials.iter().flatten().map(|d| d.s.as_fd()));
+    fn fds(&self) -> Vec<PollFd<'_>> {
+        let readable = |fd| PollFd::new(fd, PollFlags::POLLIN);
+        let mut v = vec![readable(self.door.gate.listener.as_fd())];
+        v.extend(self.door.gate.cands.iter().map(|c| readable(c.s.as_fd())));
+        v.extend(self.dials.iter().flatten().map(|d| {
+            // A connection in the making is made (or failed) when it becomes writable.
+            let ev = if d.connecting {
+                PollFlags::POLLOUT
+            } else {
+                PollFlags::POLLIN
+            };
+            PollFd::new(d.s.as_fd(), ev)
+        }));
         v
+    }
+}
+
+/// A TCP connection to `addr`, started without waiting for it to be made (a non-blocking
+/// `connect`): the stream is non-blocking and becomes writable once made or failed.
+fn connect_without_waiting(addr: SocketAddr) -> io::Result<TcpStream> {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    match connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    ) {
+        Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => Ok(TcpStream::from(fd)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -280,5 +362,80 @@ mod tests {
         );
         drop(links);
         half.join().unwrap();
+    }
+
+    /// The dialling side of a connection on first use to a host that does not answer (here a
+    /// listener whose accept queue is full, so the kernel drops the SYNs): starting it and
+    /// every `progress` call return at once, so a collective's own deadline and `abort` keep
+    /// working, and the connection fails naming the peer once the hello wait is over. (The
+    /// connect used to block `start` for up to five seconds.)
+    #[test]
+    fn a_peer_host_that_does_not_answer_holds_up_no_start_or_progress_call() {
+        use nix::sys::socket::{bind, listen, socket, AddressFamily, Backlog, SockFlag};
+        use nix::sys::socket::{SockType, SockaddrIn};
+        let fd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        bind(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            &SockaddrIn::new(127, 0, 0, 1, 0),
+        )
+        .unwrap();
+        listen(&fd, Backlog::new(0).unwrap()).unwrap();
+        let full = TcpListener::from(fd);
+        let full_addr = full.local_addr().unwrap();
+        // Fill the accept queue: once a connect is not made within 200 ms, SYNs are dropped.
+        let mut filler = Vec::new();
+        while filler.len() < 64 {
+            match TcpStream::connect_timeout(&full_addr, Duration::from_millis(200)) {
+                Ok(s) => filler.push(s),
+                Err(_) => break,
+            }
+        }
+        assert!(filler.len() < 64, "the accept queue never filled");
+        let own = TcpListener::bind("127.0.0.1:0").unwrap();
+        let own_addr = own.local_addr().unwrap();
+        own.set_nonblocking(true).unwrap();
+        let mut door = Door::new(own, 2);
+        door.lazy = true;
+        let mut links = LazyLinks {
+            opts: config(1, 2, "a"),
+            door,
+            peers: vec![peer(0, full_addr), peer(1, own_addr)],
+            dials: (0..2).map(|_| None).collect(),
+            scratch: (0..2).map(|_| None).collect(),
+        };
+        let t0 = Instant::now();
+        links.start(0).unwrap();
+        let started = t0.elapsed();
+        let mut slowest = Duration::ZERO;
+        let e = loop {
+            let t = Instant::now();
+            let r = links.progress();
+            slowest = slowest.max(t.elapsed());
+            match r {
+                Ok(done) => assert!(done.is_empty(), "connected to a host that drops SYNs"),
+                Err(e) => break e,
+            }
+            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(0), .. }) && text.contains("not made within"),
+            "{text}"
+        );
+        assert!(
+            started < Duration::from_millis(500),
+            "start took {started:?}"
+        );
+        assert!(
+            slowest < Duration::from_millis(500),
+            "a progress call took {slowest:?}"
+        );
     }
 }

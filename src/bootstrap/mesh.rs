@@ -48,7 +48,7 @@ pub(super) fn connect_mesh(
         .collect();
     // 1. Connect to every lower rank and say hello.
     for &r in &lower {
-        let (s, hello) = say_hello(ctx, &peers[r], false)?;
+        let (s, hello) = say_hello(ctx, &peers[r])?;
         sent[r] = hello;
         mesh[r] = Some(s);
     }
@@ -85,16 +85,10 @@ pub(super) fn connect_mesh(
     Ok(())
 }
 
-/// Step 1 of a data connection to the lower rank `p`: connects to its data listener and
-/// sends a hello with a fresh nonce; returns the stream and the hello. A refused connection
-/// is retried until the deadline (the rank may not listen yet) unless `refused_is_lost`: after
-/// the rendezvous every listener is up, and a refusal means the rank is gone.
-pub(super) fn say_hello(
-    ctx: &Ctx<'_>,
-    p: &PeerInfo,
-    refused_is_lost: bool,
-) -> Result<(TcpStream, Vec<u8>)> {
-    let me = ctx.rank();
+/// Step 1 of a data connection to the lower rank `p` at init: connects to its data listener
+/// and sends a hello with a fresh nonce; returns the stream and the hello. A refused
+/// connection is retried until the deadline (the rank may not listen yet).
+pub(super) fn say_hello(ctx: &Ctx<'_>, p: &PeerInfo) -> Result<(TcpStream, Vec<u8>)> {
     let mut s = loop {
         let rem = ctx.remaining().ok_or_else(|| {
             ctx.timeout(
@@ -104,34 +98,46 @@ pub(super) fn say_hello(
         })?;
         match TcpStream::connect_timeout(&p.addr, rem.min(Duration::from_secs(5))) {
             Ok(s) => break s,
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && !refused_is_lost => {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                return Err(Error::PeerLost {
-                    rank: me,
-                    peer: p.rank,
-                    op: "connect".into(),
-                    detail: format!(
-                        "its data listener at {} ({}) refused the connection: its communicator \
-                         is closed or its process died",
-                        p.addr, p.host
-                    ),
-                })
-            }
-            Err(e) => {
-                return Err(Error::io(
-                    Some(me),
-                    Some(p.rank),
-                    format!(
-                        "bootstrap: connecting to rank {} at {} ({})",
-                        p.rank, p.addr, p.host
-                    ),
-                    e,
-                ))
-            }
+            Err(e) => return Err(connect_failed(ctx, p, e)),
         }
     };
+    let hello = send_hello(ctx, &mut s, p)?;
+    Ok((s, hello))
+}
+
+/// The error of a connection to `p` that failed with `e`. After the rendezvous every listener
+/// is up, so a refusal there means the rank is gone: [`Error::PeerLost`].
+pub(super) fn connect_failed(ctx: &Ctx<'_>, p: &PeerInfo, e: io::Error) -> Error {
+    if e.kind() == io::ErrorKind::ConnectionRefused {
+        return Error::PeerLost {
+            rank: ctx.rank(),
+            peer: p.rank,
+            op: "connect".into(),
+            detail: format!(
+                "its data listener at {} ({}) refused the connection: its communicator is \
+                 closed or its process died",
+                p.addr, p.host
+            ),
+        };
+    }
+    Error::io(
+        Some(ctx.rank()),
+        Some(p.rank),
+        format!(
+            "bootstrap: connecting to rank {} at {} ({})",
+            p.rank, p.addr, p.host
+        ),
+        e,
+    )
+}
+
+/// Step 1 on a connection to `p` that is made: sends the hello with a fresh nonce and returns
+/// it (the proofs that follow cover it).
+pub(super) fn send_hello(ctx: &Ctx<'_>, s: &mut TcpStream, p: &PeerInfo) -> Result<Vec<u8>> {
+    let me = ctx.rank();
     let _ = s.set_nodelay(true);
     let hello = PeerHello {
         job: ctx.sec().job,
@@ -142,8 +148,8 @@ pub(super) fn say_hello(
         nonce: fresh_nonce(ctx)?,
     }
     .encode();
-    ctx.send(&mut s, Some(p.rank), hello.clone())?;
-    Ok((s, hello.0))
+    ctx.send(s, Some(p.rank), hello.clone())?;
+    Ok(hello.0)
 }
 
 /// Step 3 of a data connection to the lower rank `p`: checks its challenge `m` (its proof

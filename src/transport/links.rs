@@ -9,8 +9,8 @@
 
 #![forbid(unsafe_code)]
 
+use nix::poll::PollFd;
 use std::net::TcpStream;
-use std::os::fd::BorrowedFd;
 
 use super::Links;
 use crate::error::{Error, Result};
@@ -156,8 +156,8 @@ impl FirstUse {
             .any(|(p, &s)| s && t.wants(p))
     }
 
-    /// The descriptors that are readable when [`FirstUse::pump`] has work.
-    pub(crate) fn fds(&self) -> Vec<BorrowedFd<'_>> {
+    /// The descriptors to poll, with the events that mean [`FirstUse::pump`] has work.
+    pub(crate) fn fds(&self) -> Vec<PollFd<'_>> {
         self.links.fds()
     }
 }

@@ -64,8 +64,8 @@
 //! liveness connections and takes those to same-host peers from it. Those advance whenever
 //! the network side pumps its links, which every mixed wait ends with.
 
+use nix::poll::PollFd;
 use std::net::TcpStream;
-use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -336,7 +336,7 @@ impl Links for NetLinks {
         Ok(mine)
     }
 
-    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+    fn fds(&self) -> Vec<PollFd<'_>> {
         self.inner.fds()
     }
 }
@@ -362,7 +362,7 @@ impl Links for ShmLinks {
         Ok(std::mem::take(&mut h.ready))
     }
 
-    fn fds(&self) -> Vec<BorrowedFd<'_>> {
+    fn fds(&self) -> Vec<PollFd<'_>> {
         // Nothing of its own: the network side polls the links.
         Vec::new()
     }

@@ -77,8 +77,9 @@ pub trait Links: Send + fmt::Debug {
     /// peer this rank was connecting to.
     fn progress(&mut self) -> Result<Vec<(usize, std::net::TcpStream)>>;
 
-    /// Descriptors that are readable when [`Links::progress`] has work.
-    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>>;
+    /// Descriptors to poll, each with the events that mean [`Links::progress`] has work
+    /// (readable, or writable for a connection whose `connect` is in the making).
+    fn fds(&self) -> Vec<nix::poll::PollFd<'_>>;
 }
 
 /// Size of a frame header on the wire.

@@ -928,11 +928,7 @@ impl Transport for TcpTransport {
         // Connections in the making: a peer connecting to this rank, or answering it.
         let ours = fds.len();
         if let Some(l) = self.links.as_ref() {
-            fds.extend(
-                l.fds()
-                    .into_iter()
-                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
-            );
+            fds.extend(l.fds());
         }
         let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
         // Whether the whole timeout passed with nothing on any descriptor.

@@ -179,11 +179,7 @@ impl ShmTransport {
         if let Some(l) = self.lazy.as_ref() {
             let link_fds = l.links.fds();
             pump = link_fds.is_empty();
-            fds.extend(
-                link_fds
-                    .into_iter()
-                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
-            );
+            fds.extend(link_fds);
         }
         let mut flagged = Vec::new();
         if !fds.is_empty() {
@@ -417,7 +413,7 @@ mod tests {
         fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
             Ok(Vec::new())
         }
-        fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        fn fds(&self) -> Vec<PollFd<'_>> {
             Vec::new()
         }
     }

@@ -21,7 +21,9 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
+
+use nix::poll::{PollFd, PollFlags};
 
 use super::connect::{cq_entries, landing, Half, TheirEnd};
 use super::options::CTRL_BYTES;
@@ -114,14 +116,19 @@ impl VerbsTransport {
         self.lazy.as_ref().is_some_and(|l| l.active > 0)
     }
 
-    /// The descriptors that are readable when [`VerbsTransport::pump_links`] has work.
-    pub(super) fn lazy_fds(&self) -> Vec<BorrowedFd<'_>> {
+    /// The descriptors to poll, with their events, for [`VerbsTransport::pump_links`].
+    pub(super) fn lazy_fds(&self) -> Vec<PollFd<'_>> {
         let Some(l) = self.lazy.as_ref() else {
             return Vec::new();
         };
         let mut v = l.first.fds();
         if l.active > 0 {
-            v.extend(l.shakes.iter().flatten().map(|s| s.s.as_fd()));
+            v.extend(
+                l.shakes
+                    .iter()
+                    .flatten()
+                    .map(|s| PollFd::new(s.s.as_fd(), PollFlags::POLLIN)),
+            );
         }
         v
     }

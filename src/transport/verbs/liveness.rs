@@ -284,11 +284,7 @@ impl VerbsTransport {
             }
             // Connections in the making: a peer connecting to this rank, or answering it.
             let ours = fds.len();
-            fds.extend(
-                self.lazy_fds()
-                    .into_iter()
-                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
-            );
+            fds.extend(self.lazy_fds());
             let timeout = PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX);
             match nix::poll::poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
