@@ -283,7 +283,16 @@ impl Communicator {
         // Never locked here: a queued call running on it holds its lock, and issuing must not
         // wait for that.
         let pool = match st.pools.entry(ctx.ordinal()) {
-            Entry::Occupied(e) => Arc::clone(e.get()),
+            Entry::Occupied(mut e) => {
+                // A pool that an earlier device leaked (its work never finished) is replaced.
+                // (Not waited for: a pool in use is not leaked.)
+                let stuck = e.get().try_lock().is_ok_and(|p| p.stuck().is_some());
+                if stuck {
+                    let pool = StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?;
+                    e.insert(Arc::new(Mutex::new(pool)));
+                }
+                Arc::clone(e.get())
+            }
             Entry::Vacant(v) => {
                 let pool = StagingPool::new(ctx, STAGE_SLOTS, STAGE_SLOTS, slot)?;
                 Arc::clone(v.insert(Arc::new(Mutex::new(pool))))

@@ -371,6 +371,8 @@ pub struct DeviceAllocation {
     ctx: Arc<CudaContext>,
     ptr: u64,
     len: usize,
+    /// Never freed: device work that may still use it did not finish within its deadline.
+    leaked: bool,
 }
 
 impl DeviceAllocation {
@@ -386,6 +388,7 @@ impl DeviceAllocation {
             ctx: ctx.clone(),
             ptr,
             len,
+            leaked: false,
         })
     }
 
@@ -404,6 +407,12 @@ impl DeviceAllocation {
         self.len == 0
     }
 
+    /// Keeps the memory allocated for the rest of the process (dropping it frees nothing):
+    /// for memory that device work which never finished may still use.
+    pub(crate) fn leak(&mut self) {
+        self.leaked = true;
+    }
+
     /// Exports the whole allocation as a dma-buf (see [`export_dmabuf`]).
     pub fn export_dmabuf(&self) -> Result<OwnedFd> {
         // SAFETY: the range is exactly this live cuMemAlloc allocation of `ctx`, which outlives
@@ -414,7 +423,7 @@ impl DeviceAllocation {
 
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if !self.leaked && self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc_v2 in this context and is freed exactly once.
             unsafe { driver::mem_free(self.ptr) };
         }

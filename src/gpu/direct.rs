@@ -114,6 +114,17 @@ pub struct DirectRegion {
     layout: DirectLayout,
     ctx: Arc<CudaContext>,
     mem: DeviceAllocation,
+    /// Set when a device's drop gave up waiting for its work: the memory is leaked (never
+    /// freed) and every later device over the region is refused with this reason.
+    stuck: OnceLock<String>,
+}
+
+impl Drop for DirectRegion {
+    fn drop(&mut self) {
+        if self.stuck.get().is_some() {
+            self.mem.leak();
+        }
+    }
 }
 
 impl std::fmt::Debug for DirectRegion {
@@ -154,6 +165,7 @@ impl DirectRegion {
             layout,
             ctx: ctx.clone(),
             mem,
+            stuck: OnceLock::new(),
         })
     }
 
@@ -343,7 +355,9 @@ impl<'a> CudaDirectDevice<'a> {
     /// waits for the copies and kernels it queued — on the pool's pinned memory, the region
     /// and the borrowed device buffers — and records them with cudarc, so that none of that
     /// memory is freed or reused (or a slot shown to the host again) while the GPU may still
-    /// read or write it. [`crate::Communicator`]'s device collectives keep it a local.
+    /// read or write it. (Where that work is still running after `DROP_WAIT`, the drop leaks
+    /// the pool or region instead, logs what it leaked, and later devices over it are
+    /// refused.) [`crate::Communicator`]'s device collectives keep it a local.
     pub unsafe fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
@@ -368,6 +382,12 @@ impl<'a> CudaDirectDevice<'a> {
              DSPARK_CUDA_DEVICE (or the launcher's local rank) to the GPU this rank uses, or \
              DSPARK_DATA_PATH=host-staged",
         )?;
+        if let Some(why) = region.stuck.get() {
+            return Err(bad(
+                "device",
+                format!("the direct region is leaked and unusable: {why}"),
+            ));
+        }
         let layout = region.layout;
         if send_slots == 0 || send_slots > layout.send_slots {
             return Err(bad(
@@ -593,13 +613,21 @@ impl StagedDevice for CudaDirectDevice<'_> {
 impl Drop for CudaDirectDevice<'_> {
     fn drop(&mut self) {
         // Copies into the send slots and reads of the landing slots must finish before the
-        // region is used by the next collective; errors cannot be reported from Drop.
-        self.marks.settle_for_drop(
+        // region is used by the next collective; errors cannot be reported from Drop: past
+        // the deadline the region is leaked and refuses every later device.
+        if let Err(why) = self.marks.settle_for_drop(
             &self.region.ctx,
             self.stream,
             &mut self.events,
             "direct device drop",
-        );
+        ) {
+            tracing::error!(
+                "{why}: leaking the direct region ({} B of GPU memory), which is never freed \
+                 nor used again; direct device calls on this communicator fail from now on",
+                self.region.len()
+            );
+            let _ = self.region.stuck.set(why);
+        }
         self.region.give_events(&mut self.events);
     }
 }

@@ -50,11 +50,14 @@ fn bad(op: &str, what: String) -> Error {
     Error::invalid(None, format!("staged {op}"), what)
 }
 
-/// Page-locked host memory from `cuMemHostAlloc`, freed on drop (errors ignored).
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop (errors ignored) unless
+/// `leaked`.
 struct Pinned {
     ctx: Arc<CudaContext>,
     ptr: *mut u8,
     len: usize,
+    /// Never freed: device work that may still use it did not finish within its deadline.
+    leaked: bool,
 }
 
 // SAFETY: the pinned allocation is ordinary process memory that any thread may access; `Pinned`
@@ -73,13 +76,14 @@ impl Pinned {
             ctx: ctx.clone(),
             ptr: p.cast(),
             len,
+            leaked: false,
         })
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        if !self.leaked && self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemHostAlloc and is freed once; the owner synchronised
             // its stream first, so no copy still uses it.
             unsafe { driver::mem_free_host(self.ptr.cast()) };
@@ -113,8 +117,10 @@ impl std::fmt::Debug for CudaStagedDevice<'_> {
     }
 }
 
-/// How long dropping a device waits, bounded, for its stream's work before it reports that
-/// the work is still running and waits without a bound (which memory safety requires).
+/// How long dropping a device waits for its stream's work. Past it the device reports the
+/// work still running and leaks the memory that work may use (the staging pool, the direct
+/// region), which is never freed nor used again: memory safety forbids releasing it, and
+/// nothing may wait without a deadline.
 const DROP_WAIT: Duration = Duration::from_secs(10);
 
 /// Checks that `stream` and `reducer` belong to `ours`, the context of the memory a `kind`
@@ -163,7 +169,9 @@ impl<'a> CudaStagedDevice<'a> {
     /// waits for the copies and kernels it queued — on the pool's pinned memory, the region
     /// and the borrowed device buffers — and records them with cudarc, so that none of that
     /// memory is freed or reused (or a slot shown to the host again) while the GPU may still
-    /// read or write it. [`crate::Communicator`]'s device collectives keep it a local.
+    /// read or write it. (Where that work is still running after `DROP_WAIT`, the drop leaks
+    /// the pool or region instead, logs what it leaked, and later devices over it are
+    /// refused.) [`crate::Communicator`]'s device collectives keep it a local.
     pub unsafe fn new<T, S, D>(
         reducer: &'a GpuReducer,
         stream: &'a Arc<CudaStream>,
@@ -178,6 +186,12 @@ impl<'a> CudaStagedDevice<'a> {
     {
         // The driver functions used here were checked when the pool was created.
         check_contexts("staged", "staging pool", &pool.ctx, stream, reducer, "")?;
+        if let Some(why) = &pool.stuck {
+            return Err(bad(
+                "device",
+                format!("the staging pool is leaked and unusable: {why}"),
+            ));
+        }
         let bufs = DevBuffers::borrow("staged", stream, src, dst);
         let slots = pool.slots.len / pool.slot_bytes;
         Ok(CudaStagedDevice {
@@ -377,13 +391,25 @@ impl StagedDevice for CudaStagedDevice<'_> {
 impl Drop for CudaStagedDevice<'_> {
     fn drop(&mut self) {
         // Copies into or out of the pinned slots and the scratch must finish before the pool
-        // is used again; errors cannot be reported from Drop.
-        self.marks.settle_for_drop(
+        // is used again; errors cannot be reported from Drop: past the deadline the pool is
+        // leaked and refuses every later device.
+        if let Err(why) = self.marks.settle_for_drop(
             &self.pool.ctx,
             self.stream,
             &mut self.pool.events,
             "staged device drop",
-        );
+        ) {
+            let pool = &mut *self.pool;
+            tracing::error!(
+                "{why}: leaking the staging pool ({} B of pinned host memory, {} B of device \
+                 scratch), which is never freed nor used again",
+                pool.slots.len,
+                pool.scratch.len()
+            );
+            pool.slots.leaked = true;
+            pool.scratch.leak();
+            pool.stuck = Some(why);
+        }
     }
 }
 
@@ -619,33 +645,32 @@ impl Marks {
         spare.extend(self.pending.drain(..).map(|(_, ev)| ev));
     }
 
-    /// For a device's `Drop`: waits until everything enqueued on `stream` has finished, then
-    /// recycles the events. Where marks are still pending (a call failed, typically with a
-    /// timeout, while device work was in flight) it first waits for them for at most
-    /// [`DROP_WAIT`] and, if the work is still running then, logs an error before waiting
-    /// without a bound — the borrowed buffers and slots must not be released under running
-    /// device work, so a stuck stream hangs here, but not silently.
+    /// For a device's `Drop`: waits until everything enqueued on `stream` has finished, for
+    /// at most [`DROP_WAIT`], then recycles the events. `Err` with the reason when the work is
+    /// still running at that deadline (a call failed, typically with a timeout, while device
+    /// work was in flight and the stream never drained): the caller must then leak the memory
+    /// that work may use, and say so. The pending events are dropped, not recycled.
     pub(crate) fn settle_for_drop(
         &mut self,
         ctx: &Arc<CudaContext>,
         stream: &CudaStream,
         spare: &mut Vec<CudaEvent>,
         op: &str,
-    ) {
-        if !self.pending.is_empty() {
-            let deadline = crate::time::deadline(Instant::now(), DROP_WAIT);
-            if let Err(e) = self.wait_all(ctx, stream, spare, op, deadline) {
-                tracing::error!(
-                    "{op}: device work on GPU {} did not finish within {:?} ({e}); now waiting \
-                     for the stream without a deadline, since its buffers cannot be released \
-                     under running device work",
-                    ctx.ordinal(),
-                    DROP_WAIT
-                );
+    ) -> std::result::Result<(), String> {
+        let deadline = crate::time::deadline(Instant::now(), DROP_WAIT);
+        match self.wait_all(ctx, stream, spare, op, deadline) {
+            Ok(()) => {
+                self.recycle(spare);
+                Ok(())
+            }
+            Err(e) => {
+                self.pending.clear();
+                Err(format!(
+                    "{op}: device work on GPU {} did not finish within {DROP_WAIT:?} ({e})",
+                    ctx.ordinal()
+                ))
             }
         }
-        let _ = stream.synchronize();
-        self.recycle(spare);
     }
 }
 
@@ -660,6 +685,8 @@ pub struct StagingPool {
     recv_slots: usize,
     slot_bytes: usize,
     events: Vec<CudaEvent>,
+    /// Set when a device's drop leaked the pool (see [`StagingPool::stuck`]).
+    stuck: Option<String>,
 }
 
 impl std::fmt::Debug for StagingPool {
@@ -702,7 +729,14 @@ impl StagingPool {
             recv_slots,
             slot_bytes,
             events: Vec::new(),
+            stuck: None,
         })
+    }
+
+    /// Why the pool is leaked and unusable (device work of an earlier call never finished),
+    /// if it is: the caller makes a new one.
+    pub fn stuck(&self) -> Option<&str> {
+        self.stuck.as_deref()
     }
 
     /// Whether this pool serves `ctx`'s GPU with this slot configuration.
