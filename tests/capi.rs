@@ -393,3 +393,34 @@ fn c_example_builds_and_runs_on_three_ranks() {
         }
     }
 }
+
+/// Issue 22: absurd world sizes (0, 2^32 + 2, 2^40, `usize::MAX`) through the C ABI are a
+/// `DSPARK_ERR_CONFIG` that names `DSPARK_WORLD_SIZE`, returned at once: the process neither
+/// aborts on a huge allocation nor truncates the size to 32 bits and waits for ranks.
+#[test]
+fn absurd_world_sizes_through_the_c_abi_are_a_config_error_within_a_second() {
+    let exe = build_c("tests/c/limits.c", "limits", false);
+    let port = free_port();
+    for world in ["0", "4294967298", "1099511627776", &usize::MAX.to_string()] {
+        let t0 = Instant::now();
+        let out = Command::new(&exe)
+            .env("DSPARK_RANK", "0")
+            .env("DSPARK_WORLD_SIZE", world)
+            .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
+            .env("DSPARK_TIMEOUT", "3")
+            .output()
+            .expect("running tests/c/limits.c");
+        let took = t0.elapsed();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "DSPARK_WORLD_SIZE={world}: not a config error naming the variable: {text}"
+        );
+        assert!(
+            took < Duration::from_secs(1),
+            "DSPARK_WORLD_SIZE={world}: took {took:?}: {text}"
+        );
+    }
+}
