@@ -452,7 +452,8 @@ impl Accept for Shaking<'_> {
             return Err(self.t.err(
                 p,
                 format!(
-                    "{}: cannot grow the completion queue to {entries} entries for its                          queue pair: {e}",
+                    "{}: cannot grow the completion queue to {entries} entries for its queue \
+                     pair: {e}",
                     self.t.device
                 ),
             ));
