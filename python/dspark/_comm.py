@@ -108,7 +108,8 @@ class Communicator:
         return self._c.world_size
 
     def info(self):
-        """Transport, why not a faster one, hosts, timeout, data path, rendezvous."""
+        """Transport, why not a faster one, hosts, timeout, data path, rendezvous, and how the
+        ranks authenticated each other (`auth`)."""
         return self._c.info()
 
     # -- the collectives ---------------------------------------------------------------

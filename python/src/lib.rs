@@ -211,6 +211,20 @@ impl Store for PyStore {
         Python::attach(|py| self.wait_keys(py, keys, timeout))
             .map_err(|e| self.fail("wait", &keys.join(","), e, t))
     }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> dspark::Result<Vec<u8>> {
+        let t = Instant::now();
+        Python::attach(|py| {
+            self.store
+                .bind(py)
+                .call_method1(
+                    "compare_set",
+                    (key, PyBytes::new(py, expected), PyBytes::new(py, desired)),
+                )?
+                .extract::<Vec<u8>>()
+        })
+        .map_err(|e| self.fail("compare_set", key, e, t))
+    }
 }
 
 // ------------------------------------------------------------------------- communicators
@@ -502,7 +516,9 @@ impl PyComm {
 
     /// Facts about the connections: transport, each connection's transport, why not a faster
     /// one, hosts, timeout, data-path policy, what init allocated for GPUDirect
-    /// (`direct_region`), rendezvous.
+    /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in
+    /// words: "job secret from the spawner", "token file /path", "secret published in the
+    /// store", "open: any host that reaches port P can join", ...).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let i = c.info();
@@ -522,6 +538,7 @@ impl PyComm {
         d.set_item("data_path", i.data_path.to_string())?;
         d.set_item("direct_region", i.direct_region.to_string())?;
         d.set_item("rendezvous", &i.rendezvous)?;
+        d.set_item("auth", i.auth.to_string())?;
         Ok(d)
     }
 

@@ -212,6 +212,8 @@ pub(crate) struct Secret {
     pub(crate) job: u64,
     /// Whether this rank has a job token.
     pub(crate) token: bool,
+    /// How messages name the secret (`DSPARK_JOB_TOKEN`, the spawner's secret, ...).
+    name: String,
 }
 
 impl Secret {
@@ -222,7 +224,14 @@ impl Secret {
             key: job_key(token, job_id),
             job,
             token: token.is_some(),
+            name: "DSPARK_JOB_TOKEN".into(),
         }
+    }
+
+    /// The same secret, named `name` in the messages of a failed handshake.
+    pub(crate) fn named(mut self, name: String) -> Secret {
+        self.name = name;
+        self
     }
 
     /// A rank's proof to rank 0: over rank 0's nonce and the rank's whole hello (its own
@@ -246,18 +255,17 @@ impl Secret {
     /// What to say when a peer's token flag differs from this rank's.
     pub(crate) fn token_disagreement(&self, me: &str, them: &str) -> String {
         let (has, hasnt) = if self.token { (me, them) } else { (them, me) };
-        format!(
-            "{has} has DSPARK_JOB_TOKEN set but {hasnt} has none (set the same DSPARK_JOB_TOKEN \
-             on every rank)"
-        )
+        let name = &self.name;
+        format!("{has} has {name} set but {hasnt} has none (set the same {name} on every rank)")
     }
 
     /// What to say when a proof did not verify.
     pub(crate) fn bad_proof(&self, who: &str, than: &str) -> String {
         if self.token {
             format!(
-                "{who} did not prove that it knows the job token: its DSPARK_JOB_TOKEN differs \
-                 from {than}'s (or a recorded handshake was replayed)"
+                "{who} did not prove that it knows the job token: its {} differs from {than}'s \
+                 (or a recorded handshake was replayed)",
+                self.name
             )
         } else {
             format!(
@@ -274,6 +282,7 @@ impl std::fmt::Debug for Secret {
         f.debug_struct("Secret")
             .field("job", &self.job)
             .field("token", &self.token)
+            .field("name", &self.name)
             .finish_non_exhaustive()
     }
 }
