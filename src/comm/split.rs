@@ -114,8 +114,7 @@ impl Communicator {
             .map(|l| l.local_addr())
             .transpose()
             .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
-        let mut mine = [0u8; RECORD];
-        mine[..SALT_AT].copy_from_slice(&encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr));
+        let mut mine = encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr);
         mine[SALT_AT..].copy_from_slice(&salt);
         let mut all = vec![0u8; RECORD * self.world_size()];
         self.all_gather(&mine, &mut all)?;
