@@ -4,9 +4,11 @@
 //! Both are small enough to carry here rather than as dependencies; the test vectors are
 //! those of FIPS 180-4 / NIST (SHA-256) and RFC 4231 (HMAC-SHA256).
 //!
-//! The key is the job's secret, `DSPARK_JOB_TOKEN`, with the launcher's job id. Without a
-//! token the key is the job id alone (or nothing), which anybody can know: the handshake then
-//! only keeps ranks of different jobs from joining each other by accident.
+//! The key is the job's secret with the launcher's job id: a token (`DSPARK_JOB_TOKEN`, its
+//! file), else a random per-job secret where a private channel exists (a dspark spawner, the
+//! store rendezvous, a parent communicator: `crate::config::trust`). Without any, the key is
+//! the job id alone (or nothing), which anybody can know: the handshake then only keeps ranks
+//! of different jobs from joining each other by accident.
 //!
 //! [`Secret`] holds that key and makes the four proofs of the handshakes (a rank to rank 0,
 //! rank 0 to a rank, and both ends of a data connection), each under its own label so that
