@@ -38,9 +38,8 @@
 //! - `GET key`: replies the value as a byte vector. torch's client always sends `WAIT` for the
 //!   key first (the legacy server drops the connection on a `GET` of a missing key; libuv
 //!   answers an empty value), and so does this client.
-//! - `COMPARE_SET key expected desired`: sets the key to `desired` when it holds `expected`
-//!   (a missing key: when `expected` is empty) and replies the value it holds afterwards as
-//!   a byte vector (for a missing key and a non-empty `expected`: `expected`, setting nothing).
+//! - `COMPARE_SET key expected desired`: sets `desired` where the key holds `expected` (or is
+//!   missing and `expected` empty); replies what it holds then (missing: `expected`).
 //! - `CHECK count key...`: replies `READY` (0) or `NOT_READY` (1).
 //! - Keys: torch's `TCPStore` puts `"/"` before every key on the wire, so Python's
 //!   `store.set("a", ..)` sends the key `"/a"`; this client does the same, so both see the same
@@ -79,10 +78,9 @@ pub trait Store: Send + Sync + fmt::Debug {
     fn add(&self, key: &str, delta: i64) -> Result<i64>;
     /// Waits until every key in `keys` is set, or `timeout` passes.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
-    /// Atomically sets `key` to `desired` when it holds `expected` (a missing key: when
-    /// `expected` is empty), and returns the value it holds afterwards, as torch's
-    /// `compare_set` does: `desired` when it was set; for a missing key and a non-empty
-    /// `expected`, `expected` (and nothing is set).
+    /// Atomically sets `key` to `desired` where it holds `expected` (or is missing and
+    /// `expected` is empty); returns what it holds then, as torch's `compare_set` does (for a
+    /// missing key and a non-empty `expected`: `expected`, and nothing is set).
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>>;
 }
 
