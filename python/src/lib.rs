@@ -129,7 +129,8 @@ fn secs(timeout: Option<f64>) -> PyResult<Option<Duration>> {
 // ------------------------------------------------------------------------------- the store
 
 /// A Python key-value store with torch's `Store` interface (`set`, `get`, `add`,
-/// `wait(keys, timedelta)`): torch's `TCPStore`, `FileStore`, `HashStore`, `PrefixStore`.
+/// `wait(keys, timedelta)`, `compare_set`): torch's `TCPStore`, `FileStore`, `HashStore`,
+/// `PrefixStore`.
 /// Each call takes the GIL for its duration; the rendezvous itself runs without it.
 #[derive(Debug)]
 struct PyStore {
@@ -480,7 +481,8 @@ impl PyComm {
     }
 
     /// Joins a job through a key-value store with torch's interface (`set`, `get`, `add`,
-    /// `wait`): rank 0 listens on an ephemeral port and publishes its address there.
+    /// `wait`, `compare_set`): rank 0 listens on an ephemeral port and publishes its address
+    /// there, with a random secret unless the ranks have a token.
     /// `timeout` (seconds) is the deadline of every call; the environment gives the rest of
     /// the configuration.
     #[staticmethod]
