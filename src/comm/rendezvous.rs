@@ -58,7 +58,14 @@ fn join_generation(
     };
     let deadline = crate::time::deadline(std::time::Instant::now(), config.timeout);
     let mut seen = store.compare_set(GENERATION, PROBE, PROBE)?;
+    // Each failed attempt means another rank joined: about `world` of them at most, unless
+    // something else keeps changing the key; then pause between attempts.
+    let mut attempts = 0usize;
     loop {
+        attempts = attempts.saturating_add(1);
+        if attempts > world.saturating_add(8) {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
         let (expected, g, n, id) = match parse(&seen) {
             Some((g, n, id)) if n < world => (seen.clone(), g, n + 1, id),
             Some((g, _, _)) => (seen.clone(), g + 1, 1, me.clone()),

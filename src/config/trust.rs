@@ -302,6 +302,28 @@ mod tests {
     }
 
     #[test]
+    fn config_from_the_environment_takes_the_token_file_and_names_it() {
+        let p = token_file("config", b"abc\n", 0o600);
+        let ps = p.to_str().unwrap();
+        let base = [
+            ("DSPARK_RANK", "0"),
+            ("DSPARK_WORLD_SIZE", "2"),
+            ("DSPARK_ROOT_ADDR", "h:9"),
+        ];
+        let mut vars = base.to_vec();
+        vars.push((TOKEN_FILE_ENV, ps));
+        let c = Config::from_lookup(env(&vars)).unwrap();
+        assert_eq!(c.job_token.as_deref(), Some("abc"));
+        assert_eq!(c.auth(), JobAuth::TokenFile(p.clone()));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o660)).unwrap();
+        let e = Config::from_lookup(env(&vars)).unwrap_err();
+        assert!(e.to_string().contains(TOKEN_FILE_ENV), "{e}");
+        // Nothing set: open on rank 0's port.
+        let c = Config::from_lookup(env(&base)).unwrap();
+        assert_eq!((c.auth(), c.job_token), (JobAuth::Open { port: 9 }, None));
+    }
+
+    #[test]
     fn a_token_file_and_a_different_token_are_a_config_error() {
         let p = token_file("differ", b"one\n", 0o600);
         let s = with_file(&p, &[(TOKEN_ENV, "two")])
