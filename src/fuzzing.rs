@@ -1,7 +1,10 @@
 //! Fuzz targets (`testing` feature only; not part of the library's API): the decoders that
 //! read what another process sent — the bootstrap's handshake messages, the frame header, the
 //! verbs connection blob, clear-to-send entries, immediates and work-request ids, the cost model
-//! rank 0 broadcasts at init — and the parsers of the configuration.
+//! rank 0 broadcasts at init, the shared-memory segment info, a split's record, TCPStore
+//! replies — or a file holds — the tune file, `/proc` files — and the parsers of the
+//! configuration; and, stateful, the TCP transport's frame reassembly and the data listener's
+//! message reader fed streams split at random points (`tests/fuzz.rs` lists them all).
 //!
 //! Each target is a function of arbitrary bytes that panics only when a property fails:
 //!
@@ -17,6 +20,15 @@
 //! [`sample`] makes a valid input of a target from random numbers, as a seed to mutate.
 
 #![forbid(unsafe_code)]
+
+#[path = "fuzzing/files.rs"]
+mod files;
+#[path = "fuzzing/streams.rs"]
+mod streams;
+
+pub use crate::transport::shm::fuzz::shm_ring;
+pub use files::{proc_files, shm_seg_info, split_record, tune_file};
+pub use streams::{door_messages, store_replies, tcp_frames};
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -54,7 +66,32 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("setup_shm_offer", setup_shm_offer),
     ("setup_verbs_offer", setup_verbs_offer),
     ("setup_confirm", setup_confirm),
+    ("shm_seg_info", shm_seg_info),
+    ("split_record", split_record),
+    ("tune_file", tune_file),
+    ("proc_files", proc_files),
+    ("tcp_frames", tcp_frames),
+    ("door_messages", door_messages),
+    ("store_replies", store_replies),
+    ("shm_ring", shm_ring),
 ];
+
+/// The stateful targets, which run each input over a loopback connection (a fresh
+/// transport, or a TCPStore client's connection, per input): the harness gives them this
+/// many times fewer inputs than the others.
+pub const STATEFUL: &[&str] = &["tcp_frames", "door_messages", "store_replies", "shm_ring"];
+
+/// What target `name` allocates at once whatever its input, beyond what the input's size
+/// justifies: the TCP transport's 256 KiB receive buffer (`tcp_frames`); a TCPStore client
+/// sizes a GET reply's buffer by the announced length up to 1 MiB before the bytes arrive
+/// (`store_replies`; bounded, by design: larger values grow as they arrive).
+pub fn fixed_allocation(name: &str) -> usize {
+    match name {
+        "tcp_frames" => 320 << 10,
+        "store_replies" => (1 << 20) + (64 << 10),
+        _ => 0,
+    }
+}
 
 /// The target called `name`.
 pub fn target(name: &str) -> Option<Target> {
@@ -605,6 +642,26 @@ pub fn is_message_target(name: &str) -> bool {
     !name.starts_with("config_")
 }
 
+/// A valid input of one of the targets in `files` and `streams` (empty for other names).
+fn more_samples(name: &str, r: &mut dyn Rng) -> Vec<u8> {
+    match name {
+        "shm_seg_info" => {
+            let v = shm_offer_seg(r);
+            let b = v.encode();
+            assert_eq!(crate::transport::shm::SegInfo::decode(&b), Some(v));
+            b
+        }
+        "split_record" => files::split_record_sample(r),
+        "tune_file" => files::tune_file_sample(r),
+        "proc_files" => files::proc_files_sample(r),
+        "tcp_frames" => streams::tcp_frames_sample(r),
+        "door_messages" => streams::door_messages_sample(r),
+        "store_replies" => streams::store_replies_sample(r),
+        "shm_ring" => crate::transport::shm::fuzz::shm_ring_sample(r),
+        _ => Vec::new(),
+    }
+}
+
 /// Makes a random valid value for message target `name`, encodes it, decodes that, and
 /// panics unless the result is the value. Returns the encoding (a seed to mutate).
 pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
@@ -752,7 +809,7 @@ pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
             );
             b
         }
-        _ => Vec::new(),
+        n => more_samples(n, r),
     }
 }
 
@@ -885,18 +942,22 @@ fn shm_offer_value(r: &mut dyn Rng) -> ShmOffer {
         1 => SegOffer::Malformed,
         _ => SegOffer::Capable {
             boot_id: text(r, 40),
-            info: crate::transport::shm::SegInfo {
-                pid: edgy(r) as u32,
-                fd: edgy(r) as u32,
-                len: edgy(r),
-                ring: edgy(r),
-                nonce: r.next_u64(),
-            },
+            info: shm_offer_seg(r),
         },
     };
     ShmOffer {
         mode: mode_of(r.below(5) as u8),
         seg,
+    }
+}
+
+fn shm_offer_seg(r: &mut dyn Rng) -> crate::transport::shm::SegInfo {
+    crate::transport::shm::SegInfo {
+        pid: edgy(r) as u32,
+        fd: edgy(r) as u32,
+        len: edgy(r),
+        ring: edgy(r),
+        nonce: r.next_u64(),
     }
 }
 

@@ -78,7 +78,7 @@ impl Candidate {
 /// (the part that arrived before, length prefix included): the message once it is whole (at
 /// most `max` bytes), `None` while part of it is still on the way. `Err` is a reason in words:
 /// the connection closed or failed, or the length is not a dspark message's.
-pub(super) fn pull_message(
+pub(crate) fn pull_message(
     s: &TcpStream,
     got: &mut Vec<u8>,
     max: usize,

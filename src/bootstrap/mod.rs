@@ -52,7 +52,7 @@ use crate::error::{Error, Result};
 
 pub(crate) mod auth;
 mod collective;
-mod door;
+pub(crate) mod door;
 mod leaf;
 mod links;
 mod mesh;

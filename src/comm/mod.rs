@@ -31,7 +31,7 @@ mod raw;
 mod rendezvous;
 mod scope;
 pub(crate) mod setup;
-mod split;
+pub(crate) mod split;
 pub mod work;
 
 pub use device::Enqueue;

@@ -9,12 +9,12 @@ use crate::bootstrap::auth;
 use crate::config::{Config, JobAuth};
 use crate::error::{Error, Result};
 
-/// Bytes each rank contributes to the split exchange: colour, key, listener port, IP (the
-/// `encode`d part), then a random salt for the secret of the group it leads.
-const RECORD: usize = SALT_AT + auth::TAG_LEN;
+/// Bytes of a split record: colour, key, listener port, IP.
+pub(crate) const RECORD: usize = 8 + 8 + 2 + 16;
 
-/// Where a record's salt starts.
-const SALT_AT: usize = 8 + 8 + 2 + 16;
+/// Bytes each rank contributes to the split exchange: its record, then a random salt for the
+/// secret of the group it leads.
+const ENTRY: usize = RECORD + auth::TAG_LEN;
 
 /// The label of a child communicator's secret: no proof of another kind verifies with it.
 const LABEL_SPLIT: &[u8] = b"dspark/2 split child secret\0";
@@ -35,7 +35,7 @@ fn child_secret(parent: &Config, colour: i64, seq: u64, salt: &[u8]) -> String {
 /// The colour of a rank that opts out.
 const NO_COLOUR: i64 = i64::MIN;
 
-fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
+pub(crate) fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
     let mut b = [0u8; RECORD];
     b[0..8].copy_from_slice(&colour.to_le_bytes());
     b[8..16].copy_from_slice(&key.to_le_bytes());
@@ -50,7 +50,7 @@ fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
     b
 }
 
-fn decode(b: &[u8]) -> (i64, i64, SocketAddr) {
+pub(crate) fn decode(b: &[u8]) -> (i64, i64, SocketAddr) {
     let i64_at = |i: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&b[i..i + 8]);
@@ -114,16 +114,17 @@ impl Communicator {
             .map(|l| l.local_addr())
             .transpose()
             .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
-        let mut mine = encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr);
-        mine[SALT_AT..].copy_from_slice(&salt);
-        let mut all = vec![0u8; RECORD * self.world_size()];
+        let mut mine = [0u8; ENTRY];
+        mine[..RECORD].copy_from_slice(&encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr));
+        mine[RECORD..].copy_from_slice(&salt);
+        let mut all = vec![0u8; ENTRY * self.world_size()];
         self.all_gather(&mine, &mut all)?;
         let Some(colour) = colour else {
             return Ok(None);
         };
         // Members of this rank's colour, ordered by (key, old rank).
         let mut members: Vec<(i64, usize, SocketAddr)> = all
-            .chunks_exact(RECORD)
+            .chunks_exact(ENTRY)
             .enumerate()
             .map(|(r, b)| (r, decode(b)))
             .filter(|(_, (c, _, _))| *c == colour)
@@ -141,7 +142,7 @@ impl Communicator {
                 )
             })?;
         let leader = members[0].2;
-        let leader_salt = &all[members[0].1 * RECORD + SALT_AT..(members[0].1 + 1) * RECORD];
+        let leader_salt = &all[members[0].1 * ENTRY + RECORD..(members[0].1 + 1) * ENTRY];
         let config = Config {
             rank: new_rank,
             world_size: members.len(),

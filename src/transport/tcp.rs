@@ -67,7 +67,7 @@ use crate::error::{Error, Result};
 
 #[cfg(test)]
 mod exit_tests;
-mod stall;
+pub(crate) mod stall;
 
 /// Per-peer receive buffer size.
 const RX_CAP: usize = 256 * 1024;

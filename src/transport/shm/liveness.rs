@@ -29,7 +29,11 @@ use crate::transport::{rdhup, AbortClass, Interest};
 /// The state and start time (clock ticks after boot) of process `pid`, from
 /// `/proc/<pid>/stat`; `None` when there is no such process.
 pub(super) fn proc_stat(pid: u32) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_proc_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The state and start time in the text of a `/proc/<pid>/stat` file.
+pub(crate) fn parse_proc_stat(text: &str) -> Option<(char, u64)> {
     // "pid (comm) state ppid ...": comm may hold anything, so split after its last ')'.
     let rest = &text[text.rfind(')')? + 1..];
     let mut f = rest.split_whitespace();

@@ -123,6 +123,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+#[cfg(feature = "testing")]
+pub(crate) mod fuzz;
 mod lazy;
 mod liveness;
 mod ring;
@@ -133,6 +135,8 @@ mod sizing;
 use self::lazy::Lazy;
 pub use self::seg::Seg;
 pub use self::setup::{prepare, prepare_group, Prepared, SegInfo};
+#[cfg(feature = "testing")]
+pub(crate) use self::{liveness::parse_proc_stat, sizing::parse_mem_available};
 
 /// Default bytes of each ring (per ordered pair of ranks).
 pub const DEFAULT_RING_BYTES: usize = 2 << 20;

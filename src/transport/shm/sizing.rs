@@ -32,10 +32,15 @@ pub(super) fn committed_len(peers: usize, ring: usize) -> usize {
 
 /// `MemAvailable` of `/proc/meminfo` in bytes.
 pub(super) fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` in bytes, from the text of `/proc/meminfo`; `None` (unknown) for a number
+/// of KiB whose bytes do not fit a `u64`.
+pub(crate) fn parse_mem_available(text: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
 }
 
 /// Whether the segments of `ranks` ranks on one host fit in half of the host's available
@@ -127,5 +132,19 @@ mod tests {
         assert_eq!(pad(33), 64);
         assert_eq!(pad(64), 64);
         assert_eq!(pad(0), 0);
+    }
+
+    /// Found by tests/fuzz.rs (target proc_files): a `MemAvailable` of more KiB than a `u64`
+    /// holds in bytes overflowed the multiplication (a panic with overflow checks on);
+    /// it is unknown now, as an unreadable file is.
+    #[test]
+    fn a_mem_available_too_large_for_u64_bytes_is_unknown_not_an_overflow() {
+        let text = "MemTotal: 1 kB\nMemAvailable:   12481475759600000000 kB\n";
+        assert_eq!(parse_mem_available(text), None);
+        assert_eq!(
+            parse_mem_available("MemAvailable: 18014398509481983 kB"),
+            Some(18014398509481983 * 1024)
+        );
+        assert_eq!(parse_mem_available("MemAvailable:    16 kB"), Some(16384));
     }
 }

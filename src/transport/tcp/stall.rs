@@ -11,7 +11,7 @@ use crate::error::Result;
 
 /// What the kernel says about one connection's timers (a line of `/proc/net/tcp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct TimerState {
+pub(crate) struct TimerState {
     /// `tr`: 1 retransmission, 2 keepalive, 4 zero-window probe, 0 none.
     timer: u32,
     /// `retrnsmt`: consecutive retransmission timeouts without an acknowledgement.
@@ -22,7 +22,7 @@ struct TimerState {
 
 impl TimerState {
     /// Whether the peer's host has answered nothing for long enough to be given up.
-    fn stalled(&self) -> Option<String> {
+    pub(crate) fn stalled(&self) -> Option<String> {
         match self.timer {
             1 if self.retransmits >= STALL_RETRANSMITS => Some(format!(
                 "no acknowledgement from its host for {} retransmissions of unacknowledged \
@@ -45,7 +45,7 @@ fn stall_seconds(n: u32) -> u64 {
 }
 
 /// Parses `/proc/net/tcp` (or `tcp6`) text into the timer state of the sockets in `inodes`.
-fn parse_proc_net_tcp(text: &str, inodes: &[u64]) -> Vec<(u64, TimerState)> {
+pub(crate) fn parse_proc_net_tcp(text: &str, inodes: &[u64]) -> Vec<(u64, TimerState)> {
     let mut found = Vec::new();
     for line in text.lines().skip(1) {
         let f: Vec<&str> = line.split_whitespace().collect();
