@@ -81,7 +81,7 @@ impl JobAuth {
     /// How the handshake's messages name the secret ("DSPARK_JOB_TOKEN", ...).
     pub(crate) fn secret_name(&self) -> String {
         match self {
-            JobAuth::TokenFile(p) => format!("{TOKEN_FILE_ENV} ({})", p.display()),
+            JobAuth::TokenFile(_) => TOKEN_FILE_ENV.into(),
             JobAuth::Spawner => format!("job secret from the spawner ({SPAWNER_SECRET_ENV})"),
             JobAuth::Store => "job secret published in the store".into(),
             JobAuth::Parent => "secret derived from the parent communicator".into(),
