@@ -42,8 +42,11 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                 thread::sleep(RANK_1_LATE);
             }
             let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
-            if comm.info().auth != JobAuth::Spawner {
-                say(&format!("auth is {}, not the spawner's", comm.info().auth));
+            // The words CommInfo says it in: the spawner's secret unless the case says else.
+            let want = std::env::var("ADVERSARY_AUTH")
+                .unwrap_or_else(|_| "job secret from the spawner".into());
+            if !comm.info().auth.to_string().starts_with(&want) {
+                say(&format!("auth is {}, not {want}", comm.info().auth));
                 return Ok(WRONG);
             }
             all_reduce_is_exact(&comm)?;
@@ -94,15 +97,40 @@ fn stranger_is_refused(addr: &str) {
 #[test]
 fn a_stranger_claiming_a_rank_of_a_spawned_job_at_init_is_refused_and_the_job_runs() {
     let _one = one_at_a_time();
+    spawned_job_refuses_a_stranger(&[]);
+}
+
+/// The same with a token file (`DSPARK_JOB_TOKEN_FILE`, private to its owner), which wins
+/// over the spawner's secret: the stranger's guessed token is refused.
+#[test]
+fn a_stranger_claiming_a_rank_of_a_token_file_job_at_init_is_refused_and_the_job_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    let _one = one_at_a_time();
+    let dir = std::env::temp_dir().join(format!("dspark-adversary-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "the job's own token\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let f = file.to_str().unwrap().to_string();
+    spawned_job_refuses_a_stranger(&[
+        ("DSPARK_JOB_TOKEN_FILE", &f),
+        ("ADVERSARY_AUTH", &format!("token file {f}")),
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two spawned ranks (rank 1 late, with `extra` variables), a stranger first: refused by
+/// rank 0, and the job runs.
+fn spawned_job_refuses_a_stranger(extra: &[(&str, &str)]) {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let a = addr.clone();
-    let ranks = spawn(
-        2,
-        "late_rank_1",
-        &move |_| vars(&[("DSPARK_ROOT_ADDR", &a), ("DSPARK_TIMEOUT", "30")]),
-        None,
-    );
+    let mut env = vec![
+        ("DSPARK_ROOT_ADDR", addr.as_str()),
+        ("DSPARK_TIMEOUT", "30"),
+    ];
+    env.extend_from_slice(extra);
+    let env = vars(&env);
+    let ranks = spawn(2, "late_rank_1", &move |_| env.clone(), None);
     let t0 = Instant::now();
     stranger_is_refused(&addr);
     assert!(
