@@ -131,13 +131,9 @@ fn spawned_job_refuses_a_stranger(extra: &[(&str, &str)]) {
     env.extend_from_slice(extra);
     let env = vars(&env);
     let ranks = spawn(2, "late_rank_1", &move |_| env.clone(), None);
-    let t0 = Instant::now();
+    // Refused by rank 0 itself means first: once the real rank 1 is in, rank 0 listens no
+    // more, and a late stranger would time out instead.
     stranger_is_refused(&addr);
-    assert!(
-        t0.elapsed() < RANK_1_LATE,
-        "the stranger came too late to be first ({:.1?})",
-        t0.elapsed()
-    );
     let outs = ranks.wait(Duration::from_secs(60));
     assert_all(&outs, OK, "the job with a stranger at init");
 }
@@ -299,7 +295,7 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
                 up.wait();
                 scanned.wait();
                 if r == 1 {
-                    thread::sleep(Duration::from_secs(2));
+                    thread::sleep(Duration::from_secs(3));
                 }
                 let child = parent
                     .split(Some(0), 0)
@@ -313,7 +309,7 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
     parents_up.wait();
     let before = listening();
     scanned.wait();
-    // Rank 0's new listener appears at once (rank 1 calls split 2 s later).
+    // Rank 0's new listener appears at once (rank 1 calls split 3 s later).
     let t0 = Instant::now();
     let new = loop {
         let new: Vec<(String, u16)> = listening()
@@ -323,7 +319,7 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
         if !new.is_empty() {
             break new;
         }
-        assert!(t0.elapsed() < Duration::from_secs(1), "no new listener");
+        assert!(t0.elapsed() < Duration::from_secs(2), "no new listener");
         thread::sleep(Duration::from_millis(1));
     };
     assert_eq!(new.len(), 1, "new listeners: {new:?}");
