@@ -165,6 +165,10 @@ pub struct Config {
     /// How the ranks find rank 0 (`DSPARK_RENDEZVOUS`; torchrun's agent store by default
     /// under torchrun).
     pub rendezvous: Rendezvous,
+    /// `DSPARK_LISTEN_ANY=1`: listeners bind every interface, not the rank's own address.
+    pub listen_any: bool,
+    /// `DSPARK_ACCEPT_ANY_SOURCE=1`: data listeners accept any address, not only the ranks'.
+    pub accept_any_source: bool,
     /// Where each setting came from, for messages (`rank from RANK`, ...).
     pub sources: Vec<(String, String)>,
 }
@@ -289,6 +293,8 @@ setters! {
     cuda_device: Option<usize>,
     emulate_gpu_direct: bool,
     rendezvous: Rendezvous,
+    listen_any: bool,
+    accept_any_source: bool,
 }
 
 /// Default deadline.
@@ -324,6 +330,8 @@ impl Config {
             cuda_device: None,
             emulate_gpu_direct: false,
             rendezvous: Rendezvous::Listen,
+            listen_any: false,
+            accept_any_source: false,
             sources: Vec::new(),
         }
     }
@@ -602,6 +610,8 @@ impl Config {
                 _ => return Err(Error::config(n, format!("{v:?}: expected 0 or 1"))),
             };
         }
+        c.listen_any = pick(&["DSPARK_LISTEN_ANY"]).is_some_and(|(_, v)| truthy(&v));
+        c.accept_any_source = pick(&["DSPARK_ACCEPT_ANY_SOURCE"]).is_some_and(|(_, v)| truthy(&v));
         if let Some((n, v)) = pick(&["DSPARK_SPIN_US"]) {
             let us = parse_usize(n, &v)?;
             c.spin = Some(Duration::from_micros((us as u64).min(u64::from(u32::MAX))));

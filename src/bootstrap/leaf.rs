@@ -10,38 +10,25 @@ use std::time::Duration;
 use super::auth;
 use super::msg::{self, Reject, Reply, MSG_PROOF, REJECT_CONFIG};
 use super::net::resolve;
-use super::{fresh_nonce, BootstrapOptions, Ctx, PeerInfo, Star};
+use super::{fresh_nonce, BootstrapOptions, Ctx, PeerInfo, Star, HELLO_WAIT};
 use crate::error::{Error, Result};
 
-/// The rendezvous of a rank other than 0: `host`, `data_port` and `iface` are its own entry
-/// of the table.
-pub(super) fn leaf_rendezvous(
-    ctx: &Ctx<'_>,
-    host: &str,
-    data_port: u16,
-    iface: Option<IpAddr>,
-) -> Result<Star> {
+/// Step 1 of a rank other than 0: connects to rank 0, retrying until the deadline (rank 0
+/// may not listen yet). The connection's local address is the one this rank advertises: its
+/// data listener binds it.
+pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
     let opts = ctx.opts;
-    let sec = ctx.sec();
-    let world = opts.world;
     let (rhost, port) = (&opts.root.0, opts.root.1);
     let mut last_err = String::from("no attempt made");
-    let mut s = loop {
+    loop {
         match resolve(rhost, port) {
             Ok(addrs) if !addrs.is_empty() => {
-                let mut connected = None;
                 for a in addrs {
                     let rem = ctx.remaining().unwrap_or(Duration::from_millis(1));
                     match TcpStream::connect_timeout(&a, rem.min(Duration::from_secs(5))) {
-                        Ok(s) => {
-                            connected = Some(s);
-                            break;
-                        }
+                        Ok(s) => return Ok(s),
                         Err(e) => last_err = format!("{a}: {e}"),
                     }
-                }
-                if let Some(s) = connected {
-                    break s;
                 }
             }
             Ok(_) => last_err = format!("{rhost} resolves to no address"),
@@ -58,24 +45,68 @@ pub(super) fn leaf_rendezvous(
             ));
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How many times a rank connects to rank 0 again when rank 0 closes its connection before
+/// its challenge.
+const MAX_RECONNECTS: u32 = 8;
+
+/// The rendezvous of a rank other than 0 on `s`, its connection to rank 0 ([`reach_root`]):
+/// `host`, `data_port` and `iface` are its own entry of the table.
+pub(super) fn leaf_rendezvous(
+    ctx: &Ctx<'_>,
+    mut s: TcpStream,
+    host: &str,
+    data_port: u16,
+    iface: Option<IpAddr>,
+) -> Result<Star> {
+    let opts = ctx.opts;
+    let sec = ctx.sec();
+    let world = opts.world;
+    // Rank 0 may close a connection before reading its hello, when strangers fill its
+    // listener (it keeps the ones that have spoken): then this rank connects again, at once,
+    // a few times. A rank 0 that refused this rank says why instead.
+    let mut tries = 0;
+    let (mut s, hello, reply) = loop {
+        let _ = s.set_nodelay(true);
+        // (A reset connection has no peer address any more.)
+        let at = s.peer_addr().ok();
+        let hello = msg::Hello {
+            world: world as u32,
+            rank: opts.rank as u32,
+            job: sec.job,
+            data_port,
+            host: host.to_string(),
+            segment: opts.segment_bytes as u64,
+            token: sec.token,
+            nonce: fresh_nonce(ctx)?,
+        }
+        .encode();
+        let got = ctx
+            .send(&mut s, Some(0), hello.clone())
+            .and_then(|()| ctx.recv(&mut s, Some(0), "waiting for rank 0's challenge"));
+        match got {
+            Ok(reply) => break (s, hello, reply),
+            Err(e @ Error::PeerLost { .. }) if tries < MAX_RECONNECTS => {
+                tries += 1;
+                let again = at.and_then(|a| {
+                    let rem = ctx.remaining()?.min(HELLO_WAIT);
+                    TcpStream::connect_timeout(&a, rem).ok()
+                });
+                let Some(again) = again else { return Err(e) };
+                tracing::debug!(
+                    rank = opts.rank,
+                    "rank 0 closed the connection unread ({e}); connecting again"
+                );
+                s = again;
+            }
+            Err(e) => return Err(e),
+        }
     };
-    let _ = s.set_nodelay(true);
     let root_at = s
         .peer_addr()
         .map_or_else(|_| opts.root_addr.clone(), |a| a.to_string());
-    let hello = msg::Hello {
-        world: world as u32,
-        rank: opts.rank as u32,
-        job: sec.job,
-        data_port,
-        host: host.to_string(),
-        segment: opts.segment_bytes as u64,
-        token: sec.token,
-        nonce: fresh_nonce(ctx)?,
-    }
-    .encode();
-    ctx.send(&mut s, Some(0), hello.clone())?;
-    let reply = ctx.recv(&mut s, Some(0), "waiting for rank 0's challenge")?;
     let nonce0 = match Reply::decode(&reply, world).map_err(|w| ctx.bad(Some(0), w))? {
         Reply::Challenge(n) => n,
         Reply::Reject(rej) => return Err(refusal(opts, rej)),

@@ -204,8 +204,8 @@ impl Links for LazyLinks {
     }
 
     fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        let mut v = vec![self.door.listener.as_fd()];
-        v.extend(self.door.cands.iter().map(|c| c.s.as_fd()));
+        let mut v = vec![self.door.gate.listener.as_fd()];
+        v.extend(self.door.gate.cands.iter().map(|c| c.s.as_fd()));
         v.extend(self.dials.iter().flatten().map(|d| d.s.as_fd()));
         v
     }

@@ -356,6 +356,37 @@ pub(super) mod tests {
         drop(stranger);
     }
 
+    /// 200 connections to a data listener that stay silent, send half a message or garbage
+    /// (more than it holds at once) are there before the real rank 1: it is accepted and
+    /// proved at once, and the strangers fail nothing.
+    #[test]
+    fn a_flood_of_strangers_on_a_data_listener_holds_up_nobody() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peers = vec![peer(0, addr), peer(1, addr)];
+        let mut c = config(0, 2, "a");
+        c.timeout = HELLO_WAIT / 2;
+        let acceptor = std::thread::spawn(move || mesh_of(c, listener, peers));
+        let mut strangers = Vec::new();
+        for i in 0..200u32 {
+            let mut s = TcpStream::connect(addr).unwrap();
+            match i % 3 {
+                0 => {}
+                1 => s.write_all(&[100, 0, 0, 0, 7, 7, 7]).unwrap(),
+                _ => s.write_all(&[0xff; 64]).unwrap(),
+            }
+            strangers.push(s);
+        }
+        let t0 = Instant::now();
+        let (mut s, sec, hello, nonce) = connect_as(addr, "a", 2, 1, 0);
+        let proof = sec.peer_proof(LABEL_CONNECTOR, &hello.0, &nonce);
+        send(&mut s, &msg::encode_proof(MSG_PEER_PROOF, &proof));
+        assert!(msg::decode_peer_ack(&recv(&mut s)).unwrap().is_ok());
+        acceptor.join().unwrap().unwrap();
+        assert!(t0.elapsed() < HELLO_WAIT / 2, "{:?}", t0.elapsed());
+        drop(strangers);
+    }
+
     /// A rank of this job (it proves the token) that connects for another rank is confused,
     /// not a stranger: that fails the init, on both ends, with both named.
     #[test]

@@ -32,6 +32,15 @@
 //! A rank of another protocol version is refused with both versions named, in either
 //! direction: version 2's hello starts with version 1's fields.
 //!
+//! Strangers cannot stall it: rank 0 and every data listener read all their pending
+//! connections side by side without waiting on any ([`door`]'s `Gate`), each with its own
+//! hello wait, at most a bounded number at once, and list what they refused in capped error
+//! text. Listeners bind the address the rank advertises (rank 0's rendezvous listener the
+//! root address's IP, a data listener `DSPARK_SOCKET_IFNAME`'s address or the one the rank
+//! reaches rank 0 from), never a wildcard unless `DSPARK_LISTEN_ANY=1`; once the rank table is
+//! known, a data listener closes a connection from an address that is no rank's before
+//! reading anything (`DSPARK_ACCEPT_ANY_SOURCE=1` turns that off for multi-homed hosts).
+//!
 //! The connections to rank 0 stay open until init is over for small exchanges
 //! ([`Bootstrap::all_gather`]), e.g. the verbs connection information.
 //!
@@ -291,28 +300,31 @@ pub fn rendezvous_with(
         .as_deref()
         .map(interface_ip)
         .transpose()?;
-    let data_bind = SocketAddr::new(iface_ip.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)), 0);
-    let data_listener = TcpListener::bind(data_bind).map_err(|e| {
-        Error::io(
-            Some(opts.rank),
-            None,
-            format!("bootstrap: binding the data listener on {data_bind}"),
-            e,
-        )
-    })?;
-    let data_port = data_listener
-        .local_addr()
-        .map_err(|e| ctx.io(None, "data listener address", e))?
-        .port();
-    let (star, peers) = if opts.rank == 0 {
-        root::root_rendezvous(&ctx, &host, data_port, iface_ip, root, links)?
+    let ((star, peers), data_listener) = if opts.rank == 0 {
+        root::root_rendezvous(&ctx, &host, iface_ip, root, links)?
     } else {
-        leaf::leaf_rendezvous(&ctx, &host, data_port, iface_ip)?
+        let s = leaf::reach_root(&ctx)?;
+        // The data listener binds the address this rank advertises: the interface asked for,
+        // else the one it reaches rank 0 from (which rank 0 puts in the table).
+        let ip = match iface_ip {
+            Some(ip) => ip,
+            None => s
+                .local_addr()
+                .map_err(|e| ctx.io(Some(0), "the local address of the connection to rank 0", e))?
+                .ip(),
+        };
+        let l = bind_data(&ctx, ip)?;
+        let port = l
+            .local_addr()
+            .map_err(|e| ctx.io(None, "data listener address", e))?
+            .port();
+        (leaf::leaf_rendezvous(&ctx, s, &host, port, iface_ip)?, l)
     };
     data_listener
         .set_nonblocking(true)
         .map_err(|e| ctx.io(None, "listener", e))?;
     let mut door = Door::new(data_listener, opts.world);
+    door.allow(&peers, opts.any_source);
     let mut mesh: Vec<Option<TcpStream>> = (0..opts.world).map(|_| None).collect();
     let mine = links.map(|l| l(opts.rank));
     let need = |p: usize| mine.as_ref().is_none_or(|l| l.binary_search(&p).is_ok());
@@ -328,8 +340,31 @@ pub fn rendezvous_with(
     };
     if links.is_some() {
         boot.gather_table(&mut mesh)?;
+        // The whole table is known now: every rank's address may connect.
+        if let Some(d) = boot.door.as_mut() {
+            d.allow(&boot.peers, opts.any_source);
+        }
     }
     Ok((boot, mesh))
+}
+
+/// Binds this rank's data listener on `ip`, the address it advertises (an ephemeral port), or
+/// on every interface with `DSPARK_LISTEN_ANY`.
+fn bind_data(ctx: &Ctx<'_>, ip: IpAddr) -> Result<TcpListener> {
+    let ip = match ip {
+        _ if !ctx.opts.listen_any => ip,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let at = SocketAddr::new(ip, 0);
+    TcpListener::bind(at).map_err(|e| {
+        Error::io(
+            Some(ctx.rank()),
+            None,
+            format!("bootstrap: binding the data listener on {at}"),
+            e,
+        )
+    })
 }
 
 /// The connections to rank 0 (rank 0: to every rank) and the rank table.

@@ -42,6 +42,12 @@ pub struct BootstrapOptions {
     /// The pipeline segment size in bytes (`DSPARK_CHUNK_BYTES`), which every rank's hello
     /// carries: ranks that differ are refused at the rendezvous.
     pub(crate) segment_bytes: usize,
+    /// Listeners bind every interface instead of the address the rank advertises
+    /// (`DSPARK_LISTEN_ANY`).
+    pub(crate) listen_any: bool,
+    /// Data listeners accept connections from any address, not only the ranks' own
+    /// (`DSPARK_ACCEPT_ANY_SOURCE`, for multi-homed hosts).
+    pub(crate) any_source: bool,
 }
 
 impl BootstrapOptions {
@@ -81,6 +87,8 @@ impl BootstrapOptions {
             socket_ifname: cfg.socket_ifname.clone(),
             host_id: cfg.host_id.clone(),
             segment_bytes: cfg.segment_bytes,
+            listen_any: cfg.listen_any,
+            any_source: cfg.accept_any_source,
         })
     }
 

@@ -1,0 +1,2 @@
+#[path = "adversary/flood.rs"]
+mod flood;
