@@ -785,34 +785,6 @@ impl IbSettings {
     }
 }
 
-impl Config {
-    /// A 64-bit identity of the job for the handshake: FNV-1a of the token and the launcher's
-    /// job id (0 when neither is set). Not a cryptographic protection: it keeps ranks of
-    /// different jobs from joining each other by accident.
-    pub fn job_hash(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |bytes: &[u8]| {
-            for &b in bytes {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        };
-        if let Some(t) = &self.job_token {
-            eat(b"token:");
-            eat(t.as_bytes());
-        }
-        if let Some(j) = &self.job_id {
-            eat(b"job:");
-            eat(j.as_bytes());
-        }
-        if self.job_token.is_none() && self.job_id.is_none() {
-            0
-        } else {
-            h
-        }
-    }
-}
-
 /// `host:port`, bracketing IPv6 literals.
 pub fn join_host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {

@@ -15,8 +15,14 @@
 //! and a stray `add` by another client of the store), and a sub-communicator of an open
 //! parent (the secret derived at the split). This binary re-executes itself as rank processes
 //! (`rank_process` is a rank's entry point; it does nothing in a normal test run).
+//!
+//! The module `flood` (`tests/adversary/flood.rs`) holds the strangers who flood a job's
+//! listeners: silent connections and reset churn during init, no wildcard listener, a
+//! connection from no rank's address after init.
 
 mod common;
+#[path = "adversary/flood.rs"]
+mod flood;
 
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -322,21 +328,73 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
         assert!(t0.elapsed() < Duration::from_secs(2), "no new listener");
         thread::sleep(Duration::from_millis(1));
     };
-    assert_eq!(new.len(), 1, "new listeners: {new:?}");
-    let (ip, child_port) = new[0].clone();
+    // One stranger per new listener of this process (the group's rank 0's, and maybe a
+    // port another case probed at the same moment), all at once: the group's rank 0 refuses
+    // its stranger when rank 1 arrives; a stranger at any other port fails otherwise.
+    let strangers: Vec<_> = new
+        .into_iter()
+        .map(|(ip, child_port)| {
+            thread::spawn(move || {
+                let mut c = Config::new(1, 2, format!("127.0.0.1:{child_port}"));
+                c.timeout = Duration::from_secs(12);
+                let e = Communicator::init(c)
+                    .map(|_| ())
+                    .expect_err("a stranger joined");
+                (ip, e.to_string())
+            })
+        })
+        .collect();
+    let outcomes: Vec<(String, String)> =
+        strangers.into_iter().map(|t| t.join().unwrap()).collect();
+    let refused: Vec<&(String, String)> = outcomes
+        .iter()
+        .filter(|(_, s)| s.contains("rank 0 refused this rank"))
+        .collect();
     assert_eq!(
-        ip, "0100007F",
-        "the split's listener binds {ip}, not 127.0.0.1"
+        refused.len(),
+        1,
+        "no stranger refused by the group's rank 0: {outcomes:?}"
     );
-    // Only one stranger: the group's rank 0 handles the first hello when rank 1 arrives.
-    let mut c = Config::new(1, 2, format!("127.0.0.1:{child_port}"));
-    c.timeout = Duration::from_secs(20);
-    let s = Communicator::init(c)
-        .map(|_| ())
-        .expect_err("a stranger joined")
-        .to_string();
-    assert!(s.contains("rank 0 refused this rank"), "{s}");
+    assert_eq!(
+        refused[0].0, "0100007F",
+        "the split's listener binds {}, not 127.0.0.1",
+        refused[0].0
+    );
     for r in ranks {
         r.join().unwrap();
     }
+}
+
+/// Asked for (`DSPARK_LISTEN_ANY=1`), the store rendezvous' rank 0 and a split group's first
+/// rank listen on every interface, but still publish the address the ranks reach: the job
+/// and its group meet.
+#[test]
+fn with_listen_any_a_store_job_and_its_split_child_still_meet() {
+    let _one = one_at_a_time();
+    let store = MemStore::new();
+    let inits: Vec<_> = (0..2)
+        .map(|r| {
+            let s = store.clone();
+            thread::spawn(move || {
+                let mut c = store_config();
+                c.listen_any = true;
+                Communicator::init_with_store(&s, r, 2, c)
+            })
+        })
+        .collect();
+    let (addr, _) = published_root(&store);
+    assert!(addr.starts_with("127.0.0.1:"), "rank 0 published {addr}");
+    let comms: Vec<Communicator> = inits
+        .into_iter()
+        .map(|h| h.join().unwrap().expect("an init through the store"))
+        .collect();
+    thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let child = c.split(Some(0), 0).expect("the split").expect("a member");
+                assert_eq!(child.info().auth, JobAuth::Parent);
+                all_reduce_is_exact(&child).unwrap();
+            });
+        }
+    });
 }

@@ -199,19 +199,30 @@ impl Communicator {
         };
         if rank == 0 {
             let ip = publish_ip(&config, towards.as_deref())?;
-            // The published address, never a wildcard: the listener is reachable only where
-            // the ranks are told to connect.
-            if !crate::bootstrap::is_local_ip(ip) {
+            // The published address, never a wildcard (unless DSPARK_LISTEN_ANY asks): the
+            // listener is reachable only where the ranks are told to connect.
+            let bind_ip = match ip {
+                _ if !config.listen_any => ip,
+                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+            };
+            if !config.listen_any && !crate::bootstrap::is_local_ip(ip) {
                 return Err(Error::config(
                     "DSPARK_SOCKET_IFNAME",
                     format!(
                         "rank 0 would publish {ip} for the rendezvous, which is no address of \
-                         this host: set DSPARK_SOCKET_IFNAME to the interface the ranks reach"
+                         this host: set DSPARK_SOCKET_IFNAME to the interface the ranks reach \
+                         (or DSPARK_LISTEN_ANY=1 to listen on every interface)"
                     ),
                 ));
             }
-            let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
-                Error::io(Some(0), None, format!("bootstrap: listening on {ip}:0"), e)
+            let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| {
+                Error::io(
+                    Some(0),
+                    None,
+                    format!("bootstrap: listening on {bind_ip}:0"),
+                    e,
+                )
             })?;
             let port = listener
                 .local_addr()

@@ -97,7 +97,14 @@ impl Communicator {
                 e,
             )
         })?;
-        let bind_ip = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        // The address peers reach this rank at, never a wildcard (unless DSPARK_LISTEN_ANY
+        // asks).
+        let advertised = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let bind_ip = match advertised {
+            ip if !self.config.listen_any => ip,
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
         let listener = match colour {
             Some(_) => Some(TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| {
                 Error::io(
@@ -109,9 +116,13 @@ impl Communicator {
             })?),
             None => None,
         };
+        // The group's members connect to the advertised address, whatever was bound.
         let addr = listener
             .as_ref()
-            .map(|l| l.local_addr())
+            .map(|l| {
+                l.local_addr()
+                    .map(|a| SocketAddr::new(advertised, a.port()))
+            })
             .transpose()
             .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
         let mut mine = [0u8; ENTRY];

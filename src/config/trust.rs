@@ -111,6 +111,32 @@ impl fmt::Display for JobAuth {
 }
 
 impl Config {
+    /// A 64-bit identity of the job for the handshake: FNV-1a of the token and the launcher's
+    /// job id (0 when neither is set). Not a cryptographic protection: it keeps ranks of
+    /// different jobs from joining each other by accident.
+    pub fn job_hash(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        if let Some(t) = &self.job_token {
+            eat(b"token:");
+            eat(t.as_bytes());
+        }
+        if let Some(j) = &self.job_id {
+            eat(b"job:");
+            eat(j.as_bytes());
+        }
+        if self.job_token.is_none() && self.job_id.is_none() {
+            0
+        } else {
+            h
+        }
+    }
+
     /// How a job with this configuration authenticates: its token's source where it has
     /// one, the store's published secret under a store rendezvous, else open on rank 0's
     /// port. [`crate::CommInfo::auth`] says what init did.
