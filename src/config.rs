@@ -15,7 +15,8 @@
 //! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
-//! | `DSPARK_JOB_TOKEN` | shared secret; ranks without it are refused | none |
+//! | `DSPARK_JOB_TOKEN_FILE` | a file (mode 600: refused when group or others may read it) holding the job's shared secret; ranks without it are refused ([`JobAuth`]) | `DSPARK_JOB_TOKEN` |
+//! | `DSPARK_JOB_TOKEN` | the shared secret itself (both set: they must agree) | a random per-job secret where a private channel exists: dspark's spawners (`DSPARK_SPAWNER_SECRET`), the store rendezvous, `split`; else open |
 //! | `DSPARK_ALGO` | force an algorithm for the collectives it implements (`ring`, `recursive_doubling`, `chain`, `binomial_tree`, `tree`, `pairwise`, `dissemination`, `direct`) | by size |
 //! | `DSPARK_CHUNK_BYTES` | pipeline segment size | 512 KiB |
 //! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs (at most 1 s) | 50 (100, yielding the CPU, when ranks outnumber cores) |
@@ -36,6 +37,9 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::path::{PathPolicy, DATA_PATH_ENV};
 use crate::plan::Algorithm;
+
+pub(crate) mod trust;
+pub use trust::JobAuth;
 
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -135,6 +139,8 @@ pub struct Config {
     pub tune_file: Option<PathBuf>,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
+    /// Where `job_token` came from (ignored without one): [`Config::auth`].
+    pub job_auth: JobAuth,
     /// Launcher job identity (`SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`) checked in the handshake.
     pub job_id: Option<String>,
     /// Force an algorithm.
@@ -277,6 +283,7 @@ setters! {
     trace: Option<PathBuf>,
     tune_file: Option<PathBuf>,
     job_token: Option<String>,
+    job_auth: JobAuth,
     job_id: Option<String>,
     algo: Option<Algorithm>,
     segment_bytes: usize,
@@ -313,6 +320,7 @@ impl Config {
             trace: None,
             tune_file: None,
             job_token: None,
+            job_auth: JobAuth::Token,
             job_id: None,
             algo: None,
             segment_bytes: 512 * 1024,
@@ -555,7 +563,9 @@ impl Config {
         c.trace = get("DSPARK_TRACE")
             .filter(|t| !t.is_empty())
             .map(PathBuf::from);
-        c.job_token = get("DSPARK_JOB_TOKEN").filter(|t| !t.is_empty());
+        if let Some((token, how)) = trust::token_from(&get)? {
+            (c.job_token, c.job_auth) = (Some(token), how);
+        }
         c.job_id = pick(&["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v);
         if let Some((n, v)) = pick(&["DSPARK_ALGO"]) {
             c.algo = Some(Algorithm::from_name(&v).ok_or_else(|| {
@@ -772,34 +782,6 @@ impl IbSettings {
             }
         }
         Ok(())
-    }
-}
-
-impl Config {
-    /// A 64-bit identity of the job for the handshake: FNV-1a of the token and the launcher's
-    /// job id (0 when neither is set). Not a cryptographic protection: it keeps ranks of
-    /// different jobs from joining each other by accident.
-    pub fn job_hash(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |bytes: &[u8]| {
-            for &b in bytes {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        };
-        if let Some(t) = &self.job_token {
-            eat(b"token:");
-            eat(t.as_bytes());
-        }
-        if let Some(j) = &self.job_id {
-            eat(b"job:");
-            eat(j.as_bytes());
-        }
-        if self.job_token.is_none() && self.job_id.is_none() {
-            0
-        } else {
-            h
-        }
     }
 }
 
@@ -1192,15 +1174,5 @@ mod tests {
         assert_eq!(parse_size("2GiB"), Some(2 << 30));
         assert_eq!(parse_size("64"), Some(64));
         assert_eq!(parse_size("lots"), None);
-    }
-
-    #[test]
-    fn job_hash_depends_on_token() {
-        let mut a = Config::new(0, 2, "h:1");
-        let mut b = a.clone();
-        assert_eq!(a.job_hash(), b.job_hash());
-        a.job_token = Some("s3cret".into());
-        b.job_token = Some("other".into());
-        assert_ne!(a.job_hash(), b.job_hash());
     }
 }

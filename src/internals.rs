@@ -28,3 +28,8 @@ pub mod reduce;
 pub mod transport;
 
 pub use crate::comm::work;
+
+/// The job's secret: the per-job secret a spawner gives its children, and the variables.
+pub mod trust {
+    pub use crate::config::trust::{spawner_secret, SPAWNER_SECRET_ENV, TOKEN_ENV, TOKEN_FILE_ENV};
+}

@@ -54,7 +54,7 @@ pub use comm::{
     CommInfo, Communicator, DirectRegionFact, Enqueue, RawCall, RawOp, Registration, Scope, Timed,
     Work,
 };
-pub use config::Config;
+pub use config::{Config, JobAuth};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use plan::{Algorithm, Collective};

@@ -352,3 +352,40 @@ fn a_bad_architecture_is_a_usage_error_naming_the_option() {
     let o = doctor(&["--arch", "sm_90"], &[]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// `dspark doctor` says how a job launched with its environment would authenticate: open
+/// (with the fix), a private token file by name, a token file that others may read refused
+/// naming the variable.
+#[test]
+fn doctor_says_how_a_job_launched_here_would_authenticate() {
+    use std::os::unix::fs::PermissionsExt;
+    let section = |envs: &[(&str, &str)]| {
+        let mut all = vec![("DSPARK_JOB_TOKEN", ""), ("DSPARK_RENDEZVOUS", "")];
+        all.extend_from_slice(envs);
+        let o = doctor(&[], &all);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}\n{err}");
+        out.split("Job authentication")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no authentication section:\n{out}"))
+            .to_string()
+    };
+    let open = section(&[("DSPARK_JOB_TOKEN_FILE", "")]);
+    assert!(
+        open.contains("open: any host") && open.contains("DSPARK_JOB_TOKEN_FILE="),
+        "{open}"
+    );
+    let tree = Tree::new("token");
+    let file = tree.0.join("token");
+    std::fs::write(&file, "s3cret\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let f = file.to_str().unwrap();
+    let ok = section(&[("DSPARK_JOB_TOKEN_FILE", f)]);
+    assert!(ok.contains(&format!("token file {f}")), "{ok}");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let shared = section(&[("DSPARK_JOB_TOKEN_FILE", f)]);
+    assert!(
+        shared.contains("refused") && shared.contains("DSPARK_JOB_TOKEN_FILE"),
+        "{shared}"
+    );
+}

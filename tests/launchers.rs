@@ -131,6 +131,12 @@ fn torchrun_standalone_runs_dspark_bench_through_the_agent_store() {
         text.contains("TORCHELASTIC_USE_AGENT_STORE"),
         "the header should say the rendezvous went through torchrun's agent store:\n{text}"
     );
+    // Without a token, rank 0 published a secret in the agent's store (torch's own TCPStore
+    // server: compare-and-set, then the secret).
+    assert!(
+        text.contains("# auth      : secret published in the store"),
+        "the header should say the ranks proved the store's secret:\n{text}"
+    );
 }
 
 #[test]

@@ -133,6 +133,12 @@ impl Torch {
 
     /// Runs one command and returns what follows `ok` (panics on `err`).
     fn cmd(&mut self, line: &str) -> String {
+        self.try_cmd(line)
+            .unwrap_or_else(|reply| panic!("torch failed '{line}': {reply}"))
+    }
+
+    /// Runs one command: what follows `ok`, or the whole reply when it is not `ok`.
+    fn try_cmd(&mut self, line: &str) -> Result<String, String> {
         writeln!(self.stdin, "{line}").expect("write to the helper");
         self.stdin.flush().expect("flush the helper's stdin");
         let reply = self
@@ -140,8 +146,8 @@ impl Torch {
             .recv_timeout(REPLY)
             .unwrap_or_else(|_| panic!("no reply to '{line}' within {REPLY:?}"));
         match reply.strip_prefix("ok") {
-            Some(rest) => rest.trim().to_string(),
-            None => panic!("torch failed '{line}': {reply}"),
+            Some(rest) => Ok(rest.trim().to_string()),
+            None => Err(reply),
         }
     }
 
@@ -189,6 +195,54 @@ fn round_trip(libuv: bool) {
     assert!(store.check(&["py/k", "rust/k"]).unwrap());
     assert!(!store.check(&["py/k", "never"]).unwrap());
     assert_eq!(py.cmd("check rust/k py/k"), "1");
+}
+
+/// `compare_set` against torch's server, with torch's semantics (which the store rendezvous'
+/// generation record relies on), and a stray `add` on a record that is no number: refused by
+/// the server, from a torch client and from this one, leaving the record as it was.
+fn compare_set_as_torch_does(libuv: bool) {
+    let Some(mut py) = Torch::serve(libuv) else {
+        return;
+    };
+    let store = py.connect().with_rank(1);
+    // A missing key with a non-empty `expected`: answers `expected` and sets nothing.
+    assert_eq!(
+        store.compare_set("cas", b"probe", b"probe").unwrap(),
+        b"probe"
+    );
+    assert_eq!(py.cmd("check cas"), "0");
+    // A missing key with an empty `expected`: set.
+    assert_eq!(store.compare_set("cas", b"", b"one").unwrap(), b"one");
+    assert_eq!(unhex(&py.cmd("get cas")), b"one");
+    // Another value: unchanged, and told what it holds.
+    assert_eq!(store.compare_set("cas", b"two", b"three").unwrap(), b"one");
+    assert_eq!(store.compare_set("cas", b"one", b"two").unwrap(), b"two");
+    assert_eq!(unhex(&py.cmd("get cas")), b"two");
+    // The rendezvous' record: an add fails and changes nothing.
+    let rec = b"dspark-gen-v1 0 1 abc def";
+    assert_eq!(store.compare_set("gen", b"", rec).unwrap(), rec);
+    assert!(
+        py.try_cmd("add gen 1 1").is_err(),
+        "torch added to a record"
+    );
+    assert!(
+        py.connect().add("gen", 1).is_err(),
+        "an add moved the record"
+    );
+    // (The server drops the connection of a client that adds to a value that is no number:
+    // that client is unusable afterwards; the server and the other clients are fine.)
+    assert_eq!(store.get("gen", LONG).unwrap(), rec);
+    assert_eq!(py.connect().compare_set("gen", b"x", b"y").unwrap(), rec);
+}
+
+#[test]
+fn compare_set_works_as_torchs_on_its_libuv_server() {
+    compare_set_as_torch_does(true);
+}
+
+#[test]
+fn compare_set_works_as_torchs_on_its_legacy_server() {
+    compare_set_as_torch_does(false);
 }
 
 #[test]

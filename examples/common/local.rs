@@ -1,7 +1,8 @@
 //! Shared by the examples: run as one rank of a launcher (torchrun, mpirun, srun, or
 //! DSPARK_RANK/DSPARK_WORLD_SIZE/DSPARK_ROOT_ADDR set by hand), or, with none of those set,
 //! start `DSPARK_EXAMPLE_RANKS` (default 2) local ranks of this same program on 127.0.0.1,
-//! the way `dspark-bench --ranks N` does.
+//! the way `dspark-bench --ranks N` does, with a random token per job (unless one is set) so
+//! that nobody else who reaches the port can join.
 
 use std::process::Command;
 
@@ -29,10 +30,26 @@ pub(crate) fn as_rank() -> bool {
         .map(|a| a.port())
         .expect("a free port on 127.0.0.1");
     let exe = std::env::current_exe().expect("the path of this program");
+    // A secret only these ranks know (a process's environment is readable by its own user
+    // only): 32 random bytes, in hex.
+    let has_token = ["DSPARK_JOB_TOKEN", "DSPARK_JOB_TOKEN_FILE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|t| !t.is_empty()));
+    let token = (!has_token).then(|| {
+        use std::io::Read;
+        let mut b = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut b))
+            .expect("random bytes from /dev/urandom");
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    });
     let children: Vec<_> = (0..n)
         .map(|r| {
-            Command::new(&exe)
-                .args(std::env::args_os().skip(1))
+            let mut cmd = Command::new(&exe);
+            if let Some(t) = &token {
+                cmd.env("DSPARK_JOB_TOKEN", t);
+            }
+            cmd.args(std::env::args_os().skip(1))
                 .env("DSPARK_RANK", r.to_string())
                 .env("DSPARK_WORLD_SIZE", n.to_string())
                 .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))

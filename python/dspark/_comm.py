@@ -92,9 +92,11 @@ class Communicator:
     @classmethod
     def from_store(cls, store, rank, world_size, timeout=None):
         """Joins through a key-value store with torch's interface (``torch.distributed``'s
-        ``TCPStore``, ``FileStore``, ``HashStore``, ``PrefixStore``): rank 0 listens on an
-        ephemeral port and publishes its address there. ``timeout``: seconds, the deadline
-        of every call (default ``DSPARK_TIMEOUT`` or 60 s)."""
+        ``TCPStore``, ``FileStore``, ``HashStore``, ``PrefixStore``; ``set``, ``get``, ``add``,
+        ``wait`` and ``compare_set``): rank 0 listens on an ephemeral port and publishes its
+        address there, with a random secret that every rank proves unless they have a token
+        (``DSPARK_JOB_TOKEN_FILE``): the job is as private as the store. ``timeout``: seconds,
+        the deadline of every call (default ``DSPARK_TIMEOUT`` or 60 s)."""
         if hasattr(timeout, "total_seconds"):
             timeout = timeout.total_seconds()
         return cls(_dspark.Communicator.init_with_store(store, rank, world_size, timeout))
@@ -108,7 +110,8 @@ class Communicator:
         return self._c.world_size
 
     def info(self):
-        """Transport, why not a faster one, hosts, timeout, data path, rendezvous."""
+        """Transport, why not a faster one, hosts, timeout, data path, rendezvous, and how the
+        ranks authenticated each other (`auth`)."""
         return self._c.info()
 
     # -- the collectives ---------------------------------------------------------------

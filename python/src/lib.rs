@@ -129,7 +129,8 @@ fn secs(timeout: Option<f64>) -> PyResult<Option<Duration>> {
 // ------------------------------------------------------------------------------- the store
 
 /// A Python key-value store with torch's `Store` interface (`set`, `get`, `add`,
-/// `wait(keys, timedelta)`): torch's `TCPStore`, `FileStore`, `HashStore`, `PrefixStore`.
+/// `wait(keys, timedelta)`, `compare_set`): torch's `TCPStore`, `FileStore`, `HashStore`,
+/// `PrefixStore`.
 /// Each call takes the GIL for its duration; the rendezvous itself runs without it.
 #[derive(Debug)]
 struct PyStore {
@@ -210,6 +211,20 @@ impl Store for PyStore {
         let t = Instant::now();
         Python::attach(|py| self.wait_keys(py, keys, timeout))
             .map_err(|e| self.fail("wait", &keys.join(","), e, t))
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> dspark::Result<Vec<u8>> {
+        let t = Instant::now();
+        Python::attach(|py| {
+            self.store
+                .bind(py)
+                .call_method1(
+                    "compare_set",
+                    (key, PyBytes::new(py, expected), PyBytes::new(py, desired)),
+                )?
+                .extract::<Vec<u8>>()
+        })
+        .map_err(|e| self.fail("compare_set", key, e, t))
     }
 }
 
@@ -466,7 +481,8 @@ impl PyComm {
     }
 
     /// Joins a job through a key-value store with torch's interface (`set`, `get`, `add`,
-    /// `wait`): rank 0 listens on an ephemeral port and publishes its address there.
+    /// `wait`, `compare_set`): rank 0 listens on an ephemeral port and publishes its address
+    /// there, with a random secret unless the ranks have a token.
     /// `timeout` (seconds) is the deadline of every call; the environment gives the rest of
     /// the configuration.
     #[staticmethod]
@@ -502,7 +518,9 @@ impl PyComm {
 
     /// Facts about the connections: transport, each connection's transport, why not a faster
     /// one, hosts, timeout, data-path policy, what init allocated for GPUDirect
-    /// (`direct_region`), rendezvous.
+    /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in
+    /// words: "job secret from the spawner", "token file /path", "secret published in the
+    /// store", "open: any host that reaches port P can join", ...).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let i = c.info();
@@ -522,6 +540,7 @@ impl PyComm {
         d.set_item("data_path", i.data_path.to_string())?;
         d.set_item("direct_region", i.direct_region.to_string())?;
         d.set_item("rendezvous", &i.rendezvous)?;
+        d.set_item("auth", i.auth.to_string())?;
         Ok(d)
     }
 

@@ -4,9 +4,11 @@
 //! Both are small enough to carry here rather than as dependencies; the test vectors are
 //! those of FIPS 180-4 / NIST (SHA-256) and RFC 4231 (HMAC-SHA256).
 //!
-//! The key is the job's secret, `DSPARK_JOB_TOKEN`, with the launcher's job id. Without a
-//! token the key is the job id alone (or nothing), which anybody can know: the handshake then
-//! only keeps ranks of different jobs from joining each other by accident.
+//! The key is the job's secret with the launcher's job id: a token (`DSPARK_JOB_TOKEN`, its
+//! file), else a random per-job secret where a private channel exists (a dspark spawner, the
+//! store rendezvous, a parent communicator: `crate::config::trust`). Without any, the key is
+//! the job id alone (or nothing), which anybody can know: the handshake then only keeps ranks
+//! of different jobs from joining each other by accident.
 //!
 //! [`Secret`] holds that key and makes the four proofs of the handshakes (a rank to rank 0,
 //! rank 0 to a rank, and both ends of a data connection), each under its own label so that
@@ -212,6 +214,8 @@ pub(crate) struct Secret {
     pub(crate) job: u64,
     /// Whether this rank has a job token.
     pub(crate) token: bool,
+    /// How messages name the secret (`DSPARK_JOB_TOKEN`, the spawner's secret, ...).
+    name: String,
 }
 
 impl Secret {
@@ -222,7 +226,14 @@ impl Secret {
             key: job_key(token, job_id),
             job,
             token: token.is_some(),
+            name: "DSPARK_JOB_TOKEN".into(),
         }
+    }
+
+    /// The same secret, named `name` in the messages of a failed handshake.
+    pub(crate) fn named(mut self, name: String) -> Secret {
+        self.name = name;
+        self
     }
 
     /// A rank's proof to rank 0: over rank 0's nonce and the rank's whole hello (its own
@@ -246,18 +257,17 @@ impl Secret {
     /// What to say when a peer's token flag differs from this rank's.
     pub(crate) fn token_disagreement(&self, me: &str, them: &str) -> String {
         let (has, hasnt) = if self.token { (me, them) } else { (them, me) };
-        format!(
-            "{has} has DSPARK_JOB_TOKEN set but {hasnt} has none (set the same DSPARK_JOB_TOKEN \
-             on every rank)"
-        )
+        let name = &self.name;
+        format!("{has} has {name} set but {hasnt} has none (set the same {name} on every rank)")
     }
 
     /// What to say when a proof did not verify.
     pub(crate) fn bad_proof(&self, who: &str, than: &str) -> String {
         if self.token {
             format!(
-                "{who} did not prove that it knows the job token: its DSPARK_JOB_TOKEN differs \
-                 from {than}'s (or a recorded handshake was replayed)"
+                "{who} did not prove that it knows the job token: its {} differs from {than}'s \
+                 (or a recorded handshake was replayed)",
+                self.name
             )
         } else {
             format!(
@@ -274,6 +284,7 @@ impl std::fmt::Debug for Secret {
         f.debug_struct("Secret")
             .field("job", &self.job)
             .field("token", &self.token)
+            .field("name", &self.name)
             .finish_non_exhaustive()
     }
 }

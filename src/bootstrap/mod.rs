@@ -24,10 +24,12 @@
 //!
 //! The nonces are fresh for every connection (from `/dev/urandom`), so a recorded handshake
 //! proves nothing when it is replayed; the token itself never travels, not even hashed.
-//! Without `DSPARK_JOB_TOKEN` the key is the launcher's job id alone, which is no secret:
-//! the handshake then only keeps ranks of different jobs (or different protocol versions)
-//! from joining each other by accident. Nothing is encrypted; set a token wherever a stranger
-//! can reach the rendezvous port.
+//! The token is `DSPARK_JOB_TOKEN` (or its file), else a random per-job secret where a
+//! private channel exists (a dspark spawner, the store rendezvous, a parent communicator:
+//! `crate::config::trust`). Without any, the key is the launcher's job id alone, which is no
+//! secret: the handshake then only keeps ranks of different jobs (or different protocol
+//! versions) from joining each other by accident. Nothing is encrypted; set a token wherever
+//! a stranger can reach the rendezvous port.
 //!
 //! A rank of another protocol version is refused with both versions named, in either
 //! direction: version 2's hello starts with version 1's fields.

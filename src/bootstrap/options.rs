@@ -32,7 +32,8 @@ pub struct BootstrapOptions {
     pub(crate) root_source: String,
     /// Deadline of every blocking step, from its start.
     pub(crate) timeout: Duration,
-    /// The job's handshake secret (from `DSPARK_JOB_TOKEN` and the launcher's job id).
+    /// The job's handshake secret (from `Config::job_token`: `DSPARK_JOB_TOKEN`, its file, a
+    /// spawner's, the store's or the parent's secret; and the launcher's job id).
     pub(crate) secret: Secret,
     /// The network interface whose address the data listener binds (`DSPARK_SOCKET_IFNAME`).
     pub(crate) socket_ifname: Option<String>,
@@ -81,7 +82,8 @@ impl BootstrapOptions {
                 cfg.job_token.as_deref(),
                 cfg.job_id.as_deref(),
                 id_only.job_hash(),
-            ),
+            )
+            .named(cfg.job_auth.secret_name()),
             socket_ifname: cfg.socket_ifname.clone(),
             host_id: cfg.host_id.clone(),
             segment_bytes: cfg.segment_bytes,

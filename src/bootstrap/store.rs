@@ -24,7 +24,7 @@
 //! - Query types: `VALIDATE` 0, `SET` 1, `COMPARE_SET` 2, `GET` 3, `ADD` 4, `CHECK` 5,
 //!   `WAIT` 6, `GETNUMKEYS` 7, `DELETE_KEY` 8, `APPEND` 9, `MULTI_GET` 10, `MULTI_SET` 11,
 //!   `CANCEL_WAIT` 12, `PING` 13, `QUEUE_PUSH` 14, `QUEUE_POP` 15, `QUEUE_LEN` 16 and, in
-//!   2.15, `LIST_KEYS` 17, `BARRIER` 18. This client uses only 0, 1, 3, 4, 5, 6, 12 and 13.
+//!   2.15, `LIST_KEYS` 17, `BARRIER` 18. This client uses only 0-6, 12 and 13.
 //! - Handshake: the first request on a connection must be `VALIDATE` with the `u32` magic
 //!   `0x3C85F7CE`; it has no reply. The legacy server closes a connection that starts any
 //!   other way; the libuv server ignores it and never answers (so without a deadline a wrong
@@ -38,6 +38,8 @@
 //! - `GET key`: replies the value as a byte vector. torch's client always sends `WAIT` for the
 //!   key first (the legacy server drops the connection on a `GET` of a missing key; libuv
 //!   answers an empty value), and so does this client.
+//! - `COMPARE_SET key expected desired`: sets `desired` where the key holds `expected` (or is
+//!   missing and `expected` empty); replies what it holds then (missing: `expected`).
 //! - `CHECK count key...`: replies `READY` (0) or `NOT_READY` (1).
 //! - Keys: torch's `TCPStore` puts `"/"` before every key on the wire, so Python's
 //!   `store.set("a", ..)` sends the key `"/a"`; this client does the same, so both see the same
@@ -76,6 +78,10 @@ pub trait Store: Send + Sync + fmt::Debug {
     fn add(&self, key: &str, delta: i64) -> Result<i64>;
     /// Waits until every key in `keys` is set, or `timeout` passes.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// Atomically sets `key` to `desired` where it holds `expected` (or is missing and
+    /// `expected` is empty); returns what it holds then, as torch's `compare_set` does (for a
+    /// missing key and a non-empty `expected`: `expected`, and nothing is set).
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>>;
 }
 
 /// A store behind a pointer is a store: `Arc<S>`, `Box<S>` and `&S` forward every call.
@@ -93,6 +99,9 @@ macro_rules! forward_store {
             }
             fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
                 (**self).wait(keys, timeout)
+            }
+            fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+                (**self).compare_set(key, expected, desired)
             }
         }
     )*};
@@ -237,6 +246,21 @@ impl Store for MemStore {
         Ok(new)
     }
 
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let mut map = self.map();
+        let now = match map.get(key) {
+            Some(v) if v != expected => v.clone(),
+            None if !expected.is_empty() => expected.to_vec(),
+            _ => {
+                map.insert(key.to_string(), desired.to_vec());
+                desired.to_vec()
+            }
+        };
+        drop(map);
+        self.shared.changed.notify_all();
+        Ok(now)
+    }
+
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let start = Instant::now();
         match self.wait_until(timeout, |m| keys.iter().all(|k| m.contains_key(*k))) {
@@ -307,6 +331,9 @@ impl<S: Store> Store for PrefixStore<S> {
         let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         self.inner.wait(&refs, timeout)
     }
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.inner.compare_set(&self.key(key), expected, desired)
+    }
 }
 
 // --------------------------------------------------------------------------- wire format
@@ -315,6 +342,7 @@ impl<S: Store> Store for PrefixStore<S> {
 mod wire {
     pub(super) const VALIDATE: u8 = 0;
     pub(super) const SET: u8 = 1;
+    pub(super) const COMPARE_SET: u8 = 2;
     pub(super) const GET: u8 = 3;
     pub(super) const ADD: u8 = 4;
     pub(super) const CHECK: u8 = 5;
@@ -388,6 +416,13 @@ fn encode_ping(nonce: u32) -> Vec<u8> {
 }
 fn encode_set(key: &str, value: &[u8]) -> Vec<u8> {
     Msg::new(wire::SET).key(key).bytes(value).0
+}
+fn encode_compare_set(key: &str, expected: &[u8], desired: &[u8]) -> Vec<u8> {
+    Msg::new(wire::COMPARE_SET)
+        .key(key)
+        .bytes(expected)
+        .bytes(desired)
+        .0
 }
 fn encode_get(key: &str) -> Vec<u8> {
     Msg::new(wire::GET).key(key).0
@@ -822,6 +857,32 @@ fn send(conn: &mut Conn, bytes: &[u8], timeout: Duration) -> std::result::Result
     Ok(())
 }
 
+/// A reply's byte vector (`u64` length, then the bytes), read in pieces: a length is only
+/// believed as far as bytes arrive.
+fn read_value(
+    conn: &mut Conn,
+    query: &str,
+    deadline: Instant,
+) -> std::result::Result<Vec<u8>, Fail> {
+    let len = read_u64(&mut conn.stream, deadline)?;
+    if len > wire::MAX_REPLY_LEN {
+        return Err(Fail::Protocol(format!(
+            "answered {query} with a value length of {len} bytes (at most {} expected)",
+            wire::MAX_REPLY_LEN
+        )));
+    }
+    let mut value = Vec::with_capacity(len.min(1 << 20) as usize);
+    let mut chunk = [0u8; 64 * 1024];
+    let mut left = len as usize;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        read_full(&mut conn.stream, &mut chunk[..n], deadline)?;
+        value.extend_from_slice(&chunk[..n]);
+        left -= n;
+    }
+    Ok(value)
+}
+
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let op = format!("store set '{key}'");
@@ -850,27 +911,26 @@ impl Store for TcpStore {
         self.request(&op, |conn, reply| {
             Self::wait_on(conn, &[key], timeout, reply)?;
             send(conn, &encode_get(key), reply)?;
-            let deadline = deadline_after(reply);
-            let len = read_u64(&mut conn.stream, deadline)?;
-            if len > wire::MAX_REPLY_LEN {
-                return Err(Fail::Protocol(format!(
-                    "answered GET with a value length of {len} bytes (at most {} expected)",
-                    wire::MAX_REPLY_LEN
-                )));
-            }
-            // Read in pieces: a length is only believed as far as bytes arrive.
-            let mut value = Vec::with_capacity(len.min(1 << 20) as usize);
-            let mut chunk = [0u8; 64 * 1024];
-            let mut left = len as usize;
-            while left > 0 {
-                let n = left.min(chunk.len());
-                read_full(&mut conn.stream, &mut chunk[..n], deadline)?;
-                value.extend_from_slice(&chunk[..n]);
-                left -= n;
-            }
-            Ok(value)
+            read_value(conn, "GET", deadline_after(reply))
         })
         .map_err(|e| self.error(&op, e, start.elapsed()))
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let op = format!("store compare_set '{key}'");
+        self.check_keys(&[key])?;
+        if expected.len().max(desired.len()) > wire::MAX_VALUE_LEN {
+            return Err(Error::invalid(
+                self.rank,
+                op,
+                "a value larger than a TCPStore value may be",
+            ));
+        }
+        self.request(&op, |conn, reply| {
+            send(conn, &encode_compare_set(key, expected, desired), reply)?;
+            read_value(conn, "COMPARE_SET", deadline_after(reply))
+        })
+        .map_err(|e| self.error(&op, e, Duration::ZERO))
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {

@@ -97,6 +97,10 @@ pub struct CommInfo {
     /// committed and that got a liveness connection at init, the same partners). `None`:
     /// every pair is connected at init.
     pub connected_at_init: Option<usize>,
+    /// How the ranks authenticated each other at init: a spawner's, a token's, the store's
+    /// or the parent's secret, or open to anybody who reaches rank 0's port (`Display` says
+    /// it in words).
+    pub auth: crate::config::JobAuth,
 }
 
 /// What became of this rank's direct region at init. A region (world × slots × segment bytes
@@ -236,6 +240,9 @@ pub struct Communicator {
     config: Config,
     /// The address peers reach this rank at (for [`Communicator::split`]).
     data_ip: Option<std::net::IpAddr>,
+    /// How many times [`Communicator::split`] was called (the same on every rank): the
+    /// children's secrets differ by it.
+    splits: std::sync::atomic::AtomicU64,
     gpu: Mutex<GpuState>,
     /// The device-memory path policy in effect (init's, or one set with `set_data_path`).
     pub(crate) policy: Mutex<PathPolicy>,

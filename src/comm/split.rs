@@ -5,11 +5,32 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 
 use super::Communicator;
-use crate::config::Config;
+use crate::bootstrap::auth;
+use crate::config::{Config, JobAuth};
 use crate::error::{Error, Result};
 
-/// Bytes each rank contributes to the split exchange: colour, key, listener port, IP.
+/// Bytes of a split record: colour, key, listener port, IP.
 pub(crate) const RECORD: usize = 8 + 8 + 2 + 16;
+
+/// Bytes each rank contributes to the split exchange: its record, then a random salt for the
+/// secret of the group it leads.
+const ENTRY: usize = RECORD + auth::TAG_LEN;
+
+/// The label of a child communicator's secret: no proof of another kind verifies with it.
+const LABEL_SPLIT: &[u8] = b"dspark/2 split child secret\0";
+
+/// The secret of the group of `colour` made by split number `seq` of a communicator whose
+/// secret is `parent` (its token and job id), with its first rank's random `salt`: an
+/// HMAC under the parent's key, so only ranks that know the parent's secret (and got the
+/// salt over the parent's authenticated connections) know it.
+fn child_secret(parent: &Config, colour: i64, seq: u64, salt: &[u8]) -> String {
+    let key = auth::job_key(parent.job_token.as_deref(), parent.job_id.as_deref());
+    let tag = auth::hmac_sha256(
+        &key,
+        &[LABEL_SPLIT, &colour.to_le_bytes(), &seq.to_le_bytes(), salt],
+    );
+    crate::config::trust::hex(&tag)
+}
 
 /// The colour of a rank that opts out.
 const NO_COLOUR: i64 = i64::MIN;
@@ -54,12 +75,36 @@ impl Communicator {
     /// sequence numbers, mismatch checks, progress thread and connections, so groups run
     /// collectives at the same time, and this communicator stays usable.
     ///
+    /// Each new communicator has its own secret, which its handshakes prove
+    /// ([`crate::JobAuth::Parent`]): an HMAC, under this communicator's secret, of the colour,
+    /// the number of this split and a random salt of the group's first rank that travels
+    /// over this communicator's connections. A stranger that reaches the group's ephemeral
+    /// port cannot join it, even where this communicator is open.
+    ///
     /// # Errors
     /// The errors of a collective on this communicator (then no rank gets a new one), and
     /// those of [`Communicator::init`] for the new one.
     pub fn split(&self, colour: Option<i32>, key: i32) -> Result<Option<Communicator>> {
         let colour = colour.filter(|&c| c >= 0).map(i64::from);
-        let bind_ip = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let seq = self
+            .splits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let salt = auth::nonce().map_err(|e| {
+            Error::io(
+                Some(self.rank()),
+                None,
+                "split: reading a salt from /dev/urandom",
+                e,
+            )
+        })?;
+        // The address peers reach this rank at, never a wildcard (unless DSPARK_LISTEN_ANY
+        // asks).
+        let advertised = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let bind_ip = match advertised {
+            ip if !self.config.listen_any => ip,
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
         let listener = match colour {
             Some(_) => Some(TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| {
                 Error::io(
@@ -71,20 +116,26 @@ impl Communicator {
             })?),
             None => None,
         };
+        // The group's members connect to the advertised address, whatever was bound.
         let addr = listener
             .as_ref()
-            .map(|l| l.local_addr())
+            .map(|l| {
+                l.local_addr()
+                    .map(|a| SocketAddr::new(advertised, a.port()))
+            })
             .transpose()
             .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
-        let mine = encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr);
-        let mut all = vec![0u8; RECORD * self.world_size()];
+        let mut mine = [0u8; ENTRY];
+        mine[..RECORD].copy_from_slice(&encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr));
+        mine[RECORD..].copy_from_slice(&salt);
+        let mut all = vec![0u8; ENTRY * self.world_size()];
         self.all_gather(&mine, &mut all)?;
         let Some(colour) = colour else {
             return Ok(None);
         };
         // Members of this rank's colour, ordered by (key, old rank).
         let mut members: Vec<(i64, usize, SocketAddr)> = all
-            .chunks_exact(RECORD)
+            .chunks_exact(ENTRY)
             .enumerate()
             .map(|(r, b)| (r, decode(b)))
             .filter(|(_, (c, _, _))| *c == colour)
@@ -102,10 +153,13 @@ impl Communicator {
                 )
             })?;
         let leader = members[0].2;
+        let leader_salt = &all[members[0].1 * ENTRY + RECORD..(members[0].1 + 1) * ENTRY];
         let config = Config {
             rank: new_rank,
             world_size: members.len(),
             root_addr: leader.to_string(),
+            job_token: Some(child_secret(&self.config, colour, seq, leader_salt)),
+            job_auth: JobAuth::Parent,
             sources: vec![(
                 "root address".into(),
                 format!(

@@ -103,6 +103,9 @@ pub(crate) fn spawn(
 ) -> Ranks {
     let port = free_port();
     let exe = std::env::current_exe().expect("own executable");
+    // A random secret per job, as dspark-bench's spawner gives its ranks: a stranger that
+    // reaches the port cannot join (a scenario's `env` may override it).
+    let secret = dspark::internals::trust::spawner_secret().expect("a job secret");
     let children = (0..world)
         .map(|r| {
             let mut argv: Vec<String> = wrap.map(|w| w(r)).unwrap_or_default();
@@ -128,6 +131,7 @@ pub(crate) fn spawn(
                 // The suites written for TCP keep testing TCP now that ranks on one host
                 // choose shared memory by themselves; tests/shm.rs sets its own.
                 .env("DSPARK_TRANSPORT", "tcp")
+                .env(dspark::internals::trust::SPAWNER_SECRET_ENV, &secret)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env(r) {

@@ -109,6 +109,7 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     uniq.sort_unstable();
     uniq.dedup();
     println!("# rendezvous: {}", info.rendezvous);
+    println!("# auth      : {}", info.auth);
     if let Some(b) = BINDING.get() {
         println!("# binding   : {b}");
     }

@@ -46,6 +46,15 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A random secret per job, which only these children know (a process's environment is
+    // readable by its own user only): a stranger that reaches the port cannot join.
+    let secret = match dspark::internals::trust::spawner_secret() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("dspark-bench: cannot draw the job's secret from /dev/urandom: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let plan = bind::plan(args.bind, n, &bind::allowed(), std::path::Path::new("/sys"));
     let mut children = Vec::new();
@@ -64,6 +73,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
             .env("DSPARK_TRANSPORT", &args.transport)
             .env("DSPARK_DATA_PATH", args.path.name())
+            .env(dspark::internals::trust::SPAWNER_SECRET_ENV, &secret)
             .stdin(Stdio::null())
             .stdout(if r == 0 {
                 Stdio::inherit()

@@ -2,7 +2,8 @@
 //! missing, why and what to do. The report is built and rendered section by section, a file
 //! per part of the machine: [`rdma`] (verbs devices, locked memory), [`gpu`] (CUDA,
 //! nvidia-peermem, NVRTC), [`pairs`] (GPU/NIC pairs and the path device buffers take),
-//! [`fast_paths`] (the verdicts), [`summary`] (notes and `--require`); [`fixes`] holds the
+//! [`fast_paths`] (the verdicts), [`summary`] (notes and `--require`), [`trust`] (how a job
+//! launched here would authenticate its ranks); [`fixes`] holds the
 //! advice they share. This file holds the arguments, the report that `--json` prints (its
 //! field names and nesting are what tools read), and the order of the human report.
 
@@ -20,6 +21,7 @@ mod gpu;
 mod pairs;
 mod rdma;
 mod summary;
+mod trust;
 
 use fast_paths::FastPath;
 use gpu::{CudaSection, NvrtcSection};
@@ -73,6 +75,7 @@ struct Report {
     fast_paths: Vec<FastPath>,
     notes: Vec<String>,
     requirements: Vec<RequirementResult>,
+    auth: trust::AuthSection,
 }
 
 /// The doctor's own byte sizes, with one decimal (`8.0 MiB`, `1.0 GiB`, `139.8 GiB`): limits
@@ -123,6 +126,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
         fast_paths: fast,
         notes,
         requirements,
+        auth: trust::probe_auth(),
     })
 }
 
@@ -149,6 +153,7 @@ fn render_human(r: &Report) -> String {
     fast_paths::render_fast_paths(&mut o, &r.fast_paths);
     pairs::render_data_path(&mut o, &r.tcp_device_path, &r.pairs);
     summary::render_notes(&mut o, &r.notes);
+    trust::render_auth(&mut o, &r.auth);
     summary::render_requirements(&mut o, &r.requirements);
     o
 }

@@ -264,6 +264,10 @@ fn spawn_ranks(
             let _ = c.wait();
         }
     };
+    // A random secret per job, which only these children know (a process's environment is
+    // readable by its own user only).
+    let secret = dspark::internals::trust::spawner_secret()
+        .map_err(|e| format!("cannot draw the job's secret from /dev/urandom: {e}"))?;
     for r in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.arg("tune-rank").args(["--mode", mode.name()]);
@@ -281,6 +285,7 @@ fn spawn_ranks(
             .env("DSPARK_WORLD_SIZE", n.to_string())
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
             .env("DSPARK_TRANSPORT", tname)
+            .env(dspark::internals::trust::SPAWNER_SECRET_ENV, &secret)
             // The ranks' own deadline comes first, so that a stuck rank says where.
             .env("DSPARK_TIMEOUT", (limit.as_secs() / 3).max(1).to_string())
             .stdin(Stdio::null())

@@ -69,6 +69,31 @@ struct Facts {
     direct_region: DirectRegionFact,
     /// Where the cost model's constants came from.
     model_source: String,
+    /// How the ranks authenticated each other.
+    auth: crate::config::JobAuth,
+}
+
+/// Whether this process warned that a job is open beyond loopback.
+static OPEN_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Warns, once per process (`warned`), that a job is open on an interface other than
+/// loopback: anybody who reaches rank 0's port can join it. Returns whether it warned.
+fn warn_if_open(
+    auth: &crate::config::JobAuth,
+    ip: std::net::IpAddr,
+    warned: &std::sync::atomic::AtomicBool,
+) -> bool {
+    let warn = auth.is_open()
+        && !ip.is_loopback()
+        && !warned.swap(true, std::sync::atomic::Ordering::Relaxed);
+    if warn {
+        tracing::warn!(
+            "this job is {auth} on {ip}: a stranger that reaches it can join, stall or kill the \
+             job; give every rank a secret with DSPARK_JOB_TOKEN_FILE (umask 077; head -c32 \
+             /dev/urandom | base64 > ~/.dspark-token; DSPARK_JOB_TOKEN_FILE=~/.dspark-token)"
+        );
+    }
+    warn
 }
 
 /// Spin time when ranks do not outnumber cores / when they do.
@@ -304,8 +329,14 @@ impl Communicator {
             plan::uniform_per_host(&hosts),
             model,
         );
+        let auth = config.auth();
+        let data_ip = (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip());
+        if let Some(ip) = data_ip {
+            warn_if_open(&auth, ip, &OPEN_WARNED);
+        }
         let facts = Facts {
-            data_ip: (config.world_size > 1).then(|| boot.peers[config.rank].addr.ip()),
+            auth,
+            data_ip,
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
             intra_host,
@@ -374,6 +405,7 @@ impl Communicator {
         };
         let opts = engine_options(config, false, 0, model);
         let facts = Facts {
+            auth: crate::config::JobAuth::Alone,
             data_ip: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
@@ -429,6 +461,7 @@ impl Communicator {
             gpu_direct: facts.gpu_direct,
             direct_region: facts.direct_region,
             connected_at_init: transport.connected_peers(),
+            auth: facts.auth,
             rendezvous: if world == 1 {
                 "none (a world of one)".into()
             } else {
@@ -480,6 +513,7 @@ impl Communicator {
             direct_host,
             config: config.clone(),
             data_ip: facts.data_ip,
+            splits: std::sync::atomic::AtomicU64::new(0),
             gpu: Mutex::new(GpuState::default()),
             policy: Mutex::new(facts.data_path),
             region: None,
@@ -605,6 +639,20 @@ fn choose_transport(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_open_job_beyond_loopback_warns_once_and_no_other_does() {
+        use crate::config::JobAuth;
+        let warned = std::sync::atomic::AtomicBool::new(false);
+        let open = JobAuth::Open { port: 29500 };
+        let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let lan: std::net::IpAddr = "10.0.0.7".parse().unwrap();
+        assert!(!warn_if_open(&open, lo, &warned));
+        assert!(!warn_if_open(&JobAuth::Spawner, lan, &warned));
+        assert!(!warn_if_open(&JobAuth::Store, lan, &warned));
+        assert!(warn_if_open(&open, lan, &warned));
+        assert!(!warn_if_open(&open, lan, &warned), "twice");
+    }
 
     #[test]
     fn the_open_file_limit_is_raised_to_what_the_world_needs_within_the_hard_limit() {

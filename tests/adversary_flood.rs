@@ -1,2 +1,0 @@
-#[path = "adversary/flood.rs"]
-mod flood;
