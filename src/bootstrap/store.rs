@@ -86,7 +86,7 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// [`Error::Unavailable`](crate::Error::Unavailable): such a store cannot host a rendezvous.
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         let _ = (expected, desired);
-        Err(crate::Error::unavailable(
+        Err(Error::unavailable(
             format!("store compare_set '{key}'"),
             "this Store does not implement compare_set, which the store rendezvous needs to \
              join an init atomically (torch's stores and dspark's have it)",
