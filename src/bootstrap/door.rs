@@ -233,8 +233,10 @@ pub(crate) fn pull_message(
 pub(super) fn send_now(s: &TcpStream, m: &Msg) -> std::result::Result<(), String> {
     use nix::sys::socket::{send, MsgFlags};
     use std::os::fd::AsRawFd;
+    let len = u32::try_from(m.0.len())
+        .map_err(|_| format!("a message of {} bytes does not fit its length", m.0.len()))?;
     let mut buf = Vec::with_capacity(4 + m.0.len());
-    buf.extend_from_slice(&(m.0.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(&m.0);
     let mut off = 0;
     while off < buf.len() {

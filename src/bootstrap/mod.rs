@@ -192,8 +192,18 @@ impl<'a> Ctx<'a> {
             .ok_or_else(|| self.timeout(peer, "sending a bootstrap message"))?;
         s.set_write_timeout(Some(rem))
             .map_err(|e| self.io(peer, "socket option", e))?;
+        // The length travels as a u32: a longer message is an error, never a wrapped length.
+        let len = u32::try_from(m.0.len()).map_err(|_| Error::Transport {
+            rank: Some(self.rank()),
+            peer,
+            op: "bootstrap".into(),
+            what: format!(
+                "a bootstrap message of {} bytes does not fit its 32-bit length",
+                m.0.len()
+            ),
+        })?;
         let mut buf = Vec::with_capacity(4 + m.0.len());
-        buf.extend_from_slice(&(m.0.len() as u32).to_le_bytes());
+        buf.extend_from_slice(&len.to_le_bytes());
         buf.extend_from_slice(&m.0);
         s.write_all(&buf)
             .map_err(|e| self.io(peer, "sending a bootstrap message", e))
