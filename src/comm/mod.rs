@@ -349,10 +349,10 @@ impl Communicator {
 
     /// Aborts the communicator, from any thread: the operation in progress on this rank
     /// fails within about 50 ms with [`Error::Aborted`], so do every queued and every later
-    /// one, and every peer is told (they fail with an error naming this rank; over verbs, a
-    /// peer still finishing a collective this rank had completed finishes it first, and its
-    /// next call fails). Returns at once; never waits for a peer. Like `ncclCommAbort`, it is final: make a new
-    /// communicator to go on.
+    /// one, and every peer is told (they fail with an error naming this rank; over every
+    /// transport, a peer still finishing a collective this rank had completed finishes it
+    /// first, and its next call fails). Returns at once; never waits for a peer. Like
+    /// `ncclCommAbort`, it is final: make a new communicator to go on.
     pub fn abort(&self) {
         self.shared.abort();
     }
