@@ -9,7 +9,10 @@
 //! collective with exact results (no "connected twice", no `Mismatch`, no `PeerLost`), and
 //! every connection was refused by the rank itself — the hello without a token closed after
 //! it was read (a hello of another job), the guessed token challenged and then refused for
-//! its proof — and none was acknowledged. Each case checks that the listeners were open when
+//! its proof — and none was acknowledged. A rank reads its listener only while it blocks in
+//! a call; one whose calls flow without blocking may leave a stranger unread past the hello
+//! wait (5 s) and then drop it unread (a reset, counted as "unheard": refused, though not for
+//! its claim). Each case checks that the listeners were open when
 //! the stranger came (a refusal after a challenge comes from a listening rank, not from a
 //! closed port).
 //!
@@ -202,23 +205,41 @@ enum Outcome {
     Refused(String),
     /// Acknowledged: taken as a rank.
     Acked,
-    /// Anything else (a reset, a deadline, a stray message).
+    /// Reset, or no answer within [`ANSWER`], before a refusal or an acknowledgement: the
+    /// rank did not read its hello (or its proof) in time. A rank reads its listener only
+    /// while it blocks in a call, and drops unread a candidate whose hello (or answer to the
+    /// challenge) it finds older than the hello wait (5 s), so the kernel resets it:
+    /// refused, though not for its claim.
+    Unheard(String),
+    /// Anything else (a close after a challenge without a refusal, a stray message).
     Odd(String),
 }
 
-/// Reads one framed message within `until`: `Ok(None)` at a close before its first byte.
-fn read_frame(s: &mut TcpStream, until: Instant) -> Result<Option<Vec<u8>>, String> {
+/// Reads one framed message within `until`: `Ok(None)` at a close before its first byte;
+/// `Err((true, why))` for a reset or no answer in time before its first byte.
+fn read_frame(s: &mut TcpStream, until: Instant) -> Result<Option<Vec<u8>>, (bool, String)> {
+    use std::io::ErrorKind::{ConnectionReset, TimedOut, WouldBlock};
     let rem = until
         .checked_duration_since(Instant::now())
         .filter(|d| !d.is_zero())
-        .ok_or("no answer in time")?;
-    s.set_read_timeout(Some(rem)).map_err(|e| e.to_string())?;
+        .ok_or((true, "no answer in time".to_string()))?;
+    s.set_read_timeout(Some(rem))
+        .map_err(|e| (false, e.to_string()))?;
     let mut len = [0u8; 4];
     match s.read(&mut len[..1]) {
         Ok(0) => return Ok(None),
         Ok(_) => {}
-        Err(e) => return Err(format!("reading: {e}")),
+        Err(e) => {
+            let unheard = matches!(e.kind(), ConnectionReset | TimedOut | WouldBlock);
+            return Err((unheard, format!("reading: {e}")));
+        }
     }
+    rest_of_frame(s, len[0]).map(Some).map_err(|e| (false, e))
+}
+
+/// The rest of a frame whose first byte was `first`.
+fn rest_of_frame(s: &mut TcpStream, first: u8) -> Result<Vec<u8>, String> {
+    let mut len = [first, 0, 0, 0];
     s.read_exact(&mut len[1..])
         .map_err(|e| format!("reading: {e}"))?;
     let n = u32::from_le_bytes(len) as usize;
@@ -227,7 +248,7 @@ fn read_frame(s: &mut TcpStream, until: Instant) -> Result<Option<Vec<u8>>, Stri
     }
     let mut m = vec![0u8; n];
     s.read_exact(&mut m).map_err(|e| format!("reading: {e}"))?;
-    Ok(Some(m))
+    Ok(m)
 }
 
 /// One stranger at `addr` claiming rank `from` of `world` to rank `to`, with `token`.
@@ -255,7 +276,10 @@ fn attempt(addr: SocketAddr, world: usize, from: usize, to: usize, token: Option
                     (true, None) => Outcome::Odd("challenged, then closed unrefused".into()),
                 }
             }
-            Err(e) => return Outcome::Odd(format!("challenged {challenged}: {e}")),
+            Err((true, e)) if reason.is_none() => {
+                return Outcome::Unheard(format!("challenged {challenged}: {e}"))
+            }
+            Err((_, e)) => return Outcome::Odd(format!("challenged {challenged}: {e}")),
         };
         match st.read(&m) {
             (Heard::Challenge, Some(proof)) if !challenged && reason.is_none() => {
@@ -370,7 +394,7 @@ fn case(world: usize, transport: &str, split: bool) {
     let wrong: Vec<String> = seen
         .iter()
         .filter(|(_, _, token, o)| match (token, o) {
-            (None, Outcome::ClosedSilently) => false,
+            (None, Outcome::ClosedSilently) | (_, Outcome::Unheard(_)) => false,
             (Some(_), Outcome::RefusedProof(w)) => !w.contains("did not prove"),
             _ => true,
         })
