@@ -144,7 +144,8 @@ fn leave_together(stop: &str, r: usize, n: usize) {
     }
 }
 
-/// The TCP sockets process `pid` listens on.
+/// The TCP sockets process `pid` listens on, oldest socket (lowest inode) first: the
+/// parent's data listener before its split child's.
 fn listening(pid: u32) -> Vec<SocketAddr> {
     let mut inodes = Vec::new();
     if let Ok(d) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
@@ -166,11 +167,12 @@ fn listening(pid: u32) -> Vec<SocketAddr> {
                 continue;
             }
             if let Some(a) = parse_proc_addr(f[1], v6) {
-                out.push(a);
+                out.push((f[9].parse::<u64>().unwrap_or(u64::MAX), a));
             }
         }
     }
-    out
+    out.sort_unstable();
+    out.into_iter().map(|(_, a)| a).collect()
 }
 
 /// `0100007F:1F90` (or 32 hex digits for IPv6): words in host order, the port big-endian.
@@ -321,6 +323,7 @@ fn case(world: usize, transport: &str, split: bool) {
     let pids: Vec<u32> = ranks.children.iter().map(std::process::Child::id).collect();
     let mut seen: Vec<(usize, SocketAddr, Option<&str>, Outcome)> = Vec::new();
     let mut slowest = (Duration::ZERO, String::new());
+    let mut slowest_at: std::collections::BTreeMap<SocketAddr, Duration> = Default::default();
     let mut listeners: Vec<Vec<SocketAddr>> = vec![Vec::new(); world];
     let t0 = Instant::now();
     while t0.elapsed() < ATTACK {
@@ -342,6 +345,8 @@ fn case(world: usize, transport: &str, split: bool) {
                         for token in [None, Some("guessed")] {
                             let t = Instant::now();
                             let o = attempt(a, world, from, to, token);
+                            let w = slowest_at.entry(a).or_default();
+                            *w = (*w).max(t.elapsed());
                             if t.elapsed() > slowest.0 {
                                 slowest = (t.elapsed(), format!("{a} {token:?} {o:?}"));
                             }
@@ -375,6 +380,15 @@ fn case(world: usize, transport: &str, split: bool) {
         slowest.0,
         slowest.1
     );
+    let per: Vec<Vec<String>> = listeners
+        .iter()
+        .map(|ls| {
+            ls.iter()
+                .map(|a| format!("{:.1?}", slowest_at[a]))
+                .collect()
+        })
+        .collect();
+    println!("  the slowest answer at each rank's listeners (parent's first): {per:?}");
     for o in &outs {
         for l in o.out.lines() {
             if l.starts_with("ITERATIONS") {
