@@ -12,9 +12,11 @@
 //! its proof — and none was acknowledged. A rank reads its listener only while it blocks in
 //! a call; one whose calls flow without blocking may leave a stranger unread past the hello
 //! wait (5 s) and then drop it unread (a reset, counted as "unheard": refused, though not for
-//! its claim). Each case checks that the listeners were open when
-//! the stranger came (a refusal after a challenge comes from a listening rank, not from a
-//! closed port).
+//! its claim). Each case checks that every listener was open when the stranger came (each
+//! challenged at least one: a refusal after a challenge comes from a listening rank, not
+//! from a closed port), and prints the slowest answer at each listener. The ranks leave
+//! together (a file barrier after their last call), so that the exit race of issue 22 does
+//! not fail a case that tests the stranger.
 //!
 //! Cases: 3 ranks over TCP with a split child (all three ranks, in reverse order: its own
 //! listeners and its own secret, derived from the parent's); 3 ranks over the default
