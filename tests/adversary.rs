@@ -16,11 +16,22 @@
 //! parent (the secret derived at the split). This binary re-executes itself as rank processes
 //! (`rank_process` is a rank's entry point; it does nothing in a normal test run).
 //!
+//! The module `during_run` (`tests/adversary/during_run.rs`) plays the stranger during a
+//! run: while a spawned job's ranks run all_reduce and send/recv in a loop, it connects to
+//! every listening socket of every rank process again and again, claiming each rank with no
+//! secret and with a guessed token; each is refused by the rank (a challenge it cannot answer,
+//! or its hello closed as another job's), never acknowledged, and every collective of the job
+//! completes with exact results. Cases: 3 ranks over TCP with a split child, 3 ranks over
+//! shared memory (the default on one host), and 6 ranks over TCP whose pairs connected on
+//! first use connect while the stranger is at the listeners.
+//!
 //! The module `flood` (`tests/adversary/flood.rs`) holds the strangers who flood a job's
 //! listeners: silent connections and reset churn during init, no wildcard listener, a
 //! connection from no rank's address after init.
 
 mod common;
+#[path = "adversary/during_run.rs"]
+mod during_run;
 #[path = "adversary/flood.rs"]
 mod flood;
 
@@ -58,6 +69,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             all_reduce_is_exact(&comm)?;
             Ok(OK)
         }
+        "during_run" => during_run::rank(),
         other => Err(format!("unknown scenario {other}")),
     }
 }

@@ -72,6 +72,8 @@ mod net;
 mod options;
 mod root;
 pub mod store;
+#[doc(hidden)]
+pub mod stranger;
 
 use auth::Secret;
 use door::Door;
