@@ -22,6 +22,11 @@ How it plugs in (see the README's PyTorch section):
   released; asynchronous ones go through the communicator's progress thread and complete in
   issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
   (torch has no watchdog for Python backends: dspark's deadlines are the guard).
+- Errors: dspark's classes, each raised through this backend as a subclass that is also
+  the matching ``torch.distributed`` error (``DistBackendError``, ``DistNetworkError``,
+  ``DistStoreError``; :func:`_torch_error`), a timeout's message with torch's "Timed out".
+  ``Work.wait()`` raises an asynchronous operation's error. ``dist.monitored_barrier``
+  names the ranks that did not arrive, as gloo's (:meth:`_Ops.monitored_barrier`).
 - Asynchronous operations hold their tensors and the tensors' storages until they
   completed, so ``del`` or ``set_()`` of a tensor in flight is harmless. As with torch's
   own backends, growing a tensor in flight with ``resize_`` (which reallocates its storage
