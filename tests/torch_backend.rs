@@ -357,7 +357,7 @@ fn absurd_world_sizes_through_python_raise_config_error_within_a_second() {
 
 /// Torch's conventions when ranks stall, dspark beside gloo, on both routes into torch: a
 /// timeout's message matches torch's `" (Timed out|closed|timeout) "`, from a synchronous
-/// and from an asynchronous call; `dist.monitored_barrier` passes when every rank arrives
+/// and from an asynchronous call and from `init_process_group` with a rank missing; `dist.monitored_barrier` passes when every rank arrives
 /// and otherwise names the ranks that did not (one, all of them with `wait_all_ranks`, on
 /// a subgroup, and rank 0's own timeout), with gloo's messages. dspark also raises within
 /// the barrier's timeout on every rank that arrived, and its errors are both
@@ -366,7 +366,7 @@ fn absurd_world_sizes_through_python_raise_config_error_within_a_second() {
 fn timeouts_and_monitored_barrier_meet_torchs_conventions_like_gloo() {
     let _g = serial();
     let Some(t) = torch_with_dspark() else { return };
-    // 21 launches of 2 or 3 ranks, each bounded by 60 s inside the script (~25 s in all)
+    // 24 launches of 2 or 3 ranks, each bounded by 60 s inside the script (~30 s in all)
     let r = run(
         python(&t, "surface_check.py", &[], "dspark"),
         Duration::from_secs(500),

@@ -11,6 +11,8 @@ Scenarios (the expectations are torch's own, from its distributed suite, see eac
                    within the timeout (+3 s) and not before it, with a message matching
                    " (Timed out|closed|timeout) " (test_barrier_timeout_full_group).
   timeout-async    the same with dist.all_reduce(async_op=True).wait().
+  init-timeout     2 ranks, group timeout 2 s; rank 1 never calls init_process_group: rank 0's
+                   init (and first barrier) raises within the timeout (+3 s), message as above.
   mb-pass          3 ranks: dist.monitored_barrier(), then with wait_all_ranks=True, pass.
   mb-missing       3 ranks, rank 2 never arrives: rank 0 raises "Rank 2 failed to pass
                    monitoredBarrier", rank 1 "Rank 1 successfully reached monitoredBarrier,
@@ -62,6 +64,7 @@ SCENARIOS = {
     # name: (ranks, group timeout)
     "timeout": (2, 1.0),
     "timeout-async": (2, 1.0),
+    "init-timeout": (2, 2.0),
     "mb-pass": (3, GROUP_TIMEOUT),
     "mb-missing": (3, GROUP_TIMEOUT),
     "mb-wait-all": (3, GROUP_TIMEOUT),
@@ -99,8 +102,13 @@ def rank_main(scenario, backend, route, rank, world, port, group_timeout, q):
            "dspark_timeout": False, "dist_backend_error": False}
     try:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TD(seconds=LIMIT))
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=world, timeout=TD(seconds=group_timeout))
+
+        def init():
+            dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                                    world_size=world, timeout=TD(seconds=group_timeout))
+
+        if scenario != "init-timeout":
+            init()
 
         def done_and_wait():
             # every rank says it is done, and stays until all are: a rank that exits early
@@ -113,7 +121,12 @@ def rank_main(scenario, backend, route, rank, world, port, group_timeout, q):
                 store.wait([f"left/{r}" for r in range(world)], TD(seconds=LIMIT))
 
         fn = None
-        if scenario == "timeout":
+        if scenario == "init-timeout":
+            if rank == 0:
+                def fn():
+                    init()
+                    dist.barrier()
+        elif scenario == "timeout":
             if rank == 0:
                 fn = dist.barrier
         elif scenario == "timeout-async":
@@ -193,7 +206,7 @@ def expectations(scenario, backend, r, world, group_timeout):
             out.append(f"expected to pass, got {r['outcome']}: {r['msg'][:300]!r}")
 
     mb_within = MB_TIMEOUT + SLACK if dspark else None
-    if scenario in ("timeout", "timeout-async"):
+    if scenario in ("timeout", "timeout-async", "init-timeout"):
         if k == 0:
             raised(TIMEOUT_RE, within=group_timeout + 3.0, at_least=group_timeout - 0.1)
         else:
