@@ -3,8 +3,9 @@
 //! against gloo on 2 and 3 ranks (`ddp_check.py`), FSDP2 on 2 ranks (`fsdp_check.py`), killed
 //! ranks and mismatched collectives (`failure_check.py`), a curated list of PyTorch's own
 //! distributed suite (`distributed_suite.py --ci`), tensors dropped while a non-blocking call
-//! uses them (`inflight_check.py`) and absurd world sizes and ranks through the Python
-//! package (`limits_check.py`).
+//! uses them (`inflight_check.py`), absurd world sizes and ranks through the Python
+//! package (`limits_check.py`), and timeouts and `dist.monitored_barrier` against gloo
+//! (`surface_check.py`).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -198,6 +199,7 @@ fn run(mut cmd: Command, limit: Duration) -> Run {
             || l.starts_with("FSDP_CHECK")
             || l.starts_with("FAILURE_CHECK")
             || l.starts_with("DIST_SUITE mode")
+            || l.starts_with("SURFACE_CHECK")
     }) {
         println!("{l}");
     }
@@ -351,6 +353,25 @@ fn absurd_world_sizes_through_python_raise_config_error_within_a_second() {
         Duration::from_secs(400),
     );
     assert_pass(&r, "LIMITS_CHECK ", "limits_check.py");
+}
+
+/// Torch's conventions when ranks stall, dspark beside gloo, on both routes into torch: a
+/// timeout's message matches torch's `" (Timed out|closed|timeout) "`, from a synchronous
+/// and from an asynchronous call and from `init_process_group` with a rank missing; `dist.monitored_barrier` passes when every rank arrives
+/// and otherwise names the ranks that did not (one, all of them with `wait_all_ranks`, on
+/// a subgroup, and rank 0's own timeout), with gloo's messages. dspark also raises within
+/// the barrier's timeout on every rank that arrived, and its errors are both
+/// `dspark.TimeoutError` and `torch.distributed.DistBackendError`.
+#[test]
+fn timeouts_and_monitored_barrier_meet_torchs_conventions_like_gloo() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    // 24 launches of 2 or 3 ranks, each bounded by 60 s inside the script (~30 s in all)
+    let r = run(
+        python(&t, "surface_check.py", &[], "dspark"),
+        Duration::from_secs(500),
+    );
+    assert_pass(&r, "SURFACE_CHECK ", "surface_check.py");
 }
 
 /// The two routes into torch (python/dspark/torch.py, `_route`). A group that is dspark's

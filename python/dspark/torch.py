@@ -22,6 +22,11 @@ How it plugs in (see the README's PyTorch section):
   released; asynchronous ones go through the communicator's progress thread and complete in
   issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
   (torch has no watchdog for Python backends: dspark's deadlines are the guard).
+- Errors: dspark's classes, each raised through this backend as a subclass that is also
+  the matching ``torch.distributed`` error (``DistBackendError``, ``DistNetworkError``,
+  ``DistStoreError``; :func:`_torch_error`), a timeout's message with torch's "Timed out".
+  ``Work.wait()`` raises an asynchronous operation's error. ``dist.monitored_barrier``
+  names the ranks that did not arrive, as gloo's (:meth:`_Ops.monitored_barrier`).
 - Asynchronous operations hold their tensors and the tensors' storages until they
   completed, so ``del`` or ``set_()`` of a tensor in flight is harmless. As with torch's
   own backends, growing a tensor in flight with ``resize_`` (which reallocates its storage
@@ -37,6 +42,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import warnings
 import weakref
 from datetime import timedelta
@@ -110,6 +116,72 @@ def _seconds(td):
     return s if s > 0 else None
 
 
+# ----------------------------------------------------------------------------- errors
+
+# dspark's errors as torch sees them: each class raised through this backend is also the
+# torch.distributed error that names the same failure, where this torch has it (2.15:
+# DistBackendError, DistNetworkError, DistStoreError; all RuntimeErrors), so code written
+# for gloo or NCCL (`except dist.DistBackendError`) catches dspark's too, and
+# `except dspark.TimeoutError` still works. The plain `dspark` module never imports torch:
+# the subclasses live here, made once per (dspark class, torch classes).
+_DistBackendError = getattr(dist, "DistBackendError", None)
+_DistNetworkError = getattr(dist, "DistNetworkError", None)
+_DistStoreError = getattr(dist, "DistStoreError", None)
+_TORCH_BASES = {
+    _dspark.TimeoutError: (_DistBackendError,),
+    _dspark.PeerLostError: (_DistNetworkError, _DistBackendError),
+    _dspark.IoError: (_DistNetworkError, _DistBackendError),
+    _dspark.AbortedError: (_DistBackendError,),
+    _dspark.MismatchError: (_DistBackendError,),
+    _dspark.InternalError: (_DistBackendError,),
+}
+_TORCH_CLASSES = {}
+_MAPPED = set()
+# What the Rust side puts in the message of an error the rendezvous store raised.
+_STORE_MARK = "rendezvous: store "
+
+
+def _torch_class(cls, store):
+    key = (cls, store)
+    got = _TORCH_CLASSES.get(key)
+    if got is None:
+        bases = tuple(b for b in _TORCH_BASES.get(cls, ()) if b is not None)
+        if store and _DistStoreError is not None:
+            bases = (_DistStoreError, *bases)
+        got = cls
+        if bases:
+            try:
+                got = type(cls.__name__, (cls, *bases), {
+                    "__module__": __name__,
+                    "__doc__": f"{cls.__doc__} Also {', '.join(b.__name__ for b in bases)}.",
+                })
+                _MAPPED.add(got)
+            except TypeError:  # a torch whose error classes cannot be mixed in: keep dspark's
+                got = cls
+        _TORCH_CLASSES[key] = got
+    return got
+
+
+def _torch_error(e, deadline_s=None):
+    """`e` (a dspark error) as the class torch's conventions recognise (see above); a
+    timeout's message also starts as torch's backends' do ("... Timed out waiting 1000ms",
+    which torch's tests match with ``" (Timed out|closed|timeout) "``). Anything else is
+    returned as it is."""
+    cls = type(e)
+    if cls in _MAPPED or cls not in _TORCH_BASES:
+        return e
+    msg = str(e)
+    new_cls = _torch_class(cls, _STORE_MARK in msg)
+    if new_cls is cls:
+        return e
+    if issubclass(cls, _dspark.TimeoutError):
+        ms = f" {int(deadline_s * 1000)}ms" if deadline_s else ""
+        msg = f"dspark: Timed out waiting{ms}: {msg}"
+    new = new_cls(msg)
+    new.__traceback__ = e.__traceback__
+    return new
+
+
 # ------------------------------------------------------------------------------- Work
 
 
@@ -136,12 +208,13 @@ def _unwrap(fut):
 class _Pending:
     """A started operation (or several: list and coalesced forms) and its future."""
 
-    __slots__ = ("raws", "result", "finish", "inner")
+    __slots__ = ("raws", "result", "finish", "inner", "deadline")
 
-    def __init__(self, raws, result, finish):
+    def __init__(self, raws, result, finish, deadline=None):
         self.raws = raws
         self.result = result
         self.finish = finish
+        self.deadline = deadline
         self.inner = torch.futures.Future()
 
     def complete(self):
@@ -151,7 +224,7 @@ class _Pending:
             if self.finish is not None:
                 self.finish()
         except BaseException as e:  # noqa: BLE001 - it goes to the future
-            self.inner.set_result(_Failure(e))
+            self.inner.set_result(_Failure(_torch_error(e, self.deadline)))
         else:
             self.inner.set_result(self.result)
         self.raws = self.finish = None
@@ -208,14 +281,60 @@ def _stop_completers():
         c.stop()
 
 
-def _async_work(completer, raws, result, finish):
-    """torch's Work for started operations: a future-wrapping Work, so that `wait`,
-    `is_completed` and `get_future` all answer from the future (torch's wrapper around a
-    Python Work only forwards `wait` and `get_future`)."""
-    p = _Pending(raws, result, finish)
+def _async_work(completer, raws, result, finish, deadline=None):
+    """torch's Work for started operations (see `_AsyncWork`)."""
+    p = _Pending(raws, result, finish, deadline)
     outer = p.inner.then(_unwrap)
     completer.put(p)
-    return _create_work_from_future(outer)
+    return _AsyncWork(p.inner, outer)
+
+
+class _AsyncWork(dist._Work):
+    """A started operation: `wait`, `is_completed` and `get_future` answer from its future.
+    `wait` raises the operation's own error (a `dspark.TimeoutError` that is also a
+    `torch.distributed.DistBackendError`, say): the future-wrapping Work torch makes with
+    `_create_work_from_future` returns True from `wait` whatever became of the operation, so
+    an asynchronous call that timed out looked done. (torch's wrapper around a Python Work on
+    the c10d Backend route forwards only `wait` and `get_future`.)"""
+
+    def __init__(self, inner, outer):
+        super().__init__()
+        self._inner = inner
+        self._outer = outer
+
+    def wait(self, timeout=None):
+        # The operation's deadline bounds the wait; `timeout` is not needed for that.
+        v = self._inner.wait()
+        if isinstance(v, _Failure):
+            raise v.exc
+        return True
+
+    def is_completed(self):
+        return self._inner.done()
+
+    def is_success(self):
+        return self._inner.done() and not isinstance(self._inner.value(), _Failure)
+
+    def exception(self):
+        if not self._inner.done():
+            return None
+        v = self._inner.value()
+        return v.exc if isinstance(v, _Failure) else None
+
+    def result(self):
+        v = self._inner.wait()
+        if isinstance(v, _Failure):
+            raise v.exc
+        return v
+
+    def source_rank(self):
+        return -1
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        return self._outer
 
 
 class _Done(dist._Work):
@@ -334,9 +453,16 @@ class _Ops:
 
     def _setup(self, store, rank, size, timeout, group_id=None):
         self._timeout = timeout if timeout is not None else timedelta(minutes=30)
-        self._comm = _dspark.Communicator.init_with_store(
-            store, rank, size, _seconds(self._timeout)
-        )
+        self._deadline = _seconds(self._timeout)
+        try:
+            self._comm = _dspark.Communicator.init_with_store(
+                store, rank, size, self._deadline
+            )
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
+        # monitored_barrier meets through the store (see there).
+        self._store = store
+        self._mb_seq = 0
         self._r = rank
         self._n = size
         self._group_id = group_id
@@ -360,7 +486,10 @@ class _Ops:
         # take part in it later.
         self._p2p = None
         if size > 1:
-            self._p2p = (self._comm.split(0, rank), self._comm.split(0, rank))
+            try:
+                self._p2p = (self._comm.split(0, rank), self._comm.split(0, rank))
+            except _dspark.Error as e:
+                raise _torch_error(e, self._deadline) from None
 
     def _p2p_comm(self, coll, peer):
         lo_to_hi = (self._r < peer) if coll == "send" else (peer < self._r)
@@ -436,19 +565,23 @@ class _Ops:
             prepared.append((c, coll, dt, sp, rp, count, op, peer))
         keep = (keep, storages)
         cuda = [d for d in devices if d.type == "cuda"]
-        if cuda:
-            return self._go_cuda(devices, prepared, keep, result, finish, timeout)
-        if not async_op:
-            for c, coll, dt, sp, rp, count, op, peer in prepared:
-                c._run(coll, dt, sp, rp, count, op, peer, timeout)
-            if finish is not None:
-                finish()
-            return _Done(result)
-        raws = [
-            c._start(coll, dt, sp, rp, count, keep, op, peer, timeout)
-            for c, coll, dt, sp, rp, count, op, peer in prepared
-        ]
-        return _async_work(self._completer, raws, result, finish)
+        deadline = timeout or self._deadline
+        try:
+            if cuda:
+                return self._go_cuda(devices, prepared, keep, result, finish, timeout)
+            if not async_op:
+                for c, coll, dt, sp, rp, count, op, peer in prepared:
+                    c._run(coll, dt, sp, rp, count, op, peer, timeout)
+                if finish is not None:
+                    finish()
+                return _Done(result)
+            raws = [
+                c._start(coll, dt, sp, rp, count, keep, op, peer, timeout)
+                for c, coll, dt, sp, rp, count, op, peer in prepared
+            ]
+        except _dspark.Error as e:
+            raise _torch_error(e, deadline) from None
+        return _async_work(self._completer, raws, result, finish, deadline)
 
     def _go_cuda(self, devices, prepared, keep, result, finish, timeout):
         """CUDA tensors: every call is queued on torch's current stream of their GPU and
@@ -470,7 +603,7 @@ class _Ops:
         # collectives (a completer thread would queue them on its own default stream).
         if finish is not None:
             finish()
-        return _async_work(self._completer, raws, result, None)
+        return _async_work(self._completer, raws, result, None, timeout or self._deadline)
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are
@@ -513,14 +646,18 @@ class _Ops:
             if op is not None and dt is not None and t.is_cpu and t.is_contiguous():
                 td = opts.timeout
                 timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
-                if opts.asyncOp:
-                    p = t.data_ptr()
-                    # The storage too: see `_go`.
-                    w = self._comm._start("all_reduce", _dspark._FAST_DTYPES[dt], p, p,
-                                          t.numel(), (tensors, t.untyped_storage()),
-                                          _dspark._FAST_OPS[op], 0, timeout)
-                    return _async_work(self._completer, [w], tensors, None)
-                self._all_reduce(t.data_ptr(), t.numel(), dt, op, timeout)
+                try:
+                    if opts.asyncOp:
+                        p = t.data_ptr()
+                        # The storage too: see `_go`.
+                        w = self._comm._start("all_reduce", _dspark._FAST_DTYPES[dt], p, p,
+                                              t.numel(), (tensors, t.untyped_storage()),
+                                              _dspark._FAST_OPS[op], 0, timeout)
+                        return _async_work(self._completer, [w], tensors, None,
+                                           timeout or self._deadline)
+                    self._all_reduce(t.data_ptr(), t.numel(), dt, op, timeout)
+                except _dspark.Error as e:
+                    raise _torch_error(e, timeout or self._deadline) from None
                 self._sync_tensors[0] = t
                 return self._sync_work
         calls, keep, fin = [], list(tensors), []
@@ -766,7 +903,11 @@ class _Ops:
         one small all_reduce MAX), one equal all_to_all, then unpacked."""
         n = self._n
         m = torch.tensor([max(in_counts + out_counts)], dtype=torch.int64)
-        self._comm._run("all_reduce", "i64", m.data_ptr(), m.data_ptr(), 1, "max", 0, None)
+        try:
+            self._comm._run("all_reduce", "i64", m.data_ptr(), m.data_ptr(), 1, "max", 0,
+                            _seconds(getattr(opts, "timeout", None)))
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
         m = int(m.item())
         dtype = flat_in.dtype
         if all(c == m for c in in_counts + out_counts):
@@ -874,6 +1015,111 @@ class _Ops:
         opts = opts if opts is not None else dist.BarrierOptions()
         return self._go(opts, [("barrier", None, None, 0, None, 0)], [], [])
 
+    # -- monitored_barrier -------------------------------------------------------------
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        """``dist.monitored_barrier`` (gloo's semantics and messages): every rank but 0
+        reports to rank 0, which waits for them within ``timeout`` and names the ranks that
+        did not arrive ("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 2000 ms"; with
+        ``wait_all_ranks`` every one: "Ranks 1, 2 failed ..."), then releases them. Rank 0
+        gives up when the timeout has run out (``wait_all_ranks`` too, where gloo waits the
+        timeout once per missing rank). The others wait for rank 0's verdict as long as the
+        group's timeout (as gloo, so that they are not the first to fail) and raise with
+        what rank 0 reported when it failed.
+
+        It meets through the group's store (keys under ``dspark-mb/<call>/``), not the
+        communicator: a rank that never arrives leaves nothing behind in the data streams,
+        and one that arrives late learns rank 0's verdict at once. The errors are
+        ``dspark.TimeoutError`` (also ``torch.distributed.DistBackendError``).
+
+        ``opts`` is what each route passes: a ``BarrierOptions`` (the c10d Backend route),
+        a ``timedelta`` or seconds (``ProcessGroup.monitored_barrier``), or None."""
+        timeout = getattr(opts, "timeout", opts)
+        if timeout is None:
+            secs = None
+        elif hasattr(timeout, "total_seconds"):
+            secs = timeout.total_seconds()
+        else:
+            secs = float(timeout)
+        if secs is None or secs < 0:  # unset (torch's -1 ms): the group's timeout
+            secs = self._timeout.total_seconds()
+        self._mb_seq += 1
+        if self._n == 1:
+            return
+        prefix = f"dspark-mb/{self._mb_seq}/"
+        store = self._store
+        if self._r != 0:
+            self._mb_follow(store, prefix, max(secs, self._timeout.total_seconds()))
+        else:
+            self._mb_lead(store, prefix, secs, wait_all_ranks)
+
+    def _mb_fail(self, msg):
+        return _torch_class(_dspark.TimeoutError, False)(msg)
+
+    def _mb_follow(self, store, prefix, secs):
+        r = self._r
+        head = (f"Rank {r} successfully reached monitoredBarrier, but received errors while "
+                "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.")
+        try:
+            store.set(f"{prefix}arrived/{r}", "1")
+            store.wait([f"{prefix}verdict"], timedelta(seconds=secs))
+            verdict = store.get(f"{prefix}verdict").decode("utf-8", "replace")
+        except Exception as e:  # noqa: BLE001 - the store's own error, reported
+            raise self._mb_fail(
+                f"{head}\n dspark: no word from rank 0 within {secs * 1000:.0f} ms: "
+                f"{type(e).__name__}: {e}") from None
+        try:
+            if store.add(f"{prefix}read", 1) == self._n - 1:  # the last reader tidies up
+                for k in ("verdict", "read"):
+                    store.delete_key(f"{prefix}{k}")
+        except Exception:  # noqa: BLE001 - a store without delete_key: a few bytes stay
+            pass
+        if verdict != "ok":
+            raise self._mb_fail(f"{head}\n Rank 0 reported: {verdict}")
+
+    def _mb_lead(self, store, prefix, secs, wait_all):
+        ms = int(secs * 1000)
+        deadline = time.monotonic() + secs
+        passed, failed, why = [], [], {}
+        for i in range(1, self._n):
+            key = f"{prefix}arrived/{i}"
+            left = deadline - time.monotonic()
+            if not wait_all and left <= 0:
+                done = (f"Successfully processed ranks: {', '.join(map(str, passed))}"
+                        if passed else "No ranks successfully processed in monitoredBarrier.")
+                msg = f"Rank 0 timed out in monitoredBarrier after {ms} ms.\n{done}"
+                self._mb_verdict(store, prefix, msg)
+                raise self._mb_fail(msg)
+            try:
+                # store.wait with 0 waits forever: check once when no time is left
+                if left > 0:
+                    store.wait([key], timedelta(seconds=left))
+                elif not store.check([key]):
+                    raise LookupError("not arrived")
+                passed.append(i)
+            except Exception as e:  # noqa: BLE001 - a timeout, or the store failed
+                why[i] = f"{type(e).__name__}: {e}"
+                if not wait_all:
+                    msg = f"[Rank 0]: Rank {i} failed to pass monitoredBarrier in {ms} ms"
+                    self._mb_verdict(store, prefix, msg)
+                    raise self._mb_fail(
+                        f"{msg}\n dspark: it had not arrived when the timeout ran out "
+                        f"(the store said {why[i]})") from None
+                failed.append(i)
+        if failed:
+            msg = (f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
+                   f"monitoredBarrier in {ms} ms")
+            self._mb_verdict(store, prefix, msg)
+            raise self._mb_fail(msg)
+        self._mb_verdict(store, prefix, "ok")
+
+    def _mb_verdict(self, store, prefix, verdict):
+        try:
+            store.set(f"{prefix}verdict", verdict)
+            for i in range(1, self._n):
+                store.delete_key(f"{prefix}arrived/{i}")
+        except Exception:  # noqa: BLE001 - the others then time out on their own
+            pass
+
     # -- the rest ----------------------------------------------------------------------
     def getBackendName(self):
         return NAME
@@ -977,6 +1223,19 @@ class DsparkProcessGroup(_Ops, dist.ProcessGroup):
 
     def _get_backend(self, device=None):
         return self
+
+    @property
+    def _device_types(self):
+        # torch's `dist.monitored_barrier` refuses a group without "cpu" here, and a group
+        # that replaced torch's (this route) has no backends registered, so the list is
+        # empty. Only that caller is told "cpu": the other readers of this list (object
+        # collectives, the flight recorder's hook, shutdown) go on seeing what they always
+        # saw, which is what they were written and tested against.
+        f = sys._getframe(1)
+        if (f.f_code.co_name == "monitored_barrier"
+                and f.f_globals.get("__name__") == "torch.distributed.distributed_c10d"):
+            return [torch.device("cpu")]
+        return dist.ProcessGroup._device_types.__get__(self)
 
     def name(self):
         return NAME
