@@ -863,7 +863,8 @@ mod tests {
     }
     use std::collections::HashMap;
 
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    /// A fake environment of `vars`, as [`Config::from_lookup`] reads one.
+    pub(super) fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

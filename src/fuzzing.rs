@@ -448,6 +448,22 @@ pub fn config_values(data: &[u8]) {
 
 // ------------------------------------------------------------------------- samples
 
+/// xorshift64*: small, fast, reproducible (seed it with an odd number). The harnesses'
+/// (`tests/fuzz.rs`, `fuzz/`) and the stateful targets' source of randomness.
+#[derive(Clone, Debug)]
+pub struct XorShift(pub u64);
+
+impl Rng for XorShift {
+    fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
 /// A source of random numbers for [`sample`].
 pub trait Rng {
     /// The next 64 random bits.

@@ -35,6 +35,7 @@ mod during_run;
 #[path = "adversary/flood.rs"]
 mod flood;
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -258,32 +259,6 @@ fn a_stray_add_on_the_store_does_not_desynchronise_the_store_rendezvous() {
     }
 }
 
-/// The IPv4 TCP sockets of this process that listen: (local address in `/proc/net/tcp`'s
-/// hex, port). `/proc/net/tcp` lists the whole network namespace; the socket inodes among
-/// this process's descriptors pick its own.
-fn listening() -> Vec<(String, u16)> {
-    let mine: Vec<String> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| {
-            let link = std::fs::read_link(e.ok()?.path()).ok()?;
-            let l = link.to_str()?;
-            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
-        })
-        .collect();
-    let text = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            if w.get(3) != Some(&"0A") || !mine.iter().any(|i| Some(&i.as_str()) == w.get(9)) {
-                return None;
-            }
-            let (ip, port) = w.get(1)?.split_once(':')?;
-            Some((ip.to_string(), u16::from_str_radix(port, 16).ok()?))
-        })
-        .collect()
-}
-
 /// One case at a time: the split case watches this process's listeners.
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -325,12 +300,12 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
         })
         .collect();
     parents_up.wait();
-    let before = listening();
+    let before = listening("self");
     scanned.wait();
     // Rank 0's new listener appears at once (rank 1 calls split 3 s later).
     let t0 = Instant::now();
     let new = loop {
-        let new: Vec<(String, u16)> = listening()
+        let new: Vec<SocketAddr> = listening("self")
             .into_iter()
             .filter(|l| !before.contains(l))
             .collect();
@@ -345,7 +320,8 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
     // its stranger when rank 1 arrives; a stranger at any other port fails otherwise.
     let strangers: Vec<_> = new
         .into_iter()
-        .map(|(ip, child_port)| {
+        .map(|listener| {
+            let (ip, child_port) = (listener.ip().to_string(), listener.port());
             thread::spawn(move || {
                 let mut c = Config::new(1, 2, format!("127.0.0.1:{child_port}"));
                 c.timeout = Duration::from_secs(12);
@@ -368,7 +344,7 @@ fn a_stranger_claiming_a_rank_of_a_split_child_at_init_is_refused_and_the_child_
         "no stranger refused by the group's rank 0: {outcomes:?}"
     );
     assert_eq!(
-        refused[0].0, "0100007F",
+        refused[0].0, "127.0.0.1",
         "the split's listener binds {}, not 127.0.0.1",
         refused[0].0
     );
@@ -409,4 +385,55 @@ fn with_listen_any_a_store_job_and_its_split_child_still_meet() {
             });
         }
     });
+}
+
+/// The TCP sockets process `pid` (a number, or `self`) listens on, from
+/// `/proc/<pid>/net/tcp{,6}` matched to its descriptors by inode, oldest socket (lowest inode)
+/// first: the parent's data listener before its split child's.
+fn listening(pid: &str) -> Vec<SocketAddr> {
+    let mut inodes = Vec::new();
+    if let Ok(d) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for e in d.flatten() {
+            if let Ok(t) = std::fs::read_link(e.path()) {
+                let t = t.to_string_lossy().to_string();
+                if let Some(i) = t.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')) {
+                    inodes.push(i.to_string());
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (file, v6) in [("tcp", false), ("tcp6", true)] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != "0A" || !inodes.iter().any(|i| i == f[9]) {
+                continue;
+            }
+            if let Some(a) = parse_proc_addr(f[1], v6) {
+                out.push((f[9].parse::<u64>().unwrap_or(u64::MAX), a));
+            }
+        }
+    }
+    out.sort_unstable();
+    out.into_iter().map(|(_, a)| a).collect()
+}
+
+/// `0100007F:1F90` (or 32 hex digits for IPv6): words in host order, the port big-endian.
+fn parse_proc_addr(s: &str, v6: bool) -> Option<SocketAddr> {
+    let (ip, port) = s.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let mut bytes = Vec::new();
+    for k in (0..ip.len()).step_by(8) {
+        let w = u32::from_str_radix(ip.get(k..k + 8)?, 16).ok()?;
+        bytes.extend_from_slice(&w.to_ne_bytes());
+    }
+    let ip = if v6 {
+        let b: [u8; 16] = bytes.try_into().ok()?;
+        IpAddr::V6(Ipv6Addr::from(b))
+    } else {
+        let b: [u8; 4] = bytes.try_into().ok()?;
+        IpAddr::V4(Ipv4Addr::from(b))
+    };
+    Some(SocketAddr::new(ip, port))
 }

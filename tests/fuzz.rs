@@ -43,7 +43,7 @@ use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use dspark::internals::fuzzing::{self, Rng};
+use dspark::internals::fuzzing::{self, Rng, XorShift};
 
 /// The system allocator, noting the largest single allocation of each thread.
 struct Counting;
@@ -91,20 +91,6 @@ static ALLOC: Counting = Counting;
 /// strings) and small bookkeeping, never what a length field inside it claims.
 fn allowed(n: usize) -> usize {
     8 * n + (64 << 10)
-}
-
-/// xorshift64*: small, fast, reproducible.
-struct XorShift(u64);
-
-impl Rng for XorShift {
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
 }
 
 fn cases() -> usize {

@@ -3,23 +3,14 @@
 
 use std::io::Write;
 
-/// xorshift64*, for the seeds.
-struct XorShift(u64);
-
-impl dspark::internals::fuzzing::Rng for XorShift {
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
+use dspark::internals::fuzzing::XorShift;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let names: Vec<&str> = dspark::internals::fuzzing::TARGETS.iter().map(|(n, _)| *n).collect();
+    let names: Vec<&str> = dspark::internals::fuzzing::TARGETS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
     match args.get(1).map(String::as_str) {
         Some("--seeds") => {
             let dir = std::path::Path::new(args.get(2).map_or("seeds", String::as_str));

@@ -301,6 +301,39 @@ mod tests {
     use super::*;
     use crate::bootstrap::mesh::tests::{config, peer, recv};
 
+    /// Rank 1 of 2, with a listener of its own, dialling rank 0 at `rank0` on first use.
+    fn dialling_rank_1(rank0: SocketAddr) -> LazyLinks {
+        let own = TcpListener::bind("127.0.0.1:0").unwrap();
+        let own_addr = own.local_addr().unwrap();
+        own.set_nonblocking(true).unwrap();
+        let mut door = Door::new(own, 2);
+        door.lazy = true;
+        LazyLinks {
+            opts: config(1, 2, "a"),
+            door,
+            peers: vec![peer(0, rank0), peer(1, own_addr)],
+            dials: (0..2).map(|_| None).collect(),
+            scratch: (0..2).map(|_| None).collect(),
+        }
+    }
+
+    /// Calls `progress` every 10 ms until it fails (asserting that nothing connects and that
+    /// it gives up within three hello waits of `t0`): the error and the slowest call.
+    fn progress_until_failure(links: &mut LazyLinks, t0: Instant) -> (Error, Duration) {
+        let mut slowest = Duration::ZERO;
+        loop {
+            let t = Instant::now();
+            let r = links.progress();
+            slowest = slowest.max(t.elapsed());
+            match r {
+                Ok(done) => assert!(done.is_empty(), "connected to a peer that is no rank"),
+                Err(e) => return (e, slowest),
+            }
+            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The dialling side of a connection on first use: a peer that accepts, reads the hello
     /// and sends half a challenge holds up no `progress` call (each returns at once, so the
     /// caller's collective goes on), and fails the connection naming it once the hello wait
@@ -319,32 +352,10 @@ mod tests {
             let mut rest = Vec::new();
             let _ = s.read_to_end(&mut rest);
         });
-        let own = TcpListener::bind("127.0.0.1:0").unwrap();
-        let own_addr = own.local_addr().unwrap();
-        own.set_nonblocking(true).unwrap();
-        let mut door = Door::new(own, 2);
-        door.lazy = true;
-        let mut links = LazyLinks {
-            opts: config(1, 2, "a"),
-            door,
-            peers: vec![peer(0, fake_addr), peer(1, own_addr)],
-            dials: (0..2).map(|_| None).collect(),
-            scratch: (0..2).map(|_| None).collect(),
-        };
+        let mut links = dialling_rank_1(fake_addr);
         let t0 = Instant::now();
         links.start(0).unwrap();
-        let mut slowest = Duration::ZERO;
-        let e = loop {
-            let t = Instant::now();
-            let r = links.progress();
-            slowest = slowest.max(t.elapsed());
-            match r {
-                Ok(done) => assert!(done.is_empty(), "connected to a fake rank 0"),
-                Err(e) => break e,
-            }
-            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let (e, slowest) = progress_until_failure(&mut links, t0);
         let text = e.to_string();
         assert!(
             matches!(e, Error::Timeout { peer: Some(0), .. })
@@ -397,33 +408,11 @@ mod tests {
             }
         }
         assert!(filler.len() < 64, "the accept queue never filled");
-        let own = TcpListener::bind("127.0.0.1:0").unwrap();
-        let own_addr = own.local_addr().unwrap();
-        own.set_nonblocking(true).unwrap();
-        let mut door = Door::new(own, 2);
-        door.lazy = true;
-        let mut links = LazyLinks {
-            opts: config(1, 2, "a"),
-            door,
-            peers: vec![peer(0, full_addr), peer(1, own_addr)],
-            dials: (0..2).map(|_| None).collect(),
-            scratch: (0..2).map(|_| None).collect(),
-        };
+        let mut links = dialling_rank_1(full_addr);
         let t0 = Instant::now();
         links.start(0).unwrap();
         let started = t0.elapsed();
-        let mut slowest = Duration::ZERO;
-        let e = loop {
-            let t = Instant::now();
-            let r = links.progress();
-            slowest = slowest.max(t.elapsed());
-            match r {
-                Ok(done) => assert!(done.is_empty(), "connected to a host that drops SYNs"),
-                Err(e) => break e,
-            }
-            assert!(t0.elapsed() < HELLO_WAIT * 3, "never gave up");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let (e, slowest) = progress_until_failure(&mut links, t0);
         let text = e.to_string();
         assert!(
             matches!(e, Error::Timeout { peer: Some(0), .. }) && text.contains("not made within"),

@@ -250,16 +250,8 @@ pub(crate) fn read_token_file(path: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
+    use crate::config::tests::env;
     use std::os::unix::fs::PermissionsExt;
-
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| m.get(k).cloned()
-    }
 
     /// A file with `text` and `mode` in a fresh directory of the test's own.
     fn token_file(name: &str, text: &[u8], mode: u32) -> PathBuf {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use super::Rng;
+use super::{Rng, XorShift};
 use crate::bootstrap::door::pull_message;
 use crate::error::{Error, Result};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
@@ -96,26 +96,13 @@ fn drain(p: &Pair) {
     }
 }
 
-/// xorshift64* seeded by the input: where a stream is split depends on the input only.
-struct Splitter(u64);
-
-impl Rng for Splitter {
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
-
 /// `stream` cut into 1 to 8 non-empty pieces at points drawn from `data`.
 fn pieces<'a>(data: &[u8], stream: &'a [u8]) -> Vec<&'a [u8]> {
     let seed = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
-    let mut r = Splitter(seed | 1);
+    // Seeded by the input: where a stream is split depends on the input only.
+    let mut r = XorShift(seed | 1);
     let mut cuts: Vec<usize> = (0..r.below(8)).map(|_| r.below(stream.len() + 1)).collect();
     // Cuts next to a frame boundary, inside a header, one byte apart: the interesting ones.
     if !stream.is_empty() && r.below(2) == 0 {

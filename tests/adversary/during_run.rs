@@ -27,7 +27,7 @@
 //! job every pair is a standing partner, connected at init.)
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use dspark::internals::bootstrap::stranger::{Heard, Stranger};
@@ -144,56 +144,6 @@ fn leave_together(stop: &str, r: usize, n: usize) {
     {
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-/// The TCP sockets process `pid` listens on, oldest socket (lowest inode) first: the
-/// parent's data listener before its split child's.
-fn listening(pid: u32) -> Vec<SocketAddr> {
-    let mut inodes = Vec::new();
-    if let Ok(d) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
-        for e in d.flatten() {
-            if let Ok(t) = std::fs::read_link(e.path()) {
-                let t = t.to_string_lossy().to_string();
-                if let Some(i) = t.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')) {
-                    inodes.push(i.to_string());
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    for (file, v6) in [("tcp", false), ("tcp6", true)] {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 10 || f[3] != "0A" || !inodes.iter().any(|i| i == f[9]) {
-                continue;
-            }
-            if let Some(a) = parse_proc_addr(f[1], v6) {
-                out.push((f[9].parse::<u64>().unwrap_or(u64::MAX), a));
-            }
-        }
-    }
-    out.sort_unstable();
-    out.into_iter().map(|(_, a)| a).collect()
-}
-
-/// `0100007F:1F90` (or 32 hex digits for IPv6): words in host order, the port big-endian.
-fn parse_proc_addr(s: &str, v6: bool) -> Option<SocketAddr> {
-    let (ip, port) = s.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let mut bytes = Vec::new();
-    for k in (0..ip.len()).step_by(8) {
-        let w = u32::from_str_radix(ip.get(k..k + 8)?, 16).ok()?;
-        bytes.extend_from_slice(&w.to_ne_bytes());
-    }
-    let ip = if v6 {
-        let b: [u8; 16] = bytes.try_into().ok()?;
-        IpAddr::V6(Ipv6Addr::from(b))
-    } else {
-        let b: [u8; 4] = bytes.try_into().ok()?;
-        IpAddr::V4(Ipv4Addr::from(b))
-    };
-    Some(SocketAddr::new(ip, port))
 }
 
 /// What one stranger's connection came to.
@@ -330,7 +280,7 @@ fn case(world: usize, transport: &str, split: bool) {
     let t0 = Instant::now();
     while t0.elapsed() < ATTACK {
         for (r, &pid) in pids.iter().enumerate() {
-            let now = listening(pid);
+            let now = super::listening(&pid.to_string());
             for a in &now {
                 if !listeners[r].contains(a) {
                     listeners[r].push(*a);

@@ -18,11 +18,13 @@
 //! Self-contained (no `common` module), so that it can be a module of another test file.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dspark::{Communicator, ReduceOp};
+
+use crate::common::procs::free_port;
 
 /// The variable naming the scenario a rank process runs.
 const SCENARIO: &str = "DSPARK_FLOOD_SCENARIO";
@@ -100,7 +102,7 @@ fn rank_listen() -> i32 {
             return 1;
         }
     };
-    for a in listening() {
+    for a in super::listening("self") {
         println!("LISTEN {a}");
     }
     println!("READY");
@@ -124,83 +126,6 @@ fn rank_listen() -> i32 {
             return 1;
         }
     }
-}
-
-/// This process's listening TCP sockets, from `/proc/self/net/tcp{,6}` (matched to its own
-/// descriptors by inode).
-fn listening() -> Vec<SocketAddr> {
-    let mut inodes = Vec::new();
-    if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
-        for e in d.flatten() {
-            if let Ok(t) = std::fs::read_link(e.path()) {
-                let t = t.to_string_lossy().to_string();
-                if let Some(i) = t.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')) {
-                    inodes.push(i.to_string());
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    for (file, v6) in [("/proc/self/net/tcp", false), ("/proc/self/net/tcp6", true)] {
-        let text = std::fs::read_to_string(file).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 10 || f[3] != "0A" || !inodes.iter().any(|i| i == f[9]) {
-                continue;
-            }
-            if let Some(a) = parse_proc_addr(f[1], v6) {
-                out.push(a);
-            }
-        }
-    }
-    out
-}
-
-/// `0100007F:1F90` (or 32 hex digits for IPv6): words in host order, the port big-endian.
-fn parse_proc_addr(s: &str, v6: bool) -> Option<SocketAddr> {
-    let (ip, port) = s.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let mut bytes = Vec::new();
-    for k in (0..ip.len()).step_by(8) {
-        let w = u32::from_str_radix(ip.get(k..k + 8)?, 16).ok()?;
-        bytes.extend_from_slice(&w.to_ne_bytes());
-    }
-    let ip = if v6 {
-        let b: [u8; 16] = bytes.try_into().ok()?;
-        std::net::IpAddr::V6(Ipv6Addr::from(b))
-    } else {
-        let b: [u8; 4] = bytes.try_into().ok()?;
-        std::net::IpAddr::V4(Ipv4Addr::from(b))
-    };
-    Some(SocketAddr::new(ip, port))
-}
-
-/// A free port below the kernel's ephemeral range (as `tests/common/procs.rs` picks them: a
-/// port of that range may be handed to another socket before rank 0 binds it).
-fn free_port() -> u16 {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32768);
-    let base = 12_000u32;
-    if low <= base + 1000 {
-        return TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-    }
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos())
-        ^ std::process::id().wrapping_mul(2_654_435_761);
-    let span = low - base;
-    for k in 0..span {
-        let port = base + seed.wrapping_add(k.wrapping_mul(7919)) % span;
-        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
-            return port as u16;
-        }
-    }
-    panic!("no free port");
 }
 
 /// Starts rank `rank` of `world` running `scenario`, meeting at 127.0.0.1:`port`.
