@@ -31,6 +31,7 @@ mod raw;
 mod rendezvous;
 mod scope;
 pub(crate) mod setup;
+mod shrink;
 pub(crate) mod split;
 pub mod work;
 
@@ -243,6 +244,9 @@ pub struct Communicator {
     /// How many times [`Communicator::split`] was called (the same on every rank): the
     /// children's secrets differ by it.
     splits: std::sync::atomic::AtomicU64,
+    /// The listener [`Communicator::shrink`] agrees on (`None` in a world of one, or over a
+    /// given transport).
+    shrink_door: Option<shrink::Door>,
     gpu: Mutex<GpuState>,
     /// The device-memory path policy in effect (init's, or one set with `set_data_path`).
     pub(crate) policy: Mutex<PathPolicy>,

@@ -24,12 +24,65 @@ const LABEL_SPLIT: &[u8] = b"dspark/2 split child secret\0";
 /// HMAC under the parent's key, so only ranks that know the parent's secret (and got the
 /// salt over the parent's authenticated connections) know it.
 fn child_secret(parent: &Config, colour: i64, seq: u64, salt: &[u8]) -> String {
-    let key = auth::job_key(parent.job_token.as_deref(), parent.job_id.as_deref());
-    let tag = auth::hmac_sha256(
-        &key,
+    derived_secret(
+        parent,
         &[LABEL_SPLIT, &colour.to_le_bytes(), &seq.to_le_bytes(), salt],
-    );
-    crate::config::trust::hex(&tag)
+    )
+}
+
+/// A secret derived from a parent communicator's: the HMAC, under the parent's key, of
+/// `parts` (which start with a label of their own, so that secrets of different kinds never
+/// coincide), in hex. Split children and shrunk communicators (`shrink.rs`) take theirs so.
+pub(crate) fn derived_secret(parent: &Config, parts: &[&[u8]]) -> String {
+    let key = auth::job_key(parent.job_token.as_deref(), parent.job_id.as_deref());
+    crate::config::trust::hex(&auth::hmac_sha256(&key, parts))
+}
+
+/// A listener for a communicator made from another one, on an ephemeral port of the address
+/// peers reach this rank at (`advertised`, 127.0.0.1 without one), never a wildcard unless
+/// `DSPARK_LISTEN_ANY` asks; with the address the peers are to connect to. `what` names it
+/// in errors.
+pub(crate) fn ephemeral_listener(
+    config: &Config,
+    advertised: Option<IpAddr>,
+    what: &str,
+) -> Result<(TcpListener, SocketAddr)> {
+    let advertised = advertised.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let bind_ip = match advertised {
+        ip if !config.listen_any => ip,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let rank = Some(config.rank);
+    let l = TcpListener::bind(SocketAddr::new(bind_ip, 0))
+        .map_err(|e| Error::io(rank, None, format!("{what}: listening on {bind_ip}"), e))?;
+    let port = l
+        .local_addr()
+        .map_err(|e| Error::io(rank, None, format!("{what}: listener address"), e))?
+        .port();
+    Ok((l, SocketAddr::new(advertised, port)))
+}
+
+/// The configuration of a communicator made from `parent`'s: rank `rank` of `world`, whose
+/// first rank listens at `leader`, with the derived secret `token`; `how` says in
+/// [`crate::CommInfo::rendezvous`] where the address came from.
+pub(crate) fn child_config(
+    parent: &Config,
+    rank: usize,
+    world: usize,
+    leader: SocketAddr,
+    token: String,
+    how: String,
+) -> Config {
+    Config {
+        rank,
+        world_size: world,
+        root_addr: leader.to_string(),
+        job_token: Some(token),
+        job_auth: JobAuth::Parent,
+        sources: vec![("root address".into(), how)],
+        ..parent.clone()
+    }
 }
 
 /// The colour of a rank that opts out.
@@ -99,32 +152,13 @@ impl Communicator {
         })?;
         // The address peers reach this rank at, never a wildcard (unless DSPARK_LISTEN_ANY
         // asks).
-        let advertised = self.data_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        let bind_ip = match advertised {
-            ip if !self.config.listen_any => ip,
-            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        let (listener, addr) = match colour {
+            Some(_) => {
+                let (l, a) = ephemeral_listener(&self.config, self.data_ip, "split")?;
+                (Some(l), Some(a))
+            }
+            None => (None, None),
         };
-        let listener = match colour {
-            Some(_) => Some(TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| {
-                Error::io(
-                    Some(self.rank()),
-                    None,
-                    format!("split: listening on {bind_ip} for the new communicator"),
-                    e,
-                )
-            })?),
-            None => None,
-        };
-        // The group's members connect to the advertised address, whatever was bound.
-        let addr = listener
-            .as_ref()
-            .map(|l| {
-                l.local_addr()
-                    .map(|a| SocketAddr::new(advertised, a.port()))
-            })
-            .transpose()
-            .map_err(|e| Error::io(Some(self.rank()), None, "split: listener address", e))?;
         let mut mine = [0u8; ENTRY];
         mine[..RECORD].copy_from_slice(&encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr));
         mine[RECORD..].copy_from_slice(&salt);
@@ -154,21 +188,17 @@ impl Communicator {
             })?;
         let leader = members[0].2;
         let leader_salt = &all[members[0].1 * ENTRY + RECORD..(members[0].1 + 1) * ENTRY];
-        let config = Config {
-            rank: new_rank,
-            world_size: members.len(),
-            root_addr: leader.to_string(),
-            job_token: Some(child_secret(&self.config, colour, seq, leader_salt)),
-            job_auth: JobAuth::Parent,
-            sources: vec![(
-                "root address".into(),
-                format!(
-                    "the split of rank {}'s communicator (colour {colour})",
-                    self.rank()
-                ),
-            )],
-            ..self.config.clone()
-        };
+        let config = child_config(
+            &self.config,
+            new_rank,
+            members.len(),
+            leader,
+            child_secret(&self.config, colour, seq, leader_salt),
+            format!(
+                "the split of rank {}'s communicator (colour {colour})",
+                self.rank()
+            ),
+        );
         let root = if new_rank == 0 { listener } else { None };
         Communicator::init_inner(config, root).map(Some)
     }

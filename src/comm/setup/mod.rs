@@ -278,7 +278,8 @@ impl Communicator {
         // on first use.
         let world = config.world_size;
         let links = move |r: usize| plan::algo::standing_partners(world, r);
-        let (mut boot, streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
+        let (mut boot, mut streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
+        let shrink_door = super::shrink::Door::open(&mut boot, &mut streams, &config)?;
         let local = boot.local_ranks();
         let oversubscribed = local > cores();
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
@@ -349,6 +350,7 @@ impl Communicator {
         drop(boot);
         let mut comm = Self::assemble(&config, transport, opts, facts)?;
         comm.region = region.map(Arc::new);
+        comm.shrink_door = shrink_door;
         comm.check_path_policy()?;
         Ok(comm)
     }
@@ -514,6 +516,7 @@ impl Communicator {
             config: config.clone(),
             data_ip: facts.data_ip,
             splits: std::sync::atomic::AtomicU64::new(0),
+            shrink_door: None,
             gpu: Mutex::new(GpuState::default()),
             policy: Mutex::new(facts.data_path),
             region: None,

@@ -1,0 +1,752 @@
+//! Going on without failed ranks: [`Communicator::shrink`], with `ncclCommShrink`'s semantics.
+//!
+//! A shrink has to work when the communicator cannot: after a peer was lost or after
+//! [`Communicator::abort`], the communicator is poisoned and its data connections are shut
+//! (an abort closes them on purpose, so that no peer waits on them), so no collective on it
+//! can carry the survivors' agreement. Instead every rank keeps, from init, one more
+//! listener on an ephemeral port of the address peers reach it at (its *shrink door*; the
+//! addresses travel in init's own exchange, so a shrink needs no rendezvous port), which
+//! nobody reads until a shrink:
+//!
+//! 1. Every survivor computes the same thing from its excluded set: the survivors in rank
+//!    order, its new rank among them, and the *leader*, the lowest surviving rank.
+//! 2. The others connect to the leader's door; the leader accepts (non-blocking, strangers
+//!    and stale connections side by side, none able to hold it up) and greets each with a
+//!    fresh nonce; each answers with its rank and excluded set under an HMAC, keyed with
+//!    the communicator's secret, over the leader's nonce. The leader answers with the
+//!    verdict under an HMAC over the member's own nonce, so each side knows the other holds
+//!    the secret and no recorded exchange can be replayed.
+//! 3. The verdict: once every survivor joined with the leader's excluded set, the address of
+//!    the new communicator's rendezvous (an ephemeral listener of the leader's) and a random
+//!    salt; the new communicator's secret is derived from the parent's as a split child's
+//!    is (an HMAC of the excluded set and the salt). A survivor that names another set fails
+//!    the shrink for everyone the leader keeps (each gets [`Error::Mismatch`] naming both
+//!    sets: no split brain); a rank the leader excludes that calls it anyway gets an error
+//!    saying so, and the others go on without it.
+//! 4. Everyone builds the new communicator through the ordinary init
+//!    ([`Communicator::init_inner`]): fresh sequence numbers, mismatch checks, transport
+//!    choice and path report, and a shrink door of its own, so that it can shrink again.
+//!
+//! Every step has the parent's deadline ([`crate::Config::timeout`]): a survivor that never
+//! calls shrink fails the others by it, each error naming the ranks that did not join.
+
+#![forbid(unsafe_code)]
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
+use super::split::{self, RECORD};
+use super::Communicator;
+use crate::bootstrap::{auth, Bootstrap};
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// The operation named in errors.
+const OP: &str = "shrink";
+/// First bytes of the leader's greeting and of a member's hello.
+const GREETING: &[u8; 8] = b"dspkSHG1";
+const HELLO: &[u8; 8] = b"dspkSHH1";
+/// Labels of the two proofs and of the derived secret: no proof of another kind verifies
+/// with them, and the secret differs from every split child's.
+const LABEL_HELLO: &[u8] = b"dspark/2 shrink member proves\0";
+const LABEL_VERDICT: &[u8] = b"dspark/2 shrink leader proves\0";
+const LABEL_SECRET: &[u8] = b"dspark/2 shrink child secret\0";
+/// Verdicts.
+const V_OK: u8 = 0;
+const V_MISMATCH: u8 = 1;
+const V_REFUSED: u8 = 2;
+const V_FAILED: u8 = 3;
+/// Connections the leader reads at once besides the survivors' (strangers, stale ones).
+const EXTRA_PENDING: usize = 64;
+/// Longest error text in a verdict.
+const MAX_TEXT: usize = 4096;
+
+/// This rank's shrink door: a listener nobody reads until a shrink, and every rank's address.
+#[derive(Debug)]
+pub(crate) struct Door {
+    listener: TcpListener,
+    addrs: Vec<SocketAddr>,
+    /// Held by the shrink in progress (one at a time per communicator).
+    busy: Mutex<()>,
+}
+
+impl Door {
+    /// Opens this rank's door at init and learns everyone's, over the bootstrap's
+    /// connections (`streams`, as the rendezvous returned them). A collective of the
+    /// bootstrap: every rank calls it at the same point of init. `None` for a world of one.
+    pub(crate) fn open(
+        boot: &mut Bootstrap,
+        streams: &mut [Option<TcpStream>],
+        config: &Config,
+    ) -> Result<Option<Door>> {
+        let (me, n) = (config.rank, config.world_size);
+        if n < 2 {
+            return Ok(None);
+        }
+        let advertised = boot.peers.get(me).map(|p| p.addr.ip());
+        let (listener, addr) = split::ephemeral_listener(config, advertised, "init: shrink door")?;
+        let all = boot.all_gather(streams, &split::encode(0, 0, Some(addr)))?;
+        let addrs = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                if b.len() == RECORD {
+                    Ok(split::decode(b).2)
+                } else {
+                    Err(Error::Mismatch {
+                        rank: Some(me),
+                        peer: Some(r),
+                        op: "init".into(),
+                        what: format!(
+                            "rank {r} sent {} bytes for its shrink door, expected {RECORD} \
+                             (another version?)",
+                            b.len()
+                        ),
+                    })
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Door {
+            listener,
+            addrs,
+            busy: Mutex::new(()),
+        }))
+    }
+}
+
+/// What one shrink call knows: who it is, who stays, and the keys.
+struct Plan<'a> {
+    comm: &'a Communicator,
+    door: &'a Door,
+    me: usize,
+    world: usize,
+    excluded: Vec<usize>,
+    survivors: Vec<usize>,
+    key: Vec<u8>,
+    deadline: Instant,
+}
+
+impl Communicator {
+    /// A new communicator of this one's ranks minus `exclude`, as `ncclCommShrink` makes:
+    /// for going on after ranks failed. Every surviving rank calls it with the same excluded
+    /// ranks (in any order); the excluded ones do not call it. The survivors keep their
+    /// order: a survivor's new rank is the number of survivors below it.
+    ///
+    /// It works when this communicator cannot: after a peer was lost, after
+    /// [`Communicator::abort`] (to drop what is in flight first, as `SHRINK_ABORT` does,
+    /// call `abort` then `shrink`), or on a healthy communicator, which it leaves as it is.
+    /// The survivors agree over this communicator's secret on a listener each rank opened at
+    /// init (no rendezvous port); the new communicator is built by an ordinary init, with
+    /// fresh sequence numbers, mismatch checks, transport choice and path report, and a
+    /// secret derived from this one's as a [split](Communicator::split) child's is. It can
+    /// shrink again.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`] for a rank that is not one, or when this rank is in
+    ///   `exclude` (an excluded rank takes no part), or when the survivors' first rank
+    ///   excludes this one.
+    /// - [`Error::Mismatch`] on every survivor when one names another excluded set (nobody
+    ///   gets a new communicator).
+    /// - [`Error::Timeout`] by the deadline ([`crate::Config::timeout`]) when a survivor
+    ///   does not join, naming it; [`Error::PeerLost`] when the survivors' first rank is
+    ///   gone (it must then be excluded too).
+    /// - Those of [`Communicator::init`] for the new communicator.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # fn main() -> dspark::Result<()> {
+    /// let comm = dspark::Communicator::from_env()?;
+    /// let mut grads = vec![1.0f32; 1024];
+    /// if let Err(e) = comm.all_reduce(&mut grads, dspark::ReduceOp::Sum) {
+    ///     // Rank 2 died: the others go on without it.
+    ///     eprintln!("{e}");
+    ///     let comm = comm.shrink(&[2])?;
+    ///     comm.all_reduce(&mut grads, dspark::ReduceOp::Sum)?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        let (me, n) = (self.rank(), self.world_size());
+        let invalid = |what: String| Error::invalid(Some(me), OP, what);
+        let mut excluded = exclude.to_vec();
+        excluded.sort_unstable();
+        excluded.dedup();
+        if let Some(&r) = excluded.iter().find(|&&r| r >= n) {
+            return Err(invalid(format!(
+                "excluded rank {r} is not a rank (world size {n})"
+            )));
+        }
+        if excluded.binary_search(&me).is_ok() {
+            return Err(invalid(format!(
+                "this rank is excluded ({}): an excluded rank takes no part in a shrink; the \
+                 survivors go on without it",
+                ranks(&excluded)
+            )));
+        }
+        let survivors: Vec<usize> = (0..n)
+            .filter(|r| excluded.binary_search(r).is_err())
+            .collect();
+        let new_rank = survivors.iter().position(|&r| r == me).unwrap_or(0);
+        let without = ranks(&excluded);
+        let how = |leader: usize| {
+            format!(
+                "the shrink of rank {me}'s communicator without {without} (rank {leader} leads)"
+            )
+        };
+        if survivors.len() == 1 {
+            let token = split::derived_secret(&self.config, &[LABEL_SECRET, b"alone"]);
+            let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+            let cfg = split::child_config(&self.config, 0, 1, loopback, token, how(me));
+            return Communicator::init_inner(cfg, None).map_err(|e| e.at_rank(me));
+        }
+        let door = self.shrink_door.as_ref().ok_or_else(|| {
+            Error::unavailable(
+                "shrink",
+                "this communicator was built over a given transport (a test hook): it has no \
+                 shrink door",
+            )
+        })?;
+        let _busy = door.busy.try_lock().map_err(|_| {
+            invalid("another shrink of this communicator is in progress on this rank".into())
+        })?;
+        let plan = Plan {
+            comm: self,
+            door,
+            me,
+            world: n,
+            key: auth::job_key(
+                self.config.job_token.as_deref(),
+                self.config.job_id.as_deref(),
+            ),
+            deadline: Instant::now() + self.config.timeout,
+            excluded,
+            survivors,
+        };
+        let leader = plan.survivors[0];
+        let (root, listener, salt) = if new_rank == 0 {
+            let (listener, addr) = split::ephemeral_listener(&self.config, self.data_ip, OP)?;
+            let salt = auth::nonce().map_err(|e| {
+                Error::io(
+                    Some(me),
+                    None,
+                    "shrink: reading a salt from /dev/urandom",
+                    e,
+                )
+            })?;
+            plan.lead(addr, &salt)?;
+            (addr, Some(listener), salt)
+        } else {
+            let (addr, salt) = plan.follow(leader)?;
+            (addr, None, salt)
+        };
+        let token = split::derived_secret(
+            &self.config,
+            &[LABEL_SECRET, &encode_ranks(&plan.excluded), &salt],
+        );
+        let cfg = split::child_config(
+            &self.config,
+            new_rank,
+            plan.survivors.len(),
+            root,
+            token,
+            how(leader),
+        );
+        let new = Communicator::init_inner(cfg, listener).map_err(|e| e.at_rank(new_rank))?;
+        tracing::info!(
+            rank = me,
+            new_rank,
+            world = plan.survivors.len(),
+            "shrunk without {}",
+            ranks(&plan.excluded)
+        );
+        Ok(new)
+    }
+}
+
+/// `[2, 5, 7]`, at most 16 named.
+fn ranks(r: &[usize]) -> String {
+    if r.is_empty() {
+        return "no rank".into();
+    }
+    let shown: Vec<String> = r.iter().take(16).map(usize::to_string).collect();
+    let more = r.len().saturating_sub(16);
+    let what = if r.len() == 1 { "rank" } else { "ranks" };
+    if more > 0 {
+        format!("{what} {} … and {more} more", shown.join(", "))
+    } else {
+        format!("{what} {}", shown.join(", "))
+    }
+}
+
+fn encode_ranks(r: &[usize]) -> Vec<u8> {
+    let mut b = (r.len() as u64).to_le_bytes().to_vec();
+    for &x in r {
+        b.extend_from_slice(&(x as u64).to_le_bytes());
+    }
+    b
+}
+
+/// Little-endian u64 at `i` of `b` (the caller checked the length).
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[i..i + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// A member's hello, parsed.
+struct Hello {
+    rank: usize,
+    world: usize,
+    excluded: Vec<usize>,
+    nonce: auth::Nonce,
+}
+
+/// `body` of a hello: magic, rank, world, excluded ranks, nonce.
+fn hello_body(rank: usize, world: usize, excluded: &[usize], nonce: &auth::Nonce) -> Vec<u8> {
+    let mut b = HELLO.to_vec();
+    b.extend_from_slice(&(rank as u64).to_le_bytes());
+    b.extend_from_slice(&(world as u64).to_le_bytes());
+    b.extend_from_slice(&encode_ranks(excluded));
+    b.extend_from_slice(nonce);
+    b
+}
+
+fn parse_hello(body: &[u8]) -> Option<Hello> {
+    if body.len() < 32 + auth::TAG_LEN || &body[..8] != HELLO {
+        return None;
+    }
+    let (rank, world, k) = (u64_at(body, 8), u64_at(body, 16), u64_at(body, 24));
+    let k = usize::try_from(k).ok()?;
+    let end = 32usize.checked_add(k.checked_mul(8)?)?;
+    if body.len() != end + auth::TAG_LEN {
+        return None;
+    }
+    let excluded = (0..k)
+        .map(|i| usize::try_from(u64_at(body, 32 + 8 * i)).ok())
+        .collect::<Option<Vec<_>>>()?;
+    let mut nonce = [0u8; auth::TAG_LEN];
+    nonce.copy_from_slice(&body[end..]);
+    Some(Hello {
+        rank: usize::try_from(rank).ok()?,
+        world: usize::try_from(world).ok()?,
+        excluded,
+        nonce,
+    })
+}
+
+/// One length-prefixed message.
+fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The longest message of a shrink of a world of `n`.
+fn max_message(n: usize) -> usize {
+    64 + 8 * n + MAX_TEXT + 2 * auth::TAG_LEN + RECORD
+}
+
+/// A connection the leader reads, before and after it proved itself.
+struct Conn {
+    s: TcpStream,
+    from: SocketAddr,
+    /// The nonce the leader greeted it with.
+    nonce: auth::Nonce,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    /// Reads what has arrived; `Ok(Some(payload))` once a whole message is there.
+    fn read(&mut self, max: usize) -> io::Result<Option<Vec<u8>>> {
+        let mut chunk = [0u8; 4096];
+        loop {
+            if self.buf.len() >= 4 {
+                let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
+                    as usize;
+                if len > max {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("a message of {len} bytes (at most {max} expected)"),
+                    ));
+                }
+                if self.buf.len() >= 4 + len {
+                    let m = self.buf[4..4 + len].to_vec();
+                    self.buf.drain(..4 + len);
+                    return Ok(Some(m));
+                }
+            }
+            match self.s.read(&mut chunk) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(k) => self.buf.extend_from_slice(&chunk[..k]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Plan<'_> {
+    fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    fn mine(&self) -> String {
+        ranks(&self.excluded)
+    }
+
+    /// Sends a verdict to a member that greeted with `nonce` (best effort: a member that is
+    /// gone learns nothing, and its absence is its own error).
+    fn send_verdict(&self, s: &mut TcpStream, nonce: &auth::Nonce, body: &[u8]) {
+        let mac = auth::hmac_sha256(&self.key, &[LABEL_VERDICT, nonce, body]);
+        let mut m = body.to_vec();
+        m.extend_from_slice(&mac);
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_write_timeout(Some(
+            self.remaining()
+                .clamp(Duration::from_millis(100), Duration::from_secs(5)),
+        ));
+        let _ = s.write_all(&frame(&m));
+    }
+
+    fn refusal(code: u8, text: &str) -> Vec<u8> {
+        let mut b = vec![code];
+        let t = text.as_bytes();
+        b.extend_from_slice(&t[..t.len().min(MAX_TEXT)]);
+        b
+    }
+
+    /// The leader's side: accepts the other survivors until every one joined, checks their
+    /// excluded sets, and hands each the new rendezvous address `root` and the `salt`.
+    fn lead(&self, root: SocketAddr, salt: &auth::Nonce) -> Result<()> {
+        let me = self.me;
+        let l = &self.door.listener;
+        l.set_nonblocking(true)
+            .map_err(|e| Error::io(Some(me), None, "shrink: the shrink door", e))?;
+        let max = max_message(self.world);
+        let members: Vec<usize> = self.survivors[1..].to_vec();
+        let mut pending: Vec<Conn> = Vec::new();
+        let mut joined: Vec<Option<(TcpStream, auth::Nonce)>> =
+            (0..self.world).map(|_| None).collect();
+        // The first disagreement: (the rank, its text); then everyone gets it.
+        let mut failed: Option<(usize, String)> = None;
+        loop {
+            let missing: Vec<usize> = members
+                .iter()
+                .copied()
+                .filter(|&r| joined[r].is_none())
+                .collect();
+            if missing.is_empty() {
+                break;
+            }
+            if Instant::now() >= self.deadline {
+                let text = format!(
+                    "{} of the survivors did not join rank {me}'s shrink within {:.1?} (each \
+                     survivor calls shrink with the same excluded ranks; name a dead rank \
+                     there)",
+                    ranks(&missing),
+                    self.comm.config.timeout
+                );
+                let body = Self::refusal(V_FAILED, &text);
+                for (s, nonce) in joined.iter_mut().flatten() {
+                    self.send_verdict(s, nonce, &body);
+                }
+                if let Some((r, what)) = failed {
+                    return Err(self.mismatch(r, what));
+                }
+                return Err(Error::Timeout {
+                    rank: me,
+                    peer: missing.first().copied(),
+                    op: OP.into(),
+                    waited: self.comm.config.timeout,
+                    detail: text,
+                });
+            }
+            // New connections: greet each with a fresh nonce.
+            loop {
+                match l.accept() {
+                    Ok((mut s, from)) => {
+                        let nonce = auth::nonce()
+                            .map_err(|e| Error::io(Some(me), None, "shrink: reading a nonce", e))?;
+                        let mut g = GREETING.to_vec();
+                        g.extend_from_slice(&nonce);
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                        if s.write_all(&frame(&g)).is_ok() && s.set_nonblocking(true).is_ok() {
+                            if pending.len() >= members.len() + EXTRA_PENDING {
+                                pending.remove(0);
+                            }
+                            pending.push(Conn {
+                                s,
+                                from,
+                                nonce,
+                                buf: Vec::new(),
+                            });
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
+                    Err(e) => return Err(Error::io(Some(me), None, "shrink: accepting", e)),
+                }
+            }
+            // Hellos.
+            let mut i = 0;
+            while i < pending.len() {
+                match pending[i].read(max) {
+                    Ok(None) => i += 1,
+                    Err(e) => {
+                        tracing::debug!(rank = me, from = %pending[i].from, error = %e,
+                            "shrink: dropped a connection on the shrink door");
+                        pending.swap_remove(i);
+                    }
+                    Ok(Some(m)) => {
+                        let c = pending.swap_remove(i);
+                        self.admit(c, m, &mut joined, &mut failed);
+                    }
+                }
+            }
+            let mut fds = vec![PollFd::new(l.as_fd(), PollFlags::POLLIN)];
+            fds.extend(
+                pending
+                    .iter()
+                    .map(|c| PollFd::new(c.s.as_fd(), PollFlags::POLLIN)),
+            );
+            let ms = self.remaining().as_millis().clamp(1, 100) as u16;
+            let _ = nix::poll::poll(&mut fds, PollTimeout::from(ms));
+        }
+        if let Some((r, what)) = failed {
+            return Err(self.mismatch(r, what));
+        }
+        let mut body = vec![V_OK];
+        body.extend_from_slice(&split::encode(0, 0, Some(root)));
+        body.extend_from_slice(salt);
+        for (s, nonce) in joined.iter_mut().flatten() {
+            self.send_verdict(s, nonce, &body);
+        }
+        Ok(())
+    }
+
+    fn mismatch(&self, peer: usize, what: String) -> Error {
+        Error::Mismatch {
+            rank: Some(self.me),
+            peer: Some(peer),
+            op: OP.into(),
+            what,
+        }
+    }
+
+    /// Checks one hello: a stranger's is dropped, an excluded rank's refused, a survivor
+    /// with another excluded set fails the shrink; a good one joins.
+    fn admit(
+        &self,
+        mut c: Conn,
+        m: Vec<u8>,
+        joined: &mut [Option<(TcpStream, auth::Nonce)>],
+        failed: &mut Option<(usize, String)>,
+    ) {
+        let me = self.me;
+        if m.len() < auth::TAG_LEN {
+            return;
+        }
+        let (body, mac) = m.split_at(m.len() - auth::TAG_LEN);
+        let want = auth::hmac_sha256(&self.key, &[LABEL_HELLO, &c.nonce, body]);
+        let hello = match parse_hello(body) {
+            Some(h) if auth::ct_eq(mac, &want) => h,
+            _ => {
+                tracing::warn!(
+                    rank = me,
+                    from = %c.from,
+                    "shrink: a connection to the shrink door could not prove this \
+                     communicator's secret; dropped"
+                );
+                return;
+            }
+        };
+        let r = hello.rank;
+        if hello.world != self.world || r >= self.world || r == me {
+            let text = format!(
+                "rank {me} leads a shrink of a communicator of {} ranks; this connection says \
+                 it is rank {r} of {}",
+                self.world, hello.world
+            );
+            self.send_verdict(&mut c.s, &hello.nonce, &Self::refusal(V_REFUSED, &text));
+            return;
+        }
+        if self.survivors.binary_search(&r).is_err() {
+            let text = format!(
+                "rank {r} is excluded by the shrink rank {me} leads (which excludes {}; rank \
+                 {r} named {}): the survivors go on without it",
+                self.mine(),
+                ranks(&hello.excluded)
+            );
+            self.send_verdict(&mut c.s, &hello.nonce, &Self::refusal(V_REFUSED, &text));
+            return;
+        }
+        if failed.is_none() && hello.excluded != self.excluded {
+            let text = format!(
+                "the survivors disagree about whom to exclude: rank {r} names {}, rank {me} \
+                 names {}; no rank gets a new communicator (call shrink again with one set)",
+                ranks(&hello.excluded),
+                self.mine()
+            );
+            let body = Self::refusal(V_MISMATCH, &text);
+            for (s, nonce) in joined.iter_mut().flatten() {
+                self.send_verdict(s, nonce, &body);
+            }
+            *failed = Some((r, text));
+        }
+        if let Some((_, text)) = failed {
+            let body = Self::refusal(V_MISMATCH, text);
+            self.send_verdict(&mut c.s, &hello.nonce, &body);
+        }
+        let _ = c.s.set_nonblocking(false);
+        joined[r] = Some((c.s, hello.nonce));
+    }
+
+    /// A member's side: joins the leader's shrink; returns the new rendezvous address and
+    /// the salt of the new secret.
+    fn follow(&self, leader: usize) -> Result<(SocketAddr, auth::Nonce)> {
+        let me = self.me;
+        let addr = self.door.addrs[leader];
+        let lost = |detail: String| Error::PeerLost {
+            rank: me,
+            peer: leader,
+            op: OP.into(),
+            detail,
+        };
+        let timeout = |detail: String| Error::Timeout {
+            rank: me,
+            peer: Some(leader),
+            op: OP.into(),
+            waited: self.comm.config.timeout,
+            detail,
+        };
+        let role = format!("rank {leader}, the first survivor, which leads the shrink");
+        let mut s =
+            TcpStream::connect_timeout(&addr, self.remaining().max(Duration::from_millis(1)))
+                .map_err(|e| match e.kind() {
+                    io::ErrorKind::TimedOut => timeout(format!("connecting to {role} at {addr}")),
+                    _ => lost(format!(
+                        "{role} cannot be reached at {addr} ({e}): it is gone; if it failed, \
+                     exclude it too"
+                    )),
+                })?;
+        let _ = s.set_nodelay(true);
+        let recv = |s: &mut TcpStream, waiting: &str| -> Result<Vec<u8>> {
+            let mut c = Conn {
+                s: s.try_clone()
+                    .map_err(|e| Error::io(Some(me), Some(leader), OP, e))?,
+                from: addr,
+                nonce: [0; auth::TAG_LEN],
+                buf: Vec::new(),
+            };
+            loop {
+                let left = self.remaining();
+                if left.is_zero() {
+                    return Err(timeout(waiting.to_string()));
+                }
+                let _ = c.s.set_read_timeout(Some(left));
+                match c.read(max_message(self.world)) {
+                    Ok(Some(m)) => return Ok(m),
+                    Ok(None) => {}
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
+                    Err(e) => return Err(lost(format!("{waiting}: {e}"))),
+                }
+            }
+        };
+        let greeting = recv(
+            &mut s,
+            &format!(
+                "waiting for {role} to take part (is it calling shrink with the same \
+                 excluded ranks, {}?)",
+                self.mine()
+            ),
+        )?;
+        if greeting.len() != 8 + auth::TAG_LEN || &greeting[..8] != GREETING {
+            return Err(self.mismatch(
+                leader,
+                format!(
+                    "{role} greeted with {} bytes that are no shrink greeting",
+                    greeting.len()
+                ),
+            ));
+        }
+        let nonce =
+            auth::nonce().map_err(|e| Error::io(Some(me), None, "shrink: reading a nonce", e))?;
+        let body = hello_body(me, self.world, &self.excluded, &nonce);
+        let mac = auth::hmac_sha256(&self.key, &[LABEL_HELLO, &greeting[8..], &body]);
+        let mut m = body;
+        m.extend_from_slice(&mac);
+        let _ = s.set_write_timeout(Some(self.remaining().max(Duration::from_millis(1))));
+        s.write_all(&frame(&m))
+            .map_err(|e| lost(format!("sending this rank's hello to {role}: {e}")))?;
+        let v = recv(
+            &mut s,
+            &format!("waiting for the verdict of {role} (it waits for every survivor)"),
+        )?;
+        if v.len() < 1 + auth::TAG_LEN {
+            return Err(self.mismatch(leader, format!("{role} sent a short verdict")));
+        }
+        let (body, mac) = v.split_at(v.len() - auth::TAG_LEN);
+        let want = auth::hmac_sha256(&self.key, &[LABEL_VERDICT, &nonce, body]);
+        if !auth::ct_eq(mac, &want) {
+            return Err(self.mismatch(
+                leader,
+                format!("{role}'s verdict does not prove this communicator's secret"),
+            ));
+        }
+        let text = || String::from_utf8_lossy(&body[1..]).into_owned();
+        match body[0] {
+            V_OK if body.len() == 1 + RECORD + auth::TAG_LEN => {
+                let root = split::decode(&body[1..1 + RECORD]).2;
+                let mut salt = [0u8; auth::TAG_LEN];
+                salt.copy_from_slice(&body[1 + RECORD..]);
+                Ok((root, salt))
+            }
+            V_MISMATCH => Err(self.mismatch(leader, text())),
+            V_REFUSED => Err(Error::invalid(Some(me), OP, text())),
+            V_FAILED => Err(Error::Aborted {
+                rank: me,
+                by: leader,
+                op: OP.into(),
+                reason: text(),
+            }),
+            _ => Err(self.mismatch(leader, format!("{role} sent an unknown verdict"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hello_round_trips_and_a_truncated_one_is_refused() {
+        let n = [7u8; auth::TAG_LEN];
+        let b = hello_body(3, 5, &[1, 4], &n);
+        let h = parse_hello(&b).unwrap();
+        assert_eq!(
+            (h.rank, h.world, h.excluded, h.nonce),
+            (3, 5, vec![1, 4], n)
+        );
+        assert!(parse_hello(&b[..b.len() - 1]).is_none());
+        let mut huge = b.clone();
+        huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(parse_hello(&huge).is_none());
+    }
+
+    #[test]
+    fn ranks_are_named_and_capped() {
+        assert_eq!(ranks(&[2]), "rank 2");
+        assert_eq!(ranks(&[1, 3]), "ranks 1, 3");
+        let many: Vec<usize> = (0..20).collect();
+        assert!(ranks(&many).ends_with("… and 4 more"));
+    }
+}
