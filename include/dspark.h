@@ -37,6 +37,17 @@
 #include <stdint.h>
 
 /**
+ * `dspark_comm_shrink` flags: shrink beside what runs on `comm`.
+ */
+#define DSPARK_SHRINK_DEFAULT 0
+
+/**
+ * `dspark_comm_shrink` flags: abort `comm` first (as `dspark_comm_abort`), so that whatever is
+ * in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`.
+ */
+#define DSPARK_SHRINK_ABORT 1
+
+/**
  * The result of every call: `DSPARK_SUCCESS` (0) or an error code; the message of the
  * error is `dspark_last_error()`.
  */
@@ -253,6 +264,28 @@ dspark_result_t dspark_comm_size(const dspark_comm_t *comm, int *size);
  * write of a pointer.
  */
 dspark_result_t dspark_comm_split(dspark_comm_t *comm, int color, int key, dspark_comm_t **out);
+
+/**
+ * Makes a communicator of the ranks of `comm` minus the `count` ranks in `exclude`, as
+ * `ncclCommShrink` does: for going on after ranks failed. Every surviving rank calls it with
+ * the same excluded ranks (in any order); the excluded ones do not. A survivor's new rank is
+ * the number of survivors below it. It works after a peer was lost and after
+ * `dspark_comm_abort` (`comm` itself stays as it is, aborted or not; destroy it as usual).
+ * Errors: `DSPARK_ERR_INVALID_ARGUMENT` for a rank out of range or this rank among the
+ * excluded, or when the survivors' first rank excludes this one; `DSPARK_ERR_MISMATCH` on
+ * every survivor when one names another set; `DSPARK_ERR_TIMEOUT` by the deadline when a
+ * survivor does not join (the message names it). Free the new communicator with
+ * `dspark_comm_destroy`.
+ *
+ * # Safety
+ * `comm` is NULL (refused) or a live communicator; `exclude` is valid for reads of `count`
+ * ints (or NULL when `count` is 0); `out` is NULL (refused) or valid for a write of a pointer.
+ */
+dspark_result_t dspark_comm_shrink(dspark_comm_t *comm,
+                                   const int *exclude,
+                                   int count,
+                                   dspark_comm_t **out,
+                                   int flags);
 
 /**
  * Aborts `comm`, from any thread, like `ncclCommAbort` but without freeing it: the

@@ -424,3 +424,18 @@ fn absurd_world_sizes_through_the_c_abi_are_a_config_error_within_a_second() {
         );
     }
 }
+
+/// Issue 24: `dspark_comm_shrink` on 3 ranks (tests/c/shrink.c): rank 2 kills itself, the
+/// others shrink without it (`DSPARK_SHRINK_DEFAULT`), check the new communicator, and shrink
+/// that one again with `DSPARK_SHRINK_ABORT`; the argument errors are local.
+#[test]
+fn c_shrink_after_a_killed_rank_and_with_shrink_abort() {
+    let exe = build_c("tests/c/shrink.c", "shrink", false);
+    let outs = run_ranks(&exe, 3);
+    assert_eq!(
+        outs[2].code, None,
+        "tests/c/shrink.c: rank 2 should have died by SIGKILL:\n{}",
+        outs[2].out
+    );
+    assert_ranks_passed(&outs[..2], "tests/c/shrink.c", true);
+}

@@ -531,6 +531,73 @@ pub unsafe extern "C" fn dspark_comm_split(
     })
 }
 
+/// `dspark_comm_shrink` flags: shrink beside what runs on `comm`.
+pub const DSPARK_SHRINK_DEFAULT: c_int = 0;
+/// `dspark_comm_shrink` flags: abort `comm` first (as `dspark_comm_abort`), so that whatever is
+/// in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`.
+pub const DSPARK_SHRINK_ABORT: c_int = 1;
+
+/// Makes a communicator of the ranks of `comm` minus the `count` ranks in `exclude`, as
+/// `ncclCommShrink` does: for going on after ranks failed. Every surviving rank calls it with
+/// the same excluded ranks (in any order); the excluded ones do not. A survivor's new rank is
+/// the number of survivors below it. It works after a peer was lost and after
+/// `dspark_comm_abort` (`comm` itself stays as it is, aborted or not; destroy it as usual).
+/// Errors: `DSPARK_ERR_INVALID_ARGUMENT` for a rank out of range or this rank among the
+/// excluded, or when the survivors' first rank excludes this one; `DSPARK_ERR_MISMATCH` on
+/// every survivor when one names another set; `DSPARK_ERR_TIMEOUT` by the deadline when a
+/// survivor does not join (the message names it). Free the new communicator with
+/// `dspark_comm_destroy`.
+///
+/// # Safety
+/// `comm` is NULL (refused) or a live communicator; `exclude` is valid for reads of `count`
+/// ints (or NULL when `count` is 0); `out` is NULL (refused) or valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn dspark_comm_shrink(
+    comm: *mut dspark_comm_t,
+    exclude: *const c_int,
+    count: c_int,
+    out: *mut *mut dspark_comm_t,
+    flags: c_int,
+) -> dspark_result_t {
+    const F: &str = "dspark_comm_shrink";
+    guard(F, || {
+        // SAFETY: NULL or live (contract).
+        let c = unsafe { comm_ref(comm, F) }?;
+        let me = c.rank();
+        // SAFETY: NULL or valid for a write (contract).
+        unsafe { put(out, ptr::null_mut(), "out", Some(me), F) }?;
+        let n = rank_arg(count, "count", me, F)?;
+        if n > 0 && exclude.is_null() {
+            return Err(invalid(
+                Some(me),
+                F,
+                format!("exclude is NULL and count is {n}"),
+            ));
+        }
+        if flags & !DSPARK_SHRINK_ABORT != 0 {
+            return Err(invalid(Some(me), F, format!("unknown flags {flags:#x}")));
+        }
+        let list: &[c_int] = if n == 0 {
+            &[]
+        } else {
+            // SAFETY: non-null and valid for reads of `count` ints (contract).
+            unsafe { std::slice::from_raw_parts(exclude, n) }
+        };
+        let ranks = list
+            .iter()
+            .map(|&r| rank_arg(r, "excluded rank", me, F))
+            .collect::<Result<Vec<usize>, Error>>()?;
+        if flags & DSPARK_SHRINK_ABORT != 0 {
+            c.abort();
+        }
+        let new = c.shrink(&ranks)?;
+        let h = Box::into_raw(Box::new(dspark_comm_t { comm: new }));
+        // SAFETY: non-null (checked by `put` above) and valid for a write (contract).
+        unsafe { out.write(h) };
+        Ok(())
+    })
+}
+
 /// Aborts `comm`, from any thread, like `ncclCommAbort` but without freeing it: the
 /// operation in progress fails soon (within about 50 ms) with `DSPARK_ERR_ABORTED`, and so do
 /// every queued and every later operation on `comm`; the peers are told and fail too (with
