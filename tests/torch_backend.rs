@@ -4,8 +4,9 @@
 //! ranks and mismatched collectives (`failure_check.py`), a curated list of PyTorch's own
 //! distributed suite (`distributed_suite.py --ci`), tensors dropped while a non-blocking call
 //! uses them (`inflight_check.py`), absurd world sizes and ranks through the Python
-//! package (`limits_check.py`), and timeouts and `dist.monitored_barrier` against gloo
-//! (`surface_check.py`).
+//! package (`limits_check.py`), timeouts and `dist.monitored_barrier` against gloo
+//! (`surface_check.py`), and `dist.shrink_group` after a killed or hung rank
+//! (`shrink_check.py`, and `examples/torch_shrink.py`'s DDP training).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -200,6 +201,8 @@ fn run(mut cmd: Command, limit: Duration) -> Run {
             || l.starts_with("FAILURE_CHECK")
             || l.starts_with("DIST_SUITE mode")
             || l.starts_with("SURFACE_CHECK")
+            || l.starts_with("SHRINK_CHECK")
+            || l.starts_with("TORCH_SHRINK")
     }) {
         println!("{l}");
     }
@@ -563,6 +566,43 @@ fn ops_check_names_the_op_dtype_size_and_rank_of_a_corrupted_result() {
             bad.out.contains(want),
             "missing `{want}`:\n{}",
             bad.report()
+        );
+    }
+}
+
+/// Issue 24: `dist.shrink_group` on both routes into torch: after a killed rank
+/// (SHRINK_DEFAULT; the shrunk default group's all_reduce equal to gloo's on the survivors and
+/// to exact values) and with a hung rank and a call in flight (SHRINK_ABORT: the call fails at
+/// once, the shrink takes seconds, not the 60 s timeout).
+#[test]
+fn shrink_group_goes_on_after_a_killed_or_hung_rank_on_both_routes() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        python(&t, "shrink_check.py", &[], "dspark"),
+        Duration::from_secs(480),
+    );
+    assert_pass(&r, "SHRINK_CHECK ", "shrink_check.py");
+}
+
+/// Issue 24: `examples/torch_shrink.py`: DDP on 3 ranks, rank 2 killed mid-epoch, the
+/// survivors shrink, rebuild DDP from their current parameters and keep training; the loss
+/// keeps falling after the shrink on both survivors.
+#[test]
+fn the_torch_shrink_example_keeps_training_after_a_rank_dies() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let mut cmd = command(&t.python, "dspark");
+    cmd.arg(format!(
+        "{}/examples/torch_shrink.py",
+        env!("CARGO_MANIFEST_DIR")
+    ));
+    let r = run(cmd, Duration::from_secs(300));
+    for rank in 0..2 {
+        assert_pass(
+            &r,
+            &format!("TORCH_SHRINK rank={rank} "),
+            "examples/torch_shrink.py",
         );
     }
 }

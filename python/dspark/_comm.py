@@ -242,6 +242,17 @@ class Communicator:
         c = self._c.split(colour, key)
         return None if c is None else Communicator(c)
 
+    def shrink(self, exclude, abort=False):
+        """A communicator of this one's ranks minus ``exclude``, as ``ncclCommShrink``: every
+        survivor calls it with the same excluded ranks, also after a lost peer or an abort
+        (``abort=True`` aborts this one first, as torch's ``SHRINK_ABORT``). A survivor's
+        new rank is the number of survivors below it. A survivor naming another set gets
+        ``MismatchError``, a rank the others exclude ``InvalidArgumentError``."""
+        exclude = [self._rank_arg(r, "excluded rank") for r in exclude]
+        if abort:
+            self.abort()
+        return Communicator(self._c.shrink(exclude))
+
     def abort(self):
         """Every operation in flight and every later one fails with ``AbortedError``; the
         peers are told. Any thread; returns at once."""

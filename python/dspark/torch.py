@@ -451,11 +451,12 @@ def _premul_factor(red):
 class _Ops:
     """The collectives, shared by :class:`DsparkBackend` and :class:`DsparkProcessGroup`."""
 
-    def _setup(self, store, rank, size, timeout, group_id=None):
+    def _setup(self, store, rank, size, timeout, group_id=None, comm=None):
         self._timeout = timeout if timeout is not None else timedelta(minutes=30)
         self._deadline = _seconds(self._timeout)
         try:
-            self._comm = _dspark.Communicator.init_with_store(
+            # `comm`: a communicator made already (a shrink's, `_torch_shrink.py`).
+            self._comm = comm if comm is not None else _dspark.Communicator.init_with_store(
                 store, rank, size, self._deadline
             )
         except _dspark.Error as e:
@@ -1140,6 +1141,16 @@ class _Ops:
         """The dspark communicator's facts (transport, path, rendezvous, timeout)."""
         return self._comm.info()
 
+    # -- dist.shrink_group (torch >= 2.15; the work is in _torch_shrink.py) -------------
+    @property
+    def supports_shrinking(self):
+        return DsparkBackend is not None
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts=None):
+        from . import _torch_shrink
+
+        return _torch_shrink.shrink(self, ranks_to_exclude, shrink_flags, opts)
+
 
 def _probe_backend_route():
     """Whether torch has the Python Backend trampoline (torch >= 2.14)."""
@@ -1163,9 +1174,9 @@ if _HAS_PY_BACKEND:
     class DsparkBackend(_Ops, _C10DBackend):
         """dspark as a c10d ``Backend`` (torch >= 2.14)."""
 
-        def __init__(self, store, rank, size, timeout, group_id=None):
+        def __init__(self, store, rank, size, timeout, group_id=None, comm=None):
             _C10DBackend.__init__(self, rank, size)
-            self._setup(store, rank, size, timeout, group_id)
+            self._setup(store, rank, size, timeout, group_id, comm)
             self._options = _C10DBackend.Options(NAME, timeout=self._timeout)
 
         @property

@@ -692,6 +692,16 @@ impl PyComm {
             .map_err(py_err)
     }
 
+    /// A communicator of this one's ranks minus `exclude`, as `ncclCommShrink`: every
+    /// survivor calls it with the same excluded ranks, after a lost peer or an abort too.
+    #[pyo3(signature = (exclude))]
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>) -> PyResult<Self> {
+        let c = self.get()?;
+        py.detach(move || c.shrink(&exclude))
+            .map(PyComm::new)
+            .map_err(py_err)
+    }
+
     /// Makes every operation in flight and every later one fail with `AbortedError` on this
     /// rank, and tells the peers. Any thread, any time; returns at once.
     fn abort(&self) {
