@@ -173,8 +173,9 @@ fn aborted(comm: &Communicator) -> Result<i32, String> {
 }
 
 /// Four ranks; the first three shrink without rank 3, which is alive: rank 3 naming itself
-/// is refused at once, and rank 3 naming nobody is refused by the leader (rank 0), while
-/// the others go on.
+/// is refused at once, and rank 3 naming nobody is refused by the leader (rank 0, which is
+/// waiting for ranks 1 and 2: they join once rank 3 tells them over the healthy parent),
+/// while the others go on.
 fn excluded_live(comm: &Communicator) -> Result<i32, String> {
     let me = comm.rank();
     if me == 3 {
@@ -188,7 +189,7 @@ fn excluded_live(comm: &Communicator) -> Result<i32, String> {
                 ))
             }
         }
-        return match comm.shrink(&[]) {
+        let res = match comm.shrink(&[]) {
             Err(e @ Error::InvalidArgument { .. })
                 if e.to_string()
                     .contains("rank 3 is excluded by the shrink rank 0 leads") =>
@@ -198,10 +199,18 @@ fn excluded_live(comm: &Communicator) -> Result<i32, String> {
             }
             other => Err(format!("expected the leader's refusal, got {other:?}")),
         };
+        // Now ranks 1 and 2 may join rank 0's shrink (the parent is healthy).
+        for peer in [1, 2] {
+            comm.send(&[1u8], peer)
+                .map_err(|e| format!("telling rank {peer}: {e}"))?;
+        }
+        return res;
     }
     if me != 0 {
-        // Rank 0 leads; rank 3 reaches it while it waits for these two.
-        std::thread::sleep(Duration::from_secs(2));
+        // Rank 0 leads and waits for these two: rank 3 reaches it first.
+        let mut go = [0u8; 1];
+        comm.recv(&mut go, 3)
+            .map_err(|e| format!("waiting for rank 3: {e}"))?;
     }
     let new = comm.shrink(&[3]).map_err(|e| format!("shrink: {e}"))?;
     check_shrunk(&new, me, &[0, 1, 2])?;

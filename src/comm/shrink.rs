@@ -71,8 +71,28 @@ const MAX_TEXT: usize = 4096;
 pub(crate) struct Door {
     listener: TcpListener,
     addrs: Vec<SocketAddr>,
-    /// Held by the shrink in progress (one at a time per communicator).
-    busy: Mutex<()>,
+    /// Held by the shrink in progress (one at a time per communicator), with the hellos a
+    /// leader received for its next shrink: a survivor that got its verdict (a failure) may
+    /// call again before the leader finished telling the others, and its new connection
+    /// belongs to the leader's next call, not to the one in progress.
+    busy: Mutex<Carried>,
+}
+
+/// What a leader's call leaves to its next one (see [`Door`]): connections greeted and not yet
+/// read, and hellos of survivors that called again.
+#[derive(Default)]
+struct Carried {
+    pending: Vec<Conn>,
+    hellos: Vec<(Conn, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Carried")
+            .field("pending", &self.pending.len())
+            .field("hellos", &self.hellos.len())
+            .finish()
+    }
 }
 
 impl Door {
@@ -114,7 +134,7 @@ impl Door {
         Ok(Some(Door {
             listener,
             addrs,
-            busy: Mutex::new(()),
+            busy: Mutex::new(Carried::default()),
         }))
     }
 }
@@ -213,7 +233,7 @@ impl Communicator {
                  shrink door",
             )
         })?;
-        let _busy = door.busy.try_lock().map_err(|_| {
+        let mut carried = door.busy.try_lock().map_err(|_| {
             invalid("another shrink of this communicator is in progress on this rank".into())
         })?;
         let plan = Plan {
@@ -240,7 +260,7 @@ impl Communicator {
                     e,
                 )
             })?;
-            plan.lead(addr, &salt)?;
+            plan.lead(addr, &salt, &mut carried)?;
             (addr, Some(listener), salt)
         } else {
             let (addr, salt) = plan.follow(leader)?;
@@ -425,18 +445,53 @@ impl Plan<'_> {
 
     /// The leader's side: accepts the other survivors until every one joined, checks their
     /// excluded sets, and hands each the new rendezvous address `root` and the `salt`.
-    fn lead(&self, root: SocketAddr, salt: &auth::Nonce) -> Result<()> {
+    fn lead(&self, root: SocketAddr, salt: &auth::Nonce, carried: &mut Carried) -> Result<()> {
         let me = self.me;
-        let l = &self.door.listener;
-        l.set_nonblocking(true)
+        self.door
+            .listener
+            .set_nonblocking(true)
             .map_err(|e| Error::io(Some(me), None, "shrink: the shrink door", e))?;
-        let max = max_message(self.world);
         let members: Vec<usize> = self.survivors[1..].to_vec();
-        let mut pending: Vec<Conn> = Vec::new();
+        let mut pending: Vec<Conn> = std::mem::take(&mut carried.pending);
         let mut joined: Vec<Option<(TcpStream, auth::Nonce)>> =
             (0..self.world).map(|_| None).collect();
         // The first disagreement: (the rank, its text); then everyone gets it.
         let mut failed: Option<(usize, String)> = None;
+        // Hellos of survivors that called again: for the next call (see `Door::busy`).
+        let mut next: Vec<(Conn, Vec<u8>)> = Vec::new();
+        for (c, m) in std::mem::take(&mut carried.hellos) {
+            self.admit(c, m, &mut joined, &mut failed, &mut next);
+        }
+        let res = self.lead_loop(&members, &mut pending, &mut joined, &mut failed, &mut next);
+        // Whatever arrived for the next call waits for it.
+        carried.pending = pending;
+        carried.hellos = next;
+        res?;
+        if let Some((r, what)) = failed {
+            return Err(self.mismatch(r, what));
+        }
+        let mut body = vec![V_OK];
+        body.extend_from_slice(&split::encode(0, 0, Some(root)));
+        body.extend_from_slice(salt);
+        for (s, nonce) in joined.iter_mut().flatten() {
+            self.send_verdict(s, nonce, &body);
+        }
+        Ok(())
+    }
+
+    /// The leader's wait: until every member joined (`Ok`), or the deadline (`Err`, every
+    /// member that joined told).
+    fn lead_loop(
+        &self,
+        members: &[usize],
+        pending: &mut Vec<Conn>,
+        joined: &mut [Option<(TcpStream, auth::Nonce)>],
+        failed: &mut Option<(usize, String)>,
+        next: &mut Vec<(Conn, Vec<u8>)>,
+    ) -> Result<()> {
+        let me = self.me;
+        let l = &self.door.listener;
+        let max = max_message(self.world);
         loop {
             let missing: Vec<usize> = members
                 .iter()
@@ -458,7 +513,7 @@ impl Plan<'_> {
                 for (s, nonce) in joined.iter_mut().flatten() {
                     self.send_verdict(s, nonce, &body);
                 }
-                if let Some((r, what)) = failed {
+                if let Some((r, what)) = failed.take() {
                     return Err(self.mismatch(r, what));
                 }
                 return Err(Error::Timeout {
@@ -508,7 +563,7 @@ impl Plan<'_> {
                     }
                     Ok(Some(m)) => {
                         let c = pending.swap_remove(i);
-                        self.admit(c, m, &mut joined, &mut failed);
+                        self.admit(c, m, joined, failed, next);
                     }
                 }
             }
@@ -520,15 +575,6 @@ impl Plan<'_> {
             );
             let ms = self.remaining().as_millis().clamp(1, 100) as u16;
             let _ = nix::poll::poll(&mut fds, PollTimeout::from(ms));
-        }
-        if let Some((r, what)) = failed {
-            return Err(self.mismatch(r, what));
-        }
-        let mut body = vec![V_OK];
-        body.extend_from_slice(&split::encode(0, 0, Some(root)));
-        body.extend_from_slice(salt);
-        for (s, nonce) in joined.iter_mut().flatten() {
-            self.send_verdict(s, nonce, &body);
         }
         Ok(())
     }
@@ -550,6 +596,7 @@ impl Plan<'_> {
         m: Vec<u8>,
         joined: &mut [Option<(TcpStream, auth::Nonce)>],
         failed: &mut Option<(usize, String)>,
+        next: &mut Vec<(Conn, Vec<u8>)>,
     ) {
         let me = self.me;
         if m.len() < auth::TAG_LEN {
@@ -577,6 +624,11 @@ impl Plan<'_> {
                 self.world, hello.world
             );
             self.send_verdict(&mut c.s, &hello.nonce, &Self::refusal(V_REFUSED, &text));
+            return;
+        }
+        if joined[r].is_some() {
+            // Its call in progress here got its verdict: this is its next call.
+            next.push((c, m));
             return;
         }
         if self.survivors.binary_search(&r).is_err() {
