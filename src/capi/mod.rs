@@ -545,8 +545,8 @@ pub const DSPARK_SHRINK_ABORT: c_int = 1;
 /// Errors: `DSPARK_ERR_INVALID_ARGUMENT` for a rank out of range or this rank among the
 /// excluded, or when the survivors' first rank excludes this one; `DSPARK_ERR_MISMATCH` on
 /// every survivor when one names another set; `DSPARK_ERR_TIMEOUT` by the deadline when a
-/// survivor does not join (the message names it). Free the new communicator with
-/// `dspark_comm_destroy`.
+/// survivor does not join, e.g. a dead rank that was not excluded (the message names it).
+/// Free the new communicator with `dspark_comm_destroy`.
 ///
 /// # Safety
 /// `comm` is NULL (refused) or a live communicator; `exclude` is valid for reads of `count`

@@ -3,15 +3,17 @@
 //! A shrink has to work when the communicator cannot: after a peer was lost or after
 //! [`Communicator::abort`], the communicator is poisoned and its data connections are shut
 //! (an abort closes them on purpose, so that no peer waits on them), so no collective on it
-//! can carry the survivors' agreement. Instead every rank keeps, from init, one more
-//! listener on an ephemeral port of the address peers reach it at (its *shrink door*; the
-//! addresses travel in init's own exchange, so a shrink needs no rendezvous port), which
-//! nobody reads until a shrink:
+//! can carry the survivors' agreement. Instead every rank reserves, at init, one more TCP
+//! port on the address peers reach it at (its *shrink door*; the addresses travel in init's
+//! own exchange, so a shrink needs no rendezvous port). The door is a bound socket that does
+//! not listen until this rank leads a shrink: until then it refuses every connection, holds
+//! nobody's connection unread and is no listening socket for a stranger to find.
 //!
 //! 1. Every survivor computes the same thing from its excluded set: the survivors in rank
 //!    order, its new rank among them, and the *leader*, the lowest surviving rank.
-//! 2. The others connect to the leader's door; the leader accepts (non-blocking, strangers
-//!    and stale connections side by side, none able to hold it up) and greets each with a
+//! 2. The leader opens its door (listens); the others connect to it, trying again while it
+//!    refuses, until the deadline. The leader accepts (non-blocking, strangers and stale
+//!    connections side by side, none able to hold it up) and greets each with a
 //!    fresh nonce; each answers with its rank and excluded set under an HMAC, keyed with
 //!    the communicator's secret, over the leader's nonce. The leader answers with the
 //!    verdict under an HMAC over the member's own nonce, so each side knows the other holds
@@ -33,8 +35,8 @@
 #![forbid(unsafe_code)]
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -66,10 +68,13 @@ const EXTRA_PENDING: usize = 64;
 /// Longest error text in a verdict.
 const MAX_TEXT: usize = 4096;
 
-/// This rank's shrink door: a listener nobody reads until a shrink, and every rank's address.
+/// This rank's shrink door, and every rank's address. Until this rank leads a shrink the
+/// door is a socket bound to its port and not listening: it reserves the port, refuses every
+/// connection (so nothing waits there unread, and no stranger's connection is held), and is
+/// no listening socket at all to anyone looking. The first shrink this rank leads makes it
+/// listen, until the communicator is dropped (for a retry).
 #[derive(Debug)]
 pub(crate) struct Door {
-    listener: TcpListener,
     addrs: Vec<SocketAddr>,
     /// Held by the shrink in progress (one at a time per communicator), with the hellos a
     /// leader received for its next shrink: a survivor that got its verdict (a failure) may
@@ -80,8 +85,17 @@ pub(crate) struct Door {
 
 /// What a leader's call leaves to its next one (see [`Door`]): connections greeted and not yet
 /// read, and hellos of survivors that called again.
-#[derive(Default)]
+/// The door's socket.
+enum DoorSocket {
+    /// Bound, not listening yet.
+    Bound(OwnedFd),
+    Listening(TcpListener),
+    /// Failed to listen.
+    Gone,
+}
+
 struct Carried {
+    door: DoorSocket,
     pending: Vec<Conn>,
     hellos: Vec<(Conn, Vec<u8>)>,
 }
@@ -109,7 +123,7 @@ impl Door {
             return Ok(None);
         }
         let advertised = boot.peers.get(me).map(|p| p.addr.ip());
-        let (listener, addr) = split::ephemeral_listener(config, advertised, "init: shrink door")?;
+        let (fd, addr) = reserve(config, advertised)?;
         let all = boot.all_gather(streams, &split::encode(0, 0, Some(addr)))?;
         let addrs = all
             .iter()
@@ -132,11 +146,53 @@ impl Door {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some(Door {
-            listener,
             addrs,
-            busy: Mutex::new(Carried::default()),
+            busy: Mutex::new(Carried {
+                door: DoorSocket::Bound(fd),
+                pending: Vec::new(),
+                hellos: Vec::new(),
+            }),
         }))
     }
+}
+
+/// A TCP socket bound to an ephemeral port of the address peers reach this rank at (as
+/// [`split::ephemeral_listener`] chooses it), not listening; with that address.
+fn reserve(config: &Config, advertised: Option<IpAddr>) -> Result<(OwnedFd, SocketAddr)> {
+    use nix::sys::socket::{bind, getsockname, socket, AddressFamily, SockFlag, SockType};
+    use nix::sys::socket::{SockaddrIn, SockaddrIn6, SockaddrStorage};
+    let advertised = advertised.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let bind_ip = match advertised {
+        ip if !config.listen_any => ip,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let err = |what: &str, e: nix::Error| {
+        Error::io(
+            Some(config.rank),
+            None,
+            format!("init: shrink door: {what} {bind_ip}"),
+            io::Error::from(e),
+        )
+    };
+    let family = match bind_ip {
+        IpAddr::V4(_) => AddressFamily::Inet,
+        IpAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| err("a socket for", e))?;
+    let res = match SocketAddr::new(bind_ip, 0) {
+        SocketAddr::V4(a) => bind(fd.as_raw_fd(), &SockaddrIn::from(a)),
+        SocketAddr::V6(a) => bind(fd.as_raw_fd(), &SockaddrIn6::from(a)),
+    };
+    res.map_err(|e| err("binding", e))?;
+    let local: SockaddrStorage = getsockname(fd.as_raw_fd()).map_err(|e| err("the port on", e))?;
+    let port = local
+        .as_sockaddr_in()
+        .map(|a| a.port())
+        .or_else(|| local.as_sockaddr_in6().map(|a| a.port()))
+        .unwrap_or(0);
+    Ok((fd, SocketAddr::new(advertised, port)))
 }
 
 /// What one shrink call knows: who it is, who stays, and the keys.
@@ -160,7 +216,7 @@ impl Communicator {
     /// It works when this communicator cannot: after a peer was lost, after
     /// [`Communicator::abort`] (to drop what is in flight first, as `SHRINK_ABORT` does,
     /// call `abort` then `shrink`), or on a healthy communicator, which it leaves as it is.
-    /// The survivors agree over this communicator's secret on a listener each rank opened at
+    /// The survivors agree over this communicator's secret on a port each rank reserved at
     /// init (no rendezvous port); the new communicator is built by an ordinary init, with
     /// fresh sequence numbers, mismatch checks, transport choice and path report, and a
     /// secret derived from this one's as a [split](Communicator::split) child's is. It can
@@ -173,8 +229,8 @@ impl Communicator {
     /// - [`Error::Mismatch`] on every survivor when one names another excluded set (nobody
     ///   gets a new communicator).
     /// - [`Error::Timeout`] by the deadline ([`crate::Config::timeout`]) when a survivor
-    ///   does not join, naming it; [`Error::PeerLost`] when the survivors' first rank is
-    ///   gone (it must then be excluded too).
+    ///   does not join (a dead rank that was not excluded too), naming it;
+    ///   [`Error::PeerLost`] when the survivors' first rank goes away during the exchange.
     /// - Those of [`Communicator::init`] for the new communicator.
     ///
     /// # Example
@@ -447,10 +503,22 @@ impl Plan<'_> {
     /// excluded sets, and hands each the new rendezvous address `root` and the `salt`.
     fn lead(&self, root: SocketAddr, salt: &auth::Nonce, carried: &mut Carried) -> Result<()> {
         let me = self.me;
-        self.door
-            .listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io(Some(me), None, "shrink: the shrink door", e))?;
+        let io_err = |e: io::Error| Error::io(Some(me), None, "shrink: opening the shrink door", e);
+        carried.door = match std::mem::replace(&mut carried.door, DoorSocket::Gone) {
+            DoorSocket::Bound(fd) => {
+                nix::sys::socket::listen(&fd, nix::sys::socket::Backlog::MAXCONN)
+                    .map_err(|e| io_err(e.into()))?;
+                DoorSocket::Listening(TcpListener::from(fd))
+            }
+            other => other,
+        };
+        let DoorSocket::Listening(l) = &carried.door else {
+            return Err(io_err(io::Error::other(
+                "an earlier shrink failed to open it",
+            )));
+        };
+        l.set_nonblocking(true).map_err(io_err)?;
+        let l = l.try_clone().map_err(io_err)?;
         let members: Vec<usize> = self.survivors[1..].to_vec();
         let mut pending: Vec<Conn> = std::mem::take(&mut carried.pending);
         let mut joined: Vec<Option<(TcpStream, auth::Nonce)>> =
@@ -462,7 +530,14 @@ impl Plan<'_> {
         for (c, m) in std::mem::take(&mut carried.hellos) {
             self.admit(c, m, &mut joined, &mut failed, &mut next);
         }
-        let res = self.lead_loop(&members, &mut pending, &mut joined, &mut failed, &mut next);
+        let res = self.lead_loop(
+            &l,
+            &members,
+            &mut pending,
+            &mut joined,
+            &mut failed,
+            &mut next,
+        );
         // Whatever arrived for the next call waits for it.
         carried.pending = pending;
         carried.hellos = next;
@@ -483,6 +558,7 @@ impl Plan<'_> {
     /// member that joined told).
     fn lead_loop(
         &self,
+        l: &TcpListener,
         members: &[usize],
         pending: &mut Vec<Conn>,
         joined: &mut [Option<(TcpStream, auth::Nonce)>],
@@ -490,7 +566,6 @@ impl Plan<'_> {
         next: &mut Vec<(Conn, Vec<u8>)>,
     ) -> Result<()> {
         let me = self.me;
-        let l = &self.door.listener;
         let max = max_message(self.world);
         loop {
             let missing: Vec<usize> = members
@@ -681,15 +756,32 @@ impl Plan<'_> {
             detail,
         };
         let role = format!("rank {leader}, the first survivor, which leads the shrink");
-        let mut s =
-            TcpStream::connect_timeout(&addr, self.remaining().max(Duration::from_millis(1)))
-                .map_err(|e| match e.kind() {
-                    io::ErrorKind::TimedOut => timeout(format!("connecting to {role} at {addr}")),
-                    _ => lost(format!(
-                        "{role} cannot be reached at {addr} ({e}): it is gone; if it failed, \
-                     exclude it too"
-                    )),
-                })?;
+        // The leader's door refuses connections until it leads: try again until the deadline.
+        let mut pause = Duration::from_millis(5);
+        let mut s = loop {
+            let left = self.remaining();
+            if left.is_zero() {
+                return Err(timeout(format!(
+                    "{role} never opened its shrink door at {addr}: is it alive, and calling                      shrink with the same excluded ranks ({})? A dead rank must be excluded too",
+                    self.mine()
+                )));
+            }
+            match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+                Ok(s) => break s,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    std::thread::sleep(pause.min(self.remaining()));
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                Err(e) => {
+                    return Err(lost(format!("{role} cannot be reached at {addr}: {e}")));
+                }
+            }
+        };
         let _ = s.set_nodelay(true);
         let recv = |s: &mut TcpStream, waiting: &str| -> Result<Vec<u8>> {
             let mut c = Conn {
