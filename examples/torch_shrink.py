@@ -117,8 +117,13 @@ def main():
     print(f"TORCH_SHRINK rank={rank} loss_before_failure={before:.5f} "
           f"loss_after_shrink={first:.5f} loss_at_end={last:.5f} "
           f"RESULT={'PASS' if ok else 'FAIL'}", flush=True)
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    # Leave without closing the group: a rank may exit right after its last call (dspark's
+    # exit rule). Closing it here instead (destroy_process_group) can fail the other
+    # survivor's last call over shared memory when this rank says goodbye first (a known
+    # dspark issue with the goodbye, not with shrinking).
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,9 @@ def rank_main(scenario, route, rank, port):
     if dist.group.WORLD is not new or dist.get_world_size() != 2:
         bad += problem("the shrunk group is not the default group")
     bad += check_group(torch, dist, new, rank, survivors, gloo)
+    # The caller leaves with os._exit, without closing the group (see examples/torch_shrink.py:
+    # a goodbye can fail the other survivor's last call over shared memory).
     dist.barrier()
-    dist.destroy_process_group()
     return 1 if bad else 0
 
 
