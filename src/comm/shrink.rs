@@ -122,6 +122,7 @@ impl Door {
         if n < 2 {
             return Ok(None);
         }
+        let t0 = Instant::now();
         let advertised = boot.peers.get(me).map(|p| p.addr.ip());
         let (fd, addr) = reserve(config, advertised)?;
         let all = boot.all_gather(streams, &split::encode(0, 0, Some(addr)))?;
@@ -145,6 +146,7 @@ impl Door {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(rank = me, took = ?t0.elapsed(), "init: shrink doors exchanged");
         Ok(Some(Door {
             addrs,
             busy: Mutex::new(Carried {
