@@ -316,13 +316,16 @@ fn unix_ns() -> u64 {
 
 impl Recorder {
     /// A recorder of `capacity` entries (at least 1) for `rank` of `world` over `transport`,
-    /// dumping into `dump_dir` when the communicator fails.
+    /// dumping into `dump_dir` when the communicator fails; `numbered`: it is a
+    /// communicator's (it takes the next number of the process's communicators, which
+    /// names its dump file), not an engine's own default.
     pub fn new(
         capacity: usize,
         rank: usize,
         world: usize,
         transport: TransportKind,
         dump_dir: Option<PathBuf>,
+        numbered: bool,
     ) -> Self {
         let cap = capacity.clamp(1, MAX_ENTRIES);
         Recorder {
@@ -332,7 +335,11 @@ impl Recorder {
             epoch_unix_ns: unix_ns(),
             rank,
             world,
-            communicator: OPENED.fetch_add(1, Ordering::Relaxed),
+            communicator: if numbered {
+                OPENED.fetch_add(1, Ordering::Relaxed)
+            } else {
+                0
+            },
             transport,
             dump_dir,
             error: Mutex::new(None),
@@ -858,7 +865,7 @@ mod tests {
 
     #[test]
     fn the_ring_keeps_the_last_entries_in_order() {
-        let r = Recorder::new(4, 1, 3, TransportKind::Tcp, None);
+        let r = Recorder::new(4, 1, 3, TransportKind::Tcp, None, false);
         let t = Instant::now();
         for s in 1..=6 {
             let i = r.start(&started(s), t);
@@ -881,7 +888,7 @@ mod tests {
 
     #[test]
     fn a_failure_keeps_its_kind_peer_and_progress() {
-        let r = Recorder::new(8, 0, 3, TransportKind::Shm, None);
+        let r = Recorder::new(8, 0, 3, TransportKind::Shm, None, false);
         let t = Instant::now();
         let i = r.start(&started(1), t);
         let p = FlightProgress {
@@ -914,7 +921,7 @@ mod tests {
 
     #[test]
     fn readers_on_other_threads_never_see_a_torn_entry() {
-        let r = std::sync::Arc::new(Recorder::new(2, 0, 2, TransportKind::Tcp, None));
+        let r = std::sync::Arc::new(Recorder::new(2, 0, 2, TransportKind::Tcp, None, false));
         let w = std::sync::Arc::clone(&r);
         let writer = std::thread::spawn(move || {
             let t = Instant::now();

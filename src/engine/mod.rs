@@ -196,6 +196,7 @@ impl Engine {
                 world,
                 transport.kind(),
                 None,
+                false,
             ))),
             fl: flight::InFlight::default(),
             trace: None,
@@ -214,6 +215,7 @@ impl Engine {
                 self.world,
                 self.transport.kind(),
                 dump_dir,
+                true,
             ))
         });
     }
