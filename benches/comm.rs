@@ -9,6 +9,10 @@
 //!   the blocking call and through the non-blocking one (`scope` + `Work::wait`): on one rank
 //!   (no peer: pure call overhead) and on two ranks over `mem` (no wire). The difference
 //!   between the two APIs is what the non-blocking path adds (issue #8's target: ≤ 2 µs).
+//! * `recorder/<world>/<on|off>`: the flight recorder's cost per call: the blocking 8-byte
+//!   f32 all_reduce of `call/` with the recorder on (`DSPARK_FR_ENTRIES` default) and off
+//!   (`0`), one after the other in one run; the difference is the recorder's (target:
+//!   ≤ 50 ns).
 //! * `plan/<collective>/<algorithm>/<world>`: building and compiling one rank's schedule of a
 //!   1 MiB all_reduce (or a barrier) into its segment program, as every call does.
 //! * `collective_mem/<collective>/<size>`: whole collectives on four ranks over `mem`.
@@ -60,8 +64,12 @@ fn config(timeout: Duration) -> Config {
 
 /// Communicators of `world` ranks over `mem`.
 fn mem_comms(world: usize) -> Vec<Communicator> {
+    mem_comms_with(world, &config(Duration::from_secs(60)))
+}
+
+/// Communicators of `world` ranks over `mem`, built from `cfg`.
+fn mem_comms_with(world: usize, cfg: &Config) -> Vec<Communicator> {
     let fabric = MemFabric::new(world, 4);
-    let cfg = config(Duration::from_secs(60));
     let hs: Vec<JoinHandle<Communicator>> = (0..world)
         .map(|r| {
             let (t, cfg) = (fabric.transport(r), cfg.clone());
@@ -206,6 +214,30 @@ fn bench_call(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_recorder(c: &mut Criterion) {
+    let blocking: Step = Arc::new(|c, buf| c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce"));
+    let mut g = c.benchmark_group("recorder");
+    configure(&mut g, false);
+    for world in [1, 2] {
+        // Twice each, alternating, so that drift of a noisy machine shows as a spread.
+        for (pass, on) in [(1, false), (1, true), (2, false), (2, true)] {
+            let mut cfg = config(Duration::from_secs(60));
+            if !on {
+                cfg.flight_entries = 0;
+            }
+            let id = format!("world{world}_mem/{}{pass}", if on { "on" } else { "off" });
+            bench_ranks(
+                &mut g,
+                &id,
+                mem_comms_with(world, &cfg),
+                2,
+                Arc::clone(&blocking),
+            );
+        }
+    }
+    g.finish();
+}
+
 fn bench_plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
     configure(&mut g, false);
@@ -299,6 +331,7 @@ criterion_group!(
     benches,
     bench_p2p,
     bench_call,
+    bench_recorder,
     bench_plan,
     bench_collectives
 );
