@@ -236,6 +236,59 @@ fn bench_recorder(c: &mut Criterion) {
         }
     }
     g.finish();
+    recorder_ab();
+}
+
+/// The recorder's cost as a difference measured interleaved (criterion's benches above run
+/// one after the other, seconds apart on a noisy machine): one rank, communicators with and
+/// without the recorder, rounds of `CALLS` blocking 8-byte all_reduces alternating between
+/// them (which goes first alternates too); prints the median per-call time of each and the
+/// median of the per-round differences.
+fn recorder_ab() {
+    const CALLS: u32 = 20_000;
+    let rounds = if quick() { 5 } else { 41 };
+    let mut off_cfg = config(Duration::from_secs(60));
+    off_cfg.flight_entries = 0;
+    let on = mem_comms(1).pop().expect("a communicator");
+    let off = mem_comms_with(1, &off_cfg).pop().expect("a communicator");
+    let mut buf = vec![1.0f32; 2];
+    let time = |c: &Communicator, buf: &mut Vec<f32>| {
+        let t = Instant::now();
+        for _ in 0..CALLS {
+            c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce");
+        }
+        t.elapsed().as_nanos() as f64 / f64::from(CALLS)
+    };
+    let (mut ons, mut offs, mut diffs) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let (a, b) = if r % 2 == 0 {
+            let a = time(&on, &mut buf);
+            (a, time(&off, &mut buf))
+        } else {
+            let b = time(&off, &mut buf);
+            (time(&on, &mut buf), b)
+        };
+        ons.push(a);
+        offs.push(b);
+        diffs.push(a - b);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "recorder/ab world1_mem 8 B all_reduce, {rounds} rounds of {CALLS} calls interleaved: \
+         on {:.1} ns, off {:.1} ns, on - off {:.1} ns per call (median of the rounds' \
+         differences; loadavg {})",
+        median(&mut ons),
+        median(&mut offs),
+        median(&mut diffs),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
 }
 
 fn bench_plan(c: &mut Criterion) {

@@ -787,7 +787,8 @@ pub(super) fn stall_point(prog: &Program, s: &Scratch) -> Option<FlightProgress>
 }
 
 impl Engine {
-    /// Records that call `c` starts (nothing when the recorder is off).
+    /// Records that call `c` starts (nothing when the recorder is off). Its clock read is
+    /// the drive loop's too (the start of the call's deadline, [`Engine::with_scratch`]).
     #[inline]
     pub(super) fn flight_start(&mut self, c: &Started) {
         if let Some(r) = &self.flight {
@@ -798,14 +799,16 @@ impl Engine {
         }
     }
 
-    /// Records how the call in progress ended (`esz`: its element size).
+    /// Records how the call in progress ended (`esz`: its element size). One clock read,
+    /// or none for a call that moved nothing (its start time is its end time: no drive loop
+    /// took the start, [`Engine::with_scratch`]).
     #[inline]
     pub(super) fn flight_end(&mut self, result: &Result<()>, esz: usize) {
-        self.fl.t0 = None;
+        let unused_start = self.fl.t0.take();
         let (Some(i), Some(r)) = (self.fl.index.take(), &self.flight) else {
             return;
         };
-        let t = Instant::now();
+        let t = unused_start.unwrap_or_else(Instant::now);
         match result {
             Ok(()) => r.complete(i, t),
             Err(e) => {

@@ -434,14 +434,15 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
         );
         match read_dump(f) {
             Ok((k, d)) => {
-                let ranks = comms.entry(k).or_default();
-                if ranks.contains_key(&d.rank) {
-                    lines.push(format!(
-                        "warning: {name}: a second dump of rank {} of communicator {k}: ignored",
-                        d.rank
-                    ));
+                let rank = d.rank;
+                if let std::collections::btree_map::Entry::Vacant(v) =
+                    comms.entry(k).or_default().entry(rank)
+                {
+                    v.insert(d);
                 } else {
-                    ranks.insert(d.rank, d);
+                    lines.push(format!(
+                        "warning: {name}: a second dump of rank {rank} of communicator {k}: ignored"
+                    ));
                 }
             }
             Err(e) => lines.push(format!("warning: {name} {e}: ignored")),
