@@ -12,7 +12,8 @@
 //! * `recorder/<world>/<on|off>`: the flight recorder's cost per call: the blocking 8-byte
 //!   f32 all_reduce of `call/` with the recorder on (`DSPARK_FR_ENTRIES` default) and off
 //!   (`0`), one after the other in one run; the difference is the recorder's (target:
-//!   ≤ 50 ns).
+//!   ≤ 50 ns). `recorder/ring/start+clock+complete` is what the recorder adds to a call on
+//!   its own, and `recorder/ab` (printed) the two whole calls measured interleaved.
 //! * `plan/<collective>/<algorithm>/<world>`: building and compiling one rank's schedule of a
 //!   1 MiB all_reduce (or a barrier) into its segment program, as every call does.
 //! * `collective_mem/<collective>/<size>`: whole collectives on four ranks over `mem`.
@@ -29,6 +30,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use dspark::internals::engine::flight::{FlightPath, Recorder, Started, DEFAULT_ENTRIES};
 use dspark::internals::plan::{self, Algorithm, Collective, Request};
 use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, ReduceOp};
@@ -235,6 +237,35 @@ fn bench_recorder(c: &mut Criterion) {
             );
         }
     }
+    // What the recorder adds to a call on its own: the clock read at the end (the start's
+    // is the drive loop's anyway), the slot written at the start and at the end.
+    let rec = Recorder::new(
+        DEFAULT_ENTRIES,
+        0,
+        2,
+        dspark::TransportKind::Tcp,
+        None,
+        false,
+    );
+    let call = Started {
+        coll: Collective::AllReduce,
+        is_send: false,
+        dtype: dspark::DataType::F32,
+        count: 2,
+        op: Some(ReduceOp::Sum),
+        root: 0,
+        recv_from: None,
+        algo: Algorithm::RecursiveDoubling,
+        path: FlightPath::Host,
+        seq: 1,
+    };
+    let t0 = Instant::now();
+    g.bench_function("ring/start+clock+complete", |b| {
+        b.iter(|| {
+            let pos = rec.start(std::hint::black_box(&call), t0);
+            rec.complete(pos, Instant::now());
+        })
+    });
     g.finish();
     recorder_ab();
 }

@@ -276,8 +276,9 @@ struct Slot {
 }
 
 /// What the engine knows about a call when it starts.
+#[allow(missing_docs)]
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Started {
+pub struct Started {
     pub coll: Collective,
     pub is_send: bool,
     pub dtype: DataType,
@@ -297,6 +298,8 @@ pub struct Recorder {
     slots: Box<[Slot]>,
     /// Calls recorded so far (the next call's index).
     next: AtomicU64,
+    /// The next call's slot (`next % capacity`, kept so that the writer never divides).
+    wpos: AtomicUsize,
     epoch: Instant,
     epoch_unix_ns: u64,
     rank: usize,
@@ -331,6 +334,7 @@ impl Recorder {
         Recorder {
             slots: (0..cap).map(|_| Slot::default()).collect(),
             next: AtomicU64::new(0),
+            wpos: AtomicUsize::new(0),
             epoch: Instant::now(),
             epoch_unix_ns: unix_ns(),
             rank,
@@ -359,10 +363,12 @@ impl Recorder {
         &self.slots[(index % self.slots.len() as u64) as usize]
     }
 
-    /// Writes `words` (`Some`: replaced) of the slot of call `index` under its version.
+    /// Writes `words` of slot `pos` under its version.
     #[inline]
-    fn write(&self, index: u64, words: &[(usize, u64)]) {
-        let s = self.slot(index);
+    fn write(&self, pos: usize, words: &[(usize, u64)]) {
+        let Some(s) = self.slots.get(pos) else {
+            return;
+        };
         let v = s.ver.load(Ordering::Relaxed);
         s.ver.store(v.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
@@ -372,10 +378,12 @@ impl Recorder {
         s.ver.store(v.wrapping_add(2), Ordering::Release);
     }
 
-    /// Records that call `c` started at `t`; returns its index for [`Recorder::end`].
+    /// Records that call `c` started at `t`; returns its slot for [`Recorder::complete`]
+    /// and [`Recorder::fail`].
     #[inline]
-    pub(crate) fn start(&self, c: &Started, t: Instant) -> u64 {
+    pub fn start(&self, c: &Started, t: Instant) -> usize {
         let index = self.next.load(Ordering::Relaxed);
+        let pos = self.wpos.load(Ordering::Relaxed);
         let op = c.op.map_or(NONE4, |o| u64::from(o.code()));
         let meta = (c.coll as u64)
             | (u64::from(c.dtype.code()) << 4)
@@ -388,7 +396,7 @@ impl Recorder {
             | (NONE4 << 28);
         let from = c.recv_from.map_or(NONE_U32, |(p, _)| p as u64);
         self.write(
-            index,
+            pos,
             &[
                 (W_SEQ, c.seq),
                 (W_META, meta),
@@ -400,22 +408,32 @@ impl Recorder {
                 (W_INDEX, index),
             ],
         );
+        let next = if pos + 1 == self.slots.len() {
+            0
+        } else {
+            pos + 1
+        };
+        self.wpos.store(next, Ordering::Relaxed);
         self.next.store(index + 1, Ordering::Release);
-        index
+        pos
     }
 
-    /// Records that call `index` completed at `t`.
+    /// Records that the call in slot `pos` completed at `t`.
     #[inline]
-    pub(crate) fn complete(&self, index: u64, t: Instant) {
-        let s = self.slot(index);
+    pub fn complete(&self, pos: usize, t: Instant) {
+        let Some(s) = self.slots.get(pos) else {
+            return;
+        };
         let meta = s.w[W_META].load(Ordering::Relaxed);
         let meta = (meta & !(0x7 << 20)) | ((FlightState::Completed as u64) << 20);
-        self.write(index, &[(W_META, meta), (W_END, self.ns(t))]);
+        self.write(pos, &[(W_META, meta), (W_END, self.ns(t))]);
     }
 
-    /// Records that call `index` failed at `t` with `f`.
-    pub(crate) fn fail(&self, index: u64, t: Instant, f: &FlightFailure) {
-        let s = self.slot(index);
+    /// Records that the call in slot `pos` failed at `t` with `f`.
+    pub(crate) fn fail(&self, pos: usize, t: Instant, f: &FlightFailure) {
+        let Some(s) = self.slots.get(pos) else {
+            return;
+        };
         let meta = s.w[W_META].load(Ordering::Relaxed);
         let kind = FailureKind::ALL
             .iter()
@@ -438,7 +456,7 @@ impl Recorder {
         });
         let u32s = |a: usize, b: usize| (a as u64 & NONE_U32) | ((b as u64 & NONE_U32) << 32);
         self.write(
-            index,
+            pos,
             &[
                 (W_META, meta),
                 (W_END, self.ns(t)),
@@ -750,7 +768,7 @@ impl FlightRecord {
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
     /// Its slot.
-    index: Option<u64>,
+    index: Option<usize>,
     /// When it started (the drive loop's start, so that a call reads the clock once more).
     pub(super) t0: Option<Instant>,
     /// Where its schedule stood when it failed (`of_bytes` in elements until it ends).
