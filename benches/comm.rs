@@ -9,6 +9,11 @@
 //!   the blocking call and through the non-blocking one (`scope` + `Work::wait`): on one rank
 //!   (no peer: pure call overhead) and on two ranks over `mem` (no wire). The difference
 //!   between the two APIs is what the non-blocking path adds (issue #8's target: ≤ 2 µs).
+//! * `recorder/<world>/<on|off>`: the flight recorder's cost per call: the blocking 8-byte
+//!   f32 all_reduce of `call/` with the recorder on (`DSPARK_FR_ENTRIES` default) and off
+//!   (`0`), one after the other in one run; the difference is the recorder's (target:
+//!   ≤ 50 ns). `recorder/ring/start+clock+complete` is what the recorder adds to a call on
+//!   its own, and `recorder/ab` (printed) the two whole calls measured interleaved.
 //! * `plan/<collective>/<algorithm>/<world>`: building and compiling one rank's schedule of a
 //!   1 MiB all_reduce (or a barrier) into its segment program, as every call does.
 //! * `collective_mem/<collective>/<size>`: whole collectives on four ranks over `mem`.
@@ -25,6 +30,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use dspark::internals::engine::flight::{FlightPath, Recorder, Started, DEFAULT_ENTRIES};
 use dspark::internals::plan::{self, Algorithm, Collective, Request};
 use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Config, ReduceOp};
@@ -60,8 +66,12 @@ fn config(timeout: Duration) -> Config {
 
 /// Communicators of `world` ranks over `mem`.
 fn mem_comms(world: usize) -> Vec<Communicator> {
+    mem_comms_with(world, &config(Duration::from_secs(60)))
+}
+
+/// Communicators of `world` ranks over `mem`, built from `cfg`.
+fn mem_comms_with(world: usize, cfg: &Config) -> Vec<Communicator> {
     let fabric = MemFabric::new(world, 4);
-    let cfg = config(Duration::from_secs(60));
     let hs: Vec<JoinHandle<Communicator>> = (0..world)
         .map(|r| {
             let (t, cfg) = (fabric.transport(r), cfg.clone());
@@ -206,6 +216,112 @@ fn bench_call(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_recorder(c: &mut Criterion) {
+    let blocking: Step = Arc::new(|c, buf| c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce"));
+    let mut g = c.benchmark_group("recorder");
+    configure(&mut g, false);
+    for world in [1, 2] {
+        // Twice each, alternating, so that drift of a noisy machine shows as a spread.
+        for (pass, on) in [(1, false), (1, true), (2, false), (2, true)] {
+            let mut cfg = config(Duration::from_secs(60));
+            if !on {
+                cfg.flight_entries = 0;
+            }
+            let id = format!("world{world}_mem/{}{pass}", if on { "on" } else { "off" });
+            bench_ranks(
+                &mut g,
+                &id,
+                mem_comms_with(world, &cfg),
+                2,
+                Arc::clone(&blocking),
+            );
+        }
+    }
+    // What the recorder adds to a call on its own: the clock read at the end (the start's
+    // is the drive loop's anyway), the slot written at the start and at the end.
+    let rec = Recorder::new(
+        DEFAULT_ENTRIES,
+        0,
+        2,
+        dspark::TransportKind::Tcp,
+        None,
+        false,
+    );
+    let call = Started {
+        coll: Collective::AllReduce,
+        is_send: false,
+        dtype: dspark::DataType::F32,
+        count: 2,
+        op: Some(ReduceOp::Sum),
+        root: 0,
+        recv_from: None,
+        algo: Algorithm::RecursiveDoubling,
+        path: FlightPath::Host,
+        seq: 1,
+    };
+    let t0 = Instant::now();
+    g.bench_function("ring/start+clock+complete", |b| {
+        b.iter(|| {
+            let pos = rec.start(std::hint::black_box(&call), t0);
+            rec.complete(pos, Instant::now());
+        })
+    });
+    g.finish();
+    recorder_ab();
+}
+
+/// The recorder's cost as a difference measured interleaved (criterion's benches above run
+/// one after the other, seconds apart on a noisy machine): one rank, communicators with and
+/// without the recorder, rounds of `CALLS` blocking 8-byte all_reduces alternating between
+/// them (which goes first alternates too); prints the median per-call time of each and the
+/// median of the per-round differences.
+fn recorder_ab() {
+    const CALLS: u32 = 20_000;
+    let rounds = if quick() { 5 } else { 41 };
+    let mut off_cfg = config(Duration::from_secs(60));
+    off_cfg.flight_entries = 0;
+    let on = mem_comms(1).pop().expect("a communicator");
+    let off = mem_comms_with(1, &off_cfg).pop().expect("a communicator");
+    let mut buf = vec![1.0f32; 2];
+    let time = |c: &Communicator, buf: &mut Vec<f32>| {
+        let t = Instant::now();
+        for _ in 0..CALLS {
+            c.all_reduce(buf, ReduceOp::Sum).expect("all_reduce");
+        }
+        t.elapsed().as_nanos() as f64 / f64::from(CALLS)
+    };
+    let (mut ons, mut offs, mut diffs) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let (a, b) = if r % 2 == 0 {
+            let a = time(&on, &mut buf);
+            (a, time(&off, &mut buf))
+        } else {
+            let b = time(&off, &mut buf);
+            (time(&on, &mut buf), b)
+        };
+        ons.push(a);
+        offs.push(b);
+        diffs.push(a - b);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "recorder/ab world1_mem 8 B all_reduce, {rounds} rounds of {CALLS} calls interleaved: \
+         on {:.1} ns, off {:.1} ns, on - off {:.1} ns per call (median of the rounds' \
+         differences; loadavg {})",
+        median(&mut ons),
+        median(&mut offs),
+        median(&mut diffs),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
 fn bench_plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
     configure(&mut g, false);
@@ -299,6 +415,7 @@ criterion_group!(
     benches,
     bench_p2p,
     bench_call,
+    bench_recorder,
     bench_plan,
     bench_collectives
 );

@@ -532,6 +532,24 @@ dspark_result_t dspark_work_test(dspark_work_t *work, int *done);
  */
 void dspark_work_free(dspark_work_t *work);
 
+/**
+ * Copies `comm`'s flight record — its last operations (`DSPARK_FR_ENTRIES`), in the JSON
+ * dump format that `DSPARK_FR_DUMP` writes and `dspark analyze` reads — into `buf` as a
+ * NUL-terminated string. `*needed` (never NULL) is set to the bytes the record takes with
+ * its NUL; when `len` is smaller, nothing is written to `buf` (which may then be NULL) and
+ * `DSPARK_ERR_INVALID_ARGUMENT` says so: call once with `len` 0 to size the buffer, then
+ * again (the record may have grown meanwhile). `DSPARK_ERR_UNAVAILABLE` when the recorder
+ * is off (`DSPARK_FR_ENTRIES=0`). Never waits for an operation in progress.
+ *
+ * # Safety
+ * `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for
+ * a write; `buf` is valid for writes of `len` bytes (or NULL with `len` 0).
+ */
+dspark_result_t dspark_comm_flight_record(const dspark_comm_t *comm,
+                                          char *buf,
+                                          size_t len,
+                                          size_t *needed);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -24,6 +24,8 @@
 //! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |
 //! | `DSPARK_CACHE_DIR` | disk cache of compiled CUDA kernels | `$XDG_CACHE_HOME/dspark`, `$HOME/.cache/dspark` |
 //! | `DSPARK_TRACE` | write a Chrome / Perfetto trace per rank to `<prefix>.rank<r>.json` | off |
+//! | `DSPARK_FR_ENTRIES` | operations the flight recorder keeps per communicator (0: off; [`crate::engine::flight`]) | 2000 |
+//! | `DSPARK_FR_DUMP` | directory each rank writes its flight record into when a communicator fails (`rank<r>.json`; `dspark analyze DIR` reads them) | off |
 //! | `DSPARK_TUNE_FILE` | the cost model's measured constants (`dspark tune` writes them; [`crate::plan::model`]); rank 0's file decides for the job; a bad file is a warning and the defaults | `$XDG_CACHE_HOME/dspark/tune.json`, `$HOME/.cache/dspark/tune.json` (when present) |
 //!
 //! [`Config::from_env`] is the only place the environment is read: [`crate::Communicator::init`]
@@ -38,6 +40,7 @@ use crate::error::{Error, Result};
 use crate::path::{PathPolicy, DATA_PATH_ENV};
 use crate::plan::Algorithm;
 
+mod flight;
 pub(crate) mod trust;
 pub use trust::JobAuth;
 
@@ -131,6 +134,10 @@ pub struct Config {
     /// `DSPARK_TRACE`: write a Chrome / Perfetto trace of every call to
     /// `<prefix>.rank<r>.json` (see [`crate::engine::trace`]). `None`: no trace.
     pub trace: Option<PathBuf>,
+    /// `DSPARK_FR_ENTRIES`: operations the flight recorder keeps (0: off).
+    pub flight_entries: usize,
+    /// `DSPARK_FR_DUMP`: the directory the flight record is dumped into on failure.
+    pub flight_dump: Option<PathBuf>,
     /// The cost model's constants (`DSPARK_TUNE_FILE`, else `$XDG_CACHE_HOME/dspark/tune.json`,
     /// else `$HOME/.cache/dspark/tune.json`, resolved by [`Config::from_env`]; see
     /// [`tune_file_from`]). `None`: the model's defaults (the default of [`Config::new`]). A
@@ -318,6 +325,8 @@ impl Config {
             ib: IbSettings::default(),
             cache_dir: None,
             trace: None,
+            flight_entries: crate::engine::flight::DEFAULT_ENTRIES,
+            flight_dump: None,
             tune_file: None,
             job_token: None,
             job_auth: JobAuth::Token,
@@ -563,6 +572,7 @@ impl Config {
         c.trace = get("DSPARK_TRACE")
             .filter(|t| !t.is_empty())
             .map(PathBuf::from);
+        (c.flight_entries, c.flight_dump) = flight::from_env(&get, c.flight_entries)?;
         if let Some((token, how)) = trust::token_from(&get)? {
             (c.job_token, c.job_auth) = (Some(token), how);
         }

@@ -43,6 +43,17 @@ pub mod store {
     pub use crate::bootstrap::store::{MemStore, PrefixStore, Store, TcpStore};
 }
 
+/// The flight recorder: each communicator's last operations
+/// ([`Communicator::flight_record`]), dumped as JSON by every rank when a communicator fails
+/// (`DSPARK_FR_DUMP`) and merged by `dspark analyze DIR`. The format is described in
+/// [`FlightRecord::to_json`](flight::FlightRecord::to_json)'s module.
+pub mod flight {
+    pub use crate::engine::flight::{
+        file_name, FailureKind, FlightEntry, FlightFailure, FlightPath, FlightProgress,
+        FlightRecord, FlightState, DEFAULT_ENTRIES, FORMAT, VERSION,
+    };
+}
+
 /// CUDA helpers for the device collectives: opening a GPU's context without cudarc's panic
 /// where no driver is installed, and whether the driver and NVRTC libraries are present.
 pub mod cuda {

@@ -493,6 +493,62 @@ fn fsdp2_fully_shard_trains_through_dspark_like_gloo_on_2_ranks() {
     assert_pass(&r, "FSDP_CHECK backend=dspark world=2 ", "fsdp_check.py");
 }
 
+/// torch's flight recorder with `backend="dspark"` (tests/torch/flight_check.py): with
+/// `TORCH_FR_BUFFER_SIZE`, `TORCH_FR_DUMP_ON_TIMEOUT=1` and `TORCH_FR_DUMP_TEMP_FILE` set, a
+/// 2-rank timeout on an all_reduce that rank 1 never joins leaves one dump per rank — rank
+/// 1's written because rank 0 signalled it through the store — that `torchfrtrace` reads
+/// and explains: the all_reduce not every rank joined, rank 1 missing. gloo runs the same
+/// scenario in the same test as the reference (its dumps taken on demand): the ranks' dumps
+/// hold as many all_reduces as gloo's (6 and 5). On both torch routes.
+#[test]
+fn torchfrtrace_reads_the_dumps_of_a_two_rank_timeout_and_names_the_all_reduce() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let mut lines = Vec::new();
+    for (backend, route) in [
+        ("gloo", None),
+        ("dspark", Some("pg")),
+        ("dspark", Some("backend")),
+    ] {
+        let mut cmd = torchrun_standalone(&t, 2, "flight_check.py", backend);
+        if let Some(r) = route {
+            cmd.env("DSPARK_TORCH_ROUTE", r);
+        }
+        let r = run(cmd, Duration::from_secs(180));
+        let what = format!("flight_check.py with {backend} (route {route:?})");
+        assert_pass(
+            &r,
+            &format!("FLIGHT_CHECK backend={backend} world=2 "),
+            &what,
+        );
+        let line = r.line("FLIGHT_CHECK ").unwrap_or_default().to_string();
+        if backend == "dspark" {
+            for want in ["torchfrtrace=ok", "missing=1", "collective=c10d:all_reduce"] {
+                assert!(
+                    line.contains(want),
+                    "{what}: {want} not in {line}\n{}",
+                    r.report()
+                );
+            }
+        }
+        lines.push(line);
+    }
+    // The same all_reduces in the dumps as gloo's.
+    let counts = |l: &str| {
+        l.split_whitespace()
+            .find(|w| w.starts_with("all_reduces="))
+            .map(str::to_string)
+    };
+    assert!(counts(&lines[0]).is_some(), "{lines:?}");
+    for l in &lines[1..] {
+        assert_eq!(
+            counts(l),
+            counts(&lines[0]),
+            "dspark's dumps against gloo's: {lines:?}"
+        );
+    }
+}
+
 #[test]
 fn killed_ranks_and_mismatched_collectives_make_every_survivor_raise_within_the_timeout() {
     let _g = serial();

@@ -1,5 +1,7 @@
 """``dspark.Communicator``: dspark's collectives on numpy arrays and torch CPU tensors."""
 
+import json
+
 from . import _dspark
 from ._buffers import describe
 from ._dspark import InvalidArgumentError
@@ -252,6 +254,18 @@ class Communicator:
         if abort:
             self.abort()
         return Communicator(self._c.shrink(exclude))
+
+    def flight_record(self):
+        """The flight record: this communicator's last operations (``DSPARK_FR_ENTRIES``,
+        2000 by default), oldest first, as a dict in the dump format that
+        ``DSPARK_FR_DUMP`` writes and ``dspark analyze`` reads (``entries``: ``seq``,
+        ``collective``, ``dtype``, ``count``, ``op``, ``root``, ``peer``, ``algorithm``,
+        ``transport``, ``path``, ``state``, times, ``failure``). ``None`` when the recorder is
+        off. Any thread, any time: it never waits for an operation in progress.
+        ``json.dump(comm.flight_record(), open(f"{dir}/rank{comm.rank}.json", "w"))`` writes
+        a file ``dspark analyze dir`` reads."""
+        text = self._c.flight_record_json()
+        return None if text is None else json.loads(text)
 
     def abort(self):
         """Every operation in flight and every later one fails with ``AbortedError``; the

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _dspark
+from . import _flight
 from ._buffers import TORCH_DTYPES
 from ._dspark import InvalidArgumentError, UnavailableError
 
@@ -167,6 +168,7 @@ def _torch_error(e, deadline_s=None):
     timeout's message also starts as torch's backends' do ("... Timed out waiting 1000ms",
     which torch's tests match with ``" (Timed out|closed|timeout) "``). Anything else is
     returned as it is."""
+    _flight.on_error(e)  # TORCH_FR_DUMP_ON_TIMEOUT: dump, and ask the other ranks to
     cls = type(e)
     if cls in _MAPPED or cls not in _TORCH_BASES:
         return e
@@ -1333,7 +1335,23 @@ def _create(opts, backend_options=None):
             group.bound_device_id = bound
         except Exception:  # noqa: BLE001 - a torch without the setter: nothing to keep
             pass
+    _flight.register(group, opts)  # TORCH_FR_*: torch's flight-recorder dumps
     return group
+
+
+def dump_flight_record(path=None):
+    """Writes this rank's flight record of every dspark group in torch's flight-recorder
+    format (what ``torchfrtrace`` reads) to ``path``, by default
+    ``${TORCH_FR_DUMP_TEMP_FILE}<global rank>`` (``/tmp/nccl_trace_rank_<rank>``); returns
+    the path. The on-demand counterpart of ``TORCH_FR_DUMP_ON_TIMEOUT`` (see
+    ``dspark/_flight.py``); ``flight_record_bytes()`` gives the pickle instead."""
+    return _flight.dump(path)
+
+
+def flight_record_bytes():
+    """This rank's flight record in torch's format, pickled: what
+    ``torch._C._distributed_c10d._dump_fr_trace()`` returns for torch's own backends."""
+    return _flight.dump_bytes()
 
 
 _registered = threading.Lock()

@@ -452,6 +452,10 @@ fn config_for(rank: usize, world: usize, timeout: Option<f64>) -> PyResult<Confi
         "DSPARK_TIMEOUT" if t.is_some() => t.clone(),
         "DSPARK_ROOT_ADDR" if !hint => Some("127.0.0.1:1".into()),
         "MASTER_PORT" => env(k).or_else(|| Some("1".into())),
+        // torch's flight-recorder size, when dspark's own is not set (python/dspark/_flight.py).
+        "DSPARK_FR_ENTRIES" => env(k)
+            .or_else(|| env("TORCH_FR_BUFFER_SIZE"))
+            .or_else(|| env("TORCH_NCCL_TRACE_BUFFER_SIZE")),
         _ => env(k),
     })
     .map_err(py_err)?;
@@ -700,6 +704,12 @@ impl PyComm {
         py.detach(move || c.shrink(&exclude))
             .map(PyComm::new)
             .map_err(py_err)
+    }
+
+    /// The flight record (the last operations; `DSPARK_FR_ENTRIES`) as the JSON text of
+    /// the dump format, or `None` when the recorder is off. Never waits for an operation.
+    fn flight_record_json(&self) -> PyResult<Option<String>> {
+        Ok(self.get()?.flight_record().map(|r| r.to_json()))
     }
 
     /// Makes every operation in flight and every later one fail with `AbortedError` on this

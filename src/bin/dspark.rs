@@ -12,6 +12,7 @@
 //! dspark tune --transport shm --out tune.json --quick
 //! dspark model                         # predicted allreduce times and crossovers, 8..4096 ranks
 //! dspark model --ranks 2,4 --local-ranks 4 --cores 2
+//! dspark analyze /tmp/fr                # merge the ranks' flight records (DSPARK_FR_DUMP)
 //! ```
 //!
 //! The doctor lives in `doctor/` (a file per section of its report), `tune` and `model` in
@@ -22,6 +23,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 // The CPU binding of dspark-bench's spawned ranks, which `dspark tune` gives its ranks too.
+#[path = "tools/analyze.rs"]
+mod analyze;
 #[path = "bench/bind.rs"]
 #[allow(dead_code)]
 mod bind;
@@ -54,6 +57,10 @@ enum Command {
     /// The cost model's predicted allreduce time per algorithm, size and world, and where the
     /// cheapest algorithm changes (from the tune file's constants, else the defaults).
     Model(model::ModelArgs),
+    /// Merge the ranks' flight records (`DSPARK_FR_DUMP=DIR`) and say which rank is behind
+    /// and on which call, the first call where ranks disagree, which peer everyone waits
+    /// for, and the last call every rank completed.
+    Analyze(analyze::AnalyzeArgs),
     /// One rank of a `dspark tune` measurement (started by `dspark tune`).
     #[command(hide = true)]
     TuneRank(tune::RankArgs),
@@ -72,6 +79,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => doctor::run(args),
         Command::Tune(args) => tune::tune_main(args),
         Command::Model(args) => model::model_main(args),
+        Command::Analyze(args) => analyze::analyze_main(args),
         Command::TuneRank(args) => tune::rank_main(args),
     }
 }

@@ -1076,3 +1076,52 @@ pub unsafe extern "C" fn dspark_work_free(work: *mut dspark_work_t) {
         Ok(())
     });
 }
+
+/// Copies `comm`'s flight record — its last operations (`DSPARK_FR_ENTRIES`), in the JSON
+/// dump format that `DSPARK_FR_DUMP` writes and `dspark analyze` reads — into `buf` as a
+/// NUL-terminated string. `*needed` (never NULL) is set to the bytes the record takes with
+/// its NUL; when `len` is smaller, nothing is written to `buf` (which may then be NULL) and
+/// `DSPARK_ERR_INVALID_ARGUMENT` says so: call once with `len` 0 to size the buffer, then
+/// again (the record may have grown meanwhile). `DSPARK_ERR_UNAVAILABLE` when the recorder
+/// is off (`DSPARK_FR_ENTRIES=0`). Never waits for an operation in progress.
+///
+/// # Safety
+/// `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for
+/// a write; `buf` is valid for writes of `len` bytes (or NULL with `len` 0).
+#[no_mangle]
+pub unsafe extern "C" fn dspark_comm_flight_record(
+    comm: *const dspark_comm_t,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> dspark_result_t {
+    const F: &str = "dspark_comm_flight_record";
+    guard(F, || {
+        // SAFETY: NULL or live (contract).
+        let c = unsafe { comm_ref(comm, F) }?;
+        let rank = Some(c.rank());
+        let rec = c.flight_record().ok_or_else(|| Error::Unavailable {
+            rank,
+            what: "the flight record".into(),
+            reason: "the flight recorder is off (DSPARK_FR_ENTRIES=0)".into(),
+        })?;
+        let json = rec.to_json();
+        let need = json.len() + 1;
+        // SAFETY: NULL (refused) or valid for a write (contract).
+        unsafe { put(needed, need, "needed", rank, F) }?;
+        if len < need || buf.is_null() {
+            return Err(invalid(
+                rank,
+                F,
+                format!("the record takes {need} bytes with its NUL; buf holds {len}"),
+            ));
+        }
+        // SAFETY: `buf` is valid for `len >= need` bytes (contract) and does not overlap
+        // `json`, which this function owns.
+        unsafe {
+            ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
+            buf.add(json.len()).write(0);
+        }
+        Ok(())
+    })
+}

@@ -156,6 +156,9 @@ struct Job {
     task: Task,
     timeout: Option<Duration>,
     done: Arc<Completion>,
+    /// What it is and when it was issued (the flight record's queued entries).
+    what: &'static str,
+    issued: Instant,
 }
 
 #[derive(Default)]
@@ -187,6 +190,8 @@ pub(crate) struct Shared {
     abort: Arc<AtomicBool>,
     /// The error that poisoned the engine, mirrored for readers that do not drive.
     poison: Mutex<Option<Error>>,
+    /// The engine's flight recorder, read without the engine.
+    flight: Option<Arc<crate::engine::flight::Recorder>>,
 }
 
 impl fmt::Debug for Shared {
@@ -200,6 +205,7 @@ impl Shared {
         Arc::new(Shared {
             rank: engine.rank(),
             abort: engine.abort_flag(),
+            flight: engine.flight_recorder(),
             engine: Mutex::new(engine),
             q: Mutex::new(Queue::default()),
             wake_progress: Condvar::new(),
@@ -213,6 +219,18 @@ impl Shared {
         lock(&self.poison).clone()
     }
 
+    /// The flight record now, with the operations still queued (`None`: the recorder is
+    /// off). Never waits for the engine.
+    pub(crate) fn flight_record(&self) -> Option<crate::engine::flight::FlightRecord> {
+        let r = self.flight.as_ref()?;
+        let queued: Vec<(&'static str, Instant)> = lock(&self.q)
+            .jobs
+            .iter()
+            .map(|j| (j.what, j.issued))
+            .collect();
+        Some(r.snapshot(&queued))
+    }
+
     /// Queues `task`; it runs after every operation issued before it.
     pub(crate) fn submit(
         self: &Arc<Self>,
@@ -222,12 +240,15 @@ impl Shared {
     ) -> Work {
         let done = Arc::new(Completion::default());
         let mut q = lock(&self.q);
+        let issued = Instant::now();
         q.jobs.push_back(Job {
             task,
             timeout,
             done: Arc::clone(&done),
+            what,
+            issued,
         });
-        q.last_submit = Some(Instant::now());
+        q.last_submit = Some(issued);
         // A watching progress thread finds the job by itself within WATCH_PERIOD.
         if !q.driving && q.progress_sleeping {
             self.wake_progress.notify_one();

@@ -54,12 +54,15 @@ impl Engine {
         prog: &Program,
         drive: impl FnOnce(&mut Self, &mut Scratch, Instant, Instant) -> Result<()>,
     ) -> Result<()> {
-        let start = Instant::now();
+        let start = self.fl.t0.take().unwrap_or_else(Instant::now);
         let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
         let deadline = crate::time::deadline(start, timeout);
         let mut s = std::mem::take(&mut self.scratch);
         s.prepare(self.world, prog);
         let res = drive(self, &mut s, start, deadline);
+        if res.is_err() {
+            self.flight_stall(prog, &s);
+        }
         self.scratch = s;
         res?;
         // Delivered before the call returns: this rank may exit at once (#11 item 1).

@@ -34,6 +34,7 @@ use crate::plan::{self, Algorithm, Buf, Collective, Loc, Program, Request};
 
 mod cache;
 mod drive;
+pub mod flight;
 mod frame;
 mod pace;
 mod scratch;
@@ -160,6 +161,10 @@ pub struct Engine {
     call_timeout: Option<Duration>,
     /// `DSPARK_TRACE`: what this engine did, for Chrome / Perfetto.
     trace: Option<trace::Trace>,
+    /// The flight recorder (`DSPARK_FR_ENTRIES`; `None`: off) and what the call in progress
+    /// told it ([`flight`]).
+    flight: Option<Arc<flight::Recorder>>,
+    fl: flight::InFlight,
 }
 
 impl Engine {
@@ -173,7 +178,6 @@ impl Engine {
         Engine {
             rank,
             world,
-            transport,
             opts,
             forced_warned: 0,
             poison: None,
@@ -186,8 +190,39 @@ impl Engine {
             scratch: Scratch::default(),
             abort: Arc::new(AtomicBool::new(false)),
             call_timeout: None,
+            flight: Some(Arc::new(flight::Recorder::new(
+                flight::DEFAULT_ENTRIES,
+                rank,
+                world,
+                transport.kind(),
+                None,
+                false,
+            ))),
+            fl: flight::InFlight::default(),
             trace: None,
+            transport,
         }
+    }
+
+    /// Keeps the last `entries` operations in the flight recorder (0: none) and dumps them
+    /// into `dump_dir` when this engine fails (`DSPARK_FR_ENTRIES`, `DSPARK_FR_DUMP`; see
+    /// [`flight`]).
+    pub fn configure_flight(&mut self, entries: usize, dump_dir: Option<std::path::PathBuf>) {
+        self.flight = (entries > 0).then(|| {
+            Arc::new(flight::Recorder::new(
+                entries,
+                self.rank,
+                self.world,
+                self.transport.kind(),
+                dump_dir,
+                true,
+            ))
+        });
+    }
+
+    /// The flight recorder, if on (readable from any thread).
+    pub fn flight_recorder(&self) -> Option<Arc<flight::Recorder>> {
+        self.flight.clone()
     }
 
     /// Starts writing a trace of this engine's calls to the file under `prefix`
@@ -297,7 +332,8 @@ impl Engine {
         if let Some(from) = call.recv_from {
             return self.run_exchange(call, from, src, dst);
         }
-        self.guarded(call, (src.len(), dst.len()), |eng, prog, desc| {
+        let lens = (src.len(), dst.len());
+        self.guarded(call, lens, flight::FlightPath::Host, |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
             eng.execute(&prog, &desc, full, full.step_op(), src, dst)
         })
@@ -367,6 +403,18 @@ impl Engine {
             "{name} #{} to rank {to} / #{} from rank {from}",
             send_desc.seq, recv_desc.seq
         );
+        self.flight_start(&flight::Started {
+            coll: Collective::SendRecv,
+            is_send: true,
+            dtype: call.dtype,
+            count: sent as u64,
+            op: None,
+            root: to,
+            recv_from: Some((from, recv_desc.seq)),
+            algo: Algorithm::Direct,
+            path: flight::FlightPath::Host,
+            seq: send_desc.seq,
+        });
         let t0 = self.trace.is_some().then(Instant::now);
         let result = self
             .with_scratch(&prog, |eng, s, start, deadline| {
@@ -378,6 +426,7 @@ impl Engine {
                 eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)
             })
             .map_err(|e| e.in_op(&op_name).at_rank(self.rank));
+        self.flight_end(&result, esz);
         if let Some(t0) = t0 {
             let args = vec![
                 ("to", to.to_string()),
@@ -399,6 +448,7 @@ impl Engine {
         &mut self,
         call: &Call,
         (src_len, dst_len): (usize, usize),
+        path: flight::FlightPath,
         body: impl FnOnce(&mut Self, Arc<Program>, Desc) -> Result<()>,
     ) -> Result<()> {
         self.honour_abort();
@@ -438,6 +488,18 @@ impl Engine {
             }
         }
         let seq = self.next_seq(call);
+        self.flight_start(&flight::Started {
+            coll: call.coll,
+            is_send: call.is_send,
+            dtype: call.dtype,
+            count: call.count as u64,
+            op: call.op,
+            root: call.root,
+            recv_from: None,
+            algo,
+            path,
+            seq,
+        });
         let collective = call.coll != Collective::SendRecv;
         if collective {
             self.transport
@@ -507,6 +569,7 @@ impl Engine {
             Err(e) => Err(e),
         };
         let result = result.map_err(|e| e.at_rank(self.rank));
+        self.flight_end(&result, esz);
         if collective {
             if result.is_ok() {
                 self.coll_done = seq;
@@ -565,6 +628,19 @@ impl Engine {
             return Err(e.clone());
         }
         let seq = self.next_seq(call);
+        self.flight_start(&flight::Started {
+            coll: call.coll,
+            is_send: call.is_send,
+            dtype: call.dtype,
+            count: 0,
+            op: call.op,
+            root: call.root,
+            recv_from: None,
+            algo: self.algorithm(call.coll, 0),
+            path: flight::FlightPath::Host,
+            seq,
+        });
+        self.flight_end(&Ok(()), 1);
         if call.coll != Collective::SendRecv {
             self.coll_done = seq;
             self.transport.collective_progress(None, seq);
@@ -585,6 +661,7 @@ impl Engine {
         let (class, text) = AbortClass::of(&e);
         tracing::debug!(rank = self.rank, error = %e, "communicator failed; telling peers");
         self.transport.abort(origin, class, &text);
+        self.flight_failed(&e);
         self.poison = Some(e);
     }
 

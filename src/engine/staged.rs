@@ -236,7 +236,12 @@ impl Engine {
             Err(e) => return Err(self.fail_before_start(call, e)),
         };
         let lens = dev.buffer_bytes();
-        self.guarded(call, lens, |eng, prog, desc| {
+        let path = if direct.is_some() {
+            super::flight::FlightPath::GpuDirect
+        } else {
+            super::flight::FlightPath::HostStaged
+        };
+        self.guarded(call, lens, path, |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
             eng.execute_staged(&prog, &desc, full, dev, direct)
         })

@@ -980,6 +980,34 @@ static void test_abort(dspark_comm_t *comm)
     OK(dspark_comm_destroy(ab), "destroying an aborted communicator");
 }
 
+/* The flight record: sized with len 0, then copied; the last calls are in it. */
+static void test_flight_record(dspark_comm_t *comm)
+{
+    size_t need = 0, again = 0;
+    char *buf;
+    FAILS(dspark_comm_flight_record(comm, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "bytes",
+          "flight record into no buffer");
+    CHECK(need > 100, "flight record size %zu", need);
+    FAILS(dspark_comm_flight_record(comm, NULL, 0, NULL), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
+          "flight record size into NULL");
+    FAILS(dspark_comm_flight_record(NULL, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
+          "flight record of NULL");
+    need += 4096; /* room for the record to grow between the calls */
+    buf = malloc(need);
+    CHECK(buf != NULL, "malloc");
+    if (!buf) return;
+    if (OK(dspark_comm_flight_record(comm, buf, need, &again), "flight record")) {
+        CHECK(again <= need && strlen(buf) + 1 == again, "flight record length %zu, needed %zu",
+              strlen(buf), again);
+        CHECK(strstr(buf, "\"format\":\"dspark-flight-record\",\"version\":1") != NULL,
+              "flight record header: %.120s", buf);
+        CHECK(strstr(buf, "\"collective\":\"barrier\"") != NULL &&
+                  strstr(buf, "\"state\":\"completed\"") != NULL,
+              "the barriers just run are in the flight record");
+    }
+    free(buf);
+}
+
 int main(void)
 {
     dspark_comm_t *comm = NULL;
@@ -1007,6 +1035,7 @@ int main(void)
     ring(comm, 0);
     ring(comm, 1);
     test_barrier(comm);
+    test_flight_record(comm);
     test_split(comm);
     test_errors(comm);
     OK(dspark_barrier(comm, NULL), "barrier before the abort tests");

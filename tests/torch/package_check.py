@@ -179,6 +179,19 @@ x = np.ones(4, dtype=np.float32)
 comm.all_reduce(x)
 check(np.array_equal(x, np.full(4, N, dtype=np.float32)), "after leaked Work")
 
+# -- the flight record: the last calls, as the dump format --------------------------------
+x = np.ones(13, dtype=np.float64)
+comm.all_reduce(x, op="max")
+rec = comm.flight_record()
+check(rec is not None and rec["format"] == "dspark-flight-record" and rec["version"] == 1,
+      f"flight record header: {rec and {k: rec[k] for k in ('format', 'version')}}")
+check(rec["rank"] == RANK and rec["world"] == N and rec["reason"] == "on_demand", "record ids")
+last = rec["entries"][-1]
+check((last["collective"], last["dtype"], last["count"], last["op"], last["state"])
+      == ("all_reduce", "double", 13, "max", "completed"), f"last flight entry {last}")
+check(rec["recorded"] >= len(rec["entries"]) > 20 and last["seq"] > 20,
+      f"record count {rec['recorded']} entries {len(rec['entries'])} last seq {last['seq']}")
+
 # -- only tensors and buffer-protocol objects: a claimed pointer is never used ----------------
 class FakeArray:
     """Claims a million float32 at an address nobody owns, through ``__array_interface__``

@@ -484,6 +484,7 @@ impl Communicator {
         let direct_layout = direct.and_then(|d| d.direct_layout());
         let direct_host = direct.and_then(|d| d.direct_host_region());
         let mut engine = Engine::new(rank, world, transport, opts.clone());
+        engine.configure_flight(config.flight_entries, config.flight_dump.clone());
         if let Some(prefix) = &config.trace {
             let path = engine.start_trace(prefix)?;
             tracing::info!(rank, "DSPARK_TRACE: tracing to {}", path.display());

@@ -1,0 +1,379 @@
+//! The flight recorder on 3 rank processes over TCP: after a timeout, a lost peer and a
+//! mismatch, every failing rank's dump (`DSPARK_FR_DUMP`) is checked field by field, and
+//! `dspark analyze` names the late rank, the rank everyone waits for and the first call
+//! where the ranks disagree.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::procs::{self, rank_entry, say, FAILED_AS_EXPECTED, OK, WRONG};
+use dspark::{Communicator, Error, ReduceOp};
+use serde_json::Value;
+
+/// Calls every rank completes before the one that goes wrong (more than the ring holds).
+const GOOD: u64 = 20;
+/// The ring's size in these tests.
+const ENTRIES: usize = 16;
+/// Elements of every call (a prime, not a multiple of the world).
+const COUNT: usize = 3;
+
+#[test]
+fn rank_process() {
+    rank_entry(run_scenario);
+}
+
+fn dump_dir() -> Result<PathBuf, String> {
+    std::env::var("DSPARK_FR_DUMP")
+        .map(PathBuf::from)
+        .map_err(|_| "DSPARK_FR_DUMP unset".to_string())
+}
+
+/// Waits until `files` exist in `dir` (the ranks that fail wrote them), at most a minute.
+fn wait_for(dir: &Path, files: &[&str]) {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(60) && !files.iter().all(|f| dir.join(f).exists()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run_scenario(s: &str) -> Result<i32, String> {
+    let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    let rank = comm.rank();
+    say(&format!(
+        "ALGO {}",
+        comm.algorithm(dspark::Collective::AllReduce, COUNT * 4)
+            .name()
+    ));
+    for i in 0..GOOD {
+        let mut v = vec![(rank as f32) + i as f32; COUNT];
+        comm.all_reduce(&mut v, ReduceOp::Sum)
+            .map_err(|e| format!("call {i}: {e}"))?;
+    }
+    let dir = dump_dir()?;
+    // Rank 0 times out first, always: rank 1 (which waits for rank 0 in the ring) hears its
+    // abort before its own deadline.
+    let short = comm.with_timeout(Duration::from_secs(if rank == 0 { 2 } else { 8 }));
+    let mut v = vec![1f32; COUNT];
+    let r = match (s, rank) {
+        ("timeout", 2) => {
+            // The late rank: never joins call GOOD+1; writes its record on demand once the
+            // others have failed, and stays alive until then (its exit would be a lost peer).
+            wait_for(&dir, &["rank0.json", "rank1.json"]);
+            let rec = comm.flight_record().ok_or("no record")?;
+            if rec.recorded != GOOD || rec.entries.len() != ENTRIES {
+                return Err(format!("record of the late rank: {rec:?}"));
+            }
+            rec.write_to(&dir, "on_demand")
+                .map_err(|e| format!("write: {e}"))?;
+            return Ok(OK);
+        }
+        ("timeout", _) => short.all_reduce(&mut v, ReduceOp::Sum),
+        ("peer_lost", 2) => std::process::exit(FAILED_AS_EXPECTED),
+        ("peer_lost", _) => comm.all_reduce(&mut v, ReduceOp::Sum),
+        ("mismatch", 2) => {
+            let mut w = vec![1f32; COUNT + 2];
+            comm.all_reduce(&mut w, ReduceOp::Sum)
+        }
+        ("mismatch", _) => comm.all_reduce(&mut v, ReduceOp::Sum),
+        _ => return Err(format!("unknown scenario {s}")),
+    };
+    match r {
+        Ok(()) => Err("the call that should fail succeeded".into()),
+        Err(
+            Error::Timeout { .. }
+            | Error::PeerLost { .. }
+            | Error::Mismatch { .. }
+            | Error::Aborted { .. },
+        ) => {
+            // The dump is written when the communicator fails; the record says the same.
+            let rec = comm.flight_record().ok_or("no record")?;
+            let last = rec.entries.last().ok_or("empty record")?;
+            if last.seq != Some(GOOD + 1) || last.failure.is_none() || rec.error.is_none() {
+                return Err(format!("record after the failure: {rec:?}"));
+            }
+            Ok(FAILED_AS_EXPECTED)
+        }
+        Err(e) => {
+            say(&format!("unexpected error: {e}"));
+            Ok(WRONG)
+        }
+    }
+}
+
+/// Runs `scenario` on 3 ranks; returns the dump directory and each rank's outcome.
+fn run(scenario: &str) -> (PathBuf, Vec<procs::Outcome>) {
+    let dir = std::env::temp_dir().join(format!(
+        "dspark-fr-{scenario}-{}-{}",
+        std::process::id(),
+        procs::free_port()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.display().to_string();
+    let ranks = procs::spawn(
+        3,
+        scenario,
+        &|_| {
+            procs::vars(&[
+                ("DSPARK_FR_DUMP", &d),
+                ("DSPARK_FR_ENTRIES", &ENTRIES.to_string()),
+                ("DSPARK_ALGO", "ring"),
+                ("DSPARK_TIMEOUT", "60"),
+            ])
+        },
+        None,
+    );
+    (dir, ranks.wait(Duration::from_secs(120)))
+}
+
+fn load(dir: &Path, rank: usize) -> Value {
+    let p = dir.join(format!("rank{rank}.json"));
+    let t = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&t).unwrap_or_else(|e| panic!("{}: {e}\n{t}", p.display()))
+}
+
+fn algo(outs: &[procs::Outcome]) -> String {
+    let line = outs[0]
+        .out
+        .lines()
+        .find_map(|l| l.split("ALGO ").nth(1))
+        .expect("rank 0 printed its algorithm");
+    line.trim().to_string()
+}
+
+/// Checks the header and the completed entries of `rank`'s dump; returns the last entry.
+fn check_dump(v: &Value, rank: u64, recorded: u64, algo: &str, reason: &[&str]) -> Value {
+    assert_eq!(v["format"], "dspark-flight-record", "{v}");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["rank"], rank);
+    assert_eq!(v["world"], 3);
+    assert_eq!(v["communicator"], 0);
+    assert_eq!(v["capacity"], ENTRIES as u64);
+    assert_eq!(v["recorded"], recorded, "{v}");
+    assert!(
+        reason.contains(&v["reason"].as_str().unwrap_or("")),
+        "reason {} not in {reason:?}",
+        v["reason"]
+    );
+    let entries = v["entries"].as_array().expect("entries");
+    assert_eq!(entries.len(), ENTRIES, "the ring keeps the last {ENTRIES}");
+    let first = recorded + 1 - ENTRIES as u64;
+    for (i, e) in entries.iter().enumerate() {
+        assert_eq!(e["seq"], first + i as u64, "{e}");
+        assert_eq!(e["collective"], "all_reduce");
+        assert_eq!(e["dtype"], dspark::DataType::F32.name());
+        assert_eq!(e["op"], "sum");
+        assert_eq!(e["root"], Value::Null);
+        assert_eq!(e["peer"], Value::Null);
+        assert_eq!(e["algorithm"], algo);
+        assert_eq!(e["transport"], "tcp");
+        assert_eq!(e["path"], "host");
+        let start = e["started_unix_ns"].as_u64().expect("start time");
+        if e["seq"].as_u64() <= Some(GOOD) {
+            assert_eq!(e["count"], COUNT as u64);
+            assert_eq!(e["state"], "completed", "{e}");
+            assert_eq!(e["failure"], Value::Null);
+            assert!(e["ended_unix_ns"].as_u64().expect("end time") >= start);
+        }
+    }
+    entries.last().cloned().expect("an entry")
+}
+
+/// `dspark analyze dir`'s output (it must succeed).
+fn analyze(dir: &Path) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .arg("analyze")
+        .arg(dir)
+        .output()
+        .expect("run dspark analyze");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "dspark analyze failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("dspark analyze {}:\n{text}", dir.display());
+    text
+}
+
+fn failure_kind(e: &Value) -> &str {
+    e["failure"]["kind"].as_str().unwrap_or("none")
+}
+
+#[test]
+fn a_timeout_leaves_dumps_that_name_the_late_rank_and_the_call_it_never_joined() {
+    let (dir, outs) = run("timeout");
+    for (r, o) in outs.iter().enumerate() {
+        let want = if r == 2 { OK } else { FAILED_AS_EXPECTED };
+        assert_eq!(o.code, Some(want), "rank {r}:\n{}", o.out);
+    }
+    let a = algo(&outs);
+    // Rank 0 receives from rank 2 first in the ring: it times out waiting for rank 2, in
+    // step 1, having received none of that step's bytes.
+    let last0 = check_dump(&load(&dir, 0), 0, GOOD + 1, &a, &["timeout"]);
+    assert_eq!(last0["seq"], GOOD + 1);
+    assert_eq!(last0["state"], "failed");
+    assert_eq!(last0["count"], COUNT as u64);
+    assert_eq!(failure_kind(&last0), "timeout", "{last0}");
+    assert_eq!(last0["failure"]["peer"], 2);
+    let p = &last0["failure"]["progress"];
+    assert_eq!(p["peer"], 2, "{last0}");
+    assert_eq!(p["direction"], "recv");
+    assert!(p["step"].as_u64() >= Some(1), "{last0}");
+    assert_eq!(p["bytes"], 0);
+    assert_eq!(p["of_bytes"], 4, "one element of the ring's thirds");
+    assert!(p["steps"].as_u64() > p["step"].as_u64());
+    // Rank 1 waits for rank 0 (its ring predecessor) and hears rank 0's abort.
+    let last1 = check_dump(&load(&dir, 1), 1, GOOD + 1, &a, &["aborted"]);
+    assert_eq!(last1["state"], "failed");
+    assert_eq!(failure_kind(&last1), "aborted", "{last1}");
+    assert_eq!(last1["failure"]["peer"], 0, "{last1}");
+    assert_eq!(last1["failure"]["progress"]["peer"], 0, "{last1}");
+    // The late rank's record, on demand: its last call is the last that every rank completed.
+    let last2 = check_dump(&load(&dir, 2), 2, GOOD, &a, &["on_demand"]);
+    assert_eq!(last2["seq"], GOOD);
+    let report = analyze(&dir);
+    for want in [
+        format!("behind: rank 2: its last call is all_reduce #{GOOD} (completed); it never started all_reduce #{}, which ranks 0, 1 reached", GOOD + 1),
+        format!("everyone waits for rank 2: rank 0 timed out in all_reduce #{} receiving from rank 2", GOOD + 1),
+        format!("rank 1 was receiving from rank 0 in all_reduce #{} (step", GOOD + 1),
+        format!("last call every rank completed: all_reduce #{GOOD}"),
+    ] {
+        assert!(report.contains(&want), "missing {want:?} in:\n{report}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_lost_peer_leaves_dumps_on_the_survivors() {
+    let (dir, outs) = run("peer_lost");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+    }
+    let a = algo(&outs);
+    // Rank 0 (which receives from rank 2 in the ring) or rank 1 (which sends to it) finds
+    // rank 2 gone; the other fails with that one's abort, or finds it gone too.
+    let kinds = ["peer_lost", "aborted"];
+    let mut lost = 0;
+    for r in 0..2u64 {
+        let last = check_dump(&load(&dir, r as usize), r, GOOD + 1, &a, &kinds);
+        assert_eq!(last["state"], "failed");
+        assert_eq!(last["count"], COUNT as u64);
+        let k = failure_kind(&last);
+        assert!(kinds.contains(&k), "{last}");
+        if k == "peer_lost" {
+            assert_eq!(last["failure"]["peer"], 2, "{last}");
+            lost += 1;
+        } else {
+            assert_eq!(
+                last["failure"]["peer"],
+                1 - r,
+                "aborted by the other: {last}"
+            );
+        }
+    }
+    assert!(lost >= 1, "a survivor found rank 2 gone");
+    assert!(
+        !dir.join("rank2.json").exists(),
+        "the dead rank wrote nothing"
+    );
+    let report = analyze(&dir);
+    for want in [
+        "dumps from ranks 0, 1 of 3; none from rank 2 (a rank writes one when its communicator fails",
+        "everyone waits for rank 2 (it left no dump): ",
+        "lost rank 2 in all_reduce #21",
+    ] {
+        assert!(report.contains(want), "missing {want:?} in:\n{report}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_mismatch_leaves_dumps_that_show_the_first_disagreeing_call() {
+    let (dir, outs) = run("mismatch");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+    }
+    let a = algo(&outs);
+    let kinds = ["mismatch", "aborted", "peer_lost"];
+    let mut mismatches = 0;
+    for r in 0..3u64 {
+        let last = check_dump(&load(&dir, r as usize), r, GOOD + 1, &a, &kinds);
+        assert_eq!(last["state"], "failed");
+        let want = if r == 2 { COUNT + 2 } else { COUNT };
+        assert_eq!(last["count"], want as u64, "{last}");
+        let k = failure_kind(&last);
+        assert!(kinds.contains(&k), "{last}");
+        mismatches += usize::from(k == "mismatch");
+    }
+    assert!(mismatches >= 1, "some rank found the mismatch");
+    let report = analyze(&dir);
+    let want = format!(
+        "first disagreement: call #{}: rank 0 called all_reduce ({f} × {COUNT}, sum, {a}), rank 2 called all_reduce ({f} × {}, sum, {a})",
+        GOOD + 1,
+        COUNT + 2,
+        f = dspark::DataType::F32.name(),
+    );
+    assert!(report.contains(&want), "missing {want:?} in:\n{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn analyze_names_corrupt_and_missing_dumps_and_never_panics() {
+    let dir = std::env::temp_dir().join(format!("dspark-fr-corrupt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // Nothing usable: a clear error, not a panic.
+    std::fs::write(
+        dir.join("rank0.json"),
+        "{\"format\":\"dspark-flight-record\",\"ver",
+    )
+    .unwrap();
+    std::fs::write(dir.join("rank1.json"), "[1,2,3]").unwrap();
+    std::fs::write(dir.join("rank3.json"), "").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .arg("analyze")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no usable flight record"), "{err}");
+    assert!(err.contains("rank0.json is cut short"), "{err}");
+    assert!(
+        err.contains("rank1.json is not a dspark flight record"),
+        "{err}"
+    );
+    assert!(err.contains("rank3.json is empty"), "{err}");
+    // One good dump beside them: analysed, the others named.
+    let good = r#"{"format":"dspark-flight-record","version":1,"rank":1,"world":4,"communicator":0,
+        "capacity":4,"recorded":1,"reason":"on_demand","error":null,"entries":[
+        {"seq":1,"collective":"barrier","dtype":"u8","count":0,"op":null,"root":null,"peer":null,
+         "algorithm":"dissemination","transport":"tcp","path":"host","state":"completed",
+         "started_unix_ns":1,"ended_unix_ns":2,"duration_us":0.001,"failure":null}]}"#;
+    std::fs::write(dir.join("rank1.json"), good).unwrap();
+    std::fs::write(
+        dir.join("rank2.json"),
+        good.replace("\"version\":1", "\"version\":9"),
+    )
+    .unwrap();
+    let report = analyze(&dir);
+    for want in [
+        "warning: rank0.json is cut short",
+        "warning: rank2.json has format version 9",
+        "dumps from rank 1 of 4; none from ranks 0, 2, 3",
+        "last call every rank completed: barrier #1",
+    ] {
+        assert!(report.contains(want), "missing {want:?} in:\n{report}");
+    }
+    // No directory at all.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .arg("analyze")
+        .arg(dir.join("nope"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
