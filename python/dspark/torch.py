@@ -643,7 +643,8 @@ class _Ops:
             t = tensors[0]
             op = _FAST_OPS.get(hash(opts.reduceOp))
             dt = _FAST_DTYPES.get(t.dtype)
-            if op is not None and dt is not None and t.is_cpu and t.is_contiguous():
+            if (op is not None and dt is not None and t.is_cpu and not t.is_sparse
+                    and t.is_contiguous()):
                 td = opts.timeout
                 timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
                 try:
@@ -660,6 +661,10 @@ class _Ops:
                     raise _torch_error(e, timeout or self._deadline) from None
                 self._sync_tensors[0] = t
                 return self._sync_work
+        if any(t.is_sparse for t in tensors):
+            from ._sparse import all_reduce as sparse_all_reduce  # as gloo's
+
+            return sparse_all_reduce(self, tensors, opts)
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             op, factor = self._op(opts.reduceOp, t.dtype, "allreduce")
@@ -1004,9 +1009,12 @@ class _Ops:
         return self._go(None, calls, keep, list(tensors), fin)
 
     def recv_anysource(self, tensors, tag=0):
-        raise InvalidArgumentError(
-            "dspark: recv from any source is not supported: name the source rank"
-        )
+        from ._anysource import recv_anysource  # its Work reports the sender
+
+        try:
+            return recv_anysource(self, tensors)
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
 
     recvAnysource = recv_anysource
 

@@ -7,7 +7,7 @@ use super::Communicator;
 use crate::engine::Call;
 use crate::error::{Error, Result};
 use crate::plan::Collective;
-use crate::types::Element;
+use crate::types::{DataType, Element};
 
 impl Communicator {
     /// Receives the next message that any peer sends to this rank with
@@ -58,25 +58,52 @@ impl Communicator {
     }
 
     /// The body of both, with a deadline for this call (`timeout`, else the communicator's).
-    pub(crate) fn recv_any_within<T: Element>(
+    fn recv_any_within<T: Element>(
         &self,
         buf: &mut [T],
         wait: Option<Duration>,
         timeout: Option<Duration>,
     ) -> Result<Option<usize>> {
-        if buf.is_empty() {
+        self.recv_any_bytes(T::DATA_TYPE, bytemuck::cast_slice_mut(buf), wait, timeout)
+    }
+
+    /// [`Communicator::try_recv_any`] (with `wait`) or [`Communicator::recv_any`] (without)
+    /// into `buf` holding elements of `dtype`, with a deadline of its own (`timeout`, else
+    /// the communicator's): for the Python binding, whose buffers come typed at run time.
+    ///
+    /// # Errors
+    /// As [`Communicator::recv_any`]; `InvalidArgument` when `buf` is not a whole number of
+    /// elements.
+    #[doc(hidden)]
+    pub fn recv_any_bytes(
+        &self,
+        dtype: DataType,
+        buf: &mut [u8],
+        wait: Option<Duration>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<usize>> {
+        let esz = dtype.size();
+        if buf.is_empty() || !buf.len().is_multiple_of(esz) {
+            let why = if buf.is_empty() {
+                "an empty message carries no frame that could tell its source: name the source"
+                    .to_string()
+            } else {
+                format!(
+                    "{} bytes are no whole number of {dtype} elements",
+                    buf.len()
+                )
+            };
             return Err(Error::invalid(
                 Some(self.rank()),
                 crate::engine::RECV_ANY,
-                "an empty message carries no frame that could tell its source: name the source",
+                why,
             ));
         }
         let call = Call {
-            dtype: T::DATA_TYPE,
-            ..Call::new(Collective::SendRecv, None, buf.len(), 0, false)
+            dtype,
+            ..Call::new(Collective::SendRecv, None, buf.len() / esz, 0, false)
         };
-        let dst: &mut [u8] = bytemuck::cast_slice_mut(buf);
         self.shared
-            .exclusive(timeout, |eng| eng.run_recv_any(&call, dst, wait))
+            .exclusive(timeout, |eng| eng.run_recv_any(&call, buf, wait))
     }
 }
