@@ -3,7 +3,9 @@
 //! against gloo on 2 and 3 ranks (`ddp_check.py`), FSDP2 on 2 ranks (`fsdp_check.py`), killed
 //! ranks and mismatched collectives (`failure_check.py`), a curated list of PyTorch's own
 //! distributed suite (`distributed_suite.py --ci`), that whole suite gated as for gloo with
-//! every group dspark's beside real gloo (`distributed_suite.py --vs-gloo`), tensors dropped while a non-blocking call
+//! every group dspark's beside real gloo (`distributed_suite.py --vs-gloo`), receives from
+//! any source and sparse all_reduce against gloo on both routes (`anysource_sparse_check.py`),
+//! tensors dropped while a non-blocking call
 //! uses them (`inflight_check.py`), absurd world sizes and ranks through the Python
 //! package (`limits_check.py`), and timeouts and `dist.monitored_barrier` against gloo
 //! (`surface_check.py`).
@@ -536,6 +538,21 @@ fn pytorch_distributed_suite_gated_as_gloo_passes_every_test_gloo_passes_on_2_ra
         "DIST_SUITE_VS_GLOO world=2 ",
         "distributed_suite.py --vs-gloo",
     );
+}
+
+/// `dist.recv(src=None)` / `irecv(src=None)` on 3 ranks (a middle receiver, whose senders are
+/// on both of dspark's point-to-point communicators, then rank 0) and sparse all_reduce (1-3
+/// sparse and 0-2 dense dimensions, three value types, a rank with nothing stored), with gloo
+/// and with dspark on both routes into torch.
+#[test]
+fn recv_from_any_source_and_sparse_all_reduce_match_gloo_on_3_ranks() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        python(&t, "anysource_sparse_check.py", &["--world", "3"], "dspark"),
+        Duration::from_secs(400),
+    );
+    assert_pass(&r, "ANYSOURCE_SPARSE_CHECK ", "anysource_sparse_check.py");
 }
 
 /// The checker itself, without dspark: gloo against gloo passes, and one corrupted element on

@@ -11,7 +11,8 @@ when none does, and the other direction's operations run in between), until one 
 the deadline passes.
 
 The receive runs on a thread of its own, so ``irecv`` returns at once; its Work completes
-when the message is in the tensor.
+when the message is in the tensor. (So a receive from a named source issued right after it
+may be matched first; MPI would match them in the order they were posted.)
 """
 
 import threading
@@ -105,9 +106,9 @@ def recv_anysource(ops, tensors):
     comms = ([ops._p2p[0]] if r > 0 else []) + ([ops._p2p[1]] if r < n - 1 else [])
     deadline_s = ops._deadline
     work = _AnySourceWork(list(tensors))
-    keep = (t, out, flat)
 
     def run():
+        # `out` and `flat` (the memory received into) live as long as this closure.
         src, exc = -1, None
         try:
             src = _receive(comms, dt, flat, deadline_s, r)
@@ -117,10 +118,8 @@ def recv_anysource(ops, tensors):
             exc = _t._torch_error(e, deadline_s)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             exc = e
-        del keep_alive[:]
         work._finish(src, exc)
 
-    keep_alive = [keep]
     threading.Thread(target=run, name="dspark-recv-any", daemon=True).start()
     return work
 

@@ -162,16 +162,18 @@ def _torch_class(cls, store):
     return got
 
 
-def _torch_error(e, deadline_s=None):
+def _torch_error(e, deadline_s=None, rendezvous=False):
     """`e` (a dspark error) as the class torch's conventions recognise (see above); a
     timeout's message also starts as torch's backends' do ("... Timed out waiting 1000ms",
-    which torch's tests match with ``" (Timed out|closed|timeout) "``). Anything else is
-    returned as it is."""
+    which torch's tests match with ``" (Timed out|closed|timeout) "``). `rendezvous`: `e`
+    ended a group's creation, where a timeout means ranks did not all join, which gloo
+    reports as the store's (``DistStoreError``). Anything else is returned as it is."""
     cls = type(e)
     if cls in _MAPPED or cls not in _TORCH_BASES:
         return e
     msg = str(e)
-    new_cls = _torch_class(cls, _STORE_MARK in msg)
+    store = _STORE_MARK in msg or (rendezvous and issubclass(cls, _dspark.TimeoutError))
+    new_cls = _torch_class(cls, store)
     if new_cls is cls:
         return e
     if issubclass(cls, _dspark.TimeoutError):
@@ -459,7 +461,7 @@ class _Ops:
                 store, rank, size, self._deadline
             )
         except _dspark.Error as e:
-            raise _torch_error(e, self._deadline) from None
+            raise _torch_error(e, self._deadline, rendezvous=True) from None
         # monitored_barrier meets through the store (see there).
         self._store = store
         self._mb_seq = 0

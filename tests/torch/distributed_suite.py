@@ -106,7 +106,11 @@ if GROUPS == "dspark":
 
     def _as_dspark(backend):
         s = str(backend)
-        return re.sub(r"(?i)\bgloo\b", "dspark", s) if "gloo" in s.lower() else backend
+        new = re.sub(r"(?i)\bgloo\b", "dspark", s) if "gloo" in s.lower() else backend
+        if "dspark" not in str(new).lower():
+            # Say so rather than let another backend pass for dspark.
+            raise AssertionError(f"a group of backend {backend!r} would not be dspark's")
+        return new
 
     def _dspark_groups_helper(*args, **kwargs):
         if len(args) > 3:  # (group_size, group_rank, global_ranks_in_group, backend, ...)
