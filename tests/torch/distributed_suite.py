@@ -128,8 +128,6 @@ if BACKEND not in BUILTIN:
     DistTestCases.backend_feature["plugin"].add(BACKEND)
     DistTestCases.backend_feature["ddp"].add(BACKEND)
     DistTestCases.backend_feature["subgroup"].add(BACKEND)
-    # Not in the operation list of the issue (recv from any source).
-    DistTestCases.skip_collective["sendrecv anysource"].add(BACKEND)
 
 # Only after DistTestCases is adjusted: the suite reads it at import.
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
@@ -219,6 +217,9 @@ CI_TESTS = [
     "test_scatter_complex",
     "test_scatter_full_group",
     "test_send_recv",
+    "test_send_recv_any_source",
+    "test_send_recv_any_source_autograd_profiler",
+    "test_send_recv_any_source_torch_profiler",
     "test_send_recv_autograd_profiler",
     "test_send_recv_torch_profiler",
     "test_send_recv_with_tag",
