@@ -5,13 +5,16 @@
 //! must be left for the barrier); a named receive and an any-source one side by side; a
 //! message of another length (a mismatch, never a truncation); a peer that closed its
 //! communicator passed over; nothing received within `try_recv_any`'s wait; the deadline
-//! with nobody sending.
+//! with nobody sending. And deterministically, threads over `mem`: a peer whose next frame
+//! is a collective's with the very sequence number the receiver expects of its next send is
+//! left alone while another peer's message is taken.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK, WRONG};
+use dspark::internals::transport::mem::MemFabric;
 use dspark::{Communicator, Error, ReduceOp};
 
 #[test]
@@ -274,4 +277,44 @@ fn a_closed_peer_is_passed_over_and_a_silent_world_times_out_naming_the_wait() {
         );
     }
     let _ = WRONG;
+}
+
+#[test]
+fn a_peer_already_in_a_collective_is_left_alone_while_another_sends_over_mem() {
+    let fabric = MemFabric::new(3, 64);
+    let cfg = common::mem_config(Duration::from_secs(20), 4096);
+    let out = common::run_mem_ranks(&fabric, 3, &cfg, |comm| -> Result<(), String> {
+        let e2s = |e: Error| e.to_string();
+        let r = comm.rank();
+        // all_to_all: rank 1 sends its block to rank 0 at once. It is rank 1's collective
+        // #1, and rank 0 expects send #1 from rank 1 next: only the kind of frame differs.
+        let send: Vec<u32> = (0..6).map(|i| (r * 10 + i) as u32).collect();
+        let mut recv = vec![0u32; 6];
+        match r {
+            0 => {
+                std::thread::sleep(Duration::from_millis(150));
+                let mut b = [0i32; 5];
+                let from = comm.recv_any(&mut b).map_err(e2s)?;
+                if from != 2 || b != [2; 5] {
+                    return Err(format!("recv_any: from {from}: {b:?}"));
+                }
+            }
+            2 => {
+                std::thread::sleep(Duration::from_millis(300));
+                comm.send(&[2i32; 5], 0).map_err(e2s)?;
+            }
+            _ => {}
+        }
+        comm.all_to_all(&send, &mut recv).map_err(e2s)?;
+        let want: Vec<u32> = (0..3)
+            .flat_map(|q| (0..2).map(move |i| (q * 10 + r * 2 + i) as u32))
+            .collect();
+        if recv != want {
+            return Err(format!("all_to_all after: {recv:?}, expected {want:?}"));
+        }
+        Ok(())
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        assert_eq!(o, Ok(()), "rank {r}");
+    }
 }
