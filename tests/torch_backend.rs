@@ -2,7 +2,10 @@
 //! every operation x dtype x reduce op against gloo on 1, 2 and 3 ranks (`ops_check.py`), DDP
 //! against gloo on 2 and 3 ranks (`ddp_check.py`), FSDP2 on 2 ranks (`fsdp_check.py`), killed
 //! ranks and mismatched collectives (`failure_check.py`), a curated list of PyTorch's own
-//! distributed suite (`distributed_suite.py --ci`), tensors dropped while a non-blocking call
+//! distributed suite (`distributed_suite.py --ci`), that whole suite gated as for gloo with
+//! every group dspark's beside real gloo (`distributed_suite.py --vs-gloo`), receives from
+//! any source and sparse all_reduce against gloo on both routes (`anysource_sparse_check.py`),
+//! tensors dropped while a non-blocking call
 //! uses them (`inflight_check.py`), absurd world sizes and ranks through the Python
 //! package (`limits_check.py`), timeouts and `dist.monitored_barrier` against gloo
 //! (`surface_check.py`), and `dist.shrink_group` after a killed or hung rank
@@ -230,6 +233,7 @@ fn command(program: &Path, backend: &str) -> Command {
         "INIT_METHOD",
         "TORCHELASTIC_USE_AGENT_STORE",
         "DSPARK_TORCH_ROUTE",
+        "DSPARK_SUITE_GROUPS",
     ] {
         cmd.env_remove(v);
     }
@@ -575,6 +579,39 @@ fn pytorch_distributed_suite_curated_tests_pass_on_dspark() {
         "DIST_SUITE mode=ci backend=dspark ",
         "distributed_suite.py --ci",
     );
+}
+
+/// PyTorch's own suite gated as for gloo (the suite's gating with BACKEND=gloo: every CPU
+/// test gloo runs), run with real gloo and then with every group it creates made by dspark,
+/// in one job: dspark passes every test gloo passes except test_get_backend (the group's
+/// name). About two minutes on 2 cores with forked ranks.
+#[test]
+fn pytorch_distributed_suite_gated_as_gloo_passes_every_test_gloo_passes_on_2_ranks() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let mut cmd = python(&t, "distributed_suite.py", &["--vs-gloo"], "gloo");
+    cmd.env("WORLD_SIZE", "2");
+    let r = run(cmd, Duration::from_secs(900));
+    assert_pass(
+        &r,
+        "DIST_SUITE_VS_GLOO world=2 ",
+        "distributed_suite.py --vs-gloo",
+    );
+}
+
+/// `dist.recv(src=None)` / `irecv(src=None)` on 3 ranks (a middle receiver, whose senders are
+/// on both of dspark's point-to-point communicators, then rank 0) and sparse all_reduce (1-3
+/// sparse and 0-2 dense dimensions, three value types, a rank with nothing stored), with gloo
+/// and with dspark on both routes into torch.
+#[test]
+fn recv_from_any_source_and_sparse_all_reduce_match_gloo_on_3_ranks() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let r = run(
+        python(&t, "anysource_sparse_check.py", &["--world", "3"], "dspark"),
+        Duration::from_secs(400),
+    );
+    assert_pass(&r, "ANYSOURCE_SPARSE_CHECK ", "anysource_sparse_check.py");
 }
 
 /// The checker itself, without dspark: gloo against gloo passes, and one corrupted element on

@@ -208,6 +208,15 @@ class Communicator:
         return self._go("recv", dt, 0, p, n, keep, buf, peer=self._rank_arg(peer, "peer"),
                         async_op=async_op, timeout=timeout)
 
+    def recv_any(self, buf, *, wait=None, timeout=None):
+        """Receives into ``buf`` the next message any peer sends to this rank and returns
+        its rank (MPI's ``MPI_ANY_SOURCE``). With ``wait`` (seconds), returns None when no
+        message started arriving within it, having received nothing. Blocking only."""
+        p, n, dt, keep = describe(buf, True, "recv buffer")
+        src = self._c._recv_any(dt, p, n, wait, timeout)
+        del keep
+        return src
+
     def send_recv(self, send, dest, recv, source, *, async_op=False, timeout=None):
         """Sends ``send`` to ``dest`` and receives ``recv`` from ``source`` at once (MPI's
         ``Sendrecv``): the two progress together, so ranks that exchange buffers (a swap, a

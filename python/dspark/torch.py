@@ -163,17 +163,19 @@ def _torch_class(cls, store):
     return got
 
 
-def _torch_error(e, deadline_s=None):
+def _torch_error(e, deadline_s=None, rendezvous=False):
     """`e` (a dspark error) as the class torch's conventions recognise (see above); a
     timeout's message also starts as torch's backends' do ("... Timed out waiting 1000ms",
-    which torch's tests match with ``" (Timed out|closed|timeout) "``). Anything else is
-    returned as it is."""
-    _flight.on_error(e)  # TORCH_FR_DUMP_ON_TIMEOUT: dump, and ask the other ranks to
+    which torch's tests match with ``" (Timed out|closed|timeout) "``). `rendezvous`: `e`
+    ended a group's creation, where a timeout means ranks did not all join, which gloo
+    reports as the store's (``DistStoreError``). Anything else is returned as it is."""
+    _flight.on_error(e)  # TORCH_FR_DUMP_ON_TIMEOUT: dump, and ask the other ranks to dump
     cls = type(e)
     if cls in _MAPPED or cls not in _TORCH_BASES:
         return e
     msg = str(e)
-    new_cls = _torch_class(cls, _STORE_MARK in msg)
+    store = _STORE_MARK in msg or (rendezvous and issubclass(cls, _dspark.TimeoutError))
+    new_cls = _torch_class(cls, store)
     if new_cls is cls:
         return e
     if issubclass(cls, _dspark.TimeoutError):
@@ -462,7 +464,7 @@ class _Ops:
                 store, rank, size, self._deadline
             )
         except _dspark.Error as e:
-            raise _torch_error(e, self._deadline) from None
+            raise _torch_error(e, self._deadline, rendezvous=True) from None
         # monitored_barrier meets through the store (see there).
         self._store = store
         self._mb_seq = 0
@@ -646,7 +648,8 @@ class _Ops:
             t = tensors[0]
             op = _FAST_OPS.get(hash(opts.reduceOp))
             dt = _FAST_DTYPES.get(t.dtype)
-            if op is not None and dt is not None and t.is_cpu and t.is_contiguous():
+            if (op is not None and dt is not None and t.is_cpu and not t.is_sparse
+                    and t.is_contiguous()):
                 td = opts.timeout
                 timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
                 try:
@@ -663,6 +666,10 @@ class _Ops:
                     raise _torch_error(e, timeout or self._deadline) from None
                 self._sync_tensors[0] = t
                 return self._sync_work
+        if any(t.is_sparse for t in tensors):
+            from ._sparse import all_reduce as sparse_all_reduce  # as gloo's
+
+            return sparse_all_reduce(self, tensors, opts)
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             op, factor = self._op(opts.reduceOp, t.dtype, "allreduce")
@@ -1007,9 +1014,12 @@ class _Ops:
         return self._go(None, calls, keep, list(tensors), fin)
 
     def recv_anysource(self, tensors, tag=0):
-        raise InvalidArgumentError(
-            "dspark: recv from any source is not supported: name the source rank"
-        )
+        from ._anysource import recv_anysource  # its Work reports the sender
+
+        try:
+            return recv_anysource(self, tensors)
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
 
     recvAnysource = recv_anysource
 

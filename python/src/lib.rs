@@ -592,6 +592,40 @@ impl PyComm {
         .map_err(py_err)
     }
 
+    /// Receives the next message any peer sends to this rank into the `count` elements of
+    /// `dtype` at `recv`, without the GIL, and returns the peer (`Communicator::recv_any`);
+    /// with `wait` (seconds), `None` when no message started arriving within it (nothing
+    /// received: `Communicator::try_recv_any`). Same contract as `_run` for `recv`.
+    #[pyo3(signature = (dtype, recv, count, wait=None, timeout=None))]
+    fn _recv_any(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        recv: usize,
+        count: usize,
+        wait: Option<f64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<usize>> {
+        let dt = parse_dtype(dtype)?;
+        let (wait, timeout) = (secs(wait)?, secs(timeout)?);
+        let len = count
+            .checked_mul(dt.size())
+            .ok_or_else(|| InvalidArgumentError::new_err("dspark: recv: count overflows"))?;
+        let c = self.get()?;
+        py.detach(move || {
+            let buf: &mut [u8] = if len == 0 {
+                &mut []
+            } else {
+                // SAFETY: the Python caller (dspark/torch.py) passes the data pointer of a
+                // live contiguous tensor of `count` elements of `dtype` that it references,
+                // and touches in no other way, until this call returns.
+                unsafe { std::slice::from_raw_parts_mut(recv as *mut u8, len) }
+            };
+            c.recv_any_bytes(dt, buf, wait, timeout)
+        })
+        .map_err(py_err)
+    }
+
     /// `_run("all_reduce", ...)` in place on one buffer, for the torch backend's fast path
     /// (one small call per `dist.all_reduce`): the dtype and the op are indices into
     /// `FAST_DTYPES` and `FAST_OPS` (the module's `_FAST_DTYPES` / `_FAST_OPS`), not names.

@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::plan::model::CostModel;
 use crate::plan::{self, Algorithm, Buf, Collective, Loc, Program, Request};
 
+mod any;
 mod cache;
 mod drive;
 pub mod flight;
@@ -43,6 +44,7 @@ pub mod trace;
 use crate::transport::{AbortClass, Transport, TransportKind, NO_OP};
 
 use crate::types::{DataType, ReduceOp};
+pub(crate) use any::RECV_ANY;
 use cache::CacheEntry;
 use frame::{Desc, Descs};
 use scratch::Scratch;
@@ -780,6 +782,9 @@ mod tests {
             sink: &mut dyn RecvSink,
         ) -> Result<bool> {
             self.inner.recv(peer, progress, sink)
+        }
+        fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+            self.inner.peek(peer)
         }
         fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
             self.inner.wait(interest, deadline)

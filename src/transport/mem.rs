@@ -407,6 +407,24 @@ impl Transport for MemTransport {
         Ok(true)
     }
 
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        {
+            let fabric = self.fabric.clone();
+            let mut st = fabric.lock();
+            let now = Instant::now();
+            if let Some(f) = st.link(peer, self.rank).front() {
+                if f.visible_at.is_some_and(|t| t > now) {
+                    return Ok(None);
+                }
+                if f.hdr.kind == FrameKind::Data {
+                    return Ok(Some(f.hdr));
+                }
+            }
+        }
+        // Nothing, or an abort or a goodbye: what `recv` would report.
+        self.pop_frame(peer).map(|f| f.map(|f| f.hdr))
+    }
+
     fn recv(
         &mut self,
         peer: usize,

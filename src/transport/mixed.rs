@@ -203,6 +203,18 @@ impl Transport for MixedTransport {
         self.note(r)
     }
 
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        let r = if self.is_local(peer) {
+            self.shm.peek(peer)
+        } else {
+            self.net.peek(peer)
+        };
+        if matches!(r, Ok(Some(_))) {
+            self.moved = true;
+        }
+        r
+    }
+
     fn recv(
         &mut self,
         peer: usize,

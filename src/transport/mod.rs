@@ -484,6 +484,13 @@ pub trait Transport: Send + fmt::Debug {
         sink: &mut dyn RecvSink,
     ) -> Result<bool>;
 
+    /// The header of the next frame from `peer` if it has arrived, without taking it: the
+    /// next [`Transport::recv`] from `peer` starts with that same frame. A receive from any
+    /// source looks at every peer's next frame this way before it commits to one. Called
+    /// between frames only (never while a frame from `peer` is half received). Errors as
+    /// `recv`'s: an abort from `peer`, or `peer` gone with nothing more from it.
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>>;
+
     /// Blocks until one of `interest` may make progress, some other peer sent something
     /// unexpected (an abort, a closed connection), or `deadline` passes (then returns `Ok`;
     /// the caller checks the clock). Spurious wake-ups are allowed.

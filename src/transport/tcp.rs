@@ -501,6 +501,61 @@ impl TcpTransport {
         Err(self.lost(peer, op, d))
     }
 
+    /// The header of the next data frame from `peer`, once it is buffered, left in the
+    /// buffer (`recv` takes it once its sink accepted it; `peek` only looks). Reads what the
+    /// socket has; reports an abort, a goodbye or a lost connection met instead.
+    fn head_frame(&mut self, peer: usize, op: &str) -> Result<Option<FrameHeader>> {
+        let rank = self.rank;
+        loop {
+            let p = self.peer_mut(peer, op)?;
+            if let (PeerState::Lost(d), 0) = (&p.state, p.buffered()) {
+                let d = d.clone();
+                return Err(self.lost(peer, op, d));
+            }
+            let Some(b) = p.peek_header() else {
+                if p.state == PeerState::Closed {
+                    return Err(self.lost(peer, op, "peer closed its communicator"));
+                }
+                let eof = if p.buffered() > 0 {
+                    "connection closed in the middle of a frame header"
+                } else {
+                    "connection closed (process died or closed its communicator)"
+                };
+                let res = p.fill();
+                if self.after_fill(peer, res, eof, op)? {
+                    continue;
+                }
+                return Ok(None);
+            };
+            let hdr = FrameHeader::decode(b).map_err(|what| Error::Transport {
+                rank: Some(rank),
+                peer: Some(peer),
+                op: "receive frame header".into(),
+                what,
+            })?;
+            match hdr.kind {
+                FrameKind::Data => return Ok(Some(hdr)),
+                FrameKind::Abort => {
+                    // Wait until the message is buffered (it is short), then report it.
+                    let need = HEADER_LEN + hdr.len as usize;
+                    if p.buffered() < need && need <= RX_CAP {
+                        match p.fill() {
+                            Ok(Fill::Data) => continue,
+                            Ok(Fill::WouldBlock) => return Ok(None),
+                            _ => {}
+                        }
+                    }
+                    return Err(self.abort_error(peer, &hdr, op));
+                }
+                FrameKind::Bye => {
+                    p.take(HEADER_LEN);
+                    p.state = PeerState::Closed;
+                    return Err(self.lost(peer, op, "peer closed its communicator"));
+                }
+            }
+        }
+    }
+
     fn lost(&self, peer: usize, op: &str, detail: impl Into<String>) -> Error {
         Error::PeerLost {
             rank: self.rank,
@@ -765,7 +820,6 @@ impl Transport for TcpTransport {
         sink: &mut dyn RecvSink,
     ) -> Result<bool> {
         const OP: &str = "receive";
-        let rank = self.rank;
         if let Some(e) = self.abort_news() {
             return Err(e);
         }
@@ -773,53 +827,10 @@ impl Transport for TcpTransport {
             return Ok(false);
         }
         loop {
-            let p = self.peer_mut(peer, OP)?;
             if progress.header.is_none() {
-                if let (PeerState::Lost(d), 0) = (&p.state, p.buffered()) {
-                    let d = d.clone();
-                    return Err(self.lost(peer, OP, d));
-                }
-                let Some(b) = p.peek_header() else {
-                    if p.state == PeerState::Closed {
-                        return Err(self.lost(peer, OP, "peer closed its communicator"));
-                    }
-                    let eof = if p.buffered() > 0 {
-                        "connection closed in the middle of a frame header"
-                    } else {
-                        "connection closed (process died or closed its communicator)"
-                    };
-                    let res = p.fill();
-                    if self.after_fill(peer, res, eof, OP)? {
-                        continue;
-                    }
+                let Some(hdr) = self.head_frame(peer, OP)? else {
                     return Ok(false);
                 };
-                let hdr = FrameHeader::decode(b).map_err(|what| Error::Transport {
-                    rank: Some(rank),
-                    peer: Some(peer),
-                    op: "receive frame header".into(),
-                    what,
-                })?;
-                match hdr.kind {
-                    FrameKind::Data => {}
-                    FrameKind::Abort => {
-                        // Wait until the message is buffered (it is short), then report it.
-                        let need = HEADER_LEN + hdr.len as usize;
-                        if p.buffered() < need && need <= RX_CAP {
-                            match p.fill() {
-                                Ok(Fill::Data) => continue,
-                                Ok(Fill::WouldBlock) => return Ok(false),
-                                _ => {}
-                            }
-                        }
-                        return Err(self.abort_error(peer, &hdr, OP));
-                    }
-                    FrameKind::Bye => {
-                        p.take(HEADER_LEN);
-                        p.state = PeerState::Closed;
-                        return Err(self.lost(peer, OP, "peer closed its communicator"));
-                    }
-                }
                 let expected = sink.on_header(&hdr)?;
                 let p = self.peer_mut(peer, OP)?;
                 p.take(HEADER_LEN);
@@ -884,6 +895,17 @@ impl Transport for TcpTransport {
                 return Ok(false);
             }
         }
+    }
+
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        const OP: &str = "receive";
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
+        if !self.link(peer, OP)? {
+            return Ok(None);
+        }
+        self.head_frame(peer, OP)
     }
 
     fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {

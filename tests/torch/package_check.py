@@ -136,6 +136,24 @@ for dt in DTYPES:
                     w.wait()
                 check(np.array_equal(got, want),
                       f"send_recv ring {dt.__name__} {count} async={async_op}")
+            # From any source: every other rank sends to the last one, which names them.
+            last = N - 1
+            if RANK == last:
+                if count == 1 and dt == np.int32:
+                    check(comm.recv_any(np.empty(count, dtype=dt), wait=0.05) is None,
+                          "recv_any with a wait and no sender")
+                comm.barrier()
+                heard = []
+                for _ in range(N - 1):
+                    got = np.empty(count, dtype=dt)
+                    src = comm.recv_any(got)
+                    heard.append(src)
+                    check(src in range(N - 1) and np.array_equal(got, everyone[src]),
+                          f"recv_any {dt.__name__} {count} from {src}")
+                check(sorted(heard) == list(range(N - 1)), f"recv_any sources {heard}")
+            else:
+                comm.barrier()
+                comm.send(everyone[RANK], last)
 comm.barrier()
 
 # -- torch CPU tensors, bfloat16 included (numpy has none) --------------------------------

@@ -403,6 +403,13 @@ impl Transport for ShmTransport {
         self.recv_frame(peer, progress, sink)
     }
 
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        if let Some(e) = self.abort_news() {
+            return Err(e);
+        }
+        self.peek_frame(peer)
+    }
+
     fn wait(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
         self.wait_on_bell(interest, deadline)
     }

@@ -285,18 +285,19 @@ impl ShmTransport {
         Ok((rx_base, state_open))
     }
 
-    /// Takes the header of the next frame in `peer`'s ring (at `rx_base`), checks it and
-    /// announces it to `sink`; `false` while there is none yet.
-    fn take_header(
-        &mut self,
-        peer: usize,
-        rx_base: usize,
-        progress: &mut RecvProgress,
-        sink: &mut dyn RecvSink,
-    ) -> Result<bool> {
+    /// The header of the next frame from `peer`, left in its ring (for a receive from any
+    /// source, which looks before it commits to a peer); `None` while there is none yet.
+    pub(super) fn peek_frame(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        let (rx_base, _) = self.open_receive(peer)?;
+        Ok(self.head_frame(peer, rx_base)?.map(|(h, _)| h))
+    }
+
+    /// The next frame's header in `peer`'s ring (at `rx_base`) and where it starts, checked
+    /// but not taken; `None` while there is none yet.
+    fn head_frame(&mut self, peer: usize, rx_base: usize) -> Result<Option<(FrameHeader, u64)>> {
         let rank = self.rank;
         let Some((b, start)) = self.next_header(peer, rx_base)? else {
-            return Ok(false);
+            return Ok(None);
         };
         let hdr = FrameHeader::decode(&b).map_err(|what| Error::Transport {
             rank: Some(rank),
@@ -312,6 +313,22 @@ impl ShmTransport {
                 what: format!("unexpected {:?} frame in a shared-memory ring", hdr.kind),
             });
         }
+        Ok(Some((hdr, start)))
+    }
+
+    /// Takes the header of the next frame in `peer`'s ring (at `rx_base`), checks it and
+    /// announces it to `sink`; `false` while there is none yet.
+    fn take_header(
+        &mut self,
+        peer: usize,
+        rx_base: usize,
+        progress: &mut RecvProgress,
+        sink: &mut dyn RecvSink,
+    ) -> Result<bool> {
+        let rank = self.rank;
+        let Some((hdr, start)) = self.head_frame(peer, rx_base)? else {
+            return Ok(false);
+        };
         let expected = sink.on_header(&hdr)?;
         if expected != hdr.len as usize {
             return Err(frame_len_mismatch(rank, peer, hdr.len as usize, expected));

@@ -828,6 +828,13 @@ impl Transport for VerbsTransport {
         Ok(true)
     }
 
+    fn peek(&mut self, peer: usize) -> Result<Option<FrameHeader>> {
+        if !self.link(peer, false)? {
+            return Ok(None);
+        }
+        Ok(self.next_header(peer, "receive")?.map(|(_, _, _, h)| h))
+    }
+
     fn wait(&mut self, _interest: &[Interest], deadline: Instant) -> Result<()> {
         self.wait_events(deadline)
     }
