@@ -50,10 +50,11 @@
 //! (2(H−1)/H of the buffer per host). The closed forms price every hop at one medium's
 //! constants and have no term for the link a host shares among its rails, so they put
 //! Rabenseifner's allreduce (the same bytes per rank, as few between hosts on powers of two)
-//! level with it; measured on `benches/link_bed.sh` (2 hosts × 2 ranks, 1 Gbit/s), the
-//! pipelined hierarchical allreduce ran at 0.93–0.95 of the link's floor from 1 MiB to 64 MiB
-//! where Rabenseifner's ran at 0.82–0.86 (benches/RESULTS.md). The model does not measure the
-//! link: below `hier_min_bytes` it keeps its single-medium choice.
+//! level with it; measured on `benches/link_bed.sh` (2 hosts × 2 ranks), the pipelined
+//! hierarchical allreduce ran at 0.96/0.95 of the link's floor at 16/64 MiB and 4 Gbit/s where
+//! Rabenseifner's ran at 0.87/0.82, and at 0.95/0.95 against 0.90/0.89 at 1 Gbit/s
+//! (benches/RESULTS.md). The model does not measure the link: below `hier_min_bytes` it keeps
+//! its single-medium choice.
 //!
 //! One effect the closed forms miss at scale is taken from NCCL's published tuning model:
 //!
