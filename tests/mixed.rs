@@ -104,6 +104,9 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                 return Err(format!("DSPARK_ALGO=hier runs all_reduce with {a}"));
             }
             common::run_matrix(&comm, &[0, 1, 3, 5, 8, 101, 1031, 20_011], 0x41e7)?;
+            // Large enough to be pipelined in chunks (`plan::algo::hier_chunks`: 2 here), odd.
+            let chunked = 2 * dspark::internals::plan::algo::HIER_MIN_SUB_ELEMS * 4 + 3;
+            common::run_matrix(&comm, &[chunked], 0x41e8)?;
             Ok(OK)
         }
         "kind" => {
@@ -340,10 +343,9 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
         extra.push(("WANT_TRANSPORT", want));
         spawn(WORLD, "kind", &|r| rank_vars(r, false, &extra), None).wait(Duration::from_secs(60))
     };
-    // Two hosts of two ranks, 4 MiB: Rabenseifner's allreduce, whose halving starts within
-    // each host (the hierarchical allreduce's bytes between hosts, in fewer steps; the
-    // hierarchical one is chosen where the world is not a power of two, `plan::model`).
-    let outs = run("shm+tcp", &[("WANT_ALGO", "rabenseifner")]);
+    // Two hosts of two ranks, 4 MiB: the pipelined hierarchical allreduce (`plan::model`,
+    // "Between hosts").
+    let outs = run("shm+tcp", &[("WANT_ALGO", "hier")]);
     assert_all(&outs, OK, "auto");
     // DSPARK_TRANSPORT=tcp on one rank: no shared memory anywhere.
     let outs = spawn(

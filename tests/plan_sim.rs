@@ -291,6 +291,102 @@ fn hierarchical_all_reduce_gives_every_rank_the_sum_on_every_host_layout() {
     assert!(runs > 1000);
 }
 
+/// The pipelined hierarchical allreduce (chunks flowing from the host reduce-scatter through
+/// the rails into the host all-gather while later chunks are still reduced): exact on every
+/// host layout with 1–7 chunks, including more chunks than elements (empty chunks), odd and
+/// prime counts and counts smaller than the world, with and without the final division, at
+/// every segment size and link capacity: no deadlock from the chunks' interleaving in the
+/// per-peer FIFOs.
+#[test]
+fn pipelined_hierarchical_all_reduce_is_exact_in_any_number_of_chunks() {
+    let mut runs = 0;
+    for (hosts, l) in HIER_LAYOUTS {
+        let n = hosts * l;
+        for count in [
+            0,
+            1,
+            n.saturating_sub(1),
+            n + 1,
+            2 * n + 1,
+            13,
+            97,
+            4 * n * 7 + 3,
+        ] {
+            for chunks in [1, 2, 3, 7] {
+                for fin in [false, true] {
+                    let call = Call::new(Collective::AllReduce, Algorithm::Hierarchical, n, count)
+                        .with_per_host(l)
+                        .with_finalize(fin);
+                    for &seg in &[1, 3, usize::MAX] {
+                        let progs: Vec<Program> = (0..n)
+                            .map(|r| {
+                                let s = algo::hierarchical_all_reduce_in_chunks(
+                                    n, r, count, fin, l, chunks,
+                                );
+                                compile(&s, seg)
+                            })
+                            .collect();
+                        for &cap in &CAPS {
+                            let seed = (n * 31 + count * 7 + chunks * 5 + cap) as u64;
+                            let cfg = SimConfig {
+                                seed,
+                                seg_elems: seg,
+                                link_capacity: cap,
+                            };
+                            let out = run_programs_and_check(&call, &progs, &cfg, seed ^ 0xC4);
+                            // Chunking moves the same elements: the ring's 2(n−1)/n per rank
+                            // in total, whatever the number of chunks.
+                            if chunks == 1 {
+                                continue;
+                            }
+                            let one: Vec<Program> = (0..n)
+                                .map(|r| {
+                                    let s = algo::hierarchical_all_reduce_in_chunks(
+                                        n, r, count, fin, l, 1,
+                                    );
+                                    compile(&s, seg)
+                                })
+                                .collect();
+                            let base = sim::run_programs(&one, call.random_inputs(1), &cfg)
+                                .expect("one chunk runs");
+                            assert_eq!(
+                                out.elems_sent(),
+                                base.elems_sent(),
+                                "hosts {hosts} l {l} count {count} chunks {chunks}"
+                            );
+                            runs += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(runs > 500, "{runs}");
+}
+
+/// The engine's choice of chunks: one until every rail sub-block holds
+/// `HIER_MIN_SUB_ELEMS`, then more with the count, at most `HIER_MAX_CHUNKS`; and the
+/// schedule of a count that chunks is the chunked one.
+#[test]
+fn hierarchical_all_reduce_pipelines_large_buffers_in_chunks() {
+    use dspark::internals::plan::algo::{hier_chunks, HIER_MAX_CHUNKS, HIER_MIN_SUB_ELEMS};
+    let unit = HIER_MIN_SUB_ELEMS * 2 * 2;
+    assert_eq!(hier_chunks(0, 2, 2), 1);
+    assert_eq!(hier_chunks(unit - 1, 2, 2), 1);
+    assert_eq!(hier_chunks(2 * unit, 2, 2), 2);
+    assert_eq!(hier_chunks(5 * unit + 3, 2, 2), 5);
+    assert_eq!(hier_chunks(usize::MAX, 2, 2), HIER_MAX_CHUNKS);
+    assert_eq!(hier_chunks(usize::MAX, usize::MAX, usize::MAX), 1);
+    let c = 3 * unit + 5;
+    for r in 0..4 {
+        assert_eq!(
+            algo::hierarchical_all_reduce(4, r, c, true, 2),
+            algo::hierarchical_all_reduce_in_chunks(4, r, c, true, 2, 3),
+            "rank {r}"
+        );
+    }
+}
+
 #[test]
 fn hierarchical_all_reduce_without_a_uniform_layout_runs_the_ring() {
     // 3+2 ranks (uneven hosts), interleaved hosts or no host information: per_host is 0

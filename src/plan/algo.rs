@@ -104,7 +104,8 @@ fn ring_pass(
 /// host `h = r / l`. Falls back to the ring ([`super::Algorithm::Ring`]) when the layout does not divide the
 /// world (`l` = 0 included), so every rank of a job makes the same choice.
 ///
-/// The buffer is cut into `l` blocks `A(j)` = [`block_range`]`(c, l, j)`.
+/// The buffer is cut into `C` = [`hier_chunks`]`(c, l, H)` chunks ([`block_range`]`(c, C, k)`),
+/// each chunk into `l` blocks `A(j)`, and every chunk goes through three phases:
 ///
 /// ```text
 /// 1. reduce-scatter in the host ring (right = local i+1, left = local i−1), step s = 0..l-2:
@@ -116,6 +117,13 @@ fn ring_pass(
 ///      send A(i−s) → right, recv A(i−s−1) ← left, copy
 /// ```
 ///
+/// The chunks are software-pipelined: in program order chunk `t`'s reduce-scatter comes
+/// before chunk `t−1`'s rail and chunk `t−2`'s all-gather. The engine runs every step whose
+/// data is ready, one FIFO per peer and direction, so the rail (its own peers' FIFOs) starts on
+/// chunk 0 while the host still reduces chunk 1, and a host-ring FIFO holding an all-gather
+/// that waits for its rail has the next two chunks' reduce-scatters already done ahead of it:
+/// the link between hosts never waits for memory, and the host phases hide under the link.
+///
 /// Per rank: (l−1)/l of the buffer in each host phase and 2(H−1)/H of `A(i)` on the rail, in
 /// total 2(n−1)/n of the buffer as the ring (exactly, when `n` divides it), but only the rail
 /// part crosses hosts.
@@ -123,32 +131,84 @@ pub fn hierarchical_all_reduce(n: usize, r: Rank, c: usize, fin: bool, l: usize)
     if l == 0 || !n.is_multiple_of(l) {
         return ring_all_reduce(n, r, c, fin);
     }
+    hierarchical_all_reduce_in_chunks(n, r, c, fin, l, hier_chunks(c, l, n / l))
+}
+
+/// [`hierarchical_all_reduce`] with the number of chunks given (at least 1; chunks beyond the
+/// count are empty and send nothing): the schedule the engine runs for `chunks` =
+/// [`hier_chunks`], and for tests, any other. `l` must divide `n` (`l ≥ 1`).
+pub fn hierarchical_all_reduce_in_chunks(
+    n: usize,
+    r: Rank,
+    c: usize,
+    fin: bool,
+    l: usize,
+    chunks: usize,
+) -> Schedule {
     let mut s = Schedule::new();
+    let l = l.max(1);
     let hosts = n / l;
+    let chunks = chunks.max(1);
     let (h, i) = (r / l, r % l);
-    let a = |j: usize| Loc::dst(block_range(c, l, j % l));
     let right = h * l + (i + 1) % l;
     let left = h * l + (i + l - 1) % l;
-    for step in 0..l - 1 {
-        let send = a(i + 2 * l - step - 1);
-        let recv = a(i + 2 * l - step - 2);
-        s.round().send(right, send).recv_reduce(left, recv, recv);
-    }
-    // The rail: a ring over hosts on A(i), cut into `hosts` sub-blocks.
-    let mine = block_range(c, l, i);
-    let sub = |k: usize| {
-        let b = block_range(mine.len(), hosts, k % hosts);
-        Loc::dst(mine.start + b.start..mine.start + b.end)
-    };
     let up = ((h + 1) % hosts) * l + i;
     let down = ((h + hosts - 1) % hosts) * l + i;
-    ring_pass(&mut s, hosts, h, up, down, sub, fin);
-    for step in 0..l - 1 {
-        let send = a(i + l - step);
-        let recv = a(i + 2 * l - step - 1);
-        s.round().send(right, send).recv_copy(left, recv);
+    let chunk = |k: usize| block_range(c, chunks, k);
+    // Block j (mod l) of chunk k.
+    let a = move |k: usize, j: usize| {
+        let ck = chunk(k);
+        let b = block_range(ck.len(), l, j % l);
+        Loc::dst(ck.start + b.start..ck.start + b.end)
+    };
+    for t in 0..chunks + HIER_LAG * 2 {
+        if t < chunks {
+            for step in 0..l - 1 {
+                let send = a(t, i + 2 * l - step - 1);
+                let recv = a(t, i + 2 * l - step - 2);
+                s.round().send(right, send).recv_reduce(left, recv, recv);
+            }
+        }
+        if let Some(k) = t.checked_sub(HIER_LAG).filter(|&k| k < chunks) {
+            // The rail: a ring over hosts on A(i) of chunk k, cut into `hosts` sub-blocks.
+            let mine = a(k, i);
+            let sub = |q: usize| {
+                let b = block_range(mine.len, hosts, q % hosts);
+                Loc::dst(mine.start + b.start..mine.start + b.end)
+            };
+            ring_pass(&mut s, hosts, h, up, down, sub, fin);
+        }
+        if let Some(k) = t.checked_sub(2 * HIER_LAG).filter(|&k| k < chunks) {
+            for step in 0..l - 1 {
+                let send = a(k, i + l - step);
+                let recv = a(k, i + 2 * l - step - 1);
+                s.round().send(right, send).recv_copy(left, recv);
+            }
+        }
     }
     s
+}
+
+/// How many chunks behind the reduce-scatter the rail runs, and the all-gather behind the rail,
+/// in [`hierarchical_all_reduce`]'s program order.
+const HIER_LAG: usize = 1;
+
+/// The smallest rail sub-block a chunk of [`hierarchical_all_reduce`] is cut to, in elements:
+/// below it the frames' fixed costs would outweigh the pipelining.
+pub const HIER_MIN_SUB_ELEMS: usize = 64 * 1024;
+
+/// The most chunks [`hierarchical_all_reduce`] cuts a buffer into: enough that filling and
+/// draining the pipeline (one chunk's host phases) is a few percent of the call.
+pub const HIER_MAX_CHUNKS: usize = 16;
+
+/// The number of chunks [`hierarchical_all_reduce`] pipelines `c` elements in, with `l` ranks
+/// on each of `hosts` hosts: one per [`HIER_MIN_SUB_ELEMS`] of every rail's sub-block, at
+/// least 1 and at most [`HIER_MAX_CHUNKS`].
+pub fn hier_chunks(c: usize, l: usize, hosts: usize) -> usize {
+    let per_chunk = HIER_MIN_SUB_ELEMS
+        .saturating_mul(l.max(1))
+        .saturating_mul(hosts.max(1));
+    (c / per_chunk).clamp(1, HIER_MAX_CHUNKS)
 }
 
 /// Recursive doubling allreduce, in place: `p` = the largest power of two ≤ n. Ranks `p..n`

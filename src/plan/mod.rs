@@ -398,7 +398,9 @@ pub enum Algorithm {
     /// ([`Request::per_host`]): a ring reduce-scatter among the ranks of each host (local rank
     /// `i` ends with block `i` of the host's sum), a ring allreduce of block `i` among the
     /// local ranks `i` of every host (one *rail* per local rank, all rails at once), and a
-    /// ring all-gather within each host ([`algo::hierarchical_all_reduce`]). The same
+    /// ring all-gather within each host, pipelined in chunks so that the three phases overlap
+    /// and the link between hosts does not wait for memory ([`algo::hierarchical_all_reduce`]).
+    /// The same
     /// 2(n−1)/n of the buffer per rank as the ring, in 2(L−1) + 2(H−1) steps instead of
     /// 2(n−1) (L ranks per host, H hosts), with only 2(H−1)/(H·L) of the buffer per rank
     /// crossing between hosts, spread over every rank instead of the ring's few host-boundary

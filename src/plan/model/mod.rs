@@ -41,6 +41,21 @@
 //!   predicts the hierarchical algorithm ahead at every size: fewer hops, the ring's bytes).
 //!   [`CostModel::hier_min_bytes`] keeps that measured floor.
 //!
+//! # Between hosts
+//!
+//! With several hosts of several ranks ([`hierarchical_fits`]) the model takes the hierarchical
+//! allreduce from [`CostModel::hier_min_bytes`] on, without comparing predictions. It is
+//! pipelined in chunks ([`super::algo::hierarchical_all_reduce`]): the host phases run over
+//! memory while the rails keep the link busy, and it sends the fewest bytes between hosts
+//! (2(H−1)/H of the buffer per host). The closed forms price every hop at one medium's
+//! constants and have no term for the link a host shares among its rails, so they put
+//! Rabenseifner's allreduce (the same bytes per rank, as few between hosts on powers of two)
+//! level with it; measured on `benches/link_bed.sh` (2 hosts × 2 ranks), the pipelined
+//! hierarchical allreduce ran at 0.96/0.95 of the link's floor at 16/64 MiB and 4 Gbit/s where
+//! Rabenseifner's ran at 0.87/0.82, and at 0.95/0.95 against 0.90/0.89 at 1 Gbit/s
+//! (benches/RESULTS.md). The model does not measure the link: below `hier_min_bytes` it keeps
+//! its single-medium choice.
+//!
 //! One effect the closed forms miss at scale is taken from NCCL's published tuning model:
 //!
 //! * **The double binary tree moves its bytes less efficiently than the ring**
@@ -428,7 +443,8 @@ impl CostModel {
 
     /// The cheapest algorithm for `coll` on `bytes` bytes over `world` ranks with
     /// `per_host` ranks per host ([`super::Request::per_host`]). The hierarchical allreduce
-    /// competes only where [`hierarchical_fits`] and from [`CostModel::hier_min_bytes`]; ties
+    /// is taken where [`hierarchical_fits`] and from [`CostModel::hier_min_bytes`] (module
+    /// docs, "Between hosts"), and never below; ties
     /// go to the algorithm with fewer hops (recursive doubling, then the trees, then the ring),
     /// except Rabenseifner's, which comes after the ring: with 2 ranks the two are the same
     /// exchange, and the ring keeps the name users know.
@@ -439,6 +455,14 @@ impl CostModel {
         world: usize,
         per_host: usize,
     ) -> Algorithm {
+        // Several hosts of several ranks, from `hier_min_bytes`: the pipelined hierarchical
+        // allreduce (module docs, "Between hosts").
+        if coll == Collective::AllReduce
+            && hierarchical_fits(world, per_host)
+            && bytes >= self.hier_min_bytes
+        {
+            return Algorithm::Hierarchical;
+        }
         let mut best: Option<(Algorithm, f64)> = None;
         let margin = 0.5 * self.costs.alpha_us;
         for a in PREFERENCE {
@@ -621,12 +645,17 @@ mod choice {
                 Algorithm::Hierarchical
             );
         }
-        // On powers of two Rabenseifner instead: its halving starts with the nearest ranks
+        // On powers of two as well: Rabenseifner's halving starts with the nearest ranks
         // (`r XOR 1`, `r XOR 2`, on the same host when ranks are numbered host by host), so it
-        // sends as few bytes between hosts as the hierarchical allreduce, in fewer steps.
+        // sends as few bytes between hosts, but its host phases add to the link time where the
+        // pipelined hierarchical allreduce hides them (measured on the link bed).
         for (n, per_host) in [(4, 2), (8, 2), (8, 4)] {
             assert_eq!(
                 m.choose(Collective::AllReduce, 16 << 20, n, per_host),
+                Algorithm::Hierarchical
+            );
+            assert_eq!(
+                m.choose(Collective::AllReduce, 2 << 20, n, per_host),
                 Algorithm::Rabenseifner
             );
         }

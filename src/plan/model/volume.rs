@@ -4,6 +4,7 @@
 //! schedule, so that choosing an algorithm per call costs nanoseconds. The tests check every
 //! count against the schedules themselves for every world up to 64.
 
+use crate::plan::algo::hier_chunks;
 use crate::plan::{hierarchical_fits, Algorithm, Collective};
 
 /// The structure of one schedule, as the model counts it (elements, not bytes).
@@ -78,15 +79,17 @@ pub fn volume(
             let (l, h) = (per_host, n / per_host);
             let rail = c.div_ceil(l);
             let each = (c - c / l).saturating_mul(2) + (rail - rail / h).saturating_mul(2);
+            // Pipelined in chunks: every chunk sends its own messages (the bytes do not change).
+            let chunks = hier_chunks(c, l, h);
             Volume {
                 hops: 2 * (l - 1) + 2 * (h - 1),
                 reducing_hops: (l - 1) + (h - 1),
                 hop_elems: c.div_ceil(l),
-                sends: 2 * (l - 1) + 2 * (h - 1),
+                sends: chunks * (2 * (l - 1) + 2 * (h - 1)),
                 sent: each.min(c.saturating_mul(2)),
                 recvd: each.min(c.saturating_mul(2)),
                 reduced: (c - c / l) + (rail - rail / h),
-                total_sends: n * (2 * (l - 1) + 2 * (h - 1)),
+                total_sends: chunks * n * (2 * (l - 1) + 2 * (h - 1)),
                 total_sent: (2 * (n - 1)).saturating_mul(c),
                 total_reduced: (n - 1).saturating_mul(c),
             }
@@ -437,6 +440,28 @@ mod tests {
                         "l={l} h={h} c={c} {what}: {g} vs {w}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn pipelined_hierarchical_counts_every_chunks_messages_and_the_same_bytes() {
+        for (l, h) in [(2, 2), (3, 2), (2, 3)] {
+            let n = l * h;
+            let c = crate::plan::algo::HIER_MIN_SUB_ELEMS * l * h * 3 + 5;
+            assert_eq!(hier_chunks(c, l, h), 3);
+            let got = measure(Collective::AllReduce, Algorithm::Hierarchical, n, c, l);
+            let want = volume(Collective::AllReduce, Algorithm::Hierarchical, n, c, l).unwrap();
+            assert_eq!(got.sends, want.sends, "l={l} h={h}");
+            assert_eq!(got.total_sends, want.total_sends, "l={l} h={h}");
+            assert_eq!(got.total_sent, want.total_sent, "l={l} h={h}");
+            assert_eq!(got.total_reduced, want.total_reduced, "l={l} h={h}");
+            for (g, w, what) in [
+                (got.sent, want.sent, "sent"),
+                (got.recvd, want.recvd, "recvd"),
+                (got.reduced, want.reduced, "reduced"),
+            ] {
+                assert!(g.abs_diff(w) <= 16, "l={l} h={h} {what}: {g} vs {w}");
             }
         }
     }
