@@ -40,11 +40,12 @@ class _AnySourceWork(dist._Work):
 
     def _finish(self, src, exc):
         self._src, self._exc = src, exc
-        self._done.set()
+        # The future first: a caller woken by `wait` may read `get_future().value()` at once.
         if exc is None:
             self._fut.set_result(self._tensors)
         else:
             self._fut.set_exception(exc)
+        self._done.set()
 
     def wait(self, timeout=None):
         # The receive's own deadline bounds the wait.

@@ -306,18 +306,30 @@ class _AsyncWork(dist._Work):
         self._inner = inner
         self._outer = outer
 
+    def _settled(self):
+        # The inner future's value, once the outer one (`get_future()`) is complete too: the
+        # inner is marked done before its `then` callback completes the outer, on the
+        # completer's thread, so a caller woken by the inner alone could find
+        # `get_future().value()` not ready yet (torch's "completed() INTERNAL ASSERT").
+        v = self._inner.wait()
+        try:
+            self._outer.wait()
+        except Exception:  # noqa: BLE001 - the failure is `v`'s, raised by the caller
+            pass
+        return v
+
     def wait(self, timeout=None):
         # The operation's deadline bounds the wait; `timeout` is not needed for that.
-        v = self._inner.wait()
+        v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc
         return True
 
     def is_completed(self):
-        return self._inner.done()
+        return self._outer.done()
 
     def is_success(self):
-        return self._inner.done() and not isinstance(self._inner.value(), _Failure)
+        return self._outer.done() and not isinstance(self._inner.value(), _Failure)
 
     def exception(self):
         if not self._inner.done():
@@ -326,7 +338,7 @@ class _AsyncWork(dist._Work):
         return v.exc if isinstance(v, _Failure) else None
 
     def result(self):
-        v = self._inner.wait()
+        v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc
         return v
