@@ -35,6 +35,7 @@ use crate::plan::{self, Algorithm, Buf, Collective, Loc, Program, Request};
 mod cache;
 mod drive;
 mod frame;
+mod oneshot;
 mod pace;
 mod scratch;
 pub mod staged;
@@ -65,6 +66,10 @@ pub struct EngineOptions {
     /// The host layout ([`plan::Request::per_host`]): ranks per host when every host has
     /// as many and numbers them contiguously, else 0.
     pub per_host: usize,
+    /// The largest all_reduce, in bytes, that runs [`Algorithm::OneShot`] through the
+    /// transport's shared slots ([`crate::transport::Slots`]) when no algorithm is forced;
+    /// 0 where the transport has none. Set at init from the transport.
+    pub one_shot_bytes: usize,
 }
 
 impl EngineOptions {
@@ -72,6 +77,13 @@ impl EngineOptions {
     pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
         match self.force_algo {
             Some(a) if a.supports(coll) => a,
+            _ if coll == Collective::AllReduce
+                && world > 1
+                && bytes > 0
+                && bytes <= self.one_shot_bytes =>
+            {
+                Algorithm::OneShot
+            }
             _ => plan::choose(coll, bytes, world, self.per_host, &self.model),
         }
     }
@@ -87,6 +99,7 @@ impl Default for EngineOptions {
             model: CostModel::default(),
             force_algo: None,
             per_host: 0,
+            one_shot_bytes: 0,
         }
     }
 }
@@ -160,6 +173,8 @@ pub struct Engine {
     call_timeout: Option<Duration>,
     /// `DSPARK_TRACE`: what this engine did, for Chrome / Perfetto.
     trace: Option<trace::Trace>,
+    /// This rank's contribution to a one-shot all_reduce (reused).
+    one_shot_input: Vec<u8>,
 }
 
 impl Engine {
@@ -187,6 +202,7 @@ impl Engine {
             abort: Arc::new(AtomicBool::new(false)),
             call_timeout: None,
             trace: None,
+            one_shot_input: Vec::new(),
         }
     }
 
@@ -296,6 +312,9 @@ impl Engine {
     pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
         if let Some(from) = call.recv_from {
             return self.run_exchange(call, from, src, dst);
+        }
+        if self.runs_one_shot(call) {
+            return self.run_one_shot(call, src, dst);
         }
         self.guarded(call, (src.len(), dst.len()), |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);

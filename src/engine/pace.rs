@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::plan::Program;
 
 /// What a drive loop does after a pass over its steps.
-enum Pace {
+pub(super) enum Pace {
     /// Pass again at once (something moved, or still within the spin time).
     Again,
     /// Nothing moved for the spin time: block until something may.
@@ -66,12 +66,12 @@ impl Pacer {
     /// long that an abort goes unnoticed.
     ///
     /// [`Transport::wait`]: crate::transport::Transport::wait
-    fn wait_until(&self) -> Instant {
+    pub(super) fn wait_until(&self) -> Instant {
         self.deadline.min(Instant::now() + ABORT_POLL)
     }
 
     /// The pacing of the pass that just ended (`moved`: whether any step progressed).
-    fn after_pass(&mut self, moved: bool) -> Pace {
+    pub(super) fn after_pass(&mut self, moved: bool) -> Pace {
         if moved {
             self.idle_since = None;
             // A peer trickling bytes must not keep a call alive past its deadline either.

@@ -98,6 +98,10 @@ fn warn_if_open(
 
 /// Spin time when ranks do not outnumber cores / when they do.
 const SPIN: Duration = Duration::from_micros(50);
+/// The largest all_reduce run one-shot through shared slots
+/// ([`crate::plan::Algorithm::OneShot`]): measured against recursive doubling over the rings
+/// on 2 and 4 ranks (benches/RESULTS.md).
+const ONE_SHOT_MAX_BYTES: usize = 4096;
 const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
 fn engine_options(
@@ -118,6 +122,7 @@ fn engine_options(
         yield_while_spinning: oversubscribed,
         force_algo: cfg.algo,
         per_host,
+        one_shot_bytes: 0,
     }
 }
 
@@ -431,11 +436,15 @@ impl Communicator {
 
     fn assemble(
         config: &Config,
-        transport: Box<dyn Transport>,
-        opts: EngineOptions,
+        mut transport: Box<dyn Transport>,
+        mut opts: EngineOptions,
         facts: Facts,
     ) -> Result<Self> {
         let (rank, world) = (config.rank, config.world_size);
+        // Small all_reduces go one-shot through shared slots where the transport has them.
+        opts.one_shot_bytes = transport
+            .slots()
+            .map_or(0, |s| s.capacity().min(ONE_SHOT_MAX_BYTES));
         let peer_transports: Vec<TransportKind> =
             (0..world).map(|p| transport.peer_kind(p)).collect();
         let inter_host = match transport.kind() {

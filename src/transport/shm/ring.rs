@@ -263,26 +263,32 @@ impl ShmTransport {
             )
         };
         if !linked {
-            if let Err(e) = self.link(peer, false, OP) {
-                // What the peer wrote before it went is still taken; then its loss shows.
-                match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
-                    (Some(q), Some(p)) if q == peer => {
-                        if p.state == PeerState::Open {
-                            let why = match e {
-                                Error::PeerLost { detail, .. } => detail,
-                                e => e.to_string(),
-                            };
-                            p.state = PeerState::Gone(why);
-                        }
-                    }
-                    _ => return Err(e),
-                }
-            }
+            self.start_link(peer, OP)?;
         }
         if !committed {
             self.commit(peer)?;
         }
         Ok((rx_base, state_open))
+    }
+
+    /// Starts `peer`'s liveness connection on first use, as a receive does: a failure to make
+    /// it marks the peer gone (what it wrote before is still taken, then its loss shows).
+    pub(super) fn start_link(&mut self, peer: usize, op: &str) -> Result<()> {
+        if let Err(e) = self.link(peer, false, op) {
+            match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
+                (Some(q), Some(p)) if q == peer => {
+                    if p.state == PeerState::Open {
+                        let why = match e {
+                            Error::PeerLost { detail, .. } => detail,
+                            e => e.to_string(),
+                        };
+                        p.state = PeerState::Gone(why);
+                    }
+                }
+                _ => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Takes the header of the next frame in `peer`'s ring (at `rx_base`), checks it and
@@ -296,6 +302,20 @@ impl ShmTransport {
     ) -> Result<bool> {
         let rank = self.rank;
         let Some((b, start)) = self.next_header(peer, rx_base)? else {
+            // A peer that runs this collective one-shot shows in its slot: the sink names
+            // both calls.
+            if let Some(h) = self
+                .coll_running
+                .and_then(|seq| self.slot_header_at(peer, seq))
+            {
+                sink.on_header(&h)?;
+                return Err(Error::Transport {
+                    rank: Some(rank),
+                    peer: Some(peer),
+                    op: "receive frame header".into(),
+                    what: "a one-shot contribution where a frame was expected".into(),
+                });
+            }
             return Ok(false);
         };
         let hdr = FrameHeader::decode(&b).map_err(|what| Error::Transport {

@@ -355,6 +355,7 @@ impl ShmTransport {
             coll_running: None,
             coll_done: 0,
             peer_aborted: false,
+            slot_calls: 0,
         };
         t.desc = t.description();
         Ok(t)
