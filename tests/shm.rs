@@ -278,9 +278,10 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     let detail = &info.transport_detail;
     let committed = number_before(detail, "KiB committed at init")
         .ok_or_else(|| format!("no committed figure in {detail:?}"))?;
-    if committed != 4 + ring_kib * k as u64 {
+    // The header page and the two one-shot slots' pages: 12 KiB.
+    if committed != 12 + ring_kib * k as u64 {
         return Err(format!(
-            "{committed} KiB committed at init, want the header and {k} rings: {detail}"
+            "{committed} KiB committed at init, want the header, the slots and {k} rings: {detail}"
         ));
     }
     if !detail.contains(&format!("{k} of {} at init", n - 1)) {
@@ -289,14 +290,15 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
         ));
     }
     // Independently, the kernel's count of shared memory this process maps: its segment's
-    // header and partners' rings, each partner's ring it sends into, and every peer's header
-    // page; the other pairs' rings (2 × 68 KiB each) are not touched.
+    // header and slots and partners' rings, each partner's ring it sends into, and every
+    // peer's header and slot pages (12 KiB); the other pairs' rings (2 × 68 KiB each) are not
+    // touched.
     let at_init = status_kb("RssShmem");
-    let want = 4 + 2 * ring_kib * k as u64 + 4 * (n as u64 - 1);
+    let want = 12 + 2 * ring_kib * k as u64 + 12 * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: {k} partners, {committed} KiB committed at init, RssShmem {at_init} KiB \
          (partners' rings and headers {want} KiB; every pair's would be {} KiB)",
-        4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1)
+        12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1)
     ));
     if at_init < want || at_init > want + ring_kib {
         return Err(format!(
@@ -312,7 +314,7 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     comm.barrier().map_err(|e| e.to_string())?;
     // Now every pair's rings are committed and mapped in.
     let after = status_kb("RssShmem");
-    let all = 4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1);
+    let all = 12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: RssShmem {after} KiB after every pair was used"
     ));
