@@ -862,7 +862,8 @@ mod tests {
         assert_eq!(Algorithm::Tree.code(), 7);
         assert_eq!(Algorithm::Hierarchical.code(), 8);
         assert_eq!(Algorithm::Rabenseifner.code(), 9);
-        assert_eq!(Algorithm::from_code(10), None);
+        assert_eq!(Algorithm::OneShot.code(), 10);
+        assert_eq!(Algorithm::from_code(11), None);
         assert_eq!(Algorithm::from_code(15), None);
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);
