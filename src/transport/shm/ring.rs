@@ -1,5 +1,6 @@
 //! The ring protocol (see "Rings" in the module docs of [`super`]): a sender writes frames
-//! (the 32-byte header, the payload, padding to the next line) into the ring it owns in the
+//! (the 32-byte header and the payload; the padding to the next line is taken as space by
+//! the frame after) into the ring it owns in the
 //! peer's segment and publishes them with `head`; the receiver finds each frame's header,
 //! skips wrap markers, hands the payload to the engine's sink straight out of its own
 //! segment and publishes its progress with `tail`. These are the bodies of
@@ -148,15 +149,32 @@ impl ShmTransport {
         let mut w = progress.written;
         let mut last_pub = p.tx_head;
         if w == 0 {
+            // The padding of the frame before, to the line this one starts on: space,
+            // nothing written, taken only now. A frame is complete at its last byte, so a
+            // receiver that took it whole (and may have closed since) is never waited for.
+            let gap = pad(p.tx_head) - p.tx_head;
+            if gap > 0 {
+                if ring - (p.tx_head - p.tx_tail) < gap {
+                    p.tx_tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
+                    if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
+                        return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+                    }
+                    if ring - (p.tx_head - p.tx_tail) < gap {
+                        return Ok(false);
+                    }
+                }
+                p.tx_head += gap;
+                last_pub = p.tx_head;
+            }
             p.wrap_to_hot_window(ring, padded, rank, peer)?;
         }
         let tail_word = p.seg.u64_at(p.tx_base + RING_TAIL);
         let head_word = p.seg.u64_at(p.tx_base + RING_HEAD);
         let data_off = p.tx_base + RING_DATA;
-        while w < padded {
+        while w < total {
             let mut free = ring - (p.tx_head - p.tx_tail);
             let need = if w == 0 { LINE as u64 } else { 1 };
-            if free < need.max((padded - w).min(LINE) as u64) {
+            if free < need.max((total - w).min(LINE) as u64) {
                 p.tx_tail = tail_word.load(Ordering::Acquire);
                 if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
                     return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
@@ -175,7 +193,7 @@ impl ShmTransport {
                     .write(data_off + pos, &head[w..])
                     .map_err(out_of_bounds(rank, peer))?;
                 HEADER_LEN - w
-            } else if w < total {
+            } else {
                 let n = (total - w)
                     .min(free as usize)
                     .min(contiguous)
@@ -185,10 +203,6 @@ impl ShmTransport {
                     .write(data_off + pos, &data[from..from + n])
                     .map_err(out_of_bounds(rank, peer))?;
                 n
-            } else {
-                // Padding to the next line: space, nothing written (the receiver skips to
-                // the line of the next header).
-                (padded - w).min(free as usize)
             };
             w += n;
             p.tx_head += n as u64;
@@ -201,6 +215,10 @@ impl ShmTransport {
         if p.tx_head != last_pub {
             head_word.store(p.tx_head, Ordering::Release);
             Self::notify(&p.seg);
+        }
+        if w == total {
+            // Its padding to the next line is taken by the next frame.
+            w = padded;
         }
         progress.written = w;
         p.tx_in_frame = w > 0 && w < padded;
