@@ -58,12 +58,12 @@ impl Engine {
             count: call.count as u64,
             root: 0,
         };
-        let name = desc.op_name();
         let t0 = self.trace.is_some().then(Instant::now);
         let result = self
             .one_shot_body(call, &desc, src, dst)
-            .map_err(|e| e.in_op(&name).at_rank(self.rank));
+            .map_err(|e| e.in_op(&desc.op_name()).at_rank(self.rank));
         if let Some(t0) = t0 {
+            let name = desc.op_name();
             let bytes = call.count * call.dtype.size();
             let mut args = vec![
                 ("algorithm", trace::json_str(Algorithm::OneShot.name())),
@@ -117,10 +117,8 @@ impl Engine {
         let slots = self.transport.slots().ok_or_else(no_slots)?;
         slots.publish(&desc.header(bytes), mine)?;
         let out = &mut dst[..bytes];
-        let start = Instant::now();
-        let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
-        let deadline = crate::time::deadline(start, timeout);
-        let mut pacer = Pacer::new(&self.opts, &self.abort, start, deadline);
+        // The clock starts at the first contribution found missing (none is, mostly).
+        let mut pacer: Option<Pacer> = None;
         for i in 0..world {
             if i == rank {
                 if i == 0 {
@@ -139,9 +137,17 @@ impl Engine {
                     } else {
                         reduce::reduce_inplace(dtype, op, out, data);
                     }
-                    pacer.after_pass(true);
+                    if let Some(p) = pacer.as_mut() {
+                        p.after_pass(true);
+                    }
                     break;
                 }
+                let pacer = pacer.get_or_insert_with(|| {
+                    let start = Instant::now();
+                    let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
+                    let deadline = crate::time::deadline(start, timeout);
+                    Pacer::new(&self.opts, &self.abort, start, deadline)
+                });
                 match pacer.after_pass(false) {
                     Pace::Again => {}
                     Pace::Block => slots.wait_slots(&[i], desc.seq, pacer.wait_until())?,

@@ -200,6 +200,16 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Whether `local` ranks on a host of `host` online cores, this one allowed `allowed` of them
+/// (its affinity mask), share cores: more ranks than the host has, or than the several CPUs
+/// this rank is confined to (`taskset -c 0,1` for four ranks). A rank bound to one core
+/// (`allowed` 1: mpirun's and `dspark-bench`'s binding, each rank its own core) counts the
+/// host's: counting its mask made 2 ranks bound to 2 cores look oversubscribed, so they
+/// yielded the CPU (a `sched_yield` per poll) while waiting for each other.
+fn oversubscribed(local: usize, host: usize, allowed: usize) -> bool {
+    local > host || (allowed > 1 && local > allowed)
+}
+
 /// File descriptors a rank of a world of `world` may hold at once: rank 0 holds a
 /// connection to every rank while the job meets, an all-to-all over TCP connects every pair,
 /// and listeners, shared-memory segments and event fds come on top.
@@ -285,7 +295,7 @@ impl Communicator {
         let links = move |r: usize| plan::algo::standing_partners(world, r);
         let (mut boot, streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
         let local = boot.local_ranks();
-        let oversubscribed = local > cores();
+        let oversubscribed = oversubscribed(local, host_cores(), cores());
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
         let Chosen {
             transport,
@@ -674,5 +684,18 @@ mod tests {
         assert_eq!(raised_nofile(20_000, 20_000, 8256), None);
         assert_eq!(raised_nofile(4096, 4096, 8256), None);
         assert_eq!(raised_nofile(1024, 524_288, 200), None);
+    }
+
+    #[test]
+    fn ranks_bound_one_per_core_are_not_oversubscribed_and_ranks_confined_together_are() {
+        // 2 ranks on 2 cores, each bound to its own (mask of 1): not sharing.
+        assert!(!oversubscribed(2, 2, 1));
+        // Unbound: the host's cores decide.
+        assert!(!oversubscribed(2, 2, 2));
+        assert!(oversubscribed(4, 2, 2));
+        assert!(oversubscribed(4, 2, 1));
+        // Four ranks confined to 2 of 64 CPUs share them.
+        assert!(oversubscribed(4, 64, 2));
+        assert!(!oversubscribed(4, 64, 1));
     }
 }
