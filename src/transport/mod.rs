@@ -312,13 +312,13 @@ pub trait Slots {
     fn publish(&mut self, hdr: &FrameHeader, data: &[u8]) -> Result<()>;
 
     /// `peer`'s contribution to the call last published, once there: its header (which the
-    /// caller checks against its own call: a peer in another call at this sequence number
-    /// shows here, or a frame of the peer's with this sequence number waiting in its ring)
-    /// and its payload, straight from shared memory. `None` while it is not there.
+    /// caller checks against its own call: a peer in another one-shot call at this sequence
+    /// number shows here) and its payload, straight from shared memory. `None` while it is
+    /// not there.
     ///
     /// # Errors
     /// The peer's abort, goodbye or loss, once it has not contributed (what it wrote before
-    /// any of them is still taken).
+    /// any of them is still taken); a mismatch where the peer sent a frame of this call.
     fn peek(&mut self, peer: usize, seq: u64) -> Result<Option<(FrameHeader, &[u8])>>;
 
     /// Blocks until one of `peers` may have contributed to call `seq`, a peer's status

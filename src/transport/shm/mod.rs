@@ -110,6 +110,7 @@
 //! | `ring.rs` | the ring protocol: the bodies of `send` and `recv` |
 //! | `liveness.rs` | liveness connections and processes, goodbye and abort, sleeping on the bell |
 //! | `lazy.rs` | liveness connections and ring commits on first use ([`ShmTransport::with_links`]) |
+//! | `slots.rs` | the one-shot slots of small all_reduces ([`super::Slots`]) |
 //! | `seg.rs` | the memory file, its mapping, bounds-checked copies, futex calls |
 //!
 //! [`Links`]: super::Links

@@ -327,11 +327,16 @@ impl ShmTransport {
                 .and_then(|seq| self.slot_header_at(peer, seq))
             {
                 sink.on_header(&h)?;
-                return Err(Error::Transport {
+                return Err(Error::Mismatch {
                     rank: Some(rank),
                     peer: Some(peer),
-                    op: "receive frame header".into(),
-                    what: "a one-shot contribution where a frame was expected".into(),
+                    op: "receive".into(),
+                    what: format!(
+                        "rank {peer} runs collective #{} (count {}) one-shot through shared \
+                         memory where rank {rank} sends frames (a device buffer against a \
+                         host one?)",
+                        h.seq, h.count
+                    ),
                 });
             }
             return Ok(false);

@@ -181,7 +181,17 @@ impl Slots for ShmTransport {
         let mut flag = self.flag(peer, base);
         if flag < seq {
             if let Some(h) = self.ring_frame_at(peer, seq) {
-                return Ok(Some((h, &[])));
+                return Err(Error::Mismatch {
+                    rank: Some(self.rank),
+                    peer: Some(peer),
+                    op: "all_reduce".into(),
+                    what: format!(
+                        "rank {peer} sent a frame of collective #{seq} (count {}, {} bytes) where \
+                         rank {} runs it one-shot through shared memory (another collective, \
+                         count or algorithm, or a device buffer against a host one)",
+                        h.count, h.len, self.rank
+                    ),
+                });
             }
             let p = self.peer_ref(peer, OP)?;
             let news = p.state != PeerState::Open
