@@ -585,8 +585,8 @@ impl Config {
                         "{v:?}: expected ring, recursive_doubling (rd), chain (pipeline), \
                          binomial_tree (binomial), tree (double binary tree for all_reduce, \
                          binomial tree for broadcast and reduce), hier (hierarchical all_reduce), \
-                         rabenseifner (halving-doubling all_reduce), pairwise, dissemination \
-                         or direct"
+                         rabenseifner (halving-doubling all_reduce), one_shot (all_reduce), \
+                         pairwise, dissemination or direct"
                     ),
                 )
             })?);

@@ -78,6 +78,15 @@ fn rabenseifner_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
     );
 }
 
+/// `DSPARK_ALGO=one_shot` over `mem`, which has no shared slots: the frame schedule (the
+/// buffer to every peer, each reduced in) for every type and operator, as the tree above.
+#[test]
+fn one_shot_as_frames_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
+    forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
+        dspark::internals::plan::Algorithm::OneShot,
+    );
+}
+
 /// Every type, operator and the counts below (0, below the world size, odd, primes) on worlds
 /// 1..=9 with `algo` forced, segments of 40 bytes and of 4 KiB, links of one and of three
 /// frames, checked against the reference.

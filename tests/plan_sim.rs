@@ -39,10 +39,11 @@ fn all_algorithms() -> Vec<Algorithm> {
             Algorithm::Tree => 7,
             Algorithm::Hierarchical => 8,
             Algorithm::Rabenseifner => 9,
+            Algorithm::OneShot => 10,
         }
     }
     /// The number of arms of the match above.
-    const VARIANTS: usize = 10;
+    const VARIANTS: usize = 11;
     assert_eq!(
         Algorithm::ALL.len(),
         VARIANTS,
@@ -205,6 +206,7 @@ fn every_supported_collective_and_algorithm_pair_has_a_sweep_below() {
         (Collective::AllReduce, Algorithm::Tree),
         (Collective::AllReduce, Algorithm::Hierarchical),
         (Collective::AllReduce, Algorithm::Rabenseifner),
+        (Collective::AllReduce, Algorithm::OneShot),
         (Collective::AllGather, Algorithm::Ring),
         (Collective::ReduceScatter, Algorithm::Ring),
         (Collective::Broadcast, Algorithm::Chain),
@@ -662,6 +664,30 @@ fn rabenseifner_all_reduce_gives_every_rank_the_sum_on_sampled_worlds_up_to_64()
     sampled_worlds_up_to_64(Algorithm::Rabenseifner);
 }
 
+#[test]
+fn one_shot_all_reduce_gives_every_rank_the_sum_on_every_world_from_1_to_16() {
+    sweep_worlds(Collective::AllReduce, Algorithm::OneShot, 1..=16);
+}
+
+#[test]
+fn one_shot_all_reduce_sends_the_buffer_to_every_peer_once_in_one_step() {
+    for n in 1..=12 {
+        for count in [1, 2, n + 1, 257] {
+            let out = volumes(Call::new(
+                Collective::AllReduce,
+                Algorithm::OneShot,
+                n,
+                count,
+            ));
+            for (r, s) in out.stats.iter().enumerate() {
+                let ctx = format!("n={n} count={count} rank {r}");
+                assert_eq!(s.elems_sent, (n - 1) * count, "{ctx}: sent");
+                assert_eq!(s.elems_received, (n - 1) * count, "{ctx}: received");
+            }
+        }
+    }
+}
+
 /// [`sampled_calls`] for `algo`, each run against the reference.
 fn sampled_worlds_up_to_64(algo: Algorithm) {
     let calls = sampled_calls(algo, 6);
@@ -1087,6 +1113,7 @@ fn a_missing_or_doubled_finalize_is_caught_by_the_reference() {
         Algorithm::RecursiveDoubling,
         Algorithm::Tree,
         Algorithm::Rabenseifner,
+        Algorithm::OneShot,
     ] {
         let call = Call::new(Collective::AllReduce, algo, 5, 11).with_finalize(true);
         let good = schedules(&call);

@@ -131,6 +131,20 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             expect_transport(&comm, TransportKind::Shm)?;
             common::procs::mismatched_count(&comm)
         }
+        "one_shot" => one_shot(&comm),
+        "one_shot_against_frames" => {
+            // Rank 0 runs all_reduce #1 one-shot (8 bytes), the others as frames (64 KiB):
+            // every rank must fail with a mismatch naming a count, never time out.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let mut buf = vec![1.0f32; if r == 0 { 2 } else { 16384 }];
+            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => {
+                    say(&format!("FAILED: {e}"));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected a mismatch, got {other:?}")),
+            }
+        }
         "send_then_exit" => {
             // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
             expect_transport(&comm, TransportKind::Shm)?;
@@ -179,6 +193,66 @@ fn run_scenario(s: &str) -> Result<i32, String> {
 
 /// The number just before `key` in `text` ("..., 140 KiB committed at init" with the key
 /// "KiB committed at init" → 140).
+/// Small all_reduces run one-shot through the shared slots: every type and operator at odd
+/// counts up to the slot's size, exact against the reference (which reduces in rank order,
+/// as the slots do: bitwise equal on every rank), a thousand calls so that the two slots
+/// are reused many times, with calls that use the rings (a larger all_reduce, a broadcast,
+/// send/recv) between them.
+fn one_shot(comm: &Communicator) -> Result<i32, String> {
+    use dspark::internals::plan::{Algorithm, Collective};
+    expect_transport(comm, TransportKind::Shm)?;
+    let (r, n) = (comm.rank(), comm.world_size());
+    for bytes in [1, 8, 1000, 4064] {
+        let a = comm.algorithm(Collective::AllReduce, bytes);
+        if a != Algorithm::OneShot {
+            return Err(format!("{bytes} bytes run {a}, not one_shot"));
+        }
+    }
+    let e = |e: Error| e.to_string();
+    common::run_matrix(comm, &[1, 3, 5, 127, 507], 0x0e5)?;
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+    for i in 0..1000usize {
+        let count = [1, 3, 7, 255, 1016][i % 5];
+        let op = ops[(i / 5) % 5];
+        let seed = i as u64;
+        let mut buf = common::inputs::<f32>(op, seed, r, count);
+        comm.all_reduce(&mut buf, op).map_err(e)?;
+        common::check(
+            "one-shot all_reduce",
+            &buf,
+            &common::reduced::<f32>(op, seed, n, count),
+        )?;
+        match i % 11 {
+            3 => {
+                let mut big = common::inputs::<f64>(ReduceOp::Sum, seed, r, 1001);
+                comm.all_reduce(&mut big, ReduceOp::Sum).map_err(e)?;
+                let want = common::reduced::<f64>(ReduceOp::Sum, seed, n, 1001);
+                common::check("all_reduce between", &big, &want)?;
+            }
+            7 => {
+                let mut b = vec![r as u32; 9];
+                comm.broadcast(&mut b, i % n).map_err(e)?;
+                common::check("broadcast between", &b, &[(i % n) as u32; 9])?;
+            }
+            9 if n > 1 => {
+                let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+                let mut got = vec![0u32; 5];
+                comm.send_recv(&[r as u32; 5], to, &mut got, from)
+                    .map_err(e)?;
+                common::check("send_recv between", &got, &[from as u32; 5])?;
+            }
+            _ => {}
+        }
+    }
+    Ok(OK)
+}
+
 fn number_before(text: &str, key: &str) -> Option<u64> {
     let head = &text[..text.find(key)?];
     head.split_whitespace().next_back()?.parse().ok()
@@ -204,9 +278,10 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     let detail = &info.transport_detail;
     let committed = number_before(detail, "KiB committed at init")
         .ok_or_else(|| format!("no committed figure in {detail:?}"))?;
-    if committed != 4 + ring_kib * k as u64 {
+    // The header page and the two one-shot slots' pages: 12 KiB.
+    if committed != 12 + ring_kib * k as u64 {
         return Err(format!(
-            "{committed} KiB committed at init, want the header and {k} rings: {detail}"
+            "{committed} KiB committed at init, want the header, the slots and {k} rings: {detail}"
         ));
     }
     if !detail.contains(&format!("{k} of {} at init", n - 1)) {
@@ -215,14 +290,15 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
         ));
     }
     // Independently, the kernel's count of shared memory this process maps: its segment's
-    // header and partners' rings, each partner's ring it sends into, and every peer's header
-    // page; the other pairs' rings (2 × 68 KiB each) are not touched.
+    // header and slots and partners' rings, each partner's ring it sends into, and every
+    // peer's header and slot pages (12 KiB); the other pairs' rings (2 × 68 KiB each) are not
+    // touched.
     let at_init = status_kb("RssShmem");
-    let want = 4 + 2 * ring_kib * k as u64 + 4 * (n as u64 - 1);
+    let want = 12 + 2 * ring_kib * k as u64 + 12 * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: {k} partners, {committed} KiB committed at init, RssShmem {at_init} KiB \
          (partners' rings and headers {want} KiB; every pair's would be {} KiB)",
-        4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1)
+        12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1)
     ));
     if at_init < want || at_init > want + ring_kib {
         return Err(format!(
@@ -238,7 +314,7 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     comm.barrier().map_err(|e| e.to_string())?;
     // Now every pair's rings are committed and mapped in.
     let after = status_kb("RssShmem");
-    let all = 4 + 2 * ring_kib * (n as u64 - 1) + 4 * (n as u64 - 1);
+    let all = 12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: RssShmem {after} KiB after every pair was used"
     ));
@@ -341,6 +417,47 @@ fn every_collective_type_and_op_is_exact_over_shared_memory_on_worlds_1_to_5() {
         )
         .wait(Duration::from_secs(240));
         assert_all(&outs, OK, &format!("world {world}"));
+    }
+}
+
+#[test]
+fn small_all_reduces_run_one_shot_and_exact_between_other_collectives_on_worlds_2_to_4() {
+    for world in 2..=4 {
+        let outs = spawn(
+            world,
+            "one_shot",
+            &|_| shm_vars(&[("DSPARK_TIMEOUT", "60")]),
+            None,
+        )
+        .wait(Duration::from_secs(240));
+        assert_all(&outs, OK, &format!("world {world}"));
+    }
+}
+
+#[test]
+fn a_one_shot_call_against_frames_at_the_same_sequence_number_fails_every_rank_with_a_mismatch() {
+    for world in [2, 3] {
+        let outs = spawn(
+            world,
+            "one_shot_against_frames",
+            &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
+            None,
+        )
+        .wait(Duration::from_secs(60));
+        for (r, o) in outs.iter().enumerate() {
+            assert_eq!(
+                o.code,
+                Some(FAILED_AS_EXPECTED),
+                "world {world} rank {r}:\n{}",
+                o.out
+            );
+            assert!(o.out.contains("count"), "world {world} rank {r}: {}", o.out);
+            assert!(
+                o.elapsed < Duration::from_secs(10),
+                "world {world} rank {r} took {:?}",
+                o.elapsed
+            );
+        }
     }
 }
 

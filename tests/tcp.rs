@@ -139,6 +139,13 @@ fn rabenseifner_all_reduce_is_exact_across_processes_on_worlds_3_5_7_and_8() {
     forced_all_reduce_is_exact_across_processes("rabenseifner", &[3, 5, 7, 8]);
 }
 
+/// `DSPARK_ALGO=one_shot` over TCP, which has no shared slots: the frame schedule (every
+/// rank's buffer to every other) on worlds 2, 3 and 5, every type and operator.
+#[test]
+fn one_shot_all_reduce_as_frames_is_exact_across_processes_on_worlds_2_3_and_5() {
+    forced_all_reduce_is_exact_across_processes("one_shot", &[2, 3, 5]);
+}
+
 fn forced_all_reduce_is_exact_across_processes(algo: &str, worlds: &[usize]) {
     for &world in worlds {
         let outs = spawn(

@@ -91,6 +91,50 @@ fn coll_byte(coll: Collective, algo: Algorithm) -> u8 {
     coll.code() | (algo.code() << 4)
 }
 
+/// Checks a header from `peer` against this rank's call `d` and the `len` payload bytes it
+/// expects: ranks that disagree about a call meet here, as an [`Error::Mismatch`] naming both
+/// calls.
+pub(super) fn check_header(
+    rank: usize,
+    peer: usize,
+    d: &Desc,
+    h: &FrameHeader,
+    len: usize,
+) -> Result<()> {
+    let same = h.coll == coll_byte(d.coll, d.algo)
+        && h.seq == d.seq
+        && h.dtype == d.dtype.code()
+        && h.op == d.op
+        && h.count == d.count
+        && h.root == d.root;
+    if !same {
+        return Err(Error::Mismatch {
+            rank: Some(rank),
+            peer: Some(peer),
+            op: d.coll.name().into(),
+            what: format!(
+                "rank {rank} called {} but rank {peer} called {}",
+                d.describe_self(),
+                Desc::describe(h.coll, h.seq, h.dtype, h.op, h.count, h.root)
+            ),
+        });
+    }
+    if h.len as usize != len {
+        return Err(Error::Mismatch {
+            rank: Some(rank),
+            peer: Some(peer),
+            op: d.coll.name().into(),
+            what: format!(
+                "rank {peer} sent a {}-byte frame of {} where rank {rank} expected {len} bytes: \
+                 a frame was lost or the ranks cut messages into different segments",
+                h.len,
+                d.describe_self(),
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Where a reducing receive takes its other operand from.
 pub(super) enum Acc<'a> {
     /// Copying receive.
@@ -118,43 +162,7 @@ pub(super) struct Sink<'a> {
 
 impl RecvSink for Sink<'_> {
     fn on_header(&mut self, h: &FrameHeader) -> Result<usize> {
-        let d = self.desc;
-        let same = h.coll == coll_byte(d.coll, d.algo)
-            && h.seq == d.seq
-            && h.dtype == d.dtype.code()
-            && h.op == d.op
-            && h.count == d.count
-            && h.root == d.root;
-        if !same {
-            return Err(Error::Mismatch {
-                rank: Some(self.rank),
-                peer: Some(self.peer),
-                op: d.coll.name().into(),
-                what: format!(
-                    "rank {} called {} but rank {} called {}",
-                    self.rank,
-                    d.describe_self(),
-                    self.peer,
-                    Desc::describe(h.coll, h.seq, h.dtype, h.op, h.count, h.root)
-                ),
-            });
-        }
-        if h.len as usize != self.len {
-            return Err(Error::Mismatch {
-                rank: Some(self.rank),
-                peer: Some(self.peer),
-                op: d.coll.name().into(),
-                what: format!(
-                    "rank {} sent a {}-byte frame of {} where rank {} expected {} bytes: a \
-                     frame was lost or the ranks cut messages into different segments",
-                    self.peer,
-                    h.len,
-                    d.describe_self(),
-                    self.rank,
-                    self.len
-                ),
-            });
-        }
+        check_header(self.rank, self.peer, self.desc, h, self.len)?;
         Ok(self.len)
     }
 

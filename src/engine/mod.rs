@@ -37,6 +37,7 @@ mod cache;
 mod drive;
 pub mod flight;
 mod frame;
+mod oneshot;
 mod pace;
 mod scratch;
 pub mod staged;
@@ -68,6 +69,10 @@ pub struct EngineOptions {
     /// The host layout ([`plan::Request::per_host`]): ranks per host when every host has
     /// as many and numbers them contiguously, else 0.
     pub per_host: usize,
+    /// The largest all_reduce, in bytes, that runs [`Algorithm::OneShot`] through the
+    /// transport's shared slots ([`crate::transport::Slots`]) when no algorithm is forced;
+    /// 0 where the transport has none. Set at init from the transport.
+    pub one_shot_bytes: usize,
 }
 
 impl EngineOptions {
@@ -75,6 +80,13 @@ impl EngineOptions {
     pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
         match self.force_algo {
             Some(a) if a.supports(coll) => a,
+            _ if coll == Collective::AllReduce
+                && world > 1
+                && bytes > 0
+                && bytes <= self.one_shot_bytes =>
+            {
+                Algorithm::OneShot
+            }
             _ => plan::choose(coll, bytes, world, self.per_host, &self.model),
         }
     }
@@ -90,6 +102,7 @@ impl Default for EngineOptions {
             model: CostModel::default(),
             force_algo: None,
             per_host: 0,
+            one_shot_bytes: 0,
         }
     }
 }
@@ -167,6 +180,8 @@ pub struct Engine {
     /// told it ([`flight`]).
     flight: Option<Arc<flight::Recorder>>,
     fl: flight::InFlight,
+    /// This rank's contribution to a one-shot all_reduce (reused).
+    one_shot_input: Vec<u8>,
 }
 
 impl Engine {
@@ -202,6 +217,7 @@ impl Engine {
             ))),
             fl: flight::InFlight::default(),
             trace: None,
+            one_shot_input: Vec::new(),
             transport,
         }
     }
@@ -333,6 +349,9 @@ impl Engine {
     pub fn run(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
         if let Some(from) = call.recv_from {
             return self.run_exchange(call, from, src, dst);
+        }
+        if self.runs_one_shot(call) {
+            return self.run_one_shot(call, src, dst);
         }
         let lens = (src.len(), dst.len());
         self.guarded(call, lens, flight::FlightPath::Host, |eng, prog, desc| {

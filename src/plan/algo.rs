@@ -19,6 +19,7 @@ pub(crate) fn build(req: &Request) -> Schedule {
             hierarchical_all_reduce(n, r, c, fin, req.per_host)
         }
         (Collective::AllReduce, Algorithm::Rabenseifner) => rabenseifner_all_reduce(n, r, c, fin),
+        (Collective::AllReduce, Algorithm::OneShot) => one_shot_all_reduce(n, r, c, fin),
         (Collective::AllReduce, _) => recursive_doubling_all_reduce(n, r, c, fin),
         (Collective::AllGather, _) => ring_all_gather(n, r, c),
         (Collective::ReduceScatter, _) => ring_reduce_scatter(n, r, c, fin),
@@ -229,6 +230,30 @@ fn recursive_doubling_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Sche
             s.round().push(Op::Finalize { loc: all });
         }
     })
+}
+
+/// One-shot allreduce as frames, in place: the buffer to every peer, then every peer's
+/// reduced in, in rank order after this rank's own.
+///
+/// ```text
+/// round 1:  send B → every peer;  recv ← rank 0, 1, ... (not r), reduce into B each
+/// ```
+/// Each rank sends n − 1 copies of the buffer. Over shared memory the engine runs it through
+/// slots instead ([`crate::transport::Slots`]), reducing in plain rank order.
+fn one_shot_all_reduce(n: usize, r: Rank, c: usize, fin: bool) -> Schedule {
+    let mut s = Schedule::new();
+    let all = Loc::dst(0..c);
+    let round = s.round();
+    for p in (0..n).filter(|&p| p != r) {
+        round.send(p, all);
+    }
+    for p in (0..n).filter(|&p| p != r) {
+        round.recv_reduce(p, all, all);
+    }
+    if fin {
+        s.round().push(Op::Finalize { loc: all });
+    }
+    s
 }
 
 /// The fold of the allreduces that run on a power of two, `p` = the largest ≤ n: ranks
@@ -773,9 +798,14 @@ mod tests {
         }
         for n in 1..=64usize {
             for algo in Algorithm::ALL {
+                // One-shot talks to every peer, as all-to-all does (over shared memory through
+                // slots, not rings; as frames only where forced): connected on first use.
                 if matches!(
                     algo,
-                    Algorithm::Pairwise | Algorithm::Direct | Algorithm::Hierarchical
+                    Algorithm::Pairwise
+                        | Algorithm::Direct
+                        | Algorithm::Hierarchical
+                        | Algorithm::OneShot
                 ) {
                     continue;
                 }

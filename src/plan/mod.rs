@@ -415,11 +415,19 @@ pub enum Algorithm {
     /// ring's bytes (2(p−1)/p of the buffer per rank, plus the fold) in 2·log2 p steps instead
     /// of 2(n−1), each between a pair of ranks rather than around the whole ring.
     Rabenseifner,
+    /// One-shot allreduce (`one_shot`), for small buffers: every rank hands its whole buffer
+    /// to every other once and reduces the n contributions itself — one step, no dependent
+    /// hops. Over shared memory ([`crate::transport::Slots`]) each rank writes it once into a
+    /// slot of its own that every peer reads, and every rank reduces in rank order, so
+    /// results are bitwise identical everywhere; the engine chooses it there for buffers that
+    /// fit a slot. Elsewhere it runs as frames (n − 1 sends of the buffer per rank), its own
+    /// contribution first, then the others in rank order.
+    OneShot,
 }
 
 impl Algorithm {
     /// Every algorithm, in wire-code order.
-    pub const ALL: [Algorithm; 10] = [
+    pub const ALL: [Algorithm; 11] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::Chain,
@@ -430,9 +438,10 @@ impl Algorithm {
         Algorithm::Tree,
         Algorithm::Hierarchical,
         Algorithm::Rabenseifner,
+        Algorithm::OneShot,
     ];
 
-    /// Wire code (0..=9; fits in four bits).
+    /// Wire code (0..=10; fits in four bits).
     pub const fn code(self) -> u8 {
         self as u8
     }
@@ -455,6 +464,7 @@ impl Algorithm {
             Algorithm::Tree => "tree",
             Algorithm::Hierarchical => "hier",
             Algorithm::Rabenseifner => "rabenseifner",
+            Algorithm::OneShot => "one_shot",
         }
     }
 
@@ -475,6 +485,7 @@ impl Algorithm {
             "rabenseifner" | "halving_doubling" | "halving-doubling" | "rhd" => {
                 Some(Algorithm::Rabenseifner)
             }
+            "one_shot" | "oneshot" | "one-shot" => Some(Algorithm::OneShot),
             _ => None,
         }
     }
@@ -496,7 +507,10 @@ impl Algorithm {
         matches!(
             (self, coll),
             (Ring, AllReduce | AllGather | ReduceScatter)
-                | (RecursiveDoubling | Hierarchical | Rabenseifner, AllReduce)
+                | (
+                    RecursiveDoubling | Hierarchical | Rabenseifner | OneShot,
+                    AllReduce
+                )
                 | (Chain | BinomialTree, Broadcast | Reduce)
                 | (Tree, AllReduce | Broadcast | Reduce)
                 | (Pairwise, AllToAll)
@@ -850,7 +864,8 @@ mod tests {
         assert_eq!(Algorithm::Tree.code(), 7);
         assert_eq!(Algorithm::Hierarchical.code(), 8);
         assert_eq!(Algorithm::Rabenseifner.code(), 9);
-        assert_eq!(Algorithm::from_code(10), None);
+        assert_eq!(Algorithm::OneShot.code(), 10);
+        assert_eq!(Algorithm::from_code(11), None);
         assert_eq!(Algorithm::from_code(15), None);
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);

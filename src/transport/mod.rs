@@ -290,6 +290,46 @@ impl AbortClass {
     }
 }
 
+/// One-shot contributions in shared memory ([`Transport::slots`]): every rank writes its
+/// whole input once, with the call's frame header, into a slot of its own that every peer
+/// reads, and reduces the others' straight out of theirs; no frames, no acknowledgements.
+///
+/// Each rank has two slots and uses them in turn, one per one-shot call: a rank overwrites
+/// the slot of call `j` at call `j + 2`, after it read every peer's contribution to call
+/// `j + 1`, which each peer wrote after it had finished reading call `j`. So a slot is never
+/// rewritten while a peer may still read it. The header's `seq` (the collective's sequence
+/// number) is the flag: stored last, with release ordering, and loaded first, with acquire.
+pub trait Slots {
+    /// The largest payload of one contribution, in bytes.
+    fn capacity(&self) -> usize;
+
+    /// Writes this rank's contribution to the next one-shot call (`hdr`: the call's frame
+    /// header, whose `seq` is the collective's; `data`: `hdr.len` bytes) and wakes the
+    /// peers asleep.
+    ///
+    /// # Errors
+    /// A payload over [`Slots::capacity`]; an abort heard already.
+    fn publish(&mut self, hdr: &FrameHeader, data: &[u8]) -> Result<()>;
+
+    /// `peer`'s contribution to the call last published, once there: its header (which the
+    /// caller checks against its own call: a peer in another one-shot call at this sequence
+    /// number shows here) and its payload, straight from shared memory. `None` while it is
+    /// not there.
+    ///
+    /// # Errors
+    /// The peer's abort, goodbye or loss, once it has not contributed (what it wrote before
+    /// any of them is still taken); a mismatch where the peer sent a frame of this call.
+    fn peek(&mut self, peer: usize, seq: u64) -> Result<Option<(FrameHeader, &[u8])>>;
+
+    /// Blocks until one of `peers` may have contributed to call `seq`, a peer's status
+    /// changed, the deadline passes or it is time to look at the peers' liveness; then
+    /// looks at it ([`Transport::check_peers`]).
+    ///
+    /// # Errors
+    /// As [`Transport::check_peers`].
+    fn wait_slots(&mut self, peers: &[usize], seq: u64, deadline: Instant) -> Result<()>;
+}
+
 /// Receives one frame's payload on behalf of the engine.
 pub trait RecvSink {
     /// Called once per frame with its header (of kind `Data`). Returns the payload length the
@@ -547,6 +587,13 @@ pub trait Transport: Send + fmt::Debug {
 
     /// [`Transport::direct`], for moving direct frames.
     fn direct_mut(&mut self) -> Option<&mut dyn DirectTransport> {
+        None
+    }
+
+    /// The one-shot slot capability ([`Slots`]): `Some` where every peer can read this
+    /// rank's contribution to a small all_reduce straight from shared memory (`shm`); `None`
+    /// (the default) elsewhere, where [`crate::plan::Algorithm::OneShot`] runs as frames.
+    fn slots(&mut self) -> Option<&mut dyn Slots> {
         None
     }
 

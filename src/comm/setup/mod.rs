@@ -98,6 +98,10 @@ fn warn_if_open(
 
 /// Spin time when ranks do not outnumber cores / when they do.
 const SPIN: Duration = Duration::from_micros(50);
+/// The largest all_reduce run one-shot through shared slots
+/// ([`crate::plan::Algorithm::OneShot`]): measured against recursive doubling over the rings
+/// on 2 and 4 ranks (benches/RESULTS.md).
+const ONE_SHOT_MAX_BYTES: usize = 4096;
 const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
 fn engine_options(
@@ -118,6 +122,7 @@ fn engine_options(
         yield_while_spinning: oversubscribed,
         force_algo: cfg.algo,
         per_host,
+        one_shot_bytes: 0,
     }
 }
 
@@ -193,6 +198,16 @@ fn host_cores() -> usize {
 
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Whether `local` ranks on a host of `host` online cores, this one allowed `allowed` of them
+/// (its affinity mask), share cores: more ranks than the host has, or than the several CPUs
+/// this rank is confined to (`taskset -c 0,1` for four ranks). A rank bound to one core
+/// (`allowed` 1: mpirun's and `dspark-bench`'s binding, each rank its own core) counts the
+/// host's: counting its mask made 2 ranks bound to 2 cores look oversubscribed, so they
+/// yielded the CPU (a `sched_yield` per poll) while waiting for each other.
+fn oversubscribed(local: usize, host: usize, allowed: usize) -> bool {
+    local > host || (allowed > 1 && local > allowed)
 }
 
 /// File descriptors a rank of a world of `world` may hold at once: rank 0 holds a
@@ -281,7 +296,7 @@ impl Communicator {
         let (mut boot, mut streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
         let shrink_door = super::shrink::Door::open(&mut boot, &mut streams, &config)?;
         let local = boot.local_ranks();
-        let oversubscribed = local > cores();
+        let oversubscribed = oversubscribed(local, host_cores(), cores());
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
         let Chosen {
             transport,
@@ -433,11 +448,15 @@ impl Communicator {
 
     fn assemble(
         config: &Config,
-        transport: Box<dyn Transport>,
-        opts: EngineOptions,
+        mut transport: Box<dyn Transport>,
+        mut opts: EngineOptions,
         facts: Facts,
     ) -> Result<Self> {
         let (rank, world) = (config.rank, config.world_size);
+        // Small all_reduces go one-shot through shared slots where the transport has them.
+        opts.one_shot_bytes = transport
+            .slots()
+            .map_or(0, |s| s.capacity().min(ONE_SHOT_MAX_BYTES));
         let peer_transports: Vec<TransportKind> =
             (0..world).map(|p| transport.peer_kind(p)).collect();
         let inter_host = match transport.kind() {
@@ -669,5 +688,18 @@ mod tests {
         assert_eq!(raised_nofile(20_000, 20_000, 8256), None);
         assert_eq!(raised_nofile(4096, 4096, 8256), None);
         assert_eq!(raised_nofile(1024, 524_288, 200), None);
+    }
+
+    #[test]
+    fn ranks_bound_one_per_core_are_not_oversubscribed_and_ranks_confined_together_are() {
+        // 2 ranks on 2 cores, each bound to its own (mask of 1): not sharing.
+        assert!(!oversubscribed(2, 2, 1));
+        // Unbound: the host's cores decide.
+        assert!(!oversubscribed(2, 2, 2));
+        assert!(oversubscribed(4, 2, 2));
+        assert!(oversubscribed(4, 2, 1));
+        // Four ranks confined to 2 of 64 CPUs share them.
+        assert!(oversubscribed(4, 64, 2));
+        assert!(!oversubscribed(4, 64, 1));
     }
 }

@@ -155,6 +155,18 @@ pub fn volume(
                 total_reduced: (n - 1).saturating_mul(c),
             }
         }
+        (C::AllReduce, A::OneShot) => Volume {
+            hops: 1,
+            reducing_hops: 1,
+            hop_elems: c,
+            sends: n - 1,
+            sent: (n - 1).saturating_mul(c),
+            recvd: (n - 1).saturating_mul(c),
+            reduced: (n - 1).saturating_mul(c),
+            total_sends: n * (n - 1),
+            total_sent: (n * (n - 1)).saturating_mul(c),
+            total_reduced: (n * (n - 1)).saturating_mul(c),
+        },
         (C::AllReduce, _) => {
             let p = 1usize << floor_log2(n);
             let l = floor_log2(p);

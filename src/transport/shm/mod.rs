@@ -31,7 +31,8 @@
 //! | 128 | `sleeping`: the owner is about to block on `bell` | owner |
 //! | 192 | `status` (open, goodbye, abort), abort class, origin, message length, and (+16) the last collective the owner completed when it aborted | owner |
 //! | 256 | abort message (up to 3840 bytes) | owner |
-//! | 4096 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
+//! | 4096, 8192 | the two one-shot slots: a frame header (its `seq` the flag, stored last) and up to 4064 payload bytes | owner |
+//! | 12288 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
 //!
 //! # Rings
 //!
@@ -109,6 +110,7 @@
 //! | `ring.rs` | the ring protocol: the bodies of `send` and `recv` |
 //! | `liveness.rs` | liveness connections and processes, goodbye and abort, sleeping on the bell |
 //! | `lazy.rs` | liveness connections and ring commits on first use ([`ShmTransport::with_links`]) |
+//! | `slots.rs` | the one-shot slots of small all_reduces ([`super::Slots`]) |
 //! | `seg.rs` | the memory file, its mapping, bounds-checked copies, futex calls |
 //!
 //! [`Links`]: super::Links
@@ -131,6 +133,7 @@ mod ring;
 mod seg;
 mod setup;
 mod sizing;
+mod slots;
 
 use self::lazy::Lazy;
 pub use self::seg::Seg;
@@ -152,7 +155,7 @@ pub const LIVENESS_POLL: Duration = Duration::from_millis(10);
 const LINK_POLL: Duration = Duration::from_millis(1);
 
 const MAGIC: u64 = 0x4453_504b_5f53_484d; // "DSPK_SHM"
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 // Segment layout (see the module docs).
 const OFF_MAGIC: usize = 0;
@@ -172,8 +175,11 @@ const OFF_MSG_LEN: usize = 204;
 /// the word: the abort then fails every call, as before).
 const OFF_DONE: usize = 208;
 const OFF_MSG: usize = 256;
-const MSG_CAP: usize = RINGS - OFF_MSG;
-const RINGS: usize = 4096;
+const MSG_CAP: usize = seg::PAGE - OFF_MSG;
+/// The owner's two one-shot slots ([`slots`]), one page each.
+const OFF_SLOTS: usize = seg::PAGE;
+const SLOT_STRIDE: usize = seg::PAGE;
+const RINGS: usize = OFF_SLOTS + 2 * SLOT_STRIDE;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 128;
 const RING_DATA: usize = 256;
@@ -285,6 +291,9 @@ pub struct ShmTransport {
     /// Some peer's abort was let through a collective it had completed (so that `send` and
     /// `recv` look for the news only then: [`ShmTransport::abort_news`]).
     peer_aborted: bool,
+    /// One-shot contributions published so far ([`slots`]): the next goes to slot
+    /// `slot_calls % 2`.
+    slot_calls: u64,
 }
 
 impl ShmTransport {
@@ -424,6 +433,14 @@ impl Transport for ShmTransport {
 
     fn close(&mut self) {
         self.say_goodbye();
+    }
+
+    fn slots(&mut self) -> Option<&mut dyn super::Slots> {
+        if self.world > 1 {
+            Some(self)
+        } else {
+            None
+        }
     }
 
     fn collective_progress(&mut self, running: Option<u64>, completed: u64) {

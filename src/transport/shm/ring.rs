@@ -1,5 +1,6 @@
 //! The ring protocol (see "Rings" in the module docs of [`super`]): a sender writes frames
-//! (the 32-byte header, the payload, padding to the next line) into the ring it owns in the
+//! (the 32-byte header and the payload; the padding to the next line is taken as space by
+//! the frame after) into the ring it owns in the
 //! peer's segment and publishes them with `head`; the receiver finds each frame's header,
 //! skips wrap markers, hands the payload to the engine's sink straight out of its own
 //! segment and publishes its progress with `tail`. These are the bodies of
@@ -148,15 +149,32 @@ impl ShmTransport {
         let mut w = progress.written;
         let mut last_pub = p.tx_head;
         if w == 0 {
+            // The padding of the frame before, to the line this one starts on: space,
+            // nothing written, taken only now. A frame is complete at its last byte, so a
+            // receiver that took it whole (and may have closed since) is never waited for.
+            let gap = pad(p.tx_head) - p.tx_head;
+            if gap > 0 {
+                if ring - (p.tx_head - p.tx_tail) < gap {
+                    p.tx_tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
+                    if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
+                        return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
+                    }
+                    if ring - (p.tx_head - p.tx_tail) < gap {
+                        return Ok(false);
+                    }
+                }
+                p.tx_head += gap;
+                last_pub = p.tx_head;
+            }
             p.wrap_to_hot_window(ring, padded, rank, peer)?;
         }
         let tail_word = p.seg.u64_at(p.tx_base + RING_TAIL);
         let head_word = p.seg.u64_at(p.tx_base + RING_HEAD);
         let data_off = p.tx_base + RING_DATA;
-        while w < padded {
+        while w < total {
             let mut free = ring - (p.tx_head - p.tx_tail);
             let need = if w == 0 { LINE as u64 } else { 1 };
-            if free < need.max((padded - w).min(LINE) as u64) {
+            if free < need.max((total - w).min(LINE) as u64) {
                 p.tx_tail = tail_word.load(Ordering::Acquire);
                 if p.tx_tail > p.tx_head || p.tx_head - p.tx_tail > ring {
                     return Err(corrupt(rank, peer, "send tail..head", p.tx_tail, p.tx_head));
@@ -175,7 +193,7 @@ impl ShmTransport {
                     .write(data_off + pos, &head[w..])
                     .map_err(out_of_bounds(rank, peer))?;
                 HEADER_LEN - w
-            } else if w < total {
+            } else {
                 let n = (total - w)
                     .min(free as usize)
                     .min(contiguous)
@@ -185,10 +203,6 @@ impl ShmTransport {
                     .write(data_off + pos, &data[from..from + n])
                     .map_err(out_of_bounds(rank, peer))?;
                 n
-            } else {
-                // Padding to the next line: space, nothing written (the receiver skips to
-                // the line of the next header).
-                (padded - w).min(free as usize)
             };
             w += n;
             p.tx_head += n as u64;
@@ -201,6 +215,10 @@ impl ShmTransport {
         if p.tx_head != last_pub {
             head_word.store(p.tx_head, Ordering::Release);
             Self::notify(&p.seg);
+        }
+        if w == total {
+            // Its padding to the next line is taken by the next frame.
+            w = padded;
         }
         progress.written = w;
         p.tx_in_frame = w > 0 && w < padded;
@@ -263,26 +281,32 @@ impl ShmTransport {
             )
         };
         if !linked {
-            if let Err(e) = self.link(peer, false, OP) {
-                // What the peer wrote before it went is still taken; then its loss shows.
-                match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
-                    (Some(q), Some(p)) if q == peer => {
-                        if p.state == PeerState::Open {
-                            let why = match e {
-                                Error::PeerLost { detail, .. } => detail,
-                                e => e.to_string(),
-                            };
-                            p.state = PeerState::Gone(why);
-                        }
-                    }
-                    _ => return Err(e),
-                }
-            }
+            self.start_link(peer, OP)?;
         }
         if !committed {
             self.commit(peer)?;
         }
         Ok((rx_base, state_open))
+    }
+
+    /// Starts `peer`'s liveness connection on first use, as a receive does: a failure to make
+    /// it marks the peer gone (what it wrote before is still taken, then its loss shows).
+    pub(super) fn start_link(&mut self, peer: usize, op: &str) -> Result<()> {
+        if let Err(e) = self.link(peer, false, op) {
+            match (e.peer(), self.peers.get_mut(peer).and_then(Option::as_mut)) {
+                (Some(q), Some(p)) if q == peer => {
+                    if p.state == PeerState::Open {
+                        let why = match e {
+                            Error::PeerLost { detail, .. } => detail,
+                            e => e.to_string(),
+                        };
+                        p.state = PeerState::Gone(why);
+                    }
+                }
+                _ => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// The header of the next frame from `peer`, left in its ring (for a receive from any
@@ -327,6 +351,25 @@ impl ShmTransport {
     ) -> Result<bool> {
         let rank = self.rank;
         let Some((hdr, start)) = self.head_frame(peer, rx_base)? else {
+            // A peer that runs this collective one-shot shows in its slot: the sink names
+            // both calls.
+            if let Some(h) = self
+                .coll_running
+                .and_then(|seq| self.slot_header_at(peer, seq))
+            {
+                sink.on_header(&h)?;
+                return Err(Error::Mismatch {
+                    rank: Some(rank),
+                    peer: Some(peer),
+                    op: "receive".into(),
+                    what: format!(
+                        "rank {peer} runs collective #{} (count {}) one-shot through shared \
+                         memory where rank {rank} sends frames (a device buffer against a \
+                         host one?)",
+                        h.seq, h.count
+                    ),
+                });
+            }
             return Ok(false);
         };
         let expected = sink.on_header(&hdr)?;

@@ -355,6 +355,7 @@ impl ShmTransport {
             coll_running: None,
             coll_done: 0,
             peer_aborted: false,
+            slot_calls: 0,
         };
         t.desc = t.description();
         Ok(t)
@@ -379,7 +380,7 @@ impl ShmTransport {
 mod tests {
     use super::*;
     use crate::transport::{
-        FrameHeader, FrameKind, RecvProgress, RecvSink, SendProgress, Transport,
+        FrameHeader, FrameKind, RecvProgress, RecvSink, SendProgress, Transport, HEADER_LEN,
     };
 
     /// Bytes of `file` the kernel has allocated.
@@ -459,6 +460,78 @@ mod tests {
         assert_eq!(sink.0, data);
         assert_eq!(allocated(&ts[0].file), RINGS as u64 + 2 * stride);
         assert!(ts[0].peers[2].as_ref().is_some_and(|p| p.committed));
+    }
+
+    /// A frame the receiver took whole completes at its sender even when the receiver then
+    /// said goodbye, though the ring was full at the frame's last byte (its padding to the
+    /// next line had no room yet): the receiver finished the collective and closed, and the
+    /// sender, still finishing that send, failed with "peer closed its communicator".
+    #[test]
+    fn a_frame_taken_whole_completes_at_its_sender_after_the_receiver_said_goodbye() {
+        let ring = MIN_RING_BYTES;
+        let partners = |r: usize| vec![1 - r];
+        let preps: Vec<Prepared> = (0..2)
+            .map(|r| prepare(r, 2, &partners, ShmOptions { ring_bytes: ring }).unwrap())
+            .collect();
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+        let mut ts: Vec<ShmTransport> = preps
+            .into_iter()
+            .zip(segs)
+            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
+            .collect();
+        let hdr = |len: usize, seq: u64| FrameHeader {
+            kind: FrameKind::Data,
+            coll: 0,
+            dtype: 0,
+            op: crate::transport::NO_OP,
+            root: 0,
+            len: len as u32,
+            seq,
+            count: len as u64,
+        };
+        struct Take(Vec<u8>);
+        impl RecvSink for Take {
+            fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
+                self.0.resize(hdr.len as usize, 0);
+                Ok(hdr.len as usize)
+            }
+            fn direct(&mut self) -> Option<&mut [u8]> {
+                Some(&mut self.0)
+            }
+            fn granule(&self) -> usize {
+                1
+            }
+            fn consume(&mut self, _: &[u8]) -> Result<()> {
+                Ok(())
+            }
+        }
+        // A 40-byte frame (one line), taken: the receiver's tail stops at byte 40, the next
+        // frame starts at 64, so a frame of 4072 bytes ends where the ring is full.
+        let small = [1u8; 8];
+        let mut sp = SendProgress::default();
+        assert!(ts[1].send(0, &hdr(8, 1), &small, &mut sp).unwrap());
+        let mut sink = Take(Vec::new());
+        assert!(ts[0]
+            .recv(1, &mut RecvProgress::default(), &mut sink)
+            .unwrap());
+        let big = vec![2u8; ring - HEADER_LEN - 24];
+        let mut sp = SendProgress::default();
+        let done = ts[1].send(0, &hdr(big.len(), 2), &big, &mut sp).unwrap();
+        assert!(ts[0]
+            .recv(1, &mut RecvProgress::default(), &mut sink)
+            .unwrap());
+        assert_eq!(sink.0, big);
+        ts[0].close();
+        // The sender finishes the frame: nothing of it is left for the receiver.
+        assert!(
+            done || ts[1].send(0, &hdr(big.len(), 2), &big, &mut sp).unwrap(),
+            "the frame the receiver took whole did not complete"
+        );
+        // Its next frame meets the goodbye.
+        let mut sp = SendProgress::default();
+        let e = ts[1].send(0, &hdr(8, 3), &small, &mut sp).unwrap_err();
+        assert!(e.to_string().contains("closed its communicator"), "{e}");
     }
 
     #[test]

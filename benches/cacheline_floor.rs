@@ -1,0 +1,161 @@
+//! The floor of a small all_reduce over shared memory on this machine: two processes (fork)
+//! and shared cache lines, nothing else — no library, no headers, no wake-ups.
+//!
+//! * `pingpong`: one shared line; the parent stores an odd number, the child waits for it and
+//!   stores the next even one, the parent waits for that: one round trip = two line
+//!   transfers. Reported per round trip.
+//! * `exchange`: two lines, one per process (what a one-shot all_reduce of up to 32 bytes
+//!   needs): each process stores its next flag in its own line, then waits for the other's.
+//!   Reported per exchange (per iteration of either process).
+//!
+//! Timing as the peers' benchmarks: the median of `samples` samples of `k` back-to-back
+//! iterations each, in µs per iteration.
+//!
+//! ```text
+//! cargo bench --bench cacheline_floor                # 31 samples of 2000
+//! cargo bench --bench cacheline_floor -- 101 5000    # samples, k
+//! cargo bench --bench cacheline_floor -- 31 2000 pin # parent on CPU 0, child on CPU 1
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+const LINE: usize = 64;
+
+/// A shared anonymous mapping of `len` bytes (inherited across fork).
+fn shared(len: usize) -> *mut u8 {
+    // SAFETY: a fresh shared anonymous mapping chosen by the kernel; checked for MAP_FAILED.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert!(p != libc::MAP_FAILED, "mmap failed");
+    p.cast()
+}
+
+/// The atomic word at the start of line `i` of `base`.
+fn word(base: *mut u8, i: usize) -> &'static AtomicU64 {
+    // SAFETY: `base` is a live page-aligned shared mapping of at least 4 lines that is never
+    // unmapped; every access to these words, in both processes, is atomic.
+    unsafe { &*(base.add(i * LINE) as *const AtomicU64) }
+}
+
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t filled with CPU_SET and passed by pointer with its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn wait_for(w: &AtomicU64, v: u64) {
+    while w.load(Ordering::Acquire) < v {
+        std::hint::spin_loop();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Runs `samples` × `k` iterations of `mode` in both processes; the parent returns the
+/// per-iteration times of its samples.
+fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
+    let base = shared(4096);
+    let total = (samples * k) as u64;
+    // SAFETY: fork in a single-threaded benchmark process; the child only touches the shared
+    // mapping and exits with _exit.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        if pinned {
+            pin(1);
+        }
+        match mode {
+            "pingpong" => {
+                let w = word(base, 0);
+                for i in 0..total {
+                    wait_for(w, 2 * i + 1);
+                    w.store(2 * i + 2, Ordering::Release);
+                }
+            }
+            _ => {
+                let (mine, theirs) = (word(base, 1), word(base, 0));
+                for i in 1..=total {
+                    mine.store(i, Ordering::Release);
+                    wait_for(theirs, i);
+                }
+            }
+        }
+        // SAFETY: leave the forked child without running the parent's destructors.
+        unsafe { libc::_exit(0) };
+    }
+    if pinned {
+        pin(0);
+    }
+    let mut times = Vec::with_capacity(samples);
+    let mut i = 0u64;
+    for _ in 0..samples {
+        let t0 = Instant::now();
+        for _ in 0..k {
+            match mode {
+                "pingpong" => {
+                    let w = word(base, 0);
+                    w.store(2 * i + 1, Ordering::Release);
+                    wait_for(w, 2 * i + 2);
+                }
+                _ => {
+                    let (mine, theirs) = (word(base, 0), word(base, 1));
+                    mine.store(i + 1, Ordering::Release);
+                    wait_for(theirs, i + 1);
+                }
+            }
+            i += 1;
+        }
+        times.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
+    }
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
+    times
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; numbers are samples and k, `pin` pins.
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let nums: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    let samples = nums.first().copied().unwrap_or(31).max(1);
+    let k = nums.get(1).copied().unwrap_or(2000).max(1);
+    let pinned = args.iter().any(|a| a == "pin");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "# cache-line floor: {samples} samples x {k} iterations, {}, load {}",
+        if pinned {
+            "pinned to CPUs 0 and 1"
+        } else {
+            "unpinned"
+        },
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!("mode,us_per_iter_median,us_min,us_max");
+    for mode in ["pingpong", "exchange"] {
+        let t = run(mode, samples, k, pinned);
+        let (lo, hi) = t
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        println!("{mode},{:.3},{lo:.3},{hi:.3}", median(t));
+    }
+}

@@ -1,0 +1,188 @@
+//! The one-shot all_reduce through the transport's shared slots
+//! ([`Slots`](crate::transport::Slots)): the small calls' path over shared memory. This rank
+//! publishes its input once, then takes every rank's contribution in rank order — its own in
+//! its turn, the peers' straight out of their slots as they arrive — copying the first and
+//! reducing the others in, so that every rank computes the same sum in the same order. No
+//! schedule, no frames: one cache line written and n − 1 read for a buffer of up to 32 bytes.
+//!
+//! It keeps the engine's rules: the call takes its sequence number and tells the transport
+//! (which lets a peer that completed it abort without failing it), every header is checked
+//! against the call (a peer in another call is a mismatch naming both), the wait spins for
+//! [`EngineOptions::spin`](super::EngineOptions::spin) (yielding when ranks outnumber cores),
+//! then sleeps in the transport, never past the deadline nor longer than the abort poll, and a
+//! failure poisons the engine and tells every peer.
+
+use std::time::Instant;
+
+use super::frame::{check_header, Desc};
+use super::pace::{Pace, Pacer};
+use super::{flight, trace, Call, Engine};
+use crate::error::{Error, Result};
+use crate::plan::{Algorithm, Collective};
+use crate::reduce;
+use crate::types::ReduceOp;
+
+impl Engine {
+    /// Whether `call` runs one-shot through the transport's slots: an all_reduce for which
+    /// [`EngineOptions::algorithm`](super::EngineOptions::algorithm) says
+    /// [`Algorithm::OneShot`], of a size the slots hold.
+    pub(super) fn runs_one_shot(&mut self, call: &Call) -> bool {
+        if call.coll != Collective::AllReduce || self.world < 2 {
+            return false;
+        }
+        let bytes = call.count.saturating_mul(call.dtype.size());
+        bytes > 0
+            && self.algorithm(call.coll, bytes) == Algorithm::OneShot
+            && self
+                .transport
+                .slots()
+                .is_some_and(|s| bytes <= s.capacity())
+    }
+
+    /// Runs `call` one-shot (see the module docs): sequencing, checking, tracing and
+    /// poisoning as [`Engine::run`] does for a compiled schedule.
+    pub(super) fn run_one_shot(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        self.honour_abort();
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        let seq = self.next_seq(call);
+        self.flight_start(&flight::Started {
+            coll: call.coll,
+            is_send: call.is_send,
+            dtype: call.dtype,
+            count: call.count as u64,
+            op: call.op,
+            root: call.root,
+            recv_from: None,
+            algo: Algorithm::OneShot,
+            path: flight::FlightPath::Host,
+            seq,
+        });
+        self.transport
+            .collective_progress(Some(seq), self.coll_done);
+        let desc = Desc {
+            coll: call.coll,
+            algo: Algorithm::OneShot,
+            seq,
+            dtype: call.dtype,
+            op: call.op.map_or(crate::transport::NO_OP, ReduceOp::code),
+            count: call.count as u64,
+            root: 0,
+        };
+        let t0 = self.trace.is_some().then(Instant::now);
+        let result = self
+            .one_shot_body(call, &desc, src, dst)
+            .map_err(|e| e.in_op(&desc.op_name()).at_rank(self.rank));
+        if let Some(t0) = t0 {
+            let name = desc.op_name();
+            let bytes = call.count * call.dtype.size();
+            let mut args = vec![
+                ("algorithm", trace::json_str(Algorithm::OneShot.name())),
+                ("bytes", bytes.to_string()),
+                ("count", call.count.to_string()),
+                ("dtype", trace::json_str(call.dtype.name())),
+            ];
+            if let Some(op) = call.op {
+                args.push(("op", trace::json_str(op.name())));
+            }
+            self.trace_call(&name, t0, args, &result);
+        }
+        self.flight_end(&result, call.dtype.size());
+        if result.is_ok() {
+            self.coll_done = seq;
+        }
+        self.transport.collective_progress(None, self.coll_done);
+        if let Err(e) = &result {
+            self.fail(e.clone());
+        }
+        result
+    }
+
+    fn one_shot_body(
+        &mut self,
+        call: &Call,
+        desc: &Desc,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
+        let dtype = call.dtype;
+        let bytes = call.count * dtype.size();
+        let input = if src.is_empty() { &dst[..] } else { src };
+        if input.len() < bytes || dst.len() < bytes {
+            return Err(Error::invalid(
+                Some(rank),
+                call.coll.name(),
+                format!(
+                    "buffers hold {} and {} bytes, the call needs {bytes}",
+                    input.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        let full = call.op.unwrap_or(ReduceOp::Sum);
+        let op = full.step_op();
+        self.one_shot_input.clear();
+        self.one_shot_input.extend_from_slice(&input[..bytes]);
+        let mine = &self.one_shot_input;
+        let no_slots = || super::drive::internal("one-shot call without slots");
+        let slots = self.transport.slots().ok_or_else(no_slots)?;
+        slots.publish(&desc.header(bytes), mine)?;
+        let out = &mut dst[..bytes];
+        // The clock starts at the first contribution found missing (none is, mostly).
+        let mut pacer: Option<Pacer> = None;
+        for i in 0..world {
+            if i == rank {
+                if i == 0 {
+                    out.copy_from_slice(mine);
+                } else {
+                    reduce::reduce_inplace(dtype, op, out, mine);
+                }
+                continue;
+            }
+            loop {
+                let slots = self.transport.slots().ok_or_else(no_slots)?;
+                if let Some((h, data)) = slots.peek(i, desc.seq)? {
+                    check_header(rank, i, desc, &h, bytes)?;
+                    if i == 0 {
+                        out.copy_from_slice(data);
+                    } else {
+                        reduce::reduce_inplace(dtype, op, out, data);
+                    }
+                    if let Some(p) = pacer.as_mut() {
+                        p.after_pass(true);
+                    }
+                    break;
+                }
+                let pacer = pacer.get_or_insert_with(|| {
+                    let start = Instant::now();
+                    let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
+                    let deadline = crate::time::deadline(start, timeout);
+                    Pacer::new(&self.opts, &self.abort, start, deadline)
+                });
+                match pacer.after_pass(false) {
+                    Pace::Again => {}
+                    Pace::Block => slots.wait_slots(&[i], desc.seq, pacer.wait_until())?,
+                    Pace::Aborted => return Err(self.aborted_error(desc.op_name())),
+                    Pace::TimedOut(waited) => {
+                        return Err(Error::Timeout {
+                            rank,
+                            peer: Some(i),
+                            op: desc.op_name(),
+                            waited,
+                            detail: format!(
+                                "waiting for rank {i}'s one-shot contribution (shared slot; \
+                                 {i} of {world} contributions taken)"
+                            ),
+                        })
+                    }
+                }
+            }
+        }
+        if full != op {
+            reduce::finalize(dtype, full, out, world);
+        }
+        Ok(())
+    }
+}
