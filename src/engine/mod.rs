@@ -508,24 +508,7 @@ impl Engine {
                 );
             }
         }
-        let seq = self.next_seq(call);
-        self.flight_start(&flight::Started {
-            coll: call.coll,
-            is_send: call.is_send,
-            dtype: call.dtype,
-            count: call.count as u64,
-            op: call.op,
-            root: call.root,
-            recv_from: None,
-            algo,
-            path,
-            seq,
-        });
-        let collective = call.coll != Collective::SendRecv;
-        if collective {
-            self.transport
-                .collective_progress(Some(seq), self.coll_done);
-        }
+        let seq = self.start_call(call, call.count, algo, path);
         let req = Request {
             coll: call.coll,
             algo,
@@ -566,32 +549,69 @@ impl Engine {
                         ),
                     ))
                 } else {
-                    let name = desc.op_name();
+                    // The call's name ("all_reduce #12") is formatted only where it is
+                    // used: in an error or a trace event, never on the hot path.
                     let t0 = self.trace.is_some().then(Instant::now);
-                    let r = body(self, c.prog, desc).map_err(|e| e.in_op(&name));
+                    let r = body(self, c.prog, desc).map_err(|e| e.in_op(&desc.op_name()));
                     if let Some(t0) = t0 {
-                        let mut args = vec![
-                            ("algorithm", trace::json_str(algo.name())),
-                            ("bytes", bytes.to_string()),
-                            ("count", call.count.to_string()),
-                            ("dtype", trace::json_str(call.dtype.name())),
-                        ];
-                        if let Some(op) = call.op {
-                            args.push(("op", trace::json_str(op.name())));
-                        }
-                        if call.coll.rooted() || call.coll == Collective::SendRecv {
-                            args.push(("root or peer", call.root.to_string()));
-                        }
-                        self.trace_call(&name, t0, args, &r);
+                        let args = call_trace_args(call, algo);
+                        self.trace_call(&desc.op_name(), t0, args, &r);
                     }
                     r
                 }
             }
             Err(e) => Err(e),
         };
-        let result = result.map_err(|e| e.at_rank(self.rank));
+        self.end_call(call, seq, result.map_err(|e| e.at_rank(self.rank)), esz)
+    }
+
+    /// What every call does once it has its algorithm: takes its sequence number, opens its
+    /// flight-recorder entry and tells the transport which collective runs. Returns the
+    /// sequence number.
+    fn start_call(
+        &mut self,
+        call: &Call,
+        count: usize,
+        algo: Algorithm,
+        path: flight::FlightPath,
+    ) -> u64 {
+        let seq = self.record_start(call, count, algo, path);
+        if call.coll != Collective::SendRecv {
+            self.transport
+                .collective_progress(Some(seq), self.coll_done);
+        }
+        seq
+    }
+
+    /// Takes `call`'s sequence number and opens its flight-recorder entry.
+    fn record_start(
+        &mut self,
+        call: &Call,
+        count: usize,
+        algo: Algorithm,
+        path: flight::FlightPath,
+    ) -> u64 {
+        let seq = self.next_seq(call);
+        self.flight_start(&flight::Started {
+            coll: call.coll,
+            is_send: call.is_send,
+            dtype: call.dtype,
+            count: count as u64,
+            op: call.op,
+            root: call.root,
+            recv_from: None,
+            algo,
+            path,
+            seq,
+        });
+        seq
+    }
+
+    /// Closes call `seq` ([`Engine::start_call`]) with `result`: the flight record, the last
+    /// completed collective and, on failure, the poison.
+    fn end_call(&mut self, call: &Call, seq: u64, result: Result<()>, esz: usize) -> Result<()> {
         self.flight_end(&result, esz);
-        if collective {
+        if call.coll != Collective::SendRecv {
             if result.is_ok() {
                 self.coll_done = seq;
             }
@@ -648,19 +668,9 @@ impl Engine {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        let seq = self.next_seq(call);
-        self.flight_start(&flight::Started {
-            coll: call.coll,
-            is_send: call.is_send,
-            dtype: call.dtype,
-            count: 0,
-            op: call.op,
-            root: call.root,
-            recv_from: None,
-            algo: self.algorithm(call.coll, 0),
-            path: flight::FlightPath::Host,
-            seq,
-        });
+        // Nothing runs: the transport hears only that it completed.
+        let algo = self.algorithm(call.coll, 0);
+        let seq = self.record_start(call, 0, algo, flight::FlightPath::Host);
         self.flight_end(&Ok(()), 1);
         if call.coll != Collective::SendRecv {
             self.coll_done = seq;
@@ -755,6 +765,24 @@ impl Engine {
             t.flush();
         }
     }
+}
+
+/// The arguments of a call's event in the `DSPARK_TRACE` file.
+fn call_trace_args(call: &Call, algo: Algorithm) -> Vec<(&'static str, String)> {
+    let bytes = call.count.saturating_mul(call.dtype.size());
+    let mut args = vec![
+        ("algorithm", trace::json_str(algo.name())),
+        ("bytes", bytes.to_string()),
+        ("count", call.count.to_string()),
+        ("dtype", trace::json_str(call.dtype.name())),
+    ];
+    if let Some(op) = call.op {
+        args.push(("op", trace::json_str(op.name())));
+    }
+    if call.coll.rooted() || call.coll == Collective::SendRecv {
+        args.push(("root or peer", call.root.to_string()));
+    }
+    args
 }
 
 #[cfg(test)]

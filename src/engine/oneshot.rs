@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::frame::{check_header, Desc};
 use super::pace::{Pace, Pacer};
-use super::{flight, trace, Call, Engine};
+use super::{flight, Call, Engine};
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
 use crate::reduce;
@@ -46,21 +46,12 @@ impl Engine {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        let seq = self.next_seq(call);
-        self.flight_start(&flight::Started {
-            coll: call.coll,
-            is_send: call.is_send,
-            dtype: call.dtype,
-            count: call.count as u64,
-            op: call.op,
-            root: call.root,
-            recv_from: None,
-            algo: Algorithm::OneShot,
-            path: flight::FlightPath::Host,
-            seq,
-        });
-        self.transport
-            .collective_progress(Some(seq), self.coll_done);
+        let seq = self.start_call(
+            call,
+            call.count,
+            Algorithm::OneShot,
+            flight::FlightPath::Host,
+        );
         let desc = Desc {
             coll: call.coll,
             algo: Algorithm::OneShot,
@@ -75,28 +66,10 @@ impl Engine {
             .one_shot_body(call, &desc, src, dst)
             .map_err(|e| e.in_op(&desc.op_name()).at_rank(self.rank));
         if let Some(t0) = t0 {
-            let name = desc.op_name();
-            let bytes = call.count * call.dtype.size();
-            let mut args = vec![
-                ("algorithm", trace::json_str(Algorithm::OneShot.name())),
-                ("bytes", bytes.to_string()),
-                ("count", call.count.to_string()),
-                ("dtype", trace::json_str(call.dtype.name())),
-            ];
-            if let Some(op) = call.op {
-                args.push(("op", trace::json_str(op.name())));
-            }
-            self.trace_call(&name, t0, args, &result);
+            let args = super::call_trace_args(call, Algorithm::OneShot);
+            self.trace_call(&desc.op_name(), t0, args, &result);
         }
-        self.flight_end(&result, call.dtype.size());
-        if result.is_ok() {
-            self.coll_done = seq;
-        }
-        self.transport.collective_progress(None, self.coll_done);
-        if let Err(e) = &result {
-            self.fail(e.clone());
-        }
-        result
+        self.end_call(call, seq, result, call.dtype.size())
     }
 
     fn one_shot_body(

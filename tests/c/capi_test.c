@@ -20,26 +20,9 @@
 #include <string.h>
 #include <time.h>
 
-static int g_pass, g_fail;
-static int g_rank = -1, g_size;
+#include "check.h"
 
-static void check_(int ok, int line, const char *fmt, ...)
-{
-    va_list ap;
-    if (ok) {
-        g_pass++;
-        return;
-    }
-    g_fail++;
-    printf("rank %d: FAIL (capi_test.c:%d): ", g_rank, line);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    fflush(stdout);
-}
-
-#define CHECK(cond, ...) check_((cond) ? 1 : 0, __LINE__, __VA_ARGS__)
+static int g_size;
 
 static const char *code_name(dspark_result_t r)
 {

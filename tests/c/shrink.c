@@ -20,26 +20,8 @@
 #include <stdio.h>
 #include <string.h>
 
-static int g_pass, g_fail;
-static int g_rank = -1;
+#include "check.h"
 
-static void check_(int ok, int line, const char *fmt, ...)
-{
-    va_list ap;
-    if (ok) {
-        g_pass++;
-        return;
-    }
-    g_fail++;
-    printf("rank %d: FAIL (shrink.c:%d): ", g_rank, line);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf(" [%s]\n", dspark_last_error() ? dspark_last_error() : "");
-    fflush(stdout);
-}
-
-#define CHECK(cond, ...) check_((cond) ? 1 : 0, __LINE__, __VA_ARGS__)
 
 /* all_reduce (sum) of 7 doubles, (old rank + 1) * 10 + i on every rank of `olds`. */
 static void check_sum(dspark_comm_t *comm, int old, const int *olds, int n, const char *what)

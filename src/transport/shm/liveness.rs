@@ -293,6 +293,17 @@ impl ShmTransport {
     /// `interest` may move, the deadline or the next look at the liveness connections
     /// ([`LIVENESS_POLL`], [`LINK_POLL`] while one is in the making), then looks at them.
     pub(super) fn wait_on_bell(&mut self, interest: &[Interest], deadline: Instant) -> Result<()> {
+        self.sleep_on_bell(deadline, |t| t.anything_ready(interest))
+    }
+
+    /// Sleeps on this rank's `bell` unless `ready` says something may move (asked after
+    /// this rank said it sleeps, so a peer's ring is not missed), at most until `deadline`
+    /// or the next look at the liveness connections, then looks at them.
+    pub(super) fn sleep_on_bell(
+        &mut self,
+        deadline: Instant,
+        ready: impl Fn(&Self) -> bool,
+    ) -> Result<()> {
         let now = Instant::now();
         if now < deadline {
             let sleeping = self.own.u32_at(OFF_SLEEPING);
@@ -300,14 +311,13 @@ impl ShmTransport {
             fence(Ordering::SeqCst);
             let bell = self.own.u32_at(OFF_BELL);
             let v = bell.load(Ordering::Acquire);
-            if !self.anything_ready(interest) {
+            if !ready(self) {
                 let poll = if self.linking() {
                     LINK_POLL
                 } else {
                     LIVENESS_POLL
                 };
-                let slice = (deadline - now).min(poll);
-                seg::futex_wait(bell, v, slice);
+                seg::futex_wait(bell, v, (deadline - now).min(poll));
             }
             self.own.u32_at(OFF_SLEEPING).store(0, Ordering::Relaxed);
         }

@@ -383,6 +383,25 @@ mod tests {
         FrameHeader, FrameKind, RecvProgress, RecvSink, SendProgress, Transport, HEADER_LEN,
     };
 
+    /// A receive sink that takes a frame whole into its vector, sized by the header.
+    struct Take(Vec<u8>);
+
+    impl RecvSink for Take {
+        fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
+            self.0.resize(hdr.len as usize, 0);
+            Ok(hdr.len as usize)
+        }
+        fn direct(&mut self) -> Option<&mut [u8]> {
+            Some(&mut self.0)
+        }
+        fn granule(&self) -> usize {
+            1
+        }
+        fn consume(&mut self, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
     /// Bytes of `file` the kernel has allocated.
     fn allocated(file: &std::fs::File) -> u64 {
         use std::os::unix::fs::MetadataExt;
@@ -439,21 +458,6 @@ mod tests {
         assert_eq!(allocated(&ts[2].file), RINGS as u64 + stride);
         // 0 has not used the pair yet: its ring from 2 holds the frame (2 populated it), and
         // its first receive commits it (a no-op for the pages 2 touched) and takes it.
-        struct Take(Vec<u8>);
-        impl RecvSink for Take {
-            fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
-                Ok(hdr.len as usize)
-            }
-            fn direct(&mut self) -> Option<&mut [u8]> {
-                Some(&mut self.0)
-            }
-            fn granule(&self) -> usize {
-                1
-            }
-            fn consume(&mut self, _: &[u8]) -> Result<()> {
-                Ok(())
-            }
-        }
         let mut sink = Take(vec![0u8; 1000]);
         let mut rp = RecvProgress::default();
         assert!(ts[0].recv(2, &mut rp, &mut sink).unwrap());
@@ -490,22 +494,6 @@ mod tests {
             seq,
             count: len as u64,
         };
-        struct Take(Vec<u8>);
-        impl RecvSink for Take {
-            fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
-                self.0.resize(hdr.len as usize, 0);
-                Ok(hdr.len as usize)
-            }
-            fn direct(&mut self) -> Option<&mut [u8]> {
-                Some(&mut self.0)
-            }
-            fn granule(&self) -> usize {
-                1
-            }
-            fn consume(&mut self, _: &[u8]) -> Result<()> {
-                Ok(())
-            }
-        }
         // A 40-byte frame (one line), taken: the receiver's tail stops at byte 40, the next
         // frame starts at 64, so a frame of 4072 bytes ends where the ring is full.
         let small = [1u8; 8];

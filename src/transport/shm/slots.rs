@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use super::sizing::pad;
 use super::{
-    out_of_bounds, seg, PeerState, ShmTransport, LINK_POLL, LIVENESS_POLL, OFF_BELL, OFF_SLEEPING,
-    OFF_SLOTS, OFF_STATUS, RING_DATA, SLOT_STRIDE, STATUS_OPEN,
+    out_of_bounds, seg, PeerState, ShmTransport, OFF_BELL, OFF_SLEEPING, OFF_SLOTS, OFF_STATUS,
+    RING_DATA, SLOT_STRIDE, STATUS_OPEN,
 };
 use crate::error::{Error, Result};
 use crate::plan::Collective;
@@ -215,23 +215,6 @@ impl Slots for ShmTransport {
     }
 
     fn wait_slots(&mut self, peers: &[usize], seq: u64, deadline: Instant) -> Result<()> {
-        let now = Instant::now();
-        if now < deadline {
-            let sleeping = self.own.u32_at(OFF_SLEEPING);
-            sleeping.store(1, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
-            let bell = self.own.u32_at(OFF_BELL);
-            let v = bell.load(Ordering::Acquire);
-            if !peers.iter().any(|&p| self.slot_news(p, seq)) {
-                let poll = if self.linking() {
-                    LINK_POLL
-                } else {
-                    LIVENESS_POLL
-                };
-                seg::futex_wait(bell, v, (deadline - now).min(poll));
-            }
-            self.own.u32_at(OFF_SLEEPING).store(0, Ordering::Relaxed);
-        }
-        self.check_liveness()
+        self.sleep_on_bell(deadline, |t| peers.iter().any(|&p| t.slot_news(p, seq)))
     }
 }
