@@ -286,8 +286,9 @@ def on_error(e):
     if store is not None:
         try:
             store.set(_SIGNAL_KEY, str(_global_rank()))
-        except Exception:  # noqa: BLE001 - the store is gone: the others are on their own
-            pass
+        except Exception as err:  # noqa: BLE001 - the store is gone: the others are on their own
+            print(f"dspark: flight record: could not ask the other ranks to dump through the "
+                  f"store ({err}); only this rank's record was written", flush=True)
 
 
 def _watch():

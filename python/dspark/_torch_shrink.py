@@ -36,7 +36,21 @@ def _register_as_custom():
     holds its backend as a custom one, not as gloo (see the module docs)."""
     c10d = dist.distributed_c10d
     orig = getattr(c10d, "_create_shrunk_process_group", None)
-    if orig is None or getattr(orig, "_dspark_wrapped", False):
+    if orig is None:
+        # Another torch than the 2.15 this was written against: the shrunk group keeps
+        # whatever backend type torch gives it (2.15 says gloo, and DDP's logger crashed on
+        # that). Say so once, rather than fail later without a word.
+        import warnings
+
+        warnings.warn(
+            "dspark: this torch has no distributed_c10d._create_shrunk_process_group; a group "
+            "made by shrink_group is registered as torch decides (torch 2.15 registers it as "
+            "gloo, which DDP's logger mishandles)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    if getattr(orig, "_dspark_wrapped", False):
         return
 
     def create(new_backend, *args, **kwargs):
