@@ -41,6 +41,7 @@ mod oneshot;
 mod pace;
 mod scratch;
 pub mod staged;
+mod staged_oneshot;
 pub mod trace;
 use crate::transport::{AbortClass, Transport, TransportKind, NO_OP};
 

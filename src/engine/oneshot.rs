@@ -42,16 +42,23 @@ impl Engine {
     /// Runs `call` one-shot (see the module docs): sequencing, checking, tracing and
     /// poisoning as [`Engine::run`] does for a compiled schedule.
     pub(super) fn run_one_shot(&mut self, call: &Call, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        self.run_one_shot_as(call, flight::FlightPath::Host, src, dst)
+    }
+
+    /// [`Engine::run_one_shot`] on host bytes recorded as taken by `path` (a device rank's
+    /// staged copy: [`Engine::run_staged`]).
+    pub(super) fn run_one_shot_as(
+        &mut self,
+        call: &Call,
+        path: flight::FlightPath,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
         self.honour_abort();
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        let seq = self.start_call(
-            call,
-            call.count,
-            Algorithm::OneShot,
-            flight::FlightPath::Host,
-        );
+        let seq = self.start_call(call, call.count, Algorithm::OneShot, path);
         let desc = Desc {
             coll: call.coll,
             algo: Algorithm::OneShot,

@@ -197,6 +197,8 @@ pub(super) struct StagedScratch {
     /// order), when its copy-in was enqueued, what it is and its bytes.
     d2h_started: Vec<Option<Instant>>,
     landing_t: VecDeque<(Instant, &'static str, usize)>,
+    /// A one-shot all_reduce's host copy of the device buffer ([`super::staged_oneshot`]).
+    pub(super) one_shot_host: Vec<u8>,
 }
 
 impl StagedScratch {
@@ -235,6 +237,11 @@ impl Engine {
             Ok(d) => d,
             Err(e) => return Err(self.fail_before_start(call, e)),
         };
+        // A small all_reduce that the host ranks run one-shot through the transport's slots
+        // runs so here too, on a host copy: the peers cannot tell (no frames either way).
+        if self.runs_one_shot(call) {
+            return self.run_staged_one_shot(call, dev, direct.is_some());
+        }
         let lens = dev.buffer_bytes();
         let path = if direct.is_some() {
             super::flight::FlightPath::GpuDirect
@@ -347,6 +354,7 @@ impl Engine {
             draining,
             d2h_started,
             landing_t,
+            one_shot_host: _,
         } = st;
         let tracing = self.trace.is_some();
         if direct.is_some() {
