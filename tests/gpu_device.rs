@@ -848,11 +848,12 @@ fn a_staging_slot_is_hidden_while_a_copy_into_it_may_run() {
     assert_eq!(dev.slot(0), &input[..], "after the mark: the copied bytes");
 }
 
-/// Two ranks (threads, one GPU each on the same device, TCP between them) through
+/// Two ranks (threads, one GPU each on the same device, `transport` between them) through
 /// `f(comm, ctx)`; returns each rank's result.
 fn two_ranks_on_one_gpu(
     ctx: &Arc<CudaContext>,
     timeout: std::time::Duration,
+    transport: dspark::config::TransportChoice,
     f: impl Fn(&dspark::Communicator, &Arc<CudaContext>) -> Result<String, String> + Sync,
 ) -> Vec<Result<String, String>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -866,7 +867,7 @@ fn two_ranks_on_one_gpu(
                 let f = &f;
                 s.spawn(move || {
                     let mut cfg = dspark::Config::new(rank, 2, format!("127.0.0.1:{port}"));
-                    cfg.transport = dspark::config::TransportChoice::Tcp;
+                    cfg.transport = transport;
                     cfg.timeout = timeout;
                     let comm = dspark::Communicator::init(cfg).map_err(|e| format!("init: {e}"))?;
                     f(&comm, ctx)
@@ -890,99 +891,252 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
     let Some((ctx, _r)) = reducer(name) else {
         return;
     };
-    let results = two_ranks_on_one_gpu(&ctx, std::time::Duration::from_secs(60), |comm, ctx| {
-        let rank = comm.rank();
-        let e = |w: &'static str| move |x: Error| format!("rank {rank}: {w}: {x}");
-        let d = |w: &'static str| {
-            move |x: cudarc::driver::DriverError| format!("rank {rank}: {w}: {x:?}")
-        };
-        let stream = ctx.new_stream().map_err(d("stream"))?;
-        // Large enough that the collective is still in flight when the copies are queued.
-        let big = (8 << 20) + 3; // elements: 32 MiB + 12 B of f32, an odd count
-        let a: Vec<f32> = (0..big).map(|i| ((i % 977) * (rank + 1)) as f32).collect();
-        let want_a: Vec<f32> = (0..big).map(|i| ((i % 977) * 3) as f32).collect();
-        let mut buf_a = stream.clone_htod(&a).map_err(d("htod"))?;
-        let g: Vec<i32> = (0..13).map(|i| i * 10 + rank as i32).collect();
-        let send_g = stream.clone_htod(&g).map_err(d("htod"))?;
-        let mut recv_g = stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?;
-        let mut bc = stream
-            .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
-            .map_err(d("htod"))?;
-        let t0 = Instant::now();
-        let w1 = comm
-            .enqueue()
-            .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
-            .map_err(e("enqueue all_reduce"))?;
-        let w2 = comm
-            .enqueue()
-            .all_gather(&send_g, &mut recv_g, &stream)
-            .map_err(e("enqueue all_gather"))?;
-        let w3 = comm
-            .enqueue()
-            .broadcast(&mut bc, 1, &stream)
-            .map_err(e("enqueue broadcast"))?;
-        // A buffer dropped at once and a leaked Work: the free waits for the collective.
-        {
-            let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
+    let tcp = dspark::config::TransportChoice::Tcp;
+    let results = two_ranks_on_one_gpu(
+        &ctx,
+        std::time::Duration::from_secs(60),
+        tcp,
+        |comm, ctx| {
+            let rank = comm.rank();
+            let e = |w: &'static str| move |x: Error| format!("rank {rank}: {w}: {x}");
+            let d = |w: &'static str| {
+                move |x: cudarc::driver::DriverError| format!("rank {rank}: {w}: {x:?}")
+            };
+            let stream = ctx.new_stream().map_err(d("stream"))?;
+            // Large enough that the collective is still in flight when the copies are queued.
+            let big = (8 << 20) + 3; // elements: 32 MiB + 12 B of f32, an odd count
+            let a: Vec<f32> = (0..big).map(|i| ((i % 977) * (rank + 1)) as f32).collect();
+            let want_a: Vec<f32> = (0..big).map(|i| ((i % 977) * 3) as f32).collect();
+            let mut buf_a = stream.clone_htod(&a).map_err(d("htod"))?;
+            let g: Vec<i32> = (0..13).map(|i| i * 10 + rank as i32).collect();
+            let send_g = stream.clone_htod(&g).map_err(d("htod"))?;
+            let mut recv_g = stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?;
+            let mut bc = stream
+                .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
+                .map_err(d("htod"))?;
+            let t0 = Instant::now();
+            let w1 = comm
+                .enqueue()
+                .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
+                .map_err(e("enqueue all_reduce"))?;
+            let w2 = comm
+                .enqueue()
+                .all_gather(&send_g, &mut recv_g, &stream)
+                .map_err(e("enqueue all_gather"))?;
+            let w3 = comm
+                .enqueue()
+                .broadcast(&mut bc, 1, &stream)
+                .map_err(e("enqueue broadcast"))?;
+            // A buffer dropped at once and a leaked Work: the free waits for the collective.
+            {
+                let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
+                let w = comm
+                    .enqueue()
+                    .all_reduce(&mut tmp, ReduceOp::Max, &stream)
+                    .map_err(e("enqueue"))?;
+                std::mem::forget(w);
+            }
+            let issued = t0.elapsed();
+            if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
+                return Err(format!(
+                    "rank {rank}: non-blocking device calls block here: {why}"
+                ));
+            }
+            // Queued on the stream after the collectives, before any wait.
+            let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
+            let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;
+            let got_b: Vec<u64> = stream.clone_dtoh(&bc).map_err(d("dtoh"))?;
+            let done = t0.elapsed();
+            if let Some(i) = (0..big).find(|&i| got_a[i] != want_a[i]) {
+                return Err(format!("rank {rank}: all_reduce element {i} is {} instead of {} (the copy did not wait for the collective?)", got_a[i], want_a[i]));
+            }
+            let want_g: Vec<i32> = (0..2)
+                .flat_map(|q| (0..13).map(move |i| i * 10 + q))
+                .collect();
+            if got_g != want_g {
+                return Err(format!("rank {rank}: all_gather gave {got_g:?}"));
+            }
+            if got_b.iter().any(|&v| v != 8) {
+                return Err(format!("rank {rank}: broadcast gave {:?}", &got_b[..4]));
+            }
+            for w in [w1, w2, w3] {
+                w.wait().map_err(e("wait"))?;
+            }
+            // Disagreeing calls: both fail, and the stream goes on (the doorbell rang).
+            let n = if rank == 0 { 1000 } else { 999 };
+            let mut x = stream.alloc_zeros::<f32>(n).map_err(d("alloc"))?;
             let w = comm
                 .enqueue()
-                .all_reduce(&mut tmp, ReduceOp::Max, &stream)
+                .all_reduce(&mut x, ReduceOp::Sum, &stream)
                 .map_err(e("enqueue"))?;
-            std::mem::forget(w);
-        }
-        let issued = t0.elapsed();
-        if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
-            return Err(format!(
-                "rank {rank}: non-blocking device calls block here: {why}"
-            ));
-        }
-        // Queued on the stream after the collectives, before any wait.
-        let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
-        let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;
-        let got_b: Vec<u64> = stream.clone_dtoh(&bc).map_err(d("dtoh"))?;
-        let done = t0.elapsed();
-        if let Some(i) = (0..big).find(|&i| got_a[i] != want_a[i]) {
-            return Err(format!("rank {rank}: all_reduce element {i} is {} instead of {} (the copy did not wait for the collective?)", got_a[i], want_a[i]));
-        }
-        let want_g: Vec<i32> = (0..2)
-            .flat_map(|q| (0..13).map(move |i| i * 10 + q))
-            .collect();
-        if got_g != want_g {
-            return Err(format!("rank {rank}: all_gather gave {got_g:?}"));
-        }
-        if got_b.iter().any(|&v| v != 8) {
-            return Err(format!("rank {rank}: broadcast gave {:?}", &got_b[..4]));
-        }
-        for w in [w1, w2, w3] {
-            w.wait().map_err(e("wait"))?;
-        }
-        // Disagreeing calls: both fail, and the stream goes on (the doorbell rang).
-        let n = if rank == 0 { 1000 } else { 999 };
-        let mut x = stream.alloc_zeros::<f32>(n).map_err(d("alloc"))?;
-        let w = comm
-            .enqueue()
-            .all_reduce(&mut x, ReduceOp::Sum, &stream)
-            .map_err(e("enqueue"))?;
-        let failed = w.wait();
-        let t = Instant::now();
-        stream
-            .synchronize()
-            .map_err(d("synchronize after a failed call"))?;
-        if failed.is_ok() {
-            return Err(format!("rank {rank}: a mismatched call succeeded"));
-        }
-        Ok(format!(
+            let failed = w.wait();
+            let t = Instant::now();
+            stream
+                .synchronize()
+                .map_err(d("synchronize after a failed call"))?;
+            if failed.is_ok() {
+                return Err(format!("rank {rank}: a mismatched call succeeded"));
+            }
+            Ok(format!(
             "issue of 4 calls {:.3} ms, results on the stream after {:.1} ms; failed call: {}, stream free after {:.1} ms",
             issued.as_secs_f64() * 1e3,
             done.as_secs_f64() * 1e3,
             failed.unwrap_err(),
             t.elapsed().as_secs_f64() * 1e3
         ))
-    });
+        },
+    );
     for (rank, r) in results.iter().enumerate() {
         match r {
             Ok(s) => eprintln!("SUMMARY: enqueue rank {rank}: {s}"),
             Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Small all_reduces between a rank whose buffer is device memory and a host rank over shared
+/// memory: the host rank runs them one-shot through the transport's slots, so the device rank
+/// must too (a host copy of its buffer, the slots protocol, the copy back); before, it sent
+/// the one-shot schedule's frames and both failed with a mismatch. Each rank on the device in
+/// turn, then both; f32 at 1, 2, 7, 13, 1016 (4064 bytes, the one-shot bound) and 1017
+/// elements (frames), i64 and f64 at a few counts; every operator; exact integer-valued
+/// inputs against a reference computed here.
+#[test]
+fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
+    let name = "small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory";
+    let Some((ctx, _r)) = reducer(name) else {
+        return;
+    };
+    let shm = dspark::config::TransportChoice::Shm;
+    for on_device in [[true, false], [false, true], [true, true]] {
+        let results = two_ranks_on_one_gpu(
+            &ctx,
+            std::time::Duration::from_secs(60),
+            shm,
+            |comm, ctx| {
+                let rank = comm.rank();
+                let dev = on_device[rank];
+                let algo = comm.algorithm(dspark::internals::plan::Collective::AllReduce, 4064);
+                if algo != dspark::internals::plan::Algorithm::OneShot {
+                    return Err(format!(
+                        "rank {rank}: 4064 bytes run {algo}, not one_shot over shm"
+                    ));
+                }
+                let stream = ctx
+                    .new_stream()
+                    .map_err(|e| format!("rank {rank}: stream: {e:?}"))?;
+                let mut calls = 0;
+                for op in ReduceOp::ALL {
+                    for count in [1, 2, 7, 13, 1016, 1017] {
+                        small_case::<f32>(comm, &stream, dev, op, count)?;
+                        calls += 1;
+                    }
+                    for count in [1, 7, 508, 509] {
+                        small_case::<i64>(comm, &stream, dev, op, count)?;
+                        small_case::<f64>(comm, &stream, dev, op, count)?;
+                        calls += 2;
+                    }
+                }
+                Ok(format!(
+                    "{calls} calls exact, {}",
+                    if dev { "device" } else { "host" }
+                ))
+            },
+        );
+        for (rank, r) in results.iter().enumerate() {
+            match r {
+                Ok(s) => eprintln!("SUMMARY: one-shot device/host {on_device:?} rank {rank}: {s}"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+}
+
+/// One all_reduce of `count` elements of `T` on this rank's device (`dev`) or host memory,
+/// checked against the sum, product, min, max or average of both ranks' inputs.
+fn small_case<T: Element + DeviceRepr + bytemuck::Pod + num_like::Small>(
+    comm: &dspark::Communicator,
+    stream: &Arc<CudaStream>,
+    dev: bool,
+    op: ReduceOp,
+    count: usize,
+) -> Result<(), String> {
+    let rank = comm.rank();
+    let input = |r: usize| -> Vec<f64> {
+        (0..count)
+            .map(|i| ((i * 7 + r * 3) % 5) as f64 + 1.0)
+            .collect()
+    };
+    let want: Vec<f64> = input(0)
+        .iter()
+        .zip(input(1))
+        .map(|(&a, b)| match op {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Prod => a * b,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Avg => (a + b) / 2.0,
+        })
+        .collect();
+    let mine: Vec<T> = input(rank).into_iter().map(T::from_f64).collect();
+    let ctx = format!("rank {rank} {} {op} count {count}", T::DATA_TYPE);
+    let got: Vec<T> = if dev {
+        let mut buf = stream
+            .clone_htod(&mine)
+            .map_err(|e| format!("{ctx}: htod: {e:?}"))?;
+        comm.all_reduce_device(&mut buf, op, stream)
+            .map_err(|e| format!("{ctx}: {e}"))?;
+        stream
+            .clone_dtoh(&buf)
+            .map_err(|e| format!("{ctx}: dtoh: {e:?}"))?
+    } else {
+        let mut b = mine;
+        comm.all_reduce(&mut b, op)
+            .map_err(|e| format!("{ctx}: {e}"))?;
+        b
+    };
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let w = T::from_f64(*w);
+        if bytemuck::bytes_of(g) != bytemuck::bytes_of(&w) {
+            return Err(format!(
+                "{ctx}: element {i} is {} instead of {}",
+                g.to_f64(),
+                w.to_f64()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The element types of [`small_case`], from and to `f64` (exact for its small integer-valued
+/// inputs; the integer average truncates, as the library's does).
+mod num_like {
+    pub(crate) trait Small: Sized {
+        fn from_f64(v: f64) -> Self;
+        fn to_f64(&self) -> f64;
+    }
+    impl Small for f32 {
+        fn from_f64(v: f64) -> Self {
+            v as f32
+        }
+        fn to_f64(&self) -> f64 {
+            f64::from(*self)
+        }
+    }
+    impl Small for f64 {
+        fn from_f64(v: f64) -> Self {
+            v
+        }
+        fn to_f64(&self) -> f64 {
+            *self
+        }
+    }
+    impl Small for i64 {
+        fn from_f64(v: f64) -> Self {
+            v as i64
+        }
+        fn to_f64(&self) -> f64 {
+            *self as f64
         }
     }
 }

@@ -30,6 +30,9 @@
 #      they return at once, copies queued on the same stream afterwards see their results, a
 #      buffer dropped at once and a leaked Work are harmless, a mismatched call fails both
 #      Works and leaves the stream free
+#   7b. small all_reduces (one-shot through shared-memory slots) between a device rank and a
+#      host rank, each way and both on the device, 2 ranks (threads) on one GPU over shm:
+#      f32 at 1..1017 elements around the 4064-byte bound, i64 and f64, every operator, exact
 #   8. the torch backend on CUDA tensors (tests/torch/cuda_check.py): every reduction op x 8
 #      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
 #      all_gather_into_tensor, reduce_scatter_tensor, send/recv, coalesced, a non-contiguous
@@ -213,6 +216,7 @@ run() {
     step "direct device (land, reduce, send slots)" 60 "$BIN/gpu_device" direct_device --nocapture
     step "staged allreduce 2 ranks TCP" 120 "$BIN/gpu_device" staged_all_reduce --nocapture
     step "enqueued (stream-ordered) device calls" 90 "$BIN/gpu_device" enqueued_device --nocapture
+    step "one-shot device+host ranks shm" 60 "$BIN/gpu_device" small_device_all_reduces --nocapture
     step "torch backend on CUDA tensors" 240 torch_cuda_check
     echo
     echo "=================== summary ($((SECONDS - T0)) s)"
