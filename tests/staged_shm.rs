@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::procs::{assert_all, rank_entry, spawn, vars, OK};
+use common::procs::{assert_all, rank_entry, say, spawn, vars, FAILED_AS_EXPECTED, OK};
 use common::TestElem;
 use dspark::internals::engine::staged::EmulatedDevice;
 use dspark::internals::engine::Call;
@@ -46,6 +46,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         .collect();
     match s {
         "mixed" => mixed(&comm, device.contains(&comm.rank())),
+        "short" => short(&comm, device.contains(&comm.rank())),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -76,6 +77,34 @@ fn mixed(comm: &Communicator, on_device: bool) -> Result<i32, String> {
         }
     }
     Ok(OK)
+}
+
+/// A device rank whose buffer is one element short of the call fails it (as a host rank with
+/// a short buffer would), and the failure reaches every rank at once: the host ranks, waiting
+/// for its contribution in the slots, fail with its abort long before the 30 s deadline.
+fn short(comm: &Communicator, on_device: bool) -> Result<i32, String> {
+    let count = 13;
+    let t0 = std::time::Instant::now();
+    let res = if on_device {
+        let mut d = EmulatedDevice::new(Vec::new(), vec![0; (count - 1) * 4], 1, 1, SEG, 3);
+        let mut call = Call::new(Collective::AllReduce, Some(ReduceOp::Sum), count, 0, false);
+        call.dtype = dspark::DataType::F32;
+        comm.run_staged(call, &mut d)
+    } else {
+        let mut b = vec![1.0f32; count];
+        comm.all_reduce(&mut b, ReduceOp::Sum)
+    };
+    let waited = t0.elapsed();
+    match res {
+        Ok(()) => Err("a call with a short device buffer succeeded".into()),
+        Err(_) if waited > Duration::from_secs(10) => {
+            Err(format!("the failure took {waited:?} to arrive"))
+        }
+        Err(e) => {
+            say(&format!("FAILED after {waited:?}: {e}"));
+            Ok(FAILED_AS_EXPECTED)
+        }
+    }
 }
 
 fn every_type(
@@ -157,15 +186,19 @@ fn one<T: TestElem>(
 }
 
 fn run(world: usize, device_ranks: &str) {
+    run_scenario_on(world, "mixed", device_ranks, OK);
+}
+
+fn run_scenario_on(world: usize, scenario: &str, device_ranks: &str, want: i32) {
     let seg = SEG.to_string();
     let outs = spawn(
         world,
-        "mixed",
+        scenario,
         &|_| {
             vars(&[
                 ("DSPARK_TRANSPORT", "auto"),
                 ("DSPARK_CHUNK_BYTES", &seg),
-                ("DSPARK_TIMEOUT", "60"),
+                ("DSPARK_TIMEOUT", "30"),
                 ("DEVICE_RANKS", device_ranks),
             ])
         },
@@ -174,8 +207,8 @@ fn run(world: usize, device_ranks: &str) {
     .wait(Duration::from_secs(240));
     assert_all(
         &outs,
-        OK,
-        &format!("world {world}, device ranks {device_ranks}"),
+        want,
+        &format!("{scenario}: world {world}, device ranks {device_ranks}"),
     );
 }
 
@@ -188,4 +221,9 @@ fn a_device_rank_and_a_host_rank_run_small_all_reduces_one_shot_together_exact()
 fn device_ranks_between_host_ranks_and_only_device_ranks_run_small_all_reduces_exact() {
     run(3, "0,2");
     run(2, "0,1");
+}
+
+#[test]
+fn a_device_rank_that_cannot_run_a_one_shot_call_fails_every_rank_at_once() {
+    run_scenario_on(3, "short", "1", FAILED_AS_EXPECTED);
 }
