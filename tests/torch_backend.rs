@@ -381,9 +381,9 @@ fn timeouts_and_monitored_barrier_meet_torchs_conventions_like_gloo() {
     assert_pass(&r, "SURFACE_CHECK ", "surface_check.py");
 }
 
-/// The two routes into torch (python/dspark/torch.py, `_route`). A group that is dspark's
-/// alone is a Python `ProcessGroup` (the only route before torch 2.14, and the cheaper one
-/// after: no C++ dispatch and trampoline per call); a group that shares its devices with
+/// The two routes into torch (python/dspark/_torch_route.py, `_route`). A group that is
+/// dspark's alone is a Python `ProcessGroup` (the only route before torch 2.14, and the cheaper
+/// one after: no C++ dispatch and trampoline per call); a group that shares its devices with
 /// another backend must be a c10d `Backend` (torch >= 2.14), which it becomes by itself, and
 /// `DSPARK_TORCH_ROUTE=backend` forces for a dspark-only group. DDP and FSDP2 run through
 /// each route, against gloo, and each run says which class torch got.

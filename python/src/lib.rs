@@ -616,9 +616,10 @@ impl PyComm {
             let buf: &mut [u8] = if len == 0 {
                 &mut []
             } else {
-                // SAFETY: the Python caller (dspark/torch.py) passes the data pointer of a
-                // live contiguous tensor of `count` elements of `dtype` that it references,
-                // and touches in no other way, until this call returns.
+                // SAFETY: the Python caller (dspark/_torch_collectives.py, all_reduce's fast
+                // path) passes the data pointer of a live contiguous tensor of `count`
+                // elements of `dtype` that it references, and touches in no other way, until
+                // this call returns.
                 unsafe { std::slice::from_raw_parts_mut(recv as *mut u8, len) }
             };
             c.recv_any_bytes(dt, buf, wait, timeout)

@@ -1,0 +1,410 @@
+"""The collectives' argument handling (part of :mod:`dspark.torch`): each of torch's
+collective methods checks its tensors and turns them into dspark calls, which
+:meth:`~dspark._torch_ops._Ops._go` runs."""
+
+import torch
+import torch.distributed as dist
+
+from . import _dspark
+from ._dspark import InvalidArgumentError
+from ._torch_args import (
+    _FAST_DTYPES,
+    _FAST_OPS,
+    _UNSET_TIMEOUT,
+    _AllgatherOptions,
+    _check_device,
+    _input,
+    _output,
+    _seconds,
+)
+from ._torch_errors import _torch_error
+from ._torch_work import _async_work
+
+
+class _Collectives:
+    """torch's collective methods (a part of :class:`~dspark._torch_ops._Ops`)."""
+
+    # -- all_reduce --------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        # The common case (one contiguous CPU tensor, a plain op: every DDP bucket, every
+        # dist.all_reduce) without the general path's bookkeeping: a handful of attribute
+        # reads and one native call with plain ints.
+        if len(tensors) == 1 and self._collect is None:
+            t = tensors[0]
+            op = _FAST_OPS.get(hash(opts.reduceOp))
+            dt = _FAST_DTYPES.get(t.dtype)
+            if (op is not None and dt is not None and t.is_cpu and not t.is_sparse
+                    and t.is_contiguous()):
+                td = opts.timeout
+                timeout = None if td == _UNSET_TIMEOUT else _seconds(td)
+                try:
+                    if opts.asyncOp:
+                        p = t.data_ptr()
+                        # The storage too: see `_go`.
+                        w = self._comm._start("all_reduce", _dspark._FAST_DTYPES[dt], p, p,
+                                              t.numel(), (tensors, t.untyped_storage()),
+                                              _dspark._FAST_OPS[op], 0, timeout)
+                        return _async_work(self._completer, [w], tensors, None,
+                                           timeout or self._deadline)
+                    self._all_reduce(t.data_ptr(), t.numel(), dt, op, timeout)
+                except _dspark.Error as e:
+                    raise _torch_error(e, timeout or self._deadline) from None
+                self._sync_tensors[0] = t
+                return self._sync_work
+        if any(t.is_sparse for t in tensors):
+            from ._sparse import all_reduce as sparse_all_reduce  # as gloo's
+
+            return sparse_all_reduce(self, tensors, opts)
+        calls, keep, fin = [], list(tensors), []
+        for t in tensors:
+            op, factor = self._op(opts.reduceOp, t.dtype, "allreduce")
+            out = _output(t, "allreduce tensor", fin)
+            src = out
+            if factor is not None:
+                src = out * factor
+                keep.append(src)
+            calls.append(("all_reduce", src, out, None, op, 0))
+            keep.append(out)
+        return self._go(opts, calls, keep, list(tensors), fin)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self.allreduce(tensors, opts)
+
+    # -- broadcast ---------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        root = self._root(opts.rootRank, "broadcast")
+        calls, keep, fin = [], list(tensors), []
+        for t in tensors:
+            out = _output(t, "broadcast tensor", fin)
+            calls.append(("broadcast", out, out, None, None, root))
+            keep.append(out)
+        return self._go(opts, calls, keep, list(tensors), fin)
+
+    # -- reduce ------------------------------------------------------------------------
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root = self._root(opts.rootRank, "reduce")
+        calls, keep, fin = [], list(tensors), []
+        for t in tensors:
+            op, factor = self._op(opts.reduceOp, t.dtype, "reduce")
+            out = _output(t, "reduce tensor", fin) if self._r == root else _input(t, "reduce tensor")
+            src = out if factor is None else out * factor
+            calls.append(("reduce", src, out, None, op, root))
+            keep += [out, src]
+        return self._go(opts, calls, keep, list(tensors), fin)
+
+    # -- all_gather --------------------------------------------------------------------
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else _AllgatherOptions()
+        if output.numel() != input.numel() * self._n or output.dtype != input.dtype:
+            raise InvalidArgumentError(
+                f"dspark: all_gather_into_tensor: output has {output.numel()} {output.dtype} "
+                f"elements, expected {input.numel()} {input.dtype} x group size {self._n}"
+            )
+        fin = []
+        inp = _input(input, "all_gather input")
+        out = _output(output, "all_gather output", fin)
+        return self._go(
+            opts,
+            [("all_gather", inp, out, self._elems(inp), None, 0)],
+            [input, output, inp, out],
+            [output],
+            fin,
+        )
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else _AllgatherOptions()
+        calls, keep, fin = [], [output_lists, inputs], []
+        for outs, t in zip(output_lists, inputs):
+            if len(outs) != self._n or any(
+                o.numel() != t.numel() or o.dtype != t.dtype for o in outs
+            ):
+                raise InvalidArgumentError(
+                    f"dspark: all_gather: expected {self._n} output tensors of {t.numel()} "
+                    f"{t.dtype} elements each"
+                )
+            inp = _input(t, "all_gather input")
+            flat = torch.empty(t.numel() * self._n, dtype=t.dtype)
+            calls.append(("all_gather", inp, flat, self._elems(inp), None, 0))
+            keep += [inp, flat]
+
+            def copy_out(outs=outs, flat=flat, k=t.numel()):
+                for i, o in enumerate(outs):
+                    o.copy_(flat[i * k:(i + 1) * k].view(o.shape))
+
+            fin.append(copy_out)
+        return self._go(opts, calls, keep, list(output_lists), fin)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        # output_lists[rank][j] receives input j of that rank (the transpose of allgather's
+        # layout, where outputs[j][rank] does).
+        if len(output_lists) != self._n or any(len(o) != len(inputs) for o in output_lists):
+            raise InvalidArgumentError(
+                f"dspark: all_gather_coalesced: expected {self._n} output lists of "
+                f"{len(inputs)} tensors each"
+            )
+        per_input = [[output_lists[r][j] for r in range(self._n)] for j in range(len(inputs))]
+        return self._coalesced(opts, list(output_lists),
+                               lambda: self.allgather(per_input, inputs, opts))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else _AllgatherOptions()
+        def issue():
+            for o, i in zip(outputs, inputs):
+                self.all_gather_single(o, i, opts)
+
+        return self._coalesced(opts, list(outputs), issue)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # -- reduce_scatter ----------------------------------------------------------------
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if input.numel() != output.numel() * self._n or output.dtype != input.dtype:
+            raise InvalidArgumentError(
+                f"dspark: reduce_scatter_tensor: input has {input.numel()} {input.dtype} "
+                f"elements, expected {output.numel()} {output.dtype} x group size {self._n}"
+            )
+        op, factor = self._op(opts.reduceOp, input.dtype, "reduce_scatter")
+        fin = []
+        inp = _input(input, "reduce_scatter input")
+        if factor is not None:
+            inp = inp * factor
+        out = _output(output, "reduce_scatter output", fin)
+        return self._go(
+            opts,
+            [("reduce_scatter", inp, out, self._elems(out), op, 0)],
+            [input, output, inp, out],
+            [output],
+            fin,
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        calls, keep, fin = [], [outputs, input_lists], []
+        for out_t, ins in zip(outputs, input_lists):
+            if len(ins) != self._n or any(
+                i.numel() != out_t.numel() or i.dtype != out_t.dtype for i in ins
+            ):
+                raise InvalidArgumentError(
+                    f"dspark: reduce_scatter: expected {self._n} input tensors of "
+                    f"{out_t.numel()} {out_t.dtype} elements each"
+                )
+            op, factor = self._op(opts.reduceOp, out_t.dtype, "reduce_scatter")
+            for i in ins:
+                _check_device(i, "reduce_scatter input")
+            flat = torch.cat([i.reshape(-1) for i in ins])
+            if factor is not None:
+                flat.mul_(factor)
+            out = _output(out_t, "reduce_scatter output", fin)
+            calls.append(("reduce_scatter", flat, out, self._elems(out), op, 0))
+            keep += [flat, out]
+        return self._go(opts, calls, keep, list(outputs), fin)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        def issue():
+            for o, i in zip(outputs, inputs):
+                self.reduce_scatter_single(o, i, opts)
+
+        return self._coalesced(opts, list(outputs), issue)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- all_to_all --------------------------------------------------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        n = self._n
+        if output.dtype != input.dtype:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all_single: input is {input.dtype} but output is {output.dtype}"
+            )
+        _check_device(input, "all_to_all input")
+        _check_device(output, "all_to_all output")
+        if not input.is_contiguous() or not output.is_contiguous():
+            # torch's own check, the same for every backend.
+            raise InvalidArgumentError("dspark: all_to_all_single: Tensors must be contiguous")
+        in_rows = input.size(0) if input.dim() else 1
+        out_rows = output.size(0) if output.dim() else 1
+        in_row = input.numel() // in_rows if in_rows else 0
+        out_row = output.numel() // out_rows if out_rows else 0
+        ins = list(input_split_sizes) or None
+        outs = list(output_split_sizes) or None
+        if ins is None and outs is None and input.numel() == output.numel() and input.numel() % n == 0:
+            return self._go(
+                opts,
+                [("all_to_all", input, output, self._elems(input) // n, None, 0)],
+                [input, output],
+                [output],
+            )
+        if ins is None:
+            if in_rows % n:
+                raise InvalidArgumentError(
+                    f"dspark: all_to_all_single: {in_rows} input rows do not split into {n}"
+                )
+            ins = [in_rows // n] * n
+        if outs is None:
+            if out_rows % n:
+                raise InvalidArgumentError(
+                    f"dspark: all_to_all_single: {out_rows} output rows do not split into {n}"
+                )
+            outs = [out_rows // n] * n
+        if len(ins) != n or len(outs) != n or sum(ins) != in_rows or sum(outs) != out_rows:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all_single: split sizes {ins} / {outs} do not match "
+                f"{in_rows} input / {out_rows} output rows and group size {n}"
+            )
+        in_counts = [s * in_row for s in ins]
+        out_counts = [s * out_row for s in outs]
+        return self._all_to_allv(opts, input.reshape(-1), in_counts, output.reshape(-1),
+                                 out_counts, [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if len(outputs) != self._n or len(inputs) != self._n:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all: expected {self._n} input and output tensors"
+            )
+        dtype = inputs[0].dtype
+        if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
+            raise InvalidArgumentError("dspark: all_to_all: tensors of different dtypes")
+        for t in list(inputs) + list(outputs):
+            _check_device(t, "all_to_all tensor")
+        flat_in = torch.cat([t.reshape(-1) for t in inputs])
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+
+        def copy_out():
+            off = 0
+            for t in outputs:
+                k = t.numel()
+                t.copy_(flat_out[off:off + k].view(t.shape))
+                off += k
+
+        return self._all_to_allv(opts, flat_in, [t.numel() for t in inputs], flat_out,
+                                 [t.numel() for t in outputs], list(outputs), [copy_out],
+                                 keep=[inputs, outputs])
+
+    def _all_to_allv(self, opts, flat_in, in_counts, flat_out, out_counts, result,
+                     finishers=(), keep=()):
+        """Uneven all-to-all: every block padded to the largest block of the job (agreed by
+        one small all_reduce MAX), one equal all_to_all, then unpacked."""
+        n = self._n
+        m = torch.tensor([max(in_counts + out_counts)], dtype=torch.int64)
+        try:
+            self._comm._run("all_reduce", "i64", m.data_ptr(), m.data_ptr(), 1, "max", 0,
+                            _seconds(getattr(opts, "timeout", None)))
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
+        m = int(m.item())
+        dtype = flat_in.dtype
+        if all(c == m for c in in_counts + out_counts):
+            return self._go(
+                opts,
+                [("all_to_all", flat_in, flat_out, self._elems(flat_in) // n, None, 0)],
+                [flat_in, flat_out, *keep],
+                result,
+                finishers,
+            )
+        send = torch.zeros(n * m, dtype=dtype)
+        off = 0
+        for j, c in enumerate(in_counts):
+            send[j * m:j * m + c] = flat_in[off:off + c]
+            off += c
+        recv = torch.empty(n * m, dtype=dtype)
+
+        def unpack():
+            o = 0
+            for i, c in enumerate(out_counts):
+                flat_out[o:o + c] = recv[i * m:i * m + c]
+                o += c
+
+        return self._go(
+            opts,
+            [("all_to_all", send, recv, self._elems(send) // n, None, 0)],
+            [send, recv, flat_out, *keep],
+            result,
+            [unpack, *finishers],
+        )
+
+    # -- gather / scatter --------------------------------------------------------------
+    def gather(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = self._root(opts.rootRank, "gather")
+        t = _input(inputs[0], "gather input")
+        if self._r != root:
+            return self._go(opts, [("send", t, None, None, None, root)], [t], [])
+        outs = output_lists[0]
+        if len(outs) != self._n or any(o.numel() != t.numel() or o.dtype != t.dtype for o in outs):
+            raise InvalidArgumentError(
+                f"dspark: gather: expected {self._n} output tensors of {t.numel()} {t.dtype}"
+            )
+        calls, keep, fin = [], [t, outs], []
+        for i, o in enumerate(outs):
+            out = _output(o, "gather output", fin)
+            keep.append(out)
+            if i == root:
+                fin.insert(0, lambda out=out: out.copy_(t.view(out.shape)))
+            else:
+                calls.append(("recv", None, out, None, None, i))
+        return self._go(opts, calls, keep, [list(outs)], fin)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root = self._root(opts.rootRank, "scatter")
+        fin = []
+        out = _output(outputs[0], "scatter output", fin)
+        if self._r != root:
+            return self._go(opts, [("recv", None, out, None, None, root)], [out, outputs],
+                            list(outputs), fin)
+        ins = input_lists[0]
+        if len(ins) != self._n or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
+            raise InvalidArgumentError(
+                f"dspark: scatter: expected {self._n} input tensors of {out.numel()} {out.dtype}"
+            )
+        calls, keep = [], [out, outputs]
+        for i, t in enumerate(ins):
+            src = _input(t, "scatter input")
+            keep.append(src)
+            if i == root:
+                fin.insert(0, lambda src=src: out.copy_(src.view(out.shape)))
+            else:
+                calls.append(("send", src, None, None, None, i))
+        return self._go(opts, calls, keep, list(outputs), fin)
+
+    # -- point to point ----------------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        dst = self._root(dst, "send")
+        calls, keep = [], list(tensors)
+        for t in tensors:
+            src = _input(t, "send tensor")
+            calls.append(("send", src, None, None, None, dst))
+            keep.append(src)
+        return self._go(None, calls, keep, list(tensors))
+
+    def recv(self, tensors, src, tag=0):
+        src = self._root(src, "recv")
+        calls, keep, fin = [], list(tensors), []
+        for t in tensors:
+            out = _output(t, "recv tensor", fin)
+            calls.append(("recv", None, out, None, None, src))
+            keep.append(out)
+        return self._go(None, calls, keep, list(tensors), fin)
+
+    def recv_anysource(self, tensors, tag=0):
+        from ._anysource import recv_anysource  # its Work reports the sender
+
+        try:
+            return recv_anysource(self, tensors)
+        except _dspark.Error as e:
+            raise _torch_error(e, self._deadline) from None
+
+    recvAnysource = recv_anysource
