@@ -848,9 +848,19 @@ fn a_staging_slot_is_hidden_while_a_copy_into_it_may_run() {
     assert_eq!(dev.slot(0), &input[..], "after the mark: the copied bytes");
 }
 
-/// Two ranks (threads, one GPU each on the same device, `transport` between them) through
+/// Two ranks (threads, one GPU each on the same device, TCP between them) through
 /// `f(comm, ctx)`; returns each rank's result.
 fn two_ranks_on_one_gpu(
+    ctx: &Arc<CudaContext>,
+    timeout: std::time::Duration,
+    f: impl Fn(&dspark::Communicator, &Arc<CudaContext>) -> Result<String, String> + Sync,
+) -> Vec<Result<String, String>> {
+    let tcp = dspark::config::TransportChoice::Tcp;
+    two_ranks_on_one_gpu_over(ctx, timeout, tcp, f)
+}
+
+/// [`two_ranks_on_one_gpu`] over `transport`.
+fn two_ranks_on_one_gpu_over(
     ctx: &Arc<CudaContext>,
     timeout: std::time::Duration,
     transport: dspark::config::TransportChoice,
@@ -891,101 +901,95 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
     let Some((ctx, _r)) = reducer(name) else {
         return;
     };
-    let tcp = dspark::config::TransportChoice::Tcp;
-    let results = two_ranks_on_one_gpu(
-        &ctx,
-        std::time::Duration::from_secs(60),
-        tcp,
-        |comm, ctx| {
-            let rank = comm.rank();
-            let e = |w: &'static str| move |x: Error| format!("rank {rank}: {w}: {x}");
-            let d = |w: &'static str| {
-                move |x: cudarc::driver::DriverError| format!("rank {rank}: {w}: {x:?}")
-            };
-            let stream = ctx.new_stream().map_err(d("stream"))?;
-            // Large enough that the collective is still in flight when the copies are queued.
-            let big = (8 << 20) + 3; // elements: 32 MiB + 12 B of f32, an odd count
-            let a: Vec<f32> = (0..big).map(|i| ((i % 977) * (rank + 1)) as f32).collect();
-            let want_a: Vec<f32> = (0..big).map(|i| ((i % 977) * 3) as f32).collect();
-            let mut buf_a = stream.clone_htod(&a).map_err(d("htod"))?;
-            let g: Vec<i32> = (0..13).map(|i| i * 10 + rank as i32).collect();
-            let send_g = stream.clone_htod(&g).map_err(d("htod"))?;
-            let mut recv_g = stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?;
-            let mut bc = stream
-                .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
-                .map_err(d("htod"))?;
-            let t0 = Instant::now();
-            let w1 = comm
-                .enqueue()
-                .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
-                .map_err(e("enqueue all_reduce"))?;
-            let w2 = comm
-                .enqueue()
-                .all_gather(&send_g, &mut recv_g, &stream)
-                .map_err(e("enqueue all_gather"))?;
-            let w3 = comm
-                .enqueue()
-                .broadcast(&mut bc, 1, &stream)
-                .map_err(e("enqueue broadcast"))?;
-            // A buffer dropped at once and a leaked Work: the free waits for the collective.
-            {
-                let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
-                let w = comm
-                    .enqueue()
-                    .all_reduce(&mut tmp, ReduceOp::Max, &stream)
-                    .map_err(e("enqueue"))?;
-                std::mem::forget(w);
-            }
-            let issued = t0.elapsed();
-            if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
-                return Err(format!(
-                    "rank {rank}: non-blocking device calls block here: {why}"
-                ));
-            }
-            // Queued on the stream after the collectives, before any wait.
-            let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
-            let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;
-            let got_b: Vec<u64> = stream.clone_dtoh(&bc).map_err(d("dtoh"))?;
-            let done = t0.elapsed();
-            if let Some(i) = (0..big).find(|&i| got_a[i] != want_a[i]) {
-                return Err(format!("rank {rank}: all_reduce element {i} is {} instead of {} (the copy did not wait for the collective?)", got_a[i], want_a[i]));
-            }
-            let want_g: Vec<i32> = (0..2)
-                .flat_map(|q| (0..13).map(move |i| i * 10 + q))
-                .collect();
-            if got_g != want_g {
-                return Err(format!("rank {rank}: all_gather gave {got_g:?}"));
-            }
-            if got_b.iter().any(|&v| v != 8) {
-                return Err(format!("rank {rank}: broadcast gave {:?}", &got_b[..4]));
-            }
-            for w in [w1, w2, w3] {
-                w.wait().map_err(e("wait"))?;
-            }
-            // Disagreeing calls: both fail, and the stream goes on (the doorbell rang).
-            let n = if rank == 0 { 1000 } else { 999 };
-            let mut x = stream.alloc_zeros::<f32>(n).map_err(d("alloc"))?;
+    let results = two_ranks_on_one_gpu(&ctx, std::time::Duration::from_secs(60), |comm, ctx| {
+        let rank = comm.rank();
+        let e = |w: &'static str| move |x: Error| format!("rank {rank}: {w}: {x}");
+        let d = |w: &'static str| {
+            move |x: cudarc::driver::DriverError| format!("rank {rank}: {w}: {x:?}")
+        };
+        let stream = ctx.new_stream().map_err(d("stream"))?;
+        // Large enough that the collective is still in flight when the copies are queued.
+        let big = (8 << 20) + 3; // elements: 32 MiB + 12 B of f32, an odd count
+        let a: Vec<f32> = (0..big).map(|i| ((i % 977) * (rank + 1)) as f32).collect();
+        let want_a: Vec<f32> = (0..big).map(|i| ((i % 977) * 3) as f32).collect();
+        let mut buf_a = stream.clone_htod(&a).map_err(d("htod"))?;
+        let g: Vec<i32> = (0..13).map(|i| i * 10 + rank as i32).collect();
+        let send_g = stream.clone_htod(&g).map_err(d("htod"))?;
+        let mut recv_g = stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?;
+        let mut bc = stream
+            .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
+            .map_err(d("htod"))?;
+        let t0 = Instant::now();
+        let w1 = comm
+            .enqueue()
+            .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
+            .map_err(e("enqueue all_reduce"))?;
+        let w2 = comm
+            .enqueue()
+            .all_gather(&send_g, &mut recv_g, &stream)
+            .map_err(e("enqueue all_gather"))?;
+        let w3 = comm
+            .enqueue()
+            .broadcast(&mut bc, 1, &stream)
+            .map_err(e("enqueue broadcast"))?;
+        // A buffer dropped at once and a leaked Work: the free waits for the collective.
+        {
+            let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
             let w = comm
                 .enqueue()
-                .all_reduce(&mut x, ReduceOp::Sum, &stream)
+                .all_reduce(&mut tmp, ReduceOp::Max, &stream)
                 .map_err(e("enqueue"))?;
-            let failed = w.wait();
-            let t = Instant::now();
-            stream
-                .synchronize()
-                .map_err(d("synchronize after a failed call"))?;
-            if failed.is_ok() {
-                return Err(format!("rank {rank}: a mismatched call succeeded"));
-            }
-            Ok(format!(
+            std::mem::forget(w);
+        }
+        let issued = t0.elapsed();
+        if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
+            return Err(format!(
+                "rank {rank}: non-blocking device calls block here: {why}"
+            ));
+        }
+        // Queued on the stream after the collectives, before any wait.
+        let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
+        let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;
+        let got_b: Vec<u64> = stream.clone_dtoh(&bc).map_err(d("dtoh"))?;
+        let done = t0.elapsed();
+        if let Some(i) = (0..big).find(|&i| got_a[i] != want_a[i]) {
+            return Err(format!("rank {rank}: all_reduce element {i} is {} instead of {} (the copy did not wait for the collective?)", got_a[i], want_a[i]));
+        }
+        let want_g: Vec<i32> = (0..2)
+            .flat_map(|q| (0..13).map(move |i| i * 10 + q))
+            .collect();
+        if got_g != want_g {
+            return Err(format!("rank {rank}: all_gather gave {got_g:?}"));
+        }
+        if got_b.iter().any(|&v| v != 8) {
+            return Err(format!("rank {rank}: broadcast gave {:?}", &got_b[..4]));
+        }
+        for w in [w1, w2, w3] {
+            w.wait().map_err(e("wait"))?;
+        }
+        // Disagreeing calls: both fail, and the stream goes on (the doorbell rang).
+        let n = if rank == 0 { 1000 } else { 999 };
+        let mut x = stream.alloc_zeros::<f32>(n).map_err(d("alloc"))?;
+        let w = comm
+            .enqueue()
+            .all_reduce(&mut x, ReduceOp::Sum, &stream)
+            .map_err(e("enqueue"))?;
+        let failed = w.wait();
+        let t = Instant::now();
+        stream
+            .synchronize()
+            .map_err(d("synchronize after a failed call"))?;
+        if failed.is_ok() {
+            return Err(format!("rank {rank}: a mismatched call succeeded"));
+        }
+        Ok(format!(
             "issue of 4 calls {:.3} ms, results on the stream after {:.1} ms; failed call: {}, stream free after {:.1} ms",
             issued.as_secs_f64() * 1e3,
             done.as_secs_f64() * 1e3,
             failed.unwrap_err(),
             t.elapsed().as_secs_f64() * 1e3
         ))
-        },
-    );
+    });
     for (rank, r) in results.iter().enumerate() {
         match r {
             Ok(s) => eprintln!("SUMMARY: enqueue rank {rank}: {s}"),
@@ -1009,7 +1013,7 @@ fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
     };
     let shm = dspark::config::TransportChoice::Shm;
     for on_device in [[true, false], [false, true], [true, true]] {
-        let results = two_ranks_on_one_gpu(
+        let results = two_ranks_on_one_gpu_over(
             &ctx,
             std::time::Duration::from_secs(60),
             shm,
