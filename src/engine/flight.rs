@@ -269,7 +269,10 @@ const WORDS: usize = 12;
 const NONE4: u64 = 0xF;
 const NONE_U32: u64 = 0xFFFF_FFFF;
 
+/// One entry: its seqlock version and its words, 104 bytes aligned to two cache lines (an
+/// entry never shares a line with its neighbours, and never spans three).
 #[derive(Debug, Default)]
+#[repr(align(128))]
 struct Slot {
     ver: AtomicU64,
     w: [AtomicU64; WORDS],
@@ -415,6 +418,14 @@ impl Recorder {
         };
         self.wpos.store(next, Ordering::Relaxed);
         self.next.store(index + 1, Ordering::Release);
+        // Brings the next call's entry into this core's cache now, while the call runs: the
+        // ring (2000 entries by default) does not stay in L1, and its stores missing there cost
+        // an 8-byte one-shot all_reduce over shm a sixth of its time when taken at the next
+        // call's start (measured: 0.35 µs against 0.29 µs with a 16-entry ring).
+        if let Some(s) = self.slots.get(next) {
+            let _ = s.ver.load(Ordering::Relaxed);
+            let _ = s.w[WORDS - 1].load(Ordering::Relaxed);
+        }
         pos
     }
 

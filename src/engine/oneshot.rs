@@ -72,6 +72,11 @@ impl Engine {
         let result = self
             .one_shot_body(call, &desc, src, dst)
             .map_err(|e| e.in_op(&desc.op_name()).at_rank(self.rank));
+        // The wake-ups `publish` deferred, whatever the outcome: no peer stays asleep on this
+        // rank's contribution past the call.
+        if let Some(slots) = self.transport.slots() {
+            slots.settle();
+        }
         if let Some(t0) = t0 {
             let args = super::call_trace_args(call, Algorithm::OneShot);
             self.trace_call(&desc.op_name(), t0, args, &result);
@@ -131,7 +136,7 @@ impl Engine {
                         reduce::reduce_inplace(dtype, op, out, data);
                     }
                     if let Some(p) = pacer.as_mut() {
-                        p.after_pass(true);
+                        p.after_pass(true, &self.abort);
                     }
                     break;
                 }
@@ -139,9 +144,9 @@ impl Engine {
                     let start = Instant::now();
                     let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
                     let deadline = crate::time::deadline(start, timeout);
-                    Pacer::new(&self.opts, &self.abort, start, deadline)
+                    Pacer::new(&self.opts, start, deadline)
                 });
-                match pacer.after_pass(false) {
+                match pacer.after_pass(false, &self.abort) {
                     Pace::Again => {}
                     Pace::Block => slots.wait_slots(&[i], desc.seq, pacer.wait_until())?,
                     Pace::Aborted => return Err(self.aborted_error(desc.op_name())),

@@ -368,7 +368,7 @@ impl Engine {
                 }
             }
         }
-        let mut pacer = Pacer::new(&self.opts, &self.abort, start, deadline);
+        let mut pacer = Pacer::new(&self.opts, start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
         loop {

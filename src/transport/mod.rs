@@ -304,8 +304,9 @@ pub trait Slots {
     fn capacity(&self) -> usize;
 
     /// Writes this rank's contribution to the next one-shot call (`hdr`: the call's frame
-    /// header, whose `seq` is the collective's; `data`: `hdr.len` bytes) and wakes the
-    /// peers asleep.
+    /// header, whose `seq` is the collective's; `data`: `hdr.len` bytes). The peers asleep
+    /// are woken by [`Slots::settle`], which the caller owes before it blocks
+    /// ([`Slots::wait_slots`] does it) and before the call returns.
     ///
     /// # Errors
     /// A payload over [`Slots::capacity`]; an abort heard already.
@@ -328,6 +329,11 @@ pub trait Slots {
     /// # Errors
     /// As [`Transport::check_peers`].
     fn wait_slots(&mut self, peers: &[usize], seq: u64, deadline: Instant) -> Result<()>;
+
+    /// Wakes the peers asleep on this rank's last contribution, once per publish (nothing
+    /// after the first call). Deferred from [`Slots::publish`] so that the wake-up check's
+    /// full fence does not stall on the contribution's cache line in flight.
+    fn settle(&mut self);
 }
 
 /// Receives one frame's payload on behalf of the engine.

@@ -294,6 +294,9 @@ pub struct ShmTransport {
     /// One-shot contributions published so far ([`slots`]): the next goes to slot
     /// `slot_calls % 2`.
     slot_calls: u64,
+    /// A contribution was published whose sleeping readers are not yet woken
+    /// ([`crate::transport::Slots::settle`]).
+    wake_owed: bool,
 }
 
 impl ShmTransport {

@@ -356,6 +356,7 @@ impl ShmTransport {
             coll_done: 0,
             peer_aborted: false,
             slot_calls: 0,
+            wake_owed: false,
         };
         t.desc = t.description();
         Ok(t)

@@ -11,8 +11,10 @@
 //! while a peer may still read it, whatever other calls run between.
 //!
 //! Waiting and failures are the rings': a rank that finds a contribution missing spins in the
-//! engine, then sleeps on its `bell` (the writer wakes it after publishing, when `sleeping` is
-//! set); a contribution that is there is taken even from a peer that said goodbye, aborted
+//! engine, then sleeps on its `bell` (the writer wakes it when `sleeping` is set: not in
+//! [`Slots::publish`] but in [`Slots::settle`], before the writer blocks or ends the call, so
+//! that the full fence the wake-up check needs is not paid while the flag's cache line is
+//! still on its way: measured, that fence stalled `publish` for a whole line transfer); a contribution that is there is taken even from a peer that said goodbye, aborted
 //! after completing this collective, or died since; one that is not there fails the call with
 //! the peer's abort, goodbye or loss. A peer in another call at this sequence number shows:
 //! here as its slot's header or the frame waiting in its ring, and on the frame side
@@ -156,7 +158,19 @@ impl Slots for ShmTransport {
         self.own
             .u64_at(base + SEQ)
             .store(hdr.seq, Ordering::Release);
-        // Wake the peers asleep (each set `sleeping` before it looked at this flag).
+        // The peers asleep are woken by `settle`, which the engine calls before it blocks and
+        // when the call ends.
+        self.wake_owed = true;
+        Ok(())
+    }
+
+    fn settle(&mut self) {
+        if !std::mem::take(&mut self.wake_owed) {
+            return;
+        }
+        // Dekker with `sleep_on_bell`: the flag was stored before this fence, and a sleeper set
+        // `sleeping` before its own fence and its look at the flag; so either it saw the flag or
+        // this load sees it asleep.
         fence(Ordering::SeqCst);
         for p in self.peers.iter().flatten() {
             if p.seg.u32_at(OFF_SLEEPING).load(Ordering::Relaxed) != 0 {
@@ -164,7 +178,6 @@ impl Slots for ShmTransport {
                 seg::futex_wake(p.seg.u32_at(OFF_BELL));
             }
         }
-        Ok(())
     }
 
     fn peek(&mut self, peer: usize, seq: u64) -> Result<Option<(FrameHeader, &[u8])>> {
@@ -215,6 +228,7 @@ impl Slots for ShmTransport {
     }
 
     fn wait_slots(&mut self, peers: &[usize], seq: u64, deadline: Instant) -> Result<()> {
+        self.settle();
         self.sleep_on_bell(deadline, |t| peers.iter().any(|&p| t.slot_news(p, seq)))
     }
 }
