@@ -364,8 +364,8 @@ impl ShmTransport {
                     op: "receive".into(),
                     what: format!(
                         "rank {peer} runs collective #{} (count {}) one-shot through shared \
-                         memory where rank {rank} sends frames (a device buffer against a \
-                         host one?)",
+                         memory where rank {rank} sends frames (another collective, count or \
+                         algorithm: DSPARK_ALGO differs between the ranks?)",
                         h.seq, h.count
                     ),
                 });
