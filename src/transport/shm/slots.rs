@@ -201,7 +201,7 @@ impl Slots for ShmTransport {
                     what: format!(
                         "rank {peer} sent a frame of collective #{seq} (count {}, {} bytes) where \
                          rank {} runs it one-shot through shared memory (another collective, \
-                         count or algorithm, or a device buffer against a host one)",
+                         count or algorithm: DSPARK_ALGO differs between the ranks?)",
                         h.count, h.len, self.rank
                     ),
                 });
