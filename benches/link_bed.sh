@@ -23,6 +23,8 @@
 #
 # Needs root (namespaces, tc). Names start with a per-run prefix (dslb<pid>), and everything
 # made is removed on exit, on error and on ^C, so other namespaces on the machine are left alone.
+# The bed itself (namespaces, links, shaping, cleanup, the per-rank launcher) is
+# benches/bed_lib.sh, shared with benches/ddp_bed.sh (DDP training on the same bed).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HOSTS=${HOSTS:-2}
@@ -36,98 +38,13 @@ TIMEOUT=${TIMEOUT:-900}
 BENCH=${BENCH:-${CARGO_TARGET_DIR:-$ROOT/target}/release/dspark-bench}
 PY=${PY:-${DSPARK_TORCH_VENV:+$DSPARK_TORCH_VENV/bin/python}}
 OUT=${OUT:-${TMPDIR:-/tmp}/dspark-link-bed/$(date +%Y%m%d-%H%M%S)}
-P=dslb$$                       # name prefix: namespaces, links, host ids
-SUB=10.$((200 + $$ % 50)).$(($$ / 50 % 250))   # the bed's /24 (inside the namespaces only)
-WORLD=$((HOSTS * PER_HOST))
-log() { echo "[link_bed $(date +%T)] $*" >&2; }
+BED_NAME=link_bed
+# shellcheck source=benches/bed_lib.sh
+. "$ROOT/benches/bed_lib.sh"    # namespaces, links, tbf, cleanup, run_ranks
+log() { bed_log "$@"; }
 
-[ "$(id -u)" = 0 ] || { echo "link_bed: needs root (network namespaces, tc)" >&2; exit 2; }
-(( HOSTS >= 2 && PER_HOST >= 1 )) || { echo "link_bed: HOSTS >= 2, PER_HOST >= 1" >&2; exit 2; }
+bed_init
 [ -x "$BENCH" ] || { log "building dspark-bench"; (cd "$ROOT" && cargo build --release --quiet --bin dspark-bench); }
-mkdir -p "$OUT"
-
-ns() { echo "$P-h$1"; }
-PIDS=()
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for h in $(seq 0 $((HOSTS - 1))); do ip netns del "$(ns "$h")" 2>/dev/null || true; done
-    ip netns del "$P-sw" 2>/dev/null || true
-    # veths die with their namespace; nothing was made in the root namespace.
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# tbf on one device: burst of 2 ms at the rate (at least 256 KiB: veth hands tbf 64 KiB GSO
-# packets), queue of 20 ms.
-shape() { # namespace device rate
-    local bits; bits=$(rate_bits "$3")
-    local burst=$(( bits / 8 / 500 )); (( burst < 262144 )) && burst=262144
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst "$burst" latency 20ms
-}
-rate_bits() { # 1gbit, 400mbit, 2.5gbit -> bits/s
-    python3 -c "import re,sys; m=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$1'.lower()); \
-print(int(float(m[1])*{'':1,'k':1e3,'m':1e6,'g':1e9}[m[2]]))"
-}
-
-setup() {
-    for h in $(seq 0 $((HOSTS - 1))); do
-        ip netns add "$(ns "$h")"
-        ip netns exec "$(ns "$h")" ip link set lo up
-    done
-    if (( HOSTS == 2 )); then
-        ip link add "${P}a" netns "$(ns 0)" type veth peer name "${P}b" netns "$(ns 1)"
-        for h in 0 1; do
-            local dev; dev=${P}$([ "$h" = 0 ] && echo a || echo b)
-            ip netns exec "$(ns "$h")" ip link set "$dev" name eth0
-            ip netns exec "$(ns "$h")" ip addr add "$SUB.$((h + 1))/24" dev eth0
-            ip netns exec "$(ns "$h")" ip link set eth0 up
-        done
-    else
-        ip netns add "$P-sw"
-        ip netns exec "$P-sw" ip link add br0 type bridge
-        ip netns exec "$P-sw" ip link set br0 up
-        for h in $(seq 0 $((HOSTS - 1))); do
-            ip link add "${P}s$h" netns "$P-sw" type veth peer name "${P}h$h" netns "$(ns "$h")"
-            ip netns exec "$P-sw" ip link set "${P}s$h" master br0 up
-            ip netns exec "$(ns "$h")" ip link set "${P}h$h" name eth0
-            ip netns exec "$(ns "$h")" ip addr add "$SUB.$((h + 1))/24" dev eth0
-            ip netns exec "$(ns "$h")" ip link set eth0 up
-        done
-    fi
-}
-
-set_rate() {
-    for h in $(seq 0 $((HOSTS - 1))); do
-        shape "$(ns "$h")" eth0 "$1"
-        (( HOSTS > 2 )) && shape "$P-sw" "${P}s$h" "$1"
-    done
-    return 0
-}
-
-# Runs WORLD ranks of a command, rank r in host r / PER_HOST; rank 0's stdout is the result.
-# $1: label; the command follows, with the rank's environment exported.
-PORT=$((20000 + $$ % 20000))
-run_ranks() {
-    local label=$1; shift
-    PORT=$((PORT + 1))
-    PIDS=()
-    for r in $(seq 0 $((WORLD - 1))); do
-        local h=$((r / PER_HOST))
-        ip netns exec "$(ns "$h")" env DSPARK_RANK="$r" DSPARK_WORLD_SIZE="$WORLD" \
-            RANK="$r" WORLD_SIZE="$WORLD" LOCAL_RANK=$((r % PER_HOST)) \
-            MASTER_ADDR="$SUB.1" MASTER_PORT="$PORT" DSPARK_ROOT_ADDR="$SUB.1:$PORT" \
-            DSPARK_HOST_ID="$P-h$h" GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
-            timeout "$TIMEOUT" "$@" > "$OUT/$label.rank$r.out" 2> "$OUT/$label.rank$r.err" &
-        PIDS+=($!)
-    done
-    local rc=0
-    for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
-    PIDS=()
-    return $rc
-}
 
 contender() { # rate name -> appends rows
     local rate=$1 who=$2 label="$1-$2-pass$pass"
@@ -155,11 +72,11 @@ contender() { # rate name -> appends rows
 }
 
 log "bed: $HOSTS hosts x $PER_HOST ranks, prefix $P, subnet $SUB.0/24, out $OUT"
-setup
+bed_setup
 : > "$OUT/rows.csv"
 { uname -a; nproc; uptime; git -C "$ROOT" rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1 || true
 for rate in $RATES; do
-    set_rate "$rate"
+    bed_rate "$rate"
     for pass in $(seq 1 "$RUNS"); do
         order="$ALGOS $PEERS"
         (( pass % 2 == 0 )) && order=$(echo "$order" | tr ' ' '\n' | tac | tr '\n' ' ')
