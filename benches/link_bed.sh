@@ -5,6 +5,7 @@
 #   sudo bash benches/link_bed.sh                              # 2 hosts x 2 ranks, 1 and 4 Gbit/s
 #   RATES="1gbit 4gbit 10gbit" SIZES=16777216,67108864 bash benches/link_bed.sh
 #   HOSTS=2 PER_HOST=2 ALGOS="default hier ring tree rabenseifner" PEERS="gloo ompi" bash benches/link_bed.sh
+#   ALGOS=default PEERS=ompi OMPI_ARGS="--bind-to core" bash benches/link_bed.sh   # Open MPI, own args
 #   RUNS=3 bash benches/link_bed.sh                            # passes, peers' order alternated
 #   BENCH_BEFORE=/tmp/old-dspark-bench ALGOS="default default@before hier hier@before" bash benches/link_bed.sh
 #
@@ -20,6 +21,17 @@
 # to it), each forced algorithm in ALGOS (DSPARK_ALGO), gloo (torch.distributed, all TCP:
 # GLOO_SOCKET_IFNAME, ranks of one host meet over that namespace's own address) and Open MPI
 # where PEERS asks for them. Raw rows go to $OUT/rows.csv (rate,contender,ranks,bytes,...).
+#
+# Open MPI (PEERS=ompi; ../shared/peers/mpi_allreduce.c as ../shared/peers/run_all.sh builds
+# it into /tmp/dspark-peers/build, or MPI_BENCH=...): mpirun runs in host 0's namespace under
+# its own UTS namespace named h0, `-H h0:PER_HOST,h1:PER_HOST,...`, and starts one orted per
+# other host through an rsh agent written to $OUT/ompi_agent.sh (`--mca plm_rsh_agent`: enters
+# namespace h<n> and `unshare --uts` + `hostname h<n>`, so each host has its own name and
+# vader joins only the ranks of one host); out-of-band and the TCP BTL on eth0
+# (`--mca btl tcp,vader,self`). OMPI_ARGS (default `--bind-to none --mca mpi_yield_when_idle
+# 1`: every "host" is the same cores, so the ranks are really oversubscribed; bound and
+# busy-polling, a 1 KiB all_reduce took 6.5 ms instead of 25 us) replaces those extra
+# arguments; MPI_SAMPLES (10) samples per size.
 #
 # Needs root (namespaces, tc). Names start with a per-run prefix (dslb<pid>), and everything
 # made is removed on exit, on error and on ^C, so other namespaces on the machine are left alone.
@@ -46,6 +58,35 @@ log() { bed_log "$@"; }
 bed_init
 [ -x "$BENCH" ] || { log "building dspark-bench"; (cd "$ROOT" && cargo build --release --quiet --bin dspark-bench); }
 
+# Open MPI on the bed: mpirun runs in host 0's namespace under its own UTS namespace with
+# host name h0, and starts one orted per other host through an rsh agent ($OUT/ompi_agent.sh)
+# that enters that host's namespace (and names it h<host>): `-H h0:PER_HOST,h1:PER_HOST,...`,
+# out-of-band and TCP BTL on eth0, vader between the ranks of one host.
+MPI_BENCH=${MPI_BENCH:-${PEERS_WORK:-${TMPDIR:-/tmp}/dspark-peers}/build/mpi_allreduce_ompi}
+run_ompi() { # label mpirun
+    local label=$1 mpirun=$2 hosts=() h
+    for h in $(seq 0 $((HOSTS - 1))); do hosts+=("h$h:$PER_HOST"); done
+    cat > "$OUT/ompi_agent.sh" <<AGENT
+#!/bin/sh
+# Open MPI's rsh agent on the bed: \$1 = host name h<n>, the rest = the command (one string).
+host=\$1; shift
+exec ip netns exec "$P-\$host" unshare --uts sh -c "hostname \$host; \$*"
+AGENT
+    chmod +x "$OUT/ompi_agent.sh"
+    PIDS=()
+    ip netns exec "$(ns 0)" unshare --uts sh -c 'hostname h0; exec "$@"' sh \
+        env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout "$TIMEOUT" \
+        "$mpirun" --allow-run-as-root -np "$WORLD" -H "$(IFS=,; echo "${hosts[*]}")" \
+        --mca plm_rsh_agent "$OUT/ompi_agent.sh" --mca oob_tcp_if_include eth0 \
+        --mca pml ob1 --mca btl tcp,vader,self --mca btl_tcp_if_include eth0 \
+        ${OMPI_ARGS---bind-to none --mca mpi_yield_when_idle 1} "$MPI_BENCH" --peer ompi --samples "${MPI_SAMPLES:-10}" --sizes "$SIZES" > "$OUT/$label.rank0.out" 2> "$OUT/$label.rank0.err" &
+    PIDS+=($!)
+    local rc=0
+    wait "${PIDS[0]}" || rc=$?
+    PIDS=()
+    return $rc
+}
+
 contender() { # rate name -> appends rows
     local rate=$1 who=$2 label="$1-$2-pass$pass"
     log "$rate $who (load $(cut -d' ' -f1-3 /proc/loadavg))"
@@ -59,8 +100,12 @@ contender() { # rate name -> appends rows
         if [ -z "$PY" ]; then log "  gloo: no python with torch (set DSPARK_TORCH_VENV or PY)"; return; fi
         run_ranks "$label" "$PY" "$ROOT/benches/link_bed_gloo.py" --peer gloo --sizes "$SIZES" && ok=1 ;;
     ompi)
-        log "  ompi: not launched on the bed (see benches/RESULTS.md: mpirun needs a daemon per namespace)"
-        return ;;
+        local mpirun; mpirun=$(command -v mpirun.openmpi || command -v mpirun || true)
+        if [ -z "$mpirun" ] || [ ! -x "$MPI_BENCH" ]; then
+            log "  ompi: needs mpirun and $MPI_BENCH (../shared/peers/run_all.sh builds it; or set MPI_BENCH)"
+            return
+        fi
+        run_ompi "$label" "$mpirun" && ok=1 ;;
     *) run_ranks "$label" env DSPARK_ALGO="$algo" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
     esac
     if (( ok )); then
