@@ -5,6 +5,7 @@
 #   sudo bash benches/link_bed.sh                              # 2 hosts x 2 ranks, 1 and 4 Gbit/s
 #   RATES="1gbit 4gbit 10gbit" SIZES=16777216,67108864 bash benches/link_bed.sh
 #   HOSTS=2 PER_HOST=2 ALGOS="default hier ring tree rabenseifner" PEERS="gloo ompi" bash benches/link_bed.sh
+#   ALGOS=default PEERS=ompi OMPI_ARGS="--bind-to core" bash benches/link_bed.sh   # Open MPI, own args
 #   RUNS=3 bash benches/link_bed.sh                            # passes, peers' order alternated
 #   BENCH_BEFORE=/tmp/old-dspark-bench ALGOS="default default@before hier hier@before" bash benches/link_bed.sh
 #
@@ -21,8 +22,21 @@
 # GLOO_SOCKET_IFNAME, ranks of one host meet over that namespace's own address) and Open MPI
 # where PEERS asks for them. Raw rows go to $OUT/rows.csv (rate,contender,ranks,bytes,...).
 #
+# Open MPI (PEERS=ompi; ../shared/peers/mpi_allreduce.c as ../shared/peers/run_all.sh builds
+# it into /tmp/dspark-peers/build, or MPI_BENCH=...): mpirun runs in host 0's namespace under
+# its own UTS namespace named h0, `-H h0:PER_HOST,h1:PER_HOST,...`, and starts one orted per
+# other host through an rsh agent written to $OUT/ompi_agent.sh (`--mca plm_rsh_agent`: enters
+# namespace h<n> and `unshare --uts` + `hostname h<n>`, so each host has its own name and
+# vader joins only the ranks of one host); out-of-band and the TCP BTL on eth0
+# (`--mca btl tcp,vader,self`). OMPI_ARGS (default `--bind-to none --mca mpi_yield_when_idle
+# 1`: every "host" is the same cores, so the ranks are really oversubscribed; bound and
+# busy-polling, a 1 KiB all_reduce took 6.5 ms instead of 25 us) replaces those extra
+# arguments; MPI_SAMPLES (10) samples per size.
+#
 # Needs root (namespaces, tc). Names start with a per-run prefix (dslb<pid>), and everything
 # made is removed on exit, on error and on ^C, so other namespaces on the machine are left alone.
+# The bed itself (namespaces, links, shaping, cleanup, the per-rank launcher) is
+# benches/bed_lib.sh, shared with benches/ddp_bed.sh (DDP training on the same bed).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HOSTS=${HOSTS:-2}
@@ -36,95 +50,39 @@ TIMEOUT=${TIMEOUT:-900}
 BENCH=${BENCH:-${CARGO_TARGET_DIR:-$ROOT/target}/release/dspark-bench}
 PY=${PY:-${DSPARK_TORCH_VENV:+$DSPARK_TORCH_VENV/bin/python}}
 OUT=${OUT:-${TMPDIR:-/tmp}/dspark-link-bed/$(date +%Y%m%d-%H%M%S)}
-P=dslb$$                       # name prefix: namespaces, links, host ids
-SUB=10.$((200 + $$ % 50)).$(($$ / 50 % 250))   # the bed's /24 (inside the namespaces only)
-WORLD=$((HOSTS * PER_HOST))
-log() { echo "[link_bed $(date +%T)] $*" >&2; }
+BED_NAME=link_bed
+# shellcheck source=benches/bed_lib.sh
+. "$ROOT/benches/bed_lib.sh"    # namespaces, links, tbf, cleanup, run_ranks
+log() { bed_log "$@"; }
 
-[ "$(id -u)" = 0 ] || { echo "link_bed: needs root (network namespaces, tc)" >&2; exit 2; }
-(( HOSTS >= 2 && PER_HOST >= 1 )) || { echo "link_bed: HOSTS >= 2, PER_HOST >= 1" >&2; exit 2; }
+bed_init
 [ -x "$BENCH" ] || { log "building dspark-bench"; (cd "$ROOT" && cargo build --release --quiet --bin dspark-bench); }
-mkdir -p "$OUT"
 
-ns() { echo "$P-h$1"; }
-PIDS=()
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for h in $(seq 0 $((HOSTS - 1))); do ip netns del "$(ns "$h")" 2>/dev/null || true; done
-    ip netns del "$P-sw" 2>/dev/null || true
-    # veths die with their namespace; nothing was made in the root namespace.
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# tbf on one device: burst of 2 ms at the rate (at least 256 KiB: veth hands tbf 64 KiB GSO
-# packets), queue of 20 ms.
-shape() { # namespace device rate
-    local bits; bits=$(rate_bits "$3")
-    local burst=$(( bits / 8 / 500 )); (( burst < 262144 )) && burst=262144
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst "$burst" latency 20ms
-}
-rate_bits() { # 1gbit, 400mbit, 2.5gbit -> bits/s
-    python3 -c "import re,sys; m=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$1'.lower()); \
-print(int(float(m[1])*{'':1,'k':1e3,'m':1e6,'g':1e9}[m[2]]))"
-}
-
-setup() {
-    for h in $(seq 0 $((HOSTS - 1))); do
-        ip netns add "$(ns "$h")"
-        ip netns exec "$(ns "$h")" ip link set lo up
-    done
-    if (( HOSTS == 2 )); then
-        ip link add "${P}a" netns "$(ns 0)" type veth peer name "${P}b" netns "$(ns 1)"
-        for h in 0 1; do
-            local dev; dev=${P}$([ "$h" = 0 ] && echo a || echo b)
-            ip netns exec "$(ns "$h")" ip link set "$dev" name eth0
-            ip netns exec "$(ns "$h")" ip addr add "$SUB.$((h + 1))/24" dev eth0
-            ip netns exec "$(ns "$h")" ip link set eth0 up
-        done
-    else
-        ip netns add "$P-sw"
-        ip netns exec "$P-sw" ip link add br0 type bridge
-        ip netns exec "$P-sw" ip link set br0 up
-        for h in $(seq 0 $((HOSTS - 1))); do
-            ip link add "${P}s$h" netns "$P-sw" type veth peer name "${P}h$h" netns "$(ns "$h")"
-            ip netns exec "$P-sw" ip link set "${P}s$h" master br0 up
-            ip netns exec "$(ns "$h")" ip link set "${P}h$h" name eth0
-            ip netns exec "$(ns "$h")" ip addr add "$SUB.$((h + 1))/24" dev eth0
-            ip netns exec "$(ns "$h")" ip link set eth0 up
-        done
-    fi
-}
-
-set_rate() {
-    for h in $(seq 0 $((HOSTS - 1))); do
-        shape "$(ns "$h")" eth0 "$1"
-        (( HOSTS > 2 )) && shape "$P-sw" "${P}s$h" "$1"
-    done
-    return 0
-}
-
-# Runs WORLD ranks of a command, rank r in host r / PER_HOST; rank 0's stdout is the result.
-# $1: label; the command follows, with the rank's environment exported.
-PORT=$((20000 + $$ % 20000))
-run_ranks() {
-    local label=$1; shift
-    PORT=$((PORT + 1))
+# Open MPI on the bed: mpirun runs in host 0's namespace under its own UTS namespace with
+# host name h0, and starts one orted per other host through an rsh agent ($OUT/ompi_agent.sh)
+# that enters that host's namespace (and names it h<host>): `-H h0:PER_HOST,h1:PER_HOST,...`,
+# out-of-band and TCP BTL on eth0, vader between the ranks of one host.
+MPI_BENCH=${MPI_BENCH:-${PEERS_WORK:-${TMPDIR:-/tmp}/dspark-peers}/build/mpi_allreduce_ompi}
+run_ompi() { # label mpirun
+    local label=$1 mpirun=$2 hosts=() h
+    for h in $(seq 0 $((HOSTS - 1))); do hosts+=("h$h:$PER_HOST"); done
+    cat > "$OUT/ompi_agent.sh" <<AGENT
+#!/bin/sh
+# Open MPI's rsh agent on the bed: \$1 = host name h<n>, the rest = the command (one string).
+host=\$1; shift
+exec ip netns exec "$P-\$host" unshare --uts sh -c "hostname \$host; \$*"
+AGENT
+    chmod +x "$OUT/ompi_agent.sh"
     PIDS=()
-    for r in $(seq 0 $((WORLD - 1))); do
-        local h=$((r / PER_HOST))
-        ip netns exec "$(ns "$h")" env DSPARK_RANK="$r" DSPARK_WORLD_SIZE="$WORLD" \
-            RANK="$r" WORLD_SIZE="$WORLD" LOCAL_RANK=$((r % PER_HOST)) \
-            MASTER_ADDR="$SUB.1" MASTER_PORT="$PORT" DSPARK_ROOT_ADDR="$SUB.1:$PORT" \
-            DSPARK_HOST_ID="$P-h$h" GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
-            timeout "$TIMEOUT" "$@" > "$OUT/$label.rank$r.out" 2> "$OUT/$label.rank$r.err" &
-        PIDS+=($!)
-    done
+    ip netns exec "$(ns 0)" unshare --uts sh -c 'hostname h0; exec "$@"' sh \
+        env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout "$TIMEOUT" \
+        "$mpirun" --allow-run-as-root -np "$WORLD" -H "$(IFS=,; echo "${hosts[*]}")" \
+        --mca plm_rsh_agent "$OUT/ompi_agent.sh" --mca oob_tcp_if_include eth0 \
+        --mca pml ob1 --mca btl tcp,vader,self --mca btl_tcp_if_include eth0 \
+        ${OMPI_ARGS---bind-to none --mca mpi_yield_when_idle 1} "$MPI_BENCH" --peer ompi --samples "${MPI_SAMPLES:-10}" --sizes "$SIZES" > "$OUT/$label.rank0.out" 2> "$OUT/$label.rank0.err" &
+    PIDS+=($!)
     local rc=0
-    for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
+    wait "${PIDS[0]}" || rc=$?
     PIDS=()
     return $rc
 }
@@ -142,8 +100,12 @@ contender() { # rate name -> appends rows
         if [ -z "$PY" ]; then log "  gloo: no python with torch (set DSPARK_TORCH_VENV or PY)"; return; fi
         run_ranks "$label" "$PY" "$ROOT/benches/link_bed_gloo.py" --peer gloo --sizes "$SIZES" && ok=1 ;;
     ompi)
-        log "  ompi: not launched on the bed (see benches/RESULTS.md: mpirun needs a daemon per namespace)"
-        return ;;
+        local mpirun; mpirun=$(command -v mpirun.openmpi || command -v mpirun || true)
+        if [ -z "$mpirun" ] || [ ! -x "$MPI_BENCH" ]; then
+            log "  ompi: needs mpirun and $MPI_BENCH (../shared/peers/run_all.sh builds it; or set MPI_BENCH)"
+            return
+        fi
+        run_ompi "$label" "$mpirun" && ok=1 ;;
     *) run_ranks "$label" env DSPARK_ALGO="$algo" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
     esac
     if (( ok )); then
@@ -155,11 +117,11 @@ contender() { # rate name -> appends rows
 }
 
 log "bed: $HOSTS hosts x $PER_HOST ranks, prefix $P, subnet $SUB.0/24, out $OUT"
-setup
+bed_setup
 : > "$OUT/rows.csv"
 { uname -a; nproc; uptime; git -C "$ROOT" rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1 || true
 for rate in $RATES; do
-    set_rate "$rate"
+    bed_rate "$rate"
     for pass in $(seq 1 "$RUNS"); do
         order="$ALGOS $PEERS"
         (( pass % 2 == 0 )) && order=$(echo "$order" | tr ' ' '\n' | tac | tr '\n' ' ')

@@ -16,12 +16,18 @@ learnable and the same on every run) and prints:
   (N-rank throughput) / (N x 1-rank throughput), with the 1-rank throughput measured in the
   same run by rank 0 alone (the other ranks wait, so it has the machine to itself).
 
-Options: --steps, --batch (per rank), --hidden, --layers, --warmup.
+Options: --steps, --batch (per rank), --hidden, --layers, --warmup; --bucket-cap-mb (DDP's
+gradient bucket size, torch's default 25 MiB), --threads (torch's intra-op threads per rank),
+--allreduce-probe K (also time K plain `dist.all_reduce` calls of the whole gradient's size,
+outside DDP: the communication that overlap has to hide, beside the 1-rank step), --json FILE
+(rank 0 also writes every number to FILE). benches/ddp_bed.sh runs it on the link bed.
 """
 
 import argparse
 import copy
+import json
 import os
+import statistics
 import time
 
 import torch
@@ -98,8 +104,16 @@ def main():
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="DDP's bucket_cap_mb (default: torch's, 25)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank")
+    ap.add_argument("--allreduce-probe", type=int, default=0, metavar="K",
+                    help="also time K plain all_reduce calls of the gradient's size")
+    ap.add_argument("--json", default=None, metavar="FILE", help="rank 0 writes its numbers here")
     a = ap.parse_args()
 
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dist.init_process_group(backend=a.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # deliberately different: DDP's init broadcast makes them equal
@@ -118,7 +132,7 @@ def main():
         base = a.batch * a.steps / secs
     dist.barrier()
 
-    ddp = DDP(model)
+    ddp = DDP(model) if a.bucket_cap_mb is None else DDP(model, bucket_cap_mb=a.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     run_steps(ddp, opt, warm)
     # Interleave compute-only and DDP steps in halves, so noise hits both alike.
@@ -144,6 +158,22 @@ def main():
     dist.broadcast(ref, 0)
     in_sync = torch.equal(flat, ref)
 
+    # The gradient's allreduce on its own: one plain all_reduce of every gradient element
+    # (f32), outside DDP and with nothing to overlap; median of K calls, slowest rank's.
+    probe_ms = None
+    if a.allreduce_probe > 0:
+        grad = torch.ones(params, dtype=torch.float32)
+        dist.all_reduce(grad)
+        samples = []
+        for _ in range(a.allreduce_probe):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(grad)
+            samples.append(time.perf_counter() - t0)
+        worst = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        probe_ms = 1e3 * worst.item()
+
     if rank == 0:
         impl = dist.get_backend_impl() if hasattr(dist, "get_backend_impl") else None
         info = impl.dspark_info() if hasattr(impl, "dspark_info") else None
@@ -161,6 +191,26 @@ def main():
         print(f"  scaling efficiency {throughput / (n * base):9.1%}  "
               f"(N-rank throughput / (N x 1-rank throughput))")
         print(f"  final loss {loss:.4f}; parameters identical on every rank: {in_sync}")
+        solo_ms = 1e3 * a.batch / base
+        if probe_ms is not None:
+            print(f"  gradient allreduce {probe_ms:9.2f} ms alone (plain all_reduce of "
+                  f"{params * 4 / 2**20:.1f} MiB, median of {a.allreduce_probe}) = "
+                  f"{probe_ms / solo_ms:.2f} x the 1-rank step ({solo_ms:.2f} ms)")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({
+                    "backend": a.backend, "ranks": n, "torch": torch.__version__,
+                    "layers": a.layers, "hidden": a.hidden, "batch": a.batch,
+                    "steps": steps, "params": params, "grad_bytes": params * 4,
+                    "bucket_cap_mb": a.bucket_cap_mb if a.bucket_cap_mb is not None else 25,
+                    "threads": torch.get_num_threads(),
+                    "step_ms": step_ms, "compute_ms": comp_ms,
+                    "exposed_ms": step_ms - comp_ms, "samples_s": throughput,
+                    "solo_samples_s": base, "solo_step_ms": solo_ms,
+                    "efficiency": throughput / (n * base), "allreduce_ms": probe_ms,
+                    "loss": loss, "in_sync": in_sync,
+                    "transport": info["transport"] if info else None,
+                }, f)
     dist.destroy_process_group()
     if not in_sync:
         raise SystemExit(f"rank {rank}: parameters differ from rank 0's after training")
