@@ -57,11 +57,13 @@
 //! a host sharing its link (recursive doubling's cross steps carry `l` whole buffers at
 //! once), and the hops within a host at shared memory's constants; the pipelined
 //! hierarchical allreduce hides its host phases under the link from its second chunk, and
-//! competes on its prediction (no fixed threshold), winning ties with Rabenseifner's (with
-//! one chunk the two make the same exchanges on 2 hosts × 2 ranks). The other collectives
-//! are priced at the slower of the two media. On `benches/link_bed.sh` (2 hosts × 2 ranks)
-//! this takes recursive doubling up to 16 KiB and the hierarchical allreduce from 64 KiB
-//! (tests below, against the bed's measurements).
+//! competes on its prediction (no fixed threshold); with one chunk it makes the same
+//! exchanges as Rabenseifner's on 2 hosts × 2 ranks, and Rabenseifner's keeps the tie (it
+//! measured 0–15% ahead there on a quiet bed). The other collectives are priced at the
+//! slower of the two media. On `benches/link_bed.sh` (2 hosts × 2 ranks) this takes
+//! recursive doubling for the smallest sizes (to 16 KiB at 4 Gbit/s, 8 KiB at 1 Gbit/s),
+//! Rabenseifner's up to 1 MiB and the hierarchical allreduce from 2 MiB (`link.rs`'s tests,
+//! against the bed's measurements).
 //!
 //! **Where it is not** (one host per rank set, the probe off or failed): with several hosts
 //! of several ranks ([`hierarchical_fits`]) the model takes the hierarchical allreduce from
@@ -497,22 +499,19 @@ impl CostModel {
         per_host: usize,
     ) -> Algorithm {
         // Several hosts of several ranks: where the link is known, the hierarchical allreduce
-        // competes on its prediction (and wins ties with Rabenseifner's, `PREFERENCE_OVER_LINK`);
-        // where not, it is taken from `hier_min_bytes` (module docs, "Between hosts").
+        // competes on its prediction (Rabenseifner's keeps the ties: it comes first); where
+        // not, it is taken from `hier_min_bytes` (module docs, "Between hosts").
         let link = self.link.filter(Link::is_valid);
         let fits = hierarchical_fits(world, per_host);
         if coll == Collective::AllReduce && fits && link.is_none() && bytes >= self.hier_min_bytes {
             return Algorithm::Hierarchical;
         }
         let mut best: Option<(Algorithm, f64)> = None;
-        let margin =
-            0.5 * link.map_or(self.costs.alpha_us, |l| l.alpha_us.max(self.costs.alpha_us));
-        let order = if link.is_some() && fits {
-            &PREFERENCE_OVER_LINK
-        } else {
-            &PREFERENCE
-        };
-        for &a in order {
+        // Half a hop's latency of the transport's constants, also over a link: the link's α (a
+        // step of a call on the bed, 60–110 µs) would hand sizes to doubling that the
+        // hierarchical allreduce measured 2x faster at.
+        let margin = 0.5 * self.costs.alpha_us;
+        for a in PREFERENCE {
             if a == Algorithm::Hierarchical && !(fits && link.is_some()) {
                 continue;
             }
@@ -550,22 +549,6 @@ const PREFERENCE: [Algorithm; 10] = [
     Algorithm::Rabenseifner,
     Algorithm::Chain,
     Algorithm::Hierarchical,
-    Algorithm::Pairwise,
-    Algorithm::Dissemination,
-    Algorithm::Direct,
-];
-
-/// [`PREFERENCE`] where the link between hosts is known: the hierarchical allreduce before
-/// Rabenseifner's, which it equals in the closed forms while it runs unpipelined (one chunk:
-/// on 2 hosts × 2 ranks the same exchanges), and which it led at 256 KiB on the link bed.
-const PREFERENCE_OVER_LINK: [Algorithm; 10] = [
-    Algorithm::RecursiveDoubling,
-    Algorithm::BinomialTree,
-    Algorithm::Tree,
-    Algorithm::Ring,
-    Algorithm::Hierarchical,
-    Algorithm::Rabenseifner,
-    Algorithm::Chain,
     Algorithm::Pairwise,
     Algorithm::Dissemination,
     Algorithm::Direct,
