@@ -145,8 +145,7 @@ pub struct Config {
     /// missing default file means the defaults, silently; a file named by `DSPARK_TUNE_FILE`
     /// that cannot be read, or any file that does not parse, is a warning and the defaults.
     pub tune_file: Option<PathBuf>,
-    /// `DSPARK_LINK_PROBE`: measure the link between hosts at init, in a job over several
-    /// hosts (rank 0's setting decides). On by default.
+    /// `DSPARK_LINK_PROBE`: measure the link between hosts at init (rank 0's decides; on).
     pub link_probe: bool,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
@@ -293,7 +292,6 @@ setters! {
     cache_dir: Option<PathBuf>,
     trace: Option<PathBuf>,
     tune_file: Option<PathBuf>,
-    link_probe: bool,
     job_token: Option<String>,
     job_auth: JobAuth,
     job_id: Option<String>,
@@ -627,11 +625,11 @@ impl Config {
             };
         }
         if let Some((n, v)) = pick(&["DSPARK_LINK_PROBE"]) {
-            c.link_probe = match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" | "" => true,
-                "0" | "false" | "no" | "off" => false,
-                _ => return Err(Error::config(n, format!("{v:?}: expected 0 or 1"))),
-            };
+            let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
+            if !off && !truthy(&v) && !v.trim().is_empty() {
+                return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
+            }
+            c.link_probe = !off;
         }
         c.listen_any = pick(&["DSPARK_LISTEN_ANY"]).is_some_and(|(_, v)| truthy(&v));
         c.accept_any_source = pick(&["DSPARK_ACCEPT_ANY_SOURCE"]).is_some_and(|(_, v)| truthy(&v));
