@@ -27,6 +27,7 @@
 //! | `DSPARK_FR_ENTRIES` | operations the flight recorder keeps per communicator (0: off; [`crate::engine::flight`]) | 2000 |
 //! | `DSPARK_FR_DUMP` | directory each rank writes its flight record into when a communicator fails (`rank<r>.json`; `dspark analyze DIR` reads them) | off |
 //! | `DSPARK_TUNE_FILE` | the cost model's measured constants (`dspark tune` writes them; [`crate::plan::model`]); rank 0's file decides for the job; a bad file is a warning and the defaults | `$XDG_CACHE_HOME/dspark/tune.json`, `$HOME/.cache/dspark/tune.json` (when present) |
+//! | `DSPARK_LINK_PROBE` | `0` turns off the link probe: in a job over several hosts, rank 0 and the first rank of the next host time a few round trips and a ~10 ms stream at init, and the cost model prices the hops between hosts with what they measured ([`crate::plan::model`], "Between hosts"); rank 0's setting decides for the job | on |
 //!
 //! [`Config::from_env`] is the only place the environment is read: [`crate::Communicator::init`]
 //! takes every setting from the `Config` it is given, and [`Config::validate`] checks their
@@ -144,6 +145,8 @@ pub struct Config {
     /// missing default file means the defaults, silently; a file named by `DSPARK_TUNE_FILE`
     /// that cannot be read, or any file that does not parse, is a warning and the defaults.
     pub tune_file: Option<PathBuf>,
+    /// `DSPARK_LINK_PROBE`: measure the link between hosts at init (rank 0's decides; on).
+    pub link_probe: bool,
     /// Shared secret: ranks with a different token are refused.
     pub job_token: Option<String>,
     /// Where `job_token` came from (ignored without one): [`Config::auth`].
@@ -328,6 +331,7 @@ impl Config {
             flight_entries: crate::engine::flight::DEFAULT_ENTRIES,
             flight_dump: None,
             tune_file: None,
+            link_probe: true,
             job_token: None,
             job_auth: JobAuth::Token,
             job_id: None,
@@ -619,6 +623,13 @@ impl Config {
                 "0" | "false" | "no" | "" => false,
                 _ => return Err(Error::config(n, format!("{v:?}: expected 0 or 1"))),
             };
+        }
+        if let Some((n, v)) = pick(&["DSPARK_LINK_PROBE"]) {
+            let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
+            if !off && !truthy(&v) && !v.trim().is_empty() {
+                return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
+            }
+            c.link_probe = !off;
         }
         c.listen_any = pick(&["DSPARK_LISTEN_ANY"]).is_some_and(|(_, v)| truthy(&v));
         c.accept_any_source = pick(&["DSPARK_ACCEPT_ANY_SOURCE"]).is_some_and(|(_, v)| truthy(&v));

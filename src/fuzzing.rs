@@ -640,6 +640,10 @@ fn cost_model_value(r: &mut dyn Rng) -> CostModel {
         local_ranks: edgy(r) as usize,
         cores: edgy(r) as usize,
         hier_min_bytes: edgy(r) as usize,
+        link: (r.below(2) == 0).then(|| model::Link {
+            alpha_us: f(r, 50.0),
+            beta_us_per_byte: f(r, 8e-3),
+        }),
     }
 }
 

@@ -265,6 +265,12 @@ impl Engine {
         Ok(path)
     }
 
+    /// Replaces the cost model that chooses the algorithms (at init, once the link probe has
+    /// measured the link between hosts; every rank sets the same one before its first call).
+    pub fn set_model(&mut self, model: CostModel) {
+        self.opts.model = model;
+    }
+
     /// Forces `algo` for later calls of the collectives it implements (`None`: the choice by
     /// size), as [`EngineOptions::force_algo`] at init.
     pub fn set_forced_algorithm(&mut self, algo: Option<Algorithm>) {

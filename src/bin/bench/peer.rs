@@ -22,6 +22,10 @@ pub(crate) fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<
         args.sizes.clone()
     };
     let e = |err: dspark::Error| err.to_string();
+    if r == 0 {
+        // What the model believed (the rows on stdout stay the peers' format).
+        eprintln!("# model     : {}", comm.info().cost_model);
+    }
     for &bytes in &list {
         let count = (bytes / 4).max(1);
         let fill = |buf: &mut Vec<f32>| {

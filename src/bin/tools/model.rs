@@ -50,6 +50,14 @@ pub(crate) struct ModelArgs {
     /// Only the crossover table.
     #[arg(long)]
     crossovers_only: bool,
+    /// The link between hosts, as the link probe measures it at init (`# model` line of
+    /// `dspark-bench`: `link α=… µs β=… Gbit/s`): its α in µs (with --link-gbit and
+    /// --per-host).
+    #[arg(long, requires = "link_gbit")]
+    link_alpha_us: Option<f64>,
+    /// The link's rate, Gbit/s (with --link-alpha-us).
+    #[arg(long, requires = "link_alpha_us")]
+    link_gbit: Option<f64>,
 }
 
 fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -161,6 +169,17 @@ pub(crate) fn model_main(args: &ModelArgs) -> ExitCode {
     if let (Some(l), Some(c)) = (args.local_ranks, args.cores) {
         m.local_ranks = l.max(1);
         m.cores = c.max(1);
+    }
+    if let (Some(alpha_us), Some(gbit)) = (args.link_alpha_us, args.link_gbit) {
+        let link = model::Link {
+            alpha_us,
+            beta_us_per_byte: 8e-3 / gbit,
+        };
+        if !link.is_valid() {
+            eprintln!("dspark model: --link-alpha-us and --link-gbit must be positive");
+            return ExitCode::from(2);
+        }
+        m.link = Some(link);
     }
     println!("# dspark model: allreduce, predicted time per algorithm (µs) and the choice");
     println!("# model   : {m} ({source})");

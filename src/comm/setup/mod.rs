@@ -40,13 +40,14 @@ use crate::error::{Error, Result};
 use crate::gpu::direct::DirectRegion;
 use crate::path::{self, GpuDirectCapability, PathPolicy};
 use crate::plan;
-use crate::plan::model::{self, CostModel, Costs, Medium};
+use crate::plan::model::{self, CostModel, Costs, Link, Medium};
 use crate::transport::mixed::{self, MixedTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::{Transport, TransportKind};
 
 mod negotiate;
 pub(crate) mod offer;
+mod probe;
 mod region;
 mod shm;
 mod verbs;
@@ -318,9 +319,14 @@ impl Communicator {
             cores: host_cores(),
             ..CostModel::new(medium, costs)
         };
+        // Rank 0's model, and whether rank 0 asks for the link probe (its first byte).
+        let mut link_probe = config.link_probe;
         if config.world_size > 1 {
-            let root = boot.broadcast_root(&model::encode(&model, &model_source))?;
-            match model::decode(&root) {
+            let mut mine = vec![u8::from(config.link_probe)];
+            mine.extend(model::encode(&model, &model_source));
+            let root = boot.broadcast_root(&mine)?;
+            link_probe = root.first() == Some(&1);
+            match root.get(1..).and_then(model::decode) {
                 Some((m, src)) => {
                     if config.rank != 0 && (m != model || src != model_source) {
                         model_source = format!("rank 0's: {src}");
@@ -357,7 +363,7 @@ impl Communicator {
             local_ranks: local,
             intra_host,
             transport_reason: reason,
-            model_source,
+            model_source: model_source.clone(),
             data_path: config.data_path,
             gpu_direct,
             direct_region,
@@ -367,7 +373,46 @@ impl Communicator {
         comm.region = region.map(Arc::new);
         comm.shrink_door = shrink_door;
         comm.check_path_policy()?;
+        if let Some(peer) = probe::partner(&hosts).filter(|_| link_probe) {
+            let start = std::time::Instant::now();
+            let link = probe::run(&comm, peer, plan::uniform_per_host(&hosts))?;
+            comm.adopt_link(link, peer, &model_source, start.elapsed())?;
+        }
         Ok(comm)
+    }
+
+    /// Takes the link the probe measured (every rank the same, rank 0's) into the cost model
+    /// of this communicator and of its engine, and into the model line of its facts.
+    fn adopt_link(
+        &mut self,
+        link: Option<Link>,
+        peer: usize,
+        source: &str,
+        took: Duration,
+    ) -> Result<()> {
+        let Some(link) = link else {
+            tracing::warn!(
+                rank = self.rank,
+                peer,
+                "the link probe between rank 0 and rank {peer} gave no usable constants: the \
+                 cost model prices the hops between hosts at its transport's constants"
+            );
+            return Ok(());
+        };
+        let model = CostModel {
+            link: Some(link),
+            ..self.opts.model
+        };
+        self.shared.exclusive(None, |eng| {
+            eng.set_model(model);
+            Ok(())
+        })?;
+        self.opts.model = model;
+        self.info.cost_model = format!(
+            "{model} ({source}; link: rank 0 ↔ rank {peer}, {:.1} ms)",
+            took.as_secs_f64() * 1e3
+        );
+        Ok(())
     }
 
     /// A communicator over an already connected transport (for example

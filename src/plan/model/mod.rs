@@ -43,18 +43,40 @@
 //!
 //! # Between hosts
 //!
-//! With several hosts of several ranks ([`hierarchical_fits`]) the model takes the hierarchical
-//! allreduce from [`CostModel::hier_min_bytes`] on, without comparing predictions. It is
-//! pipelined in chunks ([`super::algo::hierarchical_all_reduce`]): the host phases run over
-//! memory while the rails keep the link busy, and it sends the fewest bytes between hosts
-//! (2(H−1)/H of the buffer per host). The closed forms price every hop at one medium's
+//! **Where the link is known** ([`CostModel::link`]): a communicator over several hosts
+//! measures the link between them at init (the link probe, `src/comm/setup/probe.rs`; off
+//! with `DSPARK_LINK_PROBE=0`): rank 0 and the first rank of the next host time 8-byte round
+//! trips (every pair of rails at once) and a stream of ~10 ms, whose rate is read over the
+//! later half of its last batch, past any burst a token bucket allows; α is at least the
+//! time per hop of a tiny allreduce of every rank (a step of a call, which on a host whose
+//! ranks share cores costs far more than a lone round trip). Rank 0 broadcasts the link and
+//! every rank adopts it; the model line (`Communicator::info().cost_model`, the bench
+//! header) says `link α=… µs β=… Gbit/s (probed)`. The probe took 12–15 ms of init on the
+//! link bed at 1 and 4 Gbit/s (benches/RESULTS.md). The allreduces are then priced hop by hop
+//! (`link.rs`, [`Link`]): the hops that cross hosts at the link's α and β, with the ranks of
+//! a host sharing its link (recursive doubling's cross steps carry `l` whole buffers at
+//! once), and the hops within a host at shared memory's constants; the pipelined
+//! hierarchical allreduce hides its host phases under the link from its second chunk, and
+//! competes on its prediction (no fixed threshold); with one chunk it makes the same
+//! exchanges as Rabenseifner's on 2 hosts × 2 ranks, and Rabenseifner's keeps the tie (it
+//! measured 0–15% ahead there on a quiet bed). The other collectives are priced at the
+//! slower of the two media. On `benches/link_bed.sh` (2 hosts × 2 ranks) this takes
+//! recursive doubling for the smallest sizes (to 16 KiB at 4 Gbit/s, 8 KiB at 1 Gbit/s),
+//! Rabenseifner's up to 1 MiB and the hierarchical allreduce from 2 MiB (`link.rs`'s tests,
+//! against the bed's measurements).
+//!
+//! **Where it is not** (one host per rank set, the probe off or failed): with several hosts
+//! of several ranks ([`hierarchical_fits`]) the model takes the hierarchical allreduce from
+//! [`CostModel::hier_min_bytes`] on, without comparing predictions. It is pipelined in chunks
+//! ([`super::algo::hierarchical_all_reduce`]): the host phases run over memory while the
+//! rails keep the link busy, and it sends the fewest bytes between hosts (2(H−1)/H of the
+//! buffer per host). The single-medium closed forms price every hop at one medium's
 //! constants and have no term for the link a host shares among its rails, so they put
 //! Rabenseifner's allreduce (the same bytes per rank, as few between hosts on powers of two)
 //! level with it; measured on `benches/link_bed.sh` (2 hosts × 2 ranks), the pipelined
 //! hierarchical allreduce ran at 0.96/0.95 of the link's floor at 16/64 MiB and 4 Gbit/s where
 //! Rabenseifner's ran at 0.87/0.82, and at 0.95/0.95 against 0.90/0.89 at 1 Gbit/s
-//! (benches/RESULTS.md). The model does not measure the link: below `hier_min_bytes` it keeps
-//! its single-medium choice.
+//! (benches/RESULTS.md). Below `hier_min_bytes` it keeps its single-medium choice.
 //!
 //! One effect the closed forms miss at scale is taken from NCCL's published tuning model:
 //!
@@ -87,7 +109,8 @@
 //! The closed forms are O(1) (no schedule is built), so choosing per call costs nanoseconds.
 //!
 //! Where things live: this file holds the constants, the model, its prediction and its
-//! choice; `volume.rs` the closed forms ([`volume()`](fn@volume)); `tune.rs` the tune file
+//! choice; `volume.rs` the closed forms ([`volume()`](fn@volume)); `link.rs` the link
+//! between hosts and the allreduces' closed forms over it; `tune.rs` the tune file
 //! ([`parse_tune_file`], [`format_tune_file`]); `wire.rs` the form in which rank 0 broadcasts
 //! its model at init ([`encode`], [`decode`]).
 //!
@@ -133,14 +156,16 @@ use std::fmt;
 
 use super::{hierarchical_fits, Algorithm, Collective};
 
+mod link;
 mod tune;
 mod volume;
 mod wire;
 
+pub use link::Link;
 pub use tune::{format_tune_file, parse_tune_file, TUNE_FILE_VERSION};
 use volume::floor_log2;
 pub use volume::{volume, Volume};
-pub use wire::{decode, encode};
+pub use wire::{decode, decode_link, encode, encode_link};
 /// The three constants of one transport.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Costs {
@@ -255,8 +280,13 @@ pub struct CostModel {
     /// Cores of one host.
     pub cores: usize,
     /// The hierarchical allreduce only from this many bytes: measured on this machine, a
-    /// correction the model itself does not capture (module docs). 4 MiB by default.
+    /// correction the model itself does not capture (module docs). 4 MiB by default; not
+    /// used where the link between hosts is known (`link`).
     pub hier_min_bytes: usize,
+    /// The link between hosts, where the job spans several and the link probe measured it at
+    /// init (module docs, "Between hosts"); `None` on one host, or where the probe was off or
+    /// failed.
+    pub link: Option<Link>,
 }
 
 impl Default for CostModel {
@@ -282,6 +312,7 @@ impl CostModel {
             local_ranks: 1,
             cores: 1,
             hier_min_bytes: 4 << 20,
+            link: None,
         }
     }
 
@@ -314,7 +345,19 @@ impl CostModel {
         if n == 1 {
             return Some(0.0);
         }
-        let k = &self.costs;
+        // Several hosts with a known link: the allreduces the link's closed forms cover are
+        // priced hop by hop (`link.rs`); everything else at the slower of the two media.
+        let mut k = self.costs;
+        if let Some(link) = self.link.filter(Link::is_valid) {
+            if coll == Collective::AllReduce {
+                if let Some(t) = link::predict_over_link(self, &link, algo, count, n, per_host) {
+                    return Some(t);
+                }
+            }
+            k.alpha_us = k.alpha_us.max(link.alpha_us);
+            k.beta_us_per_byte = k.beta_us_per_byte.max(link.beta_us_per_byte);
+        }
+        let k = &k;
         let f = self.oversubscription();
         let alpha = k.alpha_us + k.alpha_oversub_us * (f - 1.0);
         let (beta, gamma) = if algo == Algorithm::Tree && coll == Collective::AllReduce {
@@ -455,20 +498,21 @@ impl CostModel {
         world: usize,
         per_host: usize,
     ) -> Algorithm {
-        // Several hosts of several ranks, from `hier_min_bytes`: the pipelined hierarchical
-        // allreduce (module docs, "Between hosts").
-        if coll == Collective::AllReduce
-            && hierarchical_fits(world, per_host)
-            && bytes >= self.hier_min_bytes
-        {
+        // Several hosts of several ranks: where the link is known, the hierarchical allreduce
+        // competes on its prediction (Rabenseifner's keeps the ties: it comes first); where
+        // not, it is taken from `hier_min_bytes` (module docs, "Between hosts").
+        let link = self.link.filter(Link::is_valid);
+        let fits = hierarchical_fits(world, per_host);
+        if coll == Collective::AllReduce && fits && link.is_none() && bytes >= self.hier_min_bytes {
             return Algorithm::Hierarchical;
         }
         let mut best: Option<(Algorithm, f64)> = None;
+        // Half a hop's latency of the transport's constants, also over a link: the link's α (a
+        // step of a call on the bed, 60–110 µs) would hand sizes to doubling that the
+        // hierarchical allreduce measured 2x faster at.
         let margin = 0.5 * self.costs.alpha_us;
         for a in PREFERENCE {
-            if a == Algorithm::Hierarchical
-                && !(hierarchical_fits(world, per_host) && bytes >= self.hier_min_bytes)
-            {
+            if a == Algorithm::Hierarchical && !(fits && link.is_some()) {
                 continue;
             }
             // Three ranks make the double binary tree two stars (ranks 1 and 2 each serve both
@@ -546,6 +590,14 @@ impl fmt::Display for CostModel {
                 self.local_ranks,
                 self.cores,
                 c.alpha_oversub_us * (o - 1.0)
+            )?;
+        }
+        if let Some(l) = &self.link {
+            write!(
+                f,
+                "; link α={:.1} µs β={:.2} Gbit/s (probed)",
+                l.alpha_us,
+                l.gbit_per_s()
             )?;
         }
         Ok(())

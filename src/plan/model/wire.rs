@@ -3,16 +3,18 @@
 //! differently. [`encode`] writes the form and [`decode`] reads it; [`decode`] is total (any
 //! bytes give a model or `None`, never a panic), as it reads what another process sent.
 //!
-//! The form, 65 bytes and the source:
+//! The form, 66 bytes (82 with a link) and the source:
 //!
 //! | bytes | what |
 //! | --- | --- |
 //! | 0 | the medium, its index in [`Medium::ALL`] |
 //! | 1..33 | α, β, γ and `alpha_oversub_us` ([`Costs`]), each an `f64`'s bits, little-endian |
 //! | 33..65 | `segment_bytes`, `local_ranks`, `cores`, `hier_min_bytes`: `u64`, little-endian |
-//! | 65.. | the source (where the constants came from), UTF-8, read lossily |
+//! | 65 | 1 where the link between hosts is known ([`Link`]), else 0 |
+//! | 66..82 | with a link: its α and β, each an `f64`'s bits, little-endian |
+//! | 66.. or 82.. | the source (where the constants came from), UTF-8, read lossily |
 
-use super::{CostModel, Costs, Medium};
+use super::{CostModel, Costs, Link, Medium};
 
 /// Rank 0's model and its source, as every rank adopts it (ranks that chose with different
 /// constants would schedule one call differently). [`decode`] reads it back.
@@ -30,12 +32,22 @@ pub fn encode(m: &CostModel, source: &str) -> Vec<u8> {
     for x in [m.segment_bytes, m.local_ranks, m.cores, m.hier_min_bytes] {
         out.extend_from_slice(&(x as u64).to_le_bytes());
     }
+    match &m.link {
+        Some(l) => {
+            out.push(1);
+            for x in [l.alpha_us, l.beta_us_per_byte] {
+                out.extend_from_slice(&x.to_bits().to_le_bytes());
+            }
+        }
+        None => out.push(0),
+    }
     out.extend_from_slice(source.as_bytes());
     out
 }
 
 /// The model and source [`encode`] wrote; `None` for bytes that are not such a form (shorter
-/// than 65 bytes, an unknown medium, a size that does not fit a `usize`). The source is read
+/// than 66 bytes, or 82 with a link; an unknown medium or link tag, a size that does not fit a
+/// `usize`). The source is read
 /// lossily: bytes that are not UTF-8 become U+FFFD. The constants are taken as they come
 /// (the caller judges them, e.g. with [`Costs::is_valid`]).
 pub fn decode(b: &[u8]) -> Option<(CostModel, String)> {
@@ -52,6 +64,21 @@ pub fn decode(b: &[u8]) -> Option<(CostModel, String)> {
         alpha_oversub_us: f(3)?,
     };
     let u = |i| word(i).and_then(|x| usize::try_from(x).ok());
+    let at = |o: usize| -> Option<f64> {
+        let s = b.get(o..o + 8)?;
+        Some(f64::from_bits(u64::from_le_bytes(s.try_into().ok()?)))
+    };
+    let (link, rest) = match *b.get(65)? {
+        0 => (None, 66),
+        1 => (
+            Some(Link {
+                alpha_us: at(66)?,
+                beta_us_per_byte: at(74)?,
+            }),
+            82,
+        ),
+        _ => return None,
+    };
     let m = CostModel {
         medium,
         costs,
@@ -59,9 +86,43 @@ pub fn decode(b: &[u8]) -> Option<(CostModel, String)> {
         local_ranks: u(5)?,
         cores: u(6)?,
         hier_min_bytes: u(7)?,
+        link,
     };
-    let source = String::from_utf8_lossy(b.get(65..)?).into_owned();
+    let source = String::from_utf8_lossy(b.get(rest..)?).into_owned();
     Some((m, source))
+}
+
+/// The link's wire form (the link probe's result, which rank 0 broadcasts once it measured
+/// it): a tag (1: a link, 0: none) and the link's α and β as `f64` bits, little-endian.
+pub fn encode_link(link: Option<Link>) -> [u8; 17] {
+    let mut out = [0u8; 17];
+    if let Some(l) = link {
+        out[0] = 1;
+        out[1..9].copy_from_slice(&l.alpha_us.to_bits().to_le_bytes());
+        out[9..17].copy_from_slice(&l.beta_us_per_byte.to_bits().to_le_bytes());
+    }
+    out
+}
+
+/// The link [`encode_link`] wrote: `Some(None)` for none, `None` for bytes that are not such a
+/// form (not 17 bytes, an unknown tag).
+pub fn decode_link(b: &[u8]) -> Option<Option<Link>> {
+    if b.len() != 17 {
+        return None;
+    }
+    let f = |o: usize| -> Option<f64> {
+        Some(f64::from_bits(u64::from_le_bytes(
+            b.get(o..o + 8)?.try_into().ok()?,
+        )))
+    };
+    match b[0] {
+        0 => Some(None),
+        1 => Some(Some(Link {
+            alpha_us: f(1)?,
+            beta_us_per_byte: f(9)?,
+        })),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -69,7 +130,7 @@ mod tests {
     use super::*;
 
     /// The constants' bits, so that models with NaN constants compare too.
-    fn bits(m: &CostModel) -> ([u64; 4], [usize; 4], Medium) {
+    fn bits(m: &CostModel) -> ([u64; 4], [usize; 4], Medium, Option<[u64; 2]>) {
         let c = &m.costs;
         (
             [
@@ -80,7 +141,18 @@ mod tests {
             ],
             [m.segment_bytes, m.local_ranks, m.cores, m.hier_min_bytes],
             m.medium,
+            m.link
+                .map(|l| [l.alpha_us.to_bits(), l.beta_us_per_byte.to_bits()]),
         )
+    }
+
+    /// The wire length of `m` without its source.
+    fn fixed(m: &CostModel) -> usize {
+        if m.link.is_some() {
+            82
+        } else {
+            66
+        }
     }
 
     fn models() -> Vec<(CostModel, &'static str)> {
@@ -101,6 +173,7 @@ mod tests {
                 local_ranks: 8,
                 cores: 2,
                 hier_min_bytes: usize::MAX,
+                link: None,
             },
             "/etc/dspark/tune.json (measured 2 ranks, « tcp », 日本)",
         ));
@@ -118,6 +191,27 @@ mod tests {
             },
             "DSPARK_TUNE_FILE",
         ));
+        // A probed link (the bed's 1 Gbit/s), and one of any bits.
+        out.push((
+            CostModel {
+                link: Some(Link {
+                    alpha_us: 61.5,
+                    beta_us_per_byte: 8e-3,
+                }),
+                ..CostModel::default()
+            },
+            "defaults",
+        ));
+        out.push((
+            CostModel {
+                link: Some(Link {
+                    alpha_us: f64::NAN,
+                    beta_us_per_byte: -0.0,
+                }),
+                ..CostModel::default()
+            },
+            "",
+        ));
         out
     }
 
@@ -125,7 +219,7 @@ mod tests {
     fn models_round_trip_with_their_source() {
         for (m, src) in models() {
             let b = encode(&m, src);
-            assert_eq!(b.len(), 65 + src.len());
+            assert_eq!(b.len(), fixed(&m) + src.len());
             let (back, back_src) = decode(&b).expect("an encoded model decodes");
             assert_eq!(bits(&back), bits(&m), "{m:?}");
             assert_eq!(back_src, src);
@@ -143,22 +237,44 @@ mod tests {
              3f2d431cebe2361a3f00000000000022\
              40000008000000000001000000000000\
              00010000000000000000004000000000\
-             0064656661756c7473"
+             000064656661756c7473"
         );
+        // With a link: the tag, then its α and β.
+        let m = CostModel {
+            link: Some(Link {
+                alpha_us: 2.0,
+                beta_us_per_byte: 0.5,
+            }),
+            ..CostModel::default()
+        };
+        let b = encode(&m, "x");
+        assert_eq!(b.len(), 83);
+        assert_eq!(b[65], 1);
+        assert_eq!(b[66..74], 2.0f64.to_bits().to_le_bytes());
+        assert_eq!(b[74..82], 0.5f64.to_bits().to_le_bytes());
+        assert_eq!(b[82], b'x');
     }
 
     #[test]
     fn truncated_forms_and_unknown_media_are_refused() {
-        let b = encode(&models()[5].0, "source");
-        for n in 0..65 {
-            assert!(decode(&b[..n]).is_none(), "{n} bytes decoded");
-        }
-        // The source may be cut anywhere: it is read lossily.
-        assert!(decode(&b[..65]).is_some_and(|(_, s)| s.is_empty()));
-        for medium in [Medium::ALL.len() as u8, 0x7f, 0xff] {
-            let mut bad = b.clone();
-            bad[0] = medium;
-            assert!(decode(&bad).is_none(), "medium {medium}");
+        for m in [&models()[5].0, &models()[7].0] {
+            let b = encode(m, "source");
+            let fixed = fixed(m);
+            for n in 0..fixed {
+                assert!(decode(&b[..n]).is_none(), "{n} bytes decoded");
+            }
+            // The source may be cut anywhere: it is read lossily.
+            assert!(decode(&b[..fixed]).is_some_and(|(_, s)| s.is_empty()));
+            for medium in [Medium::ALL.len() as u8, 0x7f, 0xff] {
+                let mut bad = b.clone();
+                bad[0] = medium;
+                assert!(decode(&bad).is_none(), "medium {medium}");
+            }
+            for tag in [2u8, 0x80, 0xff] {
+                let mut bad = b.clone();
+                bad[65] = tag;
+                assert!(decode(&bad).is_none(), "link tag {tag}");
+            }
         }
     }
 
@@ -175,7 +291,7 @@ mod tests {
                 })
                 .collect();
             if let Some((m, s)) = decode(&garbage) {
-                assert!(len >= 65 && usize::from(garbage[0]) < Medium::ALL.len());
+                assert!(len >= 66 && usize::from(garbage[0]) < Medium::ALL.len());
                 let again = decode(&encode(&m, &s)).expect("a re-encoded model decodes");
                 assert_eq!(bits(&again.0), bits(&m));
                 assert_eq!(again.1, s);
@@ -187,5 +303,28 @@ mod tests {
             decode(&b).map(|(_, s)| s).as_deref(),
             Some("a\u{fffd}\u{fffd}")
         );
+    }
+
+    #[test]
+    fn links_round_trip_and_bad_forms_are_refused() {
+        for link in [
+            None,
+            Some(Link {
+                alpha_us: 61.5,
+                beta_us_per_byte: 8e-3,
+            }),
+        ] {
+            assert_eq!(decode_link(&encode_link(link)), Some(link));
+        }
+        let b = encode_link(Some(Link {
+            alpha_us: 1.0,
+            beta_us_per_byte: 2.0,
+        }));
+        for n in 0..17 {
+            assert_eq!(decode_link(&b[..n]), None, "{n} bytes");
+        }
+        let mut bad = b;
+        bad[0] = 2;
+        assert_eq!(decode_link(&bad), None);
     }
 }
