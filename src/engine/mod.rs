@@ -582,7 +582,17 @@ impl Engine {
         algo: Algorithm,
         path: flight::FlightPath,
     ) -> u64 {
-        let seq = self.record_start(call, count, algo, path);
+        let seq = self.start_call_unrecorded(call);
+        self.flight_start(&started(call, count, algo, path, seq));
+        seq
+    }
+
+    /// [`Engine::start_call`] without the flight-recorder entry, which the caller opens
+    /// itself ([`Engine::flight_start`]) before the call ends: the one-shot path opens it
+    /// after it has published its contribution, so that the recorder's clock read and stores
+    /// overlap the wait for the peers instead of delaying them.
+    fn start_call_unrecorded(&mut self, call: &Call) -> u64 {
+        let seq = self.next_seq(call);
         if call.coll != Collective::SendRecv {
             self.transport
                 .collective_progress(Some(seq), self.coll_done);
@@ -599,18 +609,7 @@ impl Engine {
         path: flight::FlightPath,
     ) -> u64 {
         let seq = self.next_seq(call);
-        self.flight_start(&flight::Started {
-            coll: call.coll,
-            is_send: call.is_send,
-            dtype: call.dtype,
-            count: count as u64,
-            op: call.op,
-            root: call.root,
-            recv_from: None,
-            algo,
-            path,
-            seq,
-        });
+        self.flight_start(&started(call, count, algo, path, seq));
         seq
     }
 
@@ -790,6 +789,28 @@ fn call_trace_args(call: &Call, algo: Algorithm) -> Vec<(&'static str, String)> 
         args.push(("root or peer", call.root.to_string()));
     }
     args
+}
+
+/// The flight-recorder entry of `call` started as collective or message `seq`.
+fn started(
+    call: &Call,
+    count: usize,
+    algo: Algorithm,
+    path: flight::FlightPath,
+    seq: u64,
+) -> flight::Started {
+    flight::Started {
+        coll: call.coll,
+        is_send: call.is_send,
+        dtype: call.dtype,
+        count: count as u64,
+        op: call.op,
+        root: call.root,
+        recv_from: None,
+        algo,
+        path,
+        seq,
+    }
 }
 
 #[cfg(test)]

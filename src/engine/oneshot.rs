@@ -22,6 +22,10 @@ use crate::plan::{Algorithm, Collective};
 use crate::reduce;
 use crate::types::ReduceOp;
 
+fn no_slots() -> Error {
+    super::drive::internal("one-shot call without slots")
+}
+
 impl Engine {
     /// Whether `call` runs one-shot through the transport's slots: an all_reduce for which
     /// [`EngineOptions::algorithm`](super::EngineOptions::algorithm) says
@@ -58,7 +62,8 @@ impl Engine {
         if let Some(e) = &self.poison {
             return Err(e.clone());
         }
-        let seq = self.start_call(call, call.count, Algorithm::OneShot, path);
+        let seq = self.start_call_unrecorded(call);
+        let entry = super::started(call, call.count, Algorithm::OneShot, path, seq);
         let desc = Desc {
             coll: call.coll,
             algo: Algorithm::OneShot,
@@ -70,7 +75,7 @@ impl Engine {
         };
         let t0 = self.trace.is_some().then(Instant::now);
         let result = self
-            .one_shot_body(call, &desc, src, dst)
+            .one_shot_body(call, &desc, &entry, src, dst)
             .map_err(|e| e.in_op(&desc.op_name()).at_rank(self.rank));
         // The wake-ups `publish` deferred, whatever the outcome: no peer stays asleep on this
         // rank's contribution past the call.
@@ -88,10 +93,22 @@ impl Engine {
         &mut self,
         call: &Call,
         desc: &Desc,
+        entry: &flight::Started,
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<()> {
-        let (rank, world) = (self.rank, self.world);
+        let published = self.one_shot_publish(call, desc, src, dst);
+        // The recorder's entry opens now, while the contribution travels: its clock read and
+        // stores delayed the publish by a fifth of an 8-byte call when they came first.
+        self.flight_start(entry);
+        published?;
+        self.one_shot_gather(call, desc, dst)
+    }
+
+    /// Checks the buffers and publishes this rank's contribution (kept in `one_shot_input`
+    /// for [`Engine::one_shot_gather`]).
+    fn one_shot_publish(&mut self, call: &Call, desc: &Desc, src: &[u8], dst: &[u8]) -> Result<()> {
+        let rank = self.rank;
         let dtype = call.dtype;
         let bytes = call.count * dtype.size();
         let input = if src.is_empty() { &dst[..] } else { src };
@@ -106,14 +123,21 @@ impl Engine {
                 ),
             ));
         }
-        let full = call.op.unwrap_or(ReduceOp::Sum);
-        let op = full.step_op();
         self.one_shot_input.clear();
         self.one_shot_input.extend_from_slice(&input[..bytes]);
-        let mine = &self.one_shot_input;
-        let no_slots = || super::drive::internal("one-shot call without slots");
         let slots = self.transport.slots().ok_or_else(no_slots)?;
-        slots.publish(&desc.header(bytes), mine)?;
+        slots.publish(&desc.header(bytes), &self.one_shot_input)
+    }
+
+    /// Takes every rank's contribution in rank order into `dst`, this rank's from
+    /// `one_shot_input`, after [`Engine::one_shot_publish`].
+    fn one_shot_gather(&mut self, call: &Call, desc: &Desc, dst: &mut [u8]) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
+        let dtype = call.dtype;
+        let bytes = call.count * dtype.size();
+        let full = call.op.unwrap_or(ReduceOp::Sum);
+        let op = full.step_op();
+        let mine = &self.one_shot_input;
         let out = &mut dst[..bytes];
         // The clock starts at the first contribution found missing (none is, mostly).
         let mut pacer: Option<Pacer> = None;
