@@ -94,7 +94,12 @@ impl Engine {
         // Where the scan starts: moves on with every message received.
         let first = (self.p2p_received.iter().sum::<u64>() as usize) % peers.len();
         let mut gone: Vec<Option<Error>> = vec![None; world];
-        let mut pacer = Pacer::new(&self.opts, start, give_up.unwrap_or(deadline));
+        let mut pacer = Pacer::new(
+            &self.opts,
+            self.spin.now(),
+            start,
+            give_up.unwrap_or(deadline),
+        );
         let mut interest = Vec::with_capacity(peers.len());
         loop {
             for k in 0..peers.len() {

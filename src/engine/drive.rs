@@ -87,7 +87,7 @@ impl Engine {
         s: &mut Scratch,
     ) -> Result<()> {
         let desc = descs.send;
-        let mut pacer = Pacer::new(&self.opts, start, deadline);
+        let mut pacer = Pacer::new(&self.opts, self.spin.now(), start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
         loop {
             let mut moved = false;
@@ -195,6 +195,7 @@ impl Engine {
             }
 
             if s.remaining == 0 {
+                self.spin.learn(pacer.finish());
                 return Ok(());
             }
             self.end_pass(&mut pacer, moved, prog, desc, s, false)?;

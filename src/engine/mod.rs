@@ -183,6 +183,8 @@ pub struct Engine {
     fl: flight::InFlight,
     /// This rank's contribution to a one-shot all_reduce (reused).
     one_shot_input: Vec<u8>,
+    /// The spin time of the next wait, adapted to this machine's wake-ups ([`pace::Spin`]).
+    spin: pace::Spin,
 }
 
 impl Engine {
@@ -196,6 +198,7 @@ impl Engine {
         Engine {
             rank,
             world,
+            spin: pace::Spin::new(opts.spin),
             opts,
             forced_warned: 0,
             poison: None,

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use super::frame::{check_header, Desc};
 use super::pace::{Pace, Pacer};
+use super::trace::Lane;
 use super::{flight, Call, Engine};
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
@@ -111,7 +112,7 @@ impl Engine {
         let rank = self.rank;
         let dtype = call.dtype;
         let bytes = call.count * dtype.size();
-        let input = if src.is_empty() { &dst[..] } else { src };
+        let input = if src.is_empty() { dst } else { src };
         if input.len() < bytes || dst.len() < bytes {
             return Err(Error::invalid(
                 Some(rank),
@@ -168,11 +169,18 @@ impl Engine {
                     let start = Instant::now();
                     let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
                     let deadline = crate::time::deadline(start, timeout);
-                    Pacer::new(&self.opts, start, deadline)
+                    Pacer::new(&self.opts, self.spin.now(), start, deadline)
                 });
                 match pacer.after_pass(false, &self.abort) {
                     Pace::Again => {}
-                    Pace::Block => slots.wait_slots(&[i], desc.seq, pacer.wait_until())?,
+                    Pace::Block => {
+                        let t0 = self.trace.is_some().then(Instant::now);
+                        slots.wait_slots(&[i], desc.seq, pacer.wait_until())?;
+                        if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
+                            let args = [("peers", format!("[{i}]"))];
+                            t.span(Lane::Waits, "wait", "wait", t0, Instant::now(), &args);
+                        }
+                    }
                     Pace::Aborted => return Err(self.aborted_error(desc.op_name())),
                     Pace::TimedOut(waited) => {
                         return Err(Error::Timeout {
@@ -192,6 +200,7 @@ impl Engine {
         if full != op {
             reduce::finalize(dtype, full, out, world);
         }
+        self.spin.learn(pacer.as_mut().and_then(Pacer::finish));
         Ok(())
     }
 }

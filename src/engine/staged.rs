@@ -368,7 +368,7 @@ impl Engine {
                 }
             }
         }
-        let mut pacer = Pacer::new(&self.opts, start, deadline);
+        let mut pacer = Pacer::new(&self.opts, self.spin.now(), start, deadline);
         let ready = |done: &[bool], i: u32| prog.deps(i as usize).iter().all(|&d| done[d as usize]);
 
         loop {
@@ -657,6 +657,7 @@ impl Engine {
                         release_direct(&mut *self.transport, p)?;
                     }
                 }
+                self.spin.learn(pacer.finish());
                 return Ok(());
             }
             // Device completions are not file descriptors, and copying one segment takes
