@@ -49,7 +49,10 @@ const ADAPTED_SPIN_MAX: Duration = Duration::from_millis(2);
 /// against 0.25 µs; with a 1–5 µs spin, every run). A wait that slept and still ended within
 /// [`ADAPTED_SPIN_MAX`] twice over would have been caught by spinning; the next waits spin
 /// twice its length (at most [`ADAPTED_SPIN_MAX`]), which outlasts the other rank's
-/// wake-up and puts the pair back in step within two calls. Each call that did not sleep
+/// wake-up and puts the pair back in step within two calls. Past the configured spin they
+/// yield the CPU at every pass ([`Pacer::after_pass`]): a busy spin of milliseconds held the
+/// core that a peer needed where ranks outnumber the cores unnoticed (benches/link_bed.sh,
+/// 4 ranks on 2 cores: a 1 KiB all_reduce 2.1 ms instead of 90 µs); yielding, 71 µs. Each call that did not sleep
 /// gives back an eighth of the excess, so a spin of 2 ms is back near the configured one
 /// after some 50 calls. A configured spin of 0 (never spin) stays 0.
 #[derive(Clone, Copy, Debug)]
@@ -92,7 +95,11 @@ pub(super) struct Pacer {
     start: Instant,
     deadline: Instant,
     spin: Duration,
+    /// The configured spin ([`EngineOptions::spin`]): spinning past it yields at every pass.
+    base_spin: Duration,
     yield_while_spinning: bool,
+    /// This wait has spun past `base_spin`: every pass reads the clock and yields.
+    yielding: bool,
     idle_since: Option<Instant>,
     idle_passes: u32,
     busy_rounds: u64,
@@ -119,7 +126,9 @@ impl Pacer {
             start,
             deadline,
             spin,
+            base_spin: opts.spin,
             yield_while_spinning: opts.yield_while_spinning,
+            yielding: false,
             idle_since: None,
             idle_passes: 0,
             busy_rounds: 0,
@@ -145,6 +154,7 @@ impl Pacer {
             }
         }
         self.idle_since = None;
+        self.yielding = false;
     }
 
     /// How long the next [`Transport::wait`] may block: until the deadline, but never so
@@ -178,7 +188,7 @@ impl Pacer {
         // While spinning, the clock is read every `CLOCK_EVERY` idle passes: a read took 12%
         // of an 8-byte all_reduce's samples when every pass read it, and delays the pass that
         // finds the data (the spin time and the deadline are coarse by a few hundred ns).
-        if self.idle_since.is_some() && !self.yield_while_spinning {
+        if self.idle_since.is_some() && !self.yield_while_spinning && !self.yielding {
             self.idle_passes = self.idle_passes.wrapping_add(1);
             if !self.idle_passes.is_multiple_of(CLOCK_EVERY) {
                 std::hint::spin_loop();
@@ -191,7 +201,12 @@ impl Pacer {
         }
         let idle = *self.idle_since.get_or_insert(now);
         if now - idle < self.spin {
-            if self.yield_while_spinning {
+            // Past the configured spin (the part [`Spin`] added), the CPU is offered to
+            // whoever else wants it at every pass: a peer on this core (ranks that outnumber
+            // the cores unnoticed, as on benches/link_bed.sh) runs, and the rank stays awake
+            // without holding the core the way a busy spin of up to 2 ms would.
+            if self.yield_while_spinning || now - idle >= self.base_spin {
+                self.yielding = true;
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
