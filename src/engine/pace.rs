@@ -52,9 +52,9 @@ const ADAPTED_SPIN_MAX: Duration = Duration::from_millis(2);
 /// wake-up and puts the pair back in step within two calls. Past the configured spin they
 /// yield the CPU at every pass ([`Pacer::after_pass`]): a busy spin of milliseconds held the
 /// core that a peer needed where ranks outnumber the cores unnoticed (benches/link_bed.sh,
-/// 4 ranks on 2 cores: a 1 KiB all_reduce 2.1 ms instead of 90 µs); yielding, 71 µs. Each call that did not sleep
-/// gives back an eighth of the excess, so a spin of 2 ms is back near the configured one
-/// after some 50 calls. A configured spin of 0 (never spin) stays 0.
+/// 4 ranks on 2 cores: a 1 KiB all_reduce 2.1 ms instead of 90 µs); yielding, 71 µs. Each
+/// call that did not sleep gives back an eighth of the excess, so a spin of 2 ms is back
+/// near the configured one after some 50 calls. A configured spin of 0 (never spin) stays 0.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Spin {
     base: Duration,
@@ -115,6 +115,7 @@ impl Pacer {
     /// per call was a locked add (and a locked sub at the drop) — full fences that waited for
     /// the one-shot contribution's cache line to leave this core, measured at a third of an
     /// 8-byte all_reduce's own time.
+    ///
     /// `spin`: how long to spin before blocking ([`Spin::now`]).
     pub(super) fn new(
         opts: &EngineOptions,
