@@ -10,10 +10,10 @@
 //!   `2k` times its own with local rank `i` of host `2k + 1` at the same time, as the rails of
 //!   a collective use the link and the hosts' cores together (ranks that share cores, or a
 //!   link that slows with several flows, show in α as they do in every step of a call); and
-//!   α is at least the time per hop of an 8-byte allreduce of every rank ([`ROUND_TRIPS`]
-//!   timed, their lower quartile over its critical path's hops): a step of a collective, not a lone
-//!   round trip, is what the model prices (on the link bed, 4 ranks on 2 cores, a round trip
-//!   took 7 µs and a step of a call ~45).
+//!   α is at least the time per hop of an 8-byte allreduce of every rank (the median of
+//!   [`STEP_SAMPLES`] samples of [`BACK_TO_BACK`] calls back to back, over its critical path's
+//!   hops): a step of a collective, not a lone round trip, is what the model prices (on the
+//!   link bed, 4 ranks on 2 cores, a round trip took 7 µs and a step of a call ~35–45).
 //! * **β**: rank 0 streams batches of [`BATCH`] messages of [`MESSAGE`] bytes; the receiver
 //!   times every arrival and, after each batch, says whether to go on: until [`STREAM_FOR`]
 //!   has passed since the first arrival (or [`MAX_BATCHES`]). β is taken over the later half
@@ -34,6 +34,10 @@ use crate::types::ReduceOp;
 
 /// Timed 8-byte round trips.
 const ROUND_TRIPS: usize = 8;
+/// Samples of [`BACK_TO_BACK`] tiny allreduces each (α's second measure).
+const STEP_SAMPLES: usize = 3;
+/// Tiny allreduces per sample, back to back.
+const BACK_TO_BACK: usize = 16;
 /// The stream's message size, bytes.
 const MESSAGE: usize = 256 << 10;
 /// Messages per batch (2 MiB: ~17 ms at 1 Gbit/s, ~1.7 ms at 10 Gbit/s).
@@ -119,23 +123,27 @@ fn round_trips(comm: &Communicator, peer: usize) -> Result<f64> {
     Ok(trips[ROUND_TRIPS / 2] / 2.0)
 }
 
-/// One 8-byte allreduce to line the ranks up, then [`ROUND_TRIPS`] timed ones: the lower
-/// quartile's time per hop of the critical path of the algorithm they ran (recursive doubling, as the
-/// model without the link chooses at 8 bytes: ⌈log2 n⌉ hops, 2 more where `n` is not a power
-/// of two), µs.
+/// One 8-byte allreduce to line the ranks up, then [`STEP_SAMPLES`] samples of
+/// [`BACK_TO_BACK`] back-to-back ones: the median sample's time per call, per hop of the
+/// critical path of the algorithm they ran (recursive doubling, as the model without the link
+/// chooses at 8 bytes: ⌈log2 n⌉ hops, 2 more where `n` is not a power of two), µs. Calls back
+/// to back, as collectives run in a job and as the benchmarks time them: a lone call's time
+/// moved with the scheduler's choice of the moment on the bed (4 ranks on 2 cores; the lower
+/// quartile of 8 lone calls gave 3.6 µs per hop in one init and 29–114 in the next, while
+/// 1 KiB all_reduces back to back ran 35–40 µs per hop).
 fn allreduce_steps(comm: &Communicator, per_host: usize) -> Result<f64> {
     let mut v = [0f32; 2];
     comm.all_reduce(&mut v, ReduceOp::Sum)?;
-    let mut times = [0f64; ROUND_TRIPS];
-    for t in &mut times {
+    let mut samples = [0f64; STEP_SAMPLES];
+    for t in &mut samples {
         let start = Instant::now();
-        comm.all_reduce(&mut v, ReduceOp::Sum)?;
-        *t = start.elapsed().as_secs_f64() * 1e6;
+        for _ in 0..BACK_TO_BACK {
+            comm.all_reduce(&mut v, ReduceOp::Sum)?;
+        }
+        *t = start.elapsed().as_secs_f64() * 1e6 / BACK_TO_BACK as f64;
     }
-    times.sort_by(f64::total_cmp);
-    // The lower quartile: on the bed the median of 8 moved between 57 and 114 µs per hop from
-    // one init to the next (a scheduler's choice), while calls back to back run at the fast one.
-    let typical = times[ROUND_TRIPS / 4];
+    samples.sort_by(f64::total_cmp);
+    let typical = samples[STEP_SAMPLES / 2];
     let n = comm.world_size();
     let algo = comm.algorithm(Collective::AllReduce, 8);
     let hops = model::volume(Collective::AllReduce, algo, n, 2, per_host).map_or(1, |v| v.hops);
