@@ -72,7 +72,7 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     let n = comm.world_size();
     let c = args.collective.collective();
     println!(
-        "# dspark-bench {}: {} ranks, {} {}{}, {} iterations ({} warm-up), check {}",
+        "# dspark-bench {}: {} ranks, {} {}{}, {} ({} warm-up), check {}",
         c,
         n,
         args.dtype,
@@ -86,7 +86,13 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         } else {
             String::new()
         },
-        args.iters,
+        args.iters.map_or_else(
+            || format!(
+                "iterations filling 2 ms per size, at least {}",
+                crate::sweep::MIN_ITERS
+            ),
+            |n| format!("{n} iterations")
+        ),
         args.warmup,
         if args.check != 0 { "on" } else { "off" },
     );

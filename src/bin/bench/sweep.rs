@@ -65,6 +65,22 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 // forced for the timed collective (`--algo chain`) then never applies to it, nor warns.
 
 /// The largest of every rank's `v` (the time of a step is its slowest rank's).
+/// The fewest timed iterations per size, and how long the default count fills at least
+/// (`-n` unset): a window long enough that one interruption of the machine (a vCPU taken
+/// away for 50–130 µs, seen here) moves the mean by a few percent, not by 2x.
+pub(crate) const MIN_ITERS: usize = 20;
+const MIN_TIMED_US: f64 = 2000.0;
+const MAX_ITERS: usize = 100_000;
+
+/// Timed iterations for calls that took `per_call_us` each in the warm-up (0: unknown).
+fn auto_iters(per_call_us: f64) -> usize {
+    if per_call_us.is_finite() && per_call_us > 0.0 {
+        ((MIN_TIMED_US / per_call_us).ceil() as usize).clamp(MIN_ITERS, MAX_ITERS)
+    } else {
+        MIN_ITERS
+    }
+}
+
 pub(crate) fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
     let mut all = vec![0.0f64; comm.world_size()];
     comm.all_gather(&[v], &mut all)?;
@@ -125,15 +141,26 @@ pub(crate) fn bench<T: BenchElem>(
             wrong = verify(args, comm, send, &run.output()?);
         }
         let mut run = Runner::new(args, comm, gpu, prepare::<T>(args, comm, send, recv))?;
+        let tw = Instant::now();
         for _ in 0..args.warmup {
             run.run(args, comm).map_err(|x| e("warm-up", x))?;
         }
+        let iters = match args.iters {
+            Some(n) => n.max(1),
+            None => {
+                // Every rank must run as many: the slowest rank's warm-up pace decides.
+                let warm = tw.elapsed().as_secs_f64() * 1e6 / args.warmup.max(1) as f64;
+                let warm = max_over_ranks(comm, if args.warmup == 0 { 0.0 } else { warm })
+                    .map_err(|x| e("warm-up timing", x))?;
+                auto_iters(warm)
+            }
+        };
         comm.barrier().map_err(|x| e("barrier", x))?;
         let t0 = Instant::now();
-        for _ in 0..args.iters.max(1) {
+        for _ in 0..iters {
             run.run(args, comm).map_err(|x| e("timed run", x))?;
         }
-        let mine = t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64;
+        let mine = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
         drop(run);
         let time_us = max_over_ranks(comm, mine).map_err(|x| e("timing", x))?;
         let wrong = if args.check != 0 {
@@ -192,4 +219,19 @@ pub(crate) fn compare_paths<T: BenchElem>(
         .into_iter()
         .filter_map(|(policy, res)| res.ok().map(|rows| (policy.to_string(), rows)))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_count_fills_two_ms_between_20_and_100_000_calls() {
+        assert_eq!(auto_iters(0.25), 8000);
+        assert_eq!(auto_iters(8.0), 250);
+        assert_eq!(auto_iters(150.0), 20, "at least 20");
+        assert_eq!(auto_iters(0.001), 100_000, "at most 100 000");
+        assert_eq!(auto_iters(0.0), 20, "no warm-up");
+        assert_eq!(auto_iters(f64::NAN), 20);
+    }
 }
