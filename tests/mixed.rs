@@ -377,8 +377,11 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
                 ("DSPARK_TRANSPORT", "auto"),
                 ("DSPARK_HOST_ID", host),
                 ("WANT_TRANSPORT", want),
-                // Uneven hosts: the flat ring.
+                // Uneven hosts: the flat ring, with the model's default constants. (The link
+                // probe's α is a step of a tiny allreduce, here of 5 ranks sharing 2 cores over
+                // loopback: it moves with the machine's load, and with it ring or tree at 4 MiB.)
                 ("WANT_ALGO", "ring"),
+                ("DSPARK_LINK_PROBE", "0"),
                 ("DSPARK_TIMEOUT", "60"),
             ])
         },

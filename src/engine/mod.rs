@@ -58,7 +58,9 @@ pub struct EngineOptions {
     pub timeout: Duration,
     /// Pipeline segment size in bytes.
     pub segment_bytes: usize,
-    /// How long to poll without progress before blocking in the transport.
+    /// How long to poll without progress before blocking in the transport: the base, which
+    /// the engine grows up to 2 ms (yielding the CPU past the base) after a wait that slept
+    /// and was woken soon after, and gives back call by call (`pace::Spin`).
     pub spin: Duration,
     /// Yield the CPU while spinning (when ranks outnumber cores).
     pub yield_while_spinning: bool,
@@ -575,8 +577,8 @@ impl Engine {
         self.end_call(call, seq, result.map_err(|e| e.at_rank(self.rank)), esz)
     }
 
-    /// What every call does once it has its algorithm: takes its sequence number, opens its
-    /// flight-recorder entry and tells the transport which collective runs. Returns the
+    /// What every call does once it has its algorithm: takes its sequence number, tells the
+    /// transport which collective runs and opens its flight-recorder entry. Returns the
     /// sequence number.
     fn start_call(
         &mut self,

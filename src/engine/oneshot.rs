@@ -8,7 +8,8 @@
 //! It keeps the engine's rules: the call takes its sequence number and tells the transport
 //! (which lets a peer that completed it abort without failing it), every header is checked
 //! against the call (a peer in another call is a mismatch naming both), the wait spins for
-//! [`EngineOptions::spin`](super::EngineOptions::spin) (yielding when ranks outnumber cores),
+//! [`EngineOptions::spin`](super::EngineOptions::spin) or longer (the engine's adapted spin,
+//! `pace::Spin`; yielding when ranks outnumber cores),
 //! then sleeps in the transport, never past the deadline nor longer than the abort poll, and a
 //! failure poisons the engine and tells every peer.
 
@@ -82,6 +83,11 @@ impl Engine {
         // rank's contribution past the call.
         if let Some(slots) = self.transport.slots() {
             slots.settle();
+        }
+        if result.is_err() {
+            // A failed call's entry ends when it failed (a timeout: the deadline), not at
+            // its start.
+            self.fl.t0 = None;
         }
         if let Some(t0) = t0 {
             let args = super::call_trace_args(call, Algorithm::OneShot);
@@ -175,6 +181,7 @@ impl Engine {
                     Pace::Again => {}
                     Pace::Block => {
                         let t0 = self.trace.is_some().then(Instant::now);
+                        pacer.sleeping();
                         slots.wait_slots(&[i], desc.seq, pacer.wait_until())?;
                         if let (Some(t), Some(t0)) = (self.trace.as_mut(), t0) {
                             let args = [("peers", format!("[{i}]"))];
@@ -200,7 +207,14 @@ impl Engine {
         if full != op {
             reduce::finalize(dtype, full, out, world);
         }
-        self.spin.learn(pacer.as_mut().and_then(Pacer::finish));
+        let slept = pacer.as_mut().and_then(Pacer::finish);
+        if slept.is_some() {
+            // The recorder's end from the clock (`flight_end`): a call that slept is recorded
+            // with its length. The others end at their start there, which spares the clock
+            // read between the last contribution and the next call's.
+            self.fl.t0 = None;
+        }
+        self.spin.learn(slept);
         Ok(())
     }
 }

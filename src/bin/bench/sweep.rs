@@ -1,5 +1,5 @@
 //! The per-size timing loop (nccl-tests' method: check on fresh inputs, warm up, time `-n`
-//! calls after a barrier, the slowest rank's mean), and the sweeps it runs: once, with every
+//! calls — by default as many as fill 2 ms — after a barrier, the slowest rank's mean), and the sweeps it runs: once, with every
 //! algorithm (`--algo all`), or on both data paths (`--compare-paths`).
 
 use std::io::{IsTerminal, Write};
@@ -64,7 +64,6 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 // The bench's own bookkeeping goes through all_gather, which has one algorithm: an algorithm
 // forced for the timed collective (`--algo chain`) then never applies to it, nor warns.
 
-/// The largest of every rank's `v` (the time of a step is its slowest rank's).
 /// The fewest timed iterations per size, and how long the default count fills at least
 /// (`-n` unset): a window long enough that one interruption of the machine (a vCPU taken
 /// away for 50–130 µs, seen here) moves the mean by a few percent, not by 2x.
@@ -81,6 +80,7 @@ fn auto_iters(per_call_us: f64) -> usize {
     }
 }
 
+/// The largest of every rank's `v` (the time of a step is its slowest rank's).
 pub(crate) fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
     let mut all = vec![0.0f64; comm.world_size()];
     comm.all_gather(&[v], &mut all)?;
@@ -94,8 +94,8 @@ pub(crate) fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64>
     Ok(all.iter().sum())
 }
 
-/// The sweep: per size, check once on fresh inputs, warm up, then time `-n` calls after a
-/// barrier (the slowest rank's mean); rank 0 prints the header and each row as it comes when
+/// The sweep: per size, check once on fresh inputs, warm up, then time `-n` calls (by default
+/// as many as fill 2 ms) after a barrier (the slowest rank's mean); rank 0 prints the header and each row as it comes when
 /// `print`, and the footer.
 pub(crate) fn bench<T: BenchElem>(
     args: &Args,
@@ -141,18 +141,21 @@ pub(crate) fn bench<T: BenchElem>(
             wrong = verify(args, comm, send, &run.output()?);
         }
         let mut run = Runner::new(args, comm, gpu, prepare::<T>(args, comm, send, recv))?;
-        let tw = Instant::now();
+        let mut warm = Vec::with_capacity(args.warmup);
         for _ in 0..args.warmup {
+            let tw = Instant::now();
             run.run(args, comm).map_err(|x| e("warm-up", x))?;
+            warm.push(tw.elapsed().as_secs_f64() * 1e6);
         }
         let iters = match args.iters {
             Some(n) => n.max(1),
             None => {
-                // Every rank must run as many: the slowest rank's warm-up pace decides.
-                let warm = tw.elapsed().as_secs_f64() * 1e6 / args.warmup.max(1) as f64;
-                let warm = max_over_ranks(comm, if args.warmup == 0 { 0.0 } else { warm })
-                    .map_err(|x| e("warm-up timing", x))?;
-                auto_iters(warm)
+                // The median warm-up call (the first is cold), the slowest rank's: every rank
+                // must run as many.
+                warm.sort_by(f64::total_cmp);
+                let pace = warm.get(warm.len() / 2).copied().unwrap_or(0.0);
+                let pace = max_over_ranks(comm, pace).map_err(|x| e("warm-up timing", x))?;
+                auto_iters(pace)
             }
         };
         comm.barrier().map_err(|x| e("barrier", x))?;

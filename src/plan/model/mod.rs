@@ -51,7 +51,7 @@
 //! time per hop of a tiny allreduce of every rank (a step of a call, which on a host whose
 //! ranks share cores costs far more than a lone round trip). Rank 0 broadcasts the link and
 //! every rank adopts it; the model line (`Communicator::info().cost_model`, the bench
-//! header) says `link α=… µs β=… Gbit/s (probed)`. The probe took 12–15 ms of init on the
+//! header) says `link α=… µs β=… Gbit/s (probed)`. The probe took 16–31 ms of init on the
 //! link bed at 1 and 4 Gbit/s (benches/RESULTS.md). The allreduces are then priced hop by hop
 //! (`link.rs`, [`Link`]): the hops that cross hosts at the link's α and β, with the ranks of
 //! a host sharing its link (recursive doubling's cross steps carry `l` whole buffers at
