@@ -123,11 +123,17 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
     }
     println!(
-        "# ranks     : {n} on {} host(s) [{}]; {} on this host; spin {} µs then block; segment {}; timeout {:?}",
+        "# ranks     : {n} on {} host(s) [{}]; {} on this host; spin {} µs{} then block; segment {}; timeout {:?}",
         uniq.len(),
         uniq.join(", "),
         info.local_ranks,
         info.spin.as_micros(),
+        // The engine's adaptation (`engine::pace::Spin`): not for a spin of 0 or of 2 ms and more.
+        if info.spin.is_zero() || info.spin >= std::time::Duration::from_millis(2) {
+            ""
+        } else {
+            " (up to 2 ms, yielding, after a wait that slept and was woken soon after)"
+        },
         human_bytes(info.segment_bytes as u64, false),
         info.timeout,
     );
