@@ -39,6 +39,7 @@ pub mod flight;
 mod frame;
 mod oneshot;
 mod pace;
+pub use pace::{spin_adapts, ADAPTED_SPIN_MAX};
 mod scratch;
 pub mod staged;
 mod staged_oneshot;

@@ -38,7 +38,13 @@ const ABORT_POLL: Duration = Duration::from_millis(50);
 const CLOCK_EVERY: u32 = 16;
 
 /// The longest the spin grows to ([`Spin`]).
-const ADAPTED_SPIN_MAX: Duration = Duration::from_millis(2);
+pub const ADAPTED_SPIN_MAX: Duration = Duration::from_millis(2);
+
+/// Whether an engine configured with spin `base` adapts it ([`Spin`]): not for 0 (never
+/// spin), nor for a spin already as long as [`ADAPTED_SPIN_MAX`].
+pub fn spin_adapts(base: Duration) -> bool {
+    !base.is_zero() && base < ADAPTED_SPIN_MAX
+}
 
 /// The spin time of an engine's next wait: the configured one
 /// ([`EngineOptions::spin`]), grown after a wait that slept and was woken soon after.
@@ -83,8 +89,8 @@ impl Spin {
     /// ([`Pacer::finish`]), `None` when none did.
     pub(super) fn learn(&mut self, slept_wait: Option<Duration>) {
         match slept_wait {
-            Some(w) if !self.base.is_zero() && w <= 2 * ADAPTED_SPIN_MAX => {
-                self.now = (2 * w).clamp(self.base, ADAPTED_SPIN_MAX.max(self.base));
+            Some(w) if spin_adapts(self.base) && w <= 2 * ADAPTED_SPIN_MAX => {
+                self.now = (2 * w).clamp(self.base, ADAPTED_SPIN_MAX);
             }
             _ => {
                 let excess = self.now.saturating_sub(self.base);

@@ -2,6 +2,7 @@
 //! (or that they are in host memory), every rank's binding, each connection's transport, the
 //! algorithm each size runs and the cost model's prediction for it.
 
+use dspark::internals::engine::{spin_adapts, ADAPTED_SPIN_MAX};
 use dspark::internals::plan::Collective;
 use dspark::path::{BufferLocation, TransportKind};
 use dspark::types::human_bytes;
@@ -88,7 +89,8 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         },
         args.iters.map_or_else(
             || format!(
-                "iterations filling 2 ms per size, at least {}",
+                "iterations filling {} ms per size, at least {}",
+                crate::sweep::MIN_TIMED_US / 1000.0,
                 crate::sweep::MIN_ITERS
             ),
             |n| format!("{n} iterations")
@@ -128,11 +130,13 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         uniq.join(", "),
         info.local_ranks,
         info.spin.as_micros(),
-        // The engine's adaptation (`engine::pace::Spin`): not for a spin of 0 or of 2 ms and more.
-        if info.spin.is_zero() || info.spin >= std::time::Duration::from_millis(2) {
-            ""
+        if spin_adapts(info.spin) {
+            format!(
+                " (up to {} ms, yielding, after a wait that slept and was woken soon after)",
+                ADAPTED_SPIN_MAX.as_millis()
+            )
         } else {
-            " (up to 2 ms, yielding, after a wait that slept and was woken soon after)"
+            String::new()
         },
         human_bytes(info.segment_bytes as u64, false),
         info.timeout,

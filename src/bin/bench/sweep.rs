@@ -68,7 +68,7 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 /// (`-n` unset): a window long enough that one interruption of the machine (a vCPU taken
 /// away for 50–130 µs, seen here) moves the mean by a few percent, not by 2x.
 pub(crate) const MIN_ITERS: usize = 20;
-const MIN_TIMED_US: f64 = 2000.0;
+pub(crate) const MIN_TIMED_US: f64 = 2000.0;
 const MAX_ITERS: usize = 100_000;
 
 /// Timed iterations for calls that took `per_call_us` each in the warm-up (0: unknown).

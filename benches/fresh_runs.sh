@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# fresh_runs.sh BIN OUT - issue 25's fresh-run check: N (12) fresh `BIN --ranks 2` runs each of
+# {shm, tcp} x {8 B, 64 KiB}, every run alone on the machine (under an exclusive lock on
+# $LOCK, default /work/measure.lock, which builds take shared), the table's time (µs) per run
+# into OUT/rows with the 1-minute load, then per cell: n, median, min, max, slowest / median.
+#
+#   N=12 bash benches/fresh_runs.sh target/release/dspark-bench /tmp/fresh-A
+set -euo pipefail
+BIN=$1; OUT=$2; N=${N:-12}; LOCK=${LOCK:-/work/measure.lock}
+mkdir -p "$OUT"; : > "$OUT/rows"
+for i in $(seq 1 "$N"); do
+ for t in shm tcp; do
+  for s in 8 64K; do
+    v=$(flock -x "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}')
+    echo "$t $s $v $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
+  done
+ done
+done
+python3 - "$OUT/rows" <<'PY'
+import sys,statistics,collections
+d=collections.defaultdict(list); loads=[]
+for l in open(sys.argv[1]):
+    t,s,v,ld=l.split(); d[(t,s)].append(float(v)); loads.append(float(ld))
+print("transport size n median min max slowest/median")
+for k in sorted(d):
+    v=d[k]; m=statistics.median(v)
+    print(*k, len(v), f"{m:.2f} {min(v):.2f} {max(v):.2f} {max(v)/m:.2f}")
+print(f"load(1m) {min(loads)}..{max(loads)}")
+PY
