@@ -11,7 +11,7 @@ mkdir -p "$OUT"; : > "$OUT/rows"
 for i in $(seq 1 "$N"); do
  for t in shm tcp; do
   for s in 8 64K; do
-    v=$(flock -x "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}')
+    v=$(flock -x -o "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}')
     echo "$t $s $v $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
   done
  done

@@ -125,7 +125,8 @@ struct Args {
     root: usize,
     /// Timed iterations per size. Default: at least 20, and as many more as fill 2 ms of
     /// calls at the warm-up's pace (at most 100 000): 20 calls of 8 bytes are a 5 µs window,
-    /// which a single interruption of the machine (50–130 µs seen on a VM) would double.
+    /// which a single interruption of the machine (50–130 µs seen on a VM) would double. The
+    /// calls are timed in 5 windows; the row's time is the median window's.
     #[arg(short = 'n', long = "iters")]
     iters: Option<usize>,
     /// Warm-up iterations per size.

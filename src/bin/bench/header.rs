@@ -89,11 +89,15 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         },
         args.iters.map_or_else(
             || format!(
-                "iterations filling {} ms per size, at least {}",
+                "iterations filling {} ms per size, at least {}, in {} windows (time: the median window's)",
                 crate::sweep::MIN_TIMED_US / 1000.0,
-                crate::sweep::MIN_ITERS
+                crate::sweep::MIN_ITERS,
+                crate::sweep::WINDOWS
             ),
-            |n| format!("{n} iterations")
+            |n| format!(
+                "{n} iterations in {} windows (time: the median window's)",
+                crate::sweep::WINDOWS.min(n.max(1))
+            )
         ),
         args.warmup,
         if args.check != 0 { "on" } else { "off" },

@@ -3,6 +3,9 @@
 
 use dspark::Communicator;
 
+use dspark::types::human_bytes;
+
+use crate::sweep::Windows;
 use crate::table::{bandwidths, Row};
 use crate::{plot, Args};
 
@@ -49,8 +52,9 @@ pub(crate) fn write_plot(
     Ok(())
 }
 
-/// nccl-tests' footer: the wrong values over the sweep and the average bus bandwidth.
-pub(crate) fn footer(rows: &[Row], factor: f64) {
+/// nccl-tests' footer: the wrong values over the sweep and the average bus bandwidth; then
+/// the sizes whose windows disagreed ([`unsteady_lines`]).
+pub(crate) fn footer(rows: &[Row], factor: f64, unsteady: &[(usize, Windows)]) {
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     let avg_bus = if rows.is_empty() {
         0.0
@@ -63,4 +67,62 @@ pub(crate) fn footer(rows: &[Row], factor: f64) {
         if wrong == 0 { "OK" } else { "FAILED" }
     );
     println!("# Avg bus bandwidth    : {avg_bus:.4} GB/s");
+    for l in unsteady_lines(unsteady) {
+        println!("{l}");
+    }
+}
+
+/// The footer's lines for the sizes whose slowest window took more than
+/// [`crate::sweep::UNSTEADY`] times the median one: what the row says, what the slowest window
+/// and the mean of every call were, and what usually does it. Nothing when every size was
+/// steady.
+pub(crate) fn unsteady_lines(unsteady: &[(usize, Windows)]) -> Vec<String> {
+    let x = crate::sweep::UNSTEADY;
+    if unsteady.is_empty() {
+        return vec![format!(
+            "# Steady               : every size's windows within {x}x of its median window"
+        )];
+    }
+    let mut out = vec![format!(
+        "# Unsteady sizes       : {} (a window over {x}x the median window; the row shows the median)",
+        unsteady.len()
+    )];
+    for (bytes, w) in unsteady {
+        out.push(format!(
+            "#   {:>10}: median window {:.2} us, slowest {:.2} us ({:.1}x), mean of all calls {:.2} us",
+            human_bytes(*bytes as u64, false),
+            w.median_us,
+            w.slowest_us,
+            w.slowest_us / w.median_us,
+            w.mean_us
+        ));
+    }
+    out.push(
+        "#   a slow window: a rank off its core for a while (another process, the hypervisor, more \
+         ranks than free cores) or a stall in dspark; rerun, and look with DSPARK_TRACE=<prefix>"
+            .into(),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_footer_names_each_unsteady_size_with_its_windows() {
+        assert_eq!(
+            unsteady_lines(&[]),
+            vec!["# Steady               : every size's windows within 1.5x of its median window"]
+        );
+        let w = Windows::of(&[7.0, 7.2, 107.1, 6.9, 7.1], &[50; 5]);
+        let l = unsteady_lines(&[(65536, w)]);
+        assert_eq!(l.len(), 3, "{l:?}");
+        assert!(l[0].contains(": 1 (a window over 1.5x"), "{}", l[0]);
+        assert_eq!(
+            l[1],
+            "#       64 KiB: median window 7.10 us, slowest 107.10 us (15.1x), mean of all calls 27.06 us"
+        );
+        assert!(l[2].contains("DSPARK_TRACE"), "{}", l[2]);
+    }
 }

@@ -1,6 +1,7 @@
 //! The per-size timing loop (nccl-tests' method: check on fresh inputs, warm up, time `-n`
-//! calls — by default as many as fill 2 ms — after a barrier, the slowest rank's mean), and the sweeps it runs: once, with every
-//! algorithm (`--algo all`), or on both data paths (`--compare-paths`).
+//! calls — by default as many as fill 2 ms — after a barrier; the calls in 5 windows, the
+//! row's time the median window's mean per call, the slowest rank's), and the sweeps it runs:
+//! once, with every algorithm (`--algo all`), or on both data paths (`--compare-paths`).
 
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
@@ -65,8 +66,9 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 // forced for the timed collective (`--algo chain`) then never applies to it, nor warns.
 
 /// The fewest timed iterations per size, and how long the default count fills at least
-/// (`-n` unset): a window long enough that one interruption of the machine (a vCPU taken
-/// away for 50–130 µs, seen here) moves the mean by a few percent, not by 2x.
+/// (`-n` unset): long enough that one interruption of the machine (a vCPU taken away for
+/// 50–130 µs, seen here) moves a window's mean by a few percent; longer ones land in one of
+/// the [`WINDOWS`] windows ([`window_calls`]).
 pub(crate) const MIN_ITERS: usize = 20;
 pub(crate) const MIN_TIMED_US: f64 = 2000.0;
 const MAX_ITERS: usize = 100_000;
@@ -78,6 +80,83 @@ fn auto_iters(per_call_us: f64) -> usize {
     } else {
         MIN_ITERS
     }
+}
+
+/// How many windows the timed calls of a size are split into ([`window_calls`]).
+pub(crate) const WINDOWS: usize = 5;
+
+/// A window's mean beyond this many times the median window's marks the size unsteady (the
+/// footer names it). Windows of 0.4 ms, on this VM with nothing else running, differ by up to
+/// ~1.3x from the 50–200 µs interruptions it has several times a second per core.
+pub(crate) const UNSTEADY: f64 = 1.5;
+
+/// The timed calls of a size in [`WINDOWS`] windows (fewer when there are fewer calls), as
+/// even as whole calls allow: a core taken away from a rank for a few milliseconds (seen on
+/// this 2-core VM with nothing else running: `benches/RESULTS.md`, "stop 30") then lands
+/// in one window and moves the median window by nothing, where it moved a 2 ms mean by up
+/// to 4x; the footer names such a size instead.
+pub(crate) fn window_calls(iters: usize) -> Vec<usize> {
+    let iters = iters.max(1);
+    let w = WINDOWS.min(iters);
+    (0..w)
+        .map(|i| iters / w + usize::from(i < iters % w))
+        .collect()
+}
+
+/// One size's windows: the median window's mean per call (the row's time), the slowest
+/// window's, and the mean over every timed call (nccl-tests' time).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Windows {
+    pub(crate) median_us: f64,
+    pub(crate) slowest_us: f64,
+    pub(crate) mean_us: f64,
+}
+
+impl Windows {
+    /// From each window's mean per call (`us`, the slowest rank's) and its calls.
+    pub(crate) fn of(us: &[f64], calls: &[usize]) -> Windows {
+        let mut sorted = us.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let median_us = match sorted.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => sorted[n / 2],
+            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+        };
+        let total: usize = calls.iter().sum();
+        let mean_us = if total == 0 {
+            0.0
+        } else {
+            us.iter()
+                .zip(calls)
+                .map(|(t, &k)| t * k as f64)
+                .sum::<f64>()
+                / total as f64
+        };
+        Windows {
+            median_us,
+            slowest_us: sorted.last().copied().unwrap_or(0.0),
+            mean_us,
+        }
+    }
+
+    /// Whether the slowest window took more than [`UNSTEADY`] times the median one.
+    pub(crate) fn unsteady(&self) -> bool {
+        self.slowest_us > UNSTEADY * self.median_us
+    }
+}
+
+/// Element by element, the largest of every rank's `v` (all ranks pass as many).
+pub(crate) fn max_over_ranks_each(comm: &Communicator, v: &[f64]) -> dspark::Result<Vec<f64>> {
+    let mut all = vec![0.0f64; v.len() * comm.world_size()];
+    comm.all_gather(v, &mut all)?;
+    Ok((0..v.len())
+        .map(|i| {
+            all.iter()
+                .skip(i)
+                .step_by(v.len().max(1))
+                .fold(f64::MIN, |a, &b| a.max(b))
+        })
+        .collect())
 }
 
 /// The largest of every rank's `v` (the time of a step is its slowest rank's).
@@ -95,7 +174,8 @@ pub(crate) fn sum_over_ranks(comm: &Communicator, v: u64) -> dspark::Result<u64>
 }
 
 /// The sweep: per size, check once on fresh inputs, warm up, then time `-n` calls (by default
-/// as many as fill 2 ms) after a barrier (the slowest rank's mean); rank 0 prints the header and each row as it comes when
+/// as many as fill 2 ms) after a barrier, in windows (the median window's mean per call, the
+/// slowest rank's); rank 0 prints the header and each row as it comes when
 /// `print`, and the footer.
 pub(crate) fn bench<T: BenchElem>(
     args: &Args,
@@ -118,6 +198,7 @@ pub(crate) fn bench<T: BenchElem>(
         }
     }
     let mut rows = Vec::new();
+    let mut unsteady = Vec::new();
     let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
     for (k, &bytes) in list.iter().enumerate() {
         let (send, recv, total) = counts(coll, bytes, esz, n);
@@ -158,14 +239,25 @@ pub(crate) fn bench<T: BenchElem>(
                 auto_iters(pace)
             }
         };
+        // The timed calls in windows, back to back (one barrier before the first): each
+        // window's mean per call, the slowest rank's; the row's time is the median window's.
+        let calls = window_calls(iters);
+        let mut mine = Vec::with_capacity(calls.len());
         comm.barrier().map_err(|x| e("barrier", x))?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            run.run(args, comm).map_err(|x| e("timed run", x))?;
+        for &k in &calls {
+            let t0 = Instant::now();
+            for _ in 0..k {
+                run.run(args, comm).map_err(|x| e("timed run", x))?;
+            }
+            mine.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
         }
-        let mine = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
         drop(run);
-        let time_us = max_over_ranks(comm, mine).map_err(|x| e("timing", x))?;
+        let windows = max_over_ranks_each(comm, &mine).map_err(|x| e("timing", x))?;
+        let w = Windows::of(&windows, &calls);
+        let time_us = w.median_us;
+        if w.unsteady() {
+            unsteady.push((shown_bytes, w));
+        }
         let wrong = if args.check != 0 {
             sum_over_ranks(comm, wrong).map_err(|x| e("check", x))?
         } else {
@@ -186,7 +278,7 @@ pub(crate) fn bench<T: BenchElem>(
         rows.push(row);
     }
     if rank0 && !args.csv {
-        footer(&rows, coll.bus_factor(n));
+        footer(&rows, coll.bus_factor(n), &unsteady);
     }
     Ok(rows)
 }
@@ -227,6 +319,32 @@ pub(crate) fn compare_paths<T: BenchElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timed_calls_split_into_five_even_windows_or_one_per_call() {
+        assert_eq!(window_calls(250), vec![50; 5]);
+        assert_eq!(window_calls(22), vec![5, 5, 4, 4, 4]);
+        assert_eq!(window_calls(3), vec![1, 1, 1]);
+        assert_eq!(window_calls(0), vec![1], "at least one call");
+        for n in [1, 7, 20, 101, 99_999] {
+            assert_eq!(window_calls(n).iter().sum::<usize>(), n);
+        }
+    }
+
+    #[test]
+    fn one_stalled_window_leaves_the_median_and_is_reported() {
+        // Four windows of 50 calls at ~7 µs, one with a 5 ms stall in it (+100 µs a call).
+        let w = Windows::of(&[7.0, 7.2, 107.1, 6.9, 7.1], &[50; 5]);
+        assert_eq!(w.median_us, 7.1);
+        assert_eq!(w.slowest_us, 107.1);
+        assert!((w.mean_us - 27.06).abs() < 1e-9, "{}", w.mean_us);
+        assert!(w.unsteady());
+        let even = Windows::of(&[8.0, 9.0, 8.5, 8.2], &[3, 3, 2, 2]);
+        assert_eq!(even.median_us, 8.35);
+        assert!(!even.unsteady(), "9.0 is within 1.5x of 8.35");
+        assert!(Windows::of(&[8.0, 12.1, 8.0], &[1; 3]).unsteady());
+        assert!((even.mean_us - 8.44).abs() < 1e-9, "{}", even.mean_us);
+    }
 
     #[test]
     fn the_default_count_fills_two_ms_between_20_and_100_000_calls() {
