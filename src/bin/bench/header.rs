@@ -73,7 +73,7 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     let n = comm.world_size();
     let c = args.collective.collective();
     println!(
-        "# dspark-bench {}: {} ranks, {} {}{}, {} ({} warm-up), check {}",
+        "# dspark-bench {}: {} ranks, {} {}{}, {}, {} warm-up, check {}; time: the median window's mean per call",
         c,
         n,
         args.dtype,
@@ -89,13 +89,13 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         },
         args.iters.map_or_else(
             || format!(
-                "iterations filling {} ms per size, at least {}, in {} windows (time: the median window's)",
+                "iterations filling {} ms per size (at least {}) timed in {} windows",
                 crate::sweep::MIN_TIMED_US / 1000.0,
                 crate::sweep::MIN_ITERS,
                 crate::sweep::WINDOWS
             ),
             |n| format!(
-                "{n} iterations in {} windows (time: the median window's)",
+                "{n} iterations timed in {} windows",
                 crate::sweep::WINDOWS.min(n.max(1))
             )
         ),
