@@ -389,3 +389,57 @@ fn doctor_says_how_a_job_launched_here_would_authenticate() {
         "{shared}"
     );
 }
+
+/// The CPU steadiness section watches every CPU this process may use, and a CPU that another
+/// busy thread shares (half its time gone, in scheduler slices of milliseconds) is named
+/// unsteady, with what to do.
+#[test]
+fn a_cpu_shared_with_a_busy_thread_is_reported_unsteady() {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let set = sched_getaffinity(Pid::from_raw(0)).unwrap();
+    let allowed: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .collect();
+    let busy_cpu = *allowed.last().unwrap();
+    let stop = AtomicBool::new(false);
+    let out = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut one = CpuSet::new();
+            one.set(busy_cpu).unwrap();
+            sched_setaffinity(Pid::from_raw(0), &one).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let out = doctor(&["--json"], &[]);
+        stop.store(true, Ordering::Relaxed);
+        out
+    });
+    let (stdout, stderr) = text(&out);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    let c = &v["cpus"];
+    assert_eq!(c["probe_ms"], 300);
+    let cpus = c["cpus"].as_array().unwrap();
+    let ids: Vec<u64> = cpus.iter().map(|x| x["cpu"].as_u64().unwrap()).collect();
+    let want: Vec<u64> = allowed.iter().take(256).map(|&x| x as u64).collect();
+    assert_eq!(ids, want, "one entry per allowed CPU");
+    let busy = cpus.iter().find(|x| x["cpu"] == busy_cpu as u64).unwrap();
+    let lost = busy["lost_pct"].as_f64().unwrap();
+    assert!(
+        lost > 10.0,
+        "cpu {busy_cpu} shared with a busy thread lost {lost}%: {busy}"
+    );
+    assert_eq!(c["steady"], false, "{c}");
+    let verdict = c["verdict"].as_str().unwrap();
+    assert!(
+        verdict.starts_with("UNSTEADY") && verdict.contains(&format!("cpu {busy_cpu} lost")),
+        "{verdict}"
+    );
+    assert!(
+        verdict.contains("a core with nothing else on it"),
+        "{verdict}"
+    );
+}

@@ -99,7 +99,7 @@ pub(crate) fn unsteady_lines(unsteady: &[(usize, Windows)]) -> Vec<String> {
     }
     out.push(
         "#   a slow window: a rank off its core for a while (another process, the hypervisor, more \
-         ranks than free cores) or a stall in dspark; rerun, and look with DSPARK_TRACE=<prefix>"
+         ranks than free cores) or a stall in dspark; `dspark doctor` (CPU steadiness) measures the first, DSPARK_TRACE=<prefix> shows the second"
             .into(),
     );
     out

@@ -2,7 +2,8 @@
 //! missing, why and what to do. The report is built and rendered section by section, a file
 //! per part of the machine: [`rdma`] (verbs devices, locked memory), [`gpu`] (CUDA,
 //! nvidia-peermem, NVRTC), [`pairs`] (GPU/NIC pairs and the path device buffers take),
-//! [`fast_paths`] (the verdicts), [`summary`] (notes and `--require`), [`trust`] (how a job
+//! [`fast_paths`] (the verdicts), [`cpus`] (whether a spinning rank keeps its core),
+//! [`summary`] (notes and `--require`), [`trust`] (how a job
 //! launched here would authenticate its ranks); [`fixes`] holds the
 //! advice they share. This file holds the arguments, the report that `--json` prints (its
 //! field names and nesting are what tools read), and the order of the human report.
@@ -15,6 +16,7 @@ use dspark::internals::gpu::sysfs::{PeermemStatus, Sysfs};
 use dspark::path;
 use serde::Serialize;
 
+mod cpus;
 mod fast_paths;
 mod fixes;
 mod gpu;
@@ -73,6 +75,7 @@ struct Report {
     pairs: Vec<PairReport>,
     tcp_device_path: String,
     fast_paths: Vec<FastPath>,
+    cpus: cpus::CpuSection,
     notes: Vec<String>,
     requirements: Vec<RequirementResult>,
     auth: trust::AuthSection,
@@ -115,6 +118,17 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     let fast = fast_paths::fast_paths(&rdma, &memlock, &cuda, &devices, &peermem, &nvrtc);
     let notes = summary::notes(&args.root, on_real_root, &pairs, &fast);
     let requirements = summary::requirements(&args.require, &fast, &pairs);
+    let cpus = if on_real_root {
+        cpus::probe_cpus()
+    } else {
+        cpus::CpuSection {
+            probe_ms: 0,
+            cpus: Vec::new(),
+            steal_pct: None,
+            steady: true,
+            verdict: "not measured (--root: not this machine)".into(),
+        }
+    };
     Ok(Report {
         rdma,
         memlock,
@@ -124,6 +138,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
         pairs,
         tcp_device_path: format!("tcp/staged: {}", path::TCP_STAGED_REASON),
         fast_paths: fast,
+        cpus,
         notes,
         requirements,
         auth: trust::probe_auth(),
@@ -153,6 +168,7 @@ fn render_human(r: &Report) -> String {
     fast_paths::render_fast_paths(&mut o, &r.fast_paths);
     pairs::render_data_path(&mut o, &r.tcp_device_path, &r.pairs);
     summary::render_notes(&mut o, &r.notes);
+    cpus::render_cpus(&mut o, &r.cpus);
     trust::render_auth(&mut o, &r.auth);
     summary::render_requirements(&mut o, &r.requirements);
     o

@@ -1,0 +1,288 @@
+//! The doctor's CPU steadiness: whether this machine leaves a spinning rank on its core. A
+//! thread pinned to each CPU this process may use spins on the clock for [`PROBE_MS`], all at
+//! once, and counts the gaps (the times its core was taken from it: another process, a kernel
+//! thread, the hypervisor running something else on the physical core); `/proc/stat`'s steal
+//! time is read around it. A rank that loses its core stalls every collective it is in, for
+//! every rank: its peers wait for it. On the 2-core VM this project is developed on, with
+//! nothing else running, one core lost 1–8 ms sixteen times in 10 s (`benches/RESULTS.md`,
+//! "stop 30"): fresh benchmark runs then differ by more than dspark does.
+
+use std::time::{Duration, Instant};
+
+use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
+use serde::Serialize;
+
+use super::kv;
+
+/// How long every CPU is watched.
+pub(super) const PROBE_MS: u64 = 300;
+/// A clock gap at least this long counts: the core was taken away.
+const GAP_US: f64 = 10.0;
+/// A gap this long is a stall of every collective the rank is in.
+const LONG_US: f64 = 1000.0;
+/// More of a CPU's time lost than this (percent) is reported unsteady.
+const LOST_PCT: f64 = 2.0;
+/// More steal time than this (percent of all CPU time) is reported.
+const STEAL_PCT: f64 = 1.0;
+/// At most this many CPUs are watched (the first of the allowed set).
+const MAX_CPUS: usize = 256;
+
+/// What one CPU's spinning thread saw.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub(super) struct CpuGaps {
+    pub(super) cpu: usize,
+    /// Gaps of at least 10 µs.
+    pub(super) gaps: u64,
+    /// Of those, gaps of at least 1 ms.
+    pub(super) long_gaps: u64,
+    /// Percent of the watched time in gaps.
+    pub(super) lost_pct: f64,
+    pub(super) longest_us: f64,
+    /// Why this CPU could not be watched (pinning refused), if so.
+    pub(super) error: Option<String>,
+}
+
+impl CpuGaps {
+    /// The summary of the clock gaps `gaps_us` (each ≥ [`GAP_US`]) seen over `span_us`.
+    pub(super) fn from_gaps(cpu: usize, gaps_us: &[f64], span_us: f64) -> CpuGaps {
+        let lost: f64 = gaps_us.iter().sum();
+        CpuGaps {
+            cpu,
+            gaps: gaps_us.len() as u64,
+            long_gaps: gaps_us.iter().filter(|&&g| g >= LONG_US).count() as u64,
+            lost_pct: if span_us > 0.0 {
+                100.0 * lost / span_us
+            } else {
+                0.0
+            },
+            longest_us: gaps_us.iter().copied().fold(0.0, f64::max),
+            error: None,
+        }
+    }
+
+    fn unsteady(&self) -> bool {
+        self.long_gaps > 0 || self.lost_pct > LOST_PCT
+    }
+}
+
+/// The section: every CPU's gaps, the steal time and the verdict.
+#[derive(Debug, Serialize)]
+pub(super) struct CpuSection {
+    pub(super) probe_ms: u64,
+    pub(super) cpus: Vec<CpuGaps>,
+    /// Percent of all CPU time the hypervisor gave to others during the probe (`None`: no
+    /// `/proc/stat`).
+    pub(super) steal_pct: Option<f64>,
+    pub(super) steady: bool,
+    pub(super) verdict: String,
+}
+
+/// Jiffies (steal, total) from the first line of `/proc/stat`'s text.
+pub(super) fn parse_steal(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest, guest_nice are inside user/nice).
+    let steal = *v.get(7)?;
+    Some((steal, v.iter().take(8).sum()))
+}
+
+fn read_steal() -> Option<(u64, u64)> {
+    parse_steal(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// Watches one CPU: pins this thread to it and spins on the clock until `until`.
+fn watch(cpu: usize, until: Instant) -> CpuGaps {
+    let mut set = CpuSet::new();
+    let pinned = set
+        .set(cpu)
+        .and_then(|()| sched_setaffinity(Pid::from_raw(0), &set));
+    if let Err(e) = pinned {
+        return CpuGaps {
+            cpu,
+            error: Some(format!("cannot pin a thread to it: {e}")),
+            ..CpuGaps::default()
+        };
+    }
+    let start = Instant::now();
+    let mut gaps = Vec::new();
+    let mut prev = start;
+    while prev < until {
+        let now = Instant::now();
+        let g = now.duration_since(prev).as_secs_f64() * 1e6;
+        if g >= GAP_US {
+            gaps.push(g);
+        }
+        prev = now;
+    }
+    CpuGaps::from_gaps(cpu, &gaps, prev.duration_since(start).as_secs_f64() * 1e6)
+}
+
+/// The verdict line from the CPUs and the steal time.
+pub(super) fn verdict(cpus: &[CpuGaps], steal_pct: Option<f64>, probe_ms: u64) -> (bool, String) {
+    let watched: Vec<&CpuGaps> = cpus.iter().filter(|c| c.error.is_none()).collect();
+    if watched.is_empty() {
+        return (true, "not measured (no CPU could be watched)".into());
+    }
+    let bad: Vec<&&CpuGaps> = watched.iter().filter(|c| c.unsteady()).collect();
+    let steal_bad = steal_pct.is_some_and(|s| s > STEAL_PCT);
+    let worst_lost = watched.iter().map(|c| c.lost_pct).fold(0.0, f64::max);
+    let longest = watched.iter().map(|c| c.longest_us).fold(0.0, f64::max);
+    if bad.is_empty() && !steal_bad {
+        return (
+            true,
+            format!(
+                "steady: no CPU lost for 1 ms or more in {probe_ms} ms, at most {worst_lost:.1}% lost \
+                 (longest gap {longest:.0} µs)"
+            ),
+        );
+    }
+    let mut why: Vec<String> = bad
+        .iter()
+        .map(|c| {
+            format!(
+                "cpu {} lost {:.1}% ({} gaps of 1 ms or more, longest {:.1} ms)",
+                c.cpu,
+                c.lost_pct,
+                c.long_gaps,
+                c.longest_us / 1000.0
+            )
+        })
+        .collect();
+    if let Some(s) = steal_pct.filter(|_| steal_bad) {
+        why.push(format!(
+            "steal time {s:.1}% (the hypervisor ran something else)"
+        ));
+    }
+    (
+        false,
+        format!(
+            "UNSTEADY in {probe_ms} ms: {}. A rank on such a CPU stalls every collective it is in \
+             (its peers wait for it), and fresh benchmark runs differ by that much: give each rank \
+             a core with nothing else on it (fewer ranks, `--bind core`, isolcpus), or on a VM \
+             dedicated vCPUs",
+            why.join("; ")
+        ),
+    )
+}
+
+/// Watches every CPU this process may run on (at most [`MAX_CPUS`]) at once for [`PROBE_MS`].
+pub(super) fn probe_cpus() -> CpuSection {
+    let allowed: Vec<usize> = match sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .take(MAX_CPUS)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let before = read_steal();
+    let until = Instant::now() + Duration::from_millis(PROBE_MS);
+    let cpus: Vec<CpuGaps> = std::thread::scope(|s| {
+        let handles: Vec<_> = allowed
+            .iter()
+            .map(|&c| (c, s.spawn(move || watch(c, until))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|(c, h)| {
+                h.join().unwrap_or_else(|_| CpuGaps {
+                    cpu: c,
+                    error: Some("the watching thread failed".into()),
+                    ..CpuGaps::default()
+                })
+            })
+            .collect()
+    });
+    let steal_pct = match (before, read_steal()) {
+        (Some((s0, t0)), Some((s1, t1))) if t1 > t0 => {
+            Some(100.0 * s1.saturating_sub(s0) as f64 / (t1 - t0) as f64)
+        }
+        _ => None,
+    };
+    let (steady, verdict) = verdict(&cpus, steal_pct, PROBE_MS);
+    CpuSection {
+        probe_ms: PROBE_MS,
+        cpus,
+        steal_pct,
+        steady,
+        verdict,
+    }
+}
+
+/// The human report's "CPU steadiness" section.
+pub(super) fn render_cpus(o: &mut String, c: &CpuSection) {
+    o.push_str(&format!(
+        "\nCPU steadiness (a thread spinning on each CPU for {} ms)\n",
+        c.probe_ms
+    ));
+    for g in &c.cpus {
+        let v = match &g.error {
+            Some(e) => format!("not watched: {e}"),
+            None => format!(
+                "{} gaps of 10 µs or more, {} of 1 ms or more, {:.2}% lost, longest {:.0} µs",
+                g.gaps, g.long_gaps, g.lost_pct, g.longest_us
+            ),
+        };
+        kv(o, &format!("cpu {}", g.cpu), v);
+    }
+    if let Some(s) = c.steal_pct {
+        kv(o, "steal time", format!("{s:.2}%"));
+    }
+    kv(o, "verdict", &c.verdict);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_are_summed_counted_and_the_long_ones_found() {
+        let g = CpuGaps::from_gaps(1, &[12.0, 40.0, 1500.0, 8128.0], 300_000.0);
+        assert_eq!((g.cpu, g.gaps, g.long_gaps), (1, 4, 2));
+        assert!((g.lost_pct - 100.0 * 9680.0 / 300_000.0).abs() < 1e-9);
+        assert_eq!(g.longest_us, 8128.0);
+        assert!(g.unsteady());
+        let quiet = CpuGaps::from_gaps(0, &[12.0, 219.0], 300_000.0);
+        assert!(!quiet.unsteady());
+        assert_eq!(CpuGaps::from_gaps(0, &[], 0.0).lost_pct, 0.0);
+    }
+
+    #[test]
+    fn the_verdict_names_the_unsteady_cpus_and_the_steal_time() {
+        let quiet = CpuGaps::from_gaps(0, &[12.0, 219.0], 300_000.0);
+        let (ok, v) = verdict(std::slice::from_ref(&quiet), Some(0.2), 300);
+        assert!(ok, "{v}");
+        assert!(v.starts_with("steady: "), "{v}");
+        assert!(v.contains("longest gap 219 µs"), "{v}");
+        let bad = CpuGaps::from_gaps(1, &[1500.0, 8128.0], 300_000.0);
+        let (ok, v) = verdict(&[quiet.clone(), bad], Some(0.2), 300);
+        assert!(!ok);
+        assert!(
+            v.contains("cpu 1 lost 3.2% (2 gaps of 1 ms or more, longest 8.1 ms)"),
+            "{v}"
+        );
+        assert!(!v.contains("cpu 0"), "{v}");
+        assert!(!v.contains("steal"), "{v}");
+        let (ok, v) = verdict(std::slice::from_ref(&quiet), Some(4.0), 300);
+        assert!(!ok);
+        assert!(v.contains("steal time 4.0%"), "{v}");
+        let refused = CpuGaps {
+            error: Some("EINVAL".into()),
+            ..CpuGaps::default()
+        };
+        assert!(verdict(&[refused], None, 300).1.starts_with("not measured"));
+    }
+
+    #[test]
+    fn steal_is_the_eighth_number_of_the_cpu_line() {
+        let stat = "cpu  100 5 50 800 10 1 2 30 0 0\ncpu0 50 2 25 400 5 0 1 15 0 0\n";
+        assert_eq!(parse_steal(stat), Some((30, 998)));
+        assert_eq!(parse_steal("intr 1 2 3\n"), None);
+        assert_eq!(parse_steal("cpu  1 2 x\n"), None);
+        assert_eq!(parse_steal("cpu  1 2 3\n"), None, "no steal column");
+    }
+}
