@@ -14,13 +14,13 @@ BIN=$1; OUT=$2; N=${N:-12}; LOCK=${LOCK:-/work/measure.lock}; FLOOR=${FLOOR:-}
 mkdir -p "$OUT"; : > "$OUT/rows"
 for i in $(seq 1 "$N"); do
  if [ -n "$FLOOR" ]; then
-  v=$(flock -x -o "$LOCK" "$FLOOR" 31 2000 pin 2>/dev/null | awk -F, '$1=="exchange"{print $2}')
-  echo "floor exchange $v $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
+  v=$(flock -x -o "$LOCK" "$FLOOR" 31 2000 pin 2>/dev/null | awk -F, '$1=="exchange"{print $2}') || v=
+  echo "floor exchange ${v:-nan} $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
  fi
  for t in shm tcp; do
   for s in 8 64K; do
-    v=$(flock -x -o "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}')
-    echo "$t $s $v $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
+    v=$(flock -x -o "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}') || v=
+    echo "$t $s ${v:-nan} $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
   done
  done
 done
@@ -28,7 +28,9 @@ python3 - "$OUT/rows" <<'PY'
 import sys,statistics,collections
 d=collections.defaultdict(list); loads=[]
 for l in open(sys.argv[1]):
-    t,s,v,ld=l.split(); d[(t,s)].append(float(v)); loads.append(float(ld))
+    t,s,v,ld=l.split(); loads.append(float(ld))
+    if v != "nan": d[(t,s)].append(float(v))
+    else: print(f"{t} {s}: a run failed (no time)")
 print("transport size n median min max slowest/median")
 for k in sorted(d):
     v=d[k]; m=statistics.median(v)

@@ -403,8 +403,16 @@ fn a_cpu_shared_with_a_busy_thread_is_reported_unsteady() {
         .filter(|&c| set.is_set(c).unwrap_or(false))
         .collect();
     let busy_cpu = *allowed.last().unwrap();
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        // Also when the doctor's run panics: the scope must not wait on the spinner forever.
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     let stop = AtomicBool::new(false);
     let out = std::thread::scope(|s| {
+        let _stop = Stop(&stop);
         s.spawn(|| {
             let mut one = CpuSet::new();
             one.set(busy_cpu).unwrap();
@@ -414,9 +422,7 @@ fn a_cpu_shared_with_a_busy_thread_is_reported_unsteady() {
             }
         });
         std::thread::sleep(std::time::Duration::from_millis(50));
-        let out = doctor(&["--json"], &[]);
-        stop.store(true, Ordering::Relaxed);
-        out
+        doctor(&["--json"], &[])
     });
     let (stdout, stderr) = text(&out);
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
@@ -441,5 +447,24 @@ fn a_cpu_shared_with_a_busy_thread_is_reported_unsteady() {
     assert!(
         verdict.contains("a core with nothing else on it"),
         "{verdict}"
+    );
+}
+
+/// A job prologue (`--require`) does not take every core for the probe: the section says it
+/// was not measured, and `steady` is null, not a pass.
+#[test]
+fn the_cpu_probe_is_skipped_under_require() {
+    let out = doctor(&["--json", "--require", "verbs"], &[]);
+    let (stdout, stderr) = text(&out);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    assert_eq!(v["cpus"]["steady"], Value::Null, "{}", v["cpus"]);
+    assert_eq!(v["cpus"]["cpus"].as_array().map(Vec::len), Some(0));
+    assert!(
+        v["cpus"]["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("not measured (--require"),
+        "{}",
+        v["cpus"]
     );
 }

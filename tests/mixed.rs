@@ -345,13 +345,17 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
         spawn(WORLD, "kind", &|r| rank_vars(r, false, &extra), None).wait(Duration::from_secs(60))
     };
     // Two hosts of two ranks, 4 MiB: the pipelined hierarchical allreduce (`plan::model`,
-    // "Between hosts"), with the model's default constants. The link probe's α is a step of a
+    // "Between hosts"), with the model's default constants (no probe, no tune file). The link probe's α is a step of a
     // tiny allreduce of 4 ranks sharing 2 cores over loopback, beside the other tests of this
     // binary: under load it reached the cost where recursive doubling wins at 4 MiB (CI of stop
     // 29). What the probe measures is tests/link_probe.rs's business.
     let outs = run(
         "shm+tcp",
-        &[("WANT_ALGO", "hier"), ("DSPARK_LINK_PROBE", "0")],
+        &[
+            ("WANT_ALGO", "hier"),
+            ("DSPARK_LINK_PROBE", "0"),
+            ("DSPARK_TUNE_FILE", "/nonexistent/dspark-tune.json"),
+        ],
     );
     assert_all(&outs, OK, "auto");
     // DSPARK_TRANSPORT=tcp on one rank: no shared memory anywhere.
@@ -389,6 +393,7 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
                 // loopback: it moves with the machine's load, and with it ring or tree at 4 MiB.)
                 ("WANT_ALGO", "ring"),
                 ("DSPARK_LINK_PROBE", "0"),
+                ("DSPARK_TUNE_FILE", "/nonexistent/dspark-tune.json"),
                 ("DSPARK_TIMEOUT", "60"),
             ])
         },

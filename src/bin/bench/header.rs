@@ -94,10 +94,14 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
                 crate::sweep::MIN_ITERS,
                 crate::sweep::WINDOWS
             ),
-            |n| format!(
-                "{n} iterations timed in {} windows",
-                crate::sweep::WINDOWS.min(n.max(1))
-            )
+            |n| {
+                let w = crate::sweep::WINDOWS.min(n.max(1));
+                format!(
+                    "{n} iteration{} timed in {w} window{}",
+                    if n == 1 { "" } else { "s" },
+                    if w == 1 { "" } else { "s" }
+                )
+            }
         ),
         args.warmup,
         if args.check != 0 { "on" } else { "off" },

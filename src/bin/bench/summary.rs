@@ -89,11 +89,15 @@ pub(crate) fn unsteady_lines(unsteady: &[(usize, Windows)]) -> Vec<String> {
     )];
     for (bytes, w) in unsteady {
         out.push(format!(
-            "#   {:>10}: median window {:.2} us, slowest {:.2} us ({:.1}x), mean of all calls {:.2} us",
+            "#   {:>10}: median window {:.2} us, slowest {:.2} us ({}), mean of all calls {:.2} us (each window's slowest rank)",
             human_bytes(*bytes as u64, false),
             w.median_us,
             w.slowest_us,
-            w.slowest_us / w.median_us,
+            if w.median_us > 0.0 {
+                format!("{:.1}x", w.slowest_us / w.median_us)
+            } else {
+                "-".into()
+            },
             w.mean_us
         ));
     }
@@ -121,7 +125,7 @@ mod tests {
         assert!(l[0].contains(": 1 (a window over 1.5x"), "{}", l[0]);
         assert_eq!(
             l[1],
-            "#       64 KiB: median window 7.10 us, slowest 107.10 us (15.1x), mean of all calls 27.06 us"
+            "#       64 KiB: median window 7.10 us, slowest 107.10 us (15.1x), mean of all calls 27.06 us (each window's slowest rank)"
         );
         assert!(l[2].contains("DSPARK_TRACE"), "{}", l[2]);
     }

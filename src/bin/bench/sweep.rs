@@ -15,7 +15,7 @@ use crate::data::{prepare, verify, BenchElem};
 use crate::header::{header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, sizes};
-use crate::summary::footer;
+use crate::summary::{footer, unsteady_lines};
 use crate::table::{self, Row};
 use crate::Args;
 
@@ -279,6 +279,16 @@ pub(crate) fn bench<T: BenchElem>(
     }
     if rank0 && !args.csv {
         footer(&rows, coll.bus_factor(n), &unsteady);
+    } else if comm.rank() == 0 && !unsteady.is_empty() {
+        // `--csv` (stdout stays CSV) and the sweeps of `--algo all` and `--compare-paths`
+        // (no footer of their own): the unsteady sizes on stderr, naming the sweep.
+        let algo = comm
+            .forced_algorithm()
+            .map_or("the default algorithms".to_string(), |a| a.to_string());
+        eprintln!("# sweep with {algo}, data path {}:", comm.data_path());
+        for l in unsteady_lines(&unsteady) {
+            eprintln!("{l}");
+        }
     }
     Ok(rows)
 }

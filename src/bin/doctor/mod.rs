@@ -118,16 +118,13 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     let fast = fast_paths::fast_paths(&rdma, &memlock, &cuda, &devices, &peermem, &nvrtc);
     let notes = summary::notes(&args.root, on_real_root, &pairs, &fast);
     let requirements = summary::requirements(&args.require, &fast, &pairs);
-    let cpus = if on_real_root {
-        cpus::probe_cpus()
+    // Not in a job prologue (`--require`): the probe would take every allowed core for 300 ms.
+    let cpus = if !on_real_root {
+        cpus::not_measured("--root: not this machine")
+    } else if !args.require.is_empty() {
+        cpus::not_measured("--require: run `dspark doctor` alone to measure it")
     } else {
-        cpus::CpuSection {
-            probe_ms: 0,
-            cpus: Vec::new(),
-            steal_pct: None,
-            steady: true,
-            verdict: "not measured (--root: not this machine)".into(),
-        }
+        cpus::probe_cpus()
     };
     Ok(Report {
         rdma,
