@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use dspark::{Communicator, ReduceOp};
 
-use crate::sweep::{max_over_ranks, sum_over_ranks};
+use crate::sweep::{max_over_ranks, median, sum_over_ranks};
 use crate::Args;
 
 /// The peer benchmarks' method (../shared/peers/README.md): allreduce f32 sum, rank r's input
@@ -72,11 +72,7 @@ pub(crate) fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<
             times.push(max_over_ranks(comm, t).map_err(e)?);
         }
         times.sort_by(f64::total_cmp);
-        let med = if samples % 2 == 1 {
-            times[samples / 2]
-        } else {
-            (times[samples / 2 - 1] + times[samples / 2]) / 2.0
-        };
+        let med = median(&times);
         let algbw = bytes as f64 / med / 1e3;
         let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
         if r == 0 {

@@ -115,13 +115,6 @@ pub(crate) struct Windows {
 impl Windows {
     /// From each window's mean per call (`us`, the slowest rank's) and its calls.
     pub(crate) fn of(us: &[f64], calls: &[usize]) -> Windows {
-        let mut sorted = us.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let median_us = match sorted.len() {
-            0 => 0.0,
-            n if n % 2 == 1 => sorted[n / 2],
-            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-        };
         let total: usize = calls.iter().sum();
         let mean_us = if total == 0 {
             0.0
@@ -133,8 +126,8 @@ impl Windows {
                 / total as f64
         };
         Windows {
-            median_us,
-            slowest_us: sorted.last().copied().unwrap_or(0.0),
+            median_us: median(us),
+            slowest_us: us.iter().copied().fold(0.0, f64::max),
             mean_us,
         }
     }
@@ -142,6 +135,17 @@ impl Windows {
     /// Whether the slowest window took more than [`UNSTEADY`] times the median one.
     pub(crate) fn unsteady(&self) -> bool {
         self.slowest_us > UNSTEADY * self.median_us
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count; 0 for none).
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
     }
 }
 
@@ -161,9 +165,7 @@ pub(crate) fn max_over_ranks_each(comm: &Communicator, v: &[f64]) -> dspark::Res
 
 /// The largest of every rank's `v` (the time of a step is its slowest rank's).
 pub(crate) fn max_over_ranks(comm: &Communicator, v: f64) -> dspark::Result<f64> {
-    let mut all = vec![0.0f64; comm.world_size()];
-    comm.all_gather(&[v], &mut all)?;
-    Ok(all.into_iter().fold(f64::MIN, f64::max))
+    Ok(max_over_ranks_each(comm, &[v])?[0])
 }
 
 /// The sum of every rank's `v`.
@@ -339,6 +341,13 @@ mod tests {
         for n in [1, 7, 20, 101, 99_999] {
             assert_eq!(window_calls(n).iter().sum::<usize>(), n);
         }
+    }
+
+    #[test]
+    fn the_median_of_odd_even_and_no_values() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
     }
 
     #[test]
