@@ -102,6 +102,11 @@ impl GpuReducer {
             &nvrtc::supported_archs()?,
         )?;
         let build = kernels::compile_all(arch, disk)?;
+        if build.compiled.kind == ImageKind::Cubin && build.compiled.functions.is_empty() {
+            tracing::warn!(
+                "no ptxas report from NVRTC for {arch}: the reduction kernels' register spills are unknown"
+            );
+        }
         for f in build.compiled.spilling() {
             tracing::warn!(
                 kernel = %f.name, stores = f.spill_store_bytes, loads = f.spill_load_bytes,
@@ -117,6 +122,12 @@ impl GpuReducer {
             let f = module
                 .load_function(&name)
                 .map_err(driver_err("cuModuleGetFunction"))?;
+            // Loaded now, not at its first launch (CUDA's lazy loading, the default since
+            // 12.2): a load is not a plain stream operation, and none should happen inside a
+            // running collective, where a caller's stream may be waiting for it and another
+            // thread may hold the context's locks (see `staged::Marks::reuse_oldest`).
+            // Asking for an attribute loads the function.
+            f.num_regs().map_err(driver_err("cuFuncGetAttribute"))?;
             functions.insert(name, f);
         }
         Ok(GpuReducer {

@@ -110,7 +110,7 @@ pub struct KernelBuild {
     pub compiled: Arc<Compiled>,
     /// How many kernels the source defines ([`all_kernels`]).
     pub expected: usize,
-    /// Kernels found in the image (entries reported by ptxas, or `.entry` in PTX).
+    /// Kernels found in the image (function symbols of the CUBIN, or `.entry` in PTX).
     pub found: usize,
 }
 

@@ -218,12 +218,84 @@ impl Compiled {
 
     /// Names of the kernel entry points in the image: from the ptxas report for a CUBIN, from
     /// the `.entry` directives for PTX.
+    /// Names of the kernel entry points in the image: the CUBIN's symbol table (ELF), the
+    /// `.entry` directives for PTX.
     pub fn entry_names(&self) -> Vec<String> {
         match self.kind {
-            ImageKind::Cubin => self.functions.iter().map(|f| f.name.clone()).collect(),
+            ImageKind::Cubin => cubin_entries(&self.image),
             ImageKind::Ptx => ptx_entries(&String::from_utf8_lossy(&self.image)),
         }
     }
+}
+
+/// Global function symbols in a CUBIN (a little-endian ELF64 object): the kernels it holds.
+/// Empty where the bytes are not such an object (no panic on any input).
+pub fn cubin_entries(elf: &[u8]) -> Vec<String> {
+    // The `N` bytes at `base + off`, bounds- and overflow-checked.
+    fn bytes<const N: usize>(b: &[u8], base: usize, off: usize) -> Option<[u8; N]> {
+        let at = base.checked_add(off)?;
+        b.get(at..at.checked_add(N)?)?.try_into().ok()
+    }
+    fn u16_at(b: &[u8], base: usize, off: usize) -> Option<usize> {
+        Some(u16::from_le_bytes(bytes(b, base, off)?) as usize)
+    }
+    fn u32_at(b: &[u8], base: usize, off: usize) -> Option<usize> {
+        Some(u32::from_le_bytes(bytes(b, base, off)?) as usize)
+    }
+    fn u64_at(b: &[u8], base: usize, off: usize) -> Option<usize> {
+        usize::try_from(u64::from_le_bytes(bytes(b, base, off)?)).ok()
+    }
+    // (type, offset, size, link, entry size) of section `i`.
+    fn section(b: &[u8], shoff: usize, shentsize: usize, i: usize) -> Option<[usize; 5]> {
+        let h = shoff.checked_add(i.checked_mul(shentsize)?)?;
+        Some([
+            u32_at(b, h, 4)?,
+            u64_at(b, h, 0x18)?,
+            u64_at(b, h, 0x20)?,
+            u32_at(b, h, 0x28)?,
+            u64_at(b, h, 0x38)?,
+        ])
+    }
+    fn entries(b: &[u8]) -> Option<Vec<String>> {
+        // ELF magic, 64-bit class, little-endian.
+        if b.get(..6)? != b"\x7fELF\x02\x01" {
+            return None;
+        }
+        let (shoff, shentsize, shnum) = (
+            u64_at(b, 0, 0x28)?,
+            u16_at(b, 0, 0x3a)?,
+            u16_at(b, 0, 0x3c)?,
+        );
+        if shentsize < 0x40 {
+            return None;
+        }
+        const SHT_SYMTAB: usize = 2;
+        let mut out = Vec::new();
+        for i in 0..shnum {
+            let [ty, off, size, link, entsize] = section(b, shoff, shentsize, i)?;
+            if ty != SHT_SYMTAB {
+                continue;
+            }
+            let [_, str_off, str_size, _, _] = section(b, shoff, shentsize, link)?;
+            let strtab = b.get(str_off..str_off.checked_add(str_size)?)?;
+            if entsize < 24 {
+                return None;
+            }
+            for k in 0..size / entsize {
+                let sym = off.checked_add(k.checked_mul(entsize)?)?;
+                let [info] = bytes::<1>(b, sym, 4)?;
+                // STB_GLOBAL (1) binding, STT_FUNC (2) type.
+                if info >> 4 != 1 || info & 0xf != 2 {
+                    continue;
+                }
+                let name = strtab.get(u32_at(b, sym, 0)?..)?;
+                let end = name.iter().position(|&c| c == 0)?;
+                out.push(String::from_utf8_lossy(&name[..end]).into_owned());
+            }
+        }
+        Some(out)
+    }
+    entries(elf).unwrap_or_default()
 }
 
 /// `.entry` names in PTX text.
@@ -322,6 +394,16 @@ pub fn compile_uncached(
     let cname = CString::new(name).unwrap_or_default();
     let mut all_options = vec![arch.option()];
     all_options.extend(options.iter().cloned());
+    // NVRTC 12.9 and later keep their own cache of compiled programs, and a program served
+    // from it comes without ptxas's report: no register or spill figures, and no entry list.
+    // Ours (process and disk) stands in front anyway, so theirs is turned off where the
+    // report is asked for.
+    let verbose = options
+        .iter()
+        .any(|o| o.starts_with("--ptxas-options") && o.contains("-v"));
+    if verbose && nvrtc_version >= (12, 9) {
+        all_options.push("--no-cache".to_string());
+    }
     let coptions: Vec<CString> = all_options
         .iter()
         .map(|o| CString::new(o.as_str()))
@@ -695,6 +777,67 @@ ptxas info    : Used 255 registers, 384 bytes cmem[0]
         );
         assert_eq!(f[1].registers, Some(255));
         assert!(f[1].spills());
+    }
+
+    /// A little-endian ELF64 object with a symbol table: the null symbol, a global function
+    /// `k1`, a local function `helper`, a global object `data`, a global function `k2`.
+    fn tiny_elf() -> Vec<u8> {
+        let strtab = b"\0k1\0helper\0data\0k2\0".to_vec();
+        let sym = |name: u32, info: u8| {
+            let mut v = name.to_le_bytes().to_vec();
+            v.extend([info, 0, 1, 0]);
+            v.extend([0u8; 16]);
+            v
+        };
+        let mut symtab = sym(0, 0);
+        symtab.extend(sym(1, 0x12)); // k1: global function
+        symtab.extend(sym(4, 0x02)); // helper: local function
+        symtab.extend(sym(11, 0x11)); // data: global object
+        symtab.extend(sym(16, 0x12)); // k2: global function
+        let mut elf = vec![0u8; 0x40];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        let sym_off = elf.len();
+        elf.extend(&symtab);
+        let str_off = elf.len();
+        elf.extend(&strtab);
+        let shoff = elf.len();
+        let header = |ty: u32, off: usize, size: usize, link: u32, entsize: usize| {
+            let mut h = vec![0u8; 0x40];
+            h[4..8].copy_from_slice(&ty.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            h[0x28..0x2c].copy_from_slice(&link.to_le_bytes());
+            h[0x38..0x40].copy_from_slice(&(entsize as u64).to_le_bytes());
+            h
+        };
+        elf.extend(header(0, 0, 0, 0, 0));
+        elf.extend(header(2, sym_off, symtab.len(), 2, 24));
+        elf.extend(header(3, str_off, strtab.len(), 0, 0));
+        elf[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        elf[0x3a..0x3c].copy_from_slice(&0x40u16.to_le_bytes());
+        elf[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        elf
+    }
+
+    #[test]
+    fn cubin_entries_are_the_global_functions_and_bad_bytes_give_none() {
+        let elf = tiny_elf();
+        assert_eq!(cubin_entries(&elf), ["k1", "k2"]);
+        // Every truncation, a wrong magic and a huge section offset: no panic, nothing made up.
+        for n in 0..elf.len() {
+            let got = cubin_entries(&elf[..n]);
+            assert!(
+                got.is_empty() || got == ["k1"] || got == ["k1", "k2"],
+                "{n}: {got:?}"
+            );
+        }
+        let mut bad = elf.clone();
+        bad[1] = b'X';
+        assert!(cubin_entries(&bad).is_empty());
+        let mut far = elf;
+        far[0x28..0x30].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(cubin_entries(&far).is_empty());
+        assert!(cubin_entries(b"").is_empty());
     }
 
     #[test]
