@@ -901,11 +901,36 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
     let Some((ctx, _r)) = reducer(name) else {
         return;
     };
+    // Both ranks have issued their calls before either blocks in a copy to or from its
+    // stream: the two ranks are threads of one process here, sharing the CUDA context, and
+    // a thread blocked in such a copy (seen on an H200, driver 580: cuMemcpyDtoHAsync into
+    // pageable memory) holds a context lock that creating an event (cudarc makes events for
+    // each buffer it allocates) waits for; so one rank's copy, waiting for a collective,
+    // would stall the other rank's issue of it. Ranks in separate processes (the real case)
+    // share no such lock, and the library itself makes no event or allocation while a call
+    // runs (what this test checks: its progress thread made events and stalled so).
+    let issued_all = (std::sync::Mutex::new(0usize), std::sync::Condvar::new());
     let results = two_ranks_on_one_gpu(&ctx, std::time::Duration::from_secs(60), |comm, ctx| {
         let rank = comm.rank();
         let e = |w: &'static str| move |x: Error| format!("rank {rank}: {w}: {x}");
         let d = |w: &'static str| {
             move |x: cudarc::driver::DriverError| format!("rank {rank}: {w}: {x:?}")
+        };
+        let meet = || -> Result<(), String> {
+            let (count, cv) = &issued_all;
+            let mut n = count.lock().unwrap();
+            *n += 1;
+            cv.notify_all();
+            let (n, t) = cv
+                .wait_timeout_while(n, std::time::Duration::from_secs(60), |n| *n < 2)
+                .unwrap();
+            drop(n);
+            if t.timed_out() {
+                return Err(format!(
+                    "rank {rank}: the other rank never issued its calls"
+                ));
+            }
+            Ok(())
         };
         let stream = ctx.new_stream().map_err(d("stream"))?;
         // Large enough that the collective is still in flight when the copies are queued.
@@ -919,6 +944,9 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         let mut bc = stream
             .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
             .map_err(d("htod"))?;
+        // Uploaded before the first call: a copy from pageable host memory into a stream
+        // that waits for a collective blocks until the stream gets there (see `meet`).
+        let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
         let t0 = Instant::now();
         let w1 = comm
             .enqueue()
@@ -934,12 +962,12 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
             .map_err(e("enqueue broadcast"))?;
         // A buffer dropped at once and a leaked Work: the free waits for the collective.
         {
-            let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
             let w = comm
                 .enqueue()
                 .all_reduce(&mut tmp, ReduceOp::Max, &stream)
                 .map_err(e("enqueue"))?;
             std::mem::forget(w);
+            drop(tmp);
         }
         let issued = t0.elapsed();
         if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
@@ -947,6 +975,7 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
                 "rank {rank}: non-blocking device calls block here: {why}"
             ));
         }
+        meet()?;
         // Queued on the stream after the collectives, before any wait.
         let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
         let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;

@@ -129,7 +129,9 @@ class _Collectives:
                     f"{t.dtype} elements each"
                 )
             inp = _input(t, "all_gather input")
-            flat = torch.empty(t.numel() * self._n, dtype=t.dtype)
+            # On the input's device: a CUDA all_gather (DDP's parameter-shape check at
+            # construction) must not get a CPU output.
+            flat = torch.empty(t.numel() * self._n, dtype=t.dtype, device=inp.device)
             calls.append(("all_gather", inp, flat, self._elems(inp), None, 0))
             keep += [inp, flat]
 

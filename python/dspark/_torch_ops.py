@@ -177,8 +177,16 @@ class _Ops(_Collectives):
             )
         (dev,) = devices
         stream = torch.cuda.current_stream(dev).cuda_stream
+        # Point-to-point calls leave the stream free (torch's semantics: their Work is waited
+        # for before the tensors are used): an isend and an irecv issued back to back run on
+        # communicators of their own, and with the stream made to wait for the isend the
+        # irecv's start (after the stream's earlier work) would wait for it, while the peer's
+        # isend waits for this irecv: more than the transport buffers would never move.
+        # Not with copies back into a non-contiguous output, which must follow the call.
+        p2p = finish is None and all(p[1] in ("send", "recv") for p in prepared)
         raws = [
-            c._start_device(coll, dt, sp, rp, count, keep, dev.index, stream, op, peer, timeout)
+            c._start_device(coll, dt, sp, rp, count, keep, dev.index, stream, op, peer, timeout,
+                            ordered=not p2p)
             for c, coll, dt, sp, rp, count, op, peer in prepared
         ]
         # Copies back into non-contiguous outputs: queued now on the same stream, after the

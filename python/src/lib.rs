@@ -656,8 +656,10 @@ impl PyComm {
     /// Starts one collective on raw CUDA buffers of GPU `device`, ordered on the CUDA
     /// stream whose handle is `stream` (torch's current stream), and returns its `Work`
     /// (host-side completion). Work queued on that stream afterwards sees the result.
-    /// `keepalive` is held until the operation completes, as for `_start`.
-    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, device, stream, op=None, peer=0, timeout=None))]
+    /// `keepalive` is held until the operation completes, as for `_start`. With
+    /// `ordered=False` the stream is not made to wait: the caller waits for the `Work` before
+    /// the buffers are used again (torch's asynchronous point-to-point operations).
+    #[pyo3(signature = (coll, dtype, send, recv, count, keepalive, device, stream, op=None, peer=0, timeout=None, ordered=true))]
     #[allow(clippy::too_many_arguments)]
     fn _start_device(
         &self,
@@ -672,15 +674,23 @@ impl PyComm {
         op: Option<&str>,
         peer: usize,
         timeout: Option<f64>,
+        ordered: bool,
     ) -> PyResult<PyWork> {
         let call = raw_call(coll, dtype, send, recv, count, op, (peer, 0, 0), timeout)?;
         self.pend(coll, keepalive, |c| {
-            // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
-            // tensors of `device`, held in `keepalive` until the operation completes (as in
-            // `_start`), and the handle of torch's current stream of that device, which
-            // torch never destroys; later work on the tensors is queued on that stream
-            // (torch's stream semantics), after the call.
-            unsafe { c.start_raw_device_on(&call, device, stream) }
+            if ordered {
+                // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
+                // tensors of `device`, held in `keepalive` until the operation completes (as
+                // in `_start`), and the handle of torch's current stream of that device,
+                // which torch never destroys; later work on the tensors is queued on that
+                // stream (torch's stream semantics), after the call.
+                unsafe { c.start_raw_device_on(&call, device, stream) }
+            } else {
+                // SAFETY: as above; unordered only for point-to-point calls whose `Work`
+                // torch's contract has the user wait for (on the host) before touching the
+                // tensors again, and the tensors are held until completion.
+                unsafe { c.start_raw_device_unordered_on(&call, device, stream) }
+            }
         })
     }
 

@@ -95,7 +95,7 @@ enum Via {
 /// then is the temporary copy dropped, whose free is ordered on that stream (or, without
 /// stream-ordered allocation, synchronises it — which before the ring would never return).
 struct Hold {
-    _ticket: crate::gpu::order::Ticket,
+    _ticket: Option<crate::gpu::order::Ticket>,
     _keep: Option<CudaSlice<u8>>,
 }
 
@@ -365,6 +365,10 @@ impl Communicator {
     /// see the module docs. `guards` are cudarc's records of the buffers' use on `stream`,
     /// dropped once `stream` waits for the call.
     /// `keep` (a temporary copy the call runs on) is dropped once the call ran.
+    /// `ordered`: `stream` is made to wait (on the GPU) for the call; where not, the call
+    /// still starts after the work queued on `stream` before it, but `stream` goes on at once
+    /// and the caller uses the buffers only after the `Work` completed (torch's asynchronous
+    /// point-to-point operations).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn device_start(
         &self,
@@ -375,13 +379,14 @@ impl Communicator {
         guards: Vec<SyncOnDrop<'_>>,
         keep: Option<CudaSlice<u8>>,
         timeout: Option<std::time::Duration>,
+        ordered: bool,
     ) -> Result<Work> {
         let what = call.coll.name();
         if let Some(w) = self.empty_work(&call, timeout) {
             return Ok(w);
         }
         let ordinal = stream.context().ordinal();
-        let blocked = self.gpu_state().blocking.contains_key(&ordinal);
+        let blocked = ordered && self.gpu_state().blocking.contains_key(&ordinal);
         let fail = |e: Error| Ok(self.fail_queued(call, e, timeout));
         if blocked {
             drop(guards);
@@ -396,14 +401,16 @@ impl Communicator {
         };
         let ((reducer, via), (own, bell)) = (prepared, queue);
         // What the caller queued on `stream` before this call.
-        let start = match stream.record_event(None) {
+        let start = match bell.recorded(stream) {
             Ok(e) => e,
-            Err(e) => return fail(driver_err("cuEventRecord")(e)),
+            Err(e) => return fail(e),
         };
+        let events = Arc::clone(&bell);
         let mut issue = bell.issue();
-        let ticket = match issue.ticket(stream) {
-            Ok(t) => t,
-            Err(e) => {
+        let ticket = match ordered.then(|| issue.ticket(stream)) {
+            None => None,
+            Some(Ok(t)) => Some(t),
+            Some(Err(e)) => {
                 drop(issue);
                 let why = format!(
                     "GPU {ordinal} cannot make a stream wait for the collective ({e}): \
@@ -424,8 +431,10 @@ impl Communicator {
             // queued (or with the task, when it is dropped without running): rings the
             // doorbell, then frees the temporary copy.
             let _hold = hold;
-            let r = own
-                .wait(&start)
+            let waited = own.wait(&start);
+            // The wait is queued (or failed): the event may be recorded again.
+            events.give_back(start);
+            let r = waited
                 .map_err(driver_err("cuStreamWaitEvent"))
                 .and_then(|()| {
                     let src = src.map(|(p, n)| Raw::<u8>::new(p, n, &own));
@@ -689,7 +698,7 @@ impl Enqueue<'_> {
             guards.push(g);
             (p, n)
         });
-        c.device_start(call, stream, src, dst, guards, None, None)
+        c.device_start(call, stream, src, dst, guards, None, None, true)
     }
 
     /// A collective on one buffer: in place, or received into (`Target::RecvFrom`).

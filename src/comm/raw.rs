@@ -484,6 +484,23 @@ impl Communicator {
     /// # Errors
     /// Argument errors at once; the operation's errors from the [`Work`].
     pub unsafe fn start_raw_device(&self, c: &RawCall, stream: &Arc<CudaStream>) -> Result<Work> {
+        // SAFETY: the caller's contract.
+        unsafe { self.start_raw_device_with(c, stream, true) }
+    }
+
+    /// [`Communicator::start_raw_device`], with `stream` made to wait for the call
+    /// (`ordered`) or not.
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw_device`]; unordered, until the returned [`Work`]
+    /// completed: no work on any stream may write `c.send` or access `c.recv`, and the
+    /// memory may not be freed.
+    unsafe fn start_raw_device_with(
+        &self,
+        c: &RawCall,
+        stream: &Arc<CudaStream>,
+        ordered: bool,
+    ) -> Result<Work> {
         let bufs = self.raw_buffers(c, Api::Device)?;
         let overlap = bufs.overlapping();
         let (call, src, dst, prepare) = bufs.parts();
@@ -524,7 +541,9 @@ impl Communicator {
             Prepare::AsGiven => Ok((some(src), some(dst), None)),
         };
         match prepared {
-            Ok((s, d, keep)) => self.device_start(call, stream, s, d, Vec::new(), keep, c.timeout),
+            Ok((s, d, keep)) => {
+                self.device_start(call, stream, s, d, Vec::new(), keep, c.timeout, ordered)
+            }
             Err(e) => Ok(self.fail_queued(call, e, c.timeout)),
         }
     }
@@ -547,6 +566,41 @@ impl Communicator {
         device: usize,
         stream: usize,
     ) -> Result<Work> {
+        // SAFETY: the caller's contract.
+        unsafe { self.start_raw_device_on_with(c, device, stream, true) }
+    }
+
+    /// [`Communicator::start_raw_device_on`] without making `stream` wait for the call: it
+    /// starts after the work queued on `stream` before it, and `stream` goes on at once.
+    /// torch's asynchronous point-to-point semantics (NCCL's stream waits only in
+    /// `Work.wait()`): an `isend` and an `irecv` issued back to back on one stream, on
+    /// communicators of their own, must not wait for each other, or two ranks exchanging
+    /// more than the transport buffers each wait for the other's send to finish first.
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw_device_on`], and until the returned [`Work`]
+    /// completed (the caller waits for it on the host before using the buffers): no work on
+    /// any stream may write `c.send` or access `c.recv`, and the memory may not be freed.
+    ///
+    /// # Errors
+    /// As [`Communicator::start_raw_device_on`].
+    pub unsafe fn start_raw_device_unordered_on(
+        &self,
+        c: &RawCall,
+        device: usize,
+        stream: usize,
+    ) -> Result<Work> {
+        // SAFETY: the caller's contract.
+        unsafe { self.start_raw_device_on_with(c, device, stream, false) }
+    }
+
+    unsafe fn start_raw_device_on_with(
+        &self,
+        c: &RawCall,
+        device: usize,
+        stream: usize,
+        ordered: bool,
+    ) -> Result<Work> {
         let ctx = {
             let mut st = self.gpu_state();
             match st.contexts.get(&device) {
@@ -562,6 +616,6 @@ impl Communicator {
         // alive until the call completed; the wrapper does not destroy it.
         let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
         // SAFETY: the caller's contract.
-        unsafe { self.start_raw_device(c, &s) }
+        unsafe { self.start_raw_device_with(c, &s, ordered) }
     }
 }

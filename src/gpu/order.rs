@@ -69,7 +69,16 @@ pub(crate) struct Doorbell {
     passed: Mutex<Vec<CudaEvent>>,
     /// An event could not be recorded after a wait: the word is never freed.
     leak: std::sync::atomic::AtomicBool,
+    /// Events for the issue side (the caller's stream's position at issue, the end of its
+    /// wait), made with the doorbell and reused, so that issuing creates none in the usual
+    /// case: creating one takes a CUDA context lock that another thread of the process,
+    /// blocked in a copy from a stream waiting on this doorbell, may hold (see
+    /// `staged::Marks`).
+    spare: Mutex<Vec<CudaEvent>>,
 }
+
+/// Events a doorbell starts with.
+const SPARE_EVENTS: usize = 16;
 
 // SAFETY: the word is ordinary pinned process memory, written only under the `rung` lock
 // and read by the GPU; the context handle is thread-safe (cudarc's `CudaContext` is
@@ -109,6 +118,14 @@ impl Doorbell {
                 return Err(e);
             }
         };
+        let spare = match super::staged::new_events(ctx, SPARE_EVENTS) {
+            Ok(v) => v,
+            Err(e) => {
+                // SAFETY: `p` came from cuMemHostAlloc and is freed once, here.
+                unsafe { driver::mem_free_host(p) };
+                return Err(e);
+            }
+        };
         Ok(Doorbell {
             ctx: ctx.clone(),
             host,
@@ -117,7 +134,37 @@ impl Doorbell {
             rung: Mutex::new(0),
             passed: Mutex::new(Vec::new()),
             leak: std::sync::atomic::AtomicBool::new(false),
+            spare: Mutex::new(spare),
         })
+    }
+
+    /// An event recorded at the current end of `stream`: a spare one, or a new one when
+    /// every spare is in use. Give it back with [`Doorbell::give_back`].
+    pub(crate) fn recorded(&self, stream: &CudaStream) -> Result<CudaEvent> {
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let ev = match spare {
+            Some(ev) => ev,
+            None => self
+                .ctx
+                .new_event(None)
+                .map_err(driver_err("cuEventCreate"))?,
+        };
+        match ev.record(stream) {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                self.give_back(ev);
+                Err(driver_err("cuEventRecord")(e))
+            }
+        }
+    }
+
+    /// Returns an event of [`Doorbell::recorded`] once nothing waits on it any more (a
+    /// stream that was made to wait for it keeps waiting for that record).
+    pub(crate) fn give_back(&self, ev: CudaEvent) {
+        self.spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ev);
     }
 
     /// Takes the issue lock: hold it from [`Issue::ticket`] until the operation is queued.
@@ -212,8 +259,14 @@ impl Issue<'_> {
             .inspect_err(|_| self.bell.ring(seq))?;
         // Remembered until the word is freed; events of waits already passed are dropped.
         let mut passed = self.bell.passed.lock().unwrap_or_else(|e| e.into_inner());
-        passed.retain(|e| !e.try_is_complete().unwrap_or(true));
-        match stream.record_event(None) {
+        let (done, running): (Vec<CudaEvent>, Vec<CudaEvent>) = std::mem::take(&mut *passed)
+            .into_iter()
+            .partition(|e| e.try_is_complete().unwrap_or(true));
+        *passed = running;
+        for e in done {
+            self.bell.give_back(e);
+        }
+        match self.bell.recorded(stream) {
             Ok(e) => passed.push(e),
             // Without the event the word can never be known unread: never free it.
             Err(_) => self

@@ -585,12 +585,38 @@ impl Marks {
     ) -> Result<u64> {
         let ev = match spare.pop() {
             Some(ev) => ev,
-            None => ctx.new_event(None).map_err(driver_err("cuEventCreate"))?,
+            None => self.reuse_oldest(spare).map_or_else(
+                || ctx.new_event(None).map_err(driver_err("cuEventCreate")),
+                Ok,
+            )?,
         };
         ev.record(stream).map_err(driver_err("cuEventRecord"))?;
         self.next += 1;
         self.pending.push_back((self.next, ev));
         Ok(self.next)
+    }
+
+    /// With no spare event, the oldest pending one once it completed (waiting for it for at
+    /// most [`DROP_WAIT`]), rather than a new one: creating an event takes a lock of the CUDA
+    /// context that a thread blocked in a copy from a stream (a caller's `tensor.cpu()`
+    /// behind a queued collective, `gpu::order`) holds until that stream moves, and it moves
+    /// only once this collective is done. Events complete in stream order, and this stream
+    /// waits for nothing on the host, so the oldest completes. `None` when nothing is pending
+    /// or it did not complete in time (the caller creates one).
+    fn reuse_oldest(&mut self, spare: &mut Vec<CudaEvent>) -> Option<CudaEvent> {
+        let (_, front) = self.pending.front()?;
+        let until = Instant::now() + DROP_WAIT;
+        let mut pause = Duration::from_micros(5);
+        while !front.try_is_complete().ok()? {
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        // Completed: every mark up to it is reached.
+        let _ = self.reached(self.pending.front()?.0, spare);
+        spare.pop()
     }
 
     /// Whether `mark` has been reached (polls; never blocks).
@@ -674,6 +700,17 @@ impl Marks {
     }
 }
 
+/// CUDA events made with a pool (staged or direct), enough for the marks one collective has
+/// pending at a time, so that none is created while it runs (see `Marks::reuse_oldest`).
+pub(crate) const MARK_EVENTS: usize = 32;
+
+/// `n` new events of `ctx`.
+pub(crate) fn new_events(ctx: &Arc<CudaContext>, n: usize) -> Result<Vec<CudaEvent>> {
+    (0..n)
+        .map(|_| ctx.new_event(None).map_err(driver_err("cuEventCreate")))
+        .collect()
+}
+
 /// Pinned host slots, a device scratch buffer and CUDA events for the staged path on one GPU,
 /// allocated once and reused by every collective: allocating and freeing pinned memory
 /// synchronises the whole device, which would dominate gradient-bucket-sized calls.
@@ -728,7 +765,7 @@ impl StagingPool {
             send_slots,
             recv_slots,
             slot_bytes,
-            events: Vec::new(),
+            events: new_events(ctx, MARK_EVENTS)?,
             stuck: None,
         })
     }
