@@ -250,10 +250,14 @@ pub(super) fn probe_cpus() -> CpuSection {
 
 /// The human report's "CPU steadiness" section.
 pub(super) fn render_cpus(o: &mut String, c: &CpuSection) {
-    o.push_str(&format!(
-        "\nCPU steadiness (a thread spinning on each CPU for {} ms)\n",
-        c.probe_ms
-    ));
+    if c.probe_ms == 0 {
+        o.push_str("\nCPU steadiness\n");
+    } else {
+        o.push_str(&format!(
+            "\nCPU steadiness (a thread spinning on each CPU for {} ms)\n",
+            c.probe_ms
+        ));
+    }
     for g in &c.cpus {
         let v = match &g.error {
             Some(e) => format!("not watched: {e}"),
