@@ -42,7 +42,8 @@
 #
 # libnvrtc is looked for in the usual places (CUDA toolkit, pip wheels, LD_LIBRARY_PATH); a
 # libnvrtc.so.13 alone is exposed to cudarc through a symlink named libnvrtc.so. Logs go to
-# $OUT (if set) or target/gpu-check/logs.
+# target/gpu-check/logs (packed into $OUT/gpu-check-logs.tgz where $OUT is set); a step still
+# running near its limit gets its processes' stacks (cuda-gdb or gdb) appended to its log.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -166,7 +167,29 @@ torch_cuda_check() {
 }
 
 declare -a NAMES RESULTS TIMES
-LOGDIR="${OUT:-$CHECK_DIR/logs}"
+# Per-step logs; with $OUT set (the device machines of this workplace, which return at most 8
+# files) they are also packed into $OUT/gpu-check-logs.tgz at the end.
+LOGDIR="$CHECK_DIR/logs"
+
+# Stacks of every process under `pid` but the wrappers (timeout, bash, tee), through cuda-gdb
+# or gdb where one is installed: what a step was doing when it ran out of time.
+dump_stacks() {
+    local pid="$1" dbg p n=0
+    dbg="$(command -v cuda-gdb || command -v gdb)" || { echo "(no cuda-gdb or gdb for stacks)"; return; }
+    local todo=("$pid") all=()
+    while [ "${#todo[@]}" -gt 0 ]; do
+        p="${todo[0]}"; todo=("${todo[@]:1}")
+        all+=("$p")
+        while read -r c; do [ -n "$c" ] && todo+=("$c"); done < <(pgrep -P "$p")
+    done
+    for p in "${all[@]}"; do
+        case "$(cat "/proc/$p/comm" 2>/dev/null)" in timeout | bash | tee | "") continue ;; esac
+        n=$((n + 1))
+        [ "$n" -le 3 ] || break
+        echo "=== stacks of $p ($(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-200))"
+        timeout 40 "$dbg" -p "$p" -batch -ex "thread apply all bt 30" 2>&1 | grep -v '^\[New Thread\|^$'
+    done
+}
 
 step() {
     local name="$1" limit="$2"
@@ -176,8 +199,23 @@ step() {
     echo
     echo "=================== $name"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee "$log"
-    local rc=${PIPESTATUS[0]}
+    # A step still running 20 s before its limit (half of it for short ones) has its stacks
+    # taken into its log first.
+    timeout "$limit" "$@" > >(tee "$log") 2>&1 &
+    local pid=$!
+    (
+        sleep $((limit > 40 ? limit - 20 : limit / 2))
+        kill -0 "$pid" 2>/dev/null && dump_stacks "$pid" >"$log.stacks" 2>&1
+    ) &
+    local watcher=$!
+    wait "$pid"
+    local rc=$?
+    kill "$watcher" 2>/dev/null
+    wait "$watcher" 2>/dev/null
+    if [ -s "$log.stacks" ]; then
+        echo "(stacks taken before the limit: $log.stacks)"
+        cat "$log.stacks" >>"$log"
+    fi
     local dt=$((SECONDS - t0))
     NAMES+=("$name")
     TIMES+=("$dt")
@@ -235,6 +273,9 @@ run() {
     echo
     sed 's/^SUMMARY: /  /' "$LOGDIR/summary.txt"
     echo "logs: $LOGDIR"
+    if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+        tar czf "$OUT/gpu-check-logs.tgz" -C "$LOGDIR" . && echo "packed: $OUT/gpu-check-logs.tgz"
+    fi
     rm -rf "$DSPARK_CACHE_DIR"
     return $fail
 }
