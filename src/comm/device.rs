@@ -249,7 +249,7 @@ impl Communicator {
             Some(d) => DiskCache::Dir(d.clone()),
             None => DiskCache::Off,
         };
-        let r = Arc::new(GpuReducer::with_cache(stream.context(), &disk)?);
+        let r = GpuReducer::shared(stream.context(), &disk)?;
         st.reducers.insert(ordinal, Arc::clone(&r));
         Ok(r)
     }

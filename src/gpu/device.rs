@@ -89,6 +89,24 @@ impl GpuReducer {
         Self::with_cache(ctx, &DiskCache::FromEnv)
     }
 
+    /// The reducer of `ctx` loaded once per process and shared by every communicator
+    /// (made with [`GpuReducer::with_cache`] by the first to ask): a sub-communicator's first
+    /// device call (torch's point-to-point groups, `new_group`) loads no module while calls
+    /// of others may keep a stream waiting, and the kernels are compiled and loaded once.
+    pub fn shared(ctx: &Arc<CudaContext>, disk: &DiskCache) -> Result<Arc<GpuReducer>> {
+        static LOADED: std::sync::Mutex<Vec<(usize, Arc<GpuReducer>)>> =
+            std::sync::Mutex::new(Vec::new());
+        // The context's handle names it (two wrappers of one primary context share it).
+        let key = ctx.cu_ctx() as usize;
+        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, r)) = loaded.iter().find(|(k, _)| *k == key) {
+            return Ok(Arc::clone(r));
+        }
+        let r = Arc::new(GpuReducer::with_cache(ctx, disk)?);
+        loaded.push((key, Arc::clone(&r)));
+        Ok(r)
+    }
+
     /// [`GpuReducer::new`] with an explicit disk cache choice.
     pub fn with_cache(ctx: &Arc<CudaContext>, disk: &DiskCache) -> Result<Self> {
         let (major, minor) = ctx
