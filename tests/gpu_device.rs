@@ -907,8 +907,8 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
     // pageable memory) holds a context lock that creating an event (cudarc makes events for
     // each buffer it allocates) waits for; so one rank's copy, waiting for a collective,
     // would stall the other rank's issue of it. Ranks in separate processes (the real case)
-    // share no such lock, and the library itself makes no event or allocation while a call
-    // runs (what this test checks: its progress thread made events and stalled so).
+    // share no such lock, and the library's progress thread makes no event or allocation
+    // while a call runs (what this test checks: it used to make events, and stalled so).
     let issued_all = (std::sync::Mutex::new(0usize), std::sync::Condvar::new());
     let results = two_ranks_on_one_gpu(&ctx, std::time::Duration::from_secs(60), |comm, ctx| {
         let rank = comm.rank();

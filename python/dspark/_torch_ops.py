@@ -176,24 +176,35 @@ class _Ops(_Collectives):
                 + ", ".join(sorted(str(d) for d in devices))
             )
         (dev,) = devices
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        current = torch.cuda.current_stream(dev)
+        stream = current.cuda_stream
         # Point-to-point calls leave the stream free (torch's semantics: their Work is waited
         # for before the tensors are used): an isend and an irecv issued back to back run on
         # communicators of their own, and with the stream made to wait for the isend the
         # irecv's start (after the stream's earlier work) would wait for it, while the peer's
         # isend waits for this irecv: more than the transport buffers would never move.
-        # Not with copies back into a non-contiguous output, which must follow the call.
-        p2p = finish is None and all(p[1] in ("send", "recv") for p in prepared)
+        p2p = all(p[1] in ("send", "recv") for p in prepared)
         raws = [
             c._start_device(coll, dt, sp, rp, count, keep, dev.index, stream, op, peer, timeout,
                             ordered=not p2p)
             for c, coll, dt, sp, rp, count, op, peer in prepared
         ]
+        deadline = timeout or self._deadline
+        if p2p:
+            # Copies back into non-contiguous outputs once the calls completed (the Work
+            # completes after they are queued), on the caller's stream, not the completer
+            # thread's.
+            def done(finish=finish, current=current):
+                with torch.cuda.stream(current):
+                    finish()
+
+            return _async_work(self._completer, raws, result,
+                               None if finish is None else done, deadline)
         # Copies back into non-contiguous outputs: queued now on the same stream, after the
         # collectives (a completer thread would queue them on its own default stream).
         if finish is not None:
             finish()
-        return _async_work(self._completer, raws, result, None, timeout or self._deadline)
+        return _async_work(self._completer, raws, result, None, deadline)
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are

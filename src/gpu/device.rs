@@ -71,7 +71,18 @@ pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
             format!("the driver reports {count} device(s) (check CUDA_VISIBLE_DEVICES)"),
         ));
     }
-    CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))
+    // One wrapper per GPU for the process: cudarc synchronizes a context when the first
+    // stream of a wrapper is made, which would wait (without a deadline) for a stream parked
+    // on another communicator's queued call if every communicator opened its own.
+    static OPEN: std::sync::Mutex<Vec<(usize, Arc<CudaContext>)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, c)) = open.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(Arc::clone(c));
+    }
+    let c = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+    open.push((ordinal, Arc::clone(&c)));
+    Ok(c)
 }
 
 /// The reduction kernels loaded on one GPU, ready to launch on any stream of its context.

@@ -161,7 +161,10 @@ impl DirectRegion {
         ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
         Ok(DirectRegion {
             dmabuf: OnceLock::new(),
-            events: Mutex::new(super::staged::new_events(ctx, super::staged::MARK_EVENTS)?),
+            events: Mutex::new(super::staged::new_events(
+                ctx,
+                super::staged::DIRECT_MARK_EVENTS,
+            )?),
             layout,
             ctx: ctx.clone(),
             mem,

@@ -284,8 +284,9 @@ pub fn cubin_entries(elf: &[u8]) -> Vec<String> {
             for k in 0..size / entsize {
                 let sym = off.checked_add(k.checked_mul(entsize)?)?;
                 let [info] = bytes::<1>(b, sym, 4)?;
-                // STB_GLOBAL (1) binding, STT_FUNC (2) type.
-                if info >> 4 != 1 || info & 0xf != 2 {
+                // STB_GLOBAL (1) binding, STT_FUNC (2) type, defined here (section index not
+                // SHN_UNDEF: imports such as `vprintf` are not kernels of this image).
+                if info >> 4 != 1 || info & 0xf != 2 || u16_at(b, sym, 6)? == 0 {
                     continue;
                 }
                 let name = strtab.get(u32_at(b, sym, 0)?..)?;
@@ -393,17 +394,7 @@ pub fn compile_uncached(
     })?;
     let cname = CString::new(name).unwrap_or_default();
     let mut all_options = vec![arch.option()];
-    all_options.extend(options.iter().cloned());
-    // NVRTC 12.9 and later keep their own cache of compiled programs, and a program served
-    // from it comes without ptxas's report: no register or spill figures, and no entry list.
-    // Ours (process and disk) stands in front anyway, so theirs is turned off where the
-    // report is asked for.
-    let verbose = options
-        .iter()
-        .any(|o| o.starts_with("--ptxas-options") && o.contains("-v"));
-    if verbose && nvrtc_version >= (12, 9) {
-        all_options.push("--no-cache".to_string());
-    }
+    all_options.extend(with_no_cache(options, nvrtc_version));
     let coptions: Vec<CString> = all_options
         .iter()
         .map(|o| CString::new(o.as_str()))
@@ -654,6 +645,21 @@ impl DiskCache {
 
 /// Compiles `source` for `arch`, using the process cache, then the disk cache, then NVRTC.
 /// See [`compile_uncached`] for the arguments.
+/// `options`, plus `--no-cache` where ptxas's report is asked for of NVRTC 12.9 or later:
+/// those keep their own cache of compiled programs, and a program served from it comes
+/// without the report (no register or spill figures). Ours (process and disk) stands in
+/// front anyway. Accepted by 12.9 and 13.0 (both tried).
+fn with_no_cache(options: &[String], nvrtc_version: (i32, i32)) -> Vec<String> {
+    let mut o = options.to_vec();
+    let verbose = options
+        .iter()
+        .any(|o| o.starts_with("--ptxas-options") && o.contains("-v"));
+    if verbose && nvrtc_version >= (12, 9) {
+        o.push("--no-cache".to_string());
+    }
+    o
+}
+
 pub fn compile(
     source: &str,
     name: &str,
@@ -663,7 +669,14 @@ pub fn compile(
 ) -> Result<Arc<Compiled>> {
     require_nvrtc()?;
     let nvrtc_version = version()?;
-    let key = CacheKey::new(source, nvrtc_version, arch, options);
+    // Keyed by the options NVRTC gets: an image cached without `--no-cache` (and maybe
+    // without ptxas's report) is not taken for one made with it.
+    let key = CacheKey::new(
+        source,
+        nvrtc_version,
+        arch,
+        &with_no_cache(options, nvrtc_version),
+    );
     let cache = process_cache();
     if let Some(hit) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
         let mut c = (*hit).clone();
@@ -674,7 +687,7 @@ pub fn compile(
     let dir = disk.dir();
     let path = dir.as_ref().map(|d| d.join(key.file_name(name)));
     let mut all_options = vec![arch.option()];
-    all_options.extend(options.iter().cloned());
+    all_options.extend(with_no_cache(options, nvrtc_version));
     let compiled = match path
         .as_ref()
         .and_then(|p| read_disk(p, &key).map(|e| (p, e)))
@@ -780,9 +793,10 @@ ptxas info    : Used 255 registers, 384 bytes cmem[0]
     }
 
     /// A little-endian ELF64 object with a symbol table: the null symbol, a global function
-    /// `k1`, a local function `helper`, a global object `data`, a global function `k2`.
+    /// `k1`, a local function `helper`, a global object `data`, a global function `k2`, an
+    /// undefined global function `vprintf`.
     fn tiny_elf() -> Vec<u8> {
-        let strtab = b"\0k1\0helper\0data\0k2\0".to_vec();
+        let strtab = b"\0k1\0helper\0data\0k2\0vprintf\0".to_vec();
         let sym = |name: u32, info: u8| {
             let mut v = name.to_le_bytes().to_vec();
             v.extend([info, 0, 1, 0]);
@@ -794,6 +808,9 @@ ptxas info    : Used 255 registers, 384 bytes cmem[0]
         symtab.extend(sym(4, 0x02)); // helper: local function
         symtab.extend(sym(11, 0x11)); // data: global object
         symtab.extend(sym(16, 0x12)); // k2: global function
+        let mut import = sym(19, 0x12); // vprintf: global function, undefined
+        import[6] = 0;
+        symtab.extend(import);
         let mut elf = vec![0u8; 0x40];
         elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
         let sym_off = elf.len();

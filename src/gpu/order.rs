@@ -77,8 +77,9 @@ pub(crate) struct Doorbell {
     spare: Mutex<Vec<CudaEvent>>,
 }
 
-/// Events a doorbell starts with.
-const SPARE_EVENTS: usize = 16;
+/// Events a doorbell starts with: two per queued call (its start and the end of the stream's
+/// wait) until it ran, for DDP's dozens of buckets queued in one backward pass.
+const SPARE_EVENTS: usize = 64;
 
 // SAFETY: the word is ordinary pinned process memory, written only under the `rung` lock
 // and read by the GPU; the context handle is thread-safe (cudarc's `CudaContext` is

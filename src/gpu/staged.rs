@@ -585,10 +585,10 @@ impl Marks {
     ) -> Result<u64> {
         let ev = match spare.pop() {
             Some(ev) => ev,
-            None => self.reuse_oldest(spare).map_or_else(
-                || ctx.new_event(None).map_err(driver_err("cuEventCreate")),
-                Ok,
-            )?,
+            None if self.pending.is_empty() => {
+                ctx.new_event(None).map_err(driver_err("cuEventCreate"))?
+            }
+            None => self.reuse_oldest(spare)?,
         };
         ev.record(stream).map_err(driver_err("cuEventRecord"))?;
         self.next += 1;
@@ -596,27 +596,40 @@ impl Marks {
         Ok(self.next)
     }
 
-    /// With no spare event, the oldest pending one once it completed (waiting for it for at
-    /// most [`DROP_WAIT`]), rather than a new one: creating an event takes a lock of the CUDA
-    /// context that a thread blocked in a copy from a stream (a caller's `tensor.cpu()`
-    /// behind a queued collective, `gpu::order`) holds until that stream moves, and it moves
-    /// only once this collective is done. Events complete in stream order, and this stream
-    /// waits for nothing on the host, so the oldest completes. `None` when nothing is pending
-    /// or it did not complete in time (the caller creates one).
-    fn reuse_oldest(&mut self, spare: &mut Vec<CudaEvent>) -> Option<CudaEvent> {
-        let (_, front) = self.pending.front()?;
-        let until = Instant::now() + DROP_WAIT;
+    /// With no spare event, the oldest pending one once it completed, rather than a new one:
+    /// creating an event takes a lock of the CUDA context that a thread blocked in a copy
+    /// from a stream (a caller's `tensor.cpu()` behind a queued collective, `gpu::order`)
+    /// holds until that stream moves, and it moves only once this collective is done.
+    /// Events complete in stream order and this stream waits for nothing on the host, so the
+    /// oldest completes; [`Error::Timeout`] if it has not within [`DROP_WAIT`] (the device
+    /// work is stuck), never a new event.
+    fn reuse_oldest(&mut self, spare: &mut Vec<CudaEvent>) -> Result<CudaEvent> {
+        let start = Instant::now();
+        let until = crate::time::deadline(start, DROP_WAIT);
         let mut pause = Duration::from_micros(5);
-        while !front.try_is_complete().ok()? {
+        loop {
+            let front = self.pending.front().map(|(m, _)| *m).unwrap_or(0);
+            if self.reached(front, spare)? {
+                if let Some(ev) = spare.pop() {
+                    return Ok(ev);
+                }
+            }
             if Instant::now() >= until {
-                return None;
+                return Err(Error::Timeout {
+                    rank: 0,
+                    peer: None,
+                    op: "device progress mark".into(),
+                    waited: start.elapsed(),
+                    detail: format!(
+                        "all {} CUDA events of this device are pending and the oldest has \
+                         not completed: device work is stuck",
+                        self.pending.len()
+                    ),
+                });
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
         }
-        // Completed: every mark up to it is reached.
-        let _ = self.reached(self.pending.front()?.0, spare);
-        spare.pop()
     }
 
     /// Whether `mark` has been reached (polls; never blocks).
@@ -703,6 +716,9 @@ impl Marks {
 /// CUDA events made with a pool (staged or direct), enough for the marks one collective has
 /// pending at a time, so that none is created while it runs (see `Marks::reuse_oldest`).
 pub(crate) const MARK_EVENTS: usize = 32;
+
+/// The same for a direct region, whose landing slots (one set per peer) each hold a mark.
+pub(crate) const DIRECT_MARK_EVENTS: usize = 128;
 
 /// `n` new events of `ctx`.
 pub(crate) fn new_events(ctx: &Arc<CudaContext>, n: usize) -> Result<Vec<CudaEvent>> {

@@ -183,11 +183,11 @@ dump_stacks() {
         while read -r c; do [ -n "$c" ] && todo+=("$c"); done < <(pgrep -P "$p")
     done
     for p in "${all[@]}"; do
-        case "$(cat "/proc/$p/comm" 2>/dev/null)" in timeout | bash | tee | "") continue ;; esac
+        case "$(cat "/proc/$p/comm" 2>/dev/null)" in timeout | bash | tee | sleep | "") continue ;; esac
         n=$((n + 1))
-        [ "$n" -le 3 ] || break
+        [ "$n" -le 2 ] || break
         echo "=== stacks of $p ($(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-200))"
-        timeout 40 "$dbg" -p "$p" -batch -ex "thread apply all bt 30" 2>&1 | grep -v '^\[New Thread\|^$'
+        timeout 20 "$dbg" -p "$p" -batch -ex "thread apply all bt 30" 2>&1 | grep -v '^\[New Thread\|^$'
     done
 }
 
@@ -199,17 +199,18 @@ step() {
     echo
     echo "=================== $name"
     local t0=$SECONDS
-    # A step still running 20 s before its limit (half of it for short ones) has its stacks
-    # taken into its log first.
-    timeout "$limit" "$@" > >(tee "$log") 2>&1 &
+    # A step still running 45 s before its limit (half of it for short ones) has its stacks
+    # taken into its log first (at most 2 processes, 20 s each).
+    { timeout "$limit" "$@" 2>&1 | tee "$log"; exit "${PIPESTATUS[0]}"; } &
     local pid=$!
     (
-        sleep $((limit > 40 ? limit - 20 : limit / 2))
+        sleep $((limit > 90 ? limit - 45 : limit / 2))
         kill -0 "$pid" 2>/dev/null && dump_stacks "$pid" >"$log.stacks" 2>&1
     ) &
     local watcher=$!
     wait "$pid"
     local rc=$?
+    pkill -P "$watcher" 2>/dev/null
     kill "$watcher" 2>/dev/null
     wait "$watcher" 2>/dev/null
     if [ -s "$log.stacks" ]; then
