@@ -298,7 +298,23 @@ impl PyComm {
             if matches!(w.test(), Ok(false)) {
                 break;
             }
-            pending.pop_front();
+            if let Some((w, keep)) = pending.pop_front() {
+                Self::release(&w, keep);
+            }
+        }
+    }
+
+    /// Drops the keepalive of a completed operation, unless GPU work it queued on those
+    /// buffers never finished (`Work::buffers_may_be_in_use`): then the objects are kept
+    /// for the rest of the process, so that torch's allocator never hands their memory out
+    /// while that work may still write it.
+    fn release(w: &dspark::Work, keep: Py<PyAny>) {
+        if w.buffers_may_be_in_use() {
+            eprintln!(
+                "dspark: a failed GPU operation's device work never finished: its tensors are \
+                 kept alive (never freed) for the rest of the process"
+            );
+            std::mem::forget(keep);
         }
     }
 }
@@ -313,6 +329,14 @@ impl Drop for PyComm {
         // Closing runs what was issued (each by its deadline): without the GIL, so other
         // Python threads go on meanwhile.
         Python::attach(|py| py.detach(move || drop(c)));
+        let pending = std::mem::take(
+            self.pending
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for (w, keep) in pending {
+            Self::release(&w, keep);
+        }
     }
 }
 

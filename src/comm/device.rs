@@ -90,6 +90,20 @@ enum Via {
     Staged(Arc<Mutex<StagingPool>>),
 }
 
+impl Via {
+    /// Whether a device's drop leaked the pool or region (its work never finished).
+    fn stuck(&self) -> bool {
+        match self {
+            Via::Direct(r) => r.stuck().is_some(),
+            Via::Staged(p) => p
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .stuck()
+                .is_some(),
+        }
+    }
+}
+
 /// What a queued non-blocking device call holds until it ends. Fields drop in this order:
 /// the ticket rings the doorbell first, so that the caller's stream can pass its wait; only
 /// then is the temporary copy dropped, whose free is ordered on that stream (or, without
@@ -406,6 +420,8 @@ impl Communicator {
             Err(e) => return fail(e),
         };
         let events = Arc::clone(&bell);
+        let stuck = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stuck_flag = Arc::clone(&stuck);
         let mut issue = bell.issue();
         let ticket = match ordered.then(|| issue.ticket(stream)) {
             None => None,
@@ -431,6 +447,7 @@ impl Communicator {
             // queued (or with the task, when it is dropped without running): rings the
             // doorbell, then frees the temporary copy.
             let _hold = hold;
+            let stuck_before = via.stuck();
             let waited = own.wait(&start);
             // The wait is queued (or failed): the event may be recorded again.
             events.give_back(start);
@@ -449,12 +466,20 @@ impl Communicator {
                         dst.as_mut(),
                     )
                 });
+            // The device was dropped: where its work never finished, the pool or region it
+            // used is leaked now, and the buffers may still be in use.
+            if !stuck_before && via.stuck() {
+                stuck_flag.store(true, std::sync::atomic::Ordering::Release);
+            }
             match r {
                 Ok(r) => r,
                 Err(e) => Err(eng.fail_before_start(&call, e)),
             }
         });
-        let work = self.shared.submit(task, timeout, what);
+        let work = self
+            .shared
+            .submit(task, timeout, what)
+            .with_stuck_flag(stuck);
         drop(issue);
         // The buffers' use is recorded on `stream` after its wait for the collective.
         drop(guards);

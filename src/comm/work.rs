@@ -515,6 +515,9 @@ pub struct Work {
     rank: usize,
     done: Arc<Completion>,
     what: &'static str,
+    /// Set by a device operation whose GPU work never finished (see
+    /// [`Work::buffers_may_be_in_use`]).
+    stuck: Option<Arc<AtomicBool>>,
 }
 
 impl fmt::Debug for Work {
@@ -533,7 +536,26 @@ impl Work {
             rank: shared.rank,
             done,
             what,
+            stuck: None,
         }
+    }
+
+    /// This `Work` reports what `flag` says (set by a device operation's task).
+    pub(crate) fn with_stuck_flag(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.stuck = Some(flag);
+        self
+    }
+
+    /// Whether the operation ended (failed) while GPU work it had queued on its buffers was
+    /// still running and never finished within the device's drop wait (10 s): its staging
+    /// memory was leaked rather than reused, and the caller's buffers may still be written
+    /// by that work. A caller that keeps buffers alive for the operation (the Python
+    /// binding's keepalives) must then never release them. `false` for host operations and
+    /// while the operation runs.
+    pub fn buffers_may_be_in_use(&self) -> bool {
+        self.stuck
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
     }
 
     /// Waits for the operation, driving the queue when nobody does.

@@ -119,6 +119,14 @@ pub struct DirectRegion {
     stuck: OnceLock<String>,
 }
 
+impl DirectRegion {
+    /// Why the region is leaked and refuses every device (work of an earlier call never
+    /// finished), if it is.
+    pub(crate) fn stuck(&self) -> Option<&str> {
+        self.stuck.get().map(String::as_str)
+    }
+}
+
 impl Drop for DirectRegion {
     fn drop(&mut self) {
         if self.stuck.get().is_some() {
