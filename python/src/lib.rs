@@ -701,20 +701,20 @@ impl PyComm {
         ordered: bool,
     ) -> PyResult<PyWork> {
         let call = raw_call(coll, dtype, send, recv, count, op, (peer, 0, 0), timeout)?;
+        let start = if ordered {
+            Communicator::start_raw_device_on
+        } else {
+            Communicator::start_raw_device_unordered_on
+        };
         self.pend(coll, keepalive, |c| {
-            if ordered {
-                // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
-                // tensors of `device`, held in `keepalive` until the operation completes (as
-                // in `_start`), and the handle of torch's current stream of that device,
-                // which torch never destroys; later work on the tensors is queued on that
-                // stream (torch's stream semantics), after the call.
-                unsafe { c.start_raw_device_on(&call, device, stream) }
-            } else {
-                // SAFETY: as above; unordered only for point-to-point calls whose `Work`
-                // torch's contract has the user wait for (on the host) before touching the
-                // tensors again, and the tensors are held until completion.
-                unsafe { c.start_raw_device_unordered_on(&call, device, stream) }
-            }
+            // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
+            // tensors of `device`, held in `keepalive` until the operation completes (as in
+            // `_start`), and the handle of torch's current stream of that device, which
+            // torch never destroys. Ordered, later work on the tensors is queued on that
+            // stream (torch's stream semantics), after the call; unordered only for
+            // point-to-point calls, whose Work torch's contract has the user wait for (on the
+            // host) before touching the tensors again.
+            unsafe { start(c, &call, device, stream) }
         })
     }
 

@@ -66,10 +66,10 @@ const STAGE_SLOTS: usize = 4;
 /// Send slots of the direct region.
 pub(crate) const DIRECT_SEND_SLOTS: usize = 4;
 
-/// Per-communicator CUDA state: the reduction kernels, loaded once per GPU.
+/// Per-communicator CUDA state (the reduction kernels and the contexts are the process's:
+/// `GpuReducer::shared`, `gpu::device::open_context`).
 #[derive(Debug, Default)]
 pub(crate) struct GpuState {
-    reducers: HashMap<usize, Arc<GpuReducer>>,
     /// Pinned staging memory per GPU, reused by every call. Locked only by whoever holds the
     /// driver role (inside the engine's run), so never contended.
     pools: HashMap<usize, Arc<Mutex<StagingPool>>>,
@@ -77,8 +77,6 @@ pub(crate) struct GpuState {
     queues: HashMap<usize, (Arc<CudaStream>, Arc<Doorbell>)>,
     /// Why non-blocking calls block on a GPU (no stream memory operations there).
     blocking: HashMap<usize, String>,
-    /// Primary contexts opened for raw device calls (`start_raw_device_on`), per GPU.
-    pub(super) contexts: HashMap<usize, Arc<cudarc::driver::CudaContext>>,
     warned: bool,
 }
 
@@ -244,7 +242,6 @@ impl Communicator {
     }
 
     fn reducer(&self, stream: &Arc<CudaStream>) -> Result<Arc<GpuReducer>> {
-        let ordinal = stream.context().ordinal();
         let mut st = self.gpu_state();
         if !st.warned {
             st.warned = true;
@@ -256,16 +253,12 @@ impl Communicator {
                 tracing::info!(rank = self.rank(), "device memory path: {:#}", c.send);
             }
         }
-        if let Some(r) = st.reducers.get(&ordinal) {
-            return Ok(Arc::clone(r));
-        }
+        drop(st);
         let disk = match &self.config.cache_dir {
             Some(d) => DiskCache::Dir(d.clone()),
             None => DiskCache::Off,
         };
-        let r = GpuReducer::shared(stream.context(), &disk)?;
-        st.reducers.insert(ordinal, Arc::clone(&r));
-        Ok(r)
+        GpuReducer::shared(stream.context(), &disk)
     }
 
     /// What a device call on `stream`'s GPU needs, prepared on the issuing thread: the

@@ -567,7 +567,7 @@ impl Communicator {
         stream: usize,
     ) -> Result<Work> {
         // SAFETY: the caller's contract.
-        unsafe { self.start_raw_device_on_with(c, device, stream, true) }
+        unsafe { self.start_raw_device_on_stream(c, device, stream, true) }
     }
 
     /// [`Communicator::start_raw_device_on`] without making `stream` wait for the call: it
@@ -591,29 +591,28 @@ impl Communicator {
         stream: usize,
     ) -> Result<Work> {
         // SAFETY: the caller's contract.
-        unsafe { self.start_raw_device_on_with(c, device, stream, false) }
+        unsafe { self.start_raw_device_on_stream(c, device, stream, false) }
     }
+}
 
-    unsafe fn start_raw_device_on_with(
+impl Communicator {
+    /// [`Communicator::start_raw_device_with`] on the CUDA stream whose handle is `stream`,
+    /// of GPU `device`'s primary context (the process's wrapper of it), borrowed: the
+    /// wrapper never destroys it.
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw_device_on`] (ordered) or
+    /// [`Communicator::start_raw_device_unordered_on`].
+    unsafe fn start_raw_device_on_stream(
         &self,
         c: &RawCall,
         device: usize,
         stream: usize,
         ordered: bool,
     ) -> Result<Work> {
-        let ctx = {
-            let mut st = self.gpu_state();
-            match st.contexts.get(&device) {
-                Some(c) => Arc::clone(c),
-                None => {
-                    let c = crate::gpu::device::open_context(device)?;
-                    st.contexts.insert(device, Arc::clone(&c));
-                    c
-                }
-            }
-        };
-        // SAFETY: the caller's contract: a live stream of this primary context (or 0),
-        // alive until the call completed; the wrapper does not destroy it.
+        let ctx = crate::gpu::device::open_context(device)?;
+        // SAFETY: the caller's contract: a live stream of this context (or 0), alive until
+        // the call completed.
         let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
         // SAFETY: the caller's contract.
         unsafe { self.start_raw_device_with(c, &s, ordered) }

@@ -216,8 +216,6 @@ impl Compiled {
         self.functions.iter().filter(|f| f.spills()).collect()
     }
 
-    /// Names of the kernel entry points in the image: from the ptxas report for a CUBIN, from
-    /// the `.entry` directives for PTX.
     /// Names of the kernel entry points in the image: the CUBIN's symbol table (ELF), the
     /// `.entry` directives for PTX.
     pub fn entry_names(&self) -> Vec<String> {
@@ -643,8 +641,6 @@ impl DiskCache {
     }
 }
 
-/// Compiles `source` for `arch`, using the process cache, then the disk cache, then NVRTC.
-/// See [`compile_uncached`] for the arguments.
 /// `options`, plus `--no-cache` where ptxas's report is asked for of NVRTC 12.9 or later:
 /// those keep their own cache of compiled programs, and a program served from it comes
 /// without the report (no register or spill figures). Ours (process and disk) stands in
@@ -660,6 +656,8 @@ fn with_no_cache(options: &[String], nvrtc_version: (i32, i32)) -> Vec<String> {
     o
 }
 
+/// Compiles `source` for `arch`, using the process cache, then the disk cache, then NVRTC.
+/// See [`compile_uncached`] for the arguments.
 pub fn compile(
     source: &str,
     name: &str,

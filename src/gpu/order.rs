@@ -75,6 +75,8 @@ pub(crate) struct Doorbell {
     /// blocked in a copy from a stream waiting on this doorbell, may hold (see
     /// `staged::Marks`).
     spare: Mutex<Vec<CudaEvent>>,
+    /// The spare events ran out once (said once).
+    spare_out: std::sync::atomic::AtomicBool,
 }
 
 /// Events a doorbell starts with: two per queued call (its start and the end of the stream's
@@ -136,6 +138,7 @@ impl Doorbell {
             passed: Mutex::new(Vec::new()),
             leak: std::sync::atomic::AtomicBool::new(false),
             spare: Mutex::new(spare),
+            spare_out: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -145,10 +148,22 @@ impl Doorbell {
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let ev = match spare {
             Some(ev) => ev,
-            None => self
-                .ctx
-                .new_event(None)
-                .map_err(driver_err("cuEventCreate"))?,
+            None => {
+                if !self
+                    .spare_out
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        "more than {SPARE_EVENTS} non-blocking device calls in flight on GPU {}: \
+                         events are now made as calls are issued, which can wait on a CUDA \
+                         lock held by a thread blocked in a copy from a stream",
+                        self.ctx.ordinal()
+                    );
+                }
+                self.ctx
+                    .new_event(None)
+                    .map_err(driver_err("cuEventCreate"))?
+            }
         };
         match ev.record(stream) {
             Ok(()) => Ok(ev),

@@ -604,32 +604,20 @@ impl Marks {
     /// oldest completes; [`Error::Timeout`] if it has not within [`DROP_WAIT`] (the device
     /// work is stuck), never a new event.
     fn reuse_oldest(&mut self, spare: &mut Vec<CudaEvent>) -> Result<CudaEvent> {
-        let start = Instant::now();
-        let until = crate::time::deadline(start, DROP_WAIT);
-        let mut pause = Duration::from_micros(5);
-        loop {
-            let front = self.pending.front().map(|(m, _)| *m).unwrap_or(0);
-            if self.reached(front, spare)? {
-                if let Some(ev) = spare.pop() {
-                    return Ok(ev);
-                }
-            }
-            if Instant::now() >= until {
-                return Err(Error::Timeout {
-                    rank: 0,
-                    peer: None,
-                    op: "device progress mark".into(),
-                    waited: start.elapsed(),
-                    detail: format!(
-                        "all {} CUDA events of this device are pending and the oldest has \
-                         not completed: device work is stuck",
-                        self.pending.len()
-                    ),
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
-        }
+        let oldest = self.pending.front().map_or(self.done, |(m, _)| *m);
+        let deadline = crate::time::deadline(Instant::now(), DROP_WAIT);
+        self.wait_reached(
+            oldest,
+            spare,
+            "device progress mark (every CUDA event of this device pending)",
+            deadline,
+        )?;
+        // Reached: its event (at least) went back to `spare`.
+        spare.pop().ok_or_else(|| Error::Cuda {
+            rank: None,
+            op: "device progress mark".into(),
+            what: "the oldest mark was reached but no CUDA event came back".into(),
+        })
     }
 
     /// Whether `mark` has been reached (polls; never blocks).
@@ -659,9 +647,21 @@ impl Marks {
         deadline: Instant,
     ) -> Result<()> {
         let last = self.mark(ctx, stream, spare)?;
+        self.wait_reached(last, spare, op, deadline)
+    }
+
+    /// Polls (backing off to 1 ms) until `mark` is reached, or `deadline`
+    /// ([`Error::Timeout`] naming `op`; the engine rewrites it to name the call).
+    fn wait_reached(
+        &mut self,
+        mark: u64,
+        spare: &mut Vec<CudaEvent>,
+        op: &str,
+        deadline: Instant,
+    ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
-        while !self.reached(last, spare)? {
+        while !self.reached(mark, spare)? {
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
                     // This layer does not know its rank: the engine names it
@@ -713,8 +713,8 @@ impl Marks {
     }
 }
 
-/// CUDA events made with a pool (staged or direct), enough for the marks one collective has
-/// pending at a time, so that none is created while it runs (see `Marks::reuse_oldest`).
+/// CUDA events made with a staging pool, enough for the marks one collective has pending at
+/// a time, so that none is created while it runs (see `Marks::reuse_oldest`).
 pub(crate) const MARK_EVENTS: usize = 32;
 
 /// The same for a direct region, whose landing slots (one set per peer) each hold a mark.
