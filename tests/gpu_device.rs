@@ -892,9 +892,9 @@ fn two_ranks_on_one_gpu_over(
 
 /// #8: non-blocking device collectives are queued on the caller's stream and return at
 /// once; work queued on that stream afterwards (here: copies back to the host, issued before
-/// anybody waits for a `Work`) sees their results; a buffer dropped right after its call and
-/// a leaked `Work` are harmless; ranks that disagree fail both `Work`s and leave no stream
-/// waiting forever.
+/// anybody waits for a `Work`) sees their results; a leaked `Work` (its buffer forgotten too,
+/// as `enqueue`'s contract asks) is harmless; ranks that disagree fail both `Work`s with a
+/// mismatch and leave no stream waiting forever.
 #[test]
 fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_once() {
     let name = "enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_once";
@@ -948,26 +948,30 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         // that waits for a collective blocks until the stream gets there (see `meet`).
         let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
         let t0 = Instant::now();
-        let w1 = comm
-            .enqueue()
+        let q = || {
+            // SAFETY: every call made through it below keeps its buffers until its Work
+            // completed (`wait`), and `tmp`, whose Work is forgotten, is forgotten too.
+            unsafe { comm.enqueue() }
+        };
+        let w1 = q()
             .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
             .map_err(e("enqueue all_reduce"))?;
-        let w2 = comm
-            .enqueue()
+        let w2 = q()
             .all_gather(&send_g, &mut recv_g, &stream)
             .map_err(e("enqueue all_gather"))?;
-        let w3 = comm
-            .enqueue()
+        let w3 = q()
             .broadcast(&mut bc, 1, &stream)
             .map_err(e("enqueue broadcast"))?;
-        // A buffer dropped at once and a leaked Work: the free waits for the collective.
+        // A leaked Work: the call still runs, and the stream still waits for it. Its buffer
+        // must then never be freed (the contract of `enqueue`): dropping it here made cudarc
+        // free it before the progress thread issued its copies, which an H200 refused
+        // (CUDA_ERROR_INVALID_VALUE), poisoning the communicator.
         {
-            let w = comm
-                .enqueue()
+            let w = q()
                 .all_reduce(&mut tmp, ReduceOp::Max, &stream)
                 .map_err(e("enqueue"))?;
             std::mem::forget(w);
-            drop(tmp);
+            std::mem::forget(tmp);
         }
         let issued = t0.elapsed();
         if let Some(why) = comm.enqueue_blocks(ctx.ordinal()) {
@@ -996,11 +1000,11 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         for w in [w1, w2, w3] {
             w.wait().map_err(e("wait"))?;
         }
-        // Disagreeing calls: both fail, and the stream goes on (the doorbell rang).
+        // Disagreeing calls: both fail with a mismatch, and the stream goes on (the doorbell
+        // rang).
         let n = if rank == 0 { 1000 } else { 999 };
         let mut x = stream.alloc_zeros::<f32>(n).map_err(d("alloc"))?;
-        let w = comm
-            .enqueue()
+        let w = q()
             .all_reduce(&mut x, ReduceOp::Sum, &stream)
             .map_err(e("enqueue"))?;
         let failed = w.wait();
@@ -1008,9 +1012,16 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         stream
             .synchronize()
             .map_err(d("synchronize after a failed call"))?;
-        if failed.is_ok() {
-            return Err(format!("rank {rank}: a mismatched call succeeded"));
+        match &failed {
+            Ok(()) => return Err(format!("rank {rank}: a mismatched call succeeded")),
+            Err(Error::Mismatch { .. }) => {}
+            Err(other) => {
+                return Err(format!(
+                    "rank {rank}: a mismatched call failed, but not with a mismatch: {other}"
+                ))
+            }
         }
+        drop(x);
         Ok(format!(
             "issue of 4 calls {:.3} ms, results on the stream after {:.1} ms; failed call: {}, stream free after {:.1} ms",
             issued.as_secs_f64() * 1e3,

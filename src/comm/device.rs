@@ -14,13 +14,18 @@
 //!   operations), they run as the blocking forms do and return a completed [`Work`]; that is
 //!   logged once per GPU and shown by [`Communicator::enqueue_blocks`].
 //!
-//! **Soundness of the non-blocking forms with safe buffers.** The operation keeps no borrow:
-//! at issue, cudarc's record of each buffer's use is made on the caller's stream *after* the
-//! wait for the collective, so every later use of the buffer through cudarc — another
-//! stream, a copy to the host, and its (stream-ordered) free when dropped — waits for the
-//! collective on the GPU. Dropping or leaking the [`Work`] changes nothing of that. (A
-//! context whose event tracking was turned off with cudarc's `unsafe`
-//! `disable_event_tracking` gives that guarantee up; its user orders buffers by hand.)
+//! **Why the non-blocking forms are `unsafe`.** The operation keeps no borrow of the
+//! buffers: its copies and kernels on them are issued later, by the communicator's progress
+//! thread, while the call runs. The ordering on the GPU is safe — cudarc's record of each
+//! buffer's use is made on the caller's stream *after* the wait for the collective, so every
+//! later use of the buffer through cudarc waits for it. The host's side is not: dropping a
+//! cudarc buffer frees it at once (`cuMemFreeAsync`, ordered on the GPU, but CUDA makes any
+//! work *issued* afterwards on that memory undefined), so a copy the progress thread issues
+//! after the drop is refused (`CUDA_ERROR_INVALID_VALUE` on an H200, driver 580: the call
+//! fails and poisons the communicator) or, in CUDA's terms, undefined. Hence the contract of
+//! [`Communicator::enqueue`]: buffers stay allocated until the call's [`Work`] has
+//! completed. (Issuing every copy of the caller's buffers before returning, into memory the
+//! library owns, would lift it at the price of a copy in and out of device memory per call.)
 //!
 //! **Path truth.** Device memory moves one of two ways, decided at init for the whole job:
 //!
@@ -528,6 +533,16 @@ impl Communicator {
     /// The non-blocking device collectives: each is queued on the caller's stream and
     /// returns at once with a [`Work`] for host-side completion (see the module docs).
     ///
+    /// # Safety
+    /// Every buffer passed to a call made through the returned [`Enqueue`] must stay
+    /// allocated — not dropped, and not freed any other way, stream-ordered frees included —
+    /// until that call's [`Work`] has completed ([`Work::wait`] returned, or [`Work::test`]
+    /// said so). If the `Work` is dropped or forgotten before that, or
+    /// [`Work::buffers_may_be_in_use`] says so, the buffers must never be freed
+    /// (`std::mem::forget` them): the library issues copies and kernels on them from its
+    /// progress thread after this call returns. Using them in stream order on `stream`
+    /// (kernels, copies queued there) needs nothing more: that work waits for the call.
+    ///
     /// ```no_run
     /// # fn main() -> dspark::Result<()> {
     /// use dspark::{Communicator, ReduceOp};
@@ -535,12 +550,16 @@ impl Communicator {
     /// let ctx = dspark::cuda::open_context(0)?;
     /// let stream = ctx.default_stream();
     /// let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
-    /// let work = comm.enqueue().all_reduce(&mut grads, ReduceOp::Avg, &stream)?;
+    /// // SAFETY: `grads` lives until after `work.wait()` below.
+    /// let work = unsafe { comm.enqueue() }.all_reduce(&mut grads, ReduceOp::Avg, &stream)?;
     /// // ... queue more work on `stream`: it sees the reduced gradients ...
     /// work.wait()?; // host-side completion (and the operation's error)
+    /// drop(grads); // only now
     /// # Ok(()) }
     /// ```
-    pub fn enqueue(&self) -> Enqueue<'_> {
+    // Declares the callers' contract above; performs no unsafe operation itself.
+    #[allow(unsafe_code)]
+    pub unsafe fn enqueue(&self) -> Enqueue<'_> {
         Enqueue {
             comm: self,
             blocking: false,
@@ -667,7 +686,9 @@ impl Communicator {
     }
 }
 
-/// The non-blocking device collectives ([`Communicator::enqueue`]). Each has the semantics,
+/// The non-blocking device collectives ([`Communicator::enqueue`], whose safety contract
+/// binds every call made here: buffers stay allocated until the call's `Work` completed).
+/// Each has the semantics,
 /// arguments and errors of the blocking form of the same name with `_device` (for example
 /// [`Communicator::all_reduce_device`]), is queued on `stream` in issue order with every
 /// other operation of the communicator, and returns at once: work queued on `stream`

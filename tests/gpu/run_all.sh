@@ -28,8 +28,8 @@
 #      test process with separate streams and TCP connections, not separate processes.
 #   7. non-blocking device collectives (Communicator::enqueue), 2 ranks on one GPU over TCP:
 #      they return at once, copies queued on the same stream afterwards see their results, a
-#      buffer dropped at once and a leaked Work are harmless, a mismatched call fails both
-#      Works and leaves the stream free
+#      leaked Work (its buffer forgotten) is harmless, a mismatched call fails both Works with
+#      a mismatch and leaves the stream free
 #   7b. small all_reduces (one-shot through shared-memory slots) between a device rank and a
 #      host rank, each way and both on the device, 2 ranks (threads) on one GPU over shm:
 #      f32 at 1..1017 elements around the 4064-byte bound, i64 and f64, every operator, exact
