@@ -467,4 +467,68 @@ fn the_cpu_probe_is_skipped_under_require() {
         "{}",
         v["cpus"]
     );
+    assert_eq!(v["cores"]["pairs"].as_array().map(Vec::len), Some(0));
+    assert!(
+        v["cores"]["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("not measured (--require"),
+        "{}",
+        v["cores"]
+    );
+}
+
+/// The core-to-core section measures a cache line's round trip between every pair of the
+/// allowed CPUs (up to 8 of them), each a plausible time, and says what the distances mean.
+#[test]
+fn every_pair_of_cpus_gets_a_cache_line_round_trip() {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let set = sched_getaffinity(Pid::from_raw(0)).unwrap();
+    let allowed: Vec<u64> = (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .map(|c| c as u64)
+        .collect();
+    let out = doctor(&["--json"], &[]);
+    let (stdout, stderr) = text(&out);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    let c = &v["cores"];
+    let pairs = c["pairs"].as_array().unwrap();
+    let verdict = c["verdict"].as_str().unwrap();
+    if allowed.len() < 2 {
+        assert!(pairs.is_empty(), "{c}");
+        assert_eq!(verdict, "not measured (fewer than 2 CPUs)");
+        return;
+    }
+    let n = allowed.len().min(8);
+    let want = if allowed.len() <= 8 {
+        n * (n - 1) / 2
+    } else {
+        (allowed.len() - 1).min(64)
+    };
+    assert_eq!(pairs.len(), want, "{c}");
+    assert_eq!(
+        (pairs[0]["a"].as_u64(), pairs[0]["b"].as_u64()),
+        (Some(allowed[0]), Some(allowed[1]))
+    );
+    for p in pairs {
+        let us = p["round_trip_us"].as_f64();
+        assert!(us.is_some_and(|x| x > 0.0 && x < 1000.0), "{p}");
+    }
+    let levels = c["levels"].as_array().unwrap();
+    let in_levels: u64 = levels.iter().map(|l| l["pairs"].as_u64().unwrap()).sum();
+    assert_eq!(in_levels, want as u64, "{c}");
+    assert!(
+        verdict.starts_with("near: ")
+            || verdict.starts_with("every pair is far apart")
+            || verdict.contains(" distances, "),
+        "{verdict}"
+    );
+    let human = doctor(&[], &[]);
+    let (h, _) = text(&human);
+    assert!(h.contains("Core-to-core distance"), "{h}");
+    assert!(
+        h.contains(&format!("cpu {} - cpu {}", allowed[0], allowed[1])),
+        "{h}"
+    );
 }

@@ -194,15 +194,19 @@ pub(super) fn verdict(
     )
 }
 
-/// Watches every CPU this process may run on (at most [`MAX_CPUS`]) at once for [`PROBE_MS`].
-pub(super) fn probe_cpus() -> CpuSection {
-    let allowed: Vec<usize> = match sched_getaffinity(Pid::from_raw(0)) {
+/// The CPUs this process may run on (at most [`MAX_CPUS`], the first of them).
+pub(super) fn allowed_cpus() -> Vec<usize> {
+    match sched_getaffinity(Pid::from_raw(0)) {
         Ok(set) => (0..CpuSet::count())
             .filter(|&c| set.is_set(c).unwrap_or(false))
             .take(MAX_CPUS)
             .collect(),
         Err(_) => Vec::new(),
-    };
+    }
+}
+
+/// Watches every CPU of `allowed` at once for [`PROBE_MS`].
+pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
     let before = read_steal();
     let until = Instant::now() + Duration::from_millis(PROBE_MS);
     let failed = |cpu: usize, what: String| CpuGaps {

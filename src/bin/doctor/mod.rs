@@ -3,6 +3,7 @@
 //! per part of the machine: [`rdma`] (verbs devices, locked memory), [`gpu`] (CUDA,
 //! nvidia-peermem, NVRTC), [`pairs`] (GPU/NIC pairs and the path device buffers take),
 //! [`fast_paths`] (the verdicts), [`cpus`] (whether a spinning rank keeps its core),
+//! [`cores`] (how far apart the CPUs are for a cache line),
 //! [`summary`] (notes and `--require`), [`trust`] (how a job
 //! launched here would authenticate its ranks); [`fixes`] holds the
 //! advice they share. This file holds the arguments, the report that `--json` prints (its
@@ -16,6 +17,7 @@ use dspark::internals::gpu::sysfs::{PeermemStatus, Sysfs};
 use dspark::path;
 use serde::Serialize;
 
+mod cores;
 mod cpus;
 mod fast_paths;
 mod fixes;
@@ -76,6 +78,7 @@ struct Report {
     tcp_device_path: String,
     fast_paths: Vec<FastPath>,
     cpus: cpus::CpuSection,
+    cores: cores::CoreSection,
     notes: Vec<String>,
     requirements: Vec<RequirementResult>,
     auth: trust::AuthSection,
@@ -118,13 +121,21 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
     let fast = fast_paths::fast_paths(&rdma, &memlock, &cuda, &devices, &peermem, &nvrtc);
     let notes = summary::notes(&args.root, on_real_root, &pairs, &fast);
     let requirements = summary::requirements(&args.require, &fast, &pairs);
-    // Not in a job prologue (`--require`): the probe would take every allowed core for 300 ms.
-    let cpus = if !on_real_root {
-        cpus::not_measured("--root: not this machine")
+    // Not in a job prologue (`--require`): the probes take every allowed core for 300 ms,
+    // then two at a time.
+    let skip = if !on_real_root {
+        Some("--root: not this machine")
     } else if !args.require.is_empty() {
-        cpus::not_measured("--require: run `dspark doctor` alone to measure it")
+        Some("--require: run `dspark doctor` alone to measure it")
     } else {
-        cpus::probe_cpus()
+        None
+    };
+    let (cpus, cores) = match skip {
+        Some(why) => (cpus::not_measured(why), cores::not_measured(why)),
+        None => {
+            let allowed = cpus::allowed_cpus();
+            (cpus::probe_cpus(&allowed), cores::probe_cores(&allowed))
+        }
     };
     Ok(Report {
         rdma,
@@ -136,6 +147,7 @@ fn build_report(args: &DoctorArgs) -> Result<Report, String> {
         tcp_device_path: format!("tcp/staged: {}", path::TCP_STAGED_REASON),
         fast_paths: fast,
         cpus,
+        cores,
         notes,
         requirements,
         auth: trust::probe_auth(),
@@ -166,6 +178,7 @@ fn render_human(r: &Report) -> String {
     pairs::render_data_path(&mut o, &r.tcp_device_path, &r.pairs);
     summary::render_notes(&mut o, &r.notes);
     cpus::render_cpus(&mut o, &r.cpus);
+    cores::render_cores(&mut o, &r.cores);
     trust::render_auth(&mut o, &r.auth);
     summary::render_requirements(&mut o, &r.requirements);
     o
