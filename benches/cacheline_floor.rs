@@ -7,6 +7,10 @@
 //! * `exchange`: two lines, one per process (what a one-shot all_reduce of up to 32 bytes
 //!   needs): each process stores its next flag in its own line, then waits for the other's.
 //!   Reported per exchange (per iteration of either process).
+//! * `oneshot64k`: the floor of a 64 KiB one-shot all_reduce (f32 sum): each process copies
+//!   its 64 KiB into its own half of a shared buffer (two slots, by iteration parity), raises
+//!   its flag, waits for the other's, and adds the other's 64 KiB into its result; a second
+//!   flag says "read", so a slot is rewritten only after the peer read it. Reported per call.
 //!
 //! Timing as the peers' benchmarks: the median of `samples` samples of `k` back-to-back
 //! iterations each, in µs per iteration.
@@ -15,12 +19,15 @@
 //! cargo bench --bench cacheline_floor                # 31 samples of 2000
 //! cargo bench --bench cacheline_floor -- 101 5000    # samples, k
 //! cargo bench --bench cacheline_floor -- 31 2000 pin # parent on CPU 0, child on CPU 1
+//! cargo bench --bench cacheline_floor -- 31 200 pin oneshot64k   # only the modes named
 //! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 const LINE: usize = 64;
+/// Bytes per process and call of the `oneshot64k` mode.
+const ONESHOT: usize = 64 << 10;
 
 /// A shared anonymous mapping of `len` bytes (inherited across fork).
 fn shared(len: usize) -> *mut u8 {
@@ -41,7 +48,7 @@ fn shared(len: usize) -> *mut u8 {
 
 /// The atomic word at the start of line `i` of `base`.
 fn word(base: *mut u8, i: usize) -> &'static AtomicU64 {
-    // SAFETY: `base` is a live page-aligned shared mapping of at least 4 lines that is never
+    // SAFETY: `base` is a live page-aligned shared mapping of at least 6 lines that is never
     // unmapped; every access to these words, in both processes, is atomic.
     unsafe { &*(base.add(i * LINE) as *const AtomicU64) }
 }
@@ -61,6 +68,56 @@ fn wait_for(w: &AtomicU64, v: u64) {
     }
 }
 
+/// One process's side of the `oneshot64k` mode. Lines 2 and 3 (process 0, 1) hold the
+/// "ready" flags, lines 4 and 5 the "read" flags; the data slots follow the first page:
+/// process `p`'s slot for parity `q` at `4096 + (2p + q) * ONESHOT`.
+struct OneShot {
+    base: *mut u8,
+    me: usize,
+    input: Vec<f32>,
+    result: Vec<f32>,
+}
+
+impl OneShot {
+    fn new(base: *mut u8, me: usize) -> OneShot {
+        let n = ONESHOT / 4;
+        let input = (0..n).map(|k| (k % 251) as f32 + me as f32).collect();
+        OneShot {
+            base,
+            me,
+            input,
+            result: vec![0.0; n],
+        }
+    }
+
+    fn slot(&self, who: usize, call: u64) -> *mut f32 {
+        let off = 4096 + (2 * who + (call % 2) as usize) * ONESHOT;
+        // SAFETY: within the mapping of 4096 + 4 * ONESHOT bytes made by `run`.
+        unsafe { self.base.add(off).cast() }
+    }
+
+    /// Call number `call` (from 1): publish, wait, add the peer's contribution.
+    fn call(&mut self, call: u64) {
+        let (me, peer) = (self.me, 1 - self.me);
+        // The slot of this parity was last read by the peer at call - 2.
+        wait_for(word(self.base, 4 + peer), call.saturating_sub(2));
+        let n = self.input.len();
+        // SAFETY: this process's own slot (no one else writes it), n f32 inside the mapping,
+        // not read by the peer until the flag below says so.
+        unsafe { std::ptr::copy_nonoverlapping(self.input.as_ptr(), self.slot(me, call), n) };
+        word(self.base, 2 + me).store(call, Ordering::Release);
+        wait_for(word(self.base, 2 + peer), call);
+        // SAFETY: the peer's slot for this call, complete (its flag was acquired above) and
+        // not rewritten until this process's "read" flag below reaches this call.
+        let theirs = unsafe { std::slice::from_raw_parts(self.slot(peer, call), n) };
+        for ((r, a), b) in self.result.iter_mut().zip(&self.input).zip(theirs) {
+            *r = a + b;
+        }
+        word(self.base, 4 + me).store(call, Ordering::Release);
+        std::hint::black_box(&self.result);
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -69,7 +126,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs `samples` × `k` iterations of `mode` in both processes; the parent returns the
 /// per-iteration times of its samples.
 fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
-    let base = shared(4096);
+    let base = shared(4096 + 4 * ONESHOT);
     let total = (samples * k) as u64;
     // SAFETY: fork in a single-threaded benchmark process; the child only touches the shared
     // mapping and exits with _exit.
@@ -85,6 +142,12 @@ fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
                 for i in 0..total {
                     wait_for(w, 2 * i + 1);
                     w.store(2 * i + 2, Ordering::Release);
+                }
+            }
+            "oneshot64k" => {
+                let mut o = OneShot::new(base, 1);
+                for i in 1..=total {
+                    o.call(i);
                 }
             }
             _ => {
@@ -103,6 +166,7 @@ fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
     }
     let mut times = Vec::with_capacity(samples);
     let mut i = 0u64;
+    let mut oneshot = OneShot::new(base, 0);
     for _ in 0..samples {
         let t0 = Instant::now();
         for _ in 0..k {
@@ -112,6 +176,7 @@ fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
                     w.store(2 * i + 1, Ordering::Release);
                     wait_for(w, 2 * i + 2);
                 }
+                "oneshot64k" => oneshot.call(i + 1),
                 _ => {
                     let (mine, theirs) = (word(base, 0), word(base, 1));
                     mine.store(i + 1, Ordering::Release);
@@ -151,7 +216,16 @@ fn main() {
             .join(" ")
     );
     println!("mode,us_per_iter_median,us_min,us_max");
-    for mode in ["pingpong", "exchange"] {
+    const MODES: [&str; 3] = ["pingpong", "exchange", "oneshot64k"];
+    let asked: Vec<&str> = MODES
+        .into_iter()
+        .filter(|m| args.iter().any(|a| a == m))
+        .collect();
+    for mode in if asked.is_empty() {
+        MODES.to_vec()
+    } else {
+        asked
+    } {
         let t = run(mode, samples, k, pinned);
         let (lo, hi) = t
             .iter()

@@ -5,35 +5,93 @@
 # into OUT/rows with the 1-minute load, then per cell: n, median, min, max, slowest / median.
 #
 # With FLOOR set to the cache-line floor's binary (`cargo bench --bench cacheline_floor
-# --no-run` prints it), every round also runs it fresh (31 samples of 2000, pinned), as the cell
-# `floor exchange`: the machine's own spread over fresh processes, with no library in them.
+# --no-run` prints it), two library-free floors run fresh right before and right after every
+# dspark run, in the same hold of the lock: the ping-pong round trip of one cache line between
+# two forked processes pinned to CPUs 0 and 1, and a one-shot 64 KiB f32 all_reduce between
+# them. On a VM the host decides where the two vCPUs run and moves them: on one 2-vCPU machine
+# the round trip was 0.045 µs (cores sharing a cache) or 0.35 µs (cores apart) from one minute
+# to the next, and dspark's times moved with it (shm 64 KiB 2.0 vs 4.5 µs, TCP 64 KiB 13 vs
+# 19 µs). The summary then adds, per cell:
+# * the runs grouped by placement (runs whose round trip before and after agree within 1.3x,
+#   clustered where the sorted round trips jump > 1.4x): per level its round trip, n, median,
+#   slowest / median — dspark's steadiness within one placement;
+# * dspark's time over the floor of its size (8 B: the round trip, 64 KiB: the one-shot),
+#   the mean of before and after: what is left when the machine's state of the moment is
+#   divided out.
 #
-#   N=12 bash benches/fresh_runs.sh target/release/dspark-bench /tmp/fresh-A
+#   N=12 FLOOR=target/release/deps/cacheline_floor-... bash benches/fresh_runs.sh \
+#       target/release/dspark-bench /tmp/fresh-A
 set -euo pipefail
 BIN=$1; OUT=$2; N=${N:-12}; LOCK=${LOCK:-/work/measure.lock}; FLOOR=${FLOOR:-}
 mkdir -p "$OUT"; : > "$OUT/rows"
+floor() { # "pingpong_µs oneshot64k_µs" of one fresh run of the floor, or "nan nan"
+  [ -n "$FLOOR" ] || { echo nan nan; return; }
+  local p o
+  p=$("$FLOOR" 31 2000 pin pingpong 2>/dev/null | awk -F, '$1=="pingpong"{print $2}') || p=
+  o=$("$FLOOR" 15 200 pin oneshot64k 2>/dev/null | awk -F, '$1=="oneshot64k"{print $2}') || o=
+  echo "${p:-nan} ${o:-nan}"
+}
+one() { # transport size: "time floor_before(2) floor_after(2)" in one hold of the lock
+  local b v a
+  b=$(floor)
+  v=$("$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" 2>/dev/null | grep -v '^#' \
+      | awk 'NF>5{print $6; exit}') || v=
+  a=$(floor)
+  echo "${v:-nan} $b $a"
+}
+export -f floor one; export BIN FLOOR
 for i in $(seq 1 "$N"); do
- if [ -n "$FLOOR" ]; then
-  v=$(flock -x -o "$LOCK" "$FLOOR" 31 2000 pin 2>/dev/null | awk -F, '$1=="exchange"{print $2}') || v=
-  echo "floor exchange ${v:-nan} $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
- fi
  for t in shm tcp; do
   for s in 8 64K; do
-    v=$(flock -x -o "$LOCK" "$BIN" --ranks 2 --transport $t -b $s -e $s 2>/dev/null | grep -v '^#' | awk 'NF>5{print $6; exit}') || v=
-    echo "$t $s ${v:-nan} $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
+    r=$(flock -x -o "$LOCK" bash -c "one $t $s")
+    echo "$t $s $r $(cut -d' ' -f1 /proc/loadavg)" >> "$OUT/rows"
   done
  done
 done
 python3 - "$OUT/rows" <<'PY'
-import sys,statistics,collections
-d=collections.defaultdict(list); loads=[]
+import sys, statistics, collections, math
+d = collections.defaultdict(list); loads = []
 for l in open(sys.argv[1]):
-    t,s,v,ld=l.split(); loads.append(float(ld))
-    if v != "nan": d[(t,s)].append(float(v))
-    else: print(f"{t} {s}: a run failed (no time)")
+    t, s, v, pb, ob, pa, oa, ld = l.split(); loads.append(float(ld))
+    if v == "nan":
+        print(f"{t} {s}: a run failed (no time)"); continue
+    d[(t, s)].append(tuple(map(float, (v, pb, pa, ob, oa))))
+def line(name, v):
+    m = statistics.median(v)
+    return f"{name} {len(v)} {m:.2f} {min(v):.2f} {max(v):.2f} {max(v)/m:.2f}"
 print("transport size n median min max slowest/median")
 for k in sorted(d):
-    v=d[k]; m=statistics.median(v)
-    print(*k, len(v), f"{m:.2f} {min(v):.2f} {max(v):.2f} {max(v)/m:.2f}")
+    print(line(" ".join(k), [x[0] for x in d[k]]))
+ok = lambda *f: not any(math.isnan(x) for x in f)
+for i, name in ((1, "ping-pong round trip"), (3, "one-shot 64 KiB")):
+    f = [x[j] for k in d for x in d[k] for j in (i, i + 1) if ok(x[j])]
+    if f:
+        m = statistics.median(f)
+        print(f"floor {name}, before and after every run: n {len(f)} median {m:.3f} "
+              f"min {min(f):.3f} max {max(f):.3f} µs, slowest/median {max(f)/m:.2f}")
+if any(ok(*x[1:]) for k in d for x in d[k]):
+    print("by placement (ping-pong floor): transport size | floor µs | n median min max slowest/median")
+    for k in sorted(d):
+        same = [(x[0], math.sqrt(x[1] * x[2])) for x in d[k]
+                if ok(x[1], x[2]) and max(x[1], x[2]) / min(x[1], x[2]) <= 1.3]
+        moved = len(d[k]) - len(same)
+        same.sort(key=lambda x: x[1]); groups = []
+        for v, f in same:
+            if groups and f / groups[-1][-1][1] <= 1.4:
+                groups[-1].append((v, f))
+            else:
+                groups.append([(v, f)])
+        for g in groups:
+            fl = statistics.median([f for _, f in g])
+            print(line(f"{' '.join(k)} | {fl:.3f} |", [v for v, _ in g]))
+        if moved:
+            print(f"{' '.join(k)} | moved | {moved} run(s) whose floor before and after differ > 1.3x")
+    print("dspark / the floor of its size (8 B: ping-pong, 64K: one-shot 64 KiB; mean of before "
+          "and after): transport size n median min max slowest/median")
+    for k in sorted(d):
+        i = 1 if k[1] == "8" else 3
+        r = [x[0] / ((x[i] + x[i + 1]) / 2) for x in d[k] if ok(x[i], x[i + 1])]
+        if r:
+            print(line(" ".join(k), r))
 print(f"load(1m) {min(loads)}..{max(loads)}")
 PY
