@@ -18,6 +18,8 @@
 # * dspark's time over the floor of its size (8 B: the round trip, 64 KiB: the one-shot),
 #   the mean of before and after: what is left when the machine's state of the moment is
 #   divided out.
+# Each row also keeps the bench header's own `# distance` (rank 0's CPU to rank 1's, measured
+# by the bench's parent just before its ranks start).
 #
 #   N=12 FLOOR=target/release/deps/cacheline_floor-... bash benches/fresh_runs.sh \
 #       target/release/dspark-bench /tmp/fresh-A
@@ -31,13 +33,15 @@ floor() { # "pingpong_µs oneshot64k_µs" of one fresh run of the floor, or "nan
   o=$("$FLOOR" 15 200 pin oneshot64k 2>/dev/null | awk -F, '$1=="oneshot64k"{print $2}') || o=
   echo "${p:-nan} ${o:-nan}"
 }
-one() { # transport size: "time floor_before(2) floor_after(2)" in one hold of the lock
-  local b v a
+one() { # transport size: "time floor_before(2) floor_after(2) distance" in one hold of the lock
+  local b o v d a
   b=$(floor)
-  v=$("$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" 2>/dev/null | grep -v '^#' \
-      | awk 'NF>5{print $6; exit}') || v=
+  o=$("$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" 2>/dev/null) || o=
+  v=$(grep -v '^#' <<<"$o" | awk 'NF>5{print $6; exit}')
+  # The bench's own header: rank 0's CPU to rank 1's, measured by its parent just before.
+  d=$(awk '/^# distance/{for(i=1;i<=NF;i++) if($i=="µs"){print $(i-1); exit}}' <<<"$o")
   a=$(floor)
-  echo "${v:-nan} $b $a"
+  echo "${v:-nan} $b $a ${d:-nan}"
 }
 export -f floor one; export BIN FLOOR
 for i in $(seq 1 "$N"); do
@@ -52,7 +56,10 @@ python3 - "$OUT/rows" <<'PY'
 import sys, statistics, collections, math
 d = collections.defaultdict(list); loads = []
 for l in open(sys.argv[1]):
-    t, s, v, pb, ob, pa, oa, ld = l.split(); loads.append(float(ld))
+    f = l.split()
+    if len(f) == 8:  # rows of the version before the distance column
+        f.insert(7, "nan")
+    t, s, v, pb, ob, pa, oa, dist, ld = f; loads.append(float(ld))
     if v == "nan":
         print(f"{t} {s}: a run failed (no time)"); continue
     d[(t, s)].append(tuple(map(float, (v, pb, pa, ob, oa))))

@@ -207,3 +207,82 @@ fn is_root() -> bool {
     // /proc/self is owned by the process's effective user.
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
+
+/// `dspark-bench --ranks 2` (its own spawner, bound one core per rank) says in its header how
+/// far apart rank 0's and rank 1's CPUs are — a cache line's round trip, measured by the
+/// spawner before the ranks start (a VM's host may put two vCPUs on cores sharing a cache or
+/// on different dies, and the small shared-memory times follow); without a binding there is
+/// no pair of CPUs to measure, and no line.
+#[test]
+fn the_spawned_benchs_header_says_how_far_apart_its_ranks_cpus_are() {
+    let allowed = {
+        use nix::sched::{sched_getaffinity, CpuSet};
+        let set = sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+        (0..CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .count()
+    };
+    if allowed < 2 {
+        eprintln!("SKIP: fewer than 2 CPUs allowed, so 2 ranks are not bound apart");
+        return;
+    }
+    let bench = |bind: &str| {
+        let mut cmd = Command::new(BENCH);
+        cmd.args([
+            "--ranks",
+            "2",
+            "--bind",
+            bind,
+            "--transport",
+            "shm",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "5",
+            "-w",
+            "2",
+        ]);
+        run(cmd, &format!("dspark-bench --ranks 2 --bind {bind}"))
+    };
+    let text = bench("core");
+    assert_bench_ok(&text, 2, "--ranks 2");
+    let binding = text
+        .lines()
+        .find(|l| l.starts_with("# binding   : --bind core: rank 0 cpu "))
+        .unwrap_or_else(|| panic!("no binding line:\n{text}"));
+    let cpu = |r: usize| {
+        let key = format!("rank {r} cpu ");
+        let at = binding.find(&key).unwrap() + key.len();
+        binding[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let (c0, c1) = (cpu(0), cpu(1));
+    assert_ne!(c0, c1, "{binding}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("# distance  : "))
+        .unwrap_or_else(|| panic!("no distance line:\n{text}"));
+    let want = format!(
+        "# distance  : cache-line round trip from rank 0's cpu {c0} (before the ranks started): \
+         rank 1 cpu {c1} "
+    );
+    assert!(line.starts_with(&want), "{line}\nwant {want}");
+    let us: f64 = line[want.len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no time in {line}"));
+    assert!(us > 0.0 && us < 1000.0, "{line}");
+    assert!(
+        line.contains(" µs (near: ") || line.contains(" µs (far: "),
+        "{line}"
+    );
+    let unbound = bench("none");
+    assert_bench_ok(&unbound, 2, "--ranks 2 --bind none");
+    assert!(!unbound.contains("# distance"), "{unbound}");
+}

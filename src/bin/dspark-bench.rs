@@ -24,6 +24,8 @@ use clap::{Parser, ValueEnum};
 mod bind;
 #[path = "bench/data.rs"]
 mod data;
+#[path = "bench/distance.rs"]
+mod distance;
 #[path = "bench/header.rs"]
 mod header;
 #[path = "bench/peer.rs"]

@@ -28,6 +28,10 @@ mod analyze;
 #[path = "bench/bind.rs"]
 #[allow(dead_code)]
 mod bind;
+// The cache-line round trip between two CPUs, which the doctor's core-to-core section shares.
+#[path = "bench/distance.rs"]
+#[allow(dead_code)]
+mod distance;
 #[path = "doctor/mod.rs"]
 mod doctor;
 #[path = "tools/model.rs"]

@@ -129,6 +129,12 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     if let Some(b) = BINDING.get() {
         println!("# binding   : {b}");
     }
+    if let Some(d) = std::env::var(crate::spawn::DISTANCE_ENV)
+        .ok()
+        .filter(|d| !d.is_empty())
+    {
+        println!("# distance  : {d}");
+    }
     if args.api == CallApi::Nonblocking {
         println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
     }

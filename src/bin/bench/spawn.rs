@@ -8,6 +8,7 @@ use std::process::{Command, ExitCode, Stdio};
 use dspark::Communicator;
 
 use crate::bind::{self, Bind};
+use crate::distance;
 use crate::Args;
 
 /// Whether a launcher started this process as one rank (its rank variable is set).
@@ -57,6 +58,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let plan = bind::plan(args.bind, n, &bind::allowed(), std::path::Path::new("/sys"));
+    let distances = plan.as_deref().map(distances_from_rank0);
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
@@ -74,6 +76,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             .env("DSPARK_TRANSPORT", &args.transport)
             .env("DSPARK_DATA_PATH", args.path.name())
             .env(dspark::internals::trust::SPAWNER_SECRET_ENV, &secret)
+            .env(DISTANCE_ENV, distances.as_deref().unwrap_or(""))
             .stdin(Stdio::null())
             .stdout(if r == 0 {
                 Stdio::inherit()
@@ -113,6 +116,40 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
         }
     }
     ExitCode::from(worst)
+}
+
+/// Carries the header's distance line from the spawning parent to its ranks (empty: none).
+pub(crate) const DISTANCE_ENV: &str = "DSPARK_BENCH_DISTANCE";
+
+/// The header's distance line: a cache line's round trip between rank 0's first CPU and the
+/// first CPU of every other rank on another CPU (at most 7), measured here before the ranks
+/// start, so that each run says where the machine put its ranks this time (a VM's host
+/// moves its vCPUs: 0.045 or 0.35 µs apart on this project's, minutes apart, and the small
+/// shared-memory times follow).
+fn distances_from_rank0(plan: &[Vec<usize>]) -> String {
+    let Some(&home) = plan.first().and_then(|c| c.first()) else {
+        return String::new();
+    };
+    let mut seen = Vec::new();
+    let mut parts = Vec::new();
+    for (r, cpus) in plan.iter().enumerate().skip(1) {
+        let Some(&c) = cpus.first() else { continue };
+        if c == home || seen.contains(&c) || seen.len() == 7 {
+            continue;
+        }
+        seen.push(c);
+        parts.push(match distance::measure(home, c) {
+            Ok(us) => format!("rank {r} cpu {c} {us:.3} µs ({})", distance::reading(us)),
+            Err(e) => format!("rank {r} cpu {c} not measured ({e})"),
+        });
+    }
+    if parts.is_empty() {
+        return String::new();
+    }
+    format!(
+        "cache-line round trip from rank 0's cpu {home} (before the ranks started): {}",
+        parts.join("; ")
+    )
 }
 
 /// The binding line of the header (every rank's CPUs), gathered right after init.

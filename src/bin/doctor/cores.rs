@@ -1,36 +1,23 @@
 //! The doctor's core-to-core distances: how long one cache line takes to go from a CPU to
 //! another and back. Two threads, pinned to the two CPUs, pass a counter in one cache line
-//! back and forth; a pair's round trip is the fastest of [`SAMPLES`] samples of [`TRIPS`]
-//! round trips (the distance, not the noise: a sample the scheduler interrupted is slower,
-//! never faster). Every small message between two ranks on one host over shared memory
+//! back and forth; a pair's round trip is the fastest of 15 samples of 1 000 round trips
+//! (the distance, not the noise: a sample the scheduler interrupted is slower, never faster;
+//! `bench/distance.rs`, which dspark-bench's header shares). Every small message between two ranks on one host over shared memory
 //! pays it: on the 2-vCPU VM this project is developed on, the host moved the two vCPUs
 //! between cores sharing a cache (0.045 µs) and cores on different dies (0.35 µs) within
 //! minutes, and dspark's 8-byte all_reduce over shared memory took 0.16 and 0.3 µs with
 //! them (`benches/RESULTS.md`, "stop 32"). On a VM that placement is the host's and can
 //! change between runs; on bare metal it is the machine's topology (sockets, dies).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-
-use nix::sched::{sched_setaffinity, CpuSet};
-use nix::unistd::Pid;
 use serde::Serialize;
 
 use super::kv;
+use crate::distance::{self, FAR_US};
 
-/// Round trips per sample.
-const TRIPS: u64 = 1000;
-/// Samples per pair; the fastest is the pair's round trip.
-const SAMPLES: u64 = 15;
-/// A pair whose threads have not finished by then is reported as not measured.
-const PAIR_DEADLINE: Duration = Duration::from_millis(200);
 /// At most this many pairs: every pair of up to 8 CPUs, else the first CPU with each other.
 const MAX_PAIRS: usize = 64;
 /// Sorted round trips more than this factor apart are different distances.
 const LEVEL_JUMP: f64 = 1.8;
-/// A round trip at least this long (µs) is between CPUs that share no cache: different dies
-/// or sockets (two cores sharing a cache take 0.04–0.15 µs).
-const FAR_US: f64 = 0.2;
 
 /// One pair's round trip.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -76,88 +63,17 @@ pub(super) fn pairs_of(allowed: &[usize]) -> Vec<(usize, usize)> {
         .collect()
 }
 
-fn pin(cpu: usize) -> Result<(), String> {
-    let mut set = CpuSet::new();
-    set.set(cpu)
-        .and_then(|()| sched_setaffinity(Pid::from_raw(0), &set))
-        .map_err(|e| format!("cannot pin a thread to cpu {cpu}: {e}"))
-}
-
-/// Waits until `w` holds at least `v`; `false` once `stop` is set or `until` passed.
-fn wait_for(w: &AtomicU64, v: u64, stop: &AtomicBool, until: Instant) -> bool {
-    let mut spins = 0u32;
-    while w.load(Ordering::Acquire) < v {
-        std::hint::spin_loop();
-        spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(4096) && (stop.load(Ordering::Relaxed) || Instant::now() > until) {
-            return false;
-        }
-    }
-    true
-}
-
-#[repr(align(128))]
-struct Line(AtomicU64);
-
-/// One pair's round trip, the fastest of `samples` samples of `trips`: this thread on `a`
-/// starts each trip, a scoped thread on `b` answers it; both give up at `deadline`.
-fn measure(a: usize, b: usize, trips: u64, samples: u64, deadline: Duration) -> CorePair {
-    let line = Line(AtomicU64::new(0));
-    let stop = AtomicBool::new(false);
-    let until = Instant::now() + deadline;
-    let total = trips * samples;
-    let r = std::thread::scope(|s| {
-        let answer = std::thread::Builder::new()
-            .name(format!("core-pair-{b}"))
-            .spawn_scoped(s, || {
-                pin(b)?;
-                for i in 0..total {
-                    if !wait_for(&line.0, 2 * i + 1, &stop, until) {
-                        return Err("no answer in time".to_string());
-                    }
-                    line.0.store(2 * i + 2, Ordering::Release);
-                }
-                Ok(())
-            })
-            .map_err(|e| format!("no thread for cpu {b}: {e}"))?;
-        let mine = (|| {
-            pin(a)?;
-            let mut best = f64::MAX;
-            for k in 0..samples {
-                let t0 = Instant::now();
-                for i in k * trips..(k + 1) * trips {
-                    line.0.store(2 * i + 1, Ordering::Release);
-                    if !wait_for(&line.0, 2 * i + 2, &stop, until) {
-                        return Err(format!(
-                            "cpu {b} did not answer within {} ms (busy?)",
-                            deadline.as_millis()
-                        ));
-                    }
-                }
-                best = best.min(t0.elapsed().as_secs_f64() * 1e6 / trips as f64);
-            }
-            Ok(best)
-        })();
-        stop.store(true, Ordering::Relaxed);
-        let theirs = answer
-            .join()
-            .unwrap_or_else(|_| Err("its thread failed".into()));
-        let us = mine?;
-        theirs.map(|()| us)
-    });
-    match r {
-        Ok(us) => CorePair {
-            a,
-            b,
-            round_trip_us: Some(us),
-            error: None,
-        },
-        Err(e) => CorePair {
-            a,
-            b,
-            round_trip_us: None,
-            error: Some(e),
-        },
+/// One pair, measured ([`distance::measure`]).
+fn measure(a: usize, b: usize) -> CorePair {
+    let (round_trip_us, error) = match distance::measure(a, b) {
+        Ok(us) => (Some(us), None),
+        Err(e) => (None, Some(e)),
+    };
+    CorePair {
+        a,
+        b,
+        round_trip_us,
+        error,
     }
 }
 
@@ -230,7 +146,7 @@ pub(super) fn verdict(pairs: &[CorePair], levels: &[Level]) -> String {
 pub(super) fn probe_cores(allowed: &[usize]) -> CoreSection {
     let pairs: Vec<CorePair> = pairs_of(allowed)
         .into_iter()
-        .map(|(a, b)| measure(a, b, TRIPS, SAMPLES, PAIR_DEADLINE))
+        .map(|(a, b)| measure(a, b))
         .collect();
     let levels = levels(&pairs);
     let verdict = verdict(&pairs, &levels);
@@ -335,21 +251,5 @@ mod tests {
             "not measured (no pair answered)"
         );
         assert_eq!(verdict(&[], &[]), "not measured (fewer than 2 CPUs)");
-    }
-
-    #[test]
-    fn two_cpus_of_this_machine_answer_each_other() {
-        let allowed = super::super::cpus::allowed_cpus();
-        if allowed.len() < 2 {
-            eprintln!("skipped: fewer than 2 CPUs allowed");
-            return;
-        }
-        // Few trips and a long deadline: beside the other tests a round trip can wait for a
-        // scheduler slice. The fastest sample must still be measured and plausible.
-        let p = measure(allowed[0], allowed[1], 20, 5, Duration::from_secs(20));
-        let us = p
-            .round_trip_us
-            .unwrap_or_else(|| panic!("not measured: {:?}", p.error));
-        assert!(us > 0.0 && us < 5000.0, "{us} µs");
     }
 }
