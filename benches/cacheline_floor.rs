@@ -53,18 +53,39 @@ fn word(base: *mut u8, i: usize) -> &'static AtomicU64 {
     unsafe { &*(base.add(i * LINE) as *const AtomicU64) }
 }
 
+/// Pins this process to `cpu`, or exits saying why (a header claiming a pinning that did not
+/// happen would mislabel every number).
 fn pin(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t filled with CPU_SET and passed by pointer with its size.
-    unsafe {
+    let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        eprintln!(
+            "cacheline_floor: cannot pin to cpu {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+        std::process::exit(1);
     }
 }
 
+/// How long any wait for the other process may take before this one gives up (it died, or
+/// never got a CPU): no run of this program is near it, and nothing then spins forever
+/// holding a measurement lock.
+const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(60);
+static STARTED: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
 fn wait_for(w: &AtomicU64, v: u64) {
+    let mut spins = 0u32;
     while w.load(Ordering::Acquire) < v {
         std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1 << 16) && STARTED.get_or_init(Instant::now).elapsed() > GIVE_UP {
+            eprintln!("cacheline_floor: the other process stopped answering; giving up");
+            std::process::exit(1);
+        }
     }
 }
 
@@ -193,6 +214,7 @@ fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
 }
 
 fn main() {
+    STARTED.get_or_init(Instant::now);
     // `cargo bench` passes `--bench`; numbers are samples and k, `pin` pins.
     let args: Vec<String> = std::env::args()
         .skip(1)

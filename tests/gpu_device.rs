@@ -937,30 +937,37 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         let big = (8 << 20) + 3; // elements: 32 MiB + 12 B of f32, an odd count
         let a: Vec<f32> = (0..big).map(|i| ((i % 977) * (rank + 1)) as f32).collect();
         let want_a: Vec<f32> = (0..big).map(|i| ((i % 977) * 3) as f32).collect();
-        let mut buf_a = stream.clone_htod(&a).map_err(d("htod"))?;
+        // The buffers of the calls are freed only after every call succeeded: an early
+        // return (a failed check) leaks them, as `enqueue`'s contract asks while calls may
+        // still run on them.
+        use std::mem::ManuallyDrop;
+        let mut buf_a = ManuallyDrop::new(stream.clone_htod(&a).map_err(d("htod"))?);
         let g: Vec<i32> = (0..13).map(|i| i * 10 + rank as i32).collect();
-        let send_g = stream.clone_htod(&g).map_err(d("htod"))?;
-        let mut recv_g = stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?;
-        let mut bc = stream
-            .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
-            .map_err(d("htod"))?;
+        let send_g = ManuallyDrop::new(stream.clone_htod(&g).map_err(d("htod"))?);
+        let mut recv_g = ManuallyDrop::new(stream.alloc_zeros::<i32>(26).map_err(d("alloc"))?);
+        let mut bc = ManuallyDrop::new(
+            stream
+                .clone_htod(&vec![rank as u64 * 7 + 1; 1001])
+                .map_err(d("htod"))?,
+        );
         // Uploaded before the first call: a copy from pageable host memory into a stream
         // that waits for a collective blocks until the stream gets there (see `meet`).
         let mut tmp = stream.clone_htod(&vec![1.5f32; 4099]).map_err(d("htod"))?;
         let t0 = Instant::now();
         let q = || {
             // SAFETY: every call made through it below keeps its buffers until its Work
-            // completed (`wait`), and `tmp`, whose Work is forgotten, is forgotten too.
+            // succeeded (`ManuallyDrop`, freed only after the waits; `x` only when its Work
+            // says no device work is left), and `tmp`, whose Work is forgotten, is forgotten.
             unsafe { comm.enqueue() }
         };
         let w1 = q()
-            .all_reduce(&mut buf_a, ReduceOp::Sum, &stream)
+            .all_reduce(&mut *buf_a, ReduceOp::Sum, &stream)
             .map_err(e("enqueue all_reduce"))?;
         let w2 = q()
-            .all_gather(&send_g, &mut recv_g, &stream)
+            .all_gather(&*send_g, &mut *recv_g, &stream)
             .map_err(e("enqueue all_gather"))?;
         let w3 = q()
-            .broadcast(&mut bc, 1, &stream)
+            .broadcast(&mut *bc, 1, &stream)
             .map_err(e("enqueue broadcast"))?;
         // A leaked Work: the call still runs, and the stream still waits for it. Its buffer
         // must then never be freed (the contract of `enqueue`): dropping it here made cudarc
@@ -981,9 +988,9 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         }
         meet()?;
         // Queued on the stream after the collectives, before any wait.
-        let got_a: Vec<f32> = stream.clone_dtoh(&buf_a).map_err(d("dtoh"))?;
-        let got_g: Vec<i32> = stream.clone_dtoh(&recv_g).map_err(d("dtoh"))?;
-        let got_b: Vec<u64> = stream.clone_dtoh(&bc).map_err(d("dtoh"))?;
+        let got_a: Vec<f32> = stream.clone_dtoh(&*buf_a).map_err(d("dtoh"))?;
+        let got_g: Vec<i32> = stream.clone_dtoh(&*recv_g).map_err(d("dtoh"))?;
+        let got_b: Vec<u64> = stream.clone_dtoh(&*bc).map_err(d("dtoh"))?;
         let done = t0.elapsed();
         if let Some(i) = (0..big).find(|&i| got_a[i] != want_a[i]) {
             return Err(format!("rank {rank}: all_reduce element {i} is {} instead of {} (the copy did not wait for the collective?)", got_a[i], want_a[i]));
@@ -1000,6 +1007,10 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         for w in [w1, w2, w3] {
             w.wait().map_err(e("wait"))?;
         }
+        drop(ManuallyDrop::into_inner(buf_a));
+        drop(ManuallyDrop::into_inner(send_g));
+        drop(ManuallyDrop::into_inner(recv_g));
+        drop(ManuallyDrop::into_inner(bc));
         // Disagreeing calls: both fail with a mismatch, and the stream goes on (the doorbell
         // rang).
         let n = if rank == 0 { 1000 } else { 999 };
@@ -1007,11 +1018,21 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         let w = q()
             .all_reduce(&mut x, ReduceOp::Sum, &stream)
             .map_err(e("enqueue"))?;
-        let failed = w.wait();
+        // `wait_timeout` borrows the Work, so whether device work was left on `x` can be
+        // read after it (`wait` would consume it).
+        let failed = w.wait_timeout(std::time::Duration::from_secs(120));
+        let stuck = w.buffers_may_be_in_use() || matches!(w.test(), Ok(false));
         let t = Instant::now();
         stream
             .synchronize()
             .map_err(d("synchronize after a failed call"))?;
+        if stuck {
+            std::mem::forget(x);
+            return Err(format!(
+                "rank {rank}: a mismatched call is still running or left device work on its \
+                 buffer: {failed:?}"
+            ));
+        }
         match &failed {
             Ok(()) => return Err(format!("rank {rank}: a mismatched call succeeded")),
             Err(Error::Mismatch { .. }) => {}
@@ -1022,6 +1043,7 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
             }
         }
         drop(x);
+        drop(w);
         Ok(format!(
             "issue of 4 calls {:.3} ms, results on the stream after {:.1} ms; failed call: {}, stream free after {:.1} ms",
             issued.as_secs_f64() * 1e3,

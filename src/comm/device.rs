@@ -533,14 +533,20 @@ impl Communicator {
     /// The non-blocking device collectives: each is queued on the caller's stream and
     /// returns at once with a [`Work`] for host-side completion (see the module docs).
     ///
+    /// The returned [`Enqueue`] makes one call (it is consumed by it).
+    ///
     /// # Safety
-    /// Every buffer passed to a call made through the returned [`Enqueue`] must stay
-    /// allocated — not dropped, and not freed any other way, stream-ordered frees included —
-    /// until that call's [`Work`] has completed ([`Work::wait`] returned, or [`Work::test`]
-    /// said so). If the `Work` is dropped or forgotten before that, or
-    /// [`Work::buffers_may_be_in_use`] says so, the buffers must never be freed
-    /// (`std::mem::forget` them): the library issues copies and kernels on them from its
-    /// progress thread after this call returns. Using them in stream order on `stream`
+    /// Every buffer passed to the call made through the returned [`Enqueue`] must stay
+    /// allocated — not dropped, and not freed any other way, stream-ordered frees
+    /// (`cuMemFreeAsync`, which cudarc's `Drop` calls) included — until the call's [`Work`]
+    /// has completed without leaving device work behind: [`Work::wait`] returned `Ok`, or
+    /// [`Work::test`] / [`Work::wait_timeout`] reported the end (success or error) and
+    /// [`Work::buffers_may_be_in_use`] is `false`. Otherwise — `wait` returned an error (it
+    /// consumes the `Work`, so the flag cannot be read after it), the `Work` was dropped or
+    /// forgotten before its end, or the flag is set — the buffers must never be freed
+    /// (`std::mem::forget` them). The reason: the library issues copies and kernels on them
+    /// from its progress thread while the call runs, after this returns, and CUDA makes work
+    /// issued on freed memory undefined. Using the buffers in stream order on `stream`
     /// (kernels, copies queued there) needs nothing more: that work waits for the call.
     ///
     /// ```no_run
@@ -550,11 +556,16 @@ impl Communicator {
     /// let ctx = dspark::cuda::open_context(0)?;
     /// let stream = ctx.default_stream();
     /// let mut grads = stream.alloc_zeros::<f32>(1 << 20).unwrap();
-    /// // SAFETY: `grads` lives until after `work.wait()` below.
+    /// // SAFETY: `grads` is freed only after the call succeeded, forgotten otherwise.
     /// let work = unsafe { comm.enqueue() }.all_reduce(&mut grads, ReduceOp::Avg, &stream)?;
     /// // ... queue more work on `stream`: it sees the reduced gradients ...
-    /// work.wait()?; // host-side completion (and the operation's error)
-    /// drop(grads); // only now
+    /// match work.wait() {
+    ///     Ok(()) => drop(grads),
+    ///     Err(e) => {
+    ///         std::mem::forget(grads); // the GPU may still be writing it
+    ///         return Err(e);
+    ///     }
+    /// }
     /// # Ok(()) }
     /// ```
     // Declares the callers' contract above; performs no unsafe operation itself.
@@ -687,14 +698,14 @@ impl Communicator {
 }
 
 /// The non-blocking device collectives ([`Communicator::enqueue`], whose safety contract
-/// binds every call made here: buffers stay allocated until the call's `Work` completed).
-/// Each has the semantics,
+/// binds the call made here: buffers stay allocated until the call's `Work` completed). One
+/// value makes one call. Each has the semantics,
 /// arguments and errors of the blocking form of the same name with `_device` (for example
 /// [`Communicator::all_reduce_device`]), is queued on `stream` in issue order with every
 /// other operation of the communicator, and returns at once: work queued on `stream`
 /// afterwards sees its result; [`Work::wait`] / [`Work::test`] give host-side completion and
 /// the error. Argument errors come back at once.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct Enqueue<'c> {
     comm: &'c Communicator,
     /// Run now on the caller's thread (the blocking forms), returning a completed `Work`.

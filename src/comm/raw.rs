@@ -476,10 +476,13 @@ impl Communicator {
     /// `c.send` and `c.recv` are device addresses of `stream`'s GPU, valid for as many
     /// elements of `c.dtype` as the collective uses ([`crate::RawOp`]). Until the collective
     /// is complete on `stream` (the returned [`Work`] completes no earlier): nothing but work
-    /// queued on `stream` after this call may write `c.send` or access `c.recv`, and the
-    /// memory may only be freed in stream order on `stream` after this call (as torch's
-    /// caching allocator does for a tensor whose use was recorded on that stream) or after
-    /// the `Work` completed.
+    /// queued on `stream` after this call may write `c.send` or access `c.recv`. The memory
+    /// must not be returned to CUDA (`cuMemFree`, or `cuMemFreeAsync` even on `stream`: the
+    /// library issues copies on it from its progress thread while the call runs, and CUDA
+    /// makes work issued on freed memory undefined) before the `Work` completed with
+    /// [`Work::buffers_may_be_in_use`] false; a caching allocator may hand it out again in
+    /// stream order on `stream` (torch's does, for a tensor whose use was recorded there:
+    /// the new owner's work queued on `stream` waits for the call).
     ///
     /// # Errors
     /// Argument errors at once; the operation's errors from the [`Work`].

@@ -316,8 +316,11 @@ impl Drop for Ticket {
 /// bookkeeping was done on the caller's stream at issue, so none is done here.
 ///
 /// Only built by the non-blocking device path, whose queued operation owns it while the
-/// caller's stream (and with it every later use or stream-ordered free of the memory) waits
-/// for that operation's doorbell.
+/// caller's stream (and with it every later use of the memory queued there) waits for that
+/// operation's doorbell. A free is another matter: CUDA treats memory as freed when the free
+/// is *issued* on the host, even a stream-ordered one, so the caller must not free it before
+/// the operation's `Work` completed (the contract of `Communicator::enqueue` and of the raw
+/// device entry points).
 #[derive(Debug)]
 pub(crate) struct Raw<T> {
     ptr: CUdeviceptr,

@@ -7,9 +7,6 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nix::sched::{sched_setaffinity, CpuSet};
-use nix::unistd::Pid;
-
 /// Round trips per sample, and samples, of the default measurement.
 pub(crate) const TRIPS: u64 = 1000;
 pub(crate) const SAMPLES: u64 = 15;
@@ -20,10 +17,7 @@ pub(crate) const PAIR_DEADLINE: Duration = Duration::from_millis(200);
 pub(crate) const FAR_US: f64 = 0.2;
 
 fn pin(cpu: usize) -> Result<(), String> {
-    let mut set = CpuSet::new();
-    set.set(cpu)
-        .and_then(|()| sched_setaffinity(Pid::from_raw(0), &set))
-        .map_err(|e| format!("cannot pin a thread to cpu {cpu}: {e}"))
+    crate::bind::bind_to(&[cpu]).map_err(|e| format!("cannot pin a thread to cpu {cpu}: {e}"))
 }
 
 /// Waits until `w` holds at least `v`; `false` once `stop` is set or `until` passed.
@@ -43,10 +37,11 @@ fn wait_for(w: &AtomicU64, v: u64, stop: &AtomicBool, until: Instant) -> bool {
 struct Line(AtomicU64);
 
 /// The round trip (µs) between CPUs `a` and `b`, the fastest of `samples` samples of `trips`:
-/// a thread of this process pinned to `a` starts each trip, a scoped thread pinned to `b`
-/// answers it; both give up at `deadline`. The calling thread's own CPU set is changed (it
-/// runs pinned to `a` afterwards): call it from a thread of its own.
-pub(crate) fn round_trip(
+/// the calling thread, pinned to `a`, starts each trip, a scoped thread pinned to `b` answers
+/// it. At `deadline` both stop: the fastest complete sample so far stands, an error if none
+/// completed. The calling thread's CPU set is changed (it stays pinned to `a`): [`measure`]
+/// runs it on a thread of its own.
+fn round_trip(
     a: usize,
     b: usize,
     trips: u64,
@@ -61,10 +56,14 @@ pub(crate) fn round_trip(
         let answer = std::thread::Builder::new()
             .name(format!("core-pair-{b}"))
             .spawn_scoped(s, || {
-                pin(b)?;
+                if let Err(e) = pin(b) {
+                    // The measuring side stops waiting for answers at once.
+                    stop.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
                 for i in 0..total {
                     if !wait_for(&line.0, 2 * i + 1, &stop, until) {
-                        return Err("no answer in time".to_string());
+                        return Ok(()); // stopped: the other side says why
                     }
                     line.0.store(2 * i + 2, Ordering::Release);
                 }
@@ -73,28 +72,31 @@ pub(crate) fn round_trip(
             .map_err(|e| format!("no thread for cpu {b}: {e}"))?;
         let mine = (|| {
             pin(a)?;
-            let mut best = f64::MAX;
-            for k in 0..samples {
+            let mut best: Option<f64> = None;
+            'samples: for k in 0..samples {
                 let t0 = Instant::now();
                 for i in k * trips..(k + 1) * trips {
                     line.0.store(2 * i + 1, Ordering::Release);
                     if !wait_for(&line.0, 2 * i + 2, &stop, until) {
-                        return Err(format!(
-                            "cpu {b} did not answer within {} ms (busy?)",
-                            deadline.as_millis()
-                        ));
+                        break 'samples;
                     }
                 }
-                best = best.min(t0.elapsed().as_secs_f64() * 1e6 / trips as f64);
+                let us = t0.elapsed().as_secs_f64() * 1e6 / trips as f64;
+                best = Some(best.map_or(us, |b: f64| b.min(us)));
             }
-            Ok(best)
+            best.ok_or_else(|| {
+                format!(
+                    "cpu {b} did not answer {trips} times within {} ms (busy?)",
+                    deadline.as_millis()
+                )
+            })
         })();
         stop.store(true, Ordering::Relaxed);
-        let theirs = answer
+        // The answering side's failure (its pinning) explains the measuring side's.
+        answer
             .join()
-            .unwrap_or_else(|_| Err("its thread failed".into()));
-        let us = mine?;
-        theirs.map(|()| us)
+            .unwrap_or_else(|_| Err("its thread failed".into()))?;
+        mine
     })
 }
 
@@ -113,9 +115,10 @@ pub(crate) fn measure(a: usize, b: usize) -> Result<f64, String> {
 /// "near" or "far" for a round trip, with what it means.
 pub(crate) fn reading(us: f64) -> &'static str {
     if us >= FAR_US {
-        "far: no shared cache (different dies or sockets; on a VM, where the host put the vCPUs)"
+        "far: likely no shared cache — different dies or sockets, or on a VM where the host put \
+         the vCPUs"
     } else {
-        "near: a shared cache"
+        "near: likely a shared cache"
     }
 }
 

@@ -1,13 +1,14 @@
 //! The doctor's core-to-core distances: how long one cache line takes to go from a CPU to
 //! another and back. Two threads, pinned to the two CPUs, pass a counter in one cache line
 //! back and forth; a pair's round trip is the fastest of 15 samples of 1 000 round trips
-//! (the distance, not the noise: a sample the scheduler interrupted is slower, never faster;
-//! `bench/distance.rs`, which dspark-bench's header shares). Every small message between two ranks on one host over shared memory
-//! pays it: on the 2-vCPU VM this project is developed on, the host moved the two vCPUs
-//! between cores sharing a cache (0.045 µs) and cores on different dies (0.35 µs) within
-//! minutes, and dspark's 8-byte all_reduce over shared memory took 0.16 and 0.3 µs with
-//! them (`benches/RESULTS.md`, "stop 32"). On a VM that placement is the host's and can
-//! change between runs; on bare metal it is the machine's topology (sockets, dies).
+//! (the distance, not the noise: a sample the scheduler interrupted is slower, never
+//! faster), measured by `bench/distance.rs`, which dspark-bench's header shares. Every small
+//! message between two ranks on one host over shared memory pays it: on the 2-vCPU VM this
+//! project is developed on, the host moved the two vCPUs between cores sharing a cache
+//! (0.045 µs) and cores on different dies (0.35 µs) within minutes, and dspark's 8-byte
+//! all_reduce over shared memory took 0.16 and 0.34 µs with them (`benches/RESULTS.md`,
+//! "stop 32"). On a VM that placement is the host's and can change between runs; on bare
+//! metal it is the machine's topology (sockets, dies).
 
 use serde::Serialize;
 
@@ -112,18 +113,25 @@ pub(super) fn verdict(pairs: &[CorePair], levels: &[Level]) -> String {
         .take(8)
         .map(|p| format!("{}-{}", p.a, p.b))
         .collect();
+    let missing = pairs.iter().filter(|p| p.round_trip_us.is_none()).count();
+    let missing = if missing > 0 {
+        format!(" ({missing} pair(s) not measured)")
+    } else {
+        String::new()
+    };
     let vm = " (on a VM that is where the host put the vCPUs, and it can change from one run \
               to the next)";
     if near.round_trip_us >= FAR_US {
         format!(
-            "every pair is far apart ({:.3} µs or more: no shared cache, different dies or \
-             sockets){vm}: small messages between ranks on these CPUs pay it on every step",
+            "every pair is far apart ({:.3} µs or more: likely no shared cache, different dies \
+             or sockets){vm}{missing}: small messages between ranks on these CPUs pay it on \
+             every step",
             near.round_trip_us
         )
     } else if far.round_trip_us >= FAR_US {
         format!(
-            "{} distances, {:.3} to {:.3} µs; far pairs: {}: put ranks that talk most on near \
-             CPUs (`--bind`, taskset){vm}",
+            "{} distances, {:.3} to {:.3} µs; far pairs: {}{missing}: put ranks that talk most \
+             on near CPUs (mpirun --bind-to, taskset, dspark-bench --bind){vm}",
             levels.len(),
             near.round_trip_us,
             far.round_trip_us,
@@ -131,12 +139,12 @@ pub(super) fn verdict(pairs: &[CorePair], levels: &[Level]) -> String {
         )
     } else if levels.len() == 1 {
         format!(
-            "near: every pair shares a cache ({:.3} µs)",
+            "near: every pair likely shares a cache ({:.3} µs){missing}",
             near.round_trip_us
         )
     } else {
         format!(
-            "near: every pair shares a cache ({:.3} to {:.3} µs)",
+            "near: every pair likely shares a cache ({:.3} to {:.3} µs){missing}",
             near.round_trip_us, far.round_trip_us
         )
     }
@@ -237,9 +245,18 @@ mod tests {
     fn the_verdict_says_near_far_or_not_measured() {
         let near = [pair(0, 1, Some(0.045))];
         let v = verdict(&near, &levels(&near));
-        assert!(
-            v.starts_with("near: every pair shares a cache (0.045"),
-            "{v}"
+        assert_eq!(v, "near: every pair likely shares a cache (0.045 µs)");
+        let two = [pair(0, 1, Some(0.04)), pair(0, 2, Some(0.12))];
+        let v = verdict(&two, &levels(&two));
+        assert_eq!(
+            v,
+            "near: every pair likely shares a cache (0.040 to 0.120 µs)"
+        );
+        let part = [pair(0, 1, Some(0.04)), pair(0, 2, None)];
+        let v = verdict(&part, &levels(&part));
+        assert_eq!(
+            v,
+            "near: every pair likely shares a cache (0.040 µs) (1 pair(s) not measured)"
         );
         let far = [pair(0, 1, Some(0.35))];
         let v = verdict(&far, &levels(&far));

@@ -9,8 +9,6 @@
 
 use std::time::{Duration, Instant};
 
-use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
-use nix::unistd::Pid;
 use serde::Serialize;
 
 use super::kv;
@@ -103,11 +101,7 @@ fn read_steal() -> Option<(u64, u64)> {
 
 /// Watches one CPU: pins this thread to it and spins on the clock until `until`.
 fn watch(cpu: usize, until: Instant) -> CpuGaps {
-    let mut set = CpuSet::new();
-    let pinned = set
-        .set(cpu)
-        .and_then(|()| sched_setaffinity(Pid::from_raw(0), &set));
-    if let Err(e) = pinned {
+    if let Err(e) = crate::bind::bind_to(&[cpu]) {
         return CpuGaps {
             cpu,
             error: Some(format!("cannot pin a thread to it: {e}")),
@@ -196,13 +190,9 @@ pub(super) fn verdict(
 
 /// The CPUs this process may run on (at most [`MAX_CPUS`], the first of them).
 pub(super) fn allowed_cpus() -> Vec<usize> {
-    match sched_getaffinity(Pid::from_raw(0)) {
-        Ok(set) => (0..CpuSet::count())
-            .filter(|&c| set.is_set(c).unwrap_or(false))
-            .take(MAX_CPUS)
-            .collect(),
-        Err(_) => Vec::new(),
-    }
+    let mut v = crate::bind::allowed();
+    v.truncate(MAX_CPUS);
+    v
 }
 
 /// Watches every CPU of `allowed` at once for [`PROBE_MS`].
