@@ -596,9 +596,7 @@ impl Communicator {
         // SAFETY: the caller's contract.
         unsafe { self.start_raw_device_on_stream(c, device, stream, false) }
     }
-}
 
-impl Communicator {
     /// [`Communicator::start_raw_device_with`] on the CUDA stream whose handle is `stream`,
     /// of GPU `device`'s primary context (the process's wrapper of it), borrowed: the
     /// wrapper never destroys it.

@@ -74,15 +74,33 @@ pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     // One wrapper per GPU for the process: cudarc synchronizes a context when the first
     // stream of a wrapper is made, which would wait (without a deadline) for a stream parked
     // on another communicator's queued call if every communicator opened its own.
-    static OPEN: std::sync::Mutex<Vec<(usize, Arc<CudaContext>)>> =
-        std::sync::Mutex::new(Vec::new());
-    let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, c)) = open.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(Arc::clone(c));
+    static OPEN: PerProcess<CudaContext> = PerProcess::new();
+    OPEN.get_or_make(ordinal, || {
+        CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))
+    })
+}
+
+/// One value per key for the whole process, made by the first caller that asks (under the
+/// lock, so it is made once): the CUDA context wrappers and the loaded reduction kernels.
+struct PerProcess<T>(std::sync::Mutex<Vec<(usize, Arc<T>)>>);
+
+impl<T> PerProcess<T> {
+    const fn new() -> Self {
+        PerProcess(std::sync::Mutex::new(Vec::new()))
     }
-    let c = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-    open.push((ordinal, Arc::clone(&c)));
-    Ok(c)
+
+    fn get_or_make(&self, key: usize, make: impl FnOnce() -> Result<Arc<T>>) -> Result<Arc<T>> {
+        let mut all = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, v)) = all.iter().find(|(k, _)| *k == key) {
+            return Ok(Arc::clone(v));
+        }
+        let v = make()?;
+        all.push((key, Arc::clone(&v)));
+        Ok(v)
+    }
 }
 
 /// The reduction kernels loaded on one GPU, ready to launch on any stream of its context.
@@ -105,17 +123,11 @@ impl GpuReducer {
     /// device call (torch's point-to-point groups, `new_group`) loads no module while calls
     /// of others may keep a stream waiting, and the kernels are compiled and loaded once.
     pub fn shared(ctx: &Arc<CudaContext>, disk: &DiskCache) -> Result<Arc<GpuReducer>> {
-        static LOADED: std::sync::Mutex<Vec<(usize, Arc<GpuReducer>)>> =
-            std::sync::Mutex::new(Vec::new());
+        static LOADED: PerProcess<GpuReducer> = PerProcess::new();
         // The context's handle names it (two wrappers of one primary context share it).
-        let key = ctx.cu_ctx() as usize;
-        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, r)) = loaded.iter().find(|(k, _)| *k == key) {
-            return Ok(Arc::clone(r));
-        }
-        let r = Arc::new(GpuReducer::with_cache(ctx, disk)?);
-        loaded.push((key, Arc::clone(&r)));
-        Ok(r)
+        LOADED.get_or_make(ctx.cu_ctx() as usize, || {
+            Ok(Arc::new(GpuReducer::with_cache(ctx, disk)?))
+        })
     }
 
     /// [`GpuReducer::new`] with an explicit disk cache choice.

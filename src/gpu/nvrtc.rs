@@ -669,12 +669,8 @@ pub fn compile(
     let nvrtc_version = version()?;
     // Keyed by the options NVRTC gets: an image cached without `--no-cache` (and maybe
     // without ptxas's report) is not taken for one made with it.
-    let key = CacheKey::new(
-        source,
-        nvrtc_version,
-        arch,
-        &with_no_cache(options, nvrtc_version),
-    );
+    let nvrtc_options = with_no_cache(options, nvrtc_version);
+    let key = CacheKey::new(source, nvrtc_version, arch, &nvrtc_options);
     let cache = process_cache();
     if let Some(hit) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
         let mut c = (*hit).clone();
@@ -685,7 +681,7 @@ pub fn compile(
     let dir = disk.dir();
     let path = dir.as_ref().map(|d| d.join(key.file_name(name)));
     let mut all_options = vec![arch.option()];
-    all_options.extend(with_no_cache(options, nvrtc_version));
+    all_options.extend(nvrtc_options);
     let compiled = match path
         .as_ref()
         .and_then(|p| read_disk(p, &key).map(|e| (p, e)))

@@ -586,6 +586,11 @@ impl Marks {
         let ev = match spare.pop() {
             Some(ev) => ev,
             None if self.pending.is_empty() => {
+                // Not reached with the events made with the pool (they come back as marks
+                // are reached); said, since creating one can wait on a CUDA lock.
+                tracing::warn!(
+                    "no spare CUDA event for a device progress mark: making one while a call runs"
+                );
                 ctx.new_event(None).map_err(driver_err("cuEventCreate"))?
             }
             None => self.reuse_oldest(spare)?,
