@@ -8,6 +8,8 @@
 #   ALGOS=default PEERS=ompi OMPI_ARGS="--bind-to core" bash benches/link_bed.sh   # Open MPI, own args
 #   RUNS=3 bash benches/link_bed.sh                            # passes, peers' order alternated
 #   BENCH_BEFORE=/tmp/old-dspark-bench ALGOS="default default@before hier hier@before" bash benches/link_bed.sh
+#   ALGOS="default default~DSPARK_SPIN_US=5 ring~DSPARK_SPIN_US=5,DSPARK_SEGMENT_BYTES=262144" bash benches/link_bed.sh
+#       # NAME~K=V[,K=V]: the same contender with environment knobs, interleaved with the rest
 #
 # Every host is a network namespace; its ranks get DSPARK_HOST_ID=<host> (so ranks of one host
 # use shared memory, /dev/shm being common to all namespaces) and reach the other hosts only
@@ -91,11 +93,13 @@ contender() { # rate name -> appends rows
     local rate=$1 who=$2 label="$1-$2-pass$pass"
     log "$rate $who (load $(cut -d' ' -f1-3 /proc/loadavg))"
     echo "$rate $who $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/load.log"
-    local ok=0 bench=$BENCH algo=${who%%@*}
+    local ok=0 bench=$BENCH algo=${who%%[@~]*} knobs=()
     # NAME@before: the same contender with $BENCH_BEFORE (before/after, interleaved in one run).
     if [[ $who == *@* ]]; then bench=${BENCH_BEFORE:?"$who needs BENCH_BEFORE"}; fi
+    # NAME~K=V,K=V: the same contender with these in every rank's environment.
+    if [[ $who == *~* ]]; then IFS=, read -ra knobs <<< "${who#*~}"; fi
     case $algo in
-    default) run_ranks "$label" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
+    default) run_ranks "$label" env "${knobs[@]}" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
     gloo)
         if [ -z "$PY" ]; then log "  gloo: no python with torch (set DSPARK_TORCH_VENV or PY)"; return; fi
         run_ranks "$label" "$PY" "$ROOT/benches/link_bed_gloo.py" --peer gloo --sizes "$SIZES" && ok=1 ;;
@@ -106,7 +110,7 @@ contender() { # rate name -> appends rows
             return
         fi
         run_ompi "$label" "$mpirun" && ok=1 ;;
-    *) run_ranks "$label" env DSPARK_ALGO="$algo" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
+    *) run_ranks "$label" env "${knobs[@]}" DSPARK_ALGO="$algo" "$bench" --peer-rows "$who" --sizes "$SIZES" && ok=1 ;;
     esac
     if (( ok )); then
         sed "s/^/$rate,/" "$OUT/$label.rank0.out" | grep -v '^$' >> "$OUT/rows.csv" || true

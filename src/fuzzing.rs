@@ -35,6 +35,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::bootstrap::msg::{self, Hello, PeerHello, Reject, Reply};
 use crate::bootstrap::PeerInfo;
+use crate::comm::setup::crowd::{Seat, MAX_CPU};
 use crate::comm::setup::offer::{mode_of, Confirm, SegOffer, ShmOffer, VerbsOffer};
 use crate::config::{join_host_port, parse_size, split_host_port, Config, TransportChoice};
 use crate::path::PathPolicy;
@@ -66,6 +67,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("setup_shm_offer", setup_shm_offer),
     ("setup_verbs_offer", setup_verbs_offer),
     ("setup_confirm", setup_confirm),
+    ("setup_seat", setup_seat),
     ("shm_seg_info", shm_seg_info),
     ("split_record", split_record),
     ("tune_file", tune_file),
@@ -707,6 +709,18 @@ pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
             out.extend_from_slice(&b);
             out
         }
+        "setup_seat" => {
+            let cpus = (0..r.below(6))
+                .map(|_| {
+                    let a = r.below(MAX_CPU / 2);
+                    (a, a + r.below(40))
+                })
+                .collect();
+            let v = Seat::new(text(r, 40), cpus);
+            let b = v.encode();
+            assert_eq!(Seat::decode(&b), v);
+            b
+        }
         "setup_confirm" => {
             let v = if r.below(2) == 0 {
                 Confirm::Ok
@@ -956,6 +970,21 @@ pub fn setup_verbs_offer(data: &[u8]) {
 pub fn setup_confirm(data: &[u8]) {
     let c = Confirm::decode(data);
     assert_eq!(Confirm::decode(&c.encode()), c, "confirmation changed");
+}
+
+/// A rank's seat (its kernel's boot id and allowed CPUs, all-gathered at init). Total, and
+/// never more than [`MAX_CPU`] CPUs whatever the text; what decodes re-encodes to itself.
+pub fn setup_seat(data: &[u8]) {
+    let s = Seat::decode(data);
+    assert!(
+        s.cpus.iter().all(|&(a, b)| a <= b && b < MAX_CPU),
+        "a range out of bounds"
+    );
+    assert!(
+        s.cpus.windows(2).all(|w| w[0].1 + 1 < w[1].0),
+        "ranges not sorted, disjoint and apart"
+    );
+    assert_eq!(Seat::decode(&s.encode()), s, "seat changed on re-encoding");
 }
 
 fn shm_offer_value(r: &mut dyn Rng) -> ShmOffer {

@@ -29,6 +29,15 @@ pub mod transport;
 
 pub use crate::comm::work;
 
+/// Where ranks sit: affinity masks, kernel CPU lists, and who shares whose CPUs (setup's
+/// `crowd.rs`; dspark-bench's and the doctor's binding use the same lists).
+pub mod cpus {
+    pub use crate::comm::setup::crowd::{
+        allowed, count, crowd, format_list, format_ranges, parse_list, parse_ranges, ranges_of,
+        Crowd, Ranges, Seat, MAX_CPU,
+    };
+}
+
 /// The job's secret: the per-job secret a spawner gives its children, and the variables.
 pub mod trust {
     pub use crate::config::trust::{spawner_secret, SPAWNER_SECRET_ENV, TOKEN_ENV, TOKEN_FILE_ENV};

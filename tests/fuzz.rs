@@ -12,6 +12,7 @@
 //! | the verbs connection blob; clear-to-send entries, immediates, work-request ids | `verbs_blob`, `verbs_words` |
 //! | the cost model rank 0 broadcasts (`plan::model::wire`: `decode` is its only decoder) | `plan_cost_model` |
 //! | the transport negotiation: shm offer, verbs offer, confirmation | `setup_shm_offer`, `setup_verbs_offer`, `setup_confirm` |
+//! | a rank's seat: its kernel's boot id and allowed CPUs (all-gathered at init) | `setup_seat` |
 //! | shared-memory segment info (`SegInfo`, all-gathered at init) | `shm_seg_info` |
 //! | a peer's shared segment: header words (checked when mapped), ring counters and frames, `status` words and abort message, the published `tail` (stateful: two real ranks per input) | `shm_ring` |
 //! | a split's all-gathered record (colour, key, the new group's leader address) | `split_record` |
@@ -336,6 +337,11 @@ fn fuzz_setup_verbs_offer() {
 #[test]
 fn fuzz_setup_confirm() {
     fuzz("setup_confirm");
+}
+
+#[test]
+fn fuzz_setup_seat() {
+    fuzz("setup_seat");
 }
 
 #[test]

@@ -545,7 +545,8 @@ impl PyComm {
     }
 
     /// Facts about the connections: transport, each connection's transport, why not a faster
-    /// one, hosts, timeout, data-path policy, what init allocated for GPUDirect
+    /// one, hosts, whether this rank shares its CPUs with other ranks (`cpu_sharing`, and the
+    /// spin that follows from it: `spin_us`, `spin_yields`), timeout, data-path policy, what init allocated for GPUDirect
     /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in
     /// words: "job secret from the spawner", "token file /path", "secret published in the
     /// store", "open: any host that reaches port P can join", ...).
@@ -563,6 +564,9 @@ impl PyComm {
         d.set_item("peer_transports", peers)?;
         d.set_item("hosts", i.hosts.clone())?;
         d.set_item("local_ranks", i.local_ranks)?;
+        d.set_item("cpu_sharing", &i.cpu_sharing)?;
+        d.set_item("spin_us", i.spin.as_secs_f64() * 1e6)?;
+        d.set_item("spin_yields", i.spin_yields)?;
         d.set_item("timeout", i.timeout.as_secs_f64())?;
         d.set_item("segment_bytes", i.segment_bytes)?;
         d.set_item("data_path", i.data_path.to_string())?;

@@ -77,8 +77,15 @@ pub struct CommInfo {
     pub intra_host: Vec<TransportKind>,
     /// The transport between ranks of different hosts.
     pub inter_host: TransportKind,
+    /// The ranks that share this rank's CPUs, in words: `4 ranks on CPUs 0-1 (2 CPUs):
+    /// oversubscribed`, `no other rank on its CPUs (3)`. Counted over every rank's kernel
+    /// (boot id) and affinity mask, so "hosts" that are namespaces or containers of one
+    /// machine count together; oversubscribed ranks spin briefly and yield the CPU meanwhile.
+    pub cpu_sharing: String,
     /// Busy-poll time before blocking.
     pub spin: Duration,
+    /// Whether that poll yields the CPU at every pass (oversubscribed ranks).
+    pub spin_yields: bool,
     /// Pipeline segment size.
     pub segment_bytes: usize,
     /// Deadline of blocking calls.

@@ -58,8 +58,9 @@ pub fn spin_adapts(base: Duration) -> bool {
 /// twice its length (at most [`ADAPTED_SPIN_MAX`]), which outlasts the other rank's
 /// wake-up and puts the pair back in step within two calls. Past the configured spin they
 /// yield the CPU at every pass ([`Pacer::after_pass`]): a busy spin of milliseconds held the
-/// core that a peer needed where ranks outnumber the cores unnoticed (benches/link_bed.sh,
-/// 4 ranks on 2 cores: a 1 KiB all_reduce 2.1 ms instead of 90 µs); yielding, 71 µs. Each
+/// core that a peer needed where ranks shared cores unnoticed (benches/link_bed.sh, 4 ranks on
+/// 2 cores before setup counted ranks per kernel, `crowd.rs`: a 1 KiB all_reduce 2.1 ms
+/// instead of 90 µs); yielding, 71 µs. Each
 /// call that did not sleep gives back an eighth of the excess, so a spin of 2 ms is back
 /// near the configured one after some 50 calls. A configured spin of 0 (never spin) stays 0.
 ///

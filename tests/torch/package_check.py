@@ -67,6 +67,13 @@ def expect_raises(cls, fn, what):
 comm = dspark.Communicator.from_env()
 check(comm.rank == RANK and comm.world_size == N, "rank/world")
 check(comm.info()["transport"] in ("tcp", "verbs", "mem", "shm"), f"info {comm.info()}")
+info = comm.info()
+check(
+    isinstance(info["cpu_sharing"], str)
+    and info["spin_yields"] == ("oversubscribed" in info["cpu_sharing"])
+    and info["spin_us"] >= 0,
+    f"cpu sharing and spin {info}",
+)
 
 REDUCE = {
     "sum": lambda xs: np.sum(xs, axis=0, dtype=xs[0].dtype),

@@ -6,8 +6,10 @@
 use std::path::Path;
 
 use clap::ValueEnum;
-use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::sched::{sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
+
+pub(crate) use dspark::internals::cpus::{allowed, format_list, parse_list};
 
 /// Environment variable that carries a spawned rank's CPUs (`0,2`), set by the parent.
 pub(crate) const CPUS_ENV: &str = "DSPARK_BENCH_CPUS";
@@ -49,16 +51,6 @@ impl Bind {
     }
 }
 
-/// The CPUs this process may run on.
-pub(crate) fn allowed() -> Vec<usize> {
-    match sched_getaffinity(Pid::from_raw(0)) {
-        Ok(set) => (0..CpuSet::count())
-            .filter(|&c| set.is_set(c).unwrap_or(false))
-            .collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
 /// Binds this process to `cpus`.
 pub(crate) fn bind_to(cpus: &[usize]) -> Result<(), String> {
     let mut set = CpuSet::new();
@@ -66,46 +58,6 @@ pub(crate) fn bind_to(cpus: &[usize]) -> Result<(), String> {
         set.set(c).map_err(|e| format!("cpu {c}: {e}"))?;
     }
     sched_setaffinity(Pid::from_raw(0), &set).map_err(|e| format!("sched_setaffinity: {e}"))
-}
-
-/// Parses a kernel CPU list (`0-3,8,10-11`).
-pub(crate) fn parse_list(s: &str) -> Vec<usize> {
-    let mut v = Vec::new();
-    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    if b >= a && b - a < 1 << 16 {
-                        v.extend(a..=b);
-                    }
-                }
-            }
-            None => v.extend(part.trim().parse::<usize>().ok()),
-        }
-    }
-    v
-}
-
-/// Formats CPUs as a kernel CPU list (`0-3,8`).
-pub(crate) fn format_list(cpus: &[usize]) -> String {
-    let mut v = cpus.to_vec();
-    v.sort_unstable();
-    v.dedup();
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < v.len() {
-        let mut j = i;
-        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i {
-            format!("{}-{}", v[i], v[j])
-        } else {
-            v[i].to_string()
-        });
-        i = j + 1;
-    }
-    out.join(",")
 }
 
 fn read(p: impl AsRef<Path>) -> Option<String> {
@@ -232,10 +184,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cpu_lists_parse_and_format() {
-        assert_eq!(parse_list("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(format_list(&[11, 0, 1, 2, 3, 8, 10]), "0-3,8,10-11");
-        assert_eq!(parse_list("junk,5"), vec![5]);
+    fn cpu_words_round_trip() {
         assert_eq!(
             from_words(&to_words(&[0, 63, 64, 1023])),
             vec![0, 63, 64, 1023]

@@ -139,11 +139,13 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
         println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
     }
     println!(
-        "# ranks     : {n} on {} host(s) [{}]; {} on this host; spin {} µs{} then block; segment {}; timeout {:?}",
+        "# ranks     : {n} on {} host(s) [{}]; {} on this host; {}; spin {} µs{}{} then block; segment {}; timeout {:?}",
         uniq.len(),
         uniq.join(", "),
         info.local_ranks,
+        info.cpu_sharing,
         info.spin.as_micros(),
+        if info.spin_yields { " yielding" } else { "" },
         if spin_adapts(info.spin) {
             format!(
                 " (up to {} ms, yielding, after a wait that slept and was woken soon after)",

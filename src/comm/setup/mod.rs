@@ -45,6 +45,7 @@ use crate::transport::mixed::{self, MixedTransport};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::{Transport, TransportKind};
 
+pub(crate) mod crowd;
 mod negotiate;
 pub(crate) mod offer;
 mod probe;
@@ -61,6 +62,8 @@ struct Facts {
     data_ip: Option<std::net::IpAddr>,
     hosts: Vec<String>,
     local_ranks: usize,
+    /// The ranks that share this rank's CPUs, in words ([`crowd::Crowd::describe`]).
+    cpu_sharing: String,
     /// Per rank, the transport among its host's ranks, when it is not the communicator's
     /// transport for every pair (mixed communicators).
     intra_host: Option<Vec<TransportKind>>,
@@ -194,21 +197,7 @@ fn host_cores() -> usize {
         .flatten()
         .and_then(|n| usize::try_from(n).ok())
         .filter(|&n| n > 0)
-        .unwrap_or_else(cores)
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// Whether `local` ranks on a host of `host` online cores, this one allowed `allowed` of them
-/// (its affinity mask), share cores: more ranks than the host has, or than the several CPUs
-/// this rank is confined to (`taskset -c 0,1` for four ranks). A rank bound to one core
-/// (`allowed` 1: mpirun's and `dspark-bench`'s binding, each rank its own core) counts the
-/// host's: counting its mask made 2 ranks bound to 2 cores look oversubscribed, so they
-/// yielded the CPU (a `sched_yield` per poll) while waiting for each other.
-fn oversubscribed(local: usize, host: usize, allowed: usize) -> bool {
-    local > host || (allowed > 1 && local > allowed)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// File descriptors a rank of a world of `world` may hold at once: rank 0 holds a
@@ -297,7 +286,13 @@ impl Communicator {
         let (mut boot, mut streams) = bootstrap::rendezvous_with(&boot_opts, root, Some(&links))?;
         let shrink_door = super::shrink::Door::open(&mut boot, &mut streams, &config)?;
         let local = boot.local_ranks();
-        let oversubscribed = oversubscribed(local, host_cores(), cores());
+        // Whether this rank shares its CPUs: every rank's kernel and affinity mask (crowd.rs).
+        let seats: Vec<crowd::Seat> = boot
+            .all_gather(&mut streams, &crowd::Seat::mine().encode())?
+            .iter()
+            .map(|b| crowd::Seat::decode(b))
+            .collect();
+        let crowd = crowd::crowd(config.rank, &seats, local, host_cores());
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
         let Chosen {
             transport,
@@ -347,7 +342,7 @@ impl Communicator {
         }
         let opts = engine_options(
             &config,
-            oversubscribed,
+            crowd.oversubscribed(),
             plan::uniform_per_host(&hosts),
             model,
         );
@@ -361,6 +356,7 @@ impl Communicator {
             data_ip,
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
+            cpu_sharing: crowd.describe(),
             intra_host,
             transport_reason: reason,
             model_source: model_source.clone(),
@@ -471,6 +467,7 @@ impl Communicator {
             data_ip: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
+            cpu_sharing: "threads of one process (not counted)".into(),
             intra_host: None,
             transport_reason: None,
             model_source: "defaults".into(),
@@ -520,7 +517,9 @@ impl Communicator {
             cost_model: format!("{} ({})", opts.model, facts.model_source),
             hosts: facts.hosts,
             local_ranks: facts.local_ranks,
+            cpu_sharing: facts.cpu_sharing,
             spin: opts.spin,
+            spin_yields: opts.yield_while_spinning,
             segment_bytes: opts.segment_bytes,
             timeout: opts.timeout,
             data_path: facts.data_path,
@@ -733,18 +732,5 @@ mod tests {
         assert_eq!(raised_nofile(20_000, 20_000, 8256), None);
         assert_eq!(raised_nofile(4096, 4096, 8256), None);
         assert_eq!(raised_nofile(1024, 524_288, 200), None);
-    }
-
-    #[test]
-    fn ranks_bound_one_per_core_are_not_oversubscribed_and_ranks_confined_together_are() {
-        // 2 ranks on 2 cores, each bound to its own (mask of 1): not sharing.
-        assert!(!oversubscribed(2, 2, 1));
-        // Unbound: the host's cores decide.
-        assert!(!oversubscribed(2, 2, 2));
-        assert!(oversubscribed(4, 2, 2));
-        assert!(oversubscribed(4, 2, 1));
-        // Four ranks confined to 2 of 64 CPUs share them.
-        assert!(oversubscribed(4, 64, 2));
-        assert!(!oversubscribed(4, 64, 1));
     }
 }

@@ -1,0 +1,149 @@
+//! Whether ranks share CPUs (`src/comm/setup/crowd.rs`), end to end: ranks are processes of
+//! this test binary, each binding itself to the CPUs in `BIND_CPUS` before init, on
+//! `DSPARK_HOST_ID` "hosts" of one kernel (loopback). Checked, on every rank:
+//! - two ranks bound to one CPU are oversubscribed (their spin yields the CPU), also when
+//!   they are two "hosts" over TCP (each host counts one rank; the kernel is the same);
+//! - ranks bound to CPUs of their own are not (their spin does not yield);
+//! - in one communicator, the ranks on a shared CPU are and the one alone is not;
+//! - the words in `CommInfo::cpu_sharing` say it;
+//! - allreduce is exact either way (against the closed-form sum).
+//!
+//! Needs 2 CPUs this process may use for the cases with a CPU each; prints why it skips them
+//! otherwise (`taskset -c 0,1 cargo test --test crowd` runs them on any machine with 2).
+
+mod common;
+
+use std::time::Duration;
+
+use common::procs::{assert_all, rank_entry, spawn, vars, OK};
+use dspark::{Communicator, ReduceOp};
+use nix::sched::{sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
+
+/// Entry point of a rank process. In a normal test run (no scenario set) it returns at once.
+#[test]
+fn rank_process() {
+    rank_entry(run_scenario);
+}
+
+fn run_scenario(_: &str) -> Result<i32, String> {
+    let cpus = dspark::internals::cpus::parse_list(&std::env::var("BIND_CPUS").unwrap_or_default());
+    let mut set = CpuSet::new();
+    for &c in &cpus {
+        set.set(c).map_err(|e| format!("cpu {c}: {e}"))?;
+    }
+    sched_setaffinity(Pid::from_raw(0), &set).map_err(|e| format!("binding to {cpus:?}: {e}"))?;
+    let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
+    let info = comm.info();
+    let want_shared = std::env::var("WANT_SHARED").unwrap_or_default() == "yes";
+    let words = &info.cpu_sharing;
+    if info.spin_yields != want_shared || words.contains("oversubscribed") != want_shared {
+        return Err(format!(
+            "rank {} on CPUs {cpus:?}: want shared={want_shared}, the spin yields={}, it says: \
+             {words}",
+            comm.rank(),
+            info.spin_yields
+        ));
+    }
+    if let Ok(want) = std::env::var("WANT_WORDS") {
+        if !words.contains(&want) {
+            return Err(format!(
+                "rank {}: {words:?} does not say {want:?}",
+                comm.rank()
+            ));
+        }
+    }
+    // Exact either way: every rank contributes rank + i, an odd count.
+    let n = comm.world_size();
+    let count = 1001;
+    let mut v: Vec<f32> = (0..count).map(|i| (comm.rank() + i) as f32).collect();
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce: {e}"))?;
+    let rank_sum = (n * (n - 1) / 2) as f32;
+    for (i, x) in v.iter().enumerate() {
+        let want = rank_sum + (n * i) as f32;
+        if *x != want {
+            return Err(format!("element {i}: {x}, want {want}"));
+        }
+    }
+    Ok(OK)
+}
+
+/// Runs one rank per entry of `ranks` (host id, CPUs, whether it must find its CPUs shared,
+/// words its description must hold).
+fn run(ranks: &[(&'static str, &'static str, bool, &'static str)], what: &str) {
+    let outs = spawn(
+        ranks.len(),
+        "crowd",
+        &|r| {
+            let (host, cpus, shared, words) = ranks[r];
+            let mut v = vars(&[
+                ("DSPARK_TRANSPORT", "auto"),
+                ("DSPARK_HOST_ID", host),
+                ("DSPARK_TIMEOUT", "60"),
+                ("BIND_CPUS", cpus),
+                ("WANT_SHARED", if shared { "yes" } else { "no" }),
+            ]);
+            if !words.is_empty() {
+                v.extend(vars(&[("WANT_WORDS", words)]));
+            }
+            v
+        },
+        None,
+    )
+    .wait(Duration::from_secs(90));
+    assert_all(&outs, OK, what);
+}
+
+/// The first two CPUs this process may use, or why the test cannot run.
+fn two_cpus() -> Option<(String, String)> {
+    let cpus = dspark::internals::cpus::allowed();
+    if cpus.len() < 2 {
+        println!(
+            "skipped: needs 2 CPUs this process may use, has {cpus:?} (taskset -c 0,1 cargo \
+             test --test crowd on a machine with 2)"
+        );
+        return None;
+    }
+    Some((cpus[0].to_string(), cpus[1].to_string()))
+}
+
+fn leak(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
+
+#[test]
+fn two_hosts_of_one_kernel_bound_to_one_cpu_share_it() {
+    let cpu = leak(dspark::internals::cpus::allowed()[0].to_string());
+    let words = leak(format!("2 ranks on CPU {cpu}: oversubscribed"));
+    // Hosts "a" and "b": each counts one rank of its own; over TCP.
+    run(
+        &[("a", cpu, true, words), ("b", cpu, true, words)],
+        "two hosts, one CPU",
+    );
+    // One host: shared memory.
+    run(
+        &[("a", cpu, true, words), ("a", cpu, true, words)],
+        "one host, one CPU",
+    );
+}
+
+#[test]
+fn ranks_on_cpus_of_their_own_do_not_share_and_a_shared_cpu_is_told_apart() {
+    let Some((c0, c1)) = two_cpus() else { return };
+    let (c0, c1) = (leak(c0), leak(c1));
+    let alone = leak(format!("no other rank on its CPUs ({c1})"));
+    run(
+        &[("a", c0, false, ""), ("b", c1, false, alone)],
+        "two hosts, a CPU each",
+    );
+    // Ranks 0 and 1 on the first CPU, rank 2 alone on the second; two of them on host "b".
+    run(
+        &[
+            ("a", c0, true, ""),
+            ("b", c0, true, ""),
+            ("b", c1, false, alone),
+        ],
+        "a shared CPU and one alone",
+    );
+}
