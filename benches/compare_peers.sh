@@ -9,6 +9,7 @@
 #   MODES="shm tcp" NPS=2 bash benches/compare_peers.sh   # + dspark and Open MPI over shared memory
 #   VARIANTS="spin5:DSPARK_SPIN_US=5 spin20:DSPARK_SPIN_US=20" bash benches/compare_peers.sh
 #       # + dspark with knobs, interleaved with the rest: rows dspark_<mode>_<label>, one column each
+#   BENCH_BEFORE=/tmp/old/dspark-bench bash benches/compare_peers.sh   # + another build: column "before"
 #
 # Uses the peer benchmarks in $PEERS_DIR (default ../shared/peers next to the repository):
 # same sizes, same method (median of samples of K back-to-back allreduces, max over ranks,
@@ -60,6 +61,9 @@ for pass in $(seq 1 "$RUNS"); do
             case $who in
             dspark) for m in $MODES; do
                     run "dspark_${m}_np$np" "$BENCH" --peer-rows "dspark_$m" --ranks "$np" --transport "$m" --sizes "$SIZES"
+                    if [ -n "${BENCH_BEFORE:-}" ]; then
+                        run "dspark_${m}_before_np$np" "$BENCH_BEFORE" --peer-rows "dspark_${m}_before" --ranks "$np" --transport "$m" --sizes "$SIZES"
+                    fi
                     for v in $VARIANTS; do
                         IFS=, read -ra kv <<< "${v#*:}"
                         run "dspark_${m}_${v%%:*}_np$np" env "${kv[@]}" "$BENCH" --peer-rows "dspark_${m}_${v%%:*}" --ranks "$np" --transport "$m" --sizes "$SIZES"
@@ -75,7 +79,7 @@ done
 python3 "$PEERS_DIR/summarize.py" "$OUT" > "$OUT/summary.csv"
 cat "$OUT/summary.csv"
 echo
-VARIANT_LABELS=$(for v in $VARIANTS; do printf '%s ' "${v%%:*}"; done) python3 - "$OUT/summary.csv" <<'PY'
+VARIANT_LABELS=$([ -n "${BENCH_BEFORE:-}" ] && printf 'before '; for v in $VARIANTS; do printf '%s ' "${v%%:*}"; done) python3 - "$OUT/summary.csv" <<'PY'
 import csv, os, sys
 rows = {}
 for r in csv.DictReader(open(sys.argv[1])):
