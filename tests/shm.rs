@@ -202,11 +202,14 @@ fn one_shot(comm: &Communicator) -> Result<i32, String> {
     use dspark::internals::plan::{Algorithm, Collective};
     expect_transport(comm, TransportKind::Shm)?;
     let (r, n) = (comm.rank(), comm.world_size());
-    for bytes in [1, 8, 1000, 4064] {
+    for bytes in [1, 8, 1000, 4064, 4096] {
         let a = comm.algorithm(Collective::AllReduce, bytes);
         if a != Algorithm::OneShot {
             return Err(format!("{bytes} bytes run {a}, not one_shot"));
         }
+    }
+    if comm.algorithm(Collective::AllReduce, 4100) == Algorithm::OneShot {
+        return Err("4100 bytes run one_shot, above its 4 KiB".into());
     }
     let e = |e: Error| e.to_string();
     common::run_matrix(comm, &[1, 3, 5, 127, 507], 0x0e5)?;
@@ -218,7 +221,7 @@ fn one_shot(comm: &Communicator) -> Result<i32, String> {
         ReduceOp::Avg,
     ];
     for i in 0..1000usize {
-        let count = [1, 3, 7, 255, 1016][i % 5];
+        let count = [1, 3, 7, 255, 1024][i % 5];
         let op = ops[(i / 5) % 5];
         let seed = i as u64;
         let mut buf = common::inputs::<f32>(op, seed, r, count);
@@ -275,11 +278,12 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     }
     // A ring's place: 256 bytes of counters and 64 KiB of data, in whole pages (68 KiB).
     let ring_kib = 68;
+    // The header page and the two one-shot slots of two pages each: 20 KiB.
+    let head_kib = 20;
     let detail = &info.transport_detail;
     let committed = number_before(detail, "KiB committed at init")
         .ok_or_else(|| format!("no committed figure in {detail:?}"))?;
-    // The header page and the two one-shot slots' pages: 12 KiB.
-    if committed != 12 + ring_kib * k as u64 {
+    if committed != head_kib + ring_kib * k as u64 {
         return Err(format!(
             "{committed} KiB committed at init, want the header, the slots and {k} rings: {detail}"
         ));
@@ -291,14 +295,14 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     }
     // Independently, the kernel's count of shared memory this process maps: its segment's
     // header and slots and partners' rings, each partner's ring it sends into, and every
-    // peer's header and slot pages (12 KiB); the other pairs' rings (2 × 68 KiB each) are not
+    // peer's header and slot pages (`head_kib`); the other pairs' rings (2 × 68 KiB each) are not
     // touched.
     let at_init = status_kb("RssShmem");
-    let want = 12 + 2 * ring_kib * k as u64 + 12 * (n as u64 - 1);
+    let want = head_kib + 2 * ring_kib * k as u64 + head_kib * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: {k} partners, {committed} KiB committed at init, RssShmem {at_init} KiB \
          (partners' rings and headers {want} KiB; every pair's would be {} KiB)",
-        12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1)
+        head_kib + 2 * ring_kib * (n as u64 - 1) + head_kib * (n as u64 - 1)
     ));
     if at_init < want || at_init > want + ring_kib {
         return Err(format!(
@@ -314,7 +318,7 @@ fn lazy(comm: &Communicator) -> Result<i32, String> {
     comm.barrier().map_err(|e| e.to_string())?;
     // Now every pair's rings are committed and mapped in.
     let after = status_kb("RssShmem");
-    let all = 12 + 2 * ring_kib * (n as u64 - 1) + 12 * (n as u64 - 1);
+    let all = head_kib + 2 * ring_kib * (n as u64 - 1) + head_kib * (n as u64 - 1);
     say(&format!(
         "LAZY rank {r}: RssShmem {after} KiB after every pair was used"
     ));

@@ -349,8 +349,9 @@ fn a_world_of_128_ranks_left_to_choose_does_not_map_more_shared_memory_than_the_
             "rank {r}: {c} connected at init, {p} partners"
         );
         let k = field("shm_committed_kb");
-        // The header page and the two one-shot slots' pages (12 KiB), and the partners' rings.
-        assert_eq!(k, 12 + ring_kib * p, "rank {r}: committed at init: {line}");
+        // The header page and the two one-shot slots of two pages each (20 KiB), and the
+        // partners' rings.
+        assert_eq!(k, 20 + ring_kib * p, "rank {r}: committed at init: {line}");
         committed.push(k);
         shmem.push(field("shmem_kb"));
     }
@@ -366,7 +367,7 @@ fn a_world_of_128_ranks_left_to_choose_does_not_map_more_shared_memory_than_the_
             committed[shm / 2] as f64 / 1024.0,
             committed[shm - 1] as f64 / 1024.0,
             committed.iter().sum::<u64>() as f64 / (1024.0 * 1024.0),
-            (12 + ring_kib * 127) as f64 / 1024.0,
+            (20 + ring_kib * 127) as f64 / 1024.0,
             shmem[shm / 2] as f64 / 1024.0,
         );
     } else {

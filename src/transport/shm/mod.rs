@@ -31,8 +31,8 @@
 //! | 128 | `sleeping`: the owner is about to block on `bell` | owner |
 //! | 192 | `status` (open, goodbye, abort), abort class, origin, message length, and (+16) the last collective the owner completed when it aborted | owner |
 //! | 256 | abort message (up to 3840 bytes) | owner |
-//! | 4096, 8192 | the two one-shot slots: a frame header (its `seq` the flag, stored last) and up to 4064 payload bytes | owner |
-//! | 12288 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
+//! | 4096, 12288 | the two one-shot slots: a frame header (its `seq` the flag, stored last) and up to 8160 payload bytes (the engine sends at most 4096) | owner |
+//! | 20480 + i × S | ring *into* the owner from its i-th peer: `head` (+0, the sender's), `tail` (+128, the owner's), data (+256, R bytes); S = 256 + R rounded up to whole pages, so each ring is committed on pages of its own | |
 //!
 //! # Rings
 //!
@@ -155,7 +155,7 @@ pub const LIVENESS_POLL: Duration = Duration::from_millis(10);
 const LINK_POLL: Duration = Duration::from_millis(1);
 
 const MAGIC: u64 = 0x4453_504b_5f53_484d; // "DSPK_SHM"
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 
 // Segment layout (see the module docs).
 const OFF_MAGIC: usize = 0;
@@ -176,9 +176,11 @@ const OFF_MSG_LEN: usize = 204;
 const OFF_DONE: usize = 208;
 const OFF_MSG: usize = 256;
 const MSG_CAP: usize = seg::PAGE - OFF_MSG;
-/// The owner's two one-shot slots ([`slots`]), one page each.
+/// The owner's two one-shot slots ([`slots`]), two pages each: a 4 KiB contribution and
+/// its header (a slot of one page held 4 064 bytes, so a 4 KiB all_reduce, the largest size
+/// the one-shot path was chosen for, ran recursive doubling).
 const OFF_SLOTS: usize = seg::PAGE;
-const SLOT_STRIDE: usize = seg::PAGE;
+const SLOT_STRIDE: usize = 2 * seg::PAGE;
 const RINGS: usize = OFF_SLOTS + 2 * SLOT_STRIDE;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 128;
