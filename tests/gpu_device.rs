@@ -1064,8 +1064,8 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
 /// memory: the host rank runs them one-shot through the transport's slots, so the device rank
 /// must too (a host copy of its buffer, the slots protocol, the copy back); before, it sent
 /// the one-shot schedule's frames and both failed with a mismatch. Each rank on the device in
-/// turn, then both; f32 at 1, 2, 7, 13, 1016 (4064 bytes, the one-shot bound) and 1017
-/// elements (frames), i64 and f64 at a few counts; every operator; exact integer-valued
+/// turn, then both; f32 at 1, 2, 7, 13, 1016, 1024 (4096 bytes, the one-shot bound) and
+/// 1025 elements (frames), i64 and f64 at a few counts (512: the bound; 513: frames); every operator; exact integer-valued
 /// inputs against a reference computed here.
 #[test]
 fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
@@ -1082,10 +1082,10 @@ fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
             |comm, ctx| {
                 let rank = comm.rank();
                 let dev = on_device[rank];
-                let algo = comm.algorithm(dspark::internals::plan::Collective::AllReduce, 4064);
+                let algo = comm.algorithm(dspark::internals::plan::Collective::AllReduce, 4096);
                 if algo != dspark::internals::plan::Algorithm::OneShot {
                     return Err(format!(
-                        "rank {rank}: 4064 bytes run {algo}, not one_shot over shm"
+                        "rank {rank}: 4096 bytes run {algo}, not one_shot over shm"
                     ));
                 }
                 let stream = ctx
@@ -1093,11 +1093,11 @@ fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
                     .map_err(|e| format!("rank {rank}: stream: {e:?}"))?;
                 let mut calls = 0;
                 for op in ReduceOp::ALL {
-                    for count in [1, 2, 7, 13, 1016, 1017] {
+                    for count in [1, 2, 7, 13, 1016, 1024, 1025] {
                         small_case::<f32>(comm, &stream, dev, op, count)?;
                         calls += 1;
                     }
-                    for count in [1, 7, 508, 509] {
+                    for count in [1, 7, 508, 512, 513] {
                         small_case::<i64>(comm, &stream, dev, op, count)?;
                         small_case::<f64>(comm, &stream, dev, op, count)?;
                         calls += 2;

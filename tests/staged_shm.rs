@@ -3,8 +3,9 @@
 //! emulated device of `engine::staged`, whose copies complete late) must take part in the
 //! same protocol. This test binary re-executes itself as rank processes (as tests/shm.rs);
 //! the ranks listed in `DEVICE_RANKS` run every all_reduce through `run_staged`, the others
-//! on host memory. Every type and operator at counts 1, 2, 7, 13, 1016 (f32 at the one-shot
-//! bound, 4064 bytes), 1017 (just above: frames) and each type's own bound and one past it,
+//! on host memory. Every type and operator at counts 1, 2, 7, 13, 1016, 1024 (f32 at the
+//! one-shot bound, 4096 bytes), 1025 (just above: frames) and each type's own bound and one
+//! past it,
 //! against the independent reference of `tests/common`; staging slots smaller than a call
 //! (copied in parts); other collectives between; the flight record says `one_shot` on the
 //! `host-staged` path.
@@ -22,7 +23,7 @@ use dspark::internals::transport::TransportKind;
 use dspark::{bf16, f16, Communicator, ReduceOp};
 
 /// The one-shot bound over shared memory (bytes).
-const BOUND: usize = 4064;
+const BOUND: usize = 4096;
 /// The segment size the ranks run with (`DSPARK_CHUNK_BYTES`): staging slots of 1, 2 or 4
 /// KiB, so the calls near the bound are staged in several parts on some ranks.
 const SEG: usize = 1024;
@@ -132,7 +133,7 @@ fn counts<T: TestElem>(
     calls: &mut u64,
 ) -> Result<(), String> {
     let bound = BOUND / size_of::<T>();
-    for count in [1, 2, 7, 13, 1016, 1017, bound, bound + 1] {
+    for count in [1, 2, 7, 13, 1016, 1024, 1025, bound, bound + 1] {
         *calls += 1;
         let seed = *calls ^ 0x5a;
         one::<T>(comm, on_device, op, count, seed)?;
