@@ -32,7 +32,7 @@
 #      a mismatch and leaves the stream free
 #   7b. small all_reduces (one-shot through shared-memory slots) between a device rank and a
 #      host rank, each way and both on the device, 2 ranks (threads) on one GPU over shm:
-#      f32 at 1..1017 elements around the 4064-byte bound, i64 and f64, every operator, exact
+#      f32 at 1..1025 elements around the 4096-byte bound, i64 and f64, every operator, exact
 #   8. the torch backend on CUDA tensors (tests/torch/cuda_check.py): every reduction op x 8
 #      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
 #      all_gather_into_tensor, reduce_scatter_tensor, send/recv, coalesced, a non-contiguous
