@@ -28,6 +28,15 @@ pub const MAX_CPU: usize = 1 << 16;
 /// The longest boot id a seat carries (a kernel's is 36 characters).
 const MAX_BOOT_ID: usize = 64;
 
+/// The kernel's boot id (empty where it cannot be read): two "hosts" with one host identity
+/// but different boot ids are two machines (the shared-memory offer), and "hosts" with
+/// different identities but one boot id are one machine (the seats here).
+pub(crate) fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// The CPUs this process may run on (empty where the kernel does not say).
 pub fn allowed() -> Vec<usize> {
     match sched_getaffinity(Pid::from_raw(0)) {
@@ -121,10 +130,7 @@ pub struct Seat {
 impl Seat {
     /// This process's seat.
     pub fn mine() -> Seat {
-        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default();
-        Seat::new(boot_id, ranges_of(&allowed()))
+        Seat::new(boot_id(), ranges_of(&allowed()))
     }
 
     /// A seat, its boot id cut to 64 bytes (a CPU from [`MAX_CPU`] on makes its CPUs unknown).

@@ -37,14 +37,6 @@ pub(crate) fn shm_options(cfg: &Config) -> ShmOptions {
     }
 }
 
-/// The kernel's boot id: two "hosts" with one host identity but different boot ids are two
-/// machines (or containers of two machines) with the same host name.
-fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
 /// This rank's offer for a segment prepared by `prepared` (or why it has none).
 fn offer_of(
     mode: TransportChoice,
@@ -55,7 +47,7 @@ fn offer_of(
             ShmOffer {
                 mode: Some(mode),
                 seg: SegOffer::Capable {
-                    boot_id: boot_id(),
+                    boot_id: super::crowd::boot_id(),
                     info: p.info(),
                 },
             },
