@@ -347,6 +347,29 @@ mod tests {
         assert!(!crowd(2, &mixed, 3, 3).oversubscribed());
     }
 
+    /// The host rule that decides when a seat is unknown: the assertions of the rule it
+    /// replaced (`oversubscribed(local, host, allowed)` in setup), kept.
+    #[test]
+    fn the_host_rule_counts_a_mask_of_one_as_the_hosts_cores() {
+        // This rank's seat known (`allowed` CPUs), another of its kernel unknown.
+        let rule = |local: usize, host: usize, allowed: usize| {
+            let mine = Seat::new("k".into(), vec![(0, allowed - 1)]);
+            let seats = vec![mine, Seat::new("k".into(), Vec::new())];
+            let c = crowd(0, &seats, local, host);
+            assert!(!c.by_seats);
+            c.oversubscribed()
+        };
+        // 2 ranks on 2 cores, each bound to its own (mask of 1): not sharing.
+        assert!(!rule(2, 2, 1));
+        // Unbound: the host's cores decide.
+        assert!(!rule(2, 2, 2));
+        assert!(rule(4, 2, 2));
+        assert!(rule(4, 2, 1));
+        // Four ranks confined to 2 of 64 CPUs share them.
+        assert!(rule(4, 64, 2));
+        assert!(!rule(4, 64, 1));
+    }
+
     #[test]
     fn an_unknown_seat_falls_back_to_the_host_count() {
         let seats = vec![seat("k", "0"), Seat::decode(b"garbage"), seat("k", "1")];
