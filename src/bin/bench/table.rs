@@ -68,7 +68,7 @@ pub(crate) fn csv_row(
     let coll = args.collective;
     let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
     format!(
-        "{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{},{}",
+        "{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{},{}",
         coll.collective().name(),
         args.dtype.name(),
         op_column(args),
