@@ -304,7 +304,12 @@ pub struct Recorder {
     /// The next call's slot (`next % capacity`, kept so that the writer never divides).
     wpos: AtomicUsize,
     epoch: Instant,
+    /// `CLOCK_MONOTONIC` at `epoch`, in ns (for [`Recorder::coarse_stamp`]).
+    epoch_mono_ns: u64,
     epoch_unix_ns: u64,
+    /// The writer's latest stamp: no stamp is earlier (a coarse one may lag a precise one
+    /// written before it by up to a tick).
+    last_stamp: AtomicU64,
     rank: usize,
     world: usize,
     communicator: usize,
@@ -339,7 +344,9 @@ impl Recorder {
             next: AtomicU64::new(0),
             wpos: AtomicUsize::new(0),
             epoch: Instant::now(),
+            epoch_mono_ns: crate::time::mono_ns(),
             epoch_unix_ns: unix_ns(),
+            last_stamp: AtomicU64::new(0),
             rank,
             world,
             communicator: if numbered {
@@ -362,6 +369,26 @@ impl Recorder {
         u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
     }
 
+    /// The writer's stamp of `ns` since the epoch: never earlier than its previous stamp.
+    fn stamp_ns(&self, ns: u64) -> u64 {
+        let ns = ns.max(self.last_stamp.load(Ordering::Relaxed));
+        self.last_stamp.store(ns, Ordering::Relaxed);
+        ns
+    }
+
+    /// The stamp of `t`, for [`Recorder::start`], [`Recorder::complete`] and
+    /// [`Recorder::fail`] (only the engine that writes this recorder stamps).
+    pub fn stamp(&self, t: Instant) -> u64 {
+        self.stamp_ns(self.ns(t))
+    }
+
+    /// A stamp of now from the coarse clock ([`crate::time::coarse_ns`]): up to a kernel
+    /// tick (1–4 ms) early, at a quarter of a precise read's cost. The one-shot all_reduce
+    /// stamps its calls so (and ends a call that did not sleep at its start).
+    pub fn coarse_stamp(&self) -> u64 {
+        self.stamp_ns(crate::time::coarse_ns().saturating_sub(self.epoch_mono_ns))
+    }
+
     fn slot(&self, index: u64) -> &Slot {
         &self.slots[(index % self.slots.len() as u64) as usize]
     }
@@ -381,10 +408,10 @@ impl Recorder {
         s.ver.store(v.wrapping_add(2), Ordering::Release);
     }
 
-    /// Records that call `c` started at `t`; returns its slot for [`Recorder::complete`]
-    /// and [`Recorder::fail`].
+    /// Records that call `c` started at stamp `t` ([`Recorder::stamp`]); returns its slot
+    /// for [`Recorder::complete`] and [`Recorder::fail`].
     #[inline]
-    pub fn start(&self, c: &Started, t: Instant) -> usize {
+    pub fn start(&self, c: &Started, t: u64) -> usize {
         let index = self.next.load(Ordering::Relaxed);
         let pos = self.wpos.load(Ordering::Relaxed);
         let op = c.op.map_or(NONE4, |o| u64::from(o.code()));
@@ -405,7 +432,7 @@ impl Recorder {
                 (W_META, meta),
                 (W_COUNT, c.count),
                 (W_PEERS, (c.root as u64 & NONE_U32) | (from << 32)),
-                (W_START, self.ns(t)),
+                (W_START, t),
                 (W_END, u64::MAX),
                 (W_RSEQ, c.recv_from.map_or(0, |(_, s)| s)),
                 (W_INDEX, index),
@@ -429,19 +456,19 @@ impl Recorder {
         pos
     }
 
-    /// Records that the call in slot `pos` completed at `t`.
+    /// Records that the call in slot `pos` completed at stamp `t`.
     #[inline]
-    pub fn complete(&self, pos: usize, t: Instant) {
+    pub fn complete(&self, pos: usize, t: u64) {
         let Some(s) = self.slots.get(pos) else {
             return;
         };
         let meta = s.w[W_META].load(Ordering::Relaxed);
         let meta = (meta & !(0x7 << 20)) | ((FlightState::Completed as u64) << 20);
-        self.write(pos, &[(W_META, meta), (W_END, self.ns(t))]);
+        self.write(pos, &[(W_META, meta), (W_END, t)]);
     }
 
-    /// Records that the call in slot `pos` failed at `t` with `f`.
-    pub(crate) fn fail(&self, pos: usize, t: Instant, f: &FlightFailure) {
+    /// Records that the call in slot `pos` failed at stamp `t` with `f`.
+    pub(crate) fn fail(&self, pos: usize, t: u64, f: &FlightFailure) {
         let Some(s) = self.slots.get(pos) else {
             return;
         };
@@ -470,7 +497,7 @@ impl Recorder {
             pos,
             &[
                 (W_META, meta),
-                (W_END, self.ns(t)),
+                (W_END, t),
                 (W_FAIL, u32s(f.peer.unwrap_or(0), p.peer)),
                 (W_STEPS, u32s(p.step, p.steps)),
                 (W_BYTES, p.bytes),
@@ -782,8 +809,19 @@ pub(crate) struct InFlight {
     index: Option<usize>,
     /// When it started (the drive loop's start, so that a call reads the clock once more).
     pub(super) t0: Option<Instant>,
+    /// Its coarse start stamp ([`Engine::flight_start_coarse`]): its end too, unless
+    /// [`InFlight::end_from_clock`].
+    coarse: Option<u64>,
     /// Where its schedule stood when it failed (`of_bytes` in elements until it ends).
     pub(super) stall: Option<FlightProgress>,
+}
+
+impl InFlight {
+    /// The call in progress ends at a clock read (it slept or failed), not at its start.
+    pub(super) fn end_from_clock(&mut self) {
+        self.t0 = None;
+        self.coarse = None;
+    }
 }
 
 /// Where `prog`'s schedule stands in `s`: the first peer whose head receive (else head send)
@@ -822,8 +860,22 @@ impl Engine {
     pub(super) fn flight_start(&mut self, c: &Started) {
         if let Some(r) = &self.flight {
             let t = Instant::now();
-            self.fl.index = Some(r.start(c, t));
+            self.fl.index = Some(r.start(c, r.stamp(t)));
             self.fl.t0 = Some(t);
+            self.fl.coarse = None;
+            self.fl.stall = None;
+        }
+    }
+
+    /// [`Engine::flight_start`] stamped by the coarse clock ([`Recorder::coarse_stamp`]),
+    /// for a call that reads the precise clock only if it waits: no `fl.t0`, and unless
+    /// [`InFlight::end_from_clock`] the call ends at that stamp.
+    pub(super) fn flight_start_coarse(&mut self, c: &Started) {
+        if let Some(r) = &self.flight {
+            let t = r.coarse_stamp();
+            self.fl.index = Some(r.start(c, t));
+            self.fl.t0 = None;
+            self.fl.coarse = Some(t);
             self.fl.stall = None;
         }
     }
@@ -834,10 +886,15 @@ impl Engine {
     #[inline]
     pub(super) fn flight_end(&mut self, result: &Result<()>, esz: usize) {
         let unused_start = self.fl.t0.take();
+        let coarse = self.fl.coarse.take();
         let (Some(i), Some(r)) = (self.fl.index.take(), &self.flight) else {
             return;
         };
-        let t = unused_start.unwrap_or_else(Instant::now);
+        let t = match (unused_start, coarse) {
+            (Some(t), _) => r.stamp(t),
+            (None, Some(t)) => t,
+            (None, None) => r.stamp(Instant::now()),
+        };
         match result {
             Ok(()) => r.complete(i, t),
             Err(e) => {
@@ -898,7 +955,7 @@ mod tests {
     #[test]
     fn the_ring_keeps_the_last_entries_in_order() {
         let r = Recorder::new(4, 1, 3, TransportKind::Tcp, None, false);
-        let t = Instant::now();
+        let t = r.stamp(Instant::now());
         for s in 1..=6 {
             let i = r.start(&started(s), t);
             r.complete(i, t);
@@ -918,10 +975,42 @@ mod tests {
         assert!(e.ended_unix_ns.unwrap() >= e.started_unix_ns);
     }
 
+    /// The one-shot path stamps calls with the coarse clock: its stamps must sit on the same
+    /// axis as the precise ones (at most a tick behind the wall clock's reading of them) and
+    /// never before an earlier entry's, so that the record's entries stay in time order.
+    #[test]
+    fn coarse_stamps_trail_the_clock_by_at_most_a_tick_and_never_go_back() {
+        let r = Recorder::new(16, 0, 2, TransportKind::Shm, None, false);
+        let mut prev = 0;
+        for s in 1..=200u64 {
+            let before = r.ns(Instant::now());
+            let (t0, t1) = if s % 2 == 0 {
+                (r.coarse_stamp(), r.stamp(Instant::now()))
+            } else {
+                (r.stamp(Instant::now()), r.coarse_stamp())
+            };
+            let after = r.ns(Instant::now());
+            assert!(prev <= t0 && t0 <= t1, "stamps went back: {prev} {t0} {t1}");
+            assert!(t1 <= after, "a stamp {t1} after the clock's {after}");
+            assert!(
+                before.saturating_sub(t0) < 50_000_000,
+                "a coarse stamp {t0} ns far behind the clock's {before}"
+            );
+            let i = r.start(&started(s), t0);
+            r.complete(i, t1);
+            prev = t1;
+        }
+        let rec = r.snapshot(&[]);
+        for w in rec.entries.windows(2) {
+            assert!(w[0].ended_unix_ns.unwrap() <= w[1].started_unix_ns);
+        }
+    }
+
     #[test]
     fn a_failure_keeps_its_kind_peer_and_progress() {
         let r = Recorder::new(8, 0, 3, TransportKind::Shm, None, false);
-        let t = Instant::now();
+        let now = Instant::now();
+        let t = r.stamp(now);
         let i = r.start(&started(1), t);
         let p = FlightProgress {
             peer: 2,
@@ -938,7 +1027,7 @@ mod tests {
             progress: Some(p),
         };
         r.fail(i, t, &f);
-        let rec = r.snapshot(&[("broadcast", t)]);
+        let rec = r.snapshot(&[("broadcast", now)]);
         assert_eq!(rec.entries[0].state, FlightState::Failed);
         assert_eq!(rec.entries[0].failure, Some(f));
         assert_eq!(rec.entries[1].state, FlightState::Queued);
@@ -956,7 +1045,7 @@ mod tests {
         let r = std::sync::Arc::new(Recorder::new(2, 0, 2, TransportKind::Tcp, None, false));
         let w = std::sync::Arc::clone(&r);
         let writer = std::thread::spawn(move || {
-            let t = Instant::now();
+            let t = w.stamp(Instant::now());
             for s in 1..=20_000u64 {
                 let mut c = started(s);
                 c.count = s * 3;

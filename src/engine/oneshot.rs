@@ -87,7 +87,7 @@ impl Engine {
         if result.is_err() {
             // A failed call's entry ends when it failed (a timeout: the deadline), not at
             // its start.
-            self.fl.t0 = None;
+            self.fl.end_from_clock();
         }
         if let Some(t0) = t0 {
             let args = super::call_trace_args(call, Algorithm::OneShot);
@@ -106,8 +106,10 @@ impl Engine {
     ) -> Result<()> {
         let published = self.one_shot_publish(call, desc, src, dst);
         // The recorder's entry opens now, while the contribution travels: its clock read and
-        // stores delayed the publish by a fifth of an 8-byte call when they came first.
-        self.flight_start(entry);
+        // stores delayed the publish by a fifth of an 8-byte call when they came first. The
+        // coarse clock stamps it: a precise read cost an eighth of an 8-byte call, and a
+        // call that waits reads the clock anyway (its pacer).
+        self.flight_start_coarse(entry);
         published?;
         self.one_shot_gather(call, desc, dst)
     }
@@ -172,11 +174,10 @@ impl Engine {
                     break;
                 }
                 let pacer = pacer.get_or_insert_with(|| {
-                    // The recorder's start, read just before the gather, saves a clock read.
-                    let start = self.fl.t0.unwrap_or_else(Instant::now);
+                    // No clock read before the first re-polls: most contributions are a
+                    // few passes away.
                     let timeout = self.call_timeout.unwrap_or(self.opts.timeout);
-                    let deadline = crate::time::deadline(start, timeout);
-                    Pacer::new(&self.opts, self.spin.now(), start, deadline).idle_from_start()
+                    Pacer::lazy(&self.opts, self.spin.now(), timeout)
                 });
                 match pacer.after_pass(false, &self.abort) {
                     Pace::Again => {}
@@ -213,7 +214,7 @@ impl Engine {
             // The recorder's end from the clock (`flight_end`): a call that slept is recorded
             // with its length. The others end at their start there, which spares the clock
             // read between the last contribution and the next call's.
-            self.fl.t0 = None;
+            self.fl.end_from_clock();
         }
         self.spin.learn(slept);
         Ok(())

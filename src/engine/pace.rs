@@ -107,8 +107,11 @@ impl Spin {
 
 /// Spin-then-block pacing of a drive loop, and its deadline.
 pub(super) struct Pacer {
-    start: Instant,
-    deadline: Instant,
+    /// The call's start and deadline; `None` until the first clock read of a pacer made by
+    /// [`Pacer::lazy`].
+    clock: Option<(Instant, Instant)>,
+    /// The call's timeout, for a lazy pacer's deadline.
+    timeout: Duration,
     spin: Duration,
     /// The configured spin ([`EngineOptions::spin`]): spinning past it yields at every pass.
     base_spin: Duration,
@@ -139,8 +142,8 @@ impl Pacer {
         deadline: Instant,
     ) -> Self {
         Pacer {
-            start,
-            deadline,
+            clock: Some((start, deadline)),
+            timeout: deadline.saturating_duration_since(start),
             spin,
             base_spin: opts.spin,
             yield_while_spinning: opts.yield_while_spinning,
@@ -153,13 +156,26 @@ impl Pacer {
         }
     }
 
-    /// This pacer's caller found nothing to do when it made it, at `start`: its first
-    /// passes spin without reading the clock (an idle wait otherwise starts at the first
-    /// pass's clock read: with the one at `start`, two reads of ~22 ns each on this VM
-    /// before the first re-poll, a quarter of an 8-byte one-shot all_reduce).
-    pub(super) fn idle_from_start(mut self) -> Self {
-        self.idle_since = Some(self.start);
-        self
+    /// A pacer for a call that found nothing to do and has not read the clock: its start
+    /// (and idle time) begins at its first clock read, [`CLOCK_EVERY`] idle passes later
+    /// when it does not yield (a few hundred ns), and its deadline is `timeout` after that.
+    /// The one-shot all_reduce waits this way: its call is stamped by the coarse clock
+    /// ([`crate::time::coarse_ns`]), and a precise read before the first re-poll cost ~22 ns
+    /// on this VM, an eighth of an 8-byte call.
+    pub(super) fn lazy(opts: &EngineOptions, spin: Duration, timeout: Duration) -> Self {
+        Pacer {
+            clock: None,
+            timeout,
+            spin,
+            base_spin: opts.spin,
+            yield_while_spinning: opts.yield_while_spinning,
+            yielding: false,
+            idle_since: None,
+            idle_passes: 0,
+            busy_rounds: 0,
+            blocked: false,
+            slept_wait: None,
+        }
     }
 
     /// At the call's end: the longest wait of this call that blocked, from its first idle
@@ -187,7 +203,8 @@ impl Pacer {
     ///
     /// [`Transport::wait`]: crate::transport::Transport::wait
     pub(super) fn wait_until(&self) -> Instant {
-        self.deadline.min(Instant::now() + ABORT_POLL)
+        let poll = Instant::now() + ABORT_POLL;
+        self.clock.map_or(poll, |(_, deadline)| deadline.min(poll))
     }
 
     /// The pacing of the pass that just ended (`moved`: whether any step progressed; `abort`:
@@ -201,8 +218,10 @@ impl Pacer {
                 if abort.load(Ordering::Relaxed) {
                     return Pace::Aborted;
                 }
-                if Instant::now() >= self.deadline {
-                    return Pace::TimedOut(self.start.elapsed());
+                if let Some((start, deadline)) = self.clock {
+                    if Instant::now() >= deadline {
+                        return Pace::TimedOut(start.elapsed());
+                    }
                 }
             }
             return Pace::Again;
@@ -213,7 +232,8 @@ impl Pacer {
         // While spinning, the clock is read every `CLOCK_EVERY` idle passes: a read took 12%
         // of an 8-byte all_reduce's samples when every pass read it, and delays the pass that
         // finds the data (the spin time and the deadline are coarse by a few hundred ns).
-        if self.idle_since.is_some() && !self.yield_while_spinning && !self.yielding {
+        let idle = self.idle_since.is_some() || self.clock.is_none();
+        if idle && !self.yield_while_spinning && !self.yielding {
             self.idle_passes = self.idle_passes.wrapping_add(1);
             if !self.idle_passes.is_multiple_of(CLOCK_EVERY) {
                 std::hint::spin_loop();
@@ -221,8 +241,12 @@ impl Pacer {
             }
         }
         let now = Instant::now();
-        if now >= self.deadline {
-            return Pace::TimedOut(now - self.start);
+        let timeout = self.timeout;
+        let (start, deadline) = *self
+            .clock
+            .get_or_insert_with(|| (now, crate::time::deadline(now, timeout)));
+        if now >= deadline {
+            return Pace::TimedOut(now - start);
         }
         let idle = *self.idle_since.get_or_insert(now);
         if now - idle < self.spin {
