@@ -141,6 +141,86 @@ fn blocking_calls_interleave_with_in_flight_operations_in_issue_order() {
     all_ok(res, "interleaved");
 }
 
+/// The driver role changes hands without the queue's lock when nobody else wants it, and
+/// through the lock otherwise (src/comm/work.rs: `DRIVING`, `ATTENTION`). Here three threads
+/// of each rank race for it: blocking calls, queued operations waited for at once, and queued
+/// operations polled with `test` and short bounded waits. The calls are identical
+/// all_reduces, so any interleaving pairs the ranks' k-th calls: every result must be the
+/// world's sum, every thread must finish, and nothing may wait past the communicator's
+/// deadline (a role given up without waking its waiter, or a queued operation nobody drives,
+/// shows as a timeout here).
+#[test]
+fn threads_racing_for_the_driver_role_neither_hang_nor_mix_up_calls() {
+    let world = 3;
+    let cfg = config(Duration::from_secs(30), 1024);
+    // A lost wake-up leaves a thread waiting for the role with no deadline of its own: the
+    // watchdog turns that into a failure instead of a hung test.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(run_ranks(world, &cfg, race_for_the_role));
+    });
+    let res = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("threads racing for the driver role hung");
+    all_ok(res, "racing for the driver role");
+}
+
+/// One rank's part of `threads_racing_for_the_driver_role_neither_hang_nor_mix_up_calls`.
+fn race_for_the_role(comm: &Communicator) -> Result<(), String> {
+    const CALLS: usize = 400;
+    let world = comm.world_size();
+    let want = vec![world as u32 * 7; 5];
+    let check = |what: &str, v: &[u32]| {
+        if v == want.as_slice() {
+            Ok(())
+        } else {
+            Err(format!("{what}: {v:?}, want {want:?}"))
+        }
+    };
+    let e = |x: Error| x.to_string();
+    std::thread::scope(|ts| {
+        let blocking = ts.spawn(|| -> Result<(), String> {
+            for _ in 0..CALLS {
+                let mut v = vec![7u32; 5];
+                comm.all_reduce(&mut v, ReduceOp::Sum).map_err(e)?;
+                check("blocking", &v)?;
+            }
+            Ok(())
+        });
+        let queued = ts.spawn(|| -> Result<(), String> {
+            for _ in 0..CALLS {
+                let mut v = vec![7u32; 5];
+                comm.scope(|s| s.all_reduce(&mut v, ReduceOp::Sum)?.wait())
+                    .map_err(e)?;
+                check("queued", &v)?;
+            }
+            Ok(())
+        });
+        let polled = ts.spawn(|| -> Result<(), String> {
+            for i in 0..CALLS {
+                let mut v = vec![7u32; 5];
+                comm.scope(|s| -> Result<(), String> {
+                    let w = s.all_reduce(&mut v, ReduceOp::Sum).map_err(e)?;
+                    while !w.test().map_err(e)? {
+                        if i % 2 == 0 {
+                            // Still in flight after 20 µs is no failure here.
+                            let _ = w.wait_timeout(Duration::from_micros(20));
+                        } else {
+                            std::thread::yield_now();
+                        }
+                    }
+                    Ok(())
+                })?;
+                check("polled", &v)?;
+            }
+            Ok(())
+        });
+        [blocking.join(), queued.join(), polled.join()]
+            .into_iter()
+            .try_for_each(|j| j.map_err(|_| "a thread panicked".to_string())?)
+    })
+}
+
 #[test]
 fn a_forgotten_work_still_completes_before_its_scope_returns() {
     let cfg = config(Duration::from_secs(60), 512);

@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -42,13 +42,21 @@ const SPIN_POLLS_PER_YIELD: u32 = 64;
 const WATCH_PERIOD: Duration = Duration::from_micros(100);
 const WATCH_FOR: Duration = Duration::from_millis(5);
 
+/// [`Shared::state`]: someone holds the driver role (and so the engine).
+const DRIVING: u32 = 1;
+/// [`Shared::state`]: the driver must give the role up through the queue's lock
+/// ([`Shared::release`]'s slow path), because operations are queued, a thread waits for the
+/// role, the communicator shuts down or aborts. Set under the queue's lock by whoever makes it
+/// so; cleared there by a releasing driver once none of it holds.
+const ATTENTION: u32 = 2;
+
 /// An operation, run by whoever holds the driver role.
 pub(crate) type Task = Box<dyn FnOnce(&mut Engine) -> Result<()> + Send>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Tasks run under catch_unwind, so a poisoned lock only means a panic between two
-    // statements of this module that touch no shared invariant. The engine's lock is the
-    // exception: see `Shared::engine`.
+    // statements of this module that touch no shared invariant. (A panic while the engine
+    // is held fails the communicator: see `Role`'s drop.)
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -164,8 +172,6 @@ struct Job {
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,
-    /// Someone holds the driver role (and so the engine).
-    driving: bool,
     /// The progress thread sleeps until woken (not watching the queue).
     progress_sleeping: bool,
     /// When the last operation was queued (the progress thread watches the queue for
@@ -180,7 +186,15 @@ struct Queue {
 /// A communicator's engine, the queue in front of it and the driver role.
 pub(crate) struct Shared {
     rank: usize,
-    engine: Mutex<Engine>,
+    /// Locked only by the holder of the driver role, so never contended: a lock whose
+    /// release is a plain store (std's is a locked exchange, which looks for sleepers).
+    engine: spin::mutex::SpinMutex<Engine>,
+    /// [`DRIVING`] and [`ATTENTION`]. A blocking call on an idle communicator takes and gives
+    /// up the driver role with one compare-and-swap each, without the queue's lock: two
+    /// locked instructions fewer per call, ~10 ns of an 8-byte all_reduce over shared
+    /// memory. Everything else (queued operations, waiters, abort, shutdown) sets
+    /// [`ATTENTION`], which sends the driver through the lock.
+    state: AtomicU32,
     q: Mutex<Queue>,
     /// Wakes the progress thread.
     wake_progress: Condvar,
@@ -206,12 +220,50 @@ impl Shared {
             rank: engine.rank(),
             abort: engine.abort_flag(),
             flight: engine.flight_recorder(),
-            engine: Mutex::new(engine),
+            engine: spin::mutex::SpinMutex::new(engine),
+            state: AtomicU32::new(0),
             q: Mutex::new(Queue::default()),
             wake_progress: Condvar::new(),
             role_free: Condvar::new(),
             poison: Mutex::new(None),
         })
+    }
+
+    /// Takes the driver role without the queue's lock: only when nobody holds it and
+    /// nothing needs [`ATTENTION`].
+    fn take_fast(&self) -> bool {
+        self.state
+            .compare_exchange(0, DRIVING, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Takes the driver role if nobody holds it. `_q`: the queue's lock, held.
+    fn take(&self, _q: &Queue) -> bool {
+        let mut s = self.state.load(Ordering::Relaxed);
+        while s & DRIVING == 0 {
+            match self.state.compare_exchange_weak(
+                s,
+                s | DRIVING,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => s = now,
+            }
+        }
+        false
+    }
+
+    /// Whether someone holds the driver role.
+    fn driving(&self) -> bool {
+        self.state.load(Ordering::Acquire) & DRIVING != 0
+    }
+
+    /// Raises [`ATTENTION`] (`_q`: the queue's lock, held) and says whether someone held the
+    /// driver role then: that driver gives the role up through the queue's lock, and so
+    /// sees what the caller changed there.
+    fn attention(&self, _q: &Queue) -> bool {
+        self.state.fetch_or(ATTENTION, Ordering::AcqRel) & DRIVING != 0
     }
 
     /// The error that poisoned the engine, if any (without waiting for the driver role).
@@ -249,8 +301,9 @@ impl Shared {
             issued,
         });
         q.last_submit = Some(issued);
+        let driven = self.attention(&q);
         // A watching progress thread finds the job by itself within WATCH_PERIOD.
-        if !q.driving && q.progress_sleeping {
+        if !driven && q.progress_sleeping {
             self.wake_progress.notify_one();
         }
         drop(q);
@@ -272,15 +325,7 @@ impl Shared {
         timeout: Option<Duration>,
         f: impl FnOnce(&mut Engine) -> Result<R>,
     ) -> Result<R> {
-        let mut q = lock(&self.q);
-        while q.driving {
-            q.role_waiters += 1;
-            q = self.role_free.wait(q).unwrap_or_else(|e| e.into_inner());
-            q.role_waiters -= 1;
-        }
-        q.driving = true;
-        let ahead = !q.jobs.is_empty();
-        drop(q);
+        let ahead = self.take_waiting();
         let mut role = self.role();
         #[cfg(test)]
         tests::panic_here_if_asked();
@@ -289,6 +334,25 @@ impl Shared {
         }
         self.run_one(&mut role.eng, timeout, f)
         // `role` gives the driver role up here, after the result is taken.
+    }
+
+    /// Takes the driver role, waiting for its holder to give it up; says whether operations
+    /// are queued (issued before the caller's).
+    fn take_waiting(&self) -> bool {
+        if self.take_fast() {
+            return false;
+        }
+        let mut q = lock(&self.q);
+        while !self.take(&q) {
+            q.role_waiters += 1;
+            // A driver that gave the role up meanwhile did not see this waiter: then the role
+            // is free, take it.
+            if self.attention(&q) {
+                q = self.role_free.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            q.role_waiters -= 1;
+        }
+        !q.jobs.is_empty()
     }
 
     /// Runs one operation with the engine: honours a pending abort first, contains panics,
@@ -318,30 +382,15 @@ impl Shared {
         r.map_err(|e| e.at_rank(self.rank))
     }
 
-    /// The driver role's hold on the engine, for a caller that has just set `driving`. Its
+    /// The driver role's hold on the engine, for a caller that has just taken the role. Its
     /// drop gives the role up (`release`), also when a panic unwinds through the driver, so
     /// that the next caller is never left waiting for a role nobody holds.
     fn role(&self) -> Role<'_> {
         Role {
             shared: self,
-            eng: self.engine(),
-        }
-    }
-
-    /// The engine, locked. A poisoned lock means a panic while the engine was held outside
-    /// the guarded operation: its state may be half-updated, so the communicator fails for
-    /// good and tells its peers, as after a panic inside an operation.
-    fn engine(&self) -> MutexGuard<'_, Engine> {
-        match self.engine.lock() {
-            Ok(g) => g,
-            Err(poisoned) => {
-                let mut g = poisoned.into_inner();
-                if g.poisoned().is_none() {
-                    g.fail(panicked(self.rank));
-                }
-                self.mirror_poison(&g);
-                g
-            }
+            // Free: only the holder of the driver role locks the engine (the lock would
+            // spin otherwise, never sleep).
+            eng: self.engine.lock(),
         }
     }
 
@@ -374,6 +423,15 @@ impl Shared {
     /// a thread waiting for it. A pending abort is honoured first (so that peers hear of it
     /// even when nothing runs).
     fn release(&self, eng: &mut Engine) {
+        if self
+            .state
+            .compare_exchange(DRIVING, 0, Ordering::Release, Ordering::Relaxed)
+            .is_ok()
+        {
+            // Nothing needed attention: no operation queued, nobody waiting, no abort (which
+            // raises ATTENTION after its flag) and no shutdown.
+            return;
+        }
         let mut q = lock(&self.q);
         // Checked under the queue lock: `abort` raises the flag before it looks at
         // `driving`, so either it sees this driver or this driver sees the flag.
@@ -387,7 +445,10 @@ impl Shared {
             self.mirror_poison(eng);
             q = lock(&self.q);
         }
-        q.driving = false;
+        // Nobody else changes the state while this driver holds the role and the lock.
+        let attention = !q.jobs.is_empty() || q.role_waiters > 0 || q.shutdown;
+        self.state
+            .store(if attention { ATTENTION } else { 0 }, Ordering::Release);
         if !q.jobs.is_empty() || q.shutdown {
             self.wake_progress.notify_one();
         }
@@ -402,16 +463,15 @@ impl Shared {
             if let Some(r) = done.get() {
                 return Some(r);
             }
-            let mut q = lock(&self.q);
-            if !q.driving && until.is_none() {
-                q.driving = true;
+            let q = lock(&self.q);
+            if until.is_none() && self.take(&q) {
                 drop(q);
                 let mut role = self.role();
                 self.drive(&mut role.eng, Some(done));
                 drop(role);
                 continue;
             }
-            if !q.driving && !q.jobs.is_empty() {
+            if !q.jobs.is_empty() && !self.driving() {
                 // A bounded wait does not drive (the operation may outlast it): have the
                 // progress thread start it now rather than at its next look.
                 self.wake_progress.notify_one();
@@ -429,13 +489,15 @@ impl Shared {
     /// the peers. Returns without waiting for the operation in progress.
     pub(crate) fn abort(&self) {
         self.abort.store(true, Ordering::Release);
-        let mut q = lock(&self.q);
-        if q.driving {
+        let q = lock(&self.q);
+        if self.attention(&q) {
             // The driver notices the flag within the engine's abort poll, and at the latest
-            // when it gives the role up.
+            // when it gives the role up (through the lock: ATTENTION).
             return;
         }
-        q.driving = true;
+        if !self.take(&q) {
+            return;
+        }
         drop(q);
         let mut role = self.role();
         self.drive(&mut role.eng, None);
@@ -446,7 +508,7 @@ impl Shared {
     pub(crate) fn progress(self: Arc<Self>) {
         loop {
             let mut q = lock(&self.q);
-            while q.driving || (q.jobs.is_empty() && !q.shutdown) {
+            while self.driving() || (q.jobs.is_empty() && !q.shutdown) {
                 let watching =
                     !q.shutdown && q.last_submit.is_some_and(|t| t.elapsed() < WATCH_FOR);
                 if watching {
@@ -468,7 +530,9 @@ impl Shared {
                 // Shut down, and everything issued has run.
                 return;
             }
-            q.driving = true;
+            if !self.take(&q) {
+                continue;
+            }
             drop(q);
             let mut role = self.role();
             self.drive(&mut role.eng, None);
@@ -478,25 +542,40 @@ impl Shared {
 
     /// Tells the progress thread to drain the queue and exit.
     pub(crate) fn shutdown(&self) {
-        lock(&self.q).shutdown = true;
+        let mut q = lock(&self.q);
+        q.shutdown = true;
+        self.attention(&q);
+        drop(q);
         self.wake_progress.notify_all();
     }
 
-    /// Runs `f` with the engine once nothing else can use it (after the progress thread
-    /// exited): for closing the communicator.
+    /// Runs `f` with the engine, holding the driver role (operations still queued stay
+    /// queued): for closing the communicator, after the progress thread exited.
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
-        f(&mut self.engine())
+        self.take_waiting();
+        let mut role = self.role();
+        f(&mut role.eng)
     }
 }
 
 /// The driver role and the engine it holds (see [`Shared::role`]).
 struct Role<'a> {
     shared: &'a Shared,
-    eng: MutexGuard<'a, Engine>,
+    eng: spin::mutex::SpinMutexGuard<'a, Engine>,
 }
 
 impl Drop for Role<'_> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A panic while the engine was held outside a guarded operation: its state may
+            // be half-updated, so the communicator fails for good and tells its peers, as
+            // after a panic inside an operation. Contained: a panic here would abort.
+            let (shared, eng) = (self.shared, &mut *self.eng);
+            if eng.poisoned().is_none() {
+                let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(shared.rank))));
+            }
+            shared.mirror_poison(eng);
+        }
         self.shared.release(&mut self.eng);
     }
 }
