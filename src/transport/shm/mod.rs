@@ -299,6 +299,10 @@ pub struct ShmTransport {
     /// A contribution was published whose sleeping readers are not yet woken
     /// ([`crate::transport::Slots::settle`]).
     wake_owed: bool,
+    /// Where in a slot the last line of this rank's last contribution starts (0: it ends in
+    /// the header's line): a peer's contribution to the same call is as long, and
+    /// [`crate::transport::Slots::peek`] fetches that line while it polls the flag.
+    slot_tail: usize,
 }
 
 impl ShmTransport {

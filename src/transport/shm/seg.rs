@@ -144,6 +144,22 @@ impl Seg {
         unsafe { self.ptr.add(off) }
     }
 
+    /// Asks the CPU to bring the cache line at `off` into this core's cache (nothing outside
+    /// the segment, nor on CPUs without a prefetch instruction this code knows). Not a read:
+    /// no value is taken, so a line another process is writing can be fetched.
+    pub(super) fn prefetch(&self, off: usize) {
+        if off >= self.len {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: a prefetch is a hint that reads nothing the program sees and cannot
+            // fault; the address is inside the mapping all the same (`off < len`).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.at(off).cast::<i8>()) };
+        }
+    }
+
     /// The 64-bit atomic at `off` (8-aligned, inside the segment). The offsets are layout
     /// constants and ring bases that fit the segment's length, which is checked against the
     /// layout when a peer's segment is mapped: the assert below guards an internal invariant

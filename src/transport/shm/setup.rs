@@ -357,6 +357,7 @@ impl ShmTransport {
             peer_aborted: false,
             slot_calls: 0,
             wake_owed: false,
+            slot_tail: 0,
         };
         t.desc = t.description();
         Ok(t)

@@ -34,6 +34,8 @@ use crate::transport::{FrameHeader, FrameKind, Slots, HEADER_LEN};
 
 /// Offset of the flag (the header's `seq`) in a slot.
 const SEQ: usize = 16;
+/// A cache line (slots are line-aligned).
+const LINE: usize = 64;
 /// Payload bytes of one slot.
 pub(crate) const SLOT_CAPACITY: usize = SLOT_STRIDE - HEADER_LEN;
 
@@ -158,6 +160,7 @@ impl Slots for ShmTransport {
         self.own
             .u64_at(base + SEQ)
             .store(hdr.seq, Ordering::Release);
+        self.slot_tail = (HEADER_LEN + data.len()).saturating_sub(1) & !(LINE - 1);
         // The peers asleep are woken by `settle`, which the engine calls before it blocks and
         // when the call ends.
         self.wake_owed = true;
@@ -192,6 +195,14 @@ impl Slots for ShmTransport {
         // A peer's goodbye, abort or death counts once its slot is seen empty after the
         // news (it stores its flag before its `status`).
         let mut flag = self.flag(peer, base);
+        if self.slot_tail != 0 {
+            // The contribution's last line travels with its first (the flag's), in the same
+            // poll: once the flag shows, the payload is here, not one more line transfer away
+            // (a 64-byte all_reduce, two lines, took 0.157 µs against 0.126 for 8 bytes).
+            if let Some(p) = self.peers.get(peer).and_then(Option::as_ref) {
+                p.seg.prefetch(base + self.slot_tail);
+            }
+        }
         if flag < seq {
             if let Some(h) = self.ring_frame_at(peer, seq) {
                 return Err(Error::Mismatch {
