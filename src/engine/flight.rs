@@ -15,6 +15,13 @@
 //! same before and after. Recording a call costs one clock read and a handful of stores
 //! (`benches/comm.rs` measures it: `recorder`).
 //!
+//! Times: a call's start is read from the monotonic clock, except a one-shot all_reduce's
+//! (the small calls over shared memory), which is read from the coarse clock
+//! (`CLOCK_MONOTONIC_COARSE`: up to one kernel tick, 1–4 ms, early, at a quarter of the
+//! cost; [`Recorder::coarse_stamp`]). A call that did not wait past its spin ends at its
+//! start (its `duration_us` is 0); one that slept or failed ends at a clock read. No entry
+//! starts before the end of the entry before it.
+//!
 //! # The dump format (`"format": "dspark-flight-record"`, `"version": 1`)
 //!
 //! One JSON object per communicator and rank: `format`, `version`, `rank`, `world`,
