@@ -177,7 +177,7 @@ struct Queue {
     /// When the last operation was queued (the progress thread watches the queue for
     /// `WATCH_FOR` after it).
     last_submit: Option<Instant>,
-    /// Threads waiting for the driver role (blocking calls).
+    /// Threads waiting for the driver role (blocking calls, closing).
     role_waiters: usize,
     /// The communicator is being dropped: the progress thread drains the queue and exits.
     shutdown: bool,
@@ -186,8 +186,9 @@ struct Queue {
 /// A communicator's engine, the queue in front of it and the driver role.
 pub(crate) struct Shared {
     rank: usize,
-    /// Locked only by the holder of the driver role, so never contended: a lock whose
-    /// release is a plain store (std's is a locked exchange, which looks for sleepers).
+    /// Locked only by the holder of the driver role, who gives it back before the role, so
+    /// never contended: a lock whose release is a plain store (std's is a locked exchange,
+    /// which looks for sleepers).
     engine: spin::mutex::SpinMutex<Engine>,
     /// [`DRIVING`] and [`ATTENTION`]. A blocking call on an idle communicator takes and gives
     /// up the driver role with one compare-and-swap each, without the queue's lock: two
@@ -371,9 +372,10 @@ impl Shared {
             Ok(r) => r,
             Err(_) => {
                 // Half-sent frames and an advanced sequence number: this rank can no longer
-                // agree with its peers. Fail for good, and tell them.
+                // agree with its peers. Fail for good, and tell them (contained: the role
+                // must still be given up).
                 let e = panicked(self.rank);
-                eng.fail(e.clone());
+                let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(e.clone())));
                 Err(e)
             }
         };
@@ -387,10 +389,14 @@ impl Shared {
     /// that the next caller is never left waiting for a role nobody holds.
     fn role(&self) -> Role<'_> {
         Role {
-            shared: self,
-            // Free: only the holder of the driver role locks the engine (the lock would
-            // spin otherwise, never sleep).
-            eng: self.engine.lock(),
+            eng: EngineHold {
+                shared: self,
+                // Free: only the holder of the driver role locks the engine, and gives it
+                // back before the role (`Role`'s field order).
+                guard: self.engine.lock(),
+                was_panicking: std::thread::panicking(),
+            },
+            _token: RoleToken { shared: self },
         }
     }
 
@@ -422,7 +428,10 @@ impl Shared {
     /// Gives the driver role up: to the progress thread when operations are queued, else to
     /// a thread waiting for it. A pending abort is honoured first (so that peers hear of it
     /// even when nothing runs).
-    fn release(&self, eng: &mut Engine) {
+    ///
+    /// The caller has given the engine's lock back already: the next driver, which may take
+    /// the role the moment this CAS or store clears it, finds the engine free.
+    fn release(&self) {
         if self
             .state
             .compare_exchange(DRIVING, 0, Ordering::Release, Ordering::Relaxed)
@@ -433,17 +442,21 @@ impl Shared {
             return;
         }
         let mut q = lock(&self.q);
-        // Checked under the queue lock: `abort` raises the flag before it looks at
-        // `driving`, so either it sees this driver or this driver sees the flag.
-        if self.abort.load(Ordering::Acquire) && eng.poisoned().is_none() {
-            drop(q);
-            // Runs from `Role`'s drop, maybe while unwinding: a panic here must not abort
-            // the process, and the role must be given up all the same.
-            if catch_unwind(AssertUnwindSafe(|| eng.honour_abort())).is_err() {
-                eng.fail(panicked(self.rank));
+        // Checked under the queue lock: `abort` raises the flag before it raises ATTENTION,
+        // so either its ATTENTION sent this driver here or it took the role itself.
+        if self.abort.load(Ordering::Acquire) {
+            // Free: this thread still holds the role.
+            let mut eng = self.engine.lock();
+            if eng.poisoned().is_none() {
+                drop(q);
+                // Runs from `Role`'s drop, maybe while unwinding: a panic here must not
+                // abort the process, and the role must be given up all the same.
+                if catch_unwind(AssertUnwindSafe(|| eng.honour_abort())).is_err() {
+                    let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(self.rank))));
+                }
+                self.mirror_poison(&eng);
+                q = lock(&self.q);
             }
-            self.mirror_poison(eng);
-            q = lock(&self.q);
         }
         // Nobody else changes the state while this driver holds the role and the lock.
         let attention = !q.jobs.is_empty() || q.role_waiters > 0 || q.shutdown;
@@ -559,24 +572,59 @@ impl Shared {
 }
 
 /// The driver role and the engine it holds (see [`Shared::role`]).
+///
+/// Its fields drop in order: the engine's lock is given back first, then the role
+/// ([`Shared::release`]), so that the next driver never finds the engine still locked.
 struct Role<'a> {
-    shared: &'a Shared,
-    eng: spin::mutex::SpinMutexGuard<'a, Engine>,
+    eng: EngineHold<'a>,
+    _token: RoleToken<'a>,
 }
 
-impl Drop for Role<'_> {
+/// The engine, locked by the holder of the driver role.
+struct EngineHold<'a> {
+    shared: &'a Shared,
+    guard: spin::mutex::SpinMutexGuard<'a, Engine>,
+    /// A panic was unwinding already when the role was taken (a communicator dropped, or a
+    /// collective called from a destructor, during a panic): not one of ours.
+    was_panicking: bool,
+}
+
+impl std::ops::Deref for EngineHold<'_> {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for EngineHold<'_> {
+    fn deref_mut(&mut self) -> &mut Engine {
+        &mut self.guard
+    }
+}
+
+impl Drop for EngineHold<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() && !self.was_panicking {
             // A panic while the engine was held outside a guarded operation: its state may
             // be half-updated, so the communicator fails for good and tells its peers, as
             // after a panic inside an operation. Contained: a panic here would abort.
-            let (shared, eng) = (self.shared, &mut *self.eng);
+            let (shared, eng) = (self.shared, &mut *self.guard);
             if eng.poisoned().is_none() {
                 let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(shared.rank))));
             }
             shared.mirror_poison(eng);
         }
-        self.shared.release(&mut self.eng);
+    }
+}
+
+/// The driver role itself: its drop gives it up ([`Shared::release`]).
+struct RoleToken<'a> {
+    shared: &'a Shared,
+}
+
+impl Drop for RoleToken<'_> {
+    fn drop(&mut self) {
+        self.shared.release();
     }
 }
 
@@ -730,9 +778,9 @@ mod tests {
     #[cfg(feature = "testing")]
     use crate::{Communicator, Config, ReduceOp};
 
-    /// A panic while the engine is held outside a guarded operation poisons its lock: the
-    /// communicator must then fail for good and tell its peer, not run on a state that may
-    /// be half-updated (#11 item 8).
+    /// A panic while the engine is held outside a guarded operation (what poisoned the
+    /// engine's std lock before it became a spin lock): the communicator must then fail for
+    /// good and tell its peer, not run on a state that may be half-updated (#11 item 8).
     #[cfg(feature = "testing")]
     #[test]
     fn a_poisoned_engine_lock_fails_the_communicator_and_its_peers() {
@@ -773,10 +821,60 @@ mod tests {
         );
     }
 
+    /// A collective called while a panic of the user's unwinds (from a destructor: a guard
+    /// that ends a phase with a barrier) takes the driver role during the unwind. That must
+    /// not count as a panic inside the library: the call and the ones after it succeed on
+    /// every rank, and no peer hears of an internal error. (Closing a communicator dropped
+    /// during a panic takes the role the same way.)
+    #[cfg(feature = "testing")]
+    #[test]
+    fn a_collective_called_while_a_users_panic_unwinds_is_no_library_panic() {
+        struct SyncOnDrop<'a>(&'a Communicator);
+        impl Drop for SyncOnDrop<'_> {
+            fn drop(&mut self) {
+                let mut v = vec![1u32; 10];
+                let r = self.0.all_reduce(&mut v, ReduceOp::Sum);
+                assert!(
+                    r.is_ok() && v[0] == 2,
+                    "the call during the unwind: {r:?} {v:?}"
+                );
+            }
+        }
+        let fabric = MemFabric::new(2, 4);
+        let mut cfg = Config::new(0, 1, "");
+        cfg.timeout = Duration::from_secs(20);
+        let res: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let (t, cfg) = (fabric.transport(r), &cfg);
+                    s.spawn(move || {
+                        let c = Communicator::from_transport(r, 2, Box::new(t), cfg).unwrap();
+                        let mut v = vec![1u32; 10];
+                        if r == 0 {
+                            let p = catch_unwind(AssertUnwindSafe(|| {
+                                let _sync = SyncOnDrop(&c);
+                                panic!("a bug in the user's code");
+                            }));
+                            assert!(p.is_err());
+                        } else {
+                            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                        }
+                        let mut w = vec![1u32; 10];
+                        c.all_reduce(&mut w, ReduceOp::Sum)
+                            .map(|()| w[0])
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(res, [Ok(2), Ok(2)]);
+    }
+
     /// #11 item 8 (review M2): a panic while a thread holds the driver role but outside the
     /// guarded operation must still give the role up. Otherwise every later call of the
     /// communicator waits forever for a role nobody holds. The next call must fail promptly
-    /// (the engine's lock is poisoned), and the peer must hear of it.
+    /// (the engine failed as the panic left it), and the peer must hear of it.
     #[cfg(feature = "testing")]
     #[test]
     fn a_panic_while_holding_the_driver_role_gives_the_role_up_and_fails_the_next_call() {
