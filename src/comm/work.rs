@@ -778,36 +778,50 @@ mod tests {
     #[cfg(feature = "testing")]
     use crate::{Communicator, Config, ReduceOp};
 
+    /// Two ranks as threads over a `mem` fabric, each running `f(rank, its communicator)`
+    /// (deadline: `timeout`); their results in rank order.
+    #[cfg(feature = "testing")]
+    fn two_ranks<R: Send>(
+        timeout: Duration,
+        f: impl Fn(usize, Communicator) -> R + Sync,
+    ) -> Vec<R> {
+        let fabric = MemFabric::new(2, 4);
+        let mut cfg = Config::new(0, 1, "");
+        cfg.timeout = timeout;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let (t, cfg, f) = (fabric.transport(r), &cfg, &f);
+                    s.spawn(move || {
+                        f(
+                            r,
+                            Communicator::from_transport(r, 2, Box::new(t), cfg).unwrap(),
+                        )
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     /// A panic while the engine is held outside a guarded operation (what poisoned the
     /// engine's std lock before it became a spin lock): the communicator must then fail for
     /// good and tell its peer, not run on a state that may be half-updated (#11 item 8).
     #[cfg(feature = "testing")]
     #[test]
     fn a_poisoned_engine_lock_fails_the_communicator_and_its_peers() {
-        let fabric = MemFabric::new(2, 4);
-        let mut cfg = Config::new(0, 1, "");
-        cfg.timeout = Duration::from_secs(60);
         let start = Instant::now();
-        let res: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|r| {
-                    let (t, cfg) = (fabric.transport(r), &cfg);
-                    s.spawn(move || {
-                        let c = Communicator::from_transport(r, 2, Box::new(t), cfg).unwrap();
-                        let mut v = vec![1u32; 100];
-                        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
-                        if r == 0 {
-                            let _ = catch_unwind(AssertUnwindSafe(|| {
-                                c.shared
-                                    .with_engine(|_| panic!("a bug while holding the engine"))
-                            }));
-                        }
-                        let e = c.all_reduce(&mut v, ReduceOp::Sum).map(|_| v[0]);
-                        (e, start.elapsed())
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let res = two_ranks(Duration::from_secs(60), |r, c| {
+            let mut v = vec![1u32; 100];
+            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            if r == 0 {
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    c.shared
+                        .with_engine(|_| panic!("a bug while holding the engine"))
+                }));
+            }
+            let e = c.all_reduce(&mut v, ReduceOp::Sum).map(|_| v[0]);
+            (e, start.elapsed())
         });
         let (e0, _) = &res[0];
         let e0 = e0.as_ref().unwrap_err().to_string();
@@ -840,33 +854,21 @@ mod tests {
                 );
             }
         }
-        let fabric = MemFabric::new(2, 4);
-        let mut cfg = Config::new(0, 1, "");
-        cfg.timeout = Duration::from_secs(20);
-        let res: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|r| {
-                    let (t, cfg) = (fabric.transport(r), &cfg);
-                    s.spawn(move || {
-                        let c = Communicator::from_transport(r, 2, Box::new(t), cfg).unwrap();
-                        let mut v = vec![1u32; 10];
-                        if r == 0 {
-                            let p = catch_unwind(AssertUnwindSafe(|| {
-                                let _sync = SyncOnDrop(&c);
-                                panic!("a bug in the user's code");
-                            }));
-                            assert!(p.is_err());
-                        } else {
-                            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
-                        }
-                        let mut w = vec![1u32; 10];
-                        c.all_reduce(&mut w, ReduceOp::Sum)
-                            .map(|()| w[0])
-                            .map_err(|e| e.to_string())
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let res = two_ranks(Duration::from_secs(20), |r, c| {
+            let mut v = vec![1u32; 10];
+            if r == 0 {
+                let p = catch_unwind(AssertUnwindSafe(|| {
+                    let _sync = SyncOnDrop(&c);
+                    panic!("a bug in the user's code");
+                }));
+                assert!(p.is_err());
+            } else {
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            }
+            let mut w = vec![1u32; 10];
+            c.all_reduce(&mut w, ReduceOp::Sum)
+                .map(|()| w[0])
+                .map_err(|e| e.to_string())
         });
         assert_eq!(res, [Ok(2), Ok(2)]);
     }

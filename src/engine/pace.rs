@@ -141,18 +141,10 @@ impl Pacer {
         start: Instant,
         deadline: Instant,
     ) -> Self {
+        let timeout = deadline.saturating_duration_since(start);
         Pacer {
             clock: Some((start, deadline)),
-            timeout: deadline.saturating_duration_since(start),
-            spin,
-            base_spin: opts.spin,
-            yield_while_spinning: opts.yield_while_spinning,
-            yielding: false,
-            idle_since: None,
-            idle_passes: 0,
-            busy_rounds: 0,
-            blocked: false,
-            slept_wait: None,
+            ..Pacer::lazy(opts, spin, timeout)
         }
     }
 
