@@ -296,7 +296,7 @@ mod tests {
         let line = csv_row(&args(&[]), 4, &row, TransportKind::Tcp, "host");
         assert_eq!(
             line,
-            "all_reduce,float,sum,4,1048576,262144,100.00,10.4858,15.7286,0,tcp,host"
+            "all_reduce,float,sum,4,1048576,262144,100.0000,10.4858,15.7286,0,tcp,host"
         );
         assert_eq!(line.split(',').count(), CSV_HEADER.split(',').count());
 
@@ -310,7 +310,7 @@ mod tests {
         let a = args(&["all_gather", "-d", "half", "-o", "max", "-c", "0"]);
         assert_eq!(
             csv_row(&a, 2, &row, TransportKind::Shm, "staged"),
-            "all_gather,half,none,2,4096,2048,2.50,1.6384,0.8192,N/A,shm,staged"
+            "all_gather,half,none,2,4096,2048,2.5000,1.6384,0.8192,N/A,shm,staged"
         );
     }
 
