@@ -380,7 +380,15 @@ fn assert_guards(buf: &[u8], off: usize, len: usize, what: &str) {
 
 /// Runs reduce_inplace_at and reduce_into_at on `a`, `b` at the given byte offsets and checks
 /// every element against the reference and the guard bytes around the destination.
-fn check_binary<T: TestElem>(level: SimdLevel, op: ReduceOp, a: &[T], b: &[T], offs: [usize; 3]) {
+/// Checks one level's kernels (`Some`), or the dispatcher the engine calls (`None`: the scalar
+/// loop below `TINY_BYTES`, the best level above), against the reference.
+fn check_binary<T: TestElem>(
+    level: Option<SimdLevel>,
+    op: ReduceOp,
+    a: &[T],
+    b: &[T],
+    offs: [usize; 3],
+) {
     let dtype = T::DATA_TYPE;
     let n = a.len();
     let len = n * dtype.size();
@@ -391,13 +399,11 @@ fn check_binary<T: TestElem>(level: SimdLevel, op: ReduceOp, a: &[T], b: &[T], o
 
     let bbuf = placed(b, ob);
     let mut dbuf = placed(a, od);
-    reduce_inplace_at(
-        level,
-        dtype,
-        op,
-        &mut dbuf[od..od + len],
-        &bbuf[ob..ob + len],
-    );
+    let (d, s) = (&mut dbuf[od..od + len], &bbuf[ob..ob + len]);
+    match level {
+        Some(level) => reduce_inplace_at(level, dtype, op, d, s),
+        None => reduce_inplace(dtype, op, d, s),
+    }
     for i in 0..n {
         let (got, want) = (read::<T>(&dbuf, od, i), T::reference(op, a[i], b[i]));
         assert!(
@@ -412,14 +418,15 @@ fn check_binary<T: TestElem>(level: SimdLevel, op: ReduceOp, a: &[T], b: &[T], o
 
     let abuf = placed(a, oa);
     let mut dbuf = vec![0xA5u8; od + len + 8];
-    reduce_into_at(
-        level,
-        dtype,
-        op,
+    let (d, x, y) = (
         &mut dbuf[od..od + len],
         &abuf[oa..oa + len],
         &bbuf[ob..ob + len],
     );
+    match level {
+        Some(level) => reduce_into_at(level, dtype, op, d, x, y),
+        None => reduce_into(dtype, op, d, x, y),
+    }
     for i in 0..n {
         let (got, want) = (read::<T>(&dbuf, od, i), T::reference(op, a[i], b[i]));
         assert!(
@@ -450,7 +457,8 @@ const OFFSETS: [[usize; 3]; 5] = [[0, 0, 0], [1, 3, 2], [3, 1, 0], [4, 8, 12], [
 
 fn check_all_ops<T: TestElem>(seed: u64) {
     let mut rng = Rng::new(seed);
-    for level in levels() {
+    // Every level, then the dispatcher.
+    for level in levels().into_iter().map(Some).chain([None]) {
         for op in ReduceOp::ALL {
             for n in lengths() {
                 let a = random_vec::<T>(&mut rng, n);
@@ -513,8 +521,8 @@ fn check_specials_and_commutativity<T: TestElem>() {
     let bytes = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
     for level in levels() {
         for op in ReduceOp::ALL {
-            check_binary(level, op, &a, &b, [0, 0, 0]);
-            check_binary(level, op, &a, &b, [3, 1, 2]);
+            check_binary(Some(level), op, &a, &b, [0, 0, 0]);
+            check_binary(Some(level), op, &a, &b, [3, 1, 2]);
         }
         for op in [ReduceOp::Min, ReduceOp::Max] {
             let mut ab = vec![0u8; a.len() * dtype.size()];
@@ -681,8 +689,8 @@ fn every_half_bit_pattern_survives_the_simd_conversions() {
         let all: Vec<T> = (0..=u16::MAX).map(from_bits).collect();
         let zeros = vec![neg_zero; all.len()];
         for level in levels() {
-            check_binary(level, ReduceOp::Max, &all, &all, [0, 0, 0]);
-            check_binary(level, ReduceOp::Sum, &all, &zeros, [2, 0, 0]);
+            check_binary(Some(level), ReduceOp::Max, &all, &all, [0, 0, 0]);
+            check_binary(Some(level), ReduceOp::Sum, &all, &zeros, [2, 0, 0]);
         }
     }
     run::<f16>(f16::from_bits, f16::NEG_ZERO);
