@@ -12,6 +12,7 @@
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
 //! | `DSPARK_HOST_ID` | this rank's host identity: ranks with equal ones share memory | the host name |
 //! | `DSPARK_SHM_RING_BYTES` | bytes of each shared-memory ring (one per ordered pair of ranks; at least two segments) | 2 MiB |
+//! | `DSPARK_SHM_MEMBARRIER` | `0`: shared-memory publishers keep a full fence before they look for sleeping peers, instead of leaving it to the sleepers' `membarrier(2)` | on where the kernel has it |
 //! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
@@ -120,6 +121,11 @@ pub struct Config {
     /// Bytes of each shared-memory ring (`DSPARK_SHM_RING_BYTES`); a ring holds at least two
     /// segments (`segment_bytes`), whatever is asked.
     pub shm_ring_bytes: usize,
+    /// `DSPARK_SHM_MEMBARRIER` (on): where the kernel has `membarrier(2)`'s global expedited
+    /// command, shared-memory ranks leave the full fence of the wake-up handshake to the rank
+    /// that goes to sleep (`crate::transport::shm` "Waiting"; off: a full fence on both
+    /// sides).
+    pub shm_membarrier: bool,
     /// Network interface for TCP connections.
     pub socket_ifname: Option<String>,
     /// Verbs device, optionally with `:port`.
@@ -322,6 +328,7 @@ impl Config {
             transport: TransportChoice::Auto,
             host_id: None,
             shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
+            shm_membarrier: true,
             socket_ifname: None,
             ib_device: None,
             ib_gid_index: None,
@@ -508,6 +515,13 @@ impl Config {
             c.shm_ring_bytes = parse_size(&v).ok_or_else(|| {
                 Error::config(n, format!("{v:?} is not a size (e.g. 2M, 262144)"))
             })?;
+        }
+        if let Some((n, v)) = pick(&["DSPARK_SHM_MEMBARRIER"]) {
+            let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
+            if !off && !truthy(&v) && !v.trim().is_empty() {
+                return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
+            }
+            c.shm_membarrier = !off;
         }
         c.socket_ifname = pick(&["DSPARK_SOCKET_IFNAME"]).map(|(_, v)| v.trim().to_string());
         c.ib_device = pick(&["DSPARK_IB_DEVICE"]).map(|(_, v)| v.trim().to_string());

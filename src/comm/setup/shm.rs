@@ -34,6 +34,7 @@ pub(crate) fn shm_options(cfg: &Config) -> ShmOptions {
         ring_bytes: cfg
             .shm_ring_bytes
             .max(2 * (cfg.segment_bytes.max(64) + 2 * 64)),
+        membarrier: cfg.shm_membarrier,
     }
 }
 

@@ -112,7 +112,10 @@ pub fn shm_ring(data: &[u8]) {
     let ctrl = data.first().copied().unwrap_or(0);
     let unit = data.get(1).copied().unwrap_or(0);
     let rest = data.get(2..).unwrap_or(&[]);
-    let opts = ShmOptions { ring_bytes: RING };
+    let opts = ShmOptions {
+        ring_bytes: RING,
+        ..ShmOptions::default()
+    };
     let partners = |r: usize| vec![1 - r];
     let (Ok(p0), Ok(p1)) = (
         prepare(0, 2, &partners, opts),

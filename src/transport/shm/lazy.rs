@@ -185,7 +185,7 @@ impl Accept for ShmTransport {
 
     fn in_making(&mut self, peer: usize) {
         if let Some(q) = self.peers.get(peer).and_then(Option::as_ref) {
-            Self::notify(&q.seg);
+            Self::notify(&q.seg, self.light_fence);
         }
     }
 

@@ -12,7 +12,7 @@
 use std::io::{self, Read};
 use std::net::Shutdown;
 use std::os::fd::AsFd;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
@@ -308,11 +308,16 @@ impl ShmTransport {
         if now < deadline {
             let sleeping = self.own.u32_at(OFF_SLEEPING);
             sleeping.store(1, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            let fenced = super::fence::sleeper(self.asym);
+            if !fenced {
+                self.membarrier_failed();
+            }
             let bell = self.own.u32_at(OFF_BELL);
             let v = bell.load(Ordering::Acquire);
             if !ready(self) {
-                let poll = if self.linking() {
+                // A peer that published with a compiler fence only may not have seen this
+                // rank asleep when the membarrier failed: look again soon.
+                let poll = if self.linking() || !fenced {
                     LINK_POLL
                 } else {
                     LIVENESS_POLL
@@ -322,6 +327,21 @@ impl ShmTransport {
             self.own.u32_at(OFF_SLEEPING).store(0, Ordering::Relaxed);
         }
         self.check_liveness()
+    }
+
+    /// Says, once per process, that a sleeper's membarrier failed although the process had
+    /// registered for them ([`super::fence`]): its wake-ups may then come at `LINK_POLL`.
+    fn membarrier_failed(&self) {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                rank = self.rank,
+                "membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) failed after the process registered \
+                 ({}): peers that publish with a compiler fence may not wake this rank; it \
+                 looks for their data every {LINK_POLL:?} while it sleeps",
+                io::Error::last_os_error()
+            );
+        }
     }
 
     /// [`Transport::abort`](crate::transport::Transport::abort): writes the abort (class, origin, message) into this rank's
@@ -434,7 +454,10 @@ mod tests {
     #[test]
     fn a_peer_whose_process_ended_before_its_connection_was_made_is_lost_not_waited_for() {
         let partners = |_: usize| Vec::new();
-        let opts = ShmOptions { ring_bytes: 8192 };
+        let opts = ShmOptions {
+            ring_bytes: 8192,
+            ..ShmOptions::default()
+        };
         let preps: Vec<Prepared> = (0..2)
             .map(|r| prepare(r, 2, &partners, opts).unwrap())
             .collect();
@@ -493,7 +516,10 @@ mod tests {
     #[test]
     fn an_abort_from_a_peer_that_completed_the_running_collective_fails_only_the_next_call() {
         let partners = |_: usize| Vec::new();
-        let opts = ShmOptions { ring_bytes: 8192 };
+        let opts = ShmOptions {
+            ring_bytes: 8192,
+            ..ShmOptions::default()
+        };
         let two = || -> Vec<ShmTransport> {
             let preps: Vec<Prepared> = (0..2)
                 .map(|r| prepare(r, 2, &partners, opts).unwrap())

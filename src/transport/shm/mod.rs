@@ -125,6 +125,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+mod fence;
 #[cfg(feature = "testing")]
 pub(crate) mod fuzz;
 mod lazy;
@@ -171,6 +172,10 @@ const OFF_STATUS: usize = 192;
 const OFF_CLASS: usize = 196;
 const OFF_ORIGIN: usize = 200;
 const OFF_MSG_LEN: usize = 204;
+/// 1 when the owner's process registered for global expedited membarriers and issues one
+/// when it goes to sleep, so that its peers may publish with a compiler fence only
+/// ([`fence`]); 0 otherwise.
+const OFF_ASYM: usize = 216;
 /// The last collective an aborting owner completed (0 where none, or a segment that predates
 /// the word: the abort then fails every call, as before).
 const OFF_DONE: usize = 208;
@@ -197,12 +202,16 @@ pub struct ShmOptions {
     /// segment has room for `world − 1` of them (committed at init for the standing
     /// partners, on first use for the others).
     pub ring_bytes: usize,
+    /// Whether to leave the full fence of the wake-up handshake to the sleepers'
+    /// `membarrier(2)` where the kernel has it ([`fence`]; `DSPARK_SHM_MEMBARRIER`).
+    pub membarrier: bool,
 }
 
 impl Default for ShmOptions {
     fn default() -> Self {
         ShmOptions {
             ring_bytes: DEFAULT_RING_BYTES,
+            membarrier: true,
         }
     }
 }
@@ -303,6 +312,12 @@ pub struct ShmTransport {
     /// the header's line): a peer's contribution to the same call is as long, and
     /// [`crate::transport::Slots::peek`] fetches that line while it polls the flag.
     slot_tail: usize,
+    /// Whether this rank's segment says it issues a membarrier before it sleeps
+    /// (`OFF_ASYM`; [`fence`]).
+    asym: bool,
+    /// Whether this rank publishes with a compiler fence only before it looks for sleepers:
+    /// it and every peer issue a membarrier before they sleep ([`fence`]).
+    light_fence: bool,
 }
 
 impl ShmTransport {
@@ -339,11 +354,16 @@ impl ShmTransport {
         };
         format!(
             "shm ({}memfd segments, {} KiB ring per pair, {} KiB reserved per rank, {} KiB \
-             committed at init ({rings}), futex wake-ups, {liveness})",
+             committed at init ({rings}), futex wake-ups{}, {liveness})",
             self.among,
             self.ring / 1024,
             self.own.len() / 1024,
             self.committed_at_init / 1024,
+            if self.light_fence {
+                " (membarrier fences)"
+            } else {
+                ""
+            },
         )
     }
 
@@ -367,9 +387,11 @@ impl ShmTransport {
         }
     }
 
-    /// Wakes `peer` if it is asleep on its bell (after this rank published something for it).
-    fn notify(seg: &Seg) {
-        fence(Ordering::SeqCst);
+    /// Wakes `peer` if it is asleep on its bell (after this rank published something for it),
+    /// behind the publisher's fence ([`fence::publisher`]; `light`: the transport's
+    /// `light_fence`).
+    fn notify(seg: &Seg, light: bool) {
+        fence::publisher(light);
         if seg.u32_at(OFF_SLEEPING).load(Ordering::Relaxed) != 0 {
             seg.u32_at(OFF_BELL).fetch_add(1, Ordering::Release);
             seg::futex_wake(seg.u32_at(OFF_BELL));

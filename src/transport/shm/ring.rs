@@ -208,13 +208,13 @@ impl ShmTransport {
             p.tx_head += n as u64;
             if p.tx_head - last_pub >= step {
                 head_word.store(p.tx_head, Ordering::Release);
-                Self::notify(&p.seg);
+                Self::notify(&p.seg, self.light_fence);
                 last_pub = p.tx_head;
             }
         }
         if p.tx_head != last_pub {
             head_word.store(p.tx_head, Ordering::Release);
-            Self::notify(&p.seg);
+            Self::notify(&p.seg, self.light_fence);
         }
         if w == total {
             // Its padding to the next line is taken by the next frame.
@@ -469,7 +469,7 @@ impl ShmTransport {
             let want = progress.expected - progress.got;
             if want == 0 {
                 tail_word.store(p.rx_tail, Ordering::Release);
-                Self::notify(&p.seg);
+                Self::notify(&p.seg, self.light_fence);
                 p.rx_in_frame = false;
                 progress.header = None;
                 return Ok(true);
@@ -486,7 +486,7 @@ impl ShmTransport {
             }
             if n == 0 {
                 tail_word.store(p.rx_tail, Ordering::Release);
-                Self::notify(&p.seg);
+                Self::notify(&p.seg, self.light_fence);
                 if !state_open {
                     // Its process is gone in the middle of a frame: nothing more will come.
                     if let Some(e) = self.status_error(peer, OP) {
@@ -521,7 +521,7 @@ impl ShmTransport {
             p.rx_tail += n as u64;
             if progress.got < progress.expected {
                 tail_word.store(p.rx_tail, Ordering::Release);
-                Self::notify(&p.seg);
+                Self::notify(&p.seg, self.light_fence);
             }
         }
     }

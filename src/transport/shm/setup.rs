@@ -9,14 +9,15 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
+use super::fence;
 use super::liveness::proc_stat;
 use super::seg::{self, Seg, LINE};
 use super::sizing::{
     committed_len, fits_in_memory, mem_available, ring_base, ring_stride, seg_len,
 };
 use super::{
-    Peer, PeerState, ShmOptions, ShmTransport, MAGIC, MAX_RING_BYTES, MIN_RING_BYTES, OFF_MAGIC,
-    OFF_NONCE, OFF_PID, OFF_RANK, OFF_RING, OFF_VERSION, OFF_WORLD, RINGS, VERSION,
+    Peer, PeerState, ShmOptions, ShmTransport, MAGIC, MAX_RING_BYTES, MIN_RING_BYTES, OFF_ASYM,
+    OFF_MAGIC, OFF_NONCE, OFF_PID, OFF_RANK, OFF_RING, OFF_VERSION, OFF_WORLD, RINGS, VERSION,
 };
 use crate::error::{Error, Result};
 
@@ -159,6 +160,11 @@ pub fn prepare_group(
     seg.u64_at(OFF_RING).store(ring as u64, Ordering::Relaxed);
     seg.u32_at(OFF_PID)
         .store(std::process::id(), Ordering::Relaxed);
+    // Whether this rank will issue a membarrier before it sleeps, so that its peers may
+    // publish with a compiler fence: read by them after the nonce.
+    let asym = opts.membarrier && fence::registered();
+    seg.u32_at(OFF_ASYM)
+        .store(u32::from(asym), Ordering::Relaxed);
     seg.u64_at(OFF_NONCE).store(nonce, Ordering::Release);
     Ok(Prepared {
         rank,
@@ -334,6 +340,13 @@ impl ShmTransport {
         } else {
             String::new()
         };
+        // Read after the nonce (acquire, `Prepared::connect`), like the rest of the header.
+        let asym = own.u32_at(OFF_ASYM).load(Ordering::Relaxed) == 1;
+        let light_fence = asym
+            && peers
+                .iter()
+                .flatten()
+                .all(|p| p.seg.u32_at(OFF_ASYM).load(Ordering::Relaxed) == 1);
         let connected_at_init = peers
             .iter()
             .flatten()
@@ -358,6 +371,8 @@ impl ShmTransport {
             slot_calls: 0,
             wake_owed: false,
             slot_tail: 0,
+            asym,
+            light_fence,
         };
         t.desc = t.description();
         Ok(t)
@@ -371,6 +386,7 @@ impl ShmTransport {
             &|_| Vec::new(),
             ShmOptions {
                 ring_bytes: MIN_RING_BYTES,
+                ..ShmOptions::default()
             },
         )
         .map_err(|w| Error::unavailable("the shared-memory transport", w))?;
@@ -410,6 +426,58 @@ mod tests {
         file.metadata().unwrap().blocks() * 512
     }
 
+    /// Two ranks in this process; rank `declines` asks for no membarriers
+    /// (`DSPARK_SHM_MEMBARRIER=0`).
+    fn pair(declines: Option<usize>) -> Vec<ShmTransport> {
+        let partners = |r: usize| vec![1 - r];
+        let preps: Vec<Prepared> = (0..2)
+            .map(|r| {
+                let opts = ShmOptions {
+                    ring_bytes: 64 * 1024,
+                    membarrier: declines != Some(r),
+                };
+                prepare(r, 2, &partners, opts).unwrap()
+            })
+            .collect();
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+        preps
+            .into_iter()
+            .zip(segs)
+            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
+            .collect()
+    }
+
+    /// A publisher leaves the wake-up's full fence to the sleepers only when its process and
+    /// every peer's issue a membarrier before they sleep; the description says which.
+    #[test]
+    fn publishers_fence_lightly_only_when_every_peer_sleeps_with_a_membarrier() {
+        let registered = fence::registered();
+        for t in pair(None) {
+            assert_eq!(t.asym, registered, "membarrier registered: {registered}");
+            assert_eq!(t.light_fence, registered);
+            assert_eq!(
+                t.describe().contains("(membarrier fences)"),
+                registered,
+                "{}",
+                t.describe()
+            );
+        }
+        let ts = pair(Some(1));
+        assert!(
+            !ts[0].light_fence,
+            "rank 1 sleeps without a membarrier: rank 0 must publish with a full fence"
+        );
+        assert!(!ts[0].describe().contains("membarrier"));
+        assert_eq!(ts[0].asym, registered);
+        // Rank 1 declined: a full fence on both of its sides.
+        assert!(!ts[1].asym);
+        assert!(
+            !ts[1].light_fence,
+            "rank 1 declined: it publishes with a full fence too"
+        );
+    }
+
     /// Three ranks in this process, of which only 0 and 1 are partners: each segment commits
     /// the header and its partners' rings at init, and a pair's rings on its first use.
     #[test]
@@ -421,7 +489,18 @@ mod tests {
             _ => vec![],
         };
         let preps: Vec<Prepared> = (0..3)
-            .map(|r| prepare(r, 3, &partners, ShmOptions { ring_bytes: ring }).unwrap())
+            .map(|r| {
+                prepare(
+                    r,
+                    3,
+                    &partners,
+                    ShmOptions {
+                        ring_bytes: ring,
+                        ..ShmOptions::default()
+                    },
+                )
+                .unwrap()
+            })
             .collect();
         let stride = ring_stride(ring) as u64;
         let got: Vec<u64> = preps.iter().map(|p| allocated(&p.file)).collect();
@@ -477,7 +556,18 @@ mod tests {
         let ring = MIN_RING_BYTES;
         let partners = |r: usize| vec![1 - r];
         let preps: Vec<Prepared> = (0..2)
-            .map(|r| prepare(r, 2, &partners, ShmOptions { ring_bytes: ring }).unwrap())
+            .map(|r| {
+                prepare(
+                    r,
+                    2,
+                    &partners,
+                    ShmOptions {
+                        ring_bytes: ring,
+                        ..ShmOptions::default()
+                    },
+                )
+                .unwrap()
+            })
             .collect();
         let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
         let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
@@ -542,7 +632,10 @@ mod tests {
     #[test]
     fn a_peer_segment_of_another_length_is_refused_at_connect() {
         use std::os::fd::AsRawFd;
-        let opts = ShmOptions { ring_bytes: 8192 };
+        let opts = ShmOptions {
+            ring_bytes: 8192,
+            ..ShmOptions::default()
+        };
         let me = prepare(0, 2, &|_| Vec::new(), opts).unwrap();
         // A well-formed header for rank 1 of 2 in a segment of 4096 bytes: too small for
         // one ring of 8 KiB.

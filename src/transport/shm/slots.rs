@@ -20,7 +20,7 @@
 //! here as its slot's header or the frame waiting in its ring, and on the frame side
 //! (`take_header`) as its slot's header, which the engine's check names as a mismatch.
 
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::sizing::pad;
@@ -172,9 +172,9 @@ impl Slots for ShmTransport {
             return;
         }
         // Dekker with `sleep_on_bell`: the flag was stored before this fence, and a sleeper set
-        // `sleeping` before its own fence and its look at the flag; so either it saw the flag or
-        // this load sees it asleep.
-        fence(Ordering::SeqCst);
+        // `sleeping` before its own fence (and membarrier, where this one is light) and its
+        // look at the flag; so either it saw the flag or this load sees it asleep.
+        super::fence::publisher(self.light_fence);
         for p in self.peers.iter().flatten() {
             if p.seg.u32_at(OFF_SLEEPING).load(Ordering::Relaxed) != 0 {
                 p.seg.u32_at(OFF_BELL).fetch_add(1, Ordering::Release);
