@@ -111,11 +111,13 @@ impl Engine {
         // call that waits reads the clock anyway (its pacer).
         self.flight_start_coarse(entry);
         published?;
-        self.one_shot_gather(call, desc, dst)
+        self.one_shot_gather(call, desc, src, dst)
     }
 
-    /// Checks the buffers and publishes this rank's contribution (kept in `one_shot_input`
-    /// for [`Engine::one_shot_gather`]).
+    /// Checks the buffers and publishes this rank's contribution: from `src`, or in place
+    /// (`src` empty) from `dst`, which `one_shot_gather` overwrites before it takes this
+    /// rank's turn, so kept in `one_shot_input` first, except on rank 0 (whose turn comes
+    /// first: its contribution stays where it is).
     fn one_shot_publish(&mut self, call: &Call, desc: &Desc, src: &[u8], dst: &[u8]) -> Result<()> {
         let rank = self.rank;
         let dtype = call.dtype;
@@ -132,38 +134,62 @@ impl Engine {
                 ),
             ));
         }
-        self.one_shot_input.clear();
-        self.one_shot_input.extend_from_slice(&input[..bytes]);
+        let input = if src.is_empty() && rank != 0 {
+            self.one_shot_input.clear();
+            self.one_shot_input.extend_from_slice(&dst[..bytes]);
+            &self.one_shot_input
+        } else {
+            &input[..bytes]
+        };
         let slots = self.transport.slots().ok_or_else(no_slots)?;
-        slots.publish(&desc.header(bytes), &self.one_shot_input)
+        slots.publish(&desc.header(bytes), input)
     }
 
-    /// Takes every rank's contribution in rank order into `dst`, this rank's from
-    /// `one_shot_input`, after [`Engine::one_shot_publish`].
-    fn one_shot_gather(&mut self, call: &Call, desc: &Desc, dst: &mut [u8]) -> Result<()> {
+    /// Takes every rank's contribution in rank order into `dst` (this rank's as
+    /// [`Engine::one_shot_publish`] left it), after that publish. Rank 1 takes rank 0's and
+    /// its own in one pass (`reduce_into`, the same operations in the same order as a copy
+    /// and a reduce): with rank 0's in place, a 2-rank call copies only rank 1's input.
+    fn one_shot_gather(
+        &mut self,
+        call: &Call,
+        desc: &Desc,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
         let (rank, world) = (self.rank, self.world);
         let dtype = call.dtype;
         let bytes = call.count * dtype.size();
         let full = call.op.unwrap_or(ReduceOp::Sum);
         let op = full.step_op();
-        let mine = &self.one_shot_input;
+        let in_place = src.is_empty();
+        // In place on rank 0 this is not read: its contribution is `out` before anything else.
+        let mine: &[u8] = if in_place {
+            &self.one_shot_input
+        } else {
+            &src[..bytes]
+        };
         let out = &mut dst[..bytes];
         // The clock starts at the first contribution found missing (none is, mostly).
         let mut pacer: Option<Pacer> = None;
         for i in 0..world {
             if i == rank {
                 if i == 0 {
-                    out.copy_from_slice(mine);
-                } else {
+                    if !in_place {
+                        out.copy_from_slice(mine);
+                    }
+                } else if i != 1 {
                     reduce::reduce_inplace(dtype, op, out, mine);
                 }
+                // Rank 1's was taken with rank 0's.
                 continue;
             }
             loop {
                 let slots = self.transport.slots().ok_or_else(no_slots)?;
                 if let Some((h, data)) = slots.peek(i, desc.seq)? {
                     check_header(rank, i, desc, &h, bytes)?;
-                    if i == 0 {
+                    if i == 0 && rank == 1 {
+                        reduce::reduce_into(dtype, op, out, data, mine);
+                    } else if i == 0 {
                         out.copy_from_slice(data);
                     } else {
                         reduce::reduce_inplace(dtype, op, out, data);
@@ -218,5 +244,104 @@ impl Engine {
         }
         self.spin.learn(slept);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineOptions;
+    use crate::transport::shm::{prepare, Prepared, SegInfo, ShmOptions, ShmTransport};
+    use crate::types::DataType;
+
+    /// `n` engines in this process over one shared-memory group, one-shot up to 4 KiB.
+    fn engines(n: usize) -> Vec<Engine> {
+        let everyone = move |r: usize| (0..n).filter(|&p| p != r).collect::<Vec<_>>();
+        let preps: Vec<Prepared> = (0..n)
+            .map(|r| prepare(r, n, &everyone, ShmOptions::default()).unwrap())
+            .collect();
+        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+        preps
+            .into_iter()
+            .zip(segs)
+            .enumerate()
+            .map(|(r, (p, s))| {
+                let t = ShmTransport::new(p, s, (0..n).map(|_| None).collect()).unwrap();
+                let opts = EngineOptions {
+                    one_shot_bytes: 4096,
+                    ..EngineOptions::default()
+                };
+                Engine::new(r, n, Box::new(t), opts)
+            })
+            .collect()
+    }
+
+    /// Rank r's contribution: large and small magnitudes whose f32 sum depends on the order
+    /// in which the ranks are added.
+    fn input(r: usize, count: usize) -> Vec<f32> {
+        (0..count)
+            .map(|i| match (r + i) % 3 {
+                0 => 1.0e8,
+                1 => 1.0 + i as f32,
+                _ => -1.0e8 + 3.0,
+            })
+            .collect()
+    }
+
+    /// In place and out of place (where the input must stay as it was), on worlds 2 to 4:
+    /// every rank ends with the contributions added in rank order, bit for bit (the
+    /// reference folds them in that order; another order rounds differently). Rank 0 in
+    /// place reduces into its own input and rank 1 takes rank 0's and its own in one pass.
+    #[test]
+    fn one_shot_adds_in_rank_order_in_place_and_out_of_place_on_every_rank() {
+        for n in 2..=4 {
+            for in_place in [true, false] {
+                for count in [1, 2, 7, 16, 33, 1000] {
+                    let want: Vec<u32> = (0..count)
+                        .map(|i| {
+                            (1..n)
+                                .fold(input(0, count)[i], |acc, r| acc + input(r, count)[i])
+                                .to_bits()
+                        })
+                        .collect();
+                    std::thread::scope(|s| {
+                        for (r, mut eng) in engines(n).into_iter().enumerate() {
+                            let want = &want;
+                            s.spawn(move || {
+                                let mut call = Call::new(
+                                    Collective::AllReduce,
+                                    Some(ReduceOp::Sum),
+                                    count,
+                                    0,
+                                    false,
+                                );
+                                call.dtype = DataType::F32;
+                                assert!(eng.runs_one_shot(&call));
+                                let src = input(r, count);
+                                let mut dst = if in_place {
+                                    src.clone()
+                                } else {
+                                    vec![0f32; count]
+                                };
+                                let src_bytes: &[u8] = if in_place {
+                                    &[]
+                                } else {
+                                    bytemuck::cast_slice(&src)
+                                };
+                                eng.run(&call, src_bytes, bytemuck::cast_slice_mut(&mut dst))
+                                    .unwrap();
+                                let got: Vec<u32> = dst.iter().map(|x| x.to_bits()).collect();
+                                assert_eq!(
+                                    &got, want,
+                                    "rank {r} of {n}, count {count}, in place: {in_place}"
+                                );
+                                assert_eq!(src, input(r, count), "rank {r}'s input changed");
+                            });
+                        }
+                    });
+                }
+            }
+        }
     }
 }
