@@ -251,23 +251,16 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::engine::EngineOptions;
-    use crate::transport::shm::{prepare, Prepared, SegInfo, ShmOptions, ShmTransport};
+    use crate::transport::shm::{group_in_process, ShmOptions};
     use crate::types::DataType;
 
     /// `n` engines in this process over one shared-memory group, one-shot up to 4 KiB.
     fn engines(n: usize) -> Vec<Engine> {
-        let everyone = move |r: usize| (0..n).filter(|&p| p != r).collect::<Vec<_>>();
-        let preps: Vec<Prepared> = (0..n)
-            .map(|r| prepare(r, n, &everyone, ShmOptions::default()).unwrap())
-            .collect();
-        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
-        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
-        preps
+        let everyone = move |r: usize| (0..n).filter(|&p| p != r).collect();
+        group_in_process(n, &everyone, &|_| ShmOptions::default())
             .into_iter()
-            .zip(segs)
             .enumerate()
-            .map(|(r, (p, s))| {
-                let t = ShmTransport::new(p, s, (0..n).map(|_| None).collect()).unwrap();
+            .map(|(r, t)| {
                 let opts = EngineOptions {
                     one_shot_bytes: 4096,
                     ..EngineOptions::default()

@@ -520,18 +520,7 @@ mod tests {
             ring_bytes: 8192,
             ..ShmOptions::default()
         };
-        let two = || -> Vec<ShmTransport> {
-            let preps: Vec<Prepared> = (0..2)
-                .map(|r| prepare(r, 2, &partners, opts).unwrap())
-                .collect();
-            let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
-            let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
-            preps
-                .into_iter()
-                .zip(segs)
-                .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
-                .collect()
-        };
+        let two = || super::super::setup::group_in_process(2, &partners, &|_| opts);
         let by_1 = |r: &Result<()>| matches!(r, Err(Error::Aborted { by: 1, reason, .. }) if reason.contains("lost rank 2"));
 
         let mut t = two();

@@ -138,6 +138,8 @@ mod slots;
 
 use self::lazy::Lazy;
 pub use self::seg::Seg;
+#[cfg(test)]
+pub(crate) use self::setup::group_in_process;
 pub use self::setup::{prepare, prepare_group, Prepared, SegInfo};
 #[cfg(feature = "testing")]
 pub(crate) use self::{liveness::parse_proc_stat, sizing::parse_mem_available};

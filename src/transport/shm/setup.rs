@@ -394,6 +394,26 @@ impl ShmTransport {
     }
 }
 
+/// `n` transports of one group in this process (tests): rank r's standing partners are
+/// `partners(r)`, its options `opts(r)`.
+#[cfg(test)]
+pub(crate) fn group_in_process(
+    n: usize,
+    partners: &dyn Fn(usize) -> Vec<usize>,
+    opts: &dyn Fn(usize) -> ShmOptions,
+) -> Vec<ShmTransport> {
+    let preps: Vec<Prepared> = (0..n)
+        .map(|r| prepare(r, n, partners, opts(r)).unwrap())
+        .collect();
+    let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
+    let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
+    preps
+        .into_iter()
+        .zip(segs)
+        .map(|(p, s)| ShmTransport::new(p, s, (0..n).map(|_| None).collect()).unwrap())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,23 +449,11 @@ mod tests {
     /// Two ranks in this process; rank `declines` asks for no membarriers
     /// (`DSPARK_SHM_MEMBARRIER=0`).
     fn pair(declines: Option<usize>) -> Vec<ShmTransport> {
-        let partners = |r: usize| vec![1 - r];
-        let preps: Vec<Prepared> = (0..2)
-            .map(|r| {
-                let opts = ShmOptions {
-                    ring_bytes: 64 * 1024,
-                    membarrier: declines != Some(r),
-                };
-                prepare(r, 2, &partners, opts).unwrap()
-            })
-            .collect();
-        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
-        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
-        preps
-            .into_iter()
-            .zip(segs)
-            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
-            .collect()
+        let opts = |r: usize| ShmOptions {
+            ring_bytes: 64 * 1024,
+            membarrier: declines != Some(r),
+        };
+        group_in_process(2, &|r| vec![1 - r], &opts)
     }
 
     /// A publisher leaves the wake-up's full fence to the sleepers only when its process and
@@ -488,19 +496,12 @@ mod tests {
             1 => vec![0],
             _ => vec![],
         };
+        let opts = ShmOptions {
+            ring_bytes: ring,
+            ..ShmOptions::default()
+        };
         let preps: Vec<Prepared> = (0..3)
-            .map(|r| {
-                prepare(
-                    r,
-                    3,
-                    &partners,
-                    ShmOptions {
-                        ring_bytes: ring,
-                        ..ShmOptions::default()
-                    },
-                )
-                .unwrap()
-            })
+            .map(|r| prepare(r, 3, &partners, opts).unwrap())
             .collect();
         let stride = ring_stride(ring) as u64;
         let got: Vec<u64> = preps.iter().map(|p| allocated(&p.file)).collect();
@@ -554,28 +555,11 @@ mod tests {
     #[test]
     fn a_frame_taken_whole_completes_at_its_sender_after_the_receiver_said_goodbye() {
         let ring = MIN_RING_BYTES;
-        let partners = |r: usize| vec![1 - r];
-        let preps: Vec<Prepared> = (0..2)
-            .map(|r| {
-                prepare(
-                    r,
-                    2,
-                    &partners,
-                    ShmOptions {
-                        ring_bytes: ring,
-                        ..ShmOptions::default()
-                    },
-                )
-                .unwrap()
-            })
-            .collect();
-        let infos: Vec<SegInfo> = preps.iter().map(Prepared::info).collect();
-        let segs: Vec<_> = preps.iter().map(|p| p.connect(&infos).unwrap()).collect();
-        let mut ts: Vec<ShmTransport> = preps
-            .into_iter()
-            .zip(segs)
-            .map(|(p, s)| ShmTransport::new(p, s, vec![None, None]).unwrap())
-            .collect();
+        let opts = |_| ShmOptions {
+            ring_bytes: ring,
+            ..ShmOptions::default()
+        };
+        let mut ts = group_in_process(2, &|r| vec![1 - r], &opts);
         let hdr = |len: usize, seq: u64| FrameHeader {
             kind: FrameKind::Data,
             coll: 0,
