@@ -493,6 +493,18 @@ impl Communicator {
 
     /// Runs a host call on the caller's thread, after everything issued before it.
     fn exec(&self, op: HostOp<'_>, timeout: Option<Duration>) -> Result<()> {
+        // This frame starts on a cache line, so that the frames of the call below it lie at
+        // the same offsets within their lines whatever the caller's stack. Without it an
+        // 8-byte all_reduce over shm (2 ranks, close vCPUs) took ~0.10 µs or ~0.12 µs
+        // depending on where the caller's stack lay: one 16-byte stack offset in four was
+        // slow, so ASLR made it differ run to run. With it, no run at any of 16 offsets was
+        // slow (benches/RESULTS.md, "Issue 25, stop 35"). Which access the offset slowed
+        // down is not known: a later change of these frames' sizes may land them on a slow
+        // offset again, which that method (`modes.txt`) shows.
+        #[repr(align(64))]
+        struct Line([u8; 64]);
+        let anchor = Line([0; 64]);
+        std::hint::black_box(&anchor.0);
         if let Some(res) = self.empty_call(&op.call, timeout) {
             return res;
         }
