@@ -196,6 +196,8 @@ pub struct Crowd {
     pub cpus: Ranges,
     /// How it was decided: from every rank's seat, or (a seat unknown) by the host's count.
     pub by_seats: bool,
+    /// The ranks whose unknown seats sent it to the host's count (empty when `by_seats`).
+    pub unknown: Vec<usize>,
 }
 
 impl Crowd {
@@ -207,9 +209,14 @@ impl Crowd {
     /// In words, for the communicator's info and the bench header.
     pub fn describe(&self) -> String {
         let how = if self.by_seats {
-            ""
+            String::new()
         } else {
-            " (counted by host: a rank's CPUs are unknown)"
+            let rs: Vec<String> = self.unknown.iter().map(usize::to_string).collect();
+            format!(
+                " (counted by host: the CPUs of rank{} {} are unknown)",
+                if rs.len() == 1 { "" } else { "s" },
+                rs.join(",")
+            )
         };
         if self.ranks <= 1 {
             return format!(
@@ -242,7 +249,7 @@ impl Crowd {
 /// this host on its `host_cores` online cores, or on this rank's mask where it allows
 /// several.
 pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crowd {
-    let by_host = |mine: &Ranges| Crowd {
+    let by_host = |mine: &Ranges, unknown: Vec<usize>| Crowd {
         ranks: local,
         cpus: if count(mine) > 1 {
             mine.clone()
@@ -250,19 +257,28 @@ pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crow
             vec![(0, host_cores.max(1) - 1)]
         },
         by_seats: false,
+        unknown,
     };
     let Some(mine) = seats.get(me) else {
-        return by_host(&ranges_of(&allowed()));
+        return by_host(&ranges_of(&allowed()), vec![me]);
     };
     let same_kernel = || seats.iter().filter(|s| s.boot_id == mine.boot_id);
-    if !mine.known() || same_kernel().any(|s| !s.known()) {
-        return by_host(&mine.cpus);
+    let unknown: Vec<usize> = if mine.known() {
+        (0..seats.len())
+            .filter(|&r| seats[r].boot_id == mine.boot_id && !seats[r].known())
+            .collect()
+    } else {
+        vec![me]
+    };
+    if !unknown.is_empty() {
+        return by_host(&mine.cpus, unknown);
     }
     let crowd: Vec<&Seat> = same_kernel().filter(|s| s.overlaps(mine)).collect();
     Crowd {
         ranks: crowd.len(),
         cpus: normalize(crowd.iter().flat_map(|s| s.cpus.iter().copied()).collect()),
         by_seats: true,
+        unknown: Vec::new(),
     }
 }
 
@@ -378,10 +394,18 @@ mod tests {
         // Rank 1 itself: by the host, 3 ranks on 2 cores.
         let c = crowd(1, &seats, 3, 2);
         assert!(!c.by_seats && c.oversubscribed());
-        // A rank of this kernel without CPUs: by the host.
+        assert_eq!(c.unknown, vec![1]);
+        // A rank of this kernel without CPUs: by the host, naming it.
         let seats = vec![seat("k", "0-3"), Seat::new("k".into(), Vec::new())];
         let c = crowd(0, &seats, 2, 4);
         assert!(!c.by_seats && !c.oversubscribed());
-        assert!(c.describe().contains("counted by host"));
+        assert_eq!(c.unknown, vec![1]);
+        assert!(
+            c.describe()
+                .contains("counted by host: the CPUs of rank 1 are unknown"),
+            "{}",
+            c.describe()
+        );
+        assert!(crowd(0, &[seat("k", "0")], 1, 2).unknown.is_empty());
     }
 }
