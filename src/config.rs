@@ -260,6 +260,16 @@ pub enum Rendezvous {
 }
 
 /// Whether a launcher flag variable is set to true (`True`, `true`, `1`, `yes`).
+/// An on/off variable: `Ok(false)` for 0/false/no/off, `Ok(true)` for 1/true/yes/on or empty,
+/// an error naming variable `n` otherwise.
+fn switch(n: &str, v: &str) -> Result<bool> {
+    let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
+    if !off && !truthy(v) && !v.trim().is_empty() {
+        return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
+    }
+    Ok(!off)
+}
+
 fn truthy(v: &str) -> bool {
     matches!(
         v.trim().to_ascii_lowercase().as_str(),
@@ -517,11 +527,7 @@ impl Config {
             })?;
         }
         if let Some((n, v)) = pick(&["DSPARK_SHM_MEMBARRIER"]) {
-            let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
-            if !off && !truthy(&v) && !v.trim().is_empty() {
-                return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
-            }
-            c.shm_membarrier = !off;
+            c.shm_membarrier = switch(n, &v)?;
         }
         c.socket_ifname = pick(&["DSPARK_SOCKET_IFNAME"]).map(|(_, v)| v.trim().to_string());
         c.ib_device = pick(&["DSPARK_IB_DEVICE"]).map(|(_, v)| v.trim().to_string());
@@ -639,11 +645,7 @@ impl Config {
             };
         }
         if let Some((n, v)) = pick(&["DSPARK_LINK_PROBE"]) {
-            let off = ["0", "false", "no", "off"].contains(&v.trim().to_ascii_lowercase().as_str());
-            if !off && !truthy(&v) && !v.trim().is_empty() {
-                return Err(Error::config(n, format!("{v:?}: expected 0 or 1")));
-            }
-            c.link_probe = !off;
+            c.link_probe = switch(n, &v)?;
         }
         c.listen_any = pick(&["DSPARK_LISTEN_ANY"]).is_some_and(|(_, v)| truthy(&v));
         c.accept_any_source = pick(&["DSPARK_ACCEPT_ANY_SOURCE"]).is_some_and(|(_, v)| truthy(&v));

@@ -194,13 +194,17 @@ pub struct Crowd {
     pub ranks: usize,
     /// The union of their masks.
     pub cpus: Ranges,
-    /// How it was decided: from every rank's seat, or (a seat unknown) by the host's count.
-    pub by_seats: bool,
-    /// The ranks whose unknown seats sent it to the host's count (empty when `by_seats`).
+    /// The ranks whose unknown seats sent it to the host's count; empty where it was decided
+    /// from every rank's seat ([`Crowd::by_seats`]).
     pub unknown: Vec<usize>,
 }
 
 impl Crowd {
+    /// How it was decided: from every rank's seat, or (a seat unknown) by the host's count.
+    pub fn by_seats(&self) -> bool {
+        self.unknown.is_empty()
+    }
+
     /// More ranks than CPUs: they take turns on them.
     pub fn oversubscribed(&self) -> bool {
         self.ranks > count(&self.cpus)
@@ -208,7 +212,7 @@ impl Crowd {
 
     /// In words, for the communicator's info and the bench header.
     pub fn describe(&self) -> String {
-        let how = if self.by_seats {
+        let how = if self.by_seats() {
             String::new()
         } else {
             let rs: Vec<String> = self.unknown.iter().map(usize::to_string).collect();
@@ -256,7 +260,6 @@ pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crow
         } else {
             vec![(0, host_cores.max(1) - 1)]
         },
-        by_seats: false,
         unknown,
     };
     let Some(mine) = seats.get(me) else {
@@ -277,7 +280,6 @@ pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crow
     Crowd {
         ranks: crowd.len(),
         cpus: normalize(crowd.iter().flat_map(|s| s.cpus.iter().copied()).collect()),
-        by_seats: true,
         unknown: Vec::new(),
     }
 }
@@ -372,7 +374,7 @@ mod tests {
             let mine = Seat::new("k".into(), vec![(0, allowed - 1)]);
             let seats = vec![mine, Seat::new("k".into(), Vec::new())];
             let c = crowd(0, &seats, local, host);
-            assert!(!c.by_seats);
+            assert!(!c.by_seats());
             c.oversubscribed()
         };
         // 2 ranks on 2 cores, each bound to its own (mask of 1): not sharing.
@@ -390,15 +392,15 @@ mod tests {
     fn an_unknown_seat_falls_back_to_the_host_count() {
         let seats = vec![seat("k", "0"), Seat::decode(b"garbage"), seat("k", "1")];
         // Rank 1's seat is unknown, and not of kernel "k": ranks 0 and 2 decide by seats.
-        assert!(crowd(0, &seats, 3, 2).by_seats);
+        assert!(crowd(0, &seats, 3, 2).by_seats());
         // Rank 1 itself: by the host, 3 ranks on 2 cores.
         let c = crowd(1, &seats, 3, 2);
-        assert!(!c.by_seats && c.oversubscribed());
+        assert!(!c.by_seats() && c.oversubscribed());
         assert_eq!(c.unknown, vec![1]);
         // A rank of this kernel without CPUs: by the host, naming it.
         let seats = vec![seat("k", "0-3"), Seat::new("k".into(), Vec::new())];
         let c = crowd(0, &seats, 2, 4);
-        assert!(!c.by_seats && !c.oversubscribed());
+        assert!(!c.by_seats() && !c.oversubscribed());
         assert_eq!(c.unknown, vec![1]);
         assert!(
             c.describe()

@@ -293,7 +293,7 @@ impl Communicator {
             .map(|b| crowd::Seat::decode(b))
             .collect();
         let crowd = crowd::crowd(config.rank, &seats, local, host_cores());
-        if !crowd.by_seats {
+        if !crowd.by_seats() {
             // A degraded count: whether ranks share CPUs (and so how they spin) rests on the
             // host's rank and core counts, which miss ranks pinned together.
             tracing::warn!(rank = config.rank, "CPU sharing: {}", crowd.describe());
