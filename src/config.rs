@@ -12,7 +12,7 @@
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
 //! | `DSPARK_HOST_ID` | this rank's host identity: ranks with equal ones share memory | the host name |
 //! | `DSPARK_SHM_RING_BYTES` | bytes of each shared-memory ring (one per ordered pair of ranks; at least two segments) | 2 MiB |
-//! | `DSPARK_SHM_MEMBARRIER` | `0`: shared-memory publishers keep a full fence before they look for sleeping peers, instead of leaving it to the sleepers' `membarrier(2)` | on where the kernel has it |
+//! | `DSPARK_SHM_MEMBARRIER` | `0`: shared-memory publishers keep a full fence before they look for sleeping peers, instead of leaving it to the sleepers' `membarrier(2)` | on where the kernel has it and a host's group has at most 4 ranks |
 //! | `DSPARK_DATA_PATH` | device memory: `auto`, `gpu-direct`, `host-staged` | `auto` |
 //! | `DSPARK_SOCKET_IFNAME` | network interface for the TCP connections | the one that reaches rank 0 |
 //! | `DSPARK_IB_DEVICE`, `DSPARK_IB_GID_INDEX` | verbs device (`mlx5_0` or `mlx5_0:1`) and GID index | first active port, RoCE v2 IPv4 GID |
@@ -122,9 +122,9 @@ pub struct Config {
     /// segments (`segment_bytes`), whatever is asked.
     pub shm_ring_bytes: usize,
     /// `DSPARK_SHM_MEMBARRIER` (on): where the kernel has `membarrier(2)`'s global expedited
-    /// command, shared-memory ranks leave the full fence of the wake-up handshake to the rank
-    /// that goes to sleep (`crate::transport::shm` "Waiting"; off: a full fence on both
-    /// sides).
+    /// command, shared-memory ranks of a host with at most 4 of them leave the full fence of
+    /// the wake-up handshake to the rank that goes to sleep (`crate::transport::shm`
+    /// "Waiting"; off: a full fence on both sides).
     pub shm_membarrier: bool,
     /// Network interface for TCP connections.
     pub socket_ifname: Option<String>,

@@ -18,8 +18,15 @@
 //! a kernel or seccomp profile without membarrier, a peer that did not register.
 //!
 //! Measured on the 2-core development VM: the publisher's fence was 4 ns of an 8-byte
-//! one-shot all_reduce (0.117 µs) and 10 ns of a 64-byte one (0.14 µs); a membarrier costs
-//! the sleeper well under a microsecond there, next to a futex sleep of several.
+//! one-shot all_reduce (0.117 µs) and 10 ns of a 64-byte one (0.14 µs). A membarrier costs
+//! the sleeper 0.35 µs when no other registered thread runs, but 10.6 µs when one runs on
+//! the other vCPU, and that thread loses about as much to the interrupt (an IPI in a VM
+//! exits to the hypervisor; on bare metal it is a few times cheaper). A rank sleeps only
+//! after its spin (50 µs, grown to 2 ms after a short sleep: `engine::pace::Spin`), so with a
+//! few ranks that is at most a few percent of a late rank's time (an 8-byte all_reduce after
+//! 0.1–5 ms of skew measured the same with and without). But every sleeper interrupts every
+//! running registered thread, so a host's cost grows with the square of its ranks: groups
+//! of more than [`MAX_GROUP`] ranks keep full fences.
 
 use std::sync::atomic::{compiler_fence, fence, Ordering};
 use std::sync::OnceLock;
@@ -30,6 +37,11 @@ const CMD_QUERY: libc::c_int = 0;
 const CMD_GLOBAL_EXPEDITED: libc::c_int = 1 << 1;
 /// `MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED`.
 const CMD_REGISTER_GLOBAL_EXPEDITED: libc::c_int = 1 << 2;
+
+/// The most ranks of one host's shared-memory group that use membarrier fences: beyond it,
+/// a sleeper's membarrier would interrupt more running ranks than the publishers' fences it
+/// stands for are worth (the module docs).
+pub(super) const MAX_GROUP: usize = 4;
 
 /// `membarrier(cmd, 0, 0)`: its result, or -1 with `errno` set.
 fn membarrier(cmd: libc::c_int) -> libc::c_long {

@@ -161,8 +161,9 @@ pub fn prepare_group(
     seg.u32_at(OFF_PID)
         .store(std::process::id(), Ordering::Relaxed);
     // Whether this rank will issue a membarrier before it sleeps, so that its peers may
-    // publish with a compiler fence: read by them after the nonce.
-    let asym = opts.membarrier && fence::registered();
+    // publish with a compiler fence: read by them after the nonce. Not in a group of more
+    // than `fence::MAX_GROUP` ranks, where every sleep would interrupt that many more CPUs.
+    let asym = opts.membarrier && members.len() <= fence::MAX_GROUP && fence::registered();
     seg.u32_at(OFF_ASYM)
         .store(u32::from(asym), Ordering::Relaxed);
     seg.u64_at(OFF_NONCE).store(nonce, Ordering::Release);
@@ -484,6 +485,24 @@ mod tests {
             !ts[1].light_fence,
             "rank 1 declined: it publishes with a full fence too"
         );
+    }
+
+    /// Above `fence::MAX_GROUP` ranks on a host nobody issues membarriers (each sleep would
+    /// interrupt every other running rank): full fences on both sides, whatever the options.
+    #[test]
+    fn a_group_larger_than_the_membarrier_bound_keeps_full_fences() {
+        let opts = |_: usize| ShmOptions {
+            ring_bytes: 64 * 1024,
+            membarrier: true,
+        };
+        let n = fence::MAX_GROUP;
+        for t in group_in_process(n, &|r| vec![(r + 1) % n], &opts) {
+            assert_eq!(t.asym, fence::registered(), "a group of {n} may");
+        }
+        for t in group_in_process(n + 1, &|r| vec![(r + 1) % (n + 1)], &opts) {
+            assert!(!t.asym && !t.light_fence, "a group of {} must not", n + 1);
+            assert!(!t.describe().contains("membarrier"), "{}", t.describe());
+        }
     }
 
     /// Three ranks in this process, of which only 0 and 1 are partners: each segment commits
