@@ -10,10 +10,11 @@
 //!   `2k` times its own with local rank `i` of host `2k + 1` at the same time, as the rails of
 //!   a collective use the link and the hosts' cores together (ranks that share cores, or a
 //!   link that slows with several flows, show in α as they do in every step of a call); and
-//!   α is at least the time per hop of an 8-byte allreduce of every rank (the median of
-//!   [`STEP_SAMPLES`] samples of [`BACK_TO_BACK`] calls back to back, over its critical path's
-//!   hops): a step of a collective, not a lone round trip, is what the model prices (on the
-//!   link bed, 4 ranks on 2 cores, a round trip took 7 µs and a step of a call ~35–45).
+//!   α is at least the time per hop across the link of an 8-byte allreduce of every rank (the
+//!   median of [`STEP_SAMPLES`] samples of [`BACK_TO_BACK`] calls back to back, less its hops
+//!   within hosts at shared memory's α, over its hops across): a step of a collective, not a
+//!   lone round trip, is what the model prices (on the link bed, 4 ranks on 2 cores, a round
+//!   trip took 7 µs and a step of a call ~35–45).
 //! * **β**: rank 0 streams batches of [`BATCH`] messages of [`MESSAGE`] bytes; the receiver
 //!   times every arrival and, after each batch, says whether to go on: until [`STREAM_FOR`]
 //!   has passed since the first arrival (or [`MAX_BATCHES`]). β is taken over the later half
@@ -28,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::error::Result;
-use crate::plan::model::{self, Link};
-use crate::plan::Collective;
+use crate::plan::model::{self, Costs, Link, Medium};
+use crate::plan::{Algorithm, Collective};
 use crate::types::ReduceOp;
 
 /// Timed 8-byte round trips.
@@ -147,7 +148,42 @@ fn allreduce_steps(comm: &Communicator, per_host: usize) -> Result<f64> {
     let n = comm.world_size();
     let algo = comm.algorithm(Collective::AllReduce, 8);
     let hops = model::volume(Collective::AllReduce, algo, n, 2, per_host).map_or(1, |v| v.hops);
-    Ok(typical / hops.max(1) as f64)
+    Ok(per_link_hop(typical, hops, split_hops(algo, n, per_host)))
+}
+
+/// The hops of an 8-byte allreduce's critical path within hosts and across the link, where
+/// the model tells them apart: recursive doubling on hosts of `per_host` ranks, both `n` and
+/// `per_host` powers of two (`log2 per_host` exchanges within hosts, then `log2 (n /
+/// per_host)` across, as [`crate::plan::model`]'s `predict_over_link` counts them).
+fn split_hops(algo: Algorithm, n: usize, per_host: usize) -> Option<(usize, usize)> {
+    let fits = algo == Algorithm::RecursiveDoubling
+        && per_host > 0
+        && n.is_power_of_two()
+        && per_host.is_power_of_two()
+        && n > per_host;
+    fits.then(|| {
+        (
+            per_host.trailing_zeros() as usize,
+            (n / per_host).trailing_zeros() as usize,
+        )
+    })
+}
+
+/// The time of one hop across the link in a call of `typical` µs over `hops` hops: with the
+/// hops told apart (`split`: within hosts, across), the call less its hops within hosts at
+/// shared memory's α, over the hops across; else (and never less than) the call over all its
+/// hops. On the link bed (2 hosts × 2 ranks, 4 Gbit/s) an 8-byte call took ~18 µs: 9 µs over
+/// its 2 hops, but its one hop across took ~16; priced at 9, the model took Rabenseifner's 2
+/// crossings over recursive doubling's 1 at 8 KiB, which measured 44–65 µs against 34.
+fn per_link_hop(typical: f64, hops: usize, split: Option<(usize, usize)>) -> f64 {
+    let mean = typical / hops.max(1) as f64;
+    match split {
+        Some((within, across)) if across > 0 => {
+            let shm = Costs::defaults(Medium::Shm).alpha_us;
+            ((typical - within as f64 * shm) / across as f64).max(mean)
+        }
+        _ => mean,
+    }
 }
 
 /// The other side of [`round_trips`].
@@ -249,5 +285,26 @@ mod tests {
         // Uneven hosts (no layout): only rank 0 and its partner.
         let pairs: Vec<_> = (0..5).map(|r| counterpart(r, 5, 0, 2)).collect();
         assert_eq!(pairs, [Some((2, true)), None, Some((0, false)), None, None]);
+    }
+
+    #[test]
+    fn a_hop_across_is_the_call_less_its_hops_within_hosts() {
+        let rd = Algorithm::RecursiveDoubling;
+        // 2 hosts × 2 ranks: one exchange within, one across; 8 × 4: 3 within, 3 across.
+        assert_eq!(split_hops(rd, 4, 2), Some((1, 1)));
+        assert_eq!(split_hops(rd, 32, 4), Some((2, 3)));
+        assert_eq!(split_hops(rd, 4, 1), Some((0, 2)));
+        // Layouts and algorithms the split does not cover.
+        assert_eq!(split_hops(rd, 6, 2), None);
+        assert_eq!(split_hops(rd, 4, 0), None);
+        assert_eq!(split_hops(rd, 4, 4), None);
+        assert_eq!(split_hops(Algorithm::Ring, 4, 2), None);
+        let shm = Costs::defaults(Medium::Shm).alpha_us;
+        // The bed's 18 µs call: its hop across is 18 less one within, not 9.
+        assert_eq!(per_link_hop(18.0, 2, Some((1, 1))), 18.0 - shm);
+        assert_eq!(per_link_hop(18.0, 2, None), 9.0);
+        // Never under the mean per hop (hops within hosts slower than shared memory's α).
+        assert_eq!(per_link_hop(2.0, 2, Some((1, 1))), 1.0);
+        assert_eq!(per_link_hop(30.0, 6, Some((3, 3))), 10.0 - shm);
     }
 }

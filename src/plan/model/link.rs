@@ -202,6 +202,54 @@ mod bed {
         );
     }
 
+    /// The bed again after the probe priced a hop across the link as an 8-byte call less its
+    /// hop within hosts (stop 36: α 15.7–23.1 µs at 4 Gbit/s and 12.0–23.8 at 1 Gbit/s,
+    /// where the mean per hop said 8.5–9.5), 3 passes, `benches/data/issue25-stop36-2026-12-05/
+    /// link-bed-probe-after-3pass.csv`; ring and tree not run (never the fastest in the tables above).
+    const NOT_RUN: f64 = f64::INFINITY;
+    const AT_4GBIT_STOP36: [Row; 6] = [
+        (1, 51.0, 35.0, NOT_RUN, NOT_RUN, 18.0),
+        (4, 37.0, 36.0, NOT_RUN, NOT_RUN, 24.0),
+        (8, 43.0, 48.0, NOT_RUN, NOT_RUN, 34.0),
+        (16, 39.0, 55.0, NOT_RUN, NOT_RUN, 68.0),
+        (32, 68.0, 68.0, NOT_RUN, NOT_RUN, 137.0),
+        (64, 137.0, 137.0, NOT_RUN, NOT_RUN, 274.0),
+    ];
+    const AT_1GBIT_STOP36: [Row; 6] = [
+        (1, 32.0, 47.0, NOT_RUN, NOT_RUN, 18.0),
+        (4, 36.0, 36.0, NOT_RUN, NOT_RUN, 69.0),
+        (8, 72.0, 72.0, NOT_RUN, NOT_RUN, 138.0),
+        (16, 140.0, 140.0, NOT_RUN, NOT_RUN, 276.0),
+        (32, 277.0, 277.0, NOT_RUN, NOT_RUN, 549.0),
+        (64, 552.0, 552.0, NOT_RUN, NOT_RUN, 1098.0),
+    ];
+
+    #[test]
+    fn with_a_hop_across_priced_alone_doubling_keeps_8_kib_at_4_gbit() {
+        // Before, α 8.7 µs took Rabenseifner at 8 KiB (63 µs against doubling's 34).
+        // 16 KiB: Rabenseifner and hier (its one chunk: the same exchanges) ran 34–60 µs pass
+        // to pass, so the medians of 3 differ by more than the choice can.
+        check(
+            &bed(16.8, 3.91),
+            &AT_4GBIT_STOP36,
+            &[(16, 1.45)],
+            "4 Gbit/s",
+        );
+        check(
+            &bed(15.7, 3.90),
+            &AT_4GBIT_STOP36,
+            &[(16, 1.45)],
+            "4 Gbit/s",
+        );
+        check(&bed(12.0, 0.98), &AT_1GBIT_STOP36, &[], "1 Gbit/s");
+        check(&bed(23.8, 1.02), &AT_1GBIT_STOP36, &[], "1 Gbit/s");
+        assert_eq!(
+            bed(8.7, 3.91).choose(Collective::AllReduce, 8 << 10, 4, 2),
+            Algorithm::Rabenseifner,
+            "the old probe's α: the miss this fixed"
+        );
+    }
+
     #[test]
     fn over_a_link_hier_hides_its_host_phases_and_doubling_pays_for_every_rank_crossing() {
         let m = bed(50.0, 1.0);
