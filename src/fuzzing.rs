@@ -716,7 +716,15 @@ pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
                     (a, a + r.below(40))
                 })
                 .collect();
-            let v = Seat::new(text(r, 40), cpus);
+            let quota = (r.below(2) == 0).then(|| crate::comm::setup::quota::Quota {
+                cgroup: r.below(usize::MAX) as u64,
+                quota_us: 1 + r.below(1 << 30) as u64,
+                period_us: 1 + r.below(1 << 20) as u64,
+            });
+            let v = Seat {
+                quota,
+                ..Seat::new(text(r, 40), cpus)
+            };
             let b = v.encode();
             assert_eq!(Seat::decode(&b), v);
             b

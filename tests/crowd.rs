@@ -27,6 +27,10 @@ fn rank_process() {
 }
 
 fn run_scenario(_: &str) -> Result<i32, String> {
+    if let Ok(procs) = std::env::var("CGROUP_PROCS") {
+        std::fs::write(&procs, std::process::id().to_string())
+            .map_err(|e| format!("joining {procs}: {e}"))?;
+    }
     let cpus = dspark::internals::cpus::parse_list(&std::env::var("BIND_CPUS").unwrap_or_default());
     let mut set = CpuSet::new();
     for &c in &cpus {
@@ -72,6 +76,15 @@ fn run_scenario(_: &str) -> Result<i32, String> {
 /// Runs one rank per entry of `ranks` (host id, CPUs, whether it must find its CPUs shared,
 /// words its description must hold).
 fn run(ranks: &[(&'static str, &'static str, bool, &'static str)], what: &str) {
+    run_in(ranks, None, what);
+}
+
+/// [`run`], every rank first moving itself into the cgroup whose `cgroup.procs` is `procs`.
+fn run_in(
+    ranks: &[(&'static str, &'static str, bool, &'static str)],
+    procs: Option<&str>,
+    what: &str,
+) {
     let outs = spawn(
         ranks.len(),
         "crowd",
@@ -87,12 +100,55 @@ fn run(ranks: &[(&'static str, &'static str, bool, &'static str)], what: &str) {
             if !words.is_empty() {
                 v.extend(vars(&[("WANT_WORDS", words)]));
             }
+            if let Some(p) = procs {
+                v.extend(vars(&[("CGROUP_PROCS", p)]));
+            }
             v
         },
         None,
     )
     .wait(Duration::from_secs(90));
     assert_all(&outs, OK, what);
+}
+
+/// A child of this process's CPU cgroup with a quota of one CPU (100 ms per 100 ms), removed
+/// on drop; `Err`: why none could be made (not root, a read-only cgroup tree, no CPU
+/// controller, cgroup v2 without `cpu` delegated to this cgroup's children).
+struct OneCpuCgroup(std::path::PathBuf);
+
+impl OneCpuCgroup {
+    fn new() -> Result<OneCpuCgroup, String> {
+        use dspark::internals::cpus::cpu_cgroups;
+        let read = |p: &str| std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"));
+        let cgs = cpu_cgroups(&read("/proc/self/cgroup")?, &read("/proc/self/mountinfo")?);
+        let cg = cgs
+            .first()
+            .ok_or("no cgroup hierarchy with the CPU controller")?;
+        let dir = cg
+            .dir
+            .join(format!("dspark-crowd-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let made = OneCpuCgroup(dir.clone());
+        let (file, value) = if cg.v1 {
+            ("cpu.cfs_quota_us", "100000")
+        } else {
+            ("cpu.max", "100000 100000")
+        };
+        std::fs::write(dir.join(file), value)
+            .map_err(|e| format!("writing {}: {e}", dir.join(file).display()))?;
+        Ok(made)
+    }
+
+    fn procs(&self) -> String {
+        self.0.join("cgroup.procs").display().to_string()
+    }
+}
+
+impl Drop for OneCpuCgroup {
+    fn drop(&mut self) {
+        // Its ranks have exited; an empty cgroup is removed with rmdir.
+        let _ = std::fs::remove_dir(&self.0);
+    }
 }
 
 /// The first two CPUs this process may use, or why the test cannot run.
@@ -145,5 +201,27 @@ fn ranks_on_cpus_of_their_own_do_not_share_and_a_shared_cpu_is_told_apart() {
             ("b", c1, false, alone),
         ],
         "a shared CPU and one alone",
+    );
+}
+
+/// Two ranks with a CPU each but under one cgroup quota of one CPU (a container's CPU limit):
+/// not sharing CPUs by their masks, so their spin does not yield, but their description says
+/// that they are more than the quota allows. Needs a cgroup it can make (root).
+#[test]
+fn ranks_under_a_cpu_quota_smaller_than_they_are_are_told() {
+    let Some((c0, c1)) = two_cpus() else { return };
+    let cg = match OneCpuCgroup::new() {
+        Ok(cg) => cg,
+        Err(why) => {
+            println!("skipped: no cgroup with a CPU quota could be made here ({why}); as root on a machine with the CPU controller, cargo test --test crowd runs it");
+            return;
+        }
+    };
+    let words = "; 2 ranks under a CPU quota of 1 CPU (cgroup): more than it allows";
+    let procs = leak(cg.procs());
+    run_in(
+        &[("a", leak(c0), false, words), ("a", leak(c1), false, words)],
+        Some(procs),
+        "two ranks, one CPU of quota",
     );
 }

@@ -81,6 +81,9 @@ pub struct CommInfo {
     /// oversubscribed`, `no other rank on its CPUs (3)`. Counted over every rank's kernel
     /// (boot id) and affinity mask, so "hosts" that are namespaces or containers of one
     /// machine count together; oversubscribed ranks spin briefly and yield the CPU meanwhile.
+    /// Where a cgroup CPU quota limits the rank (a container's CPU limit), how many ranks
+    /// are under it, and whether they are more than it allows: `…; 4 ranks under a CPU
+    /// quota of 2 CPUs (cgroup): more than it allows, throttled whenever they all run`.
     pub cpu_sharing: String,
     /// Busy-poll time before blocking.
     pub spin: Duration,

@@ -23,6 +23,8 @@
 use nix::sched::{sched_getaffinity, CpuSet};
 use nix::unistd::Pid;
 
+use super::quota::{self, Quota};
+
 /// The largest CPU number a seat may name (a peer's larger one makes its seat unknown).
 pub const MAX_CPU: usize = 1 << 16;
 /// The longest boot id a seat carries (a kernel's is 36 characters).
@@ -118,19 +120,24 @@ pub fn format_list(cpus: &[usize]) -> String {
     format_ranges(&ranges_of(cpus))
 }
 
-/// Where a rank sits: its kernel and the CPUs it may run on.
+/// Where a rank sits: its kernel, the CPUs it may run on and its cgroup's CPU quota.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Seat {
     /// `/proc/sys/kernel/random/boot_id` (empty: unknown).
     pub boot_id: String,
     /// The allowed CPUs (empty: unknown).
     pub cpus: Ranges,
+    /// The CPU quota of its cgroup ([`quota`]), if any.
+    pub quota: Option<Quota>,
 }
 
 impl Seat {
     /// This process's seat.
     pub fn mine() -> Seat {
-        Seat::new(boot_id(), ranges_of(&allowed()))
+        Seat {
+            quota: quota::mine(),
+            ..Seat::new(boot_id(), ranges_of(&allowed()))
+        }
     }
 
     /// A seat, its boot id cut to 64 bytes (a CPU from [`MAX_CPU`] on makes its CPUs unknown).
@@ -147,21 +154,49 @@ impl Seat {
         if cpus.iter().any(|&(a, b)| a > b || b >= MAX_CPU) {
             cpus.clear();
         }
-        Seat { boot_id, cpus }
+        Seat {
+            boot_id,
+            cpus,
+            quota: None,
+        }
     }
 
-    /// The wire form: the boot id, a newline, the CPU list.
+    /// The wire form: the boot id, a newline, the CPU list, and where a quota limits it, a
+    /// newline and the quota (`cgroup quota_us period_us`).
     pub fn encode(&self) -> Vec<u8> {
-        format!("{}\n{}", self.boot_id, format_ranges(&self.cpus)).into_bytes()
+        let mut s = format!("{}\n{}", self.boot_id, format_ranges(&self.cpus));
+        if let Some(q) = self.quota {
+            s += &format!("\n{} {} {}", q.cgroup, q.quota_us, q.period_us);
+        }
+        s.into_bytes()
     }
 
     /// What a rank sent, whatever the bytes: a malformed message is an unknown seat (its
-    /// kernel's ranks then fall back to the host's count, [`crowd`]).
+    /// kernel's ranks then fall back to the host's count, [`crowd`]); a malformed quota, none.
     pub fn decode(bytes: &[u8]) -> Seat {
         let text = String::from_utf8_lossy(bytes);
-        match text.split_once('\n') {
-            Some((id, list)) => Seat::new(id.to_string(), parse_ranges(list)),
-            None => Seat::new(String::new(), Vec::new()),
+        let mut lines = text.splitn(3, '\n');
+        let (Some(id), Some(list)) = (lines.next(), lines.next()) else {
+            return Seat::new(String::new(), Vec::new());
+        };
+        let quota = lines.next().and_then(|q| {
+            let n: Vec<u64> = q
+                .split(' ')
+                .map(str::parse)
+                .collect::<Result<_, _>>()
+                .ok()?;
+            match n[..] {
+                [cgroup, quota_us, period_us] if quota_us > 0 && period_us > 0 => Some(Quota {
+                    cgroup,
+                    quota_us,
+                    period_us,
+                }),
+                _ => None,
+            }
+        });
+        Seat {
+            quota,
+            ..Seat::new(id.to_string(), parse_ranges(list))
         }
     }
 
@@ -197,6 +232,9 @@ pub struct Crowd {
     /// The ranks whose unknown seats sent it to the host's count; empty where it was decided
     /// from every rank's seat ([`Crowd::by_seats`]).
     pub unknown: Vec<usize>,
+    /// This rank's CPU quota and how many ranks of its kernel are under it (this one
+    /// included).
+    pub quota: Option<(Quota, usize)>,
 }
 
 impl Crowd {
@@ -208,6 +246,15 @@ impl Crowd {
     /// More ranks than CPUs: they take turns on them.
     pub fn oversubscribed(&self) -> bool {
         self.ranks > count(&self.cpus)
+    }
+
+    /// More ranks under this rank's CPU quota than CPUs' worth of time in it: when they all
+    /// run (or spin), the kernel stops every one of them for the rest of the period. Not a
+    /// reason to spin otherwise (`oversubscribed` is what decides that): with a quota of
+    /// 1 CPU for 2 and 4 ranks on 2 cores, no spin policy measured better than the default,
+    /// and never spinning was 5–150x slower per call (benches/RESULTS.md, stop 36).
+    pub fn over_quota(&self) -> bool {
+        self.quota.is_some_and(|(q, n)| q.exceeded_by(n))
     }
 
     /// In words, for the communicator's info and the bench header.
@@ -222,15 +269,28 @@ impl Crowd {
                 rs.join(",")
             )
         };
+        let quota = self.quota.map_or(String::new(), |(q, n)| {
+            format!(
+                "; {n} rank{} under a CPU quota of {} CPU{} (cgroup){}",
+                if n == 1 { "" } else { "s" },
+                q.cpus(),
+                if q.cpus() == 1.0 { "" } else { "s" },
+                if q.exceeded_by(n) {
+                    ": more than it allows, throttled whenever they all run"
+                } else {
+                    ""
+                }
+            )
+        });
         if self.ranks <= 1 {
             return format!(
-                "no other rank on its CPUs ({}){how}",
+                "no other rank on its CPUs ({}){how}{quota}",
                 format_ranges(&self.cpus)
             );
         }
         let n = count(&self.cpus);
         format!(
-            "{} ranks on CPU{} {}{}{}{how}",
+            "{} ranks on CPU{} {}{}{}{how}{quota}",
             self.ranks,
             if n == 1 { "" } else { "s" },
             format_ranges(&self.cpus),
@@ -253,6 +313,15 @@ impl Crowd {
 /// this host on its `host_cores` online cores, or on this rank's mask where it allows
 /// several.
 pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crowd {
+    // The ranks of this kernel under this rank's quota (the same limiting cgroup).
+    let quota = seats.get(me).and_then(|mine| {
+        let q = mine.quota?;
+        let n = seats
+            .iter()
+            .filter(|s| s.boot_id == mine.boot_id && s.quota.map(|x| x.cgroup) == Some(q.cgroup))
+            .count();
+        Some((q, n))
+    });
     let by_host = |mine: &Ranges, unknown: Vec<usize>| Crowd {
         ranks: local,
         cpus: if count(mine) > 1 {
@@ -261,6 +330,7 @@ pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crow
             vec![(0, host_cores.max(1) - 1)]
         },
         unknown,
+        quota,
     };
     let Some(mine) = seats.get(me) else {
         return by_host(&ranges_of(&allowed()), vec![me]);
@@ -281,6 +351,7 @@ pub fn crowd(me: usize, seats: &[Seat], local: usize, host_cores: usize) -> Crow
         ranks: crowd.len(),
         cpus: normalize(crowd.iter().flat_map(|s| s.cpus.iter().copied()).collect()),
         unknown: Vec::new(),
+        quota,
     }
 }
 
@@ -386,6 +457,72 @@ mod tests {
         // Four ranks confined to 2 of 64 CPUs share them.
         assert!(rule(4, 64, 2));
         assert!(!rule(4, 64, 1));
+    }
+
+    #[test]
+    fn a_quota_travels_with_the_seat_and_counts_the_ranks_under_it() {
+        let q = |cgroup, cpus: u64| Quota {
+            cgroup,
+            quota_us: cpus * 50_000,
+            period_us: 100_000,
+        };
+        let with = |cpus: &str, quota| Seat {
+            quota,
+            ..seat("k", cpus)
+        };
+        let s = with("0-63", Some(q(7, 3)));
+        assert_eq!(Seat::decode(&s.encode()), s);
+        // A malformed quota line is no quota; the rest of the seat stands.
+        for bad in [
+            "k\n0-3\n7 0 100000",
+            "k\n0-3\nx 1 2",
+            "k\n0-3\n1 2",
+            "k\n0-3\n",
+        ] {
+            let d = Seat::decode(bad.as_bytes());
+            assert_eq!((d.quota, d.cpus.clone()), (None, vec![(0, 3)]), "{bad:?}");
+        }
+        // 4 ranks on 64 CPUs, 3 of them in a pod whose quota is 1.5 CPUs, one elsewhere with
+        // its own: the mask says no sharing, the quota says 3 ranks for 1.5 CPUs.
+        let seats = vec![
+            with("0-63", Some(q(7, 3))),
+            with("0-63", Some(q(7, 3))),
+            with("0-63", Some(q(7, 3))),
+            with("0-63", Some(q(9, 3))),
+        ];
+        let c = crowd(0, &seats, 4, 64);
+        assert!(!c.oversubscribed() && c.over_quota());
+        assert_eq!(c.quota, Some((q(7, 3), 3)));
+        assert!(
+            c.describe().ends_with(
+                "; 3 ranks under a CPU quota of 1.5 CPUs (cgroup): more than it allows, \
+                 throttled whenever they all run"
+            ),
+            "{}",
+            c.describe()
+        );
+        // The one in its own cgroup: alone under 1.5 CPUs.
+        let c = crowd(3, &seats, 4, 64);
+        assert!(!c.over_quota());
+        assert!(
+            c.describe()
+                .ends_with("; 1 rank under a CPU quota of 1.5 CPUs (cgroup)"),
+            "{}",
+            c.describe()
+        );
+        // The same cgroup number on another kernel is another cgroup.
+        let other = vec![
+            with("0", Some(q(7, 2))),
+            Seat {
+                boot_id: "other".into(),
+                ..with("0", Some(q(7, 2)))
+            },
+        ];
+        assert!(!crowd(0, &other, 1, 1).over_quota());
+        // No quota: nothing said.
+        assert!(!crowd(0, &[seat("k", "0")], 1, 1)
+            .describe()
+            .contains("quota"));
     }
 
     #[test]

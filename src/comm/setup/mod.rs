@@ -49,6 +49,7 @@ pub(crate) mod crowd;
 mod negotiate;
 pub(crate) mod offer;
 mod probe;
+pub(crate) mod quota;
 mod region;
 mod shm;
 mod verbs;
@@ -293,9 +294,10 @@ impl Communicator {
             .map(|b| crowd::Seat::decode(b))
             .collect();
         let crowd = crowd::crowd(config.rank, &seats, local, host_cores());
-        if !crowd.by_seats() {
+        if !crowd.by_seats() || crowd.over_quota() {
             // A degraded count: whether ranks share CPUs (and so how they spin) rests on the
-            // host's rank and core counts, which miss ranks pinned together.
+            // host's rank and core counts, which miss ranks pinned together. Or more ranks
+            // than their cgroup's CPU quota allows: every wait that spins costs them all.
             tracing::warn!(rank = config.rank, "CPU sharing: {}", crowd.describe());
         }
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).

@@ -1,0 +1,264 @@
+//! The CPU quota of this process's cgroup ([`Quota`]): the CPU time the kernel lets the
+//! processes of a cgroup run per period (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` and
+//! `cpu.cfs_period_us`), as a container's CPU limit sets it (`resources.limits.cpu` of a
+//! Kubernetes pod, `docker run --cpus`). Ranks under one quota that want more CPUs than it
+//! allows are throttled: the kernel stops all of them for the rest of each period once their
+//! time is spent, whatever their affinity masks say. [`super::crowd`] reports it.
+//!
+//! Read from `/proc/self/cgroup` and `/proc/self/mountinfo`: for each hierarchy with the CPU
+//! controller, the cgroup's directory under that hierarchy's mount, then its ancestors up to
+//! the mount; the tightest limit wins.
+
+#![forbid(unsafe_code)]
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+/// A CPU quota: `quota_us` of CPU time per `period_us`, shared by every process of the cgroup
+/// `cgroup` (and its descendants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quota {
+    /// The limiting cgroup's identity on its kernel: the inode of its directory (cgroup v1
+    /// ones with the top bit set, so that two hierarchies' numbers never meet).
+    pub cgroup: u64,
+    /// CPU time per period, µs.
+    pub quota_us: u64,
+    /// The period, µs.
+    pub period_us: u64,
+}
+
+impl Quota {
+    /// The CPUs' worth of time the quota allows.
+    pub fn cpus(&self) -> f64 {
+        self.quota_us as f64 / self.period_us as f64
+    }
+
+    /// Whether `ranks` busy ranks want more than the quota allows.
+    pub fn exceeded_by(&self, ranks: usize) -> bool {
+        (ranks as u128) * u128::from(self.period_us) > u128::from(self.quota_us)
+    }
+
+    /// Whether this quota is tighter than `other`.
+    fn tighter_than(&self, other: &Quota) -> bool {
+        u128::from(self.quota_us) * u128::from(other.period_us)
+            < u128::from(other.quota_us) * u128::from(self.period_us)
+    }
+}
+
+/// `quota period` of a cgroup v2 `cpu.max` (`max 100000`: none).
+pub(crate) fn parse_cpu_max(text: &str) -> Option<(u64, u64)> {
+    let mut it = text.split_whitespace();
+    let quota = it.next()?.parse::<u64>().ok()?;
+    let period = it.next().map_or(Some(100_000), |p| p.parse::<u64>().ok())?;
+    (quota > 0 && period > 0).then_some((quota, period))
+}
+
+/// `quota period` from cgroup v1's `cpu.cfs_quota_us` (`-1`: none) and `cpu.cfs_period_us`.
+pub(crate) fn parse_cfs(quota: &str, period: &str) -> Option<(u64, u64)> {
+    let q = quota.trim().parse::<u64>().ok()?;
+    let p = period.trim().parse::<u64>().ok()?;
+    (q > 0 && p > 0).then_some((q, p))
+}
+
+/// A hierarchy with the CPU controller that this process is in: its cgroup's directory and
+/// the mount it is under (the walk up stops there).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuCgroup {
+    /// The cgroup's directory.
+    pub dir: PathBuf,
+    /// The mount of its hierarchy.
+    pub mount: PathBuf,
+    /// Whether it is a cgroup v1 hierarchy (`cpu.cfs_quota_us`), not the unified one
+    /// (`cpu.max`).
+    pub v1: bool,
+}
+
+/// The CPU hierarchies of a process from the text of its `/proc/<pid>/cgroup` and
+/// `/proc/<pid>/mountinfo`: the unified one (`0::/path` on a `cgroup2` mount) and a v1 one
+/// whose controllers include `cpu` (on a `cgroup` mount with the `cpu` option). A cgroup
+/// path outside what its mount shows (another cgroup namespace's) is left out.
+pub fn cpu_cgroups(cgroup: &str, mountinfo: &str) -> Vec<CpuCgroup> {
+    // (root, mount point, fstype, super options) of every mount.
+    let mounts: Vec<(&str, &str, &str, &str)> = mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let pre: Vec<&str> = pre.split(' ').collect();
+            let mut post = post.split(' ');
+            let fstype = post.next()?;
+            let _source = post.next()?;
+            let opts = post.next().unwrap_or("");
+            Some((*pre.get(3)?, *pre.get(4)?, fstype, opts))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for line in cgroup.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(id), Some(ctrls), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let v2 = id == "0" && ctrls.is_empty();
+        let v1 = !v2 && ctrls.split(',').any(|c| c == "cpu");
+        if !v1 && !v2 {
+            continue;
+        }
+        let mount = mounts.iter().find(|(_, _, fstype, opts)| {
+            if v2 {
+                *fstype == "cgroup2"
+            } else {
+                *fstype == "cgroup" && opts.split(',').any(|o| o == "cpu")
+            }
+        });
+        let Some(&(root, point, _, _)) = mount else {
+            continue;
+        };
+        let rel = if root == "/" {
+            Some(path)
+        } else {
+            path.strip_prefix(root)
+                .filter(|r| r.is_empty() || r.starts_with('/'))
+        };
+        let Some(rel) = rel else { continue };
+        let mount = PathBuf::from(point);
+        out.push(CpuCgroup {
+            dir: mount.join(rel.trim_start_matches('/')),
+            mount,
+            v1,
+        });
+    }
+    out
+}
+
+/// The quota set on `dir` itself, if any.
+fn quota_at(dir: &Path, v1: bool) -> Option<Quota> {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let (quota_us, period_us) = if v1 {
+        parse_cfs(&read("cpu.cfs_quota_us")?, &read("cpu.cfs_period_us")?)?
+    } else {
+        parse_cpu_max(&read("cpu.max")?)?
+    };
+    let ino = std::fs::metadata(dir).ok()?.ino();
+    Some(Quota {
+        cgroup: if v1 { ino | 1 << 63 } else { ino & !(1 << 63) },
+        quota_us,
+        period_us,
+    })
+}
+
+/// The tightest quota on `c`'s cgroup and its ancestors up to its mount.
+fn tightest(c: &CpuCgroup) -> Option<Quota> {
+    let mut best: Option<Quota> = None;
+    let mut dir = Some(c.dir.as_path());
+    while let Some(d) = dir.filter(|d| d.starts_with(&c.mount)) {
+        if let Some(q) = quota_at(d, c.v1) {
+            if best.is_none_or(|b| q.tighter_than(&b)) {
+                best = Some(q);
+            }
+        }
+        dir = d.parent();
+    }
+    best
+}
+
+/// This process's CPU quota: the tightest of its hierarchies' (none where no cgroup limits
+/// it, or where the files cannot be read).
+pub fn mine() -> Option<Quota> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    cpu_cgroups(&cgroup, &mountinfo)
+        .iter()
+        .filter_map(tightest)
+        .reduce(|a, b| if b.tighter_than(&a) { b } else { a })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quota_files_parse() {
+        assert_eq!(parse_cpu_max("max 100000\n"), None);
+        assert_eq!(parse_cpu_max("150000 100000\n"), Some((150_000, 100_000)));
+        assert_eq!(parse_cpu_max("50000"), Some((50_000, 100_000)));
+        assert_eq!(parse_cpu_max("0 100000"), None);
+        assert_eq!(parse_cpu_max("x 1"), None);
+        assert_eq!(parse_cpu_max(""), None);
+        assert_eq!(parse_cfs("-1\n", "100000\n"), None);
+        assert_eq!(parse_cfs("200000\n", "100000\n"), Some((200_000, 100_000)));
+        assert_eq!(parse_cfs("200000", "0"), None);
+        let q = |quota_us, period_us| Quota {
+            cgroup: 1,
+            quota_us,
+            period_us,
+        };
+        // 1.5 CPUs: one or two busy ranks... two want more.
+        assert!(!q(150_000, 100_000).exceeded_by(1));
+        assert!(q(150_000, 100_000).exceeded_by(2));
+        assert!(!q(200_000, 100_000).exceeded_by(2));
+        assert!(q(50_000, 100_000).tighter_than(&q(60_000, 100_000)));
+        assert!(!q(100_000, 50_000).tighter_than(&q(150_000, 100_000)));
+        assert_eq!(q(250_000, 100_000).cpus(), 2.5);
+    }
+
+    const MOUNTINFO: &str = "\
+22 1 0:21 / /sys rw,nosuid - sysfs sysfs rw
+30 22 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw
+35 30 0:31 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+36 30 0:32 / /sys/fs/cgroup/cpuset rw,nosuid - cgroup cgroup rw,cpuset
+";
+
+    #[test]
+    fn the_cpu_hierarchies_are_found_under_their_mounts() {
+        let cgroup = "\
+12:cpuset:/job
+4:cpu,cpuacct:/kubepods/pod1/c1
+0::/user.slice/s1
+";
+        let v = cpu_cgroups(cgroup, MOUNTINFO);
+        assert_eq!(
+            v,
+            vec![
+                CpuCgroup {
+                    dir: "/sys/fs/cgroup/cpu,cpuacct/kubepods/pod1/c1".into(),
+                    mount: "/sys/fs/cgroup/cpu,cpuacct".into(),
+                    v1: true,
+                },
+                CpuCgroup {
+                    dir: "/sys/fs/cgroup/unified/user.slice/s1".into(),
+                    mount: "/sys/fs/cgroup/unified".into(),
+                    v1: false,
+                },
+            ]
+        );
+        // A container with its own cgroup namespace: the mount's root is its cgroup, which it
+        // sees as "/".
+        let pure_v2 = "40 30 0:27 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cpu_cgroups("0::/kubepods/pod1/c1\n", pure_v2)[0].dir,
+            PathBuf::from("/sys/fs/cgroup/c1")
+        );
+        assert_eq!(
+            cpu_cgroups(
+                "0::/\n",
+                "40 30 0:27 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+            )[0]
+            .dir,
+            PathBuf::from("/sys/fs/cgroup/")
+        );
+        // Outside the mount's root (another namespace's cgroup), or no mount at all: nothing.
+        assert!(cpu_cgroups("0::/other/c1\n", pure_v2).is_empty());
+        assert!(cpu_cgroups("0::/kubepods/pod10\n", pure_v2).is_empty());
+        assert!(cpu_cgroups("3:cpu:/x\n", "").is_empty());
+        assert!(cpu_cgroups("garbage\n::\n1:cpuacct:/x\n", MOUNTINFO).is_empty());
+    }
+
+    /// What this machine says: a quota found is a real one, on one of this process's
+    /// hierarchies (most development machines and CI runners have none).
+    #[test]
+    fn this_process_quota_if_any_is_well_formed() {
+        if let Some(q) = mine() {
+            assert!(q.quota_us > 0 && q.period_us > 0, "{q:?}");
+        }
+    }
+}
