@@ -80,6 +80,28 @@ pub(super) struct CpuSection {
     /// The verdict: `None` where nothing was measured.
     pub(super) steady: Option<bool>,
     pub(super) verdict: String,
+    /// The CPUs' worth of time this process's cgroup quota allows (`None`: no quota).
+    pub(super) quota_cpus: Option<f64>,
+}
+
+/// What a cgroup CPU quota of `cpus` means for `threads` spinning threads (the probe's, or a
+/// job's ranks in the cgroup).
+pub(super) fn quota_note(cpus: f64, threads: usize) -> String {
+    let over = threads as f64 > cpus;
+    format!(
+        "{cpus} CPU{} per period for this process's cgroup (cpu.max or cpu.cfs_quota_us): ranks \
+         of a job in it that need more are stopped together until the next period once they \
+         have spent it{}",
+        if cpus == 1.0 { "" } else { "s" },
+        if over {
+            format!(
+                "; the {threads} watching threads were more than it, so their gaps include that \
+                 throttling"
+            )
+        } else {
+            String::new()
+        }
+    )
 }
 
 /// Jiffies (steal, total) from the first line of `/proc/stat`'s text.
@@ -131,6 +153,7 @@ pub(super) fn not_measured(why: &str) -> CpuSection {
         steal_jiffies: None,
         steady: None,
         verdict: format!("not measured ({why})"),
+        quota_cpus: dspark::internals::cpus::quota().map(|q| q.cpus()),
     }
 }
 
@@ -231,7 +254,17 @@ pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
         }
         _ => None,
     };
-    let (steady, verdict) = verdict(&cpus, steal, PROBE_MS);
+    let (steady, mut verdict) = verdict(&cpus, steal, PROBE_MS);
+    let quota_cpus = dspark::internals::cpus::quota().map(|q| q.cpus());
+    if let Some(q) = quota_cpus.filter(|&q| steady == Some(false) && cpus.len() as f64 > q) {
+        verdict += &format!(
+            ". Here the likely cause is this cgroup's CPU quota ({q} CPU{} for {} spinning \
+             threads): a container's CPU limit below its ranks' count throttles them all; \
+             raise it to the ranks' count or run fewer ranks",
+            if q == 1.0 { "" } else { "s" },
+            cpus.len()
+        );
+    }
     CpuSection {
         probe_ms: PROBE_MS,
         cpus,
@@ -239,6 +272,7 @@ pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
         steal_jiffies: steal.map(|(_, j)| j),
         steady,
         verdict,
+        quota_cpus,
     }
 }
 
@@ -264,6 +298,9 @@ pub(super) fn render_cpus(o: &mut String, c: &CpuSection) {
     }
     if let Some(s) = c.steal_pct {
         kv(o, "steal time", format!("{s:.2}%"));
+    }
+    if let Some(q) = c.quota_cpus {
+        kv(o, "CPU quota", quota_note(q, c.cpus.len()));
     }
     kv(o, "verdict", &c.verdict);
 }
@@ -316,6 +353,33 @@ mod tests {
         let (ok, v) = verdict(&[refused], None, 300);
         assert_eq!(ok, None);
         assert!(v.starts_with("not measured"), "{v}");
+    }
+
+    #[test]
+    fn a_quota_smaller_than_the_watching_threads_is_named_as_a_cause() {
+        let n = quota_note(1.5, 2);
+        assert!(n.starts_with("1.5 CPUs per period"), "{n}");
+        assert!(
+            n.contains("the 2 watching threads were more than it"),
+            "{n}"
+        );
+        let n = quota_note(1.0, 1);
+        assert!(
+            n.starts_with("1 CPU per period") && !n.contains("watching"),
+            "{n}"
+        );
+        let mut o = String::new();
+        render_cpus(
+            &mut o,
+            &CpuSection {
+                quota_cpus: Some(2.0),
+                ..not_measured("test")
+            },
+        );
+        assert!(
+            o.contains("CPU quota") && o.contains("2 CPUs per period"),
+            "{o}"
+        );
     }
 
     #[test]
