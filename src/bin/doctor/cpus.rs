@@ -89,10 +89,10 @@ pub(super) struct CpuSection {
 pub(super) fn quota_note(cpus: f64, threads: usize) -> String {
     let over = threads as f64 > cpus;
     format!(
-        "{cpus} CPU{} per period for this process's cgroup (cpu.max or cpu.cfs_quota_us): ranks \
-         of a job in it that need more are stopped together until the next period once they \
-         have spent it{}",
-        if cpus == 1.0 { "" } else { "s" },
+        "{} per period for this process's cgroup (cpu.max or cpu.cfs_quota_us): ranks of a \
+         job in it that need more are stopped together until the next period once they have \
+         spent it{}",
+        dspark::internals::cpus::cpus_text(cpus),
         if over {
             format!(
                 "; the {threads} watching threads were more than it, so their gaps include that \
@@ -258,10 +258,10 @@ pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
     let quota_cpus = dspark::internals::cpus::quota().map(|q| q.cpus());
     if let Some(q) = quota_cpus.filter(|&q| steady == Some(false) && cpus.len() as f64 > q) {
         verdict += &format!(
-            ". Here the likely cause is this cgroup's CPU quota ({q} CPU{} for {} spinning \
-             threads): a container's CPU limit below its ranks' count throttles them all; \
-             raise it to the ranks' count or run fewer ranks",
-            if q == 1.0 { "" } else { "s" },
+            ". Here the likely cause is this cgroup's CPU quota ({} for {} spinning threads): \
+             a container's CPU limit below its ranks' count throttles them all; raise it to \
+             the ranks' count or run fewer ranks",
+            dspark::internals::cpus::cpus_text(q),
             cpus.len()
         );
     }

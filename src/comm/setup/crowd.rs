@@ -271,10 +271,9 @@ impl Crowd {
         };
         let quota = self.quota.map_or(String::new(), |(q, n)| {
             format!(
-                "; {n} rank{} under a CPU quota of {} CPU{} (cgroup){}",
+                "; {n} rank{} under a CPU quota of {} (cgroup){}",
                 if n == 1 { "" } else { "s" },
-                q.cpus(),
-                if q.cpus() == 1.0 { "" } else { "s" },
+                quota::cpus_text(q.cpus()),
                 if q.exceeded_by(n) {
                     ": more than it allows, throttled whenever they all run"
                 } else {

@@ -45,6 +45,13 @@ impl Quota {
     }
 }
 
+/// `cpus` CPUs in words: `1 CPU`, `2 CPUs`, `1.5 CPUs`, `0.33 CPUs` (two decimals at most).
+pub fn cpus_text(cpus: f64) -> String {
+    let n = format!("{cpus:.2}");
+    let n = n.trim_end_matches('0').trim_end_matches('.');
+    format!("{n} CPU{}", if n == "1" { "" } else { "s" })
+}
+
 /// `quota period` of a cgroup v2 `cpu.max` (`max 100000`: none).
 pub(crate) fn parse_cpu_max(text: &str) -> Option<(u64, u64)> {
     let mut it = text.split_whitespace();
@@ -198,6 +205,12 @@ mod tests {
         assert!(q(50_000, 100_000).tighter_than(&q(60_000, 100_000)));
         assert!(!q(100_000, 50_000).tighter_than(&q(150_000, 100_000)));
         assert_eq!(q(250_000, 100_000).cpus(), 2.5);
+        assert_eq!(cpus_text(1.0), "1 CPU");
+        assert_eq!(cpus_text(2.0), "2 CPUs");
+        assert_eq!(cpus_text(1.5), "1.5 CPUs");
+        assert_eq!(cpus_text(1.0 / 3.0), "0.33 CPUs");
+        assert_eq!(cpus_text(0.999), "1 CPU");
+        assert_eq!(cpus_text(10.0), "10 CPUs");
     }
 
     const MOUNTINFO: &str = "\
