@@ -48,8 +48,9 @@
 //! with `DSPARK_LINK_PROBE=0`): rank 0 and the first rank of the next host time 8-byte round
 //! trips (every pair of rails at once) and a stream of ~10 ms, whose rate is read over the
 //! later half of its last batch, past any burst a token bucket allows; α is at least the
-//! time per hop of a tiny allreduce of every rank (a step of a call, which on a host whose
-//! ranks share cores costs far more than a lone round trip). Rank 0 broadcasts the link and
+//! time per hop across the link of a tiny allreduce of every rank (a step of a call, which
+//! on a host whose ranks share cores costs far more than a lone round trip; its hops within
+//! hosts counted at shared memory's α). Rank 0 broadcasts the link and
 //! every rank adopts it; the model line (`Communicator::info().cost_model`, the bench
 //! header) says `link α=… µs β=… Gbit/s (probed)`. The probe took 16–31 ms of init on the
 //! link bed at 1 and 4 Gbit/s (benches/RESULTS.md). The allreduces are then priced hop by hop
