@@ -127,7 +127,7 @@ pub struct Seat {
     pub boot_id: String,
     /// The allowed CPUs (empty: unknown).
     pub cpus: Ranges,
-    /// The CPU quota of its cgroup ([`quota`]), if any.
+    /// The CPU quota of its cgroup (`src/comm/setup/quota.rs`), if any.
     pub quota: Option<Quota>,
 }
 
