@@ -259,7 +259,6 @@ pub enum Rendezvous {
     },
 }
 
-/// Whether a launcher flag variable is set to true (`True`, `true`, `1`, `yes`).
 /// An on/off variable: `Ok(false)` for 0/false/no/off, `Ok(true)` for 1/true/yes/on or empty,
 /// an error naming variable `n` otherwise.
 fn switch(n: &str, v: &str) -> Result<bool> {
@@ -270,6 +269,7 @@ fn switch(n: &str, v: &str) -> Result<bool> {
     Ok(!off)
 }
 
+/// Whether a launcher flag variable is set to true (`True`, `true`, `1`, `yes`).
 fn truthy(v: &str) -> bool {
     matches!(
         v.trim().to_ascii_lowercase().as_str(),

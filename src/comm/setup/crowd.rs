@@ -166,7 +166,7 @@ impl Seat {
     pub fn encode(&self) -> Vec<u8> {
         let mut s = format!("{}\n{}", self.boot_id, format_ranges(&self.cpus));
         if let Some(q) = self.quota {
-            s += &format!("\n{} {} {}", q.cgroup, q.quota_us, q.period_us);
+            s += &format!("\n{}", q.encode());
         }
         s.into_bytes()
     }
@@ -179,23 +179,8 @@ impl Seat {
         let (Some(id), Some(list)) = (lines.next(), lines.next()) else {
             return Seat::new(String::new(), Vec::new());
         };
-        let quota = lines.next().and_then(|q| {
-            let n: Vec<u64> = q
-                .split(' ')
-                .map(str::parse)
-                .collect::<Result<_, _>>()
-                .ok()?;
-            match n[..] {
-                [cgroup, quota_us, period_us] if quota_us > 0 && period_us > 0 => Some(Quota {
-                    cgroup,
-                    quota_us,
-                    period_us,
-                }),
-                _ => None,
-            }
-        });
         Seat {
-            quota,
+            quota: lines.next().and_then(Quota::decode),
             ..Seat::new(id.to_string(), parse_ranges(list))
         }
     }

@@ -152,21 +152,12 @@ fn allreduce_steps(comm: &Communicator, per_host: usize) -> Result<f64> {
 }
 
 /// The hops of an 8-byte allreduce's critical path within hosts and across the link, where
-/// the model tells them apart: recursive doubling on hosts of `per_host` ranks, both `n` and
-/// `per_host` powers of two (`log2 per_host` exchanges within hosts, then `log2 (n /
-/// per_host)` across, as [`crate::plan::model`]'s `predict_over_link` counts them).
+/// the model tells them apart: recursive doubling on the layouts whose exchanges it counts
+/// ([`model::doubling_hops`]).
 fn split_hops(algo: Algorithm, n: usize, per_host: usize) -> Option<(usize, usize)> {
-    let fits = algo == Algorithm::RecursiveDoubling
-        && per_host > 0
-        && n.is_power_of_two()
-        && per_host.is_power_of_two()
-        && n > per_host;
-    fits.then(|| {
-        (
-            per_host.trailing_zeros() as usize,
-            (n / per_host).trailing_zeros() as usize,
-        )
-    })
+    (algo == Algorithm::RecursiveDoubling)
+        .then(|| model::doubling_hops(n, per_host))
+        .flatten()
 }
 
 /// The time of one hop across the link in a call of `typical` µs over `hops` hops: with the

@@ -43,6 +43,38 @@ impl Quota {
         u128::from(self.quota_us) * u128::from(other.period_us)
             < u128::from(other.quota_us) * u128::from(self.period_us)
     }
+
+    /// The tighter of two quotas.
+    fn tighter(self, other: Quota) -> Quota {
+        if other.tighter_than(&self) {
+            other
+        } else {
+            self
+        }
+    }
+
+    /// The wire form (a line of a rank's seat): `cgroup quota_us period_us`.
+    pub fn encode(&self) -> String {
+        format!("{} {} {}", self.cgroup, self.quota_us, self.period_us)
+    }
+
+    /// What [`Quota::encode`] wrote, whatever the text: `None` for anything else (a zero
+    /// quota or period included).
+    pub fn decode(text: &str) -> Option<Quota> {
+        let n: Vec<u64> = text
+            .split(' ')
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        match n[..] {
+            [cgroup, quota_us, period_us] if quota_us > 0 && period_us > 0 => Some(Quota {
+                cgroup,
+                quota_us,
+                period_us,
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// `cpus` CPUs in words: `1 CPU`, `2 CPUs`, `1.5 CPUs`, `0.33 CPUs` (two decimals at most).
@@ -154,17 +186,10 @@ fn quota_at(dir: &Path, v1: bool) -> Option<Quota> {
 
 /// The tightest quota on `c`'s cgroup and its ancestors up to its mount.
 fn tightest(c: &CpuCgroup) -> Option<Quota> {
-    let mut best: Option<Quota> = None;
-    let mut dir = Some(c.dir.as_path());
-    while let Some(d) = dir.filter(|d| d.starts_with(&c.mount)) {
-        if let Some(q) = quota_at(d, c.v1) {
-            if best.is_none_or(|b| q.tighter_than(&b)) {
-                best = Some(q);
-            }
-        }
-        dir = d.parent();
-    }
-    best
+    std::iter::successors(Some(c.dir.as_path()), |d| d.parent())
+        .take_while(|d| d.starts_with(&c.mount))
+        .filter_map(|d| quota_at(d, c.v1))
+        .reduce(Quota::tighter)
 }
 
 /// This process's CPU quota: the tightest of its hierarchies' (none where no cgroup limits
@@ -175,7 +200,7 @@ pub fn mine() -> Option<Quota> {
     cpu_cgroups(&cgroup, &mountinfo)
         .iter()
         .filter_map(tightest)
-        .reduce(|a, b| if b.tighter_than(&a) { b } else { a })
+        .reduce(Quota::tighter)
 }
 
 #[cfg(test)]
@@ -267,11 +292,69 @@ mod tests {
     }
 
     /// What this machine says: a quota found is a real one, on one of this process's
-    /// hierarchies (most development machines and CI runners have none).
+    /// hierarchies (most development machines and CI runners have none; tests/crowd.rs
+    /// makes one and checks what ranks in it say).
     #[test]
     fn this_process_quota_if_any_is_well_formed() {
         if let Some(q) = mine() {
             assert!(q.quota_us > 0 && q.period_us > 0, "{q:?}");
         }
+    }
+
+    /// The walk up a cgroup tree, on a tree of plain files: the tightest quota of the cgroup
+    /// and its ancestors up to the mount wins, a limit above the mount does not count, and
+    /// the winner is named by its directory's inode (v1 ones with the top bit).
+    #[test]
+    fn the_tightest_quota_up_to_the_mount_wins() {
+        let tmp = std::env::temp_dir().join(format!("dspark-quota-walk-{}", std::process::id()));
+        let put = |rel: &str, name: &str, text: &str| {
+            let d = tmp.join(rel);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(name), text).unwrap();
+        };
+        let ino = |rel: &str| std::fs::metadata(tmp.join(rel)).unwrap().ino();
+        // v2: 0.5 CPU above the mount (not ours), none at the mount, 1.5 on a, 2 on a/b.
+        put("v2", "cpu.max", "50000 100000\n");
+        put("v2/cg", "cpu.max", "max 100000\n");
+        put("v2/cg/a", "cpu.max", "150000 100000\n");
+        put("v2/cg/a/b", "cpu.max", "200000 100000\n");
+        let v2 = CpuCgroup {
+            dir: tmp.join("v2/cg/a/b"),
+            mount: tmp.join("v2/cg"),
+            v1: false,
+        };
+        let want = Quota {
+            cgroup: ino("v2/cg/a"),
+            quota_us: 150_000,
+            period_us: 100_000,
+        };
+        assert_eq!(tightest(&v2), Some(want));
+        // v1: none on x, 0.25 CPU (25 ms per 100 ms) on the mount itself.
+        put("v1/cpu", "cpu.cfs_quota_us", "25000\n");
+        put("v1/cpu", "cpu.cfs_period_us", "100000\n");
+        put("v1/cpu/x", "cpu.cfs_quota_us", "-1\n");
+        put("v1/cpu/x", "cpu.cfs_period_us", "100000\n");
+        let v1 = CpuCgroup {
+            dir: tmp.join("v1/cpu/x"),
+            mount: tmp.join("v1/cpu"),
+            v1: true,
+        };
+        let got = tightest(&v1).unwrap();
+        assert_eq!((got.quota_us, got.period_us), (25_000, 100_000));
+        assert_eq!(got.cgroup, ino("v1/cpu") | 1 << 63);
+        // Nothing set anywhere: none.
+        put("none/cg/a", "cpu.max", "max 100000\n");
+        let none = CpuCgroup {
+            dir: tmp.join("none/cg/a"),
+            mount: tmp.join("none/cg"),
+            v1: false,
+        };
+        assert_eq!(tightest(&none), None);
+        // The wire form round-trips, and junk is no quota.
+        assert_eq!(Quota::decode(&want.encode()), Some(want));
+        for junk in ["", "1 2", "1 0 100000", "1 2 3 4", "a b c", "1  2 3"] {
+            assert_eq!(Quota::decode(junk), None, "{junk:?}");
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
     }
 }

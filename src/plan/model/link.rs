@@ -37,6 +37,14 @@ fn pow2(x: usize) -> bool {
     x.is_power_of_two()
 }
 
+/// The exchanges of recursive doubling (and of Rabenseifner's halving) on `n` ranks, `l` on
+/// each host, within hosts and across: `(log2 l, log2 (n / l))`, where both are powers of two
+/// and there are at least 2 hosts (the layouts [`predict_over_link`] prices in closed form).
+pub(crate) fn doubling_hops(n: usize, l: usize) -> Option<(usize, usize)> {
+    (l > 0 && n.is_multiple_of(l) && n / l >= 2 && pow2(n) && pow2(l))
+        .then(|| (floor_log2(l), floor_log2(n / l)))
+}
+
 /// The predicted time in µs of allreduce `algo` on `c` bytes over `n` ranks, `l` on each host
 /// (numbered host by host), with `link` between the hosts and shared memory within them;
 /// `None` where the closed forms below do not cover the algorithm or the layout (the caller
@@ -86,11 +94,13 @@ pub(super) fn predict_over_link(
     let (lf, hf, nf) = (l as f64, h as f64, n as f64);
     match algo {
         Algorithm::RecursiveDoubling if pow2(n) && pow2(l) => {
-            let (ls, lc) = (floor_log2(l) as f64, floor_log2(h) as f64);
+            let (ls, lc) = doubling_hops(n, l)?;
+            let (ls, lc) = (ls as f64, lc as f64);
             Some(ls * (a_s + c * b_s.max(g)) + lc * (a_l + (lf * c * b_l).max(c * g)))
         }
         Algorithm::Rabenseifner if pow2(n) && pow2(l) => {
-            let (ls, lc) = (floor_log2(l) as f64, floor_log2(h) as f64);
+            let (ls, lc) = doubling_hops(n, l)?;
+            let (ls, lc) = (ls as f64, lc as f64);
             let local = 2.0 * ls * a_s + c * (1.0 - 1.0 / lf) * (b_s.max(g) + b_s);
             let cross = 2.0 * lc * a_l + 2.0 * c * (1.0 - 1.0 / hf) * b_l;
             Some(local + cross)

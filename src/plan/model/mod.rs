@@ -162,6 +162,7 @@ mod tune;
 mod volume;
 mod wire;
 
+pub(crate) use link::doubling_hops;
 pub use link::Link;
 pub use tune::{format_tune_file, parse_tune_file, TUNE_FILE_VERSION};
 use volume::floor_log2;
