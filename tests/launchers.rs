@@ -286,3 +286,75 @@ fn the_spawned_benchs_header_says_how_far_apart_its_ranks_cpus_are() {
     assert_bench_ok(&unbound, 2, "--ranks 2 --bind none");
     assert!(!unbound.contains("# distance"), "{unbound}");
 }
+
+/// Ranks started by hand (as a launcher does), ranks 0 and 1 on one CPU and rank 2 alone on
+/// another (`taskset`): the header rank 0 prints shows every rank's CPU sharing, not its own
+/// alone — rank 2 spins without yielding where ranks 0 and 1 yield, and a slow collective is
+/// often one rank's crowd.
+#[test]
+fn the_header_shows_ranks_that_share_their_cpus_unlike_rank_0() {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let set = sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .collect();
+    if cpus.len() < 2 {
+        eprintln!("SKIP: fewer than 2 CPUs allowed, so rank 2 cannot sit apart");
+        return;
+    }
+    if Command::new("taskset").arg("-V").output().is_err() {
+        eprintln!("SKIP: no taskset (apt-get install util-linux)");
+        return;
+    }
+    let (a, b) = (cpus[0], cpus[1]);
+    let port = free_port();
+    let ranks: Vec<_> = (0..3)
+        .map(|r| {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-c", &(if r == 2 { b } else { a }).to_string(), BENCH])
+                .args([
+                    "--transport",
+                    "shm",
+                    "-b",
+                    "8",
+                    "-e",
+                    "8",
+                    "-n",
+                    "5",
+                    "-w",
+                    "2",
+                ])
+                .env("DSPARK_RANK", r.to_string())
+                .env("DSPARK_WORLD_SIZE", "3")
+                .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"));
+            std::thread::spawn(move || run(cmd, &format!("rank {r}")))
+        })
+        .collect();
+    let texts: Vec<String> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let text = &texts[0];
+    assert_bench_ok(text, 3, "by hand");
+    let line = |start: &str| {
+        text.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no line starting {start:?}:\n{text}"))
+    };
+    assert!(
+        line("# ranks     : 3 on 1 host(s)")
+            .contains("; CPU sharing and spin differ between ranks (below);"),
+        "{text}"
+    );
+    let shared = line("#   ranks 0-1 (");
+    assert!(
+        shared.contains(&format!("): 2 ranks on CPU {a}: oversubscribed; spin ")),
+        "{shared}"
+    );
+    assert!(shared.contains(" µs yielding"), "{shared}");
+    let alone = line("#   rank 2 (");
+    assert!(
+        alone.contains(&format!("): no other rank on its CPUs ({b}); spin ")),
+        "{alone}"
+    );
+    assert!(!alone.contains(" µs yielding"), "{alone}");
+    // The others print no header.
+    assert!(!texts[1].contains("# ranks"), "{}", texts[1]);
+}

@@ -2,11 +2,12 @@
 //! (or that they are in host memory), every rank's binding, each connection's transport, the
 //! algorithm each size runs and the cost model's prediction for it.
 
+use dspark::internals::cpus::format_list;
 use dspark::internals::engine::{spin_adapts, ADAPTED_SPIN_MAX};
 use dspark::internals::plan::Collective;
 use dspark::path::{BufferLocation, TransportKind};
 use dspark::types::human_bytes;
-use dspark::Communicator;
+use dspark::{CommInfo, Communicator};
 
 use crate::runner::Gpu;
 use crate::sizes::{counts, engine_bytes, sizes};
@@ -67,8 +68,119 @@ pub(crate) fn path_view(
     }
 }
 
+/// The most bytes of one rank's [`sharing_text`] that [`gather_sharing`] carries (a longer
+/// one ends in `…`).
+const SHARING_BYTES: usize = 384;
+
+/// How this rank shares its CPUs and spins, in the ranks line's words: `2 ranks on CPUs 0-1
+/// (2 CPUs); spin 50 µs then block`.
+fn sharing_text(info: &CommInfo) -> String {
+    format!(
+        "{}; spin {} µs{}{} then block",
+        info.cpu_sharing,
+        info.spin.as_micros(),
+        if info.spin_yields { " yielding" } else { "" },
+        if spin_adapts(info.spin) {
+            format!(
+                " (up to {} ms, yielding, after a wait that slept and was woken soon after)",
+                ADAPTED_SPIN_MAX.as_millis()
+            )
+        } else {
+            String::new()
+        }
+    )
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, ending in `…` where cut.
+fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let ell = "…";
+    let mut end = max.saturating_sub(ell.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{ell}", &text[..end])
+}
+
+/// Every rank's [`sharing_text`] (indexed by rank), gathered to every rank: the slowest rank
+/// sets the pace of a collective, and a rank of another host may share its CPUs where rank 0
+/// does not (`4 ranks on CPU 1: oversubscribed`), so the header shows each one, not rank
+/// 0's alone. Collective: every rank calls it at the same point. Where the gather fails (a
+/// communicator a failed run poisoned), this rank's own text, saying so.
+pub(crate) fn gather_sharing(comm: &Communicator) -> Vec<String> {
+    let own = sharing_text(comm.info());
+    let mut mine = clip(&own, SHARING_BYTES).into_bytes();
+    mine.resize(SHARING_BYTES, 0);
+    let mut all = vec![0u8; SHARING_BYTES * comm.world_size()];
+    match comm.all_gather(&mine, &mut all) {
+        Ok(()) => all
+            .chunks(SHARING_BYTES)
+            .map(|b| {
+                let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+                String::from_utf8_lossy(&b[..end]).into_owned()
+            })
+            .collect(),
+        Err(e) => vec![format!(
+            "{own} (rank {}'s; the others' not gathered: {e})",
+            comm.rank()
+        )],
+    }
+}
+
+/// `text` with the CPU lists it names (`CPU 0`, `CPUs 0-1`, `its CPUs (3)`) read as `…`:
+/// what two ranks bound to CPUs of their own, or two hosts' crowds each on its own core,
+/// have in common.
+fn situation(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut in_list = false;
+    for (i, c) in text.char_indices() {
+        if in_list && (c.is_ascii_digit() || c == ',' || c == '-') {
+            continue;
+        }
+        in_list = c.is_ascii_digit()
+            && ["CPU ", "CPUs ", "CPUs ("]
+                .iter()
+                .any(|k| text[..i].ends_with(k));
+        if in_list {
+            out.push('…');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The ranks of `sharing` grouped by [`situation`], in order of first rank, each group with
+/// its words: the ranks' own where they all said the same, else the situation.
+fn sharing_groups(sharing: &[String]) -> Vec<(String, Vec<usize>)> {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (r, t) in sharing.iter().enumerate() {
+        let key = situation(t);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, ranks)) => ranks.push(r),
+            None => groups.push((key, vec![r])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(key, ranks)| {
+            let first = &sharing[ranks[0]];
+            let alike = ranks.iter().all(|&r| sharing[r] == *first);
+            (if alike { first.clone() } else { key }, ranks)
+        })
+        .collect()
+}
+
 /// Prints the `#` lines above the table, ending with the column headings.
-pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView) {
+pub(crate) fn header(
+    args: &Args,
+    comm: &Communicator,
+    esz: usize,
+    pv: &PathView,
+    sharing: &[String],
+) {
     let info = comm.info();
     let n = comm.world_size();
     let c = args.collective.collective();
@@ -138,25 +250,40 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     if args.api == CallApi::Nonblocking {
         println!("# api       : non-blocking (each call started in a scope, then Work::wait)");
     }
+    // Ranks on CPUs of their own each name theirs: alike where only those differ.
+    let groups = sharing_groups(sharing);
+    let same = groups.len() <= 1;
     println!(
-        "# ranks     : {n} on {} host(s) [{}]; {} on this host; {}; spin {} µs{}{} then block; segment {}; timeout {:?}",
+        "# ranks     : {n} on {} host(s) [{}]; {} on this host; {}; segment {}; timeout {:?}",
         uniq.len(),
         uniq.join(", "),
         info.local_ranks,
-        info.cpu_sharing,
-        info.spin.as_micros(),
-        if info.spin_yields { " yielding" } else { "" },
-        if spin_adapts(info.spin) {
-            format!(
-                " (up to {} ms, yielding, after a wait that slept and was woken soon after)",
-                ADAPTED_SPIN_MAX.as_millis()
-            )
-        } else {
-            String::new()
+        match sharing.first() {
+            Some(s) if same => s.clone(),
+            _ => "CPU sharing and spin differ between ranks (below)".into(),
         },
         human_bytes(info.segment_bytes as u64, false),
         info.timeout,
     );
+    if !same {
+        for (text, ranks) in groups {
+            let hosts: Vec<&str> = {
+                let mut h: Vec<&str> = ranks
+                    .iter()
+                    .filter_map(|&r| info.hosts.get(r).map(String::as_str))
+                    .collect();
+                h.sort_unstable();
+                h.dedup();
+                h
+            };
+            println!(
+                "#   rank{} {} ({}): {text}",
+                if ranks.len() == 1 { "" } else { "s" },
+                format_list(&ranks),
+                hosts.join(", ")
+            );
+        }
+    }
     // Per connection: the transport of each pair (shm within a host and tcp between hosts
     // in a mixed communicator), the path on host memory.
     let shown = n.min(8);
@@ -226,5 +353,66 @@ pub(crate) fn header(args: &Args, comm: &Communicator, esz: usize, pv: &PathView
     println!("#");
     for line in table::column_heads() {
         println!("{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_sharing_text_is_cut_on_a_character_and_ranks_group_by_text() {
+        assert_eq!(clip("spin 50 µs", 64), "spin 50 µs");
+        // 'µ' spans bytes 8-9: a cut at 9 bytes (8 with the ellipsis's 3) must not split it.
+        for max in 0..14 {
+            let c = clip("spin 50 µs then", max);
+            assert!(c.len() <= max.max(3), "{max}: {c:?}");
+            assert!(c.ends_with('…'), "{max}: {c:?}");
+        }
+        let s = |t: &str| t.to_string();
+        assert_eq!(
+            situation("CPU quota of 2 CPUs, CPU 3"),
+            "CPU quota of 2 CPUs, CPU …"
+        );
+        assert_eq!(
+            situation("no other rank on its CPUs (0-3,8); spin 50 µs then block"),
+            "no other rank on its CPUs (…); spin 50 µs then block"
+        );
+        assert_eq!(
+            situation(
+                "4 ranks on CPUs 0-1 (2 CPUs): oversubscribed; 4 ranks under a CPU quota of 1 \
+                 CPU (cgroup)"
+            ),
+            "4 ranks on CPUs … (2 CPUs): oversubscribed; 4 ranks under a CPU quota of 1 CPU \
+             (cgroup)"
+        );
+        let alone = |c: u32| format!("no other rank on its CPUs ({c}); spin 50 µs");
+        let busy = |c: u32| format!("2 ranks on CPU {c}: oversubscribed; spin 100 µs yielding");
+        // Bound a core each: one group (the ranks line then shows rank 0's own words).
+        let v = [alone(0), alone(1), alone(2)];
+        assert_eq!(
+            sharing_groups(&v),
+            vec![(
+                s("no other rank on its CPUs (…); spin 50 µs"),
+                vec![0, 1, 2]
+            )]
+        );
+        // Two hosts' crowds on a core each, and one rank alone.
+        let v = [busy(0), busy(0), busy(1), busy(1), alone(1)];
+        assert_eq!(
+            sharing_groups(&v),
+            vec![
+                (
+                    s("2 ranks on CPU …: oversubscribed; spin 100 µs yielding"),
+                    vec![0, 1, 2, 3]
+                ),
+                (alone(1), vec![4]),
+            ]
+        );
+        let v = [busy(1), alone(0), busy(1)];
+        assert_eq!(
+            sharing_groups(&v),
+            vec![(busy(1), vec![0, 2]), (alone(0), vec![1])]
+        );
     }
 }

@@ -12,7 +12,7 @@ use dspark::types::human_bytes;
 use dspark::Communicator;
 
 use crate::data::{prepare, verify, BenchElem};
-use crate::header::{header, path_view};
+use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, sizes};
 use crate::summary::{footer, unsteady_lines};
@@ -45,9 +45,10 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         comm.set_algorithm(before).map_err(|e| e.to_string())?;
         runs.push((a, rows?));
     }
+    let sharing = gather_sharing(comm);
     if comm.rank() == 0 {
         let pv = path_view(args, comm, gpu)?;
-        header(args, comm, T::DATA_TYPE.size(), &pv);
+        header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
     }
     let transport = comm.info().transport;
@@ -192,11 +193,17 @@ pub(crate) fn bench<T: BenchElem>(
     let list = sizes(args);
     let tty = std::io::stderr().is_terminal();
     let pv = path_view(args, comm, gpu)?;
+    // Collective: `print` and `csv` are the same on every rank.
+    let sharing = if print && !args.csv {
+        gather_sharing(comm)
+    } else {
+        Vec::new()
+    };
     if rank0 {
         if args.csv {
             println!("{}", table::CSV_HEADER);
         } else {
-            header(args, comm, esz, &pv);
+            header(args, comm, esz, &pv, &sharing);
         }
     }
     let mut rows = Vec::new();
@@ -317,9 +324,10 @@ pub(crate) fn compare_paths<T: BenchElem>(
         let _ = comm.set_data_path(before);
         results.push((policy, res));
     }
+    let sharing = gather_sharing(comm);
     if rank0 {
         let pv = path_view(args, comm, gpu)?;
-        header(args, comm, T::DATA_TYPE.size(), &pv);
+        header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_path_table(factor, &results);
     }
     Ok(results
