@@ -36,7 +36,9 @@ pub mod cpus {
         allowed, count, crowd, format_list, format_ranges, parse_list, parse_ranges, ranges_of,
         Crowd, Ranges, Seat, MAX_CPU,
     };
-    pub use crate::comm::setup::quota::{cpu_cgroups, cpus_text, mine as quota, CpuCgroup, Quota};
+    pub use crate::comm::setup::quota::{
+        cpu_cgroups, cpus_text, mine as quota, throttled_us, CpuCgroup, Quota,
+    };
 }
 
 /// The job's secret: the per-job secret a spawner gives its children, and the variables.

@@ -6,7 +6,9 @@
 //! - ranks bound to CPUs of their own are not (their spin does not yield);
 //! - in one communicator, the ranks on a shared CPU are and the one alone is not;
 //! - the words in `CommInfo::cpu_sharing` say it;
-//! - allreduce is exact either way (against the closed-form sum).
+//! - allreduce is exact either way (against the closed-form sum);
+//! - under a cgroup CPU quota (made here, as root) the description says how many ranks share
+//!   it, and `dspark-bench`'s footer how long it held them stopped.
 //!
 //! Needs 2 CPUs this process may use for the cases with a CPU each; prints why it skips them
 //! otherwise (`taskset -c 0,1 cargo test --test crowd` runs them on any machine with 2).
@@ -111,28 +113,30 @@ fn run_in(
     assert_all(&outs, OK, what);
 }
 
-/// A child of this process's CPU cgroup with a quota of one CPU (100 ms per 100 ms), removed
-/// on drop; `Err`: why none could be made (not root, a read-only cgroup tree, no CPU
-/// controller, cgroup v2 without `cpu` delegated to this cgroup's children).
-struct OneCpuCgroup(std::path::PathBuf);
+/// A child of this process's CPU cgroup with a CPU quota, removed on drop; `Err`: why none
+/// could be made (not root, a read-only cgroup tree, no CPU controller, cgroup v2 without
+/// `cpu` delegated to this cgroup's children).
+struct QuotaCgroup(std::path::PathBuf);
 
-impl OneCpuCgroup {
-    fn new() -> Result<OneCpuCgroup, String> {
+impl QuotaCgroup {
+    /// A quota of `quota_us` per 100 ms (100 000: one CPU).
+    fn new(quota_us: u64) -> Result<QuotaCgroup, String> {
         use dspark::internals::cpus::cpu_cgroups;
         let read = |p: &str| std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"));
         let cgs = cpu_cgroups(&read("/proc/self/cgroup")?, &read("/proc/self/mountinfo")?);
         let cg = cgs
             .first()
             .ok_or("no cgroup hierarchy with the CPU controller")?;
-        let dir = cg
-            .dir
-            .join(format!("dspark-crowd-test-{}", std::process::id()));
+        let dir = cg.dir.join(format!(
+            "dspark-crowd-test-{}-{quota_us}",
+            std::process::id()
+        ));
         std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        let made = OneCpuCgroup(dir.clone());
+        let made = QuotaCgroup(dir.clone());
         let (file, value) = if cg.v1 {
-            ("cpu.cfs_quota_us", "100000")
+            ("cpu.cfs_quota_us", quota_us.to_string())
         } else {
-            ("cpu.max", "100000 100000")
+            ("cpu.max", format!("{quota_us} 100000"))
         };
         std::fs::write(dir.join(file), value)
             .map_err(|e| format!("writing {}: {e}", dir.join(file).display()))?;
@@ -144,11 +148,71 @@ impl OneCpuCgroup {
     }
 }
 
-impl Drop for OneCpuCgroup {
+impl Drop for QuotaCgroup {
     fn drop(&mut self) {
         // Its ranks have exited; an empty cgroup is removed with rmdir.
         let _ = std::fs::remove_dir(&self.0);
     }
+}
+
+/// `dspark-bench --ranks 2` with its ranks in a cgroup: its footer says how long the quota
+/// held them stopped (the table's median windows hide it), and says no where the quota is
+/// ample; a run under no quota has no such line. Needs a cgroup it can make (root).
+#[test]
+fn the_bench_footer_says_how_long_a_cpu_quota_held_its_ranks() {
+    const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
+    let bench = |procs: Option<&str>| {
+        // A shell joins the cgroup, then becomes the bench: its ranks are born inside.
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args([
+            "-c",
+            r#"[ -z "$1" ] || echo $$ > "$1" || exit 9; shift; exec "$@""#,
+            "sh",
+            procs.unwrap_or(""),
+            BENCH,
+        ])
+        .args(["--ranks", "2", "--transport", "shm", "-b", "8", "-e", "8"])
+        .args(["-n", "20000", "-w", "5"])
+        .env("DSPARK_TIMEOUT", "60");
+        let out = cmd.output().expect("sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{procs:?}: {}\n{text}", out.status);
+        assert!(text.contains("Out of bounds values : 0 OK"), "{text}");
+        text.lines()
+            .find(|l| l.starts_with("# Throttled"))
+            .map(str::to_string)
+    };
+    if dspark::internals::cpus::throttled_us().is_none() {
+        assert_eq!(bench(None), None, "no quota, yet a throttle line");
+    }
+    // 5 ms of CPU per 100 ms for two spinning ranks: held back most of the time.
+    let tight = match QuotaCgroup::new(5_000) {
+        Ok(cg) => cg,
+        Err(why) => {
+            println!("skipped: no cgroup with a CPU quota could be made here ({why}); as root on a machine with the CPU controller, cargo test --test crowd runs it");
+            return;
+        }
+    };
+    let line = bench(Some(&tight.procs())).expect("no throttle line under a 0.05-CPU quota");
+    let ms: f64 = line
+        .strip_prefix("# Throttled            : ")
+        .and_then(|r| r.split(" ms ").next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no time in {line:?}"));
+    assert!(ms > 10.0, "{line}");
+    assert!(line.contains("ranks 0-1 under a CPU quota"), "{line}");
+    drop(tight);
+    // Ten CPUs' worth for two ranks: never held back.
+    let ample = QuotaCgroup::new(1_000_000).expect("a second cgroup");
+    let line = bench(Some(&ample.procs())).expect("no throttle line under a quota");
+    assert!(
+        line.starts_with("# Throttled            : no (ranks 0-1 under"),
+        "{line}"
+    );
 }
 
 /// The first two CPUs this process may use, or why the test cannot run.
@@ -210,7 +274,7 @@ fn ranks_on_cpus_of_their_own_do_not_share_and_a_shared_cpu_is_told_apart() {
 #[test]
 fn ranks_under_a_cpu_quota_smaller_than_they_are_are_told() {
     let Some((c0, c1)) = two_cpus() else { return };
-    let cg = match OneCpuCgroup::new() {
+    let cg = match QuotaCgroup::new(100_000) {
         Ok(cg) => cg,
         Err(why) => {
             println!("skipped: no cgroup with a CPU quota could be made here ({why}); as root on a machine with the CPU controller, cargo test --test crowd runs it");

@@ -72,6 +72,62 @@ pub(crate) fn footer(rows: &[Row], factor: f64, unsteady: &[(usize, Windows)]) {
     }
 }
 
+/// Every rank's throttled time over the sizes' runs (µs; `None`: no CPU quota over it),
+/// gathered to every rank. `since`: this rank's [`dspark::internals::cpus::throttled_us`]
+/// before them. Collective: every rank calls it at the same point; where the gather fails,
+/// this rank's alone.
+pub(crate) fn gather_throttled(comm: &Communicator, since: Option<u64>) -> Vec<Option<u64>> {
+    let now = dspark::internals::cpus::throttled_us();
+    let mine = match (since, now) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => u64::MAX,
+    };
+    let mut all = vec![0u64; comm.world_size()];
+    let all = match comm.all_gather(&[mine], &mut all) {
+        Ok(()) => all,
+        Err(_) => vec![mine],
+    };
+    all.into_iter()
+        .map(|t| (t != u64::MAX).then_some(t))
+        .collect()
+}
+
+/// The footer's line on CPU quotas, where any rank runs under one (`throttled`: each
+/// rank's µs over a run of `wall_s` seconds, [`gather_throttled`]): how long the kernel held
+/// them stopped, which the median windows do not show. Nothing where no rank has a quota.
+pub(crate) fn throttle_lines(throttled: &[Option<u64>], wall_s: f64) -> Vec<String> {
+    let under: Vec<usize> = (0..throttled.len())
+        .filter(|&r| throttled[r].is_some())
+        .collect();
+    let Some((worst, us)) = throttled
+        .iter()
+        .enumerate()
+        .filter_map(|(r, t)| t.map(|t| (r, t)))
+        .max_by_key(|&(r, t)| (t, std::cmp::Reverse(r)))
+    else {
+        return Vec::new();
+    };
+    let ranks = dspark::internals::cpus::format_list(&under);
+    let who = if under.len() == 1 { "rank" } else { "ranks" };
+    if us == 0 {
+        return vec![format!(
+            "# Throttled            : no ({who} {ranks} under a cgroup CPU quota, none held back \
+             during the {wall_s:.1} s of the sizes' runs)"
+        )];
+    }
+    vec![
+        format!(
+            "# Throttled            : {:.1} ms (rank {worst}'s cgroup, the most; {who} {ranks} \
+             under a CPU quota) during the {wall_s:.1} s of the sizes' runs",
+            us as f64 / 1000.0
+        ),
+        "#   the kernel stopped the ranks once their cgroup had spent its quota for the period \
+         (cpu.stat throttled time, summed over its CPUs): the median windows hide it, the wall \
+         time does not. The header's ranks line says how many ranks share the quota"
+            .into(),
+    ]
+}
+
 /// The footer's lines for the sizes whose slowest window took more than
 /// [`crate::sweep::UNSTEADY`] times the median one: what the row says, what the slowest window
 /// and the mean of every call were, and what usually does it. Nothing when every size was
@@ -112,6 +168,28 @@ pub(crate) fn unsteady_lines(unsteady: &[(usize, Windows)]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_footer_says_how_long_a_cpu_quota_held_the_ranks() {
+        assert!(throttle_lines(&[None, None], 2.0).is_empty());
+        let l = throttle_lines(&[Some(0), None, Some(0)], 2.04);
+        assert_eq!(
+            l,
+            vec![
+                "# Throttled            : no (ranks 0,2 under a cgroup CPU quota, none held back \
+                 during the 2.0 s of the sizes' runs)"
+            ]
+        );
+        let l = throttle_lines(&[Some(1200), Some(312_400), Some(312_400), None], 1.94);
+        assert_eq!(l.len(), 2, "{l:?}");
+        assert_eq!(
+            l[0],
+            "# Throttled            : 312.4 ms (rank 1's cgroup, the most; ranks 0-2 under a CPU \
+             quota) during the 1.9 s of the sizes' runs"
+        );
+        assert!(l[1].contains("median windows hide it"), "{}", l[1]);
+        assert!(throttle_lines(&[Some(5)], 0.1)[0].contains("(rank 0's cgroup, the most; rank 0 "));
+    }
 
     #[test]
     fn the_footer_names_each_unsteady_size_with_its_windows() {

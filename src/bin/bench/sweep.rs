@@ -6,6 +6,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
+use dspark::internals::cpus::throttled_us;
 use dspark::internals::plan::{Algorithm, Collective};
 use dspark::path::PathPolicy;
 use dspark::types::human_bytes;
@@ -15,7 +16,7 @@ use crate::data::{prepare, verify, BenchElem};
 use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, sizes};
-use crate::summary::{footer, unsteady_lines};
+use crate::summary::{footer, gather_throttled, throttle_lines, unsteady_lines};
 use crate::table::{self, Row};
 use crate::Args;
 
@@ -206,6 +207,9 @@ pub(crate) fn bench<T: BenchElem>(
             header(args, comm, esz, &pv, &sharing);
         }
     }
+    // How long a CPU quota holds the ranks back over the sizes' runs (the footer's).
+    let footer_due = print && !args.csv;
+    let throttle_start = footer_due.then(|| (throttled_us(), Instant::now()));
     let mut rows = Vec::new();
     let mut unsteady = Vec::new();
     let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
@@ -286,8 +290,16 @@ pub(crate) fn bench<T: BenchElem>(
         }
         rows.push(row);
     }
+    // Collective, as `throttle_start`: the same on every rank.
+    let throttled = throttle_start
+        .map(|(since, t0)| (gather_throttled(comm, since), t0.elapsed().as_secs_f64()));
     if rank0 && !args.csv {
         footer(&rows, coll.bus_factor(n), &unsteady);
+        if let Some((t, wall)) = &throttled {
+            for l in throttle_lines(t, *wall) {
+                println!("{l}");
+            }
+        }
     } else if comm.rank() == 0 && !unsteady.is_empty() {
         // `--csv` (stdout stays CSV) and the sweeps of `--algo all` and `--compare-paths`
         // (no footer of their own): the unsteady sizes on stderr, naming the sweep.

@@ -192,6 +192,49 @@ fn tightest(c: &CpuCgroup) -> Option<Quota> {
         .reduce(Quota::tighter)
 }
 
+/// The time a cgroup's quota has held it throttled, µs, from its `cpu.stat`: cgroup v2
+/// `throttled_usec`, v1 `throttled_time` (ns). The kernel sums it over the CPUs the cgroup's
+/// tasks were stopped on, so it can exceed the wall time.
+fn parse_throttled(stat: &str, v1: bool) -> Option<u64> {
+    let key = if v1 {
+        "throttled_time"
+    } else {
+        "throttled_usec"
+    };
+    let v: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())?;
+    Some(if v1 { v / 1000 } else { v })
+}
+
+/// The throttled time of the cgroups with a quota on `c`'s path (its cgroup and its
+/// ancestors up to the mount), µs: the most of them (`None` where none has a quota).
+fn throttled_on(c: &CpuCgroup) -> Option<u64> {
+    std::iter::successors(Some(c.dir.as_path()), |d| d.parent())
+        .take_while(|d| d.starts_with(&c.mount))
+        .filter(|d| quota_at(d, c.v1).is_some())
+        .map(|d| {
+            std::fs::read_to_string(d.join("cpu.stat"))
+                .ok()
+                .and_then(|s| parse_throttled(&s, c.v1))
+                .unwrap_or(0)
+        })
+        .max()
+}
+
+/// How long the CPU quotas over this process have held its cgroup throttled so far, µs (the
+/// most of any limiting cgroup's `cpu.stat` `throttled_usec`, v1 `throttled_time`): `None`
+/// where no quota limits it (or the files cannot be read). The difference over a run says
+/// how much of it the kernel stopped the job for, which a benchmark's median hides.
+pub fn throttled_us() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    cpu_cgroups(&cgroup, &mountinfo)
+        .iter()
+        .filter_map(throttled_on)
+        .max()
+}
+
 /// This process's CPU quota: the tightest of its hierarchies' (none where no cgroup limits
 /// it, or where the files cannot be read).
 pub fn mine() -> Option<Quota> {
@@ -236,6 +279,15 @@ mod tests {
         assert_eq!(cpus_text(1.0 / 3.0), "0.33 CPUs");
         assert_eq!(cpus_text(0.999), "1 CPU");
         assert_eq!(cpus_text(10.0), "10 CPUs");
+        assert_eq!(parse_throttled("throttled_usec 12\n", false), Some(12));
+        assert_eq!(parse_throttled("throttled_time 12999\n", true), Some(12));
+        assert_eq!(
+            parse_throttled("nr_bursts 0\nthrottled_usec_x 5\nthrottled_usec 7", false),
+            Some(7)
+        );
+        assert_eq!(parse_throttled("throttled_time 5\n", false), None);
+        assert_eq!(parse_throttled("throttled_usec x\n", false), None);
+        assert_eq!(parse_throttled("", true), None);
     }
 
     const MOUNTINFO: &str = "\
@@ -329,6 +381,18 @@ mod tests {
             period_us: 100_000,
         };
         assert_eq!(tightest(&v2), Some(want));
+        // Throttled time: the most of the limiting cgroups' (a cgroup without a quota, or
+        // above the mount, does not count; one with a quota but no cpu.stat counts 0).
+        put("v2", "cpu.stat", "throttled_usec 999999\n");
+        put("v2/cg", "cpu.stat", "throttled_usec 888888\n");
+        put(
+            "v2/cg/a",
+            "cpu.stat",
+            "usage_usec 5\nnr_throttled 3\nthrottled_usec 4200\n",
+        );
+        assert_eq!(throttled_on(&v2), Some(4200));
+        put("v2/cg/a/b", "cpu.stat", "throttled_usec 5000\n");
+        assert_eq!(throttled_on(&v2), Some(5000));
         // v1: none on x, 0.25 CPU (25 ms per 100 ms) on the mount itself.
         put("v1/cpu", "cpu.cfs_quota_us", "25000\n");
         put("v1/cpu", "cpu.cfs_period_us", "100000\n");
@@ -339,6 +403,12 @@ mod tests {
             mount: tmp.join("v1/cpu"),
             v1: true,
         };
+        put(
+            "v1/cpu",
+            "cpu.stat",
+            "nr_periods 9\nnr_throttled 2\nthrottled_time 7000500\n",
+        );
+        assert_eq!(throttled_on(&v1), Some(7000));
         let got = tightest(&v1).unwrap();
         assert_eq!((got.quota_us, got.period_us), (25_000, 100_000));
         assert_eq!(got.cgroup, ino("v1/cpu") | 1 << 63);
@@ -350,6 +420,7 @@ mod tests {
             v1: false,
         };
         assert_eq!(tightest(&none), None);
+        assert_eq!(throttled_on(&none), None);
         // The wire form round-trips, and junk is no quota.
         assert_eq!(Quota::decode(&want.encode()), Some(want));
         for junk in ["", "1 2", "1 0 100000", "1 2 3 4", "a b c", "1  2 3"] {
