@@ -37,7 +37,7 @@ pub mod cpus {
         Crowd, Ranges, Seat, MAX_CPU,
     };
     pub use crate::comm::setup::quota::{
-        cpu_cgroups, cpus_text, mine as quota, throttled_us, CpuCgroup, Quota,
+        cpu_cgroups, cpus_text, mine as quota, CpuCgroup, Held, Quota, Throttled,
     };
 }
 

@@ -326,6 +326,7 @@ fn the_header_shows_ranks_that_share_their_cpus_unlike_rank_0() {
                 ])
                 .env("DSPARK_RANK", r.to_string())
                 .env("DSPARK_WORLD_SIZE", "3")
+                .env_remove("DSPARK_SPIN_US")
                 .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"));
             std::thread::spawn(move || run(cmd, &format!("rank {r}")))
         })
@@ -343,17 +344,19 @@ fn the_header_shows_ranks_that_share_their_cpus_unlike_rank_0() {
             .contains("; CPU sharing and spin differ between ranks (below);"),
         "{text}"
     );
-    let shared = line("#   ranks 0-1 (");
+    // (Under a cgroup CPU quota the words go on with the quota before `; spin`.)
+    let shared = line("#   CPU sharing of ranks 0-1 (");
     assert!(
-        shared.contains(&format!("): 2 ranks on CPU {a}: oversubscribed; spin ")),
+        shared.contains(&format!("): 2 ranks on CPU {a}: oversubscribed")),
         "{shared}"
     );
-    assert!(shared.contains(" µs yielding"), "{shared}");
-    let alone = line("#   rank 2 (");
+    assert!(shared.contains("; spin 100 µs yielding"), "{shared}");
+    let alone = line("#   CPU sharing of rank 2 (");
     assert!(
-        alone.contains(&format!("): no other rank on its CPUs ({b}); spin ")),
+        alone.contains(&format!("): no other rank on its CPUs ({b})")),
         "{alone}"
     );
+    assert!(alone.contains("; spin "), "{alone}");
     assert!(!alone.contains(" µs yielding"), "{alone}");
     // The others print no header.
     assert!(!texts[1].contains("# ranks"), "{}", texts[1]);

@@ -2,7 +2,7 @@
 //! (or that they are in host memory), every rank's binding, each connection's transport, the
 //! algorithm each size runs and the cost model's prediction for it.
 
-use dspark::internals::cpus::format_list;
+use dspark::internals::cpus::{count, format_list, parse_ranges};
 use dspark::internals::engine::{spin_adapts, ADAPTED_SPIN_MAX};
 use dspark::internals::plan::Collective;
 use dspark::path::{BufferLocation, TransportKind};
@@ -129,25 +129,39 @@ pub(crate) fn gather_sharing(comm: &Communicator) -> Vec<String> {
     }
 }
 
-/// `text` with the CPU lists it names (`CPU 0`, `CPUs 0-1`, `its CPUs (3)`) read as `…`:
-/// what two ranks bound to CPUs of their own, or two hosts' crowds each on its own core,
-/// have in common.
+/// `text` with the CPU lists it names (`CPU 0`, `CPUs 0-1`) read as `…`, and `its CPUs
+/// (0-3)` as `its CPUs (… 4)`: what two ranks bound to CPUs of their own, or two hosts'
+/// crowds each on its own core, have in common.
 fn situation(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
-    let mut in_list = false;
-    for (i, c) in text.char_indices() {
-        if in_list && (c.is_ascii_digit() || c == ',' || c == '-') {
-            continue;
-        }
-        in_list = c.is_ascii_digit()
-            && ["CPU ", "CPUs ", "CPUs ("]
-                .iter()
-                .any(|k| text[..i].ends_with(k));
-        if in_list {
-            out.push('…');
+    let mut rest = text;
+    while !rest.is_empty() {
+        // The next CPU list: digits right after one of the keys.
+        let found = ["CPU ", "CPUs ", "CPUs ("]
+            .iter()
+            .filter_map(|k| {
+                rest.match_indices(k)
+                    .map(|(i, _)| i + k.len())
+                    .find(|&end| rest[end..].starts_with(|c: char| c.is_ascii_digit()))
+                    .map(|end| (end, *k))
+            })
+            .min();
+        let Some((at, key)) = found else {
+            out.push_str(rest);
+            break;
+        };
+        let len = rest[at..]
+            .find(|c: char| !(c.is_ascii_digit() || c == ',' || c == '-'))
+            .unwrap_or(rest.len() - at);
+        out.push_str(&rest[..at]);
+        if key == "CPUs (" {
+            // `its CPUs (0-3)`: how many, the one thing the list says that matters here.
+            let n = count(&parse_ranges(&rest[at..at + len]));
+            out.push_str(&format!("… {n}"));
         } else {
-            out.push(c);
+            out.push('…');
         }
+        rest = &rest[at + len..];
     }
     out
 }
@@ -258,9 +272,17 @@ pub(crate) fn header(
         uniq.len(),
         uniq.join(", "),
         info.local_ranks,
-        match sharing.first() {
-            Some(s) if same => s.clone(),
-            _ => "CPU sharing and spin differ between ranks (below)".into(),
+        if sharing.len() != n {
+            // The gather failed: rank 0's words, saying so.
+            sharing
+                .first()
+                .cloned()
+                .unwrap_or_else(|| sharing_text(info))
+        } else if same {
+            // Rank 0's own words, whole (a gathered text is cut at SHARING_BYTES).
+            sharing_text(info)
+        } else {
+            "CPU sharing and spin differ between ranks (below)".into()
         },
         human_bytes(info.segment_bytes as u64, false),
         info.timeout,
@@ -277,7 +299,7 @@ pub(crate) fn header(
                 h
             };
             println!(
-                "#   rank{} {} ({}): {text}",
+                "#   CPU sharing of rank{} {} ({}): {text}",
                 if ranks.len() == 1 { "" } else { "s" },
                 format_list(&ranks),
                 hosts.join(", ")
@@ -376,7 +398,12 @@ mod tests {
         );
         assert_eq!(
             situation("no other rank on its CPUs (0-3,8); spin 50 µs then block"),
-            "no other rank on its CPUs (…); spin 50 µs then block"
+            "no other rank on its CPUs (… 5); spin 50 µs then block"
+        );
+        // Alone on one CPU and alone on 64 are not alike.
+        assert_ne!(
+            situation("no other rank on its CPUs (3)"),
+            situation("no other rank on its CPUs (0-63)")
         );
         assert_eq!(
             situation(
@@ -393,7 +420,7 @@ mod tests {
         assert_eq!(
             sharing_groups(&v),
             vec![(
-                s("no other rank on its CPUs (…); spin 50 µs"),
+                s("no other rank on its CPUs (… 1); spin 50 µs"),
                 vec![0, 1, 2]
             )]
         );

@@ -1,6 +1,9 @@
 //! What follows the table: the nccl-tests footer (wrong values, average bus bandwidth) and the
 //! `--plot` SVG of this run's curves beside the peers'.
 
+use std::time::Instant;
+
+use dspark::internals::cpus::{Held, Throttled};
 use dspark::Communicator;
 
 use dspark::types::human_bytes;
@@ -72,60 +75,93 @@ pub(crate) fn footer(rows: &[Row], factor: f64, unsteady: &[(usize, Windows)]) {
     }
 }
 
-/// Every rank's throttled time over the sizes' runs (µs; `None`: no CPU quota over it),
-/// gathered to every rank. `since`: this rank's [`dspark::internals::cpus::throttled_us`]
-/// before them. Collective: every rank calls it at the same point; where the gather fails,
-/// this rank's alone.
-pub(crate) fn gather_throttled(comm: &Communicator, since: Option<u64>) -> Vec<Option<u64>> {
-    let now = dspark::internals::cpus::throttled_us();
-    let mine = match (since, now) {
-        (Some(a), Some(b)) => b.saturating_sub(a),
-        _ => u64::MAX,
-    };
-    let mut all = vec![0u64; comm.world_size()];
-    let all = match comm.all_gather(&[mine], &mut all) {
-        Ok(()) => all,
-        Err(_) => vec![mine],
-    };
-    all.into_iter()
-        .map(|t| (t != u64::MAX).then_some(t))
-        .collect()
+/// What a CPU quota does to a run ([`ThrottleWatch::finish`] gathers it).
+pub(crate) struct ThrottleWatch {
+    since: Throttled,
+    t0: Instant,
 }
 
-/// The footer's line on CPU quotas, where any rank runs under one (`throttled`: each
-/// rank's µs over a run of `wall_s` seconds, [`gather_throttled`]): how long the kernel held
-/// them stopped, which the median windows do not show. Nothing where no rank has a quota.
-pub(crate) fn throttle_lines(throttled: &[Option<u64>], wall_s: f64) -> Vec<String> {
-    let under: Vec<usize> = (0..throttled.len())
-        .filter(|&r| throttled[r].is_some())
-        .collect();
-    let Some((worst, us)) = throttled
-        .iter()
-        .enumerate()
-        .filter_map(|(r, t)| t.map(|t| (r, t)))
-        .max_by_key(|&(r, t)| (t, std::cmp::Reverse(r)))
-    else {
-        return Vec::new();
-    };
-    let ranks = dspark::internals::cpus::format_list(&under);
-    let who = if under.len() == 1 { "rank" } else { "ranks" };
-    if us == 0 {
-        return vec![format!(
-            "# Throttled            : no ({who} {ranks} under a cgroup CPU quota, none held back \
-             during the {wall_s:.1} s of the sizes' runs)"
-        )];
+impl ThrottleWatch {
+    /// Takes this rank's snapshot before the runs.
+    pub(crate) fn start() -> ThrottleWatch {
+        ThrottleWatch {
+            since: Throttled::now(),
+            t0: Instant::now(),
+        }
     }
-    vec![
-        format!(
-            "# Throttled            : {:.1} ms (rank {worst}'s cgroup, the most; {who} {ranks} \
-             under a CPU quota) during the {wall_s:.1} s of the sizes' runs",
-            us as f64 / 1000.0
-        ),
-        "#   the kernel stopped the ranks once their cgroup had spent its quota for the period \
-         (cpu.stat throttled time, summed over its CPUs): the median windows hide it, the wall \
-         time does not. The header's ranks line says how many ranks share the quota"
-            .into(),
-    ]
+
+    /// Every rank's [`Held`] since [`ThrottleWatch::start`] (indexed by rank), gathered to
+    /// every rank, and this rank's seconds since. Collective: every rank calls it at the
+    /// same point; where the gather fails, this rank's alone.
+    pub(crate) fn finish(self, comm: &Communicator) -> (Vec<Held>, f64) {
+        const NO_QUOTA: u64 = u64::MAX;
+        const UNKNOWN: u64 = u64::MAX - 1;
+        let wall = self.t0.elapsed().as_secs_f64();
+        let mine = match Throttled::now().since(&self.since) {
+            Held::NoQuota => NO_QUOTA,
+            Held::Unknown => UNKNOWN,
+            Held::Us(us) => us.min(UNKNOWN - 1),
+        };
+        let mut all = vec![0u64; comm.world_size()];
+        let all = match comm.all_gather(&[mine], &mut all) {
+            Ok(()) => all,
+            Err(_) => vec![mine],
+        };
+        let held = all
+            .into_iter()
+            .map(|t| match t {
+                NO_QUOTA => Held::NoQuota,
+                UNKNOWN => Held::Unknown,
+                us => Held::Us(us),
+            })
+            .collect();
+        (held, wall)
+    }
+}
+
+/// The footer's line on CPU quotas, where any rank runs under one (`held`: each rank's over
+/// a run of `wall_s` seconds, [`ThrottleWatch::finish`]): how long the kernel held them
+/// stopped, which the median windows do not show. Nothing where no rank has a quota.
+pub(crate) fn throttle_lines(held: &[Held], wall_s: f64) -> Vec<String> {
+    let under: Vec<usize> = (0..held.len())
+        .filter(|&r| held[r] != Held::NoQuota)
+        .collect();
+    if under.is_empty() {
+        return Vec::new();
+    }
+    let ranks = format!(
+        "{} {} under a cgroup CPU quota",
+        if under.len() == 1 { "rank" } else { "ranks" },
+        dspark::internals::cpus::format_list(&under)
+    );
+    let most = held
+        .iter()
+        .filter_map(|h| match h {
+            Held::Us(us) => Some(*us),
+            _ => None,
+        })
+        .max();
+    match most {
+        None => vec![format!(
+            "# Throttled            : unknown ({ranks}; its cpu.stat could not be read)"
+        )],
+        Some(0) => vec![format!(
+            "# Throttled            : no ({ranks}, none held back during the {wall_s:.1} s of \
+             the runs)"
+        )],
+        Some(us) => vec![
+            format!(
+                "# Throttled            : {:.1} ms (the most any rank's cgroup shows; {ranks}) \
+                 during the {wall_s:.1} s of the runs",
+                us as f64 / 1000.0
+            ),
+            "#   the kernel stopped the ranks once their cgroup had spent its quota for the \
+             period (cpu.stat throttled time, summed over its CPUs): the median windows hide \
+             it, the wall time does not. The header's ranks line says how many ranks share the \
+             quota"
+                .into(),
+        ],
+    }
 }
 
 /// The footer's lines for the sizes whose slowest window took more than
@@ -171,24 +207,30 @@ mod tests {
 
     #[test]
     fn the_footer_says_how_long_a_cpu_quota_held_the_ranks() {
-        assert!(throttle_lines(&[None, None], 2.0).is_empty());
-        let l = throttle_lines(&[Some(0), None, Some(0)], 2.04);
+        use Held::{NoQuota, Unknown, Us};
+        assert!(throttle_lines(&[NoQuota, NoQuota], 2.0).is_empty());
         assert_eq!(
-            l,
+            throttle_lines(&[Us(0), NoQuota, Us(0)], 2.04),
             vec![
-                "# Throttled            : no (ranks 0,2 under a cgroup CPU quota, none held back \
-                 during the 2.0 s of the sizes' runs)"
+                "# Throttled            : no (ranks 0,2 under a cgroup CPU quota, none held \
+                 back during the 2.0 s of the runs)"
             ]
         );
-        let l = throttle_lines(&[Some(1200), Some(312_400), Some(312_400), None], 1.94);
+        assert_eq!(
+            throttle_lines(&[Unknown, NoQuota], 1.0),
+            vec![
+                "# Throttled            : unknown (rank 0 under a cgroup CPU quota; its \
+                 cpu.stat could not be read)"
+            ]
+        );
+        let l = throttle_lines(&[Us(1200), Us(312_400), Unknown, NoQuota], 1.94);
         assert_eq!(l.len(), 2, "{l:?}");
         assert_eq!(
             l[0],
-            "# Throttled            : 312.4 ms (rank 1's cgroup, the most; ranks 0-2 under a CPU \
-             quota) during the 1.9 s of the sizes' runs"
+            "# Throttled            : 312.4 ms (the most any rank's cgroup shows; ranks 0-2 \
+             under a cgroup CPU quota) during the 1.9 s of the runs"
         );
         assert!(l[1].contains("median windows hide it"), "{}", l[1]);
-        assert!(throttle_lines(&[Some(5)], 0.1)[0].contains("(rank 0's cgroup, the most; rank 0 "));
     }
 
     #[test]

@@ -6,7 +6,6 @@
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
-use dspark::internals::cpus::throttled_us;
 use dspark::internals::plan::{Algorithm, Collective};
 use dspark::path::PathPolicy;
 use dspark::types::human_bytes;
@@ -16,7 +15,7 @@ use crate::data::{prepare, verify, BenchElem};
 use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, sizes};
-use crate::summary::{footer, gather_throttled, throttle_lines, unsteady_lines};
+use crate::summary::{footer, throttle_lines, unsteady_lines, ThrottleWatch};
 use crate::table::{self, Row};
 use crate::Args;
 
@@ -38,6 +37,7 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
 ) -> Result<Vec<(String, Vec<Row>)>, String> {
     let c = args.collective.collective();
     let before = comm.forced_algorithm();
+    let watch = ThrottleWatch::start();
     let mut runs: Vec<(Algorithm, Vec<Row>)> = Vec::new();
     for &a in Algorithm::ALL.iter().filter(|a| a.supports(c)) {
         // Every rank switches together: the same list in the same order.
@@ -47,10 +47,14 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         runs.push((a, rows?));
     }
     let sharing = gather_sharing(comm);
+    let (held, wall) = watch.finish(comm);
     if comm.rank() == 0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
+        for l in throttle_lines(&held, wall) {
+            println!("{l}");
+        }
     }
     let transport = comm.info().transport;
     Ok(runs
@@ -194,8 +198,8 @@ pub(crate) fn bench<T: BenchElem>(
     let list = sizes(args);
     let tty = std::io::stderr().is_terminal();
     let pv = path_view(args, comm, gpu)?;
-    // Collective: `print` and `csv` are the same on every rank.
-    let sharing = if print && !args.csv {
+    // Collective: `print` is the same on every rank (whatever flags they were given).
+    let sharing = if print {
         gather_sharing(comm)
     } else {
         Vec::new()
@@ -207,9 +211,9 @@ pub(crate) fn bench<T: BenchElem>(
             header(args, comm, esz, &pv, &sharing);
         }
     }
-    // How long a CPU quota holds the ranks back over the sizes' runs (the footer's).
-    let footer_due = print && !args.csv;
-    let throttle_start = footer_due.then(|| (throttled_us(), Instant::now()));
+    // How long a CPU quota holds the ranks back over the sizes' runs (the footer's; the
+    // sweeps of `--algo all` and `--compare-paths` watch theirs whole).
+    let watch = print.then(ThrottleWatch::start);
     let mut rows = Vec::new();
     let mut unsteady = Vec::new();
     let e = |what: &str, err: dspark::Error| format!("{what}: {err}");
@@ -290,16 +294,10 @@ pub(crate) fn bench<T: BenchElem>(
         }
         rows.push(row);
     }
-    // Collective, as `throttle_start`: the same on every rank.
-    let throttled = throttle_start
-        .map(|(since, t0)| (gather_throttled(comm, since), t0.elapsed().as_secs_f64()));
+    // Collective, as `watch`: the same on every rank.
+    let throttled = watch.map(|w| w.finish(comm));
     if rank0 && !args.csv {
         footer(&rows, coll.bus_factor(n), &unsteady);
-        if let Some((t, wall)) = &throttled {
-            for l in throttle_lines(t, *wall) {
-                println!("{l}");
-            }
-        }
     } else if comm.rank() == 0 && !unsteady.is_empty() {
         // `--csv` (stdout stays CSV) and the sweeps of `--algo all` and `--compare-paths`
         // (no footer of their own): the unsteady sizes on stderr, naming the sweep.
@@ -309,6 +307,16 @@ pub(crate) fn bench<T: BenchElem>(
         eprintln!("# sweep with {algo}, data path {}:", comm.data_path());
         for l in unsteady_lines(&unsteady) {
             eprintln!("{l}");
+        }
+    }
+    if let (true, Some((held, wall))) = (rank0, &throttled) {
+        // Under `--csv` on stderr: stdout stays CSV.
+        for l in throttle_lines(held, *wall) {
+            if args.csv {
+                eprintln!("{l}");
+            } else {
+                println!("{l}");
+            }
         }
     }
     Ok(rows)
@@ -324,6 +332,7 @@ pub(crate) fn compare_paths<T: BenchElem>(
     let n = comm.world_size();
     let factor = args.collective.bus_factor(n);
     let rank0 = comm.rank() == 0;
+    let watch = ThrottleWatch::start();
     let mut results: Vec<(PathPolicy, Result<Vec<Row>, String>)> = Vec::new();
     for policy in [PathPolicy::GpuDirect, PathPolicy::HostStaged] {
         // Whether this path can be had is decided the same way init decides it.
@@ -337,10 +346,14 @@ pub(crate) fn compare_paths<T: BenchElem>(
         results.push((policy, res));
     }
     let sharing = gather_sharing(comm);
+    let (held, wall) = watch.finish(comm);
     if rank0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_path_table(factor, &results);
+        for l in throttle_lines(&held, wall) {
+            println!("{l}");
+        }
     }
     Ok(results
         .into_iter()

@@ -207,32 +207,72 @@ fn parse_throttled(stat: &str, v1: bool) -> Option<u64> {
     Some(if v1 { v / 1000 } else { v })
 }
 
-/// The throttled time of the cgroups with a quota on `c`'s path (its cgroup and its
-/// ancestors up to the mount), µs: the most of them (`None` where none has a quota).
-fn throttled_on(c: &CpuCgroup) -> Option<u64> {
+/// The throttled time of each cgroup with a quota on `c`'s path (its cgroup and its ancestors
+/// up to the mount): its identity ([`Quota::cgroup`]) and µs, `None` where its `cpu.stat`
+/// cannot be read.
+fn throttled_on(c: &CpuCgroup) -> Vec<(u64, Option<u64>)> {
     std::iter::successors(Some(c.dir.as_path()), |d| d.parent())
         .take_while(|d| d.starts_with(&c.mount))
-        .filter(|d| quota_at(d, c.v1).is_some())
-        .map(|d| {
-            std::fs::read_to_string(d.join("cpu.stat"))
+        .filter_map(|d| {
+            let q = quota_at(d, c.v1)?;
+            let us = std::fs::read_to_string(d.join("cpu.stat"))
                 .ok()
-                .and_then(|s| parse_throttled(&s, c.v1))
-                .unwrap_or(0)
+                .and_then(|s| parse_throttled(&s, c.v1));
+            Some((q.cgroup, us))
         })
-        .max()
+        .collect()
 }
 
-/// How long the CPU quotas over this process have held its cgroup throttled so far, µs (the
-/// most of any limiting cgroup's `cpu.stat` `throttled_usec`, v1 `throttled_time`): `None`
-/// where no quota limits it (or the files cannot be read). The difference over a run says
-/// how much of it the kernel stopped the job for, which a benchmark's median hides.
-pub fn throttled_us() -> Option<u64> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    cpu_cgroups(&cgroup, &mountinfo)
-        .iter()
-        .filter_map(throttled_on)
-        .max()
+/// The throttled time of every cgroup whose CPU quota is over this process, so far (each
+/// hierarchy's cgroup of this process and its ancestors up to the mount; [`Throttled::since`]
+/// compares two). Empty where no quota limits it, or where the files cannot be read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Throttled(Vec<(u64, Option<u64>)>);
+
+/// How long the CPU quotas held a cgroup stopped between two [`Throttled`] snapshots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// No quota over the process.
+    NoQuota,
+    /// Under a quota, but no cgroup's `cpu.stat` could be read at both ends.
+    Unknown,
+    /// The most any one limiting cgroup was held, µs (summed by the kernel over its CPUs).
+    Us(u64),
+}
+
+impl Throttled {
+    /// This process's snapshot.
+    pub fn now() -> Throttled {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let (Some(cgroup), Some(mountinfo)) =
+            (read("/proc/self/cgroup"), read("/proc/self/mountinfo"))
+        else {
+            return Throttled::default();
+        };
+        Throttled(
+            cpu_cgroups(&cgroup, &mountinfo)
+                .iter()
+                .flat_map(throttled_on)
+                .collect(),
+        )
+    }
+
+    /// How long a cgroup was held since `before`: each cgroup's own difference, the most of
+    /// them (a parent's history before the run, larger than its child's, must not hide the
+    /// child's throttling).
+    pub fn since(&self, before: &Throttled) -> Held {
+        if self.0.is_empty() {
+            return Held::NoQuota;
+        }
+        self.0
+            .iter()
+            .filter_map(|&(id, now)| {
+                let then = before.0.iter().find(|&&(b, _)| b == id)?.1?;
+                Some(now?.saturating_sub(then))
+            })
+            .max()
+            .map_or(Held::Unknown, Held::Us)
+    }
 }
 
 /// This process's CPU quota: the tightest of its hierarchies' (none where no cgroup limits
@@ -381,8 +421,8 @@ mod tests {
             period_us: 100_000,
         };
         assert_eq!(tightest(&v2), Some(want));
-        // Throttled time: the most of the limiting cgroups' (a cgroup without a quota, or
-        // above the mount, does not count; one with a quota but no cpu.stat counts 0).
+        // Throttled time: each limiting cgroup's (a cgroup without a quota, or above the
+        // mount, does not count; one whose cpu.stat says nothing is unknown).
         put("v2", "cpu.stat", "throttled_usec 999999\n");
         put("v2/cg", "cpu.stat", "throttled_usec 888888\n");
         put(
@@ -390,9 +430,23 @@ mod tests {
             "cpu.stat",
             "usage_usec 5\nnr_throttled 3\nthrottled_usec 4200\n",
         );
-        assert_eq!(throttled_on(&v2), Some(4200));
-        put("v2/cg/a/b", "cpu.stat", "throttled_usec 5000\n");
-        assert_eq!(throttled_on(&v2), Some(5000));
+        let (a, b) = (ino("v2/cg/a"), ino("v2/cg/a/b"));
+        assert_eq!(throttled_on(&v2), vec![(b, None), (a, Some(4200))]);
+        let before = Throttled(throttled_on(&v2));
+        assert_eq!(Throttled(throttled_on(&v2)).since(&before), Held::Us(0));
+        // The child is held 300 µs more, its parent (with a longer history) 100: the child's
+        // 300, not a difference of the largest counters.
+        put("v2/cg/a", "cpu.stat", "throttled_usec 4300\n");
+        put("v2/cg/a/b", "cpu.stat", "throttled_usec 1000\n");
+        let mid = Throttled(throttled_on(&v2));
+        assert_eq!(mid.since(&before), Held::Us(100));
+        put("v2/cg/a/b", "cpu.stat", "throttled_usec 1300\n");
+        assert_eq!(Throttled(throttled_on(&v2)).since(&mid), Held::Us(300));
+        assert_eq!(
+            Throttled(vec![(b, None)]).since(&Throttled(vec![(b, Some(1))])),
+            Held::Unknown
+        );
+        assert_eq!(Throttled::default().since(&mid), Held::NoQuota);
         // v1: none on x, 0.25 CPU (25 ms per 100 ms) on the mount itself.
         put("v1/cpu", "cpu.cfs_quota_us", "25000\n");
         put("v1/cpu", "cpu.cfs_period_us", "100000\n");
@@ -408,7 +462,10 @@ mod tests {
             "cpu.stat",
             "nr_periods 9\nnr_throttled 2\nthrottled_time 7000500\n",
         );
-        assert_eq!(throttled_on(&v1), Some(7000));
+        assert_eq!(
+            throttled_on(&v1),
+            vec![(ino("v1/cpu") | 1 << 63, Some(7000))]
+        );
         let got = tightest(&v1).unwrap();
         assert_eq!((got.quota_us, got.period_us), (25_000, 100_000));
         assert_eq!(got.cgroup, ino("v1/cpu") | 1 << 63);
@@ -420,7 +477,7 @@ mod tests {
             v1: false,
         };
         assert_eq!(tightest(&none), None);
-        assert_eq!(throttled_on(&none), None);
+        assert!(throttled_on(&none).is_empty());
         // The wire form round-trips, and junk is no quota.
         assert_eq!(Quota::decode(&want.encode()), Some(want));
         for junk in ["", "1 2", "1 0 100000", "1 2 3 4", "a b c", "1  2 3"] {
