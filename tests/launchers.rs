@@ -14,6 +14,19 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
+/// A bench run that only has to start and say who is where: 8 bytes over shared memory.
+const TINY_SHM_RUN: [&str; 10] = [
+    "--transport",
+    "shm",
+    "-b",
+    "8",
+    "-e",
+    "8",
+    "-n",
+    "5",
+    "-w",
+    "2",
+];
 
 use common::procs::free_port;
 
@@ -228,22 +241,8 @@ fn the_spawned_benchs_header_says_how_far_apart_its_ranks_cpus_are() {
     }
     let bench = |bind: &str| {
         let mut cmd = Command::new(BENCH);
-        cmd.args([
-            "--ranks",
-            "2",
-            "--bind",
-            bind,
-            "--transport",
-            "shm",
-            "-b",
-            "8",
-            "-e",
-            "8",
-            "-n",
-            "5",
-            "-w",
-            "2",
-        ]);
+        cmd.args(["--ranks", "2", "--bind", bind])
+            .args(TINY_SHM_RUN);
         run(cmd, &format!("dspark-bench --ranks 2 --bind {bind}"))
     };
     let text = bench("core");
@@ -312,18 +311,7 @@ fn the_header_shows_ranks_that_share_their_cpus_unlike_rank_0() {
         .map(|r| {
             let mut cmd = Command::new("taskset");
             cmd.args(["-c", &(if r == 2 { b } else { a }).to_string(), BENCH])
-                .args([
-                    "--transport",
-                    "shm",
-                    "-b",
-                    "8",
-                    "-e",
-                    "8",
-                    "-n",
-                    "5",
-                    "-w",
-                    "2",
-                ])
+                .args(TINY_SHM_RUN)
                 .env("DSPARK_RANK", r.to_string())
                 .env("DSPARK_WORLD_SIZE", "3")
                 .env_remove("DSPARK_SPIN_US")
