@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use dspark::internals::cpus::{Held, Throttled};
 use serde::Serialize;
 
 use super::kv;
@@ -82,6 +83,10 @@ pub(super) struct CpuSection {
     pub(super) verdict: String,
     /// The CPUs' worth of time this process's cgroup quota allows (`None`: no quota).
     pub(super) quota_cpus: Option<f64>,
+    /// How long the quota held this process's cgroup stopped during the probe, ms (its
+    /// `cpu.stat`, summed by the kernel over the CPUs it stopped; `None`: no quota, or its
+    /// `cpu.stat` could not be read).
+    pub(super) throttled_ms: Option<f64>,
 }
 
 /// What a cgroup CPU quota of `cpus` means for `threads` spinning threads (the probe's, or a
@@ -154,6 +159,7 @@ pub(super) fn not_measured(why: &str) -> CpuSection {
         steady: None,
         verdict: format!("not measured ({why})"),
         quota_cpus: dspark::internals::cpus::quota().map(|q| q.cpus()),
+        throttled_ms: None,
     }
 }
 
@@ -220,6 +226,7 @@ pub(super) fn allowed_cpus() -> Vec<usize> {
 
 /// Watches every CPU of `allowed` at once for [`PROBE_MS`].
 pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
+    let throttled_before = Throttled::now();
     let before = read_steal();
     let until = Instant::now() + Duration::from_millis(PROBE_MS);
     let failed = |cpu: usize, what: String| CpuGaps {
@@ -254,16 +261,16 @@ pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
         }
         _ => None,
     };
+    let throttled_ms = match Throttled::now().since(&throttled_before) {
+        Held::Us(us) => Some(us as f64 / 1000.0),
+        Held::NoQuota | Held::Unknown => None,
+    };
     let (steady, mut verdict) = verdict(&cpus, steal, PROBE_MS);
     let quota_cpus = dspark::internals::cpus::quota().map(|q| q.cpus());
-    if let Some(q) = quota_cpus.filter(|&q| steady == Some(false) && cpus.len() as f64 > q) {
-        verdict += &format!(
-            ". Here the likely cause is this cgroup's CPU quota ({} for {} spinning threads): \
-             a container's CPU limit below its ranks' count throttles them all; raise it to \
-             the ranks' count or run fewer ranks",
-            dspark::internals::cpus::cpus_text(q),
-            cpus.len()
-        );
+    if steady == Some(false) {
+        if let Some(q) = quota_cpus {
+            verdict += &quota_cause(q, cpus.len(), throttled_ms);
+        }
     }
     CpuSection {
         probe_ms: PROBE_MS,
@@ -273,6 +280,29 @@ pub(super) fn probe_cpus(allowed: &[usize]) -> CpuSection {
         steady,
         verdict,
         quota_cpus,
+        throttled_ms,
+    }
+}
+
+/// What an UNSTEADY verdict adds about a quota of `cpus` CPUs over `threads` spinning
+/// threads that held the cgroup stopped `throttled_ms` during the probe: the cause where the
+/// kernel says it throttled them, the likely cause where they were more than the quota but
+/// its count cannot be read, nothing otherwise.
+pub(super) fn quota_cause(cpus: f64, threads: usize, throttled_ms: Option<f64>) -> String {
+    let quota = dspark::internals::cpus::cpus_text(cpus);
+    let advice = "a container's CPU limit below its ranks' count throttles them all; raise it \
+                  to the ranks' count or run fewer ranks";
+    match throttled_ms {
+        Some(ms) if ms > 0.0 => format!(
+            ". Here the cause is this cgroup's CPU quota ({quota} for {threads} spinning \
+             threads): it held them stopped {ms:.1} ms during the probe (cpu.stat, summed over \
+             the CPUs); {advice}"
+        ),
+        None if threads as f64 > cpus => format!(
+            ". Here the likely cause is this cgroup's CPU quota ({quota} for {threads} spinning \
+             threads): {advice}"
+        ),
+        _ => String::new(),
     }
 }
 
@@ -300,7 +330,14 @@ pub(super) fn render_cpus(o: &mut String, c: &CpuSection) {
         kv(o, "steal time", format!("{s:.2}%"));
     }
     if let Some(q) = c.quota_cpus {
-        kv(o, "CPU quota", quota_note(q, c.cpus.len()));
+        let held = c.throttled_ms.map_or(String::new(), |ms| {
+            format!("; held the cgroup stopped {ms:.1} ms during the probe (cpu.stat)")
+        });
+        kv(
+            o,
+            "CPU quota",
+            format!("{}{held}", quota_note(q, c.cpus.len())),
+        );
     }
     kv(o, "verdict", &c.verdict);
 }
@@ -380,6 +417,32 @@ mod tests {
             o.contains("CPU quota") && o.contains("2 CPUs per period"),
             "{o}"
         );
+        assert!(!o.contains("held the cgroup stopped"), "{o}");
+        let mut o = String::new();
+        render_cpus(
+            &mut o,
+            &CpuSection {
+                quota_cpus: Some(1.0),
+                throttled_ms: Some(142.5),
+                ..not_measured("test")
+            },
+        );
+        assert!(
+            o.contains("; held the cgroup stopped 142.5 ms during the probe"),
+            "{o}"
+        );
+        // The verdict: the cause where the kernel counted throttling, the likely cause where
+        // the threads outnumber the quota but the count is unknown, else nothing.
+        let c = quota_cause(1.0, 2, Some(142.5));
+        assert!(
+            c.starts_with(". Here the cause is this cgroup's CPU quota (1 CPU for 2 spinning")
+                && c.contains("stopped 142.5 ms during the probe"),
+            "{c}"
+        );
+        let c = quota_cause(1.0, 2, None);
+        assert!(c.starts_with(". Here the likely cause"), "{c}");
+        assert_eq!(quota_cause(4.0, 2, None), "");
+        assert_eq!(quota_cause(1.0, 2, Some(0.0)), "");
     }
 
     #[test]
