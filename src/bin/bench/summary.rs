@@ -75,7 +75,7 @@ pub(crate) fn footer(rows: &[Row], factor: f64, unsteady: &[(usize, Windows)]) {
     }
 }
 
-/// What a CPU quota does to a run ([`ThrottleWatch::finish`] gathers it).
+/// What a CPU quota does to a run ([`ThrottleWatch::finish`] gathers it and words it).
 pub(crate) struct ThrottleWatch {
     since: Throttled,
     t0: Instant,
@@ -90,10 +90,11 @@ impl ThrottleWatch {
         }
     }
 
-    /// Every rank's [`Held`] since [`ThrottleWatch::start`] (indexed by rank), gathered to
-    /// every rank, and this rank's seconds since. Collective: every rank calls it at the
-    /// same point; where the gather fails, this rank's alone.
-    pub(crate) fn finish(self, comm: &Communicator) -> (Vec<Held>, f64) {
+    /// The footer's lines ([`throttle_lines`]) from every rank's [`Held`] since
+    /// [`ThrottleWatch::start`], gathered to every rank. Collective: every rank calls it at
+    /// the same point. Where the gather fails (a communicator a failed run poisoned), this
+    /// rank's alone, saying so.
+    pub(crate) fn finish(self, comm: &Communicator) -> Vec<String> {
         const NO_QUOTA: u64 = u64::MAX;
         const UNKNOWN: u64 = u64::MAX - 1;
         let wall = self.t0.elapsed().as_secs_f64();
@@ -102,20 +103,23 @@ impl ThrottleWatch {
             Held::Unknown => UNKNOWN,
             Held::Us(us) => us.min(UNKNOWN - 1),
         };
-        let mut all = vec![0u64; comm.world_size()];
-        let all = match comm.all_gather(&[mine], &mut all) {
-            Ok(()) => all,
-            Err(_) => vec![mine],
+        let decode = |t: u64| match t {
+            NO_QUOTA => Held::NoQuota,
+            UNKNOWN => Held::Unknown,
+            us => Held::Us(us),
         };
-        let held = all
-            .into_iter()
-            .map(|t| match t {
-                NO_QUOTA => Held::NoQuota,
-                UNKNOWN => Held::Unknown,
-                us => Held::Us(us),
-            })
-            .collect();
-        (held, wall)
+        let mut all = vec![0u64; comm.world_size()];
+        match comm.all_gather(&[mine], &mut all) {
+            Ok(()) => throttle_lines(&all.into_iter().map(decode).collect::<Vec<_>>(), wall),
+            Err(e) => {
+                let mut lines = throttle_lines(&[decode(mine)], wall);
+                // Only rank 0 prints: its own, named as rank 0 above.
+                lines.push(format!(
+                    "#   (rank 0's alone: the other ranks' were not gathered: {e})"
+                ));
+                lines
+            }
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use crate::data::{prepare, verify, BenchElem};
 use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, sizes};
-use crate::summary::{footer, throttle_lines, unsteady_lines, ThrottleWatch};
+use crate::summary::{footer, unsteady_lines, ThrottleWatch};
 use crate::table::{self, Row};
 use crate::Args;
 
@@ -47,12 +47,12 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         runs.push((a, rows?));
     }
     let sharing = gather_sharing(comm);
-    let (held, wall) = watch.finish(comm);
+    let throttled = watch.finish(comm);
     if comm.rank() == 0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
-        for l in throttle_lines(&held, wall) {
+        for l in &throttled {
             println!("{l}");
         }
     }
@@ -309,9 +309,9 @@ pub(crate) fn bench<T: BenchElem>(
             eprintln!("{l}");
         }
     }
-    if let (true, Some((held, wall))) = (rank0, &throttled) {
+    if let (true, Some(lines)) = (rank0, &throttled) {
         // Under `--csv` on stderr: stdout stays CSV.
-        for l in throttle_lines(held, *wall) {
+        for l in lines {
             if args.csv {
                 eprintln!("{l}");
             } else {
@@ -346,12 +346,12 @@ pub(crate) fn compare_paths<T: BenchElem>(
         results.push((policy, res));
     }
     let sharing = gather_sharing(comm);
-    let (held, wall) = watch.finish(comm);
+    let throttled = watch.finish(comm);
     if rank0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_path_table(factor, &results);
-        for l in throttle_lines(&held, wall) {
+        for l in &throttled {
             println!("{l}");
         }
     }

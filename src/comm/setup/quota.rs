@@ -184,12 +184,27 @@ fn quota_at(dir: &Path, v1: bool) -> Option<Quota> {
     })
 }
 
-/// The tightest quota on `c`'s cgroup and its ancestors up to its mount.
-fn tightest(c: &CpuCgroup) -> Option<Quota> {
+/// The quotas on `c`'s cgroup and its ancestors up to its mount, each with its directory:
+/// the cgroups that can throttle this process in that hierarchy.
+fn limiting(c: &CpuCgroup) -> impl Iterator<Item = (&Path, Quota)> {
     std::iter::successors(Some(c.dir.as_path()), |d| d.parent())
         .take_while(|d| d.starts_with(&c.mount))
-        .filter_map(|d| quota_at(d, c.v1))
-        .reduce(Quota::tighter)
+        .filter_map(|d| Some((d, quota_at(d, c.v1)?)))
+}
+
+/// The tightest quota on `c`'s cgroup and its ancestors up to its mount.
+fn tightest(c: &CpuCgroup) -> Option<Quota> {
+    limiting(c).map(|(_, q)| q).reduce(Quota::tighter)
+}
+
+/// This process's cgroups in the hierarchies with the CPU controller (none where
+/// `/proc/self/cgroup` or `mountinfo` cannot be read).
+fn own_cpu_cgroups() -> Vec<CpuCgroup> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    match (read("/proc/self/cgroup"), read("/proc/self/mountinfo")) {
+        (Some(cgroup), Some(mountinfo)) => cpu_cgroups(&cgroup, &mountinfo),
+        _ => Vec::new(),
+    }
 }
 
 /// The time a cgroup's quota has held it throttled, µs, from its `cpu.stat`: cgroup v2
@@ -211,14 +226,12 @@ fn parse_throttled(stat: &str, v1: bool) -> Option<u64> {
 /// up to the mount): its identity ([`Quota::cgroup`]) and µs, `None` where its `cpu.stat`
 /// cannot be read.
 fn throttled_on(c: &CpuCgroup) -> Vec<(u64, Option<u64>)> {
-    std::iter::successors(Some(c.dir.as_path()), |d| d.parent())
-        .take_while(|d| d.starts_with(&c.mount))
-        .filter_map(|d| {
-            let q = quota_at(d, c.v1)?;
+    limiting(c)
+        .map(|(d, q)| {
             let us = std::fs::read_to_string(d.join("cpu.stat"))
                 .ok()
                 .and_then(|s| parse_throttled(&s, c.v1));
-            Some((q.cgroup, us))
+            (q.cgroup, us)
         })
         .collect()
 }
@@ -243,18 +256,7 @@ pub enum Held {
 impl Throttled {
     /// This process's snapshot.
     pub fn now() -> Throttled {
-        let read = |p: &str| std::fs::read_to_string(p).ok();
-        let (Some(cgroup), Some(mountinfo)) =
-            (read("/proc/self/cgroup"), read("/proc/self/mountinfo"))
-        else {
-            return Throttled::default();
-        };
-        Throttled(
-            cpu_cgroups(&cgroup, &mountinfo)
-                .iter()
-                .flat_map(throttled_on)
-                .collect(),
-        )
+        Throttled(own_cpu_cgroups().iter().flat_map(throttled_on).collect())
     }
 
     /// How long a cgroup was held since `before`: each cgroup's own difference, the most of
@@ -278,9 +280,7 @@ impl Throttled {
 /// This process's CPU quota: the tightest of its hierarchies' (none where no cgroup limits
 /// it, or where the files cannot be read).
 pub fn mine() -> Option<Quota> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    cpu_cgroups(&cgroup, &mountinfo)
+    own_cpu_cgroups()
         .iter()
         .filter_map(tightest)
         .reduce(Quota::tighter)
@@ -405,16 +405,17 @@ mod tests {
             std::fs::write(d.join(name), text).unwrap();
         };
         let ino = |rel: &str| std::fs::metadata(tmp.join(rel)).unwrap().ino();
+        let cg = |dir: &str, mount: &str, v1: bool| CpuCgroup {
+            dir: tmp.join(dir),
+            mount: tmp.join(mount),
+            v1,
+        };
         // v2: 0.5 CPU above the mount (not ours), none at the mount, 1.5 on a, 2 on a/b.
         put("v2", "cpu.max", "50000 100000\n");
         put("v2/cg", "cpu.max", "max 100000\n");
         put("v2/cg/a", "cpu.max", "150000 100000\n");
         put("v2/cg/a/b", "cpu.max", "200000 100000\n");
-        let v2 = CpuCgroup {
-            dir: tmp.join("v2/cg/a/b"),
-            mount: tmp.join("v2/cg"),
-            v1: false,
-        };
+        let v2 = cg("v2/cg/a/b", "v2/cg", false);
         let want = Quota {
             cgroup: ino("v2/cg/a"),
             quota_us: 150_000,
@@ -452,11 +453,7 @@ mod tests {
         put("v1/cpu", "cpu.cfs_period_us", "100000\n");
         put("v1/cpu/x", "cpu.cfs_quota_us", "-1\n");
         put("v1/cpu/x", "cpu.cfs_period_us", "100000\n");
-        let v1 = CpuCgroup {
-            dir: tmp.join("v1/cpu/x"),
-            mount: tmp.join("v1/cpu"),
-            v1: true,
-        };
+        let v1 = cg("v1/cpu/x", "v1/cpu", true);
         put(
             "v1/cpu",
             "cpu.stat",
@@ -471,11 +468,7 @@ mod tests {
         assert_eq!(got.cgroup, ino("v1/cpu") | 1 << 63);
         // Nothing set anywhere: none.
         put("none/cg/a", "cpu.max", "max 100000\n");
-        let none = CpuCgroup {
-            dir: tmp.join("none/cg/a"),
-            mount: tmp.join("none/cg"),
-            v1: false,
-        };
+        let none = cg("none/cg/a", "none/cg", false);
         assert_eq!(tightest(&none), None);
         assert!(throttled_on(&none).is_empty());
         // The wire form round-trips, and junk is no quota.
