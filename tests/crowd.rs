@@ -171,8 +171,11 @@ fn the_bench_footer_says_how_long_a_cpu_quota_held_its_ranks() {
             procs.unwrap_or(""),
             BENCH,
         ])
-        .args(["--ranks", "2", "--transport", "shm", "-b", "8", "-e", "8"])
-        .args(["-n", "20000", "-w", "5"])
+        // Work that outlasts the quota's 5 ms per period on any machine: the runs take
+        // tens of ms of two spinning ranks' CPU even where 4 MiB moves at 20 GB/s (an 8-byte
+        // run of 20000 calls fit inside one period's 5 ms on a fast CI machine).
+        .args(["--ranks", "2", "--transport", "shm", "-b", "4M", "-e", "4M"])
+        .args(["-n", "100", "-w", "2"])
         .env("DSPARK_TIMEOUT", "60");
         let out = cmd.output().expect("sh");
         let text = format!(
