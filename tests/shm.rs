@@ -145,6 +145,24 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                 other => Err(format!("expected a mismatch, got {other:?}")),
             }
         }
+        "empty_against_one_shot" => {
+            // Rank 0 calls all_reduce #1 with no elements, the others with 2 (one-shot);
+            // then every rank calls #2 with 16384 (frames): every rank must fail with a
+            // mismatch promptly, never wait for the deadline.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let mut first = vec![1.0f32; if r == 0 { 0 } else { 2 }];
+            let mut second = vec![1.0f32; 16384];
+            let res = comm
+                .all_reduce(&mut first, ReduceOp::Sum)
+                .and_then(|()| comm.all_reduce(&mut second, ReduceOp::Sum));
+            match res {
+                Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => {
+                    say(&format!("FAILED: {e}"));
+                    Ok(FAILED_AS_EXPECTED)
+                }
+                other => Err(format!("expected a mismatch, got {other:?}")),
+            }
+        }
         "send_then_exit" => {
             // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
             expect_transport(&comm, TransportKind::Shm)?;
@@ -460,6 +478,43 @@ fn a_one_shot_call_against_frames_at_the_same_sequence_number_fails_every_rank_w
                 o.elapsed < Duration::from_secs(10),
                 "world {world} rank {r} took {:?}",
                 o.elapsed
+            );
+        }
+    }
+}
+
+/// An empty call takes its sequence number without moving data: a rank that calls with no
+/// elements where the others run the call one-shot, and then goes on to a call of frames,
+/// leaves them a frame of the later call where its contribution should be. Every rank fails
+/// promptly with a mismatch (it was a wait for the deadline on every rank).
+#[test]
+fn an_empty_call_against_a_one_shot_one_then_frames_fails_every_rank_with_a_prompt_mismatch() {
+    for world in [2, 3] {
+        let outs = spawn(
+            world,
+            "empty_against_one_shot",
+            &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
+            None,
+        )
+        .wait(Duration::from_secs(60));
+        for (r, o) in outs.iter().enumerate() {
+            assert_eq!(
+                o.code,
+                Some(FAILED_AS_EXPECTED),
+                "world {world} rank {r}:\n{}",
+                o.out
+            );
+            assert!(
+                o.elapsed < Duration::from_secs(10),
+                "world {world} rank {r} took {:?}: {}",
+                o.elapsed,
+                o.out
+            );
+            // Each names both collectives (its own or the first failing rank's words).
+            assert!(
+                o.out.contains("#1") && o.out.contains("#2"),
+                "world {world} rank {r}: {}",
+                o.out
             );
         }
     }

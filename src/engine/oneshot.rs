@@ -270,6 +270,114 @@ mod tests {
             .collect()
     }
 
+    /// A call of `count` f32 elements: an all_reduce (sum), or a send to / receive from `peer`.
+    fn f32_call(coll: Collective, count: usize, peer: usize, is_send: bool) -> Call {
+        let op = (coll == Collective::AllReduce).then_some(ReduceOp::Sum);
+        let mut c = Call::new(coll, op, count, peer, is_send);
+        c.dtype = DataType::F32;
+        c
+    }
+
+    /// Rank 0 calls with no elements where the others run the call one-shot, then every rank
+    /// calls an all_reduce large enough for frames: a prompt mismatch on every rank, not a
+    /// wait for the deadline. With 2 ranks rank 1 finds rank 0's frame of the later call
+    /// where its contribution should be (it looked for a frame of that very call only);
+    /// with 3, rank 0's schedule may first wait on a peer still in the one-shot call, and
+    /// rank 0 finds that peer's contribution to a collective it took as empty.
+    #[test]
+    fn an_empty_call_against_a_one_shot_one_then_frames_is_a_prompt_mismatch() {
+        for n in [2, 3] {
+            let t0 = Instant::now();
+            let res: Vec<Result<()>> = std::thread::scope(|s| {
+                let hs: Vec<_> = engines(n)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, mut eng)| {
+                        s.spawn(move || {
+                            eng.set_call_timeout(Some(std::time::Duration::from_secs(20)));
+                            let mut c = f32_call(Collective::AllReduce, 4, 0, false);
+                            if r == 0 {
+                                c.count = 0;
+                                eng.skip_empty(&c)?;
+                            } else {
+                                assert!(eng.runs_one_shot(&c));
+                                eng.run(&c, &[], &mut [0u8; 16])?;
+                            }
+                            // 8 KiB: past the 4 KiB one-shot limit, so frames.
+                            c.count = 2048;
+                            assert!(!eng.runs_one_shot(&c));
+                            eng.run(&c, &[], &mut vec![0u8; 8192])
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, e) in res.iter().enumerate() {
+                let text = match e {
+                    Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => e.to_string(),
+                    other => panic!("world {n} rank {r}: {other:?}"),
+                };
+                assert!(
+                    text.contains("#1") && text.contains("#2"),
+                    "world {n} rank {r}: {text}"
+                );
+            }
+            let took = t0.elapsed();
+            assert!(
+                took < std::time::Duration::from_secs(10),
+                "world {n}: {took:?}"
+            );
+        }
+    }
+
+    /// A send/recv frame from the peer waits in the ring, unreceived, while this rank waits
+    /// for that peer's one-shot contribution: the wait sleeps instead of turning at once on
+    /// the frame it cannot take (it spun for the peer's whole delay), and then takes the
+    /// contribution; the frame is received after.
+    #[test]
+    fn a_one_shot_wait_sleeps_past_a_send_it_cannot_take() {
+        use nix::sys::resource::{getrusage, UsageWho};
+        let cpu = || {
+            let u = getrusage(UsageWho::RUSAGE_THREAD).unwrap();
+            let us = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 * 1e6 + t.tv_usec() as f64;
+            std::time::Duration::from_micros((us(u.user_time()) + us(u.system_time())) as u64)
+        };
+        let delay = std::time::Duration::from_millis(400);
+        let sent = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            for (r, mut eng) in engines(2).into_iter().enumerate() {
+                let sent = &sent;
+                s.spawn(move || {
+                    let ar = f32_call(Collective::AllReduce, 2, 0, false);
+                    let mut sum = [0u8; 8];
+                    sum.copy_from_slice(bytemuck::cast_slice(&[1.0f32 + r as f32; 2]));
+                    if r == 1 {
+                        let msg = [7u8; 12];
+                        eng.run(&f32_call(Collective::SendRecv, 3, 0, true), &msg, &mut [])
+                            .unwrap();
+                        sent.wait();
+                        std::thread::sleep(delay);
+                        eng.run(&ar, &[], &mut sum).unwrap();
+                    } else {
+                        sent.wait();
+                        let (t, c) = (Instant::now(), cpu());
+                        eng.run(&ar, &[], &mut sum).unwrap();
+                        let (waited, busy) = (t.elapsed(), cpu() - c);
+                        assert!(waited >= delay / 2, "waited {waited:?}");
+                        // Spinning, it took about all of the wait; asleep, a few ms.
+                        assert!(busy < waited / 3, "busy {busy:?} of {waited:?}");
+                        let mut got = [0u8; 12];
+                        eng.run(&f32_call(Collective::SendRecv, 3, 1, false), &[], &mut got)
+                            .unwrap();
+                        assert_eq!(got, [7u8; 12]);
+                    }
+                    let got: &[f32] = bytemuck::cast_slice(&sum);
+                    assert_eq!(got, [3.0f32, 3.0], "rank {r}");
+                });
+            }
+        });
+    }
+
     /// Rank r's contribution: large and small magnitudes whose f32 sum depends on the order
     /// in which the ranks are added.
     fn input(r: usize, count: usize) -> Vec<f32> {

@@ -76,7 +76,9 @@
 //! `status` word (with the abort's class, origin and message beside it), set once and
 //! followed by a wake of every peer: unlike an in-ring frame it is deliverable even when a
 //! ring is full or a frame half written. As over TCP,
-//! a receive takes what the ring holds first and meets a goodbye only after it; an abort
+//! a receive takes what the ring holds first and meets a goodbye only after it (so a
+//! contribution a peer published before it aborted may still complete a call that has not
+//! yet seen the abort: the values are whole); an abort
 //! fails every survivor with [`Error::Aborted`] (or [`Error::Mismatch`] with the same text),
 //! except a collective the aborting rank had completed (its `status` line says which,
 //! [`Transport::collective_progress`]): a survivor still finishing that one finishes it, and
@@ -307,6 +309,11 @@ pub struct ShmTransport {
     /// One-shot contributions published so far ([`slots`]): the next goes to slot
     /// `slot_calls % 2`.
     slot_calls: u64,
+    /// The sequence number of the last one-shot contribution this rank published (0: none):
+    /// a peer's contribution to an earlier collective than the one this rank runs, but a
+    /// later one than this, is to a collective this rank did not run one-shot (a mismatch:
+    /// [`ShmTransport::slot_header_at`]).
+    published_seq: u64,
     /// A contribution was published whose sleeping readers are not yet woken
     /// ([`crate::transport::Slots::settle`]).
     wake_owed: bool,

@@ -351,23 +351,33 @@ impl ShmTransport {
     ) -> Result<bool> {
         let rank = self.rank;
         let Some((hdr, start)) = self.head_frame(peer, rx_base)? else {
-            // A peer that runs this collective one-shot shows in its slot: the sink names
-            // both calls.
-            if let Some(h) = self
+            // A peer that runs this collective one-shot, or ran an earlier one so where this
+            // rank did not, shows in its slot: the sink names both calls.
+            if let Some((seq, h)) = self
                 .coll_running
-                .and_then(|seq| self.slot_header_at(peer, seq))
+                .and_then(|seq| Some((seq, self.slot_header_at(peer, seq)?)))
             {
                 sink.on_header(&h)?;
-                return Err(Error::Mismatch {
-                    rank: Some(rank),
-                    peer: Some(peer),
-                    op: "receive".into(),
-                    what: format!(
+                let what = if h.seq == seq {
+                    format!(
                         "rank {peer} runs collective #{} (count {}) one-shot through shared \
                          memory where rank {rank} sends frames (another collective, count or \
                          algorithm: DSPARK_ALGO differs between the ranks?)",
                         h.seq, h.count
-                    ),
+                    )
+                } else {
+                    format!(
+                        "rank {peer} runs collective #{} (count {}) one-shot through shared \
+                         memory, which rank {rank} called with no elements or ran as frames; \
+                         rank {rank} is at #{seq}",
+                        h.seq, h.count
+                    )
+                };
+                return Err(Error::Mismatch {
+                    rank: Some(rank),
+                    peer: Some(peer),
+                    op: "receive".into(),
+                    what,
                 });
             }
             return Ok(false);

@@ -370,6 +370,7 @@ impl ShmTransport {
             coll_done: 0,
             peer_aborted: false,
             slot_calls: 0,
+            published_seq: 0,
             wake_owed: false,
             slot_tail: 0,
             asym,

@@ -77,26 +77,36 @@ impl ShmTransport {
         // SAFETY: the peer wrote these bytes before it stored the flag (release; loaded with
         // acquire above) and rewrites this slot only two one-shot calls later, after it has
         // read this rank's next contribution, which this rank writes after the slice is gone
-        // (the module docs).
+        // (the module docs). That rests on two facts: a call completes only with every
+        // peer's flag equal to its own sequence number (the flag read here goes into the
+        // header, which the engine's check compares), so a peer cannot be two calls ahead;
+        // and a rank never publishes again after a failed call (the engine is poisoned).
         let data =
             unsafe { p.seg.slice(base + HEADER_LEN, n) }.map_err(out_of_bounds(rank, peer))?;
         Ok((hdr, data))
     }
 
-    /// The header of a slot of `peer`'s whose flag is `seq` (either slot), if any: a peer
-    /// that runs collective `seq` one-shot where this rank runs it as frames.
+    /// The header of a slot of `peer`'s (either slot) that shows a one-shot contribution
+    /// this rank, running collective `seq` as frames, has no counterpart to, if any: to
+    /// `seq` itself (a peer that runs it one-shot), or to an earlier collective than `seq`
+    /// but a later one than this rank's last contribution (a peer that ran it one-shot where
+    /// this rank called it with no elements, or as frames: every rank that completed a
+    /// one-shot collective published to it, so no peer's flag between the two is there
+    /// otherwise).
     pub(super) fn slot_header_at(&self, peer: usize, seq: u64) -> Option<FrameHeader> {
         (0..2).map(Self::slot_at).find_map(|base| {
             let flag = self.flag(peer, base);
-            (flag == seq)
+            (flag == seq || (flag > self.published_seq && flag < seq))
                 .then(|| self.read_slot(peer, base, flag).ok().map(|(h, _)| h))
                 .flatten()
         })
     }
 
-    /// The header of a collective's data frame with sequence number `seq` waiting at the
-    /// front of `peer`'s ring, if any: a peer that runs collective `seq` as frames where
-    /// this rank runs it one-shot.
+    /// The header of a collective's data frame with sequence number `seq` or later waiting
+    /// at the front of `peer`'s ring, if any: a peer that runs collective `seq` as frames
+    /// where this rank runs it one-shot, or that took `seq` as an empty call (count 0, which
+    /// moves nothing) and went on to a call that sends frames. Either way it never publishes
+    /// a contribution to `seq` (a peer that did published it before any later frame).
     fn ring_frame_at(&self, peer: usize, seq: u64) -> Option<FrameHeader> {
         let p = self.peers.get(peer)?.as_ref()?;
         if !p.committed || p.rx_in_frame || !self.rx_pending(p) {
@@ -109,11 +119,13 @@ impl ShmTransport {
             .ok()?;
         let h = FrameHeader::decode(&b).ok()?;
         let p2p = Collective::from_code(h.coll & 0x0f) == Some(Collective::SendRecv);
-        (h.kind == FrameKind::Data && h.seq == seq && !p2p).then_some(h)
+        (h.kind == FrameKind::Data && h.seq >= seq && !p2p).then_some(h)
     }
 
     /// Whether a wait for `peer`'s contribution to call `seq` should end: it is there, or
-    /// something else to look at (its status, its loss, a frame in its ring).
+    /// something else to look at (its status, its loss, a frame of this or a later
+    /// collective in its ring: a mismatch). A send/recv frame waiting there is not news: the
+    /// one-shot call does not take it, and counting it kept the wait from ever sleeping.
     fn slot_news(&self, peer: usize, seq: u64) -> bool {
         let Some(p) = self.peers.get(peer).and_then(Option::as_ref) else {
             return false;
@@ -121,7 +133,7 @@ impl ShmTransport {
         p.state != PeerState::Open
             || p.seg.u32_at(OFF_STATUS).load(Ordering::Acquire) != STATUS_OPEN
             || self.flag(peer, self.current_slot()) >= seq
-            || (p.committed && !p.rx_in_frame && self.rx_pending(p))
+            || self.ring_frame_at(peer, seq).is_some()
     }
 }
 
@@ -147,6 +159,7 @@ impl Slots for ShmTransport {
             ));
         }
         self.slot_calls += 1;
+        self.published_seq = hdr.seq;
         let base = self.current_slot();
         let rank = self.rank;
         let b = hdr.encode();
@@ -205,16 +218,34 @@ impl Slots for ShmTransport {
         }
         if flag < seq {
             if let Some(h) = self.ring_frame_at(peer, seq) {
+                // A peer that published `seq` did so before it sent any later frame (its
+                // ring's head, loaded with acquire, was stored after its flag): look again.
+                flag = self.flag(peer, base);
+                if flag >= seq {
+                    return self.read_slot(peer, base, flag).map(Some);
+                }
+                let what = if h.seq == seq {
+                    format!(
+                        "rank {peer} sent a frame of collective #{seq} (count {}, {} bytes) \
+                         where rank {} runs it one-shot through shared memory (another \
+                         collective, count or algorithm: DSPARK_ALGO differs between the \
+                         ranks?)",
+                        h.count, h.len, self.rank
+                    )
+                } else {
+                    format!(
+                        "rank {peer} sent a frame of collective #{} (count {}, {} bytes) \
+                         without a contribution to collective #{seq}, which rank {} runs \
+                         one-shot through shared memory: rank {peer} called #{seq} with no \
+                         elements, or another collective",
+                        h.seq, h.count, h.len, self.rank
+                    )
+                };
                 return Err(Error::Mismatch {
                     rank: Some(self.rank),
                     peer: Some(peer),
                     op: "all_reduce".into(),
-                    what: format!(
-                        "rank {peer} sent a frame of collective #{seq} (count {}, {} bytes) where \
-                         rank {} runs it one-shot through shared memory (another collective, \
-                         count or algorithm: DSPARK_ALGO differs between the ranks?)",
-                        h.count, h.len, self.rank
-                    ),
+                    what,
                 });
             }
             let p = self.peer_ref(peer, OP)?;
