@@ -351,8 +351,8 @@ impl ShmTransport {
     ) -> Result<bool> {
         let rank = self.rank;
         let Some((hdr, start)) = self.head_frame(peer, rx_base)? else {
-            // A peer that runs this collective one-shot, or ran an earlier one so where this
-            // rank did not, shows in its slot: the sink names both calls.
+            // A peer that runs this collective one-shot, or ran an earlier one one-shot
+            // where this rank did not, shows in its slot: the sink names both calls.
             if let Some((seq, h)) = self
                 .coll_running
                 .and_then(|seq| Some((seq, self.slot_header_at(peer, seq)?)))
