@@ -137,13 +137,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // every rank must fail with a mismatch naming a count, never time out.
             expect_transport(&comm, TransportKind::Shm)?;
             let mut buf = vec![1.0f32; if r == 0 { 2 } else { 16384 }];
-            match comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => {
-                    say(&format!("FAILED: {e}"));
-                    Ok(FAILED_AS_EXPECTED)
-                }
-                other => Err(format!("expected a mismatch, got {other:?}")),
-            }
+            expect_mismatch(comm.all_reduce(&mut buf, ReduceOp::Sum))
         }
         "empty_against_one_shot" => {
             // Rank 0 calls all_reduce #1 with no elements, the others with 2 (one-shot);
@@ -152,16 +146,10 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             expect_transport(&comm, TransportKind::Shm)?;
             let mut first = vec![1.0f32; if r == 0 { 0 } else { 2 }];
             let mut second = vec![1.0f32; 16384];
-            let res = comm
-                .all_reduce(&mut first, ReduceOp::Sum)
-                .and_then(|()| comm.all_reduce(&mut second, ReduceOp::Sum));
-            match res {
-                Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => {
-                    say(&format!("FAILED: {e}"));
-                    Ok(FAILED_AS_EXPECTED)
-                }
-                other => Err(format!("expected a mismatch, got {other:?}")),
-            }
+            expect_mismatch(
+                comm.all_reduce(&mut first, ReduceOp::Sum)
+                    .and_then(|()| comm.all_reduce(&mut second, ReduceOp::Sum)),
+            )
         }
         "send_then_exit" => {
             // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
@@ -206,6 +194,18 @@ fn run_scenario(s: &str) -> Result<i32, String> {
         }
         "lazy_lost" => lazy_lost(&comm),
         other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+/// A scenario's end where every rank must fail with a mismatch (or the abort of the rank that
+/// found it first).
+fn expect_mismatch(res: dspark::Result<()>) -> Result<i32, String> {
+    match res {
+        Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => {
+            say(&format!("FAILED: {e}"));
+            Ok(FAILED_AS_EXPECTED)
+        }
+        other => Err(format!("expected a mismatch, got {other:?}")),
     }
 }
 
@@ -456,43 +456,13 @@ fn small_all_reduces_run_one_shot_and_exact_between_other_collectives_on_worlds_
     }
 }
 
-#[test]
-fn a_one_shot_call_against_frames_at_the_same_sequence_number_fails_every_rank_with_a_mismatch() {
+/// Runs `scenario` on worlds 2 and 3 (shared memory, 30 s deadline): every rank fails with
+/// a mismatch within 10 s, and its words pass `names` (what they must name).
+fn every_rank_fails_promptly_with_a_mismatch(scenario: &str, names: &dyn Fn(&str) -> bool) {
     for world in [2, 3] {
         let outs = spawn(
             world,
-            "one_shot_against_frames",
-            &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
-            None,
-        )
-        .wait(Duration::from_secs(60));
-        for (r, o) in outs.iter().enumerate() {
-            assert_eq!(
-                o.code,
-                Some(FAILED_AS_EXPECTED),
-                "world {world} rank {r}:\n{}",
-                o.out
-            );
-            assert!(o.out.contains("count"), "world {world} rank {r}: {}", o.out);
-            assert!(
-                o.elapsed < Duration::from_secs(10),
-                "world {world} rank {r} took {:?}",
-                o.elapsed
-            );
-        }
-    }
-}
-
-/// An empty call takes its sequence number without moving data: a rank that calls with no
-/// elements where the others run the call one-shot, and then goes on to a call of frames,
-/// leaves them a frame of the later call where its contribution should be. Every rank fails
-/// promptly with a mismatch (it was a wait for the deadline on every rank).
-#[test]
-fn an_empty_call_against_a_one_shot_one_then_frames_fails_every_rank_with_a_prompt_mismatch() {
-    for world in [2, 3] {
-        let outs = spawn(
-            world,
-            "empty_against_one_shot",
+            scenario,
             &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
             None,
         )
@@ -510,14 +480,29 @@ fn an_empty_call_against_a_one_shot_one_then_frames_fails_every_rank_with_a_prom
                 o.elapsed,
                 o.out
             );
-            // Each names both collectives (its own or the first failing rank's words).
-            assert!(
-                o.out.contains("#1") && o.out.contains("#2"),
-                "world {world} rank {r}: {}",
-                o.out
-            );
+            assert!(names(&o.out), "world {world} rank {r}: {}", o.out);
         }
     }
+}
+
+#[test]
+fn a_one_shot_call_against_frames_at_the_same_sequence_number_fails_every_rank_with_a_mismatch() {
+    every_rank_fails_promptly_with_a_mismatch("one_shot_against_frames", &|out| {
+        out.contains("count")
+    });
+}
+
+/// An empty call takes its sequence number without moving data: a rank that calls with no
+/// elements where the others run the call one-shot, and then goes on to a call of frames,
+/// leaves them a frame of the later call where its contribution should be, or (3 ranks) waits
+/// on a peer still in the one-shot call. Every rank fails promptly with a mismatch naming
+/// both collectives, its own words or the first failing rank's (it was a wait for the
+/// deadline on every rank).
+#[test]
+fn an_empty_call_against_a_one_shot_one_then_frames_fails_every_rank_with_a_prompt_mismatch() {
+    every_rank_fails_promptly_with_a_mismatch("empty_against_one_shot", &|out| {
+        out.contains("#1") && out.contains("#2")
+    });
 }
 
 #[test]
