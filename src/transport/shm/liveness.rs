@@ -247,8 +247,12 @@ impl ShmTransport {
                 continue;
             }
             if it.send {
+                // A blocked send read the tail last (`send` re-reads it before it stops), so
+                // it can move only once the receiver has taken more since. Any free byte is
+                // not enough: a frame starts with a whole line, and the receiver leaves its
+                // tail mid-line, so a sender could find 1-63 bytes free and never sleep.
                 let tail = p.seg.u64_at(p.tx_base + RING_TAIL).load(Ordering::Acquire);
-                if tail != p.tx_tail || p.tx_head.wrapping_sub(tail) < self.ring as u64 {
+                if tail != p.tx_tail {
                     return true;
                 }
             }
@@ -430,6 +434,79 @@ mod tests {
         fn consume(&mut self, _: &[u8]) -> Result<()> {
             Ok(())
         }
+    }
+
+    /// A sink that takes a frame whole.
+    struct Take(Vec<u8>);
+
+    impl RecvSink for Take {
+        fn on_header(&mut self, h: &FrameHeader) -> Result<usize> {
+            self.0.resize(h.len as usize, 0);
+            Ok(h.len as usize)
+        }
+        fn direct(&mut self) -> Option<&mut [u8]> {
+            Some(&mut self.0)
+        }
+        fn granule(&self) -> usize {
+            1
+        }
+        fn consume(&mut self, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A send blocked with less than a line free (the receiver's tail mid-line, the next
+    /// frame's header needing a whole one) sleeps until the receiver takes more: its `wait`
+    /// returned at once, so a sender spun a core for as long as its receiver was busy (about
+    /// 100 000 waits in 100 ms; asleep, about one per 10 ms liveness look).
+    #[test]
+    fn a_send_blocked_with_less_than_a_line_free_sleeps_until_the_receiver_takes_more() {
+        use crate::transport::shm::group_in_process;
+        use crate::transport::{FrameKind, SendProgress, NO_OP};
+        let opts = ShmOptions {
+            ring_bytes: 4096,
+            ..ShmOptions::default()
+        };
+        let mut t = group_in_process(2, &|_| vec![], &|_| opts);
+        let hdr = |len: usize| FrameHeader {
+            kind: FrameKind::Data,
+            coll: 0,
+            dtype: 0,
+            op: NO_OP,
+            root: 0,
+            len: len as u32,
+            seq: 1,
+            count: len as u64,
+        };
+        let send = |t: &mut ShmTransport, data: &[u8]| {
+            t.send(1, &hdr(data.len()), data, &mut SendProgress::default())
+                .unwrap()
+        };
+        // 132 bytes sent and taken: the receiver's tail mid-line.
+        assert!(send(&mut t[0], &[1; 100]));
+        assert!(t[1]
+            .recv(0, &mut RecvProgress::default(), &mut Take(Vec::new()))
+            .unwrap());
+        // A frame up to 4200, then one that needs a line where 4 bytes are free.
+        assert!(send(&mut t[0], &vec![2u8; 4008 - 32]));
+        assert!(!send(&mut t[0], &[3; 8]));
+        let interest = [Interest {
+            peer: 1,
+            recv: false,
+            send: true,
+        }];
+        let (t0, mut waits) = (Instant::now(), 0);
+        while t0.elapsed() < Duration::from_millis(100) {
+            t[0].wait(&interest, Instant::now() + Duration::from_secs(1))
+                .unwrap();
+            waits += 1;
+        }
+        assert!(waits <= 30, "{waits} waits in 100 ms");
+        // Once the receiver takes the frame, the send goes through.
+        assert!(t[1]
+            .recv(0, &mut RecvProgress::default(), &mut Take(Vec::new()))
+            .unwrap());
+        assert!(send(&mut t[0], &[3; 8]));
     }
 
     /// Links that never connect anything (a peer that never answers).
