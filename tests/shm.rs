@@ -151,6 +151,28 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                     .and_then(|()| comm.all_reduce(&mut second, ReduceOp::Sum)),
             )
         }
+        "late_peer" => {
+            // The last rank comes to its first collective after the bootstrap's hello wait
+            // (5 s): the others, which connect to it on first use, wait for it (their
+            // deadline is 60 s) instead of calling it lost; then every pair works.
+            expect_transport(&comm, TransportKind::Shm)?;
+            let n = comm.world_size();
+            if r == n - 1 {
+                std::thread::sleep(Duration::from_secs(7));
+            }
+            let mut small = vec![1.0f32 + r as f32; 3];
+            comm.all_reduce(&mut small, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            let want = (1..=n).sum::<usize>() as f32;
+            common::check("late peer's all_reduce", &small, &[want; 3])?;
+            let send: Vec<u32> = (0..n).map(|q| (r * n + q) as u32).collect();
+            let mut recv = vec![0u32; n];
+            comm.all_to_all(&send, &mut recv)
+                .map_err(|e| e.to_string())?;
+            let want: Vec<u32> = (0..n).map(|q| (q * n + r) as u32).collect();
+            common::check("all_to_all after the late peer", &recv, &want)?;
+            Ok(OK)
+        }
         "send_then_exit" => {
             // Rank 0 sends and exits at once without closing; rank 1 still gets every byte.
             expect_transport(&comm, TransportKind::Shm)?;
@@ -503,6 +525,23 @@ fn an_empty_call_against_a_one_shot_one_then_frames_fails_every_rank_with_a_prom
     every_rank_fails_promptly_with_a_mismatch("empty_against_one_shot", &|out| {
         out.contains("#1") && out.contains("#2")
     });
+}
+
+/// A rank late to its first collective by more than the bootstrap's hello wait (its door
+/// answers only inside its own calls) is not lost: the peers that connect to it on first use
+/// (its small all_reduce reads every peer's slot; 6 ranks, so not every pair connects at
+/// init) dial it again and wait within their deadline. They used to fail after 5 s naming
+/// it lost, while it was alive and then completed the call.
+#[test]
+fn a_rank_late_by_more_than_the_hello_wait_is_waited_for_not_lost() {
+    let outs = spawn(
+        6,
+        "late_peer",
+        &|_| shm_vars(&[("DSPARK_TIMEOUT", "60")]),
+        None,
+    )
+    .wait(Duration::from_secs(90));
+    assert_all(&outs, OK, "a late rank");
 }
 
 #[test]

@@ -102,6 +102,23 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             comm.barrier().map_err(|e| e.to_string())?;
             Ok(OK)
         }
+        "late_peer" => {
+            // The last rank comes to an all_to_all (every pair, most connected on first use)
+            // after the bootstrap's hello wait (5 s): the others, whose dials its door does
+            // not answer until then, wait for it within their deadline (60 s) instead of
+            // failing after 5 s; the exchange is exact.
+            let n = comm.world_size();
+            if r == n - 1 {
+                std::thread::sleep(Duration::from_secs(7));
+            }
+            let send: Vec<u32> = (0..n).map(|q| (r * n + q) as u32).collect();
+            let mut recv = vec![0u32; n];
+            comm.all_to_all(&send, &mut recv)
+                .map_err(|e| e.to_string())?;
+            let want: Vec<u32> = (0..n).map(|q| (q * n + r) as u32).collect();
+            common::check("all_to_all with a late peer", &recv, &want)?;
+            Ok(OK)
+        }
         "scale" => scale_rank(comm),
         "loop" => common::procs::loop_until_failure(&comm),
         "watch" => common::procs::watch_while_another_dies(&comm),
@@ -178,6 +195,16 @@ fn pairs_outside_the_schedules_connect_on_first_use() {
     )
     .wait(Duration::from_secs(240));
     assert_all(&outs, OK, "world 13");
+}
+
+/// A rank late to a collective that connects on first use by more than the bootstrap's
+/// hello wait is waited for, not called lost: 6 ranks' all_to_all, the last rank 7 s late.
+/// Every other rank failed after 5 s ("waiting for rank 5's challenge"), naming a rank that
+/// was alive.
+#[test]
+fn a_rank_late_by_more_than_the_hello_wait_is_waited_for_not_lost() {
+    let outs = spawn(6, "late_peer", &|_| tcp_vars("60"), None).wait(Duration::from_secs(90));
+    assert_all(&outs, OK, "a late rank");
 }
 
 /// Sockets this process holds.

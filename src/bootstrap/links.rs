@@ -70,6 +70,21 @@ impl std::fmt::Debug for LazyLinks {
     }
 }
 
+/// `e`, a dial's timeout, with the time the dial waited for its step (the hello wait, and
+/// however late it was looked at after `due`), not the time of the `progress` call.
+fn dial_timeout(mut e: Error, due: Instant) -> Error {
+    if let Error::Timeout { waited, .. } = &mut e {
+        *waited = HELLO_WAIT + Instant::now().saturating_duration_since(due);
+    }
+    e
+}
+
+/// The end of the error of a connection on first use that the peer's host took but whose
+/// process did not answer within [`HELLO_WAIT`] (`LazyLinks`' [`Links::unanswered`]).
+fn unanswered_suffix() -> String {
+    format!(": nothing whole within {HELLO_WAIT:?}")
+}
+
 impl Links for LazyLinks {
     fn start(&mut self, peer: usize) -> Result<()> {
         let me = self.opts.rank;
@@ -176,12 +191,15 @@ impl Links for LazyLinks {
                     d.due = Instant::now() + HELLO_WAIT;
                 } else if Instant::now() >= d.due {
                     self.door.dialing[r] = false;
-                    return Err(ctx.timeout(
-                        Some(r),
-                        format!(
-                            "connecting to rank {r} at {}: not made within {HELLO_WAIT:?}",
-                            self.peers[r].addr
+                    return Err(dial_timeout(
+                        ctx.timeout(
+                            Some(r),
+                            format!(
+                                "connecting to rank {r} at {}: not made within {HELLO_WAIT:?}",
+                                self.peers[r].addr
+                            ),
                         ),
+                        d.due,
                     ));
                 }
                 self.dials[r] = Some(d);
@@ -205,9 +223,9 @@ impl Links for LazyLinks {
                 }
                 Ok(None) => {
                     self.door.dialing[r] = false;
-                    return Err(ctx.timeout(
-                        Some(r),
-                        format!("{what}: nothing whole within {HELLO_WAIT:?}"),
+                    return Err(dial_timeout(
+                        ctx.timeout(Some(r), format!("{what}{}", unanswered_suffix())),
+                        d.due,
                     ));
                 }
                 Err(why) => {
@@ -250,6 +268,14 @@ impl Links for LazyLinks {
             }
         }
         Ok(done)
+    }
+
+    /// A dial the peer's kernel took (its listener, and so its process, is there) whose
+    /// challenge or acceptance did not come within [`HELLO_WAIT`]: the peer's door answers
+    /// only inside its own calls.
+    fn unanswered(&self, e: &Error) -> bool {
+        matches!(e, Error::Timeout { op, detail, .. }
+            if op == "bootstrap" && detail.ends_with(&unanswered_suffix()))
     }
 
     fn fds(&self) -> Vec<PollFd<'_>> {
@@ -358,7 +384,7 @@ mod tests {
         let (e, slowest) = progress_until_failure(&mut links, t0);
         let text = e.to_string();
         assert!(
-            matches!(e, Error::Timeout { peer: Some(0), .. })
+            matches!(e, Error::Timeout { peer: Some(0), waited, .. } if waited >= HELLO_WAIT)
                 && text.contains("waiting for rank 0's challenge"),
             "{text}"
         );

@@ -33,6 +33,15 @@ pub(crate) trait Accept {
     fn progress_failed(&self, e: Error) -> Error {
         e
     }
+
+    /// Whether the connection to `peer` that failed with `e` is to be made again on its next
+    /// use instead of failing the peer (`unanswered`: the links say its host took the
+    /// connection but it did not answer in time, [`Links::unanswered`]). A peer busy
+    /// elsewhere, late to a collective by more than the bootstrap's hello wait, is not lost:
+    /// its next use dials it again, within that call's deadline. No by default.
+    fn retry_link(&self, _peer: usize, _e: &Error, _unanswered: bool) -> bool {
+        false
+    }
 }
 
 /// Connections on first use of one transport (see the module docs).
@@ -109,8 +118,18 @@ impl FirstUse {
         let got = match self.links.progress() {
             Ok(g) => g,
             Err(e) => {
-                // A connection to a peer that failed: every later use of it fails alike.
+                // A connection to a peer that failed: every later use of it fails alike,
+                // unless the transport wants it made again (then its next use dials anew).
                 if let Some(p) = e.peer().filter(|&p| p < world) {
+                    let unanswered = self.links.unanswered(&e);
+                    if self.started[p]
+                        && self.failed[p].is_none()
+                        && t.retry_link(p, &e, unanswered)
+                    {
+                        tracing::debug!(rank = self.rank, peer = p, "connecting again: {e}");
+                        self.started[p] = false;
+                        return Ok(());
+                    }
                     if self.started[p] && self.failed[p].is_none() {
                         self.failed[p] = Some(e.clone());
                     }

@@ -351,6 +351,10 @@ impl Links for NetLinks {
     fn fds(&self) -> Vec<PollFd<'_>> {
         self.inner.fds()
     }
+
+    fn unanswered(&self, e: &Error) -> bool {
+        self.inner.unanswered(e)
+    }
 }
 
 /// The shm side's [`Links`] of [`share_links`]: its starts and completed connections go

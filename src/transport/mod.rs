@@ -80,6 +80,13 @@ pub trait Links: Send + fmt::Debug {
     /// Descriptors to poll, each with the events that mean [`Links::progress`] has work
     /// (readable, or writable for a connection whose `connect` is in the making).
     fn fds(&self) -> Vec<nix::poll::PollFd<'_>>;
+
+    /// Whether `e`, an error of [`Links::progress`], is a connection that the peer's host
+    /// took but that the peer did not answer in time: a peer busy elsewhere (late to a
+    /// collective) or stopped, not one that is lost. No by default.
+    fn unanswered(&self, _e: &crate::error::Error) -> bool {
+        false
+    }
 }
 
 /// Size of a frame header on the wire.

@@ -192,4 +192,16 @@ impl Accept for ShmTransport {
     fn progress_failed(&self, e: Error) -> Error {
         self.prefer_status(e, OP)
     }
+
+    /// A timeout with a peer whose process still runs: it is busy elsewhere (its door answers
+    /// only inside its own calls), not lost. Its contributions and frames need no
+    /// connection, and the call's deadline still bounds the wait.
+    fn retry_link(&self, peer: usize, e: &Error, _unanswered: bool) -> bool {
+        matches!(e, Error::Timeout { .. })
+            && self
+                .peers
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_some_and(|p| p.state == super::PeerState::Open && super::liveness::alive(p))
+    }
 }

@@ -26,6 +26,15 @@ use super::{
 use crate::error::{Error, Result};
 use crate::transport::{rdhup, AbortClass, Interest};
 
+/// Whether `p`'s process runs: its pid names a process that is not a zombie and started
+/// when the peer's did (not another process that took the pid since).
+pub(super) fn alive(p: &super::Peer) -> bool {
+    match proc_stat(p.pid) {
+        Some((state, t)) => !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t),
+        None => false,
+    }
+}
+
 /// The state and start time (clock ticks after boot) of process `pid`, from
 /// `/proc/<pid>/stat`; `None` when there is no such process.
 pub(super) fn proc_stat(pid: u32) -> Option<(char, u64)> {
@@ -278,13 +287,7 @@ impl ShmTransport {
             if p.stream.is_some() || !started[i] || p.state != PeerState::Open {
                 continue;
             }
-            let alive = match proc_stat(p.pid) {
-                Some((state, t)) => {
-                    !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t)
-                }
-                None => false,
-            };
-            if !alive {
+            if !alive(p) {
                 p.state = PeerState::Gone(format!(
                     "its process {} ended before its liveness connection was made",
                     p.pid
