@@ -165,12 +165,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
                 .map_err(|e| e.to_string())?;
             let want = (1..=n).sum::<usize>() as f32;
             common::check("late peer's all_reduce", &small, &[want; 3])?;
-            let send: Vec<u32> = (0..n).map(|q| (r * n + q) as u32).collect();
-            let mut recv = vec![0u32; n];
-            comm.all_to_all(&send, &mut recv)
-                .map_err(|e| e.to_string())?;
-            let want: Vec<u32> = (0..n).map(|q| (q * n + r) as u32).collect();
-            common::check("all_to_all after the late peer", &recv, &want)?;
+            common::all_to_all_exact(&comm)?;
             Ok(OK)
         }
         "send_then_exit" => {

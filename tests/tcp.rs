@@ -107,16 +107,10 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // after the bootstrap's hello wait (5 s): the others, whose dials its door does
             // not answer until then, wait for it within their deadline (60 s) instead of
             // failing after 5 s; the exchange is exact.
-            let n = comm.world_size();
-            if r == n - 1 {
+            if r == comm.world_size() - 1 {
                 std::thread::sleep(Duration::from_secs(7));
             }
-            let send: Vec<u32> = (0..n).map(|q| (r * n + q) as u32).collect();
-            let mut recv = vec![0u32; n];
-            comm.all_to_all(&send, &mut recv)
-                .map_err(|e| e.to_string())?;
-            let want: Vec<u32> = (0..n).map(|q| (q * n + r) as u32).collect();
-            common::check("all_to_all with a late peer", &recv, &want)?;
+            common::all_to_all_exact(&comm)?;
             Ok(OK)
         }
         "scale" => scale_rank(comm),

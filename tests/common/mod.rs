@@ -469,6 +469,13 @@ pub(crate) fn exchange_beyond_partners(
             .map_err(|e| format!("recv from {q}: {e}"))?;
         check(&format!("recv from {q}"), &got, &msg(q, r))?;
     }
+    all_to_all_exact(comm)
+}
+
+/// An all_to_all over every pair (5 values per pair, a formula of sender, receiver and
+/// index), exact.
+pub(crate) fn all_to_all_exact(comm: &Communicator) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
     let b = 5;
     let send: Vec<i32> = (0..n * b).map(|i| (r * 10_000 + i) as i32).collect();
     let mut recv = vec![0i32; n * b];

@@ -439,25 +439,6 @@ mod tests {
         }
     }
 
-    /// A sink that takes a frame whole.
-    struct Take(Vec<u8>);
-
-    impl RecvSink for Take {
-        fn on_header(&mut self, h: &FrameHeader) -> Result<usize> {
-            self.0.resize(h.len as usize, 0);
-            Ok(h.len as usize)
-        }
-        fn direct(&mut self) -> Option<&mut [u8]> {
-            Some(&mut self.0)
-        }
-        fn granule(&self) -> usize {
-            1
-        }
-        fn consume(&mut self, _: &[u8]) -> Result<()> {
-            Ok(())
-        }
-    }
-
     /// A send blocked with less than a line free (the receiver's tail mid-line, the next
     /// frame's header needing a whole one) sleeps until the receiver takes more: its `wait`
     /// returned at once, so a sender spun a core for as long as its receiver was busy (about
@@ -465,6 +446,7 @@ mod tests {
     #[test]
     fn a_send_blocked_with_less_than_a_line_free_sleeps_until_the_receiver_takes_more() {
         use crate::transport::shm::group_in_process;
+        use crate::transport::shm::setup::tests::Take;
         use crate::transport::{FrameKind, SendProgress, NO_OP};
         let opts = ShmOptions {
             ring_bytes: 4096,

@@ -417,14 +417,14 @@ pub(crate) fn group_in_process(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::transport::{
         FrameHeader, FrameKind, RecvProgress, RecvSink, SendProgress, Transport, HEADER_LEN,
     };
 
     /// A receive sink that takes a frame whole into its vector, sized by the header.
-    struct Take(Vec<u8>);
+    pub(in super::super) struct Take(pub(in super::super) Vec<u8>);
 
     impl RecvSink for Take {
         fn on_header(&mut self, hdr: &FrameHeader) -> Result<usize> {
