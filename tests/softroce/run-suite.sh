@@ -15,6 +15,9 @@
 #    with, in each VM: DSPARK_NODE=0|1 DSPARK_NODES=2 DSPARK_NODE_IP DSPARK_PEER_IP
 #    DSPARK_RANK=$DSPARK_NODE DSPARK_WORLD_SIZE=2 DSPARK_ROOT_ADDR=10.78.0.1:PORT
 #    (a fresh port per test). A test passes when it passes on both nodes.
+#    If tests failed and a guest kernel logged "NETDEV WATCHDOG" (QEMU's socket
+#    netdev stopped moving its transmit queue: the wire, not dspark), the step
+#    runs once more in two fresh VMs (logs in two-rerun/), and says so.
 #    In steps 2 and 3 a test that printed a "skipped: needs an RDMA device" or
 #    "skipped: a two-node test" line (tests/verbs.rs, when RXE_VM or DSPARK_NODE
 #    is missing) fails the step: it passed without running. --show-output makes
@@ -43,6 +46,28 @@ TWO_NODE_PORT_BASE=29500
 SKIP_RE='skipped: (needs an RDMA device|a two-node test)'
 # vm_skips DIR: how many such lines the VM whose logs are in DIR printed
 vm_skips() { cat "$1/rxe-vm.stdout" "$1/rxe-vm.stderr" 2>/dev/null | grep -cE "$SKIP_RE" || true; }
+# two_failures DIR: sets note to the two-node tests that did not pass on both nodes of the
+# run whose logs are in DIR (and to the skips, which fail too); empty when all passed
+two_failures() {
+  local name r0 r1 skips
+  note=
+  for name in "${names[@]}"; do
+    r0=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$1/node0/results.tsv" 2>/dev/null || true)
+    r1=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$1/node1/results.tsv" 2>/dev/null || true)
+    [[ ${r0:-x} == 0 && ${r1:-x} == 0 ]] || note+="$name(node0 ${r0:-not run}, node1 ${r1:-not run}) "
+  done
+  skips=$(( $(vm_skips "$1/node0") + $(vm_skips "$1/node1") ))
+  [[ $skips == 0 ]] || note+="$skips test run(s) skipped instead of running (\"skipped: ...\" in $1) "
+}
+# wire_stalled DIR: which node's guest kernel saw its transmit queue to the other VM stall
+# (empty if none)
+wire_stalled() {
+  local n out=
+  for n in node0 node1; do
+    grep -q 'NETDEV WATCHDOG' "$1/$n/rxe-vm.console.log" 2>/dev/null && out+="${out:+, }$n: NETDEV WATCHDOG, transmit queue timed out"
+  done
+  echo "$out"
+}
 
 # ------------------------------------------------------------ guest side: one node
 if [[ ${1:-} == --inside-node ]]; then
@@ -174,18 +199,34 @@ if [[ ${SOFTROCE_TWO_NODE:-1} == 1 ]]; then
     t=$(sr_now_ms)
     SR_CMD0=(bash "$SR_DIR/run-suite.sh" --inside-node "$BIN" "${names[@]}")
     SR_CMD1=("${SR_CMD0[@]}")
-    sr_two_vms "$LOGDIR/two" || true
-    note=
-    for name in "${names[@]}"; do
-      r0=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$LOGDIR/two/node0/results.tsv" 2>/dev/null || true)
-      r1=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$LOGDIR/two/node1/results.tsv" 2>/dev/null || true)
-      [[ ${r0:-x} == 0 && ${r1:-x} == 0 ]] || note+="$name(node0 ${r0:-not run}, node1 ${r1:-not run}) "
-    done
-    skips=$(( $(vm_skips "$LOGDIR/two/node0") + $(vm_skips "$LOGDIR/two/node1") ))
-    [[ $skips == 0 ]] || note+="$skips test run(s) skipped instead of running (\"skipped: ...\" in $LOGDIR/two) "
+    two=$LOGDIR/two
+    sr_two_vms "$two" || true
+    two_failures "$two"
+    stalled=$(wire_stalled "$two")
+    if [[ -n $note && -n $stalled ]]; then
+      # QEMU 7.2's socket netdev can stop moving a guest's transmit queue for good (the
+      # guest kernel logs "NETDEV WATCHDOG: ... transmit queue 0 timed out" every 5 s and
+      # nothing it sends reaches the other VM again): a fault of the bed, not of dspark,
+      # seen once in many runs. Every later test then fails to reach the other node. Run
+      # the step once more in two fresh VMs; the first pair's logs stay in $two.
+      sr_log "step 3: the virtual wire stalled ($stalled) and tests failed ($note); once more in two fresh VMs"
+      retry="the virtual wire stalled in the first pair of VMs ($stalled; logs in $two), failing: $note; rerun in fresh VMs: "
+      two=$LOGDIR/two-rerun
+      sr_two_vms "$two" || true
+      two_failures "$two"
+      stalled=$(wire_stalled "$two")
+      [[ -z $stalled ]] || note+="the virtual wire stalled again ($stalled) "
+      note=$retry${note:-all passed on both nodes}
+      [[ $note == *"all passed on both nodes" ]] || failed_again=1
+    fi
     rc=$(sr_worst "$SR_RC0" "$SR_RC1")
-    [[ -z $note || $rc != 0 ]] || rc=1
-    step "two VMs ($N2 tests)" "$rc" "$(sr_secs "$t")" "${note:+FAILED: }${note:-all passed on both nodes}"
+    if [[ -n ${retry:-} ]]; then
+      [[ -z ${failed_again:-} || $rc != 0 ]] || rc=1
+      step "two VMs ($N2 tests)" "$rc" "$(sr_secs "$t")" "${failed_again:+FAILED: }$note"
+    else
+      [[ -z $note || $rc != 0 ]] || rc=1
+      step "two VMs ($N2 tests)" "$rc" "$(sr_secs "$t")" "${note:+FAILED: }${note:-all passed on both nodes}"
+    fi
     RCS+=("$rc")
   fi
 fi
