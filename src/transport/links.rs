@@ -121,16 +121,12 @@ impl FirstUse {
                 // A connection to a peer that failed: every later use of it fails alike,
                 // unless the transport wants it made again (then its next use dials anew).
                 if let Some(p) = e.peer().filter(|&p| p < world) {
-                    let unanswered = self.links.unanswered(&e);
-                    if self.started[p]
-                        && self.failed[p].is_none()
-                        && t.retry_link(p, &e, unanswered)
-                    {
-                        tracing::debug!(rank = self.rank, peer = p, "connecting again: {e}");
-                        self.started[p] = false;
-                        return Ok(());
-                    }
                     if self.started[p] && self.failed[p].is_none() {
+                        if t.retry_link(p, &e, self.links.unanswered(&e)) {
+                            tracing::debug!(rank = self.rank, peer = p, "connecting again: {e}");
+                            self.started[p] = false;
+                            return Ok(());
+                        }
                         self.failed[p] = Some(e.clone());
                     }
                 }
