@@ -109,6 +109,32 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             common::run_matrix(&comm, &[chunked], 0x41e8)?;
             Ok(OK)
         }
+        "late_peer" => {
+            // The last rank of host a comes to the all-to-all (the first use of most pairs)
+            // after the bootstrap's hello wait (5 s): its peers, same-host ones over shm and
+            // the other host's over TCP, dial it on first use and wait for it within their
+            // deadline instead of calling it lost.
+            let info = comm.info();
+            let n = comm.world_size();
+            let late = (0..n)
+                .rev()
+                .find(|&q| info.hosts[q] == info.hosts[0])
+                .unwrap_or(0);
+            common::all_reduce_closed_form(&comm)?;
+            if r == late {
+                std::thread::sleep(Duration::from_secs(7));
+            }
+            let t = std::time::Instant::now();
+            common::all_to_all_exact(&comm)?;
+            say(&format!(
+                "LATE rank {r} (late: {late}): {:?} of {} peers connected at init; the \
+                 all-to-all took {:.1?}",
+                info.connected_at_init,
+                n - 1,
+                t.elapsed()
+            ));
+            Ok(OK)
+        }
         "kind" => {
             let want = std::env::var("WANT_TRANSPORT").unwrap_or_default();
             let want_algo = std::env::var("WANT_ALGO").unwrap_or_default();
@@ -498,6 +524,35 @@ fn a_killed_rank_fails_its_host_peer_over_shm_and_the_other_host_over_tcp_within
 fn a_killed_rank_zero_fails_every_survivor_of_a_mixed_communicator_within_the_deadline() {
     // Rank 0: rank 1 shares its host (shm), ranks 2 and 3 are on the other (TCP).
     killed_rank_fails_every_survivor(0, "mxz", "killed rank 0 in a mixed communicator");
+}
+
+/// A rank late to a collective by more than the bootstrap's hello wait (it answers on its
+/// listener only inside its own calls) is not lost in a mixed communicator either: its
+/// same-host peers, whose liveness connections the network side dials for them, and its
+/// other-host peers dial it again on first use and wait within their deadline. 10 ranks on
+/// two host ids (7 and 3), so that some pairs, same-host ones among them, connect on first
+/// use; the last rank of host a sleeps 7 s before the all-to-all.
+#[test]
+fn a_rank_late_by_more_than_the_hello_wait_is_waited_for_not_lost_in_a_mixed_communicator() {
+    let outs = spawn(
+        10,
+        "late_peer",
+        &|r| {
+            vars(&[
+                ("DSPARK_TRANSPORT", "auto"),
+                ("DSPARK_HOST_ID", if r < 7 { "a" } else { "b" }),
+                ("DSPARK_TIMEOUT", "60"),
+            ])
+        },
+        None,
+    )
+    .wait(Duration::from_secs(120));
+    for o in &outs {
+        if let Some(l) = o.out.lines().find(|l| l.contains("LATE rank")) {
+            println!("{l}");
+        }
+    }
+    assert_all(&outs, OK, "a late rank, 10 ranks on hosts of 7 and 3");
 }
 
 /// #10 in a mixed communicator: 13 ranks on two host ids (9 and 4), where some same-host

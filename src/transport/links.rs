@@ -115,24 +115,24 @@ impl FirstUse {
     /// welcome: a second connection from a peer, or one from a rank that is no peer.
     pub(crate) fn pump(&mut self, t: &mut impl Accept) -> Result<()> {
         let world = self.started.len();
-        let got = match self.links.progress() {
-            Ok(g) => g,
-            Err(e) => {
-                // A connection to a peer that failed: every later use of it fails alike,
-                // unless the transport wants it made again (then its next use dials anew).
-                if let Some(p) = e.peer().filter(|&p| p < world) {
-                    if self.started[p] && self.failed[p].is_none() {
-                        if t.retry_link(p, &e, self.links.unanswered(&e)) {
-                            tracing::debug!(rank = self.rank, peer = p, "connecting again: {e}");
-                            self.started[p] = false;
-                            return Ok(());
-                        }
-                        self.failed[p] = Some(e.clone());
+        let mut got = Vec::new();
+        let polled = self.links.progress(&mut got);
+        // A connection to a peer that failed: every later use of it fails alike, unless the
+        // transport wants it made again (then its next use dials anew, and this is no error).
+        let failure = polled.err().and_then(|e| {
+            if let Some(p) = e.peer().filter(|&p| p < world) {
+                if self.started[p] && self.failed[p].is_none() {
+                    if t.retry_link(p, &e, self.links.unanswered(&e)) {
+                        tracing::debug!(rank = self.rank, peer = p, "connecting again: {e}");
+                        self.started[p] = false;
+                        return None;
                     }
+                    self.failed[p] = Some(e.clone());
                 }
-                return Err(t.progress_failed(e));
             }
-        };
+            Some(e)
+        });
+        // The connections that completed in the same round are taken even then.
         for (p, s) in got {
             if p >= world || p == self.rank || !t.wants(p) {
                 return Err(Error::Transport {
@@ -146,6 +146,9 @@ impl FirstUse {
                 self.failed[p] = Some(e.clone());
                 return Err(e);
             }
+        }
+        if let Some(e) = failure {
+            return Err(t.progress_failed(e));
         }
         for p in 0..world {
             if self.started[p] && t.wants(p) {
@@ -174,5 +177,140 @@ impl FirstUse {
     /// The descriptors to poll, with the events that mean [`FirstUse::pump`] has work.
     pub(crate) fn fds(&self) -> Vec<PollFd<'_>> {
         self.links.fds()
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// One end of a loopback connection (what the links hand over).
+    pub(in super::super) fn stream() -> TcpStream {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let _ = l.accept().unwrap();
+        s
+    }
+
+    pub(in super::super) fn timeout(peer: usize) -> Error {
+        Error::Timeout {
+            rank: 0,
+            peer: Some(peer),
+            op: "bootstrap".into(),
+            waited: Duration::from_secs(5),
+            detail: format!("waiting for rank {peer}'s challenge"),
+        }
+    }
+
+    /// What the next `progress` of [`Scripted`] does: completes `done`, then fails with
+    /// `fail`; `started` records the starts.
+    #[derive(Debug, Default)]
+    pub(in super::super) struct Script {
+        pub(in super::super) done: Vec<(usize, TcpStream)>,
+        pub(in super::super) fail: Option<Error>,
+        pub(in super::super) unanswered: bool,
+        pub(in super::super) started: Vec<usize>,
+    }
+
+    /// [`Links`] that do what their [`Script`] says.
+    #[derive(Debug)]
+    pub(in super::super) struct Scripted(pub(in super::super) Arc<Mutex<Script>>);
+
+    impl Links for Scripted {
+        fn start(&mut self, peer: usize) -> Result<()> {
+            self.0.lock().unwrap().started.push(peer);
+            Ok(())
+        }
+        fn progress(&mut self, done: &mut Vec<(usize, TcpStream)>) -> Result<()> {
+            let mut s = self.0.lock().unwrap();
+            done.append(&mut s.done);
+            s.fail.take().map_or(Ok(()), Err)
+        }
+        fn fds(&self) -> Vec<PollFd<'_>> {
+            Vec::new()
+        }
+        fn unanswered(&self, _: &Error) -> bool {
+            self.0.lock().unwrap().unanswered
+        }
+    }
+
+    /// A transport that takes every connection and dials again the unanswered ones.
+    #[derive(Default)]
+    struct Take {
+        got: Vec<usize>,
+    }
+
+    impl Accept for Take {
+        fn wants(&self, peer: usize) -> bool {
+            !self.got.contains(&peer)
+        }
+        fn accept(&mut self, peer: usize, _: TcpStream) -> Result<()> {
+            self.got.push(peer);
+            Ok(())
+        }
+        fn retry_link(&self, _: usize, _: &Error, unanswered: bool) -> bool {
+            unanswered
+        }
+    }
+
+    /// Rank 0 of 4, its links scripted.
+    fn first_use() -> (FirstUse, Arc<Mutex<Script>>) {
+        let script = Arc::new(Mutex::new(Script::default()));
+        let links = Box::new(Scripted(Arc::clone(&script)));
+        let f = FirstUse::new(links, 0, 4, "test", |p| format!("a second from {p}"));
+        (f, script)
+    }
+
+    /// A round that completes one peer's connection and fails another's: the completed one
+    /// is taken (it used to be dropped with the round, while its peer kept its end), the
+    /// failed peer fails this call and every later use of it.
+    #[test]
+    fn a_failure_in_a_round_loses_no_connection_completed_in_it() {
+        let (mut f, script) = first_use();
+        let mut t = Take::default();
+        f.link(2, &mut t).unwrap();
+        f.link(3, &mut t).unwrap();
+        assert_eq!(script.lock().unwrap().started, [2, 3]);
+        {
+            let mut s = script.lock().unwrap();
+            s.done.push((3, stream()));
+            s.fail = Some(timeout(2));
+        }
+        let e = f.pump(&mut t).unwrap_err();
+        assert_eq!(e.peer(), Some(2), "{e}");
+        assert_eq!(t.got, [3], "the completed connection was taken");
+        // Rank 2 stays failed with the same error, without dialling again.
+        let again = f.link(2, &mut t).unwrap_err();
+        assert_eq!(again.to_string(), e.to_string());
+        assert_eq!(script.lock().unwrap().started, [2, 3]);
+        f.link(1, &mut t).unwrap();
+    }
+
+    /// A peer that the links say took the connection but did not answer in time (late to
+    /// its call) is dialled again on its next use when the transport wants it: no error, and
+    /// a connection completed in the same round is taken too.
+    #[test]
+    fn an_unanswered_peer_is_dialled_again_and_the_round_is_no_error() {
+        let (mut f, script) = first_use();
+        let mut t = Take::default();
+        f.link(2, &mut t).unwrap();
+        f.link(3, &mut t).unwrap();
+        {
+            let mut s = script.lock().unwrap();
+            s.done.push((3, stream()));
+            s.fail = Some(timeout(2));
+            s.unanswered = true;
+        }
+        f.pump(&mut t).unwrap();
+        assert_eq!(t.got, [3]);
+        f.link(2, &mut t).unwrap();
+        assert_eq!(
+            script.lock().unwrap().started,
+            [2, 3, 2],
+            "dialled rank 2 again"
+        );
     }
 }

@@ -62,7 +62,9 @@
 //! [`Links`] (the bootstrap's: one listener per rank), split by [`share_links`]: the network
 //! side owns it (and polls its descriptors in its waits); the shm side asks it to start its
 //! liveness connections and takes those to same-host peers from it. Those advance whenever
-//! the network side pumps its links, which every mixed wait ends with.
+//! the network side pumps its links, which every mixed wait ends with. A failed connection
+//! to a same-host peer goes to the shm side too, which judges it as over pure shm (a peer
+//! late to its call is dialled again): the network side's call does not fail for it.
 
 use nix::poll::PollFd;
 use std::net::TcpStream;
@@ -307,8 +309,9 @@ struct Handoff {
     starts: Vec<usize>,
     /// Connections to same-host peers that completed.
     ready: Vec<(usize, TcpStream)>,
-    /// Starts that failed.
-    failed: Vec<Error>,
+    /// Starts and connections to same-host peers that failed, each with what the links said
+    /// of it ([`Links::unanswered`]), oldest first.
+    failed: Vec<(Error, bool)>,
 }
 
 fn handoff(h: &Mutex<Handoff>) -> std::sync::MutexGuard<'_, Handoff> {
@@ -330,22 +333,34 @@ impl Links for NetLinks {
         self.inner.start(peer)
     }
 
-    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+    fn progress(&mut self, done: &mut Vec<(usize, TcpStream)>) -> Result<()> {
         let starts = std::mem::take(&mut handoff(&self.shared).starts);
         for p in starts {
             if let Err(e) = self.inner.start(p) {
-                handoff(&self.shared).failed.push(e);
+                handoff(&self.shared).failed.push((e, false));
             }
         }
-        let mut mine = Vec::new();
-        for (p, s) in self.inner.progress()? {
-            if self.local.get(p).copied().unwrap_or(false) {
+        let mut all = Vec::new();
+        let res = self.inner.progress(&mut all);
+        let local = |p: usize| self.local.get(p).copied().unwrap_or(false);
+        for (p, s) in all {
+            if local(p) {
                 handoff(&self.shared).ready.push((p, s));
             } else {
-                mine.push((p, s));
+                done.push((p, s));
             }
         }
-        Ok(mine)
+        match res {
+            // A same-host peer's connection (a liveness connection the shm side started) is
+            // the shm side's to judge: it may dial again (a peer late to its call), and a
+            // network call that needs only other hosts' ranks does not fail for it.
+            Err(e) if e.peer().is_some_and(local) => {
+                let unanswered = self.inner.unanswered(&e);
+                handoff(&self.shared).failed.push((e, unanswered));
+                Ok(())
+            }
+            res => res,
+        }
     }
 
     fn fds(&self) -> Vec<PollFd<'_>> {
@@ -362,6 +377,8 @@ impl Links for NetLinks {
 #[derive(Debug)]
 struct ShmLinks {
     shared: Arc<Mutex<Handoff>>,
+    /// What the network side said of the failure [`Links::progress`] returned last.
+    unanswered: bool,
 }
 
 impl Links for ShmLinks {
@@ -370,17 +387,26 @@ impl Links for ShmLinks {
         Ok(())
     }
 
-    fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
+    fn progress(&mut self, done: &mut Vec<(usize, TcpStream)>) -> Result<()> {
         let mut h = handoff(&self.shared);
-        if let Some(e) = h.failed.pop() {
+        done.append(&mut h.ready);
+        if !h.failed.is_empty() {
+            let (e, unanswered) = h.failed.remove(0);
+            self.unanswered = unanswered;
             return Err(e);
         }
-        Ok(std::mem::take(&mut h.ready))
+        Ok(())
     }
 
     fn fds(&self) -> Vec<PollFd<'_>> {
         // Nothing of its own: the network side polls the links.
         Vec::new()
+    }
+
+    /// What the network side's links said of the failure [`Links::progress`] returned last
+    /// (which is the one [`FirstUse`](super::links::FirstUse) asks about).
+    fn unanswered(&self, _e: &Error) -> bool {
+        self.unanswered
     }
 }
 
@@ -397,6 +423,47 @@ pub fn share_links(links: Box<dyn Links>, local: Vec<bool>) -> (Box<dyn Links>, 
             local,
             shared: Arc::clone(&shared),
         }),
-        Box::new(ShmLinks { shared }),
+        Box::new(ShmLinks {
+            shared,
+            unanswered: false,
+        }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::links::tests::{stream, timeout, Script, Scripted};
+    use super::*;
+
+    /// The network side of 4 ranks whose ranks 0 and 1 share this host: a failure of a
+    /// same-host peer's connection goes to the shm side (with what the links said of it),
+    /// the network side's round is no error and keeps its own connections; a failure of
+    /// another host's rank is the network side's.
+    #[test]
+    fn a_same_host_peers_failed_connection_is_the_shm_sides_to_judge() {
+        let script = Arc::new(Mutex::new(Script::default()));
+        let links = Box::new(Scripted(Arc::clone(&script)));
+        let (mut net, mut shm) = share_links(links, vec![true, true, false, false]);
+        {
+            let mut s = script.lock().unwrap();
+            s.done.push((3, stream()));
+            s.done.push((1, stream()));
+            s.fail = Some(timeout(1));
+            s.unanswered = true;
+        }
+        let mut done = Vec::new();
+        net.progress(&mut done).unwrap();
+        assert_eq!(done.iter().map(|c| c.0).collect::<Vec<_>>(), [3]);
+        let mut local = Vec::new();
+        let e = shm.progress(&mut local).unwrap_err();
+        assert_eq!(local.iter().map(|c| c.0).collect::<Vec<_>>(), [1]);
+        assert_eq!(e.peer(), Some(1));
+        assert!(shm.unanswered(&e), "the links' word on it went along");
+        shm.progress(&mut local).unwrap();
+
+        script.lock().unwrap().fail = Some(timeout(2));
+        let e = net.progress(&mut done).unwrap_err();
+        assert_eq!(e.peer(), Some(2));
+        shm.progress(&mut local).unwrap();
+    }
 }

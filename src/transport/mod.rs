@@ -70,12 +70,14 @@ pub trait Links: Send + fmt::Debug {
     fn start(&mut self, peer: usize) -> Result<()>;
 
     /// Advances, without waiting for a peer, the handshakes whose next message has arrived,
-    /// and accepts connections from higher ranks: returns the connections that completed.
+    /// and accepts connections from higher ranks: pushes the connections that completed onto
+    /// `done`, also those that completed before an error (a failed handshake with one peer
+    /// loses no other peer's connection).
     ///
     /// # Errors
     /// A rank of this job that proved itself and does not fit, or a failed handshake with a
     /// peer this rank was connecting to.
-    fn progress(&mut self) -> Result<Vec<(usize, std::net::TcpStream)>>;
+    fn progress(&mut self, done: &mut Vec<(usize, std::net::TcpStream)>) -> Result<()>;
 
     /// Descriptors to poll, each with the events that mean [`Links::progress`] has work
     /// (readable, or writable for a connection whose `connect` is in the making).

@@ -502,8 +502,8 @@ mod tests {
         fn start(&mut self, _: usize) -> Result<()> {
             Ok(())
         }
-        fn progress(&mut self) -> Result<Vec<(usize, TcpStream)>> {
-            Ok(Vec::new())
+        fn progress(&mut self, _: &mut Vec<(usize, TcpStream)>) -> Result<()> {
+            Ok(())
         }
         fn fds(&self) -> Vec<PollFd<'_>> {
             Vec::new()
