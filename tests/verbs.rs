@@ -221,8 +221,10 @@ fn check_from(got: &[u64], from: usize, to: usize, what: &str) -> Result<(), Str
 }
 
 /// Only the standing partners are connected at init; a send/recv between non-partners (the
-/// receiver late, so the sender waits for it) and all-to-all connect the others on first use;
-/// then an all_reduce against its closed form.
+/// receiver late by more than the bootstrap's hello wait, so the sender's connection on first
+/// use goes unanswered and is dialled again, within the deadline, instead of failing it as
+/// lost) and all-to-all connect the others on first use; then an all_reduce against its
+/// closed form.
 fn lazy() -> Result<i32, String> {
     use dspark::internals::plan::algo::standing_partners;
     let comm = verbs_comm()?;
@@ -272,8 +274,9 @@ fn lazy() -> Result<i32, String> {
         comm.recv(&mut back, far).map_err(e)?;
         check_from(&back, far, 0, "recv")?;
     } else if r == far {
-        // Late: rank 0's send waits for this rank to connect.
-        std::thread::sleep(Duration::from_millis(500));
+        // Late by more than the hello wait (5 s): rank 0's send waits for this rank to
+        // connect, dialling it again when its first dial goes unanswered.
+        std::thread::sleep(Duration::from_secs(7));
         let mut got = vec![0u64; len];
         comm.recv(&mut got, 0).map_err(e)?;
         check_from(&got, 0, far, "recv")?;
