@@ -114,12 +114,29 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             // after the bootstrap's hello wait (5 s): its peers, same-host ones over shm and
             // the other host's over TCP, dial it on first use and wait for it within their
             // deadline instead of calling it lost.
+            expect_mixed(&comm)?;
             let info = comm.info();
             let n = comm.world_size();
             let late = (0..n)
                 .rev()
                 .find(|&q| info.hosts[q] == info.hosts[0])
                 .unwrap_or(0);
+            // Some of its peers on either host connect to it on first use (not standing
+            // partners): those dials are what this tests.
+            let partners = dspark::internals::plan::algo::standing_partners(n, late);
+            let first_use = |same: bool| {
+                (0..n).any(|q| {
+                    q != late
+                        && !partners.contains(&q)
+                        && (info.hosts[q] == info.hosts[late]) == same
+                })
+            };
+            if !first_use(true) || !first_use(false) {
+                return Err(format!(
+                    "rank {late}'s standing partners {partners:?} leave no same-host and \
+                     other-host peer to connect on first use"
+                ));
+            }
             common::all_reduce_closed_form(&comm)?;
             if r == late {
                 std::thread::sleep(Duration::from_secs(7));

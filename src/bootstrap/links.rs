@@ -227,6 +227,22 @@ impl Links for LazyLinks {
                         d.due,
                     ));
                 }
+                Err(why) if closed(&d.s) => {
+                    // Closed without an answer: the peer's door looks at connections only
+                    // inside its calls and closes those whose step it did not see within
+                    // the hello wait of its own clock (which started before this rank's,
+                    // with the challenge it sent), or it closed the oldest unproven one to
+                    // make room, or its process ended. Unanswered, as at `due`: the next use
+                    // dials again, and a process that ended refuses that dial.
+                    self.door.dialing[r] = false;
+                    let mut e =
+                        ctx.timeout(Some(r), format!("{what}: {why}{}", unanswered_suffix()));
+                    if let Error::Timeout { waited, .. } = &mut e {
+                        *waited = HELLO_WAIT
+                            .saturating_sub(d.due.saturating_duration_since(Instant::now()));
+                    }
+                    return Err(e);
+                }
                 Err(why) => {
                     self.door.dialing[r] = false;
                     return Err(Error::Transport {
@@ -260,7 +276,10 @@ impl Links for LazyLinks {
                 tracing::debug!(rank = ctx.rank(), peer = r, "connected on first use");
                 done.push((r, d.s));
             } else {
-                answer_challenge(&ctx, &mut d.s, &self.peers[r], &d.hello, &m)?;
+                if let Err(e) = answer_challenge(&ctx, &mut d.s, &self.peers[r], &d.hello, &m) {
+                    self.door.dialing[r] = false;
+                    return Err(e);
+                }
                 d.challenged = true;
                 d.due = Instant::now() + HELLO_WAIT;
                 self.dials[r] = Some(d);
@@ -292,6 +311,19 @@ impl Links for LazyLinks {
         }));
         v
     }
+}
+
+/// Whether the peer closed `s` (an end of file, or a reset already reported: either way a
+/// read without waiting now finds the end), as opposed to sending something that is no
+/// dspark message on a connection still open.
+fn closed(s: &TcpStream) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    matches!(
+        recv(s.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT),
+        Ok(0)
+    )
 }
 
 /// A TCP connection to `addr`, started without waiting for it to be made (a non-blocking
@@ -399,6 +431,54 @@ mod tests {
         );
         drop(links);
         half.join().unwrap();
+    }
+
+    /// A peer that reads the hello and closes the connection without an answer (its door
+    /// closes what it did not see in time, or makes room) leaves the connection unanswered,
+    /// a timeout the transports dial again for, promptly, not a handshake failure that
+    /// fails the peer for good; one that sends something that is no dspark message still
+    /// fails it.
+    #[test]
+    fn a_peer_that_closes_the_handshake_unanswered_is_unanswered_not_failed() {
+        for garbage in [false, true] {
+            let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+            let fake_addr = fake.local_addr().unwrap();
+            let peer = std::thread::spawn(move || {
+                let (mut s, _) = fake.accept().unwrap();
+                let _hello = recv(&mut s);
+                if garbage {
+                    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+                    // Open until the dialling side gives up.
+                    let mut rest = Vec::new();
+                    let _ = s.read_to_end(&mut rest);
+                }
+            });
+            let mut links = dialling_rank_1(fake_addr);
+            let t0 = Instant::now();
+            links.start(0).unwrap();
+            let (e, _) = progress_until_failure(&mut links, t0);
+            let text = e.to_string();
+            if garbage {
+                assert!(
+                    matches!(e, Error::Transport { peer: Some(0), .. })
+                        && !links.unanswered(&e)
+                        && text.contains("bad message length"),
+                    "{text}"
+                );
+            } else {
+                assert!(
+                    matches!(e, Error::Timeout { peer: Some(0), .. }) && links.unanswered(&e),
+                    "{text}"
+                );
+                assert!(
+                    t0.elapsed() < HELLO_WAIT,
+                    "noticed after {:?}",
+                    t0.elapsed()
+                );
+            }
+            drop(links);
+            peer.join().unwrap();
+        }
     }
 
     /// The dialling side of a connection on first use to a host that does not answer (here a

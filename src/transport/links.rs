@@ -132,23 +132,32 @@ impl FirstUse {
             }
             Some(e)
         });
-        // The connections that completed in the same round are taken even then.
+        // The connections that completed in the same round are taken even then, and all of
+        // them: one that is not welcome or that `t` could not take does not lose the others
+        // (their peers hold their ends as made). The first error of the round is returned.
+        let mut first: Option<Error> = None;
         for (p, s) in got {
             if p >= world || p == self.rank || !t.wants(p) {
-                return Err(Error::Transport {
+                first.get_or_insert(Error::Transport {
                     rank: Some(self.rank),
                     peer: Some(p),
                     op: self.op.into(),
                     what: (self.second)(p),
                 });
+                continue;
             }
             if let Err(e) = t.accept(p, s) {
-                self.failed[p] = Some(e.clone());
-                return Err(e);
+                if let Some(f) = self.failed.get_mut(p) {
+                    *f = Some(e.clone());
+                }
+                first.get_or_insert(e);
             }
         }
         if let Some(e) = failure {
             return Err(t.progress_failed(e));
+        }
+        if let Some(e) = first {
+            return Err(e);
         }
         for p in 0..world {
             if self.started[p] && t.wants(p) {
@@ -287,6 +296,20 @@ pub(super) mod tests {
         assert_eq!(again.to_string(), e.to_string());
         assert_eq!(script.lock().unwrap().started, [2, 3]);
         f.link(1, &mut t).unwrap();
+    }
+
+    /// A round whose first connection is not welcome (a second one from a connected peer)
+    /// still takes the next one, and reports the first.
+    #[test]
+    fn an_unwelcome_connection_loses_none_after_it_in_the_round() {
+        let (mut f, script) = first_use();
+        let mut t = Take::default();
+        t.got.push(2);
+        script.lock().unwrap().done = vec![(2, stream()), (3, stream())];
+        let e = f.pump(&mut t).unwrap_err();
+        assert_eq!(e.peer(), Some(2), "{e}");
+        assert!(e.to_string().contains("a second from 2"), "{e}");
+        assert_eq!(t.got, [2, 3], "rank 3's connection was taken");
     }
 
     /// A peer that the links say took the connection but did not answer in time (late to

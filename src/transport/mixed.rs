@@ -461,6 +461,18 @@ mod tests {
         assert!(shm.unanswered(&e), "the links' word on it went along");
         shm.progress(&mut local).unwrap();
 
+        // A same-host peer's failure the links do not call unanswered says so on the shm
+        // side too.
+        {
+            let mut s = script.lock().unwrap();
+            s.fail = Some(timeout(0));
+            s.unanswered = false;
+        }
+        net.progress(&mut done).unwrap();
+        let e = shm.progress(&mut local).unwrap_err();
+        assert_eq!(e.peer(), Some(0));
+        assert!(!shm.unanswered(&e));
+
         script.lock().unwrap().fail = Some(timeout(2));
         let e = net.progress(&mut done).unwrap_err();
         assert_eq!(e.peer(), Some(2));
