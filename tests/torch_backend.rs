@@ -206,6 +206,7 @@ fn run(mut cmd: Command, limit: Duration) -> Run {
             || l.starts_with("SURFACE_CHECK")
             || l.starts_with("SHRINK_CHECK")
             || l.starts_with("TORCH_SHRINK")
+            || l.starts_with("WORK_CHECK")
     }) {
         println!("{l}");
     }
@@ -345,6 +346,34 @@ fn a_tensor_dropped_during_a_non_blocking_call_keeps_its_memory_until_the_call_c
         "INFLIGHT_CHECK world=3 rank=0 ",
         "inflight_check.py on 3 ranks",
     );
+}
+
+/// Asynchronous Works as torch's own backends complete them, against a gloo group in the same
+/// run (`work_check.py`, 2 ranks): DDP with PowerSGD and with a hook that waits for a
+/// collective's future inside another future's callback (they hung for good: every future was
+/// completed, and its callbacks run, on the one thread that waited for the next), an `irecv`
+/// posted before a waited collective whose send comes after it (it waited out the deadline:
+/// futures were completed strictly in issue order across communicators), `Work.wait(timeout)`
+/// (the timeout was ignored), and `all_to_all_single` with split sizes on one rank only (a
+/// mismatch) or rows that do not split (wrong data instead of an error). The script checks
+/// itself with gloo as the backend first.
+#[test]
+fn async_works_complete_like_gloos_with_callbacks_that_wait_and_wait_timeouts() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    for backend in ["gloo", "dspark"] {
+        let r = run(
+            torchrun_standalone(&t, 2, "work_check.py", backend),
+            Duration::from_secs(300),
+        );
+        for rank in 0..2 {
+            assert_pass(
+                &r,
+                &format!("WORK_CHECK backend={backend} rank={rank} "),
+                &format!("work_check.py with {backend}"),
+            );
+        }
+    }
 }
 
 /// World sizes 0, 2^32+2, 2^40 and 2^64-1 (`DSPARK_WORLD_SIZE` and `from_store`), and ranks

@@ -46,7 +46,7 @@ class _Collectives:
                                               t.numel(), (tensors, t.untyped_storage()),
                                               _dspark._FAST_OPS[op], 0, timeout)
                         return _async_work(self._completer, [w], tensors, None,
-                                           timeout or self._deadline)
+                                           timeout or self._deadline, (id(self._comm),))
                     self._all_reduce(t.data_ptr(), t.numel(), dt, op, timeout)
                 except _dspark.Error as e:
                     raise _torch_error(e, timeout or self._deadline) from None
@@ -239,13 +239,10 @@ class _Collectives:
         out_row = output.numel() // out_rows if out_rows else 0
         ins = list(input_split_sizes) or None
         outs = list(output_split_sizes) or None
-        if ins is None and outs is None and input.numel() == output.numel() and input.numel() % n == 0:
-            return self._go(
-                opts,
-                [("all_to_all", input, output, self._elems(input) // n, None, 0)],
-                [input, output],
-                [output],
-            )
+        # Every rank takes the same path, whatever it was given: split sizes on some ranks
+        # only are legal in torch, and a rank without them cannot tell. `_all_to_allv`
+        # agrees on the largest block first and runs one equal all_to_all when every block
+        # of the job has that size (the common case without split sizes).
         if ins is None:
             if in_rows % n:
                 raise InvalidArgumentError(

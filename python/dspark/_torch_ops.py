@@ -27,6 +27,11 @@ from ._torch_errors import _torch_class, _torch_error
 from ._torch_work import _async_work, _Completer, _Done
 
 
+def _lane(prepared):
+    """The completer lane of prepared calls: the communicators they run on, in order."""
+    return tuple(dict.fromkeys(id(p[0]) for p in prepared))
+
+
 class _Ops(_Collectives):
     """The collectives, shared by :class:`DsparkBackend` and :class:`DsparkProcessGroup`: set-up,
     the plumbing every collective goes through (:meth:`_go`), barriers and the rest here; the
@@ -163,7 +168,8 @@ class _Ops(_Collectives):
             ]
         except _dspark.Error as e:
             raise _torch_error(e, deadline) from None
-        return _async_work(self._completer, raws, result, finish, deadline)
+        return _async_work(self._completer, raws, result, finish, deadline,
+                           _lane(prepared))
 
     def _go_cuda(self, devices, prepared, keep, result, finish, timeout):
         """CUDA tensors: every call is queued on torch's current stream of their GPU and
@@ -199,12 +205,12 @@ class _Ops(_Collectives):
                     finish()
 
             return _async_work(self._completer, raws, result,
-                               None if finish is None else done, deadline)
+                               None if finish is None else done, deadline, _lane(prepared))
         # Copies back into non-contiguous outputs: queued now on the same stream, after the
         # collectives (a completer thread would queue them on its own default stream).
         if finish is not None:
             finish()
-        return _async_work(self._completer, raws, result, None, deadline)
+        return _async_work(self._completer, raws, result, None, deadline, _lane(prepared))
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are

@@ -1,6 +1,11 @@
 """torch's Work objects for dspark's operations (part of :mod:`dspark.torch`): completed ones
-for synchronous calls, future-backed ones completed in issue order by one thread per backend
-for asynchronous calls."""
+for synchronous calls, future-backed ones for asynchronous calls. A backend's asynchronous
+operations are waited for by one thread per communicator (a lane: a communicator runs its
+operations in issue order, so waiting for one after another is exact, while operations on
+different communicators, a collective and a receive, complete independently, as gloo's do),
+and their futures are completed, and torch's callbacks run, on a pool of threads that grows
+whenever every one of them is busy: a callback may wait for another operation's future
+(DDP's PowerSGD hook does), which then completes on another thread."""
 
 import atexit
 import queue
@@ -10,7 +15,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ._torch_errors import _torch_error
+from . import _dspark
+from ._torch_args import _seconds
+from ._torch_errors import _torch_class, _torch_error
 
 class _Failure:
     """What the inner future of a failed operation holds (see `_unwrap`)."""
@@ -44,53 +51,123 @@ class _Pending:
         self.deadline = deadline
         self.inner = torch.futures.Future()
 
-    def complete(self):
+    def settle(self):
+        """Waits for the operations (on a lane's thread); returns what completes the
+        future: the result, or the failure."""
         try:
             for w in self.raws:
                 w.wait()
             if self.finish is not None:
                 self.finish()
         except BaseException as e:  # noqa: BLE001 - it goes to the future
-            self.inner.set_result(_Failure(_torch_error(e, self.deadline)))
+            v = _Failure(_torch_error(e, self.deadline))
         else:
-            self.inner.set_result(self.result)
+            v = self.result
         self.raws = self.finish = None
+        return v
+
+    def complete(self):
+        self.inner.set_result(self.settle())
 
 
-class _Completer:
-    """One thread per backend that completes the futures of asynchronous operations, in
-    issue order (they complete in issue order, so waiting for one after another is exact).
-    Made on first use; it waits without the GIL."""
+class _Callbacks:
+    """Threads that complete futures, and so run torch's callbacks on them: the jobs run in
+    the order given while a thread is free; when every thread is busy (a callback waiting
+    for another operation's future), a new one starts, so no completion waits behind a
+    callback. Threads stay for later jobs; they are few (one more per callback blocked at
+    once)."""
 
     def __init__(self):
         self._q = queue.SimpleQueue()
-        self._t = None
         self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = []
 
-    def put(self, pending):
+    def run(self, job):
         with self._lock:
-            if self._t is None:
-                self._t = threading.Thread(
-                    target=self._run, name="dspark-futures", daemon=True
-                )
-                self._t.start()
-                _COMPLETERS.add(self)
-        self._q.put(pending)
+            if self._idle:
+                self._idle -= 1
+                spawn = False
+            else:
+                spawn = True
+                t = threading.Thread(target=self._loop, name="dspark-callbacks", daemon=True)
+                self._threads.append(t)
+        self._q.put(job)
+        if spawn:
+            t.start()
 
-    def _run(self):
+    def _loop(self):
         while True:
-            p = self._q.get()
-            if p is None:
+            job = self._q.get()
+            if job is None:
                 return
-            p.complete()
+            try:
+                job()
+            except BaseException:  # noqa: BLE001 - torch reports a callback's error itself
+                pass
+            with self._lock:
+                self._idle += 1
 
     def stop(self):
-        """Lets the thread complete what was queued, then end; waits for that (bounded),
-        so that it does not run torch's future callbacks while the interpreter exits."""
-        self._q.put(None)
-        t = self._t
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=_STOP_WAIT_S)
+        """Ends every thread once the jobs given before ran; waits for that (bounded)."""
+        with self._lock:
+            threads = list(self._threads)
+            self._threads.clear()
+            self._idle = 0
+        for _ in threads:
+            self._q.put(None)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=_STOP_WAIT_S)
+
+
+# The threads that complete every backend's futures.
+_CALLBACKS = _Callbacks()
+
+
+class _Completer:
+    """A backend's lanes: one thread per communicator (or set of communicators, for an
+    operation that spans several) waits for its asynchronous operations in issue order
+    (which is the order they complete in), then hands each future to `_CALLBACKS` to
+    complete. Lanes are made on first use; they wait without the GIL."""
+
+    def __init__(self):
+        self._lanes = {}
+        self._lock = threading.Lock()
+
+    def put(self, pending, lane=()):
+        """Queues `pending` on `lane` (a hashable key: the communicators it runs on)."""
+        with self._lock:
+            q = self._lanes.get(lane)
+            if q is None:
+                q = self._lanes[lane] = (queue.SimpleQueue(), [None])
+                t = threading.Thread(target=self._run, args=(q[0],),
+                                     name="dspark-futures", daemon=True)
+                q[1][0] = t
+                t.start()
+                _COMPLETERS.add(self)
+        q[0].put(pending)
+
+    @staticmethod
+    def _run(q):
+        while True:
+            p = q.get()
+            if p is None:
+                return
+            v = p.settle()
+            _CALLBACKS.run(lambda p=p, v=v: p.inner.set_result(v))
+
+    def stop(self):
+        """Lets every lane wait for what was queued, then end; waits for that (bounded),
+        so that no future's callbacks run while the interpreter exits."""
+        with self._lock:
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
+        for q, _ in lanes:
+            q.put(None)
+        for _, (t,) in lanes:
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=_STOP_WAIT_S)
 
 
 # How long stopping a completer waits for it (every operation it waits for has completed or
@@ -106,14 +183,26 @@ _COMPLETERS = weakref.WeakSet()
 def _stop_completers():
     for c in list(_COMPLETERS):
         c.stop()
+    _CALLBACKS.stop()
 
 
-def _async_work(completer, raws, result, finish, deadline=None):
-    """torch's Work for started operations (see `_AsyncWork`)."""
+def _async_work(completer, raws, result, finish, deadline=None, lane=()):
+    """torch's Work for started operations (see `_AsyncWork`), waited for on `lane` of
+    `completer` (the communicators they run on)."""
     p = _Pending(raws, result, finish, deadline)
     outer = p.inner.then(_unwrap)
-    completer.put(p)
+    completer.put(p, lane)
     return _AsyncWork(p.inner, outer)
+
+
+def _wait_timed_out(secs):
+    """What `Work.wait(timeout)` raises when the operation is still in flight: dspark's
+    TimeoutError, also torch's DistBackendError, with torch's wording."""
+    cls = _torch_class(_dspark.TimeoutError, False)
+    return cls(
+        f"dspark: Timed out waiting {int(secs * 1000)}ms for the operation to complete "
+        "(Work.wait's timeout; the operation goes on, a later wait may still complete it)"
+    )
 
 
 class _AsyncWork(dist._Work):
@@ -142,7 +231,14 @@ class _AsyncWork(dist._Work):
         return v
 
     def wait(self, timeout=None):
-        # The operation's deadline bounds the wait; `timeout` is not needed for that.
+        # Without `timeout` (or with torch's unset one) the operation's deadline bounds the
+        # wait; with one, it raises after that long and leaves the operation in flight.
+        secs = _seconds(timeout)
+        if secs is not None and not self._outer.done():
+            done = threading.Event()
+            self._outer.add_done_callback(lambda _f: done.set())
+            if not done.wait(secs):
+                raise _wait_timed_out(secs)
         v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Asynchronous Works as torch's own backends complete them, the backend under test beside a
+gloo group made in the same run (`dist.new_group(backend="gloo")`), fed the same inputs:
+
+1. DDP with PowerSGD (`powerSGD_hook`, which waits for a collective's future inside another
+   future's callback) and with a callback that does the same by hand: no hang, and the
+   trained parameters equal gloo's (within float tolerance);
+2. an `irecv` posted before an asynchronous collective that is waited for, and only then
+   the matching `send` on the peer (pipeline-parallel code does this): completes on every
+   rank, the values exact;
+3. `Work.wait(timeout)` on a receive whose sender is late: raises a RuntimeError (torch's
+   DistBackendError) after about the timeout, not after the group's; the receive goes on and
+   a later `wait()` gets the data;
+4. `all_to_all_single` where one rank passes split sizes and the other none (legal in
+   torch), and one whose rows do not split evenly without sizes (an error, as gloo's).
+
+Run under torchrun with 2 ranks:
+
+    DSPARK_TEST_BACKEND=dspark torchrun --standalone --nproc-per-node 2 tests/torch/work_check.py
+
+Every rank ends with "WORK_CHECK backend=B rank=R checks=K RESULT=PASS"; a check that fails
+prints "work_check: FAIL ..." and exits 1. Each case is bounded by the group's timeout (60 s).
+"""
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+BACKEND = os.environ.get("DSPARK_TEST_BACKEND", "dspark")
+checks = 0
+
+
+def fail(msg):
+    sys.stdout.write(f"work_check: FAIL backend={BACKEND} rank={RANK}: {msg}\n")
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def check(cond, msg):
+    global checks
+    checks += 1
+    if not cond:
+        fail(msg)
+
+
+def watchdog(what, limit_s):
+    """Fails the run if `what` is not done within `limit_s` (a hang is a failure)."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(limit_s):
+            fail(f"{what}: not done after {limit_s} s (hung)")
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
+dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=60))
+RANK, N = dist.get_rank(), dist.get_world_size()
+if N != 2:
+    fail(f"run with 2 ranks, not {N}")
+PEER = 1 - RANK
+GLOO = dist.new_group(backend="gloo")
+
+
+# -- 1. a future's callback that waits for another collective's future -----------------------
+def train(group, hook):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = DDP(net, process_group=group, bucket_cap_mb=1)
+    state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2, warm_start=False)
+    if hook == "powersgd":
+        model.register_comm_hook(state, powerSGD.powerSGD_hook)
+    elif hook == "nested":
+        def nested(pg, bucket):
+            t = bucket.buffer()
+            fut = dist.all_reduce(t, group=pg, async_op=True).get_future()
+
+            def then(f):
+                # Another collective, waited for inside this callback.
+                extra = torch.ones(3) * (RANK + 1)
+                dist.all_reduce(extra, group=pg, async_op=True).get_future().wait()
+                if not torch.equal(extra, torch.full((3,), 3.0)):
+                    raise RuntimeError(f"nested all_reduce gave {extra}")
+                return f.value()[0].div_(N)
+
+            return fut.then(then)
+
+        model.register_comm_hook(group, nested)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(RANK + 1)
+    for _ in range(5):
+        x = torch.randn(16, 32, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+for hook in ("powersgd", "nested"):
+    done = watchdog(f"DDP with the {hook} hook", 90)
+    mine = train(None, hook)
+    ref = train(GLOO, hook)
+    done.set()
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        check(torch.allclose(a, b, rtol=1e-4, atol=1e-5),
+              f"DDP {hook}: parameter {i} differs from gloo's by {(a - b).abs().max():.3g}")
+
+# -- 2. an irecv posted before a waited collective, its send after it ------------------------
+done = watchdog("irecv, all_reduce.wait(), send", 90)
+for size in (3, 100_003):
+    got = torch.zeros(size)
+    r = dist.irecv(got, src=PEER)
+    z = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(z, async_op=True).wait()
+    check(torch.equal(z, torch.full((5,), 3.0)), f"all_reduce between gave {z}")
+    dist.send(torch.arange(size, dtype=torch.float32) + 1000 * PEER + RANK, dst=PEER)
+    r.wait()
+    want = torch.arange(size, dtype=torch.float32) + 1000 * RANK + PEER
+    check(torch.equal(got, want), f"irecv of {size} got {got[:4]}..., want {want[:4]}...")
+done.set()
+
+# -- 3. wait(timeout) on a receive whose sender is late ---------------------------------------
+# In a group of its own: gloo closes the pair when a wait times out (the group is unusable
+# after), dspark leaves the receive in flight and a later wait gets the data.
+LATE = dist.new_group(backend=BACKEND)
+dist.barrier()
+got = torch.zeros(7)
+if RANK == 0:
+    w = dist.irecv(got, src=1, group=LATE)
+    t0 = time.monotonic()
+    try:
+        w.wait(timedelta(seconds=0.5))
+    except RuntimeError as e:  # torch's DistBackendError is one
+        took = time.monotonic() - t0
+        check(0.4 < took < 2.5, f"wait(timeout=0.5 s) raised after {took:.2f} s: {e}")
+    else:
+        fail(f"wait(timeout=0.5 s) returned after {time.monotonic() - t0:.2f} s, the sender "
+             "sleeping 3 s")
+    if BACKEND != "gloo":
+        w.wait()
+        check(torch.equal(got, torch.arange(7.0)), f"the late receive got {got}")
+else:
+    time.sleep(3)
+    try:
+        dist.send(torch.arange(7.0), dst=0, group=LATE)
+    except RuntimeError:
+        if BACKEND != "gloo":
+            raise
+dist.barrier()
+
+# -- 4. all_to_all_single: split sizes on one rank only; rows that do not split -------------
+def a2a(group, inp, out, splits):
+    if splits:
+        dist.all_to_all_single(out, inp, splits, splits, group=group)
+    else:
+        dist.all_to_all_single(out, inp, group=group)
+    return out
+
+
+for rows in (4, 6):
+    inp = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + 100 * RANK
+    splits = [rows // 2, rows // 2] if RANK == 1 else None
+    mine = a2a(None, inp, torch.zeros(rows, 3), splits)
+    ref = a2a(GLOO, inp, torch.zeros(rows, 3), splits)
+    check(torch.equal(mine, ref), f"all_to_all_single, splits on rank 1 only: {mine} vs {ref}")
+for group in (GLOO, None):
+    name = "gloo" if group is GLOO else BACKEND
+    try:
+        dist.all_to_all_single(torch.zeros(3, 2), torch.ones(3, 2), group=group)
+    except (RuntimeError, ValueError):
+        check(True, "")
+    else:
+        fail(f"{name}: all_to_all_single of 3 rows between 2 ranks without split sizes "
+             "did not raise")
+
+dist.barrier()
+dist.destroy_process_group()
+# One write, starting a line of its own (the ranks share torchrun's output).
+sys.stdout.write(f"\nWORK_CHECK backend={BACKEND} rank={RANK} checks={checks} RESULT=PASS\n")
+sys.stdout.flush()
