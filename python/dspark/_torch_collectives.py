@@ -239,10 +239,21 @@ class _Collectives:
         out_row = output.numel() // out_rows if out_rows else 0
         ins = list(input_split_sizes) or None
         outs = list(output_split_sizes) or None
-        # Every rank takes the same path, whatever it was given: split sizes on some ranks
-        # only are legal in torch, and a rank without them cannot tell. `_all_to_allv`
-        # agrees on the largest block first and runs one equal all_to_all when every block
-        # of the job has that size (the common case without split sizes).
+        # Equal blocks (no split sizes, or sizes all equal: what a rank without them would
+        # use) go straight to one all_to_all, asynchronous as asked; uneven ones through
+        # `_all_to_allv`, which agrees on the largest block with one all_reduce first. A
+        # rank's path must be its peers': a job that mixes equal and uneven split sizes in
+        # one call fails every rank with a MismatchError naming both calls.
+        if (ins is None or len(set(ins)) == 1) and (outs is None or len(set(outs)) == 1) \
+                and in_rows % n == 0 and out_rows % n == 0 \
+                and input.numel() == output.numel() and (ins is None or ins[0] * n == in_rows) \
+                and (outs is None or outs[0] * n == out_rows):
+            return self._go(
+                opts,
+                [("all_to_all", input, output, self._elems(input) // n, None, 0)],
+                [input, output],
+                [output],
+            )
         if ins is None:
             if in_rows % n:
                 raise InvalidArgumentError(

@@ -3,13 +3,16 @@ for synchronous calls, future-backed ones for asynchronous calls. A backend's as
 operations are waited for by one thread per communicator (a lane: a communicator runs its
 operations in issue order, so waiting for one after another is exact, while operations on
 different communicators, a collective and a receive, complete independently, as gloo's do),
-and their futures are completed, and torch's callbacks run, on a pool of threads that grows
-whenever every one of them is busy: a callback may wait for another operation's future
-(DDP's PowerSGD hook does), which then completes on another thread."""
+and their futures are completed, and torch's callbacks run, in that order on runner threads
+of the lane; a callback may wait for another operation's future (DDP's PowerSGD hook does),
+which another runner then completes (see `_Lane`)."""
 
 import atexit
+import collections
 import queue
+import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -51,11 +54,20 @@ class _Pending:
         self.deadline = deadline
         self.inner = torch.futures.Future()
 
-    def settle(self):
+    def settle(self, watch=None):
         """Waits for the operations (on a lane's thread); returns what completes the
-        future: the result, or the failure."""
+        future: the result, or the failure. While `watch()` says so, waits in slices of
+        `_HELP_AFTER_S` and calls `watch(True)` after each (see `_Lane.help`)."""
         try:
             for w in self.raws:
+                while watch is not None and watch():
+                    try:
+                        w.wait(_HELP_AFTER_S)
+                        break
+                    except _dspark.TimeoutError:
+                        if w.is_completed():  # its own deadline, not the slice's
+                            break
+                        watch(True)
                 w.wait()
             if self.finish is not None:
                 self.finish()
@@ -70,120 +82,187 @@ class _Pending:
         self.inner.set_result(self.settle())
 
 
-class _Callbacks:
-    """Threads that complete futures, and so run torch's callbacks on them: the jobs run in
-    the order given while a thread is free; when every thread is busy (a callback waiting
-    for another operation's future), a new one starts, so no completion waits behind a
-    callback. Threads stay for later jobs; they are few (one more per callback blocked at
-    once)."""
+# A callback that has run this long while futures of its lane wait to be completed is taken
+# for one that waits for one of them (DDP's PowerSGD hook waits for a collective's future
+# inside another's callback): another thread then completes them.
+_HELP_AFTER_S = 0.002
+# How long a lane's idle runner thread stays for the next future before it ends.
+_RUNNER_IDLE_S = 2.0
+
+
+class _Lane:
+    """One communicator's (or set of communicators') asynchronous operations: a thread waits
+    for them in issue order (the order a communicator completes them in), and runner
+    threads complete their futures, which runs torch's callbacks, in that order, one at a
+    time. Only when every runner has been inside one callback for `_HELP_AFTER_S` while
+    futures wait does another runner start (a callback waiting for a later future would
+    otherwise wait for itself); so callbacks that do not block run in order, as NCCL's
+    inline ones do, and blocking ones run side by side, as on gloo's worker threads."""
 
     def __init__(self):
-        self._q = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads = []
+        self.q = queue.SimpleQueue()
+        self.jobs = collections.deque()
+        self.cond = threading.Condition()
+        self.runners = 0
+        self.busy = {}  # runner thread id -> when its callback started
+        self.threads = []  # the runners' threads (joined at stop)
+        self.closing = False
+        self.thread = threading.Thread(target=self._wait_loop, name="dspark-futures",
+                                       daemon=True)
+        self.thread.start()
 
-    def run(self, job):
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-                spawn = False
-            else:
-                spawn = True
-                t = threading.Thread(target=self._loop, name="dspark-callbacks", daemon=True)
-                self._threads.append(t)
-        self._q.put(job)
-        if spawn:
-            t.start()
-
-    def _loop(self):
+    # -- the waiting thread -------------------------------------------------------------
+    def _wait_loop(self):
         while True:
-            job = self._q.get()
-            if job is None:
-                return
             try:
-                job()
-            except BaseException:  # noqa: BLE001 - torch reports a callback's error itself
-                pass
-            with self._lock:
-                self._idle += 1
+                p = self.q.get(timeout=_HELP_AFTER_S if self.watch() else None)
+            except queue.Empty:
+                self.watch(True)
+                continue
+            if p is None:
+                return
+            v = p.settle(self.watch)
+            self.give(lambda p=p, v=v: p.inner.set_result(v))
+
+    def watch(self, act=False):
+        """Whether futures wait to be completed while runners are busy (then the waiting
+        thread waits in slices); with `act`, lets another runner take the next one if
+        every busy runner has been inside its callback for `_HELP_AFTER_S`."""
+        with self.cond:
+            if not act:
+                return bool(self.jobs) and self.runners > 0
+            if self.jobs and self._may_run():
+                if self.runners > len(self.busy):
+                    self.cond.notify_all()
+                else:
+                    self._spawn()
+            return bool(self.jobs)
+
+    def _may_run(self):  # with self.cond held
+        """Whether a runner may start the next callback: none is running, or every one
+        running has run for `_HELP_AFTER_S` (so it is taken for waiting on a later one)."""
+        now = time.monotonic()
+        return all(now - t >= _HELP_AFTER_S for t in self.busy.values())
+
+    # -- the runners ------------------------------------------------------------------------
+    def give(self, job):
+        with self.cond:
+            self.jobs.append(job)
+            if self.runners > len(self.busy):
+                self.cond.notify_all()
+            elif self.runners == 0:
+                self._spawn()
+
+    def _spawn(self):  # with self.cond held
+        t = threading.Thread(target=self._run_loop, name="dspark-callbacks", daemon=True)
+        self.runners += 1
+        try:
+            t.start()
+            self.threads = [x for x in self.threads if x.is_alive()] + [t]
+        except RuntimeError:  # no thread (interpreter shutting down, a thread limit)
+            self.runners -= 1
+            jobs, self.jobs = list(self.jobs), collections.deque()
+            self.cond.release()
+            try:
+                for job in jobs:
+                    _run_job(job)
+            finally:
+                self.cond.acquire()
+
+    def _run_loop(self):
+        me = threading.get_ident()
+        while True:
+            with self.cond:
+                self.busy.pop(me, None)
+                while not (self.jobs and self._may_run()):
+                    if not self.cond.wait(_RUNNER_IDLE_S) or self.closing:
+                        if not self.jobs:
+                            self.runners -= 1
+                            self.cond.notify_all()
+                            return
+                job = self.jobs.popleft()
+                self.busy[me] = time.monotonic()
+            _run_job(job)
+            # Its future and tensors go now, while this runner counts as busy (stop waits
+            # for it), not when the thread ends.
+            del job
 
     def stop(self):
-        """Ends every thread once the jobs given before ran; waits for that (bounded)."""
-        with self._lock:
-            threads = list(self._threads)
-            self._threads.clear()
-            self._idle = 0
-        for _ in threads:
-            self._q.put(None)
+        """Lets the waiting thread wait for what was queued and the runners complete it,
+        then end; waits for that (bounded), so that no future's callbacks run while the
+        interpreter exits."""
+        self.q.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=_STOP_WAIT_S)
+        end = time.monotonic() + _STOP_WAIT_S
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+            threads = list(self.threads)
+        # Joined, not counted: a thread still ending holds nothing of torch's then, but it
+        # must not be ended by the interpreter's finalization in the middle of anything.
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout=_STOP_WAIT_S)
+                t.join(timeout=max(0.0, end - time.monotonic()))
 
 
-# The threads that complete every backend's futures.
-_CALLBACKS = _Callbacks()
+def _run_job(job):
+    try:
+        job()
+    except BaseException:  # noqa: BLE001 - torch reports a callback's error in its future
+        threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), None)))
 
 
 class _Completer:
-    """A backend's lanes: one thread per communicator (or set of communicators, for an
-    operation that spans several) waits for its asynchronous operations in issue order
-    (which is the order they complete in), then hands each future to `_CALLBACKS` to
-    complete. Lanes are made on first use; they wait without the GIL."""
+    """A backend's lanes (`_Lane`), one per communicator or set of communicators its
+    asynchronous operations run on; made on first use."""
 
     def __init__(self):
         self._lanes = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def put(self, pending, lane=()):
         """Queues `pending` on `lane` (a hashable key: the communicators it runs on)."""
         with self._lock:
-            q = self._lanes.get(lane)
-            if q is None:
-                q = self._lanes[lane] = (queue.SimpleQueue(), [None])
-                t = threading.Thread(target=self._run, args=(q[0],),
-                                     name="dspark-futures", daemon=True)
-                q[1][0] = t
-                t.start()
-                _COMPLETERS.add(self)
-        q[0].put(pending)
-
-    @staticmethod
-    def _run(q):
-        while True:
-            p = q.get()
-            if p is None:
-                return
-            v = p.settle()
-            _CALLBACKS.run(lambda p=p, v=v: p.inner.set_result(v))
+            if not self._closed:
+                q = self._lanes.get(lane)
+                if q is None:
+                    try:
+                        q = self._lanes[lane] = _Lane()
+                    except RuntimeError:  # no thread: completed below, on this one
+                        q = None
+                    else:
+                        _LANES.add(q)
+                if q is not None:
+                    q.q.put(pending)
+                    return
+        # Closed, or no thread to wait on: this caller waits and completes it.
+        pending.complete()
 
     def stop(self):
-        """Lets every lane wait for what was queued, then end; waits for that (bounded),
-        so that no future's callbacks run while the interpreter exits."""
         with self._lock:
+            self._closed = True
             lanes = list(self._lanes.values())
             self._lanes.clear()
-        for q, _ in lanes:
-            q.put(None)
-        for _, (t,) in lanes:
-            if t is not None and t is not threading.current_thread():
-                t.join(timeout=_STOP_WAIT_S)
+        for lane in lanes:
+            lane.stop()
 
 
-# How long stopping a completer waits for it (every operation it waits for has completed or
+# How long stopping a lane waits for it (every operation it waits for has completed or
 # failed by the time the communicators are closed, so this is a bound, not a delay).
 _STOP_WAIT_S = 5.0
-# Every completer with a thread, stopped at exit before the interpreter finalizes: a
-# daemon thread still inside torch's future callbacks then dies mid-C++ ("terminate
-# called without an active exception", SIGABRT at exit after dropped async Works).
-_COMPLETERS = weakref.WeakSet()
+# Every lane, stopped at exit before the interpreter finalizes: a daemon thread still
+# inside torch's future callbacks then dies mid-C++ ("terminate called without an active
+# exception", SIGABRT at exit after dropped async Works).
+_LANES = weakref.WeakSet()
+_COMPLETERS = _LANES  # the name older code and tests know
 
 
 @atexit.register
 def _stop_completers():
-    for c in list(_COMPLETERS):
-        c.stop()
-    _CALLBACKS.stop()
+    for lane in list(_LANES):
+        lane.stop()
 
 
 def _async_work(completer, raws, result, finish, deadline=None, lane=()):

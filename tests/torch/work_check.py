@@ -11,8 +11,8 @@ gloo group made in the same run (`dist.new_group(backend="gloo")`), fed the same
 3. `Work.wait(timeout)` on a receive whose sender is late: raises a RuntimeError (torch's
    DistBackendError) after about the timeout, not after the group's; the receive goes on and
    a later `wait()` gets the data;
-4. `all_to_all_single` where one rank passes split sizes and the other none (legal in
-   torch), and one whose rows do not split evenly without sizes (an error, as gloo's).
+4. `all_to_all_single` where one rank passes (equal) split sizes and the other none (legal
+   in torch), and one whose rows do not split evenly without sizes (an error, as gloo's).
 
 Run under torchrun with 2 ranks:
 
@@ -75,7 +75,12 @@ GLOO = dist.new_group(backend="gloo")
 def train(group, hook):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-    model = DDP(net, process_group=group, bucket_cap_mb=1)
+    # One bucket a step (checked below). With two (a 2.2 MB model, bucket_cap_mb=0.25) the
+    # callbacks of different buckets, each issuing collectives from its own thread, issue
+    # them in an order that differs between the ranks: gloo fails that case too ("Received
+    # data size doesn't match expected size", tried 2026-12-05), as does dspark (a
+    # MismatchError naming both calls). NCCL runs the callbacks inline on the issuing thread.
+    model = DDP(net, process_group=group)
     state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=2,
                                    start_powerSGD_iter=2, warm_start=False)
     if hook == "powersgd":
@@ -103,6 +108,8 @@ def train(group, hook):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+    buckets = model._get_ddp_logging_data().get("num_buckets_reduced")
+    check(buckets == 1, f"DDP reduced {buckets} buckets a step, not 1")
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -114,6 +121,17 @@ for hook in ("powersgd", "nested"):
     for i, (a, b) in enumerate(zip(mine, ref)):
         check(torch.allclose(a, b, rtol=1e-4, atol=1e-5),
               f"DDP {hook}: parameter {i} differs from gloo's by {(a - b).abs().max():.3g}")
+
+# -- 1b. callbacks that do not block run in issue order (dspark; as NCCL's inline ones) ----
+if BACKEND == "dspark":
+    seen = []
+    futs = []
+    for i in range(40):
+        t = torch.full((4,), float(i))
+        f = dist.all_reduce(t, async_op=True).get_future()
+        futs.append(f.then(lambda _f, i=i: seen.append(i)))
+    torch.futures.wait_all(futs)
+    check(seen == list(range(40)), f"callbacks ran in the order {seen}")
 
 # -- 2. an irecv posted before a waited collective, its send after it ------------------------
 done = watchdog("irecv, all_reduce.wait(), send", 90)
@@ -143,6 +161,9 @@ if RANK == 0:
     except RuntimeError as e:  # torch's DistBackendError is one
         took = time.monotonic() - t0
         check(0.4 < took < 2.5, f"wait(timeout=0.5 s) raised after {took:.2f} s: {e}")
+        if BACKEND == "dspark":
+            check("Timed out waiting 500ms" in str(e) and isinstance(e, dist.DistBackendError),
+                  f"wait(timeout=0.5 s) raised {type(e).__mro__}: {e}")
     else:
         fail(f"wait(timeout=0.5 s) returned after {time.monotonic() - t0:.2f} s, the sender "
              "sleeping 3 s")
