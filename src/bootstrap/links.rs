@@ -321,7 +321,11 @@ fn closed(s: &TcpStream) -> bool {
     use std::os::fd::AsRawFd;
     let mut b = [0u8; 1];
     matches!(
-        recv(s.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT),
+        recv(
+            s.as_raw_fd(),
+            &mut b,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+        ),
         Ok(0)
     )
 }
