@@ -3,12 +3,11 @@ for synchronous calls, future-backed ones for asynchronous calls. A backend's as
 operations are waited for by one thread per communicator (a lane: a communicator runs its
 operations in issue order, so waiting for one after another is exact, while operations on
 different communicators, a collective and a receive, complete independently, as gloo's do),
-and their futures are completed, and torch's callbacks run, in that order on runner threads
-of the lane; a callback may wait for another operation's future (DDP's PowerSGD hook does),
-which another runner then completes (see `_Lane`)."""
+and the same thread completes their futures, which runs torch's callbacks, in that order; a
+callback may wait for another operation's future (DDP's PowerSGD hook does): another thread
+then takes the lane over (see `_Lane`)."""
 
 import atexit
-import collections
 import queue
 import sys
 import threading
@@ -54,20 +53,11 @@ class _Pending:
         self.deadline = deadline
         self.inner = torch.futures.Future()
 
-    def settle(self, watch=None):
+    def settle(self):
         """Waits for the operations (on a lane's thread); returns what completes the
-        future: the result, or the failure. While `watch()` says so, waits in slices of
-        `_HELP_AFTER_S` and calls `watch(True)` after each (see `_Lane.help`)."""
+        future: the result, or the failure."""
         try:
             for w in self.raws:
-                while watch is not None and watch():
-                    try:
-                        w.wait(_HELP_AFTER_S)
-                        break
-                    except _dspark.TimeoutError:
-                        if w.is_completed():  # its own deadline, not the slice's
-                            break
-                        watch(True)
                 w.wait()
             if self.finish is not None:
                 self.finish()
@@ -82,128 +72,142 @@ class _Pending:
         self.inner.set_result(self.settle())
 
 
-# A callback that has run this long while futures of its lane wait to be completed is taken
-# for one that waits for one of them (DDP's PowerSGD hook waits for a collective's future
-# inside another's callback): another thread then completes them.
+# A callback that has run this long while operations of its lane wait is taken for one that
+# waits for one of them (DDP's PowerSGD hook waits for a collective's future inside another's
+# callback): another thread then takes the lane over.
 _HELP_AFTER_S = 0.002
-# How long a lane's idle runner thread stays for the next future before it ends.
-_RUNNER_IDLE_S = 2.0
 
 
 class _Lane:
-    """One communicator's (or set of communicators') asynchronous operations: a thread waits
-    for them in issue order (the order a communicator completes them in), and runner
-    threads complete their futures, which runs torch's callbacks, in that order, one at a
-    time. Only when every runner has been inside one callback for `_HELP_AFTER_S` while
-    futures wait does another runner start (a callback waiting for a later future would
-    otherwise wait for itself); so callbacks that do not block run in order, as NCCL's
-    inline ones do, and blocking ones run side by side, as on gloo's worker threads."""
+    """One communicator's (or set of communicators') asynchronous operations. A thread (the
+    lane's server) waits for them in issue order, the order a communicator completes them
+    in, and completes each future itself, which runs torch's callbacks there, one at a
+    time and in order, as NCCL's inline ones run. When a callback has run for
+    `_HELP_AFTER_S` while operations of the lane wait (`_Monitor`), a new server takes the
+    lane over and the old one ends once its callback returns: a callback waiting for a later
+    future would otherwise wait for itself. Blocking callbacks then run side by side, as on
+    gloo's worker threads."""
 
     def __init__(self):
         self.q = queue.SimpleQueue()
-        self.jobs = collections.deque()
-        self.cond = threading.Condition()
-        self.runners = 0
-        self.busy = {}  # runner thread id -> when its callback started
-        self.threads = []  # the runners' threads (joined at stop)
-        self.closing = False
-        self.thread = threading.Thread(target=self._wait_loop, name="dspark-futures",
-                                       daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.gen = 0  # the server generation that owns the lane
+        self.threads = []  # every server's thread (joined at stop)
+        self.cb_since = None  # when the current server's callback started, if in one
+        self.server = None  # the thread id of the server inside that callback
+        self._serve()
 
-    # -- the waiting thread -------------------------------------------------------------
-    def _wait_loop(self):
+    def _serve(self):  # with self.lock held, or before the lane is shared
+        self.gen += 1
+        self.cb_since = None
+        t = threading.Thread(target=self._loop, args=(self.gen,), name="dspark-futures",
+                             daemon=True)
+        t.start()
+        self.threads = [x for x in self.threads if x.is_alive()] + [t]
+
+    def _loop(self, gen):
         while True:
-            try:
-                p = self.q.get(timeout=_HELP_AFTER_S if self.watch() else None)
-            except queue.Empty:
-                self.watch(True)
-                continue
+            p = self.q.get()
             if p is None:
                 return
-            v = p.settle(self.watch)
-            self.give(lambda p=p, v=v: p.inner.set_result(v))
+            v = p.settle()
+            # (Only a server inside a callback is taken over: this one still owns the lane.)
+            with self.lock:
+                self.cb_since = time.monotonic()
+                self.server = threading.get_ident()
+            _run_job(lambda: p.inner.set_result(v))
+            del p, v
+            with self.lock:
+                if self.gen != gen:
+                    return  # another server took the lane over meanwhile
+                self.cb_since = None
 
-    def watch(self, act=False):
-        """Whether futures wait to be completed while runners are busy (then the waiting
-        thread waits in slices); with `act`, lets another runner take the next one if
-        every busy runner has been inside its callback for `_HELP_AFTER_S`."""
-        with self.cond:
-            if not act:
-                return bool(self.jobs) and self.runners > 0
-            if self.jobs and self._may_run():
-                if self.runners > len(self.busy):
-                    self.cond.notify_all()
-                else:
-                    self._spawn()
-            return bool(self.jobs)
+    def queued(self):
+        """After an operation was queued (by the caller): if the lane's server is inside a
+        callback and that callback issued it (it will likely wait for it: PowerSGD does), a
+        new server takes over at once; if another thread issued it, the monitor looks at
+        the lane until the callback returns (`stuck`)."""
+        with self.lock:
+            if self.cb_since is None:
+                return
+            if self.server == threading.get_ident():
+                try:
+                    self._serve()
+                except RuntimeError:
+                    pass
+                return
+        _MONITOR.watch(self)
 
-    def _may_run(self):  # with self.cond held
-        """Whether a runner may start the next callback: none is running, or every one
-        running has run for `_HELP_AFTER_S` (so it is taken for waiting on a later one)."""
-        now = time.monotonic()
-        return all(now - t >= _HELP_AFTER_S for t in self.busy.values())
-
-    # -- the runners ------------------------------------------------------------------------
-    def give(self, job):
-        with self.cond:
-            self.jobs.append(job)
-            if self.runners > len(self.busy):
-                self.cond.notify_all()
-            elif self.runners == 0:
-                self._spawn()
-
-    def _spawn(self):  # with self.cond held
-        t = threading.Thread(target=self._run_loop, name="dspark-callbacks", daemon=True)
-        self.runners += 1
-        try:
-            t.start()
-            self.threads = [x for x in self.threads if x.is_alive()] + [t]
-        except RuntimeError:  # no thread (interpreter shutting down, a thread limit)
-            self.runners -= 1
-            jobs, self.jobs = list(self.jobs), collections.deque()
-            self.cond.release()
-            try:
-                for job in jobs:
-                    _run_job(job)
-            finally:
-                self.cond.acquire()
-
-    def _run_loop(self):
-        me = threading.get_ident()
-        while True:
-            with self.cond:
-                self.busy.pop(me, None)
-                while not (self.jobs and self._may_run()):
-                    if not self.cond.wait(_RUNNER_IDLE_S) or self.closing:
-                        if not self.jobs:
-                            self.runners -= 1
-                            self.cond.notify_all()
-                            return
-                job = self.jobs.popleft()
-                self.busy[me] = time.monotonic()
-            _run_job(job)
-            # Its future and tensors go now, while this runner counts as busy (stop waits
-            # for it), not when the thread ends.
-            del job
+    def stuck(self, now):
+        """Called by the monitor: takes the lane over when its server has been inside a
+        callback for `_HELP_AFTER_S` while operations wait. Returns whether the server is
+        still inside a callback (to be looked at again)."""
+        with self.lock:
+            if self.cb_since is None:
+                return False
+            if now - self.cb_since >= _HELP_AFTER_S and not self.q.empty():
+                try:
+                    self._serve()
+                except RuntimeError:  # no thread: the callback's own wait will time out
+                    return False
+                return False
+            return True
 
     def stop(self):
-        """Lets the waiting thread wait for what was queued and the runners complete it,
-        then end; waits for that (bounded), so that no future's callbacks run while the
-        interpreter exits."""
+        """Lets the server wait for and complete what was queued, then end; waits for that
+        and for servers still inside callbacks (bounded), so that no future's callbacks run
+        while the interpreter exits."""
         self.q.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=_STOP_WAIT_S)
         end = time.monotonic() + _STOP_WAIT_S
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
+        with self.lock:
             threads = list(self.threads)
-        # Joined, not counted: a thread still ending holds nothing of torch's then, but it
-        # must not be ended by the interpreter's finalization in the middle of anything.
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=max(0.0, end - time.monotonic()))
+
+
+# How often the monitor looks at lanes whose server was inside a callback when an operation
+# was queued behind it (rarely: only a callback that waits for such an operation needs it).
+_MONITOR_EVERY_S = 0.02
+
+
+class _Monitor:
+    """One thread for every lane: while some lane had an operation queued behind a callback
+    (from another thread: one queued by the callback itself is handled at once), it looks
+    every `_MONITOR_EVERY_S` whether that callback is stuck (`_Lane.stuck`); otherwise it
+    sleeps. Started on first use."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.lanes = set()
+        self.t = None
+
+    def watch(self, lane):
+        with self.cond:
+            if not self.lanes:
+                self.cond.notify()
+            self.lanes.add(lane)
+            if self.t is None:
+                self.t = threading.Thread(target=self._loop, name="dspark-monitor", daemon=True)
+                try:
+                    self.t.start()
+                except RuntimeError:
+                    self.t = None
+
+    def _loop(self):
+        while True:
+            with self.cond:
+                while not self.lanes:
+                    self.cond.wait()
+                self.cond.wait(_MONITOR_EVERY_S)
+                lanes = list(self.lanes)
+            now = time.monotonic()
+            done = [lane for lane in lanes if not lane.stuck(now)]
+            with self.cond:
+                self.lanes.difference_update(done)
+
+
+_MONITOR = _Monitor()
 
 
 def _run_job(job):
@@ -236,6 +240,7 @@ class _Completer:
                         _LANES.add(q)
                 if q is not None:
                     q.q.put(pending)
+                    q.queued()
                     return
         # Closed, or no thread to wait on: this caller waits and completes it.
         pending.complete()
