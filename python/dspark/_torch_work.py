@@ -82,11 +82,11 @@ class _Lane:
     """One communicator's (or set of communicators') asynchronous operations. A thread (the
     lane's server) waits for them in issue order, the order a communicator completes them
     in, and completes each future itself, which runs torch's callbacks there, one at a
-    time and in order, as NCCL's inline ones run. When a callback has run for
-    `_HELP_AFTER_S` while operations of the lane wait (`_Monitor`), a new server takes the
-    lane over and the old one ends once its callback returns: a callback waiting for a later
-    future would otherwise wait for itself. Blocking callbacks then run side by side, as on
-    gloo's worker threads."""
+    time and in order, as NCCL's inline ones run. When a callback queues an operation on
+    its own lane (`queued`), or has run for `_HELP_AFTER_S` while operations another thread
+    queued wait (`_Monitor`), a new server takes the lane over and the old one ends once its
+    callback returns: a callback waiting for a later future would otherwise wait for itself.
+    Blocking callbacks then run side by side, as on gloo's worker threads."""
 
     def __init__(self):
         self.q = queue.SimpleQueue()
