@@ -244,10 +244,10 @@ class _Collectives:
         # `_all_to_allv`, which agrees on the largest block with one all_reduce first. A
         # rank's path must be its peers': a job that mixes equal and uneven split sizes in
         # one call fails every rank with a MismatchError naming both calls.
-        if (ins is None or len(set(ins)) == 1) and (outs is None or len(set(outs)) == 1) \
-                and in_rows % n == 0 and out_rows % n == 0 \
-                and input.numel() == output.numel() and (ins is None or ins[0] * n == in_rows) \
-                and (outs is None or outs[0] * n == out_rows):
+        def equal(sizes, rows):
+            return rows % n == 0 and (sizes is None or sizes == [rows // n] * n)
+
+        if equal(ins, in_rows) and equal(outs, out_rows) and input.numel() == output.numel():
             return self._go(
                 opts,
                 [("all_to_all", input, output, self._elems(input) // n, None, 0)],

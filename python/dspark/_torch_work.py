@@ -12,6 +12,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -98,11 +99,13 @@ class _Lane:
         self._serve()
 
     def _serve(self):  # with self.lock held, or before the lane is shared
-        self.gen += 1
-        self.cb_since = None
-        t = threading.Thread(target=self._loop, args=(self.gen,), name="dspark-futures",
+        """Starts a server for the lane; the old one (if any) ends after its callback. Raises
+        RuntimeError, changing nothing, when no thread can start."""
+        t = threading.Thread(target=self._loop, args=(self.gen + 1,), name="dspark-futures",
                              daemon=True)
         t.start()
+        self.gen += 1
+        self.cb_since = None
         self.threads = [x for x in self.threads if x.is_alive()] + [t]
 
     def _loop(self, gen):
@@ -131,10 +134,7 @@ class _Lane:
             if self.cb_since is None:
                 return
             if self.server == threading.get_ident():
-                try:
-                    self._serve()
-                except RuntimeError:
-                    pass
+                self._take_over()
                 return
         _MONITOR.watch(self)
 
@@ -145,13 +145,36 @@ class _Lane:
         with self.lock:
             if self.cb_since is None:
                 return False
-            if now - self.cb_since >= _HELP_AFTER_S and not self.q.empty():
+            if now - self.cb_since < _HELP_AFTER_S or self.q.empty():
+                return True
+            self._take_over()
+            return False
+
+    def _take_over(self):
+        """A new server for the lane (with `self.lock` held). Without a thread for it (the
+        interpreter shutting down, a thread limit), this thread waits for and completes
+        what is queued, in order, so that the stuck callback's wait still ends; said once
+        as a warning."""
+        try:
+            self._serve()
+            return
+        except RuntimeError as e:
+            warnings.warn(f"dspark: no thread to take a stuck lane over ({e}); its "
+                          "operations complete on the thread that found it stuck",
+                          RuntimeWarning, stacklevel=2)
+        self.lock.release()
+        try:
+            while True:
                 try:
-                    self._serve()
-                except RuntimeError:  # no thread: the callback's own wait will time out
-                    return False
-                return False
-            return True
+                    p = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if p is None:  # stop: for the server to see
+                    self.q.put(None)
+                    break
+                p.complete()
+        finally:
+            self.lock.acquire()
 
     def stop(self):
         """Lets the server wait for and complete what was queued, then end; waits for that
@@ -191,8 +214,11 @@ class _Monitor:
                 self.t = threading.Thread(target=self._loop, name="dspark-monitor", daemon=True)
                 try:
                     self.t.start()
-                except RuntimeError:
+                except RuntimeError as e:
                     self.t = None
+                    warnings.warn(f"dspark: no thread for the lane monitor ({e}): a callback "
+                                  "that waits for an operation another thread queued behind "
+                                  "it is not taken over", RuntimeWarning, stacklevel=2)
 
     def _loop(self):
         while True:
@@ -242,7 +268,11 @@ class _Completer:
                     q.q.put(pending)
                     q.queued()
                     return
-        # Closed, or no thread to wait on: this caller waits and completes it.
+        # Closed, or no thread to wait on: this caller waits and completes it (the call
+        # returns when it completed instead of at once).
+        if not self._closed:
+            warnings.warn("dspark: no thread to wait for an asynchronous operation; it "
+                          "completes before the call returns", RuntimeWarning, stacklevel=3)
         pending.complete()
 
     def stop(self):
@@ -261,7 +291,6 @@ _STOP_WAIT_S = 5.0
 # inside torch's future callbacks then dies mid-C++ ("terminate called without an active
 # exception", SIGABRT at exit after dropped async Works).
 _LANES = weakref.WeakSet()
-_COMPLETERS = _LANES  # the name older code and tests know
 
 
 @atexit.register

@@ -82,7 +82,7 @@ from ._torch_errors import (  # noqa: F401
     _torch_error,
 )
 from ._torch_work import (  # noqa: F401
-    _COMPLETERS,
+    _LANES,
     _STOP_WAIT_S,
     _async_work,
     _AsyncWork,

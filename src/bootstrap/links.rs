@@ -70,11 +70,12 @@ impl std::fmt::Debug for LazyLinks {
     }
 }
 
-/// `e`, a dial's timeout, with the time the dial waited for its step (the hello wait, and
-/// however late it was looked at after `due`), not the time of the `progress` call.
+/// `e`, a dial's timeout, with the time the dial waited for its step (which began
+/// [`HELLO_WAIT`] before `due`: the whole wait when it ran out, less when the peer closed
+/// first), not the time of the `progress` call.
 fn dial_timeout(mut e: Error, due: Instant) -> Error {
     if let Error::Timeout { waited, .. } = &mut e {
-        *waited = HELLO_WAIT + Instant::now().saturating_duration_since(due);
+        *waited = (Instant::now() + HELLO_WAIT).saturating_duration_since(due);
     }
     e
 }
@@ -235,13 +236,10 @@ impl Links for LazyLinks {
                     // make room, or its process ended. Unanswered, as at `due`: the next use
                     // dials again, and a process that ended refuses that dial.
                     self.door.dialing[r] = false;
-                    let mut e =
-                        ctx.timeout(Some(r), format!("{what}: {why}{}", unanswered_suffix()));
-                    if let Error::Timeout { waited, .. } = &mut e {
-                        *waited = HELLO_WAIT
-                            .saturating_sub(d.due.saturating_duration_since(Instant::now()));
-                    }
-                    return Err(e);
+                    return Err(dial_timeout(
+                        ctx.timeout(Some(r), format!("{what}: {why}{}", unanswered_suffix())),
+                        d.due,
+                    ));
                 }
                 Err(why) => {
                     self.door.dialing[r] = false;

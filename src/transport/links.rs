@@ -38,9 +38,11 @@ pub(crate) trait Accept {
     /// use instead of failing the peer (`unanswered`: the links say its host took the
     /// connection but it did not answer in time, [`Links::unanswered`]). A peer busy
     /// elsewhere, late to a collective by more than the bootstrap's hello wait, is not lost:
-    /// its next use dials it again, within that call's deadline. No by default.
-    fn retry_link(&self, _peer: usize, _e: &Error, _unanswered: bool) -> bool {
-        false
+    /// its next use dials it again, within that call's deadline; a connection its host
+    /// refused or never took still fails it at once. That is the default (TCP and verbs);
+    /// shm judges by the peer's process instead.
+    fn retry_link(&self, _peer: usize, _e: &Error, unanswered: bool) -> bool {
+        unanswered
     }
 }
 
@@ -246,7 +248,8 @@ pub(super) mod tests {
         }
     }
 
-    /// A transport that takes every connection and dials again the unanswered ones.
+    /// A transport that takes every connection (and, by default, dials again the unanswered
+    /// ones).
     #[derive(Default)]
     struct Take {
         got: Vec<usize>,
@@ -260,9 +263,6 @@ pub(super) mod tests {
             self.got.push(peer);
             Ok(())
         }
-        fn retry_link(&self, _: usize, _: &Error, unanswered: bool) -> bool {
-            unanswered
-        }
     }
 
     /// Rank 0 of 4, its links scripted.
@@ -273,11 +273,9 @@ pub(super) mod tests {
         (f, script)
     }
 
-    /// A round that completes one peer's connection and fails another's: the completed one
-    /// is taken (it used to be dropped with the round, while its peer kept its end), the
-    /// failed peer fails this call and every later use of it.
-    #[test]
-    fn a_failure_in_a_round_loses_no_connection_completed_in_it() {
+    /// Rank 0 linking to ranks 2 and 3, whose next round completes 3's connection and fails
+    /// 2's with a timeout the links call `unanswered` or not.
+    fn linking_2_and_3(unanswered: bool) -> (FirstUse, Arc<Mutex<Script>>, Take) {
         let (mut f, script) = first_use();
         let mut t = Take::default();
         f.link(2, &mut t).unwrap();
@@ -287,7 +285,17 @@ pub(super) mod tests {
             let mut s = script.lock().unwrap();
             s.done.push((3, stream()));
             s.fail = Some(timeout(2));
+            s.unanswered = unanswered;
         }
+        (f, script, t)
+    }
+
+    /// A round that completes one peer's connection and fails another's: the completed one
+    /// is taken (it used to be dropped with the round, while its peer kept its end), the
+    /// failed peer fails this call and every later use of it.
+    #[test]
+    fn a_failure_in_a_round_loses_no_connection_completed_in_it() {
+        let (mut f, script, mut t) = linking_2_and_3(false);
         let e = f.pump(&mut t).unwrap_err();
         assert_eq!(e.peer(), Some(2), "{e}");
         assert_eq!(t.got, [3], "the completed connection was taken");
@@ -317,16 +325,7 @@ pub(super) mod tests {
     /// a connection completed in the same round is taken too.
     #[test]
     fn an_unanswered_peer_is_dialled_again_and_the_round_is_no_error() {
-        let (mut f, script) = first_use();
-        let mut t = Take::default();
-        f.link(2, &mut t).unwrap();
-        f.link(3, &mut t).unwrap();
-        {
-            let mut s = script.lock().unwrap();
-            s.done.push((3, stream()));
-            s.fail = Some(timeout(2));
-            s.unanswered = true;
-        }
+        let (mut f, script, mut t) = linking_2_and_3(true);
         f.pump(&mut t).unwrap();
         assert_eq!(t.got, [3]);
         f.link(2, &mut t).unwrap();

@@ -153,13 +153,6 @@ impl Accept for Install<'_> {
         self.peers[peer] = Some(Peer::configure(self.rank, peer, stream, self.fixed_buffer)?);
         Ok(())
     }
-
-    /// A peer whose host took the connection but that did not answer in time is busy
-    /// elsewhere (late to this collective), not lost: dial it again, within the call's
-    /// deadline. A connection its host refused or never took still fails it at once.
-    fn retry_link(&self, _peer: usize, _e: &Error, unanswered: bool) -> bool {
-        unanswered
-    }
 }
 
 enum Fill {

@@ -196,13 +196,13 @@ for rows in (4, 6):
     check(torch.equal(mine, ref), f"all_to_all_single, splits on rank 1 only: {mine} vs {ref}")
 for group in (GLOO, None):
     name = "gloo" if group is GLOO else BACKEND
+    raised = None
     try:
         dist.all_to_all_single(torch.zeros(3, 2), torch.ones(3, 2), group=group)
-    except (RuntimeError, ValueError):
-        check(True, "")
-    else:
-        fail(f"{name}: all_to_all_single of 3 rows between 2 ranks without split sizes "
-             "did not raise")
+    except (RuntimeError, ValueError) as e:
+        raised = e
+    check(raised is not None, f"{name}: all_to_all_single of 3 rows between 2 ranks without "
+          "split sizes did not raise")
 
 dist.barrier()
 dist.destroy_process_group()

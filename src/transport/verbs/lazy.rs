@@ -463,12 +463,4 @@ impl Accept for Shaking<'_> {
         self.shakes[p] = Some(sh);
         Ok(())
     }
-
-    /// As over TCP: a peer whose host took the connection but that did not answer within
-    /// the hello wait is busy elsewhere (late to this collective), not lost; its next use
-    /// dials it again, within the call's deadline. A connection its host refused or never
-    /// took still fails it at once.
-    fn retry_link(&self, _peer: usize, _e: &Error, unanswered: bool) -> bool {
-        unanswered
-    }
 }
