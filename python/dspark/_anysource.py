@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dspark
-from ._torch_args import _seconds
-from ._torch_work import _wait_timed_out
+from ._torch_work import _wait_seconds, _wait_timed_out
 
 # How long one direction is listened to before the other is (seconds).
 _SLICE = 0.002
@@ -52,7 +51,7 @@ class _AnySourceWork(dist._Work):
     def wait(self, timeout=None):
         # The receive's own deadline bounds the wait; with `timeout`, it raises after that
         # long and the receive goes on.
-        secs = _seconds(timeout)
+        secs = _wait_seconds(timeout)
         if not self._done.wait(secs):
             raise _wait_timed_out(secs)
         if self._exc is not None:

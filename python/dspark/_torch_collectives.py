@@ -201,7 +201,9 @@ class _Collectives:
                 )
             op, factor = self._op(opts.reduceOp, out_t.dtype, "reduce_scatter")
             for i in ins:
-                _check_device(i, "reduce_scatter input")
+                # CUDA too: the concatenation is queued on torch's current stream, the call
+                # after it (`_go_cuda`), as all_gather's list form.
+                _check_device(i, "reduce_scatter input", cuda=True)
             flat = torch.cat([i.reshape(-1) for i in ins])
             if factor is not None:
                 flat.mul_(factor)

@@ -2,6 +2,7 @@
 every collective takes into dspark (synchronous, asynchronous, CUDA, coalesced), barriers,
 ``monitored_barrier`` and the rest of the group's methods."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -64,7 +65,10 @@ class _Ops(_Collectives):
         fut = torch.futures.Future()
         fut.set_result(self._sync_tensors)
         self._sync_work = _create_work_from_future(fut)
+        # The coalesced calls being gathered, per thread (`_coalesced`): None when no thread
+        # gathers, so the fast path's one look stays cheap.
         self._collect = None
+        self._collect_lock = threading.Lock()
         # Point-to-point messages travel on two more communicators, one per direction
         # (lower to higher rank, higher to lower): each runs its operations in order, so
         # with a single queue an irecv posted before the matching isend (every rank
@@ -122,9 +126,13 @@ class _Ops(_Collectives):
         op, root/peer). `keep` holds every tensor the calls touch; `finishers` run once the
         calls completed (copies back into non-contiguous outputs). Synchronous calls return a
         completed Work; asynchronous ones a future-backed one."""
-        if self._collect is not None:  # inside a coalesced call: gathered, run at its end
-            self._collect.append((calls, keep, finishers))
-            return None
+        if self._collect is not None:
+            # Inside a coalesced call on this thread: gathered, run at its end. Another
+            # thread's calls meanwhile (a Work's callback issuing a collective) run as usual.
+            parts = self._collect.get(threading.get_ident())
+            if parts is not None:
+                parts.append((calls, keep, finishers))
+                return None
         async_op = getattr(opts, "asyncOp", True) if sync is None else not sync
         timeout = _seconds(getattr(opts, "timeout", None))
         finish = _chain(list(finishers))
@@ -214,13 +222,24 @@ class _Ops(_Collectives):
 
     def _coalesced(self, opts, result, issue):
         """Runs `issue()` (several single-op calls) as one operation: their calls are
-        gathered and started together, with one Work."""
-        self._collect = []
+        gathered and started together, with one Work. Only this thread's calls are gathered."""
+        me = threading.get_ident()
+        parts = []
+        with self._collect_lock:
+            gathering = dict(self._collect or {})
+            outer = gathering.get(me)
+            gathering[me] = parts
+            self._collect = gathering
         try:
             issue()
-            parts = self._collect
         finally:
-            self._collect = None
+            with self._collect_lock:
+                gathering = dict(self._collect)
+                if outer is None:
+                    del gathering[me]
+                else:
+                    gathering[me] = outer
+                self._collect = gathering or None
         calls, keep, fins = [], [], []
         for c, k, f in parts:
             calls += c

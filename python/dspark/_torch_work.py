@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from . import _dspark
-from ._torch_args import _seconds
 from ._torch_errors import _torch_class, _torch_error
 
 class _Failure:
@@ -308,6 +307,15 @@ def _async_work(completer, raws, result, finish, deadline=None, lane=()):
     return _AsyncWork(p.inner, outer)
 
 
+def _wait_seconds(timeout):
+    """`Work.wait`'s timeout as seconds: None for none (None, or torch's `kNoTimeout`, zero);
+    a negative one is already over (torch's `wait_for` returns at once), 0.0."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return None if s == 0 else max(s, 0.0)
+
+
 def _wait_timed_out(secs):
     """What `Work.wait(timeout)` raises when the operation is still in flight: dspark's
     TimeoutError, also torch's DistBackendError, with torch's wording."""
@@ -346,7 +354,7 @@ class _AsyncWork(dist._Work):
     def wait(self, timeout=None):
         # Without `timeout` (or with torch's unset one) the operation's deadline bounds the
         # wait; with one, it raises after that long and leaves the operation in flight.
-        secs = _seconds(timeout)
+        secs = _wait_seconds(timeout)
         if secs is not None and not self._outer.done():
             done = threading.Event()
             self._outer.add_done_callback(lambda _f: done.set())

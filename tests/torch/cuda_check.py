@@ -8,7 +8,7 @@ Every rank uses GPU (local rank mod the number of GPUs), so 2 ranks on one GPU w
 - the reductions against every rank's input reduced here in float64 (independent of any
   backend); gloo on CPU is the reference for DDP;
 - all_reduce (SUM, MIN, MAX, PRODUCT, AVG), broadcast, reduce, all_gather_into_tensor,
-  reduce_scatter_tensor, send/recv and the coalesced all_reduce, on float32, float64, float16,
+  reduce_scatter_tensor, all_gather and reduce_scatter (list forms), send/recv and the coalesced all_reduce, on float32, float64, float16,
   bfloat16, int8, uint8, int32 and int64, at 1, 7 and 1000003 elements: synchronous calls, whose
   result is read by work queued afterwards on torch's current stream (no wait in between), and
   async_op=True calls waited through their Work;
@@ -116,6 +116,17 @@ def main():
             full = reference("sum", count * n, dtype)
             check(f"reduce_scatter_tensor {dtype} n={count}", out,
                   full[rank * count:(rank + 1) * count], exact)
+            # The list forms: reduce_scatter and all_gather (concatenated and split on
+            # torch's current stream around the call).
+            out = torch.empty(count, dtype=dtype, device=dev)
+            ins = make(rank, count * n, dtype).to(dev).chunk(n)
+            dist.reduce_scatter(out, list(ins))
+            check(f"reduce_scatter (list) {dtype} n={count}", out,
+                  full[rank * count:(rank + 1) * count], exact)
+            outs = [torch.empty(count, dtype=dtype, device=dev) for _ in range(n)]
+            dist.all_gather(outs, make(rank, count, dtype).to(dev))
+            check(f"all_gather (list) {dtype} n={count}", torch.cat(outs),
+                  torch.cat([make(q, count, dtype) for q in range(n)]), True)
             # send/recv around the ring
             if n > 1:
                 y = make(rank, count, dtype).to(dev)

@@ -12,7 +12,11 @@ gloo group made in the same run (`dist.new_group(backend="gloo")`), fed the same
    DistBackendError) after about the timeout, not after the group's; the receive goes on and
    a later `wait()` gets the data;
 4. `all_to_all_single` where one rank passes (equal) split sizes and the other none (legal
-   in torch), and one whose rows do not split evenly without sizes (an error, as gloo's).
+   in torch), and one whose rows do not split evenly without sizes (an error, as gloo's);
+5. (dspark) a collective issued by another thread while this one gathers a coalesced call
+   runs as itself, and the coalesced call's results are exact;
+6. `Work.wait` with a negative timeout raises at once on an operation still in flight (torch's
+   `wait_for`); with zero (torch's "no timeout") it waits.
 
 Run under torchrun with 2 ranks:
 
@@ -155,6 +159,17 @@ dist.barrier()
 got = torch.zeros(7)
 if RANK == 0:
     w = dist.irecv(got, src=1, group=LATE)
+    if BACKEND == "dspark":
+        # 6. A negative timeout is over already: raises at once (gloo closes the pair).
+        t0 = time.monotonic()
+        try:
+            w.wait(timedelta(seconds=-1))
+        except RuntimeError as e:
+            took = time.monotonic() - t0
+            check(took < 0.3 and "Timed out waiting" in str(e),
+                  f"wait(timeout=-1 s) raised after {took:.2f} s: {e}")
+        else:
+            fail("wait(timeout=-1 s) returned, the sender sleeping 3 s")
     t0 = time.monotonic()
     try:
         w.wait(timedelta(seconds=0.5))
@@ -168,7 +183,7 @@ if RANK == 0:
         fail(f"wait(timeout=0.5 s) returned after {time.monotonic() - t0:.2f} s, the sender "
              "sleeping 3 s")
     if BACKEND != "gloo":
-        w.wait()
+        w.wait(timedelta(0))  # torch's "no timeout"
         check(torch.equal(got, torch.arange(7.0)), f"the late receive got {got}")
 else:
     time.sleep(3)
@@ -203,6 +218,53 @@ for group in (GLOO, None):
         raised = e
     check(raised is not None, f"{name}: all_to_all_single of 3 rows between 2 ranks without "
           "split sizes did not raise")
+
+# -- 5. another thread's collective while this thread gathers a coalesced call (dspark) -----
+# A Work's callback may issue a collective on its lane's thread while the main thread is
+# inside a coalesced call: it must run as itself, not be folded into the main thread's batch.
+# The window is made wide here: the backend's list all_gather, which all_gather_coalesced
+# gathers, first has another thread run an all_reduce to the end.
+if BACKEND == "dspark":
+    impl = dist.group.WORLD
+    if not hasattr(impl, "_coalesced"):
+        impl = impl._get_backend(torch.device("cpu"))
+    plain = impl.allgather
+    other = torch.full((3,), float(RANK + 1))
+    between = []
+
+    def allgather_with_another_thread(outs, ins, opts=None):
+        def run():
+            try:
+                dist.all_reduce(other)
+                # Done when it returns (folded into the batch, it would run only later).
+                between.append(other.clone())
+            except Exception as e:  # noqa: BLE001 - reported below
+                between.append(e)
+        th = threading.Thread(target=run)
+        th.start()
+        th.join(60)
+        between.append(th.is_alive())
+        return plain(outs, ins, opts)
+
+    impl.allgather = allgather_with_another_thread
+    try:
+        done = watchdog("all_gather_coalesced with another thread's all_reduce", 90)
+        ins = [torch.arange(2.0 + j) + 10 * RANK for j in range(3)]
+        outs = [[torch.zeros(2 + j) for j in range(3)] for _ in range(N)]
+        dist.all_gather_coalesced(outs, ins)
+        done.set()
+    finally:
+        del impl.allgather
+    check(len(between) == 2 and between[1] is False
+          and torch.equal(between[0], torch.full((3,), 3.0)),
+          f"the other thread's all_reduce, when it returned and whether its thread was still "
+          f"alive: {between}")
+    ref = [[torch.zeros(2 + j) for j in range(3)] for _ in range(N)]
+    dist.all_gather_coalesced(ref, ins, group=GLOO)
+    for r in range(N):
+        for j in range(3):
+            check(torch.equal(outs[r][j], ref[r][j]),
+                  f"all_gather_coalesced: [{r}][{j}] is {outs[r][j]}, gloo's {ref[r][j]}")
 
 dist.barrier()
 dist.destroy_process_group()
