@@ -48,7 +48,14 @@ impl Engine {
     /// The compiled program of `req` (from the cache when it was compiled before), and how
     /// many elements of `Src` and `Dst` it touches.
     pub(super) fn program(&mut self, req: &Request, esz: usize) -> Result<Compiled> {
-        let seg_elems = (self.opts.segment_bytes / esz).max(1);
+        let seg = super::call_segment(
+            self.opts.segment_bytes,
+            self.world,
+            self.transport.kind(),
+            req.coll,
+            req.count.saturating_mul(esz),
+        );
+        let seg_elems = (seg / esz).max(1);
         let key = ProgramKey {
             req: ReqKey {
                 coll: req.coll,

@@ -79,6 +79,41 @@ pub struct EngineOptions {
     pub one_shot_bytes: usize,
 }
 
+/// The pipeline segment of a collective under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
+/// ranks over TCP ([`call_segment`]).
+pub const PAIR_SEGMENT: usize = 256 << 10;
+/// The size from which a two-rank collective over TCP takes the communicator's segment again.
+pub const PAIR_SEGMENT_BELOW: usize = 16 << 20;
+
+/// The pipeline segment, in bytes, of a call of `coll` on `bytes` bytes on a communicator of
+/// `world` ranks over `kind` whose segment is `segment` (`DSPARK_CHUNK_BYTES`): `segment`,
+/// except for a collective of fewer than [`PAIR_SEGMENT_BELOW`] bytes between two ranks over
+/// TCP, which takes at most [`PAIR_SEGMENT`]. Between two ranks of one host (loopback), 1–8
+/// MiB all_reduces run in one of two modes about 2x apart from run to run; at 4 MiB, 256 KiB
+/// segments ran in the fast one in 29 of 29 fresh runs one day and 9 of 18 another, 512 KiB
+/// ones in 2 of 18 and 2 of 10; at 1–2 MiB neither was the faster. From 16 MiB 512 KiB was
+/// 5–10% faster; between hosts (the link bed at 10 Gbit/s) both took 0.96–0.97 of the link
+/// (benches/RESULTS.md, stops 37 and 40). With more ranks no segment was better throughout.
+/// Every rank of a call computes the same (the transport is a job-wide choice, and a
+/// point-to-point call keeps `segment`: its two sides may count differently).
+pub fn call_segment(
+    segment: usize,
+    world: usize,
+    kind: TransportKind,
+    coll: Collective,
+    bytes: usize,
+) -> usize {
+    if world == 2
+        && kind == TransportKind::Tcp
+        && coll != Collective::SendRecv
+        && bytes < PAIR_SEGMENT_BELOW
+    {
+        segment.min(PAIR_SEGMENT)
+    } else {
+        segment
+    }
+}
+
 impl EngineOptions {
     /// The algorithm a call of `coll` on `bytes` bytes runs with on a world of `world`.
     pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
@@ -832,6 +867,10 @@ mod tests {
     struct Recording {
         inner: MemTransport,
         log: Arc<Mutex<Vec<String>>>,
+        /// The kind it says it is (`mem`'s where `None`).
+        kind: Option<TransportKind>,
+        /// The largest data frame it was given to send.
+        largest_frame: Arc<Mutex<u32>>,
     }
 
     impl Recording {
@@ -842,7 +881,7 @@ mod tests {
 
     impl Transport for Recording {
         fn kind(&self) -> TransportKind {
-            self.inner.kind()
+            self.kind.unwrap_or_else(|| self.inner.kind())
         }
         fn describe(&self) -> String {
             self.inner.describe()
@@ -854,6 +893,9 @@ mod tests {
             data: &[u8],
             progress: &mut SendProgress,
         ) -> Result<bool> {
+            let mut largest = self.largest_frame.lock().unwrap();
+            *largest = (*largest).max(hdr.len);
+            drop(largest);
             self.inner.send(peer, hdr, data, progress)
         }
         fn recv(
@@ -890,6 +932,8 @@ mod tests {
         let t = Recording {
             inner: fabric.transport(rank),
             log: Arc::clone(&log),
+            kind: None,
+            largest_frame: Arc::default(),
         };
         (
             Engine::new(rank, world, Box::new(t), EngineOptions::default()),
@@ -955,5 +999,104 @@ mod tests {
         )
         .unwrap();
         assert_eq!(taken(&log), Vec::<String>::new());
+    }
+
+    /// Two ranks over TCP cut collectives under 16 MiB into 256 KiB segments; larger ones,
+    /// point-to-point calls, other transports and other worlds take the communicator's 512
+    /// KiB. The sums are right either way (odd element counts: the last segment is short).
+    #[test]
+    fn two_ranks_over_tcp_cut_collectives_under_16_mib_into_smaller_segments() {
+        let big = PAIR_SEGMENT_BELOW / 4 + 3; // f32 elements: just over 16 MiB
+        let cases = [
+            (2, None, Collective::AllReduce, 262_147, 512 << 10),
+            (
+                2,
+                Some(TransportKind::Tcp),
+                Collective::AllReduce,
+                262_147,
+                256 << 10,
+            ),
+            (
+                2,
+                Some(TransportKind::Tcp),
+                Collective::AllReduce,
+                big,
+                512 << 10,
+            ),
+            (
+                2,
+                Some(TransportKind::Tcp),
+                Collective::SendRecv,
+                262_147,
+                512 << 10,
+            ),
+            (
+                3,
+                Some(TransportKind::Tcp),
+                Collective::AllReduce,
+                393_221,
+                512 << 10,
+            ),
+        ];
+        for (world, kind, coll, count, want) in cases {
+            let fabric = MemFabric::new(world, 4);
+            let largest: Vec<Arc<Mutex<u32>>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..world)
+                    .map(|r| {
+                        let largest_frame = Arc::default();
+                        let t = Recording {
+                            inner: fabric.transport(r),
+                            log: Arc::default(),
+                            kind,
+                            largest_frame: Arc::clone(&largest_frame),
+                        };
+                        let opts = EngineOptions {
+                            force_algo: (coll == Collective::AllReduce).then_some(Algorithm::Ring),
+                            ..EngineOptions::default()
+                        };
+                        let mut eng = Engine::new(r, world, Box::new(t), opts);
+                        s.spawn(move || {
+                            let mine: Vec<f32> = (0..count).map(|i| (i % 7 + r) as f32).collect();
+                            let mut call = if coll == Collective::SendRecv {
+                                Call::new(coll, None, count, 1 - r, r == 0)
+                            } else {
+                                Call::new(coll, Some(ReduceOp::Sum), count, 0, false)
+                            };
+                            call.dtype = DataType::F32;
+                            // All_reduce in place (`dst` holds the input); the send's input
+                            // in `src`.
+                            let mut out = if coll == Collective::SendRecv {
+                                vec![0f32; count]
+                            } else {
+                                mine.clone()
+                            };
+                            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+                            match (coll, r) {
+                                (Collective::SendRecv, 0) => {
+                                    eng.run(&call, bytemuck::cast_slice(&mine), &mut [])
+                                }
+                                _ => eng.run(&call, &[], dst),
+                            }
+                            .unwrap();
+                            for (i, &x) in out.iter().enumerate() {
+                                let want = match coll {
+                                    Collective::SendRecv if r == 0 => 0.0,
+                                    Collective::SendRecv => (i % 7) as f32,
+                                    _ => (0..world).map(|q| (i % 7 + q) as f32).sum(),
+                                };
+                                assert_eq!(x, want, "rank {r} element {i}");
+                            }
+                            largest_frame
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let got = largest.iter().map(|l| *l.lock().unwrap()).max().unwrap();
+            assert_eq!(
+                got as usize, want,
+                "{world} ranks over {kind:?}, {coll} of {count} f32"
+            );
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! algorithm each size runs and the cost model's prediction for it.
 
 use dspark::internals::cpus::{count, format_list, parse_ranges};
-use dspark::internals::engine::{spin_adapts, ADAPTED_SPIN_MAX};
+use dspark::internals::engine::{call_segment, spin_adapts, ADAPTED_SPIN_MAX, PAIR_SEGMENT_BELOW};
 use dspark::internals::plan::Collective;
 use dspark::path::{BufferLocation, TransportKind};
 use dspark::types::human_bytes;
@@ -284,7 +284,7 @@ pub(crate) fn header(
         } else {
             "CPU sharing and spin differ between ranks (below)".into()
         },
-        human_bytes(info.segment_bytes as u64, false),
+        segment_text(info, n),
         info.timeout,
     );
     if !same {
@@ -375,6 +375,23 @@ pub(crate) fn header(
     println!("#");
     for line in table::column_heads() {
         println!("{line}");
+    }
+}
+
+/// The segment size, and the smaller one collectives under a size take where the engine picks
+/// one ([`call_segment`]: two ranks over TCP).
+fn segment_text(info: &CommInfo, world: usize) -> String {
+    let seg = info.segment_bytes;
+    let small = call_segment(seg, world, info.transport, Collective::AllReduce, 0);
+    if small < seg {
+        format!(
+            "{} ({} for collectives under {}: two ranks over TCP)",
+            human_bytes(seg as u64, false),
+            human_bytes(small as u64, false),
+            human_bytes(PAIR_SEGMENT_BELOW as u64, false)
+        )
+    } else {
+        human_bytes(seg as u64, false)
     }
 }
 
