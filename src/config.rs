@@ -19,7 +19,7 @@
 //! | `DSPARK_JOB_TOKEN_FILE` | a file (mode 600: refused when group or others may read it) holding the job's shared secret; ranks without it are refused ([`JobAuth`]) | `DSPARK_JOB_TOKEN` |
 //! | `DSPARK_JOB_TOKEN` | the shared secret itself (both set: they must agree) | a random per-job secret where a private channel exists: dspark's spawners (`DSPARK_SPAWNER_SECRET`), the store rendezvous, `split`; else open |
 //! | `DSPARK_ALGO` | force an algorithm for the collectives it implements (`ring`, `recursive_doubling`, `chain`, `binomial_tree`, `tree`, `pairwise`, `dissemination`, `direct`) | by size |
-//! | `DSPARK_CHUNK_BYTES` | pipeline segment size (two ranks over TCP: at most 256 KiB for collectives under 16 MiB) | 512 KiB |
+//! | `DSPARK_CHUNK_BYTES` | pipeline segment size (two ranks over TCP: at most 256 KiB for all_reduces under 16 MiB) | 512 KiB |
 //! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs (at most 1 s); after a wait that slept and was woken soon after, the engine spins up to 2 ms (yielding the CPU past this), then gives it back call by call (0: never spin) | 50 (100, yielding the CPU, where ranks share CPUs: `CommInfo::cpu_sharing`) |
 //! | `DSPARK_SOCKET_BUFFER` | TCP socket buffer size (0: the kernel's autotuning; at most 1 GiB) | 4 MiB |
 //! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |

@@ -53,7 +53,7 @@ class _AnySourceWork(dist._Work):
         # long and the receive goes on.
         secs = _wait_seconds(timeout)
         if not self._done.wait(secs):
-            raise _wait_timed_out(secs)
+            raise _wait_timed_out(timeout)
         if self._exc is not None:
             raise self._exc
         return True

@@ -126,10 +126,11 @@ class _Ops(_Collectives):
         op, root/peer). `keep` holds every tensor the calls touch; `finishers` run once the
         calls completed (copies back into non-contiguous outputs). Synchronous calls return a
         completed Work; asynchronous ones a future-backed one."""
-        if self._collect is not None:
+        collect = self._collect  # read once: another thread may end its gathering now
+        if collect is not None:
             # Inside a coalesced call on this thread: gathered, run at its end. Another
             # thread's calls meanwhile (a Work's callback issuing a collective) run as usual.
-            parts = self._collect.get(threading.get_ident())
+            parts = collect.get(threading.get_ident())
             if parts is not None:
                 parts.append((calls, keep, finishers))
                 return None

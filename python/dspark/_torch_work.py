@@ -316,9 +316,11 @@ def _wait_seconds(timeout):
     return None if s == 0 else max(s, 0.0)
 
 
-def _wait_timed_out(secs):
+def _wait_timed_out(timeout):
     """What `Work.wait(timeout)` raises when the operation is still in flight: dspark's
-    TimeoutError, also torch's DistBackendError, with torch's wording."""
+    TimeoutError, also torch's DistBackendError, with torch's wording and the timeout as
+    given."""
+    secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     cls = _torch_class(_dspark.TimeoutError, False)
     return cls(
         f"dspark: Timed out waiting {int(secs * 1000)}ms for the operation to complete "
@@ -352,14 +354,15 @@ class _AsyncWork(dist._Work):
         return v
 
     def wait(self, timeout=None):
-        # Without `timeout` (or with torch's unset one) the operation's deadline bounds the
-        # wait; with one, it raises after that long and leaves the operation in flight.
+        # Without `timeout` (or with zero, torch's kNoTimeout) the operation's deadline
+        # bounds the wait; with one, it raises after that long (a negative one at once) and
+        # leaves the operation in flight.
         secs = _wait_seconds(timeout)
         if secs is not None and not self._outer.done():
             done = threading.Event()
             self._outer.add_done_callback(lambda _f: done.set())
             if not done.wait(secs):
-                raise _wait_timed_out(secs)
+                raise _wait_timed_out(timeout)
         v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc

@@ -79,23 +79,25 @@ pub struct EngineOptions {
     pub one_shot_bytes: usize,
 }
 
-/// The pipeline segment of a collective under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
+/// The pipeline segment of an all_reduce under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
 /// ranks over TCP ([`call_segment`]).
 pub const PAIR_SEGMENT: usize = 256 << 10;
-/// The size from which a two-rank collective over TCP takes the communicator's segment again.
+/// The size from which a two-rank all_reduce over TCP takes the communicator's segment again.
 pub const PAIR_SEGMENT_BELOW: usize = 16 << 20;
 
-/// The pipeline segment, in bytes, of a call of `coll` on `bytes` bytes on a communicator of
-/// `world` ranks over `kind` whose segment is `segment` (`DSPARK_CHUNK_BYTES`): `segment`,
-/// except for a collective of fewer than [`PAIR_SEGMENT_BELOW`] bytes between two ranks over
-/// TCP, which takes at most [`PAIR_SEGMENT`]. Between two ranks of one host (loopback), 1–8
-/// MiB all_reduces run in one of two modes about 2x apart from run to run; at 4 MiB, 256 KiB
-/// segments ran in the fast one in 29 of 29 fresh runs one day and 9 of 18 another, 512 KiB
-/// ones in 2 of 18 and 2 of 10; at 1–2 MiB neither was the faster. From 16 MiB 512 KiB was
-/// 5–10% faster; between hosts (the link bed at 10 Gbit/s) both took 0.96–0.97 of the link
-/// (benches/RESULTS.md, stops 37 and 40). With more ranks no segment was better throughout.
-/// Every rank of a call computes the same (the transport is a job-wide choice, and a
-/// point-to-point call keeps `segment`: its two sides may count differently).
+/// The pipeline segment, in bytes, of a call of `coll` on `bytes` bytes (the request's count
+/// times the element size) on a communicator of `world` ranks over `kind` whose segment is
+/// `segment` (`DSPARK_CHUNK_BYTES`): `segment`, except for an all_reduce of fewer than
+/// [`PAIR_SEGMENT_BELOW`] bytes between two ranks over TCP, which takes at most
+/// [`PAIR_SEGMENT`]. Between two ranks of one host (loopback), 1–8 MiB all_reduces run in one
+/// of two modes about 2x apart from run to run; at 4 MiB, 256 KiB segments ran in the fast
+/// one in 24 of 33 fresh runs (stops 37 and 40), 512 KiB ones in 4 of 28; at 1–2 MiB neither
+/// was the faster, at 8 MiB both scattered. From 16 MiB 512 KiB was 5–10% faster; between
+/// hosts (the link bed at 10 Gbit/s) both took 0.96–0.97 of the link (benches/RESULTS.md,
+/// stops 37 and 40). With more ranks no segment was better throughout, and the other
+/// collectives were not measured, so they keep `segment`. The cost model
+/// ([`EngineOptions::model`]) prices every call with the communicator's segment. Every rank of
+/// a call computes the same (the transport is a job-wide choice).
 pub fn call_segment(
     segment: usize,
     world: usize,
@@ -105,7 +107,7 @@ pub fn call_segment(
 ) -> usize {
     if world == 2
         && kind == TransportKind::Tcp
-        && coll != Collective::SendRecv
+        && coll == Collective::AllReduce
         && bytes < PAIR_SEGMENT_BELOW
     {
         segment.min(PAIR_SEGMENT)
@@ -1001,11 +1003,11 @@ mod tests {
         assert_eq!(taken(&log), Vec::<String>::new());
     }
 
-    /// Two ranks over TCP cut collectives under 16 MiB into 256 KiB segments; larger ones,
+    /// Two ranks over TCP cut all_reduces under 16 MiB into 256 KiB segments; larger ones,
     /// point-to-point calls, other transports and other worlds take the communicator's 512
     /// KiB. The sums are right either way (odd element counts: the last segment is short).
     #[test]
-    fn two_ranks_over_tcp_cut_collectives_under_16_mib_into_smaller_segments() {
+    fn two_ranks_over_tcp_cut_all_reduces_under_16_mib_into_smaller_segments() {
         let big = PAIR_SEGMENT_BELOW / 4 + 3; // f32 elements: just over 16 MiB
         let cases = [
             (2, None, Collective::AllReduce, 262_147, 512 << 10),

@@ -378,14 +378,14 @@ pub(crate) fn header(
     }
 }
 
-/// The segment size, and the smaller one collectives under a size take where the engine picks
+/// The segment size, and the smaller one all_reduces under a size take where the engine picks
 /// one ([`call_segment`]: two ranks over TCP).
 fn segment_text(info: &CommInfo, world: usize) -> String {
     let seg = info.segment_bytes;
     let small = call_segment(seg, world, info.transport, Collective::AllReduce, 0);
     if small < seg {
         format!(
-            "{} ({} for collectives under {}: two ranks over TCP)",
+            "{} ({} for all_reduces under {}: two ranks over TCP)",
             human_bytes(seg as u64, false),
             human_bytes(small as u64, false),
             human_bytes(PAIR_SEGMENT_BELOW as u64, false)
