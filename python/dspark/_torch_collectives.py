@@ -12,13 +12,15 @@ from ._torch_args import (
     _FAST_OPS,
     _UNSET_TIMEOUT,
     _AllgatherOptions,
+    _chain,
     _check_device,
+    _flat,
     _input,
     _output,
     _seconds,
 )
 from ._torch_errors import _torch_error
-from ._torch_work import _async_work
+from ._torch_work import _async_work, _Done
 
 
 class _Collectives:
@@ -241,21 +243,6 @@ class _Collectives:
         out_row = output.numel() // out_rows if out_rows else 0
         ins = list(input_split_sizes) or None
         outs = list(output_split_sizes) or None
-        # Equal blocks (no split sizes, or sizes all equal: what a rank without them would
-        # use) go straight to one all_to_all, asynchronous as asked; uneven ones through
-        # `_all_to_allv`, which agrees on the largest block with one all_reduce first. A
-        # rank's path must be its peers': a job that mixes equal and uneven split sizes in
-        # one call fails every rank with a MismatchError naming both calls.
-        def equal(sizes, rows):
-            return rows % n == 0 and (sizes is None or sizes == [rows // n] * n)
-
-        if equal(ins, in_rows) and equal(outs, out_rows) and input.numel() == output.numel():
-            return self._go(
-                opts,
-                [("all_to_all", input, output, self._elems(input) // n, None, 0)],
-                [input, output],
-                [output],
-            )
         if ins is None:
             if in_rows % n:
                 raise InvalidArgumentError(
@@ -307,45 +294,38 @@ class _Collectives:
 
     def _all_to_allv(self, opts, flat_in, in_counts, flat_out, out_counts, result,
                      finishers=(), keep=()):
-        """Uneven all-to-all: every block padded to the largest block of the job (agreed by
-        one small all_reduce MAX), one equal all_to_all, then unpacked."""
-        n = self._n
-        m = torch.tensor([max(in_counts + out_counts)], dtype=torch.int64)
-        try:
-            self._comm._run("all_reduce", "i64", m.data_ptr(), m.data_ptr(), 1, "max", 0,
-                            _seconds(getattr(opts, "timeout", None)))
-        except _dspark.Error as e:
-            raise _torch_error(e, self._deadline) from None
-        m = int(m.item())
-        dtype = flat_in.dtype
-        if all(c == m for c in in_counts + out_counts):
-            return self._go(
-                opts,
-                [("all_to_all", flat_in, flat_out, self._elems(flat_in) // n, None, 0)],
-                [flat_in, flat_out, *keep],
-                result,
-                finishers,
+        """All-to-all of blocks of any size: `in_counts[j]` elements of `flat_in` (in rank
+        order) to rank j, `out_counts[i]` elements of `flat_out` from rank i, in one dspark
+        all_to_all_v (the pairwise all_to_all's rounds, the blocks as they are). Every
+        all_to_all takes this path, equal blocks or not, so ranks whose split sizes differ in
+        kind (none on one rank, uneven on another) run the same collective."""
+        n, r = self._n, self._r
+        if in_counts[r] != out_counts[r]:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all: rank {r} sends {in_counts[r]} elements to itself but "
+                f"receives {out_counts[r]}"
             )
-        send = torch.zeros(n * m, dtype=dtype)
-        off = 0
-        for j, c in enumerate(in_counts):
-            send[j * m:j * m + c] = flat_in[off:off + c]
-            off += c
-        recv = torch.empty(n * m, dtype=dtype)
-
-        def unpack():
-            o = 0
-            for i, c in enumerate(out_counts):
-                flat_out[o:o + c] = recv[i * m:i * m + c]
-                o += c
-
-        return self._go(
-            opts,
-            [("all_to_all", send, recv, self._elems(send) // n, None, 0)],
-            [send, recv, flat_out, *keep],
-            result,
-            [unpack, *finishers],
-        )
+        mult = 2 if flat_in.is_complex() else 1
+        src, dt = _flat(flat_in)
+        dst, _ = _flat(flat_out)
+        async_op = getattr(opts, "asyncOp", True)
+        timeout = _seconds(getattr(opts, "timeout", None))
+        deadline = timeout or self._deadline
+        # The storages too, as `_go` keeps them.
+        held = (flat_in, flat_out, src, dst, src.untyped_storage(), dst.untyped_storage(),
+                *keep)
+        try:
+            w = self._comm._all_to_all_v(dt, src.data_ptr(), [c * mult for c in in_counts],
+                                         dst.data_ptr(), [c * mult for c in out_counts], held,
+                                         timeout, not async_op)
+        except _dspark.Error as e:
+            raise _torch_error(e, deadline) from None
+        if not async_op:
+            for f in finishers:
+                f()
+            return _Done(result)
+        return _async_work(self._completer, [w], result, _chain(list(finishers)), deadline,
+                           (id(self._comm),))
 
     # -- gather / scatter --------------------------------------------------------------
     def gather(self, output_lists, inputs, opts=None):

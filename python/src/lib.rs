@@ -758,6 +758,61 @@ impl PyComm {
         })
     }
 
+    /// An all-to-all of blocks of any size (`Communicator::all_to_all_v`) on raw host buffers:
+    /// `send_counts[j]` elements of `dtype` at `send` (blocks in rank order) to rank j,
+    /// `recv_counts[i]` from rank i into `recv`. Started, its `Work` returned, with
+    /// `keepalive` held until it completes (as `_start`); with `wait=True`, run to completion
+    /// on this thread without the GIL first (as `_run`), and `None` returned.
+    #[pyo3(signature = (dtype, send, send_counts, recv, recv_counts, keepalive, timeout=None, wait=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn _all_to_all_v(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        send: usize,
+        send_counts: Vec<usize>,
+        recv: usize,
+        recv_counts: Vec<usize>,
+        keepalive: Py<PyAny>,
+        timeout: Option<f64>,
+        wait: bool,
+    ) -> PyResult<Option<PyWork>> {
+        let dt = parse_dtype(dtype)?;
+        let timeout = secs(timeout)?;
+        if wait {
+            let c = self.get()?;
+            // Raw pointers are not Send; their addresses are.
+            py.detach(move || {
+                // SAFETY: as `_run`: the Python caller (dspark/_torch_collectives.py) passes
+                // the data pointers of live contiguous tensors holding the counts' sums of
+                // elements, which it references until this call returns.
+                unsafe {
+                    c.run_raw_all_to_all_v(
+                        dt,
+                        (send as *const u8, &send_counts),
+                        (recv as *mut u8, &recv_counts),
+                        timeout,
+                    )
+                }
+            })
+            .map_err(py_err)?;
+            return Ok(None);
+        }
+        self.pend("all_to_all", keepalive, |c| {
+            // SAFETY: as `_start`: the pointers are those of the tensors in `keepalive`,
+            // which `pend` holds until the operation completes.
+            unsafe {
+                c.start_raw_all_to_all_v(
+                    dt,
+                    (send as *const u8, &send_counts),
+                    (recv as *mut u8, &recv_counts),
+                    timeout,
+                )
+            }
+        })
+        .map(Some)
+    }
+
     /// Splits into sub-communicators, as `ncclCommSplit`: ranks with the same `colour` form
     /// one, ordered by `key` then by rank; `None` or a negative colour opts out (returns
     /// `None`). Collective over this communicator.

@@ -800,6 +800,43 @@ impl Communicator {
         self.exec(self.op_all_to_all(send, recv)?, None)
     }
 
+    /// Block j of `send` (`send_counts[j]` elements, the blocks in rank order) goes to rank
+    /// j, and block i of `recv` (`recv_counts[i]` elements) comes from rank i: an all-to-all
+    /// whose blocks differ in size, as MPI's `Alltoallv` with contiguous blocks (torch's
+    /// `all_to_all_single` with split sizes). Rank j's `recv_counts[r]` must equal rank r's
+    /// `send_counts[j]`, and a rank sends itself as many elements as it receives from itself.
+    /// The blocks move as they are, in the rounds of [`Communicator::all_to_all`]: no
+    /// agreement first, no padding.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the counts are not one per rank or do not add up to the
+    /// buffers' lengths; `Mismatch` when a peer's count for the block between the two
+    /// differs (or a peer runs another collective); otherwise as
+    /// [`Communicator::all_reduce`].
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.exec_all_to_all_v(send, send_counts, recv, recv_counts, None)
+    }
+
+    fn exec_all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let (src, dst) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        self.shared.exclusive(timeout, |eng| {
+            eng.run_all_to_all_v(T::DATA_TYPE, send_counts, recv_counts, src, dst)
+        })
+    }
+
     /// Copies `root`'s `buf` into every other rank's `buf`.
     ///
     /// # Errors
@@ -919,6 +956,16 @@ impl Timed<'_> {
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let c = self.comm;
         c.exec(c.op_all_to_all(send, recv)?, Some(self.timeout))
+    }
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let c = self.comm;
+        c.exec_all_to_all_v(send, send_counts, recv, recv_counts, Some(self.timeout))
     }
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let c = self.comm;

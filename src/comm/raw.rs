@@ -462,6 +462,142 @@ impl Communicator {
             unsafe { bufs.run(eng) }
         })
     }
+
+    /// [`Communicator::all_to_all_v`] on raw host buffers, started without blocking: it runs
+    /// on the progress thread after every operation issued before it (the Python binding's
+    /// entry point). `send` holds the blocks for ranks 0, 1, ... of `send_counts[j]` elements
+    /// of `dtype` each, `recv` receives rank i's block of `recv_counts[i]` elements at the sum
+    /// of the counts before it. The counts are copied.
+    ///
+    /// # Safety
+    /// Until the returned [`Work`] has completed (it runs to completion even if the `Work` is
+    /// dropped): `send` must be valid for reads of the sum of `send_counts` elements and
+    /// `recv` for reads and writes of the sum of `recv_counts` (either may be null where its
+    /// sum is 0); nothing else may write `send` or access `recv`. They may overlap (a copy of
+    /// `send` is then sent).
+    ///
+    /// # Errors
+    /// Argument errors at once; the operation's errors from the [`Work`].
+    pub unsafe fn start_raw_all_to_all_v(
+        &self,
+        dtype: DataType,
+        (send, send_counts): (*const u8, &[usize]),
+        (recv, recv_counts): (*mut u8, &[usize]),
+        timeout: Option<Duration>,
+    ) -> Result<Work> {
+        let bufs = self.v_buffers(dtype, (send, send_counts), (recv, recv_counts))?;
+        // SAFETY: the caller's contract covers the run, which happens before completion.
+        let task: Task = Box::new(move |eng| unsafe { bufs.run(eng) });
+        Ok(self
+            .shared
+            .submit(task, timeout, Collective::AllToAll.name()))
+    }
+
+    /// [`Communicator::start_raw_all_to_all_v`], run on the caller's thread (after every
+    /// operation issued before it); returns when it is complete.
+    ///
+    /// # Safety
+    /// As [`Communicator::start_raw_all_to_all_v`], until this returns.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all_v`].
+    pub unsafe fn run_raw_all_to_all_v(
+        &self,
+        dtype: DataType,
+        (send, send_counts): (*const u8, &[usize]),
+        (recv, recv_counts): (*mut u8, &[usize]),
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let bufs = self.v_buffers(dtype, (send, send_counts), (recv, recv_counts))?;
+        self.shared.exclusive(timeout, |eng| {
+            // SAFETY: the caller's contract, for as long as this call runs.
+            unsafe { bufs.run(eng) }
+        })
+    }
+
+    /// Checks an all-to-all-v's counts against the world and its pointers, and keeps them.
+    fn v_buffers(
+        &self,
+        dtype: DataType,
+        (send, send_counts): (*const u8, &[usize]),
+        (recv, recv_counts): (*mut u8, &[usize]),
+    ) -> Result<VBuffers> {
+        let (me, n) = (self.rank(), self.world_size());
+        let bad = |what: String| Error::invalid(Some(me), Collective::AllToAll.name(), what);
+        if send_counts.len() != n || recv_counts.len() != n {
+            return Err(bad(format!(
+                "{} send counts and {} receive counts for a world of {n} (one per rank)",
+                send_counts.len(),
+                recv_counts.len()
+            )));
+        }
+        let bytes = |counts: &[usize], p: *const u8, which: &str| -> Result<usize> {
+            let b = counts
+                .iter()
+                .try_fold(0usize, |a, &c| a.checked_add(c))
+                .and_then(|e| e.checked_mul(dtype.size()))
+                .filter(|&b| b <= isize::MAX as usize)
+                .ok_or_else(|| bad(format!("the {which} counts overflow")))?;
+            if b > 0 && p.is_null() {
+                return Err(bad(format!(
+                    "{which} buffer is NULL with {b} bytes to move"
+                )));
+            }
+            Ok(b)
+        };
+        Ok(VBuffers {
+            dtype,
+            src_len: bytes(send_counts, send, "send")?,
+            dst_len: bytes(recv_counts, recv.cast_const(), "receive")?,
+            src: send,
+            dst: recv,
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        })
+    }
+}
+
+/// An all-to-all-v's host buffers and counts ([`Communicator::start_raw_all_to_all_v`]).
+struct VBuffers {
+    dtype: DataType,
+    src: *const u8,
+    src_len: usize,
+    dst: *mut u8,
+    dst_len: usize,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+}
+
+// SAFETY: as `RawBuffers`: run only through `VBuffers::run`, whose caller guarantees that both
+// buffers stay valid and unused by anybody else until the operation completes, on the one
+// thread the driver role picks.
+unsafe impl Send for VBuffers {}
+
+impl VBuffers {
+    /// Runs the all-to-all-v on `eng`.
+    ///
+    /// # Safety
+    /// Until this returns, `src` must be valid for reads of `src_len` bytes and `dst` for
+    /// reads and writes of `dst_len` bytes (each may be null when its length is 0), and no
+    /// other thread may write `src` or access `dst`. The two may overlap.
+    unsafe fn run(self, eng: &mut Engine) -> Result<()> {
+        let (s, d) = (self.src as usize, self.dst as usize);
+        let overlap =
+            self.src_len > 0 && self.dst_len > 0 && s < d + self.dst_len && d < s + self.src_len;
+        let src: &[u8] = if self.src_len == 0 {
+            &[]
+        } else {
+            // SAFETY: valid for reads of src_len bytes and not written meanwhile (contract).
+            unsafe { std::slice::from_raw_parts(self.src, self.src_len) }
+        };
+        // Overlapping buffers: send from a copy, so that no shared view aliases `dst`.
+        let copy = overlap.then(|| src.to_vec());
+        let src = copy.as_deref().unwrap_or(src);
+        // SAFETY: valid for reads and writes of dst_len bytes, used by nobody else (contract);
+        // where it overlaps `src`, `src` is a copy.
+        let dst = unsafe { dst_slice(self.dst, self.dst_len) };
+        eng.run_all_to_all_v(self.dtype, &self.send_counts, &self.recv_counts, src, dst)
+    }
 }
 
 impl Communicator {

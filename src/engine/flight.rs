@@ -33,7 +33,8 @@
 //! the communicator; a send or receive counts per peer and direction; null for a queued
 //! call), `collective` (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `reduce`,
 //! `all_to_all`, `barrier`, `send`, `recv`, `send_recv`), `dtype`, `count` (elements, as
-//! the engine counts them: per rank block for all_gather, reduce_scatter and all_to_all),
+//! the engine counts them: per rank block for all_gather, reduce_scatter and all_to_all;
+//! 18446744073709551615, `u64::MAX`, for an all_to_all of counts per peer, `all_to_all_v`),
 //! `op`, `root`, `peer`, `recv_from` and `recv_seq` (an exchange), `algorithm`,
 //! `transport`, `path` (`host`, `host-staged`, `gpu-direct`), `state`,
 //! `started_unix_ns`, `ended_unix_ns`, `duration_us`, and `failure`: null, or `kind`,

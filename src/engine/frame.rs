@@ -56,7 +56,11 @@ impl Desc {
             .map_or(format!("collective #{coll}"), |c| c.name().to_string());
         let dtype_s =
             DataType::from_code(dtype).map_or(format!("type #{dtype}"), |d| d.to_string());
-        let mut s = format!("{coll_s} #{seq} (count {count}, {dtype_s}");
+        let mut s = if count == super::all_to_all_v::V_COUNT {
+            format!("{coll_s} #{seq} (counts per peer, {dtype_s}")
+        } else {
+            format!("{coll_s} #{seq} (count {count}, {dtype_s}")
+        };
         if op != NO_OP {
             s += &ReduceOp::from_code(op).map_or(format!(", op #{op}"), |o| format!(", {o}"));
         }
@@ -120,13 +124,18 @@ pub(super) fn check_header(
         });
     }
     if h.len as usize != len {
+        let why = if d.count == super::all_to_all_v::V_COUNT {
+            "the two ranks' counts for the block between them differ"
+        } else {
+            "a frame was lost or the ranks cut messages into different segments"
+        };
         return Err(Error::Mismatch {
             rank: Some(rank),
             peer: Some(peer),
             op: d.coll.name().into(),
             what: format!(
                 "rank {peer} sent a {}-byte frame of {} where rank {rank} expected {len} bytes: \
-                 a frame was lost or the ranks cut messages into different segments",
+                 {why}",
                 h.len,
                 d.describe_self(),
             ),

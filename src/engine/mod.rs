@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::plan::model::CostModel;
 use crate::plan::{self, Algorithm, Buf, Collective, Loc, Program, Request};
 
+mod all_to_all_v;
 mod any;
 mod cache;
 mod drive;

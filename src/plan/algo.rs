@@ -712,6 +712,29 @@ fn pairwise_all_to_all(n: usize, r: Rank, c: usize) -> Schedule {
     s
 }
 
+/// Pairwise all-to-all of blocks of any size, in [`pairwise_all_to_all`]'s rounds: rank `r` of
+/// `n` copies its own block, then in step s = 1..n-1 sends its block for rank r+s and receives
+/// rank r−s's block. Block j of `Src` is elements `send[j]..send[j + 1]`, block i of `Dst` is
+/// `recv[i]..recv[i + 1]` (`send` and `recv` are the blocks' starts, `n + 1` each: prefix sums
+/// of the counts). An empty block moves no frame. Each rank's schedule depends on its own
+/// counts only; rank j's `recv[r + 1] - recv[r]` must be rank r's `send[j + 1] - send[j]` for
+/// the frames to match.
+pub fn pairwise_all_to_all_v(n: usize, r: Rank, send: &[usize], recv: &[usize]) -> Schedule {
+    let mut s = Schedule::new();
+    s.round().push(Op::Copy {
+        src: Loc::src(send[r]..send[r + 1]),
+        dst: Loc::dst(recv[r]..recv[r + 1]),
+    });
+    for step in 1..n {
+        let to = (r + step) % n;
+        let from = (r + n - step) % n;
+        s.round()
+            .send(to, Loc::src(send[to]..send[to + 1]))
+            .recv_copy(from, Loc::dst(recv[from]..recv[from + 1]));
+    }
+    s
+}
+
 /// Dissemination barrier: in round k rank r sends an empty frame to r+2^k and waits for one
 /// from r−2^k; after ⌈log2 n⌉ rounds every rank has heard, transitively, from every other.
 fn dissemination_barrier(n: usize, r: Rank) -> Schedule {

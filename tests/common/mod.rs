@@ -473,7 +473,7 @@ pub(crate) fn exchange_beyond_partners(
 }
 
 /// An all_to_all over every pair (5 values per pair, a formula of sender, receiver and
-/// index), exact.
+/// index), then an all_to_all_v of blocks of every size (empty, small, over a segment), exact.
 pub(crate) fn all_to_all_exact(comm: &Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let b = 5;
@@ -484,7 +484,26 @@ pub(crate) fn all_to_all_exact(comm: &Communicator) -> Result<(), String> {
     let want: Vec<i32> = (0..n)
         .flat_map(|q| (0..b).map(move |j| (q * 10_000 + r * b + j) as i32))
         .collect();
-    check("all_to_all", &recv, &want)
+    check("all_to_all", &recv, &want)?;
+    // All-to-all-v: blocks of 0 to 6 elements, and rank 0's block for the last rank longer
+    // than a 512 KiB segment; each element names its sender, its receiver and its place.
+    let count = |i: usize, j: usize| {
+        if i == 0 && j == n - 1 {
+            131_101
+        } else {
+            (i * 3 + j * 5) % 7
+        }
+    };
+    let block =
+        |i: usize, j: usize| (0..count(i, j)).map(move |k| ((i * n + j) * 200_000 + k) as i32);
+    let send_counts: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|i| count(i, r)).collect();
+    let send: Vec<i32> = (0..n).flat_map(|j| block(r, j)).collect();
+    let mut recv = vec![-1i32; recv_counts.iter().sum()];
+    comm.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+        .map_err(|e| format!("all_to_all_v: {e}"))?;
+    let want: Vec<i32> = (0..n).flat_map(|i| block(i, r)).collect();
+    check("all_to_all_v", &recv, &want)
 }
 
 /// An all_reduce of 1031 f64 (rank r holds r·1031 + i) against its closed form:

@@ -12,8 +12,9 @@ gloo group made in the same run (`dist.new_group(backend="gloo")`), fed the same
    DistBackendError) after about the timeout, not after the group's; the receive goes on and
    a later `wait()` gets the data;
 4. `all_to_all_single` where one rank passes (equal) split sizes and the other none (legal
-   in torch), uneven ones with empty blocks (each against gloo's result), and one whose rows
-   do not split evenly without sizes (an error, as gloo's);
+   in torch), uneven ones where one rank's blocks are equal and it passes none, empty blocks
+   (each against gloo's result); an uneven one with `async_op=True` returns before the late
+   peer has called; one whose rows do not split evenly without sizes is an error, as gloo's;
 5. (dspark) a collective issued by another thread while this one gathers a coalesced call
    runs as itself, and the coalesced call's results are exact;
 6. `Work.wait` with a negative timeout raises at once on an operation still in flight (torch's
@@ -210,26 +211,46 @@ for rows in (4, 6):
     mine = a2a(None, inp, torch.zeros(rows, 3), splits)
     ref = a2a(GLOO, inp, torch.zeros(rows, 3), splits)
     check(torch.equal(mine, ref), f"all_to_all_single, splits on rank 1 only: {mine} vs {ref}")
-# Uneven blocks, with empty ones, rows of three, float64 and int64: dspark's result is gloo's.
-# (One rank's blocks equal and passed without sizes while another's are uneven, which torch
-# allows, still fails with a MismatchError: the equal ones skip the agreement on the largest
-# block that the uneven ones run. A native all-to-all-v would need neither.)
-CASES = [  # per rank: (input split sizes, output split sizes, input rows)
+# Uneven blocks, where one rank's are equal and it passes no sizes (a legal mix, which failed
+# with a MismatchError while equal and uneven blocks ran different protocols), with empty
+# blocks, rows of three, float64 and int64: dspark's result is gloo's.
+CASES = [  # per rank: (input split sizes or None, output split sizes or None, input rows)
+    [(None, None, 8), ([4, 6], [4, 6], 10)],
     [([0, 3], [0, 5], 3), ([5, 2], [3, 2], 7)],
     [([1, 1], [1, 2], 2), ([2, 7], [1, 7], 9)],
 ]
 for case in CASES:
     ins, outs, rows = case[RANK]
+    out_rows = sum(outs) if outs else rows
     for dtype in (torch.float64, torch.int64):
         inp = (torch.arange(rows * 3, dtype=dtype).view(rows, 3) + 1000 * RANK)
         got = []
         for group in (None, GLOO):
-            out = torch.full((sum(outs), 3), -1, dtype=dtype)
+            out = torch.full((out_rows, 3), -1, dtype=dtype)
             dist.all_to_all_single(out, inp, outs, ins, group=group)
             got.append(out)
         check(torch.equal(got[0], got[1]),
               f"all_to_all_single {dtype} sizes {case[RANK]}: {got[0].tolist()} vs gloo's "
               f"{got[1].tolist()}")
+
+# Uneven and asynchronous: the call returns at once, before the peer has called (nothing is
+# agreed first), and its Work completes with the data.
+inp = torch.arange(5.0) + 10 * RANK
+ins, outs = ([2, 3], [2, 1]) if RANK == 0 else ([1, 3], [3, 3])
+out = torch.zeros(sum(outs))
+dist.barrier()
+if RANK == 1:
+    time.sleep(1.0)
+t0 = time.monotonic()
+w = dist.all_to_all_single(out, inp[:sum(ins)], outs, ins, async_op=True)
+took = time.monotonic() - t0
+if RANK == 0:
+    check(took < 0.5, f"an uneven all_to_all_single(async_op=True) returned after {took:.2f} s "
+          "(the peer came 1 s late)")
+w.wait()
+want = (torch.tensor([0.0, 1.0, 10.0]) if RANK == 0
+        else torch.tensor([2.0, 3.0, 4.0, 11.0, 12.0, 13.0]))
+check(torch.equal(out, want), f"uneven async all_to_all_single gave {out}, want {want}")
 
 for group in (GLOO, None):
     name = "gloo" if group is GLOO else BACKEND

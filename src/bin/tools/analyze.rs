@@ -54,7 +54,12 @@ impl Call {
 
     /// `f32 × 2, sum, root 0, ring`
     fn shape(&self) -> String {
-        let mut s = format!("{} × {}", self.dtype, self.count);
+        let mut s = if self.count == u64::MAX {
+            // An all_to_all_v: counts per peer.
+            format!("{} × counts per peer", self.dtype)
+        } else {
+            format!("{} × {}", self.dtype, self.count)
+        };
         if !self.op.is_empty() {
             s += &format!(", {}", self.op);
         }

@@ -1,0 +1,243 @@
+//! An all-to-all whose blocks differ in size ([`Engine::run_all_to_all_v`]): MPI's
+//! `Alltoallv` with contiguous blocks, torch's `all_to_all_single` with split sizes. One
+//! program of the pairwise all_to_all's rounds ([`plan::algo::pairwise_all_to_all_v`]) built
+//! from this rank's counts, under a collective sequence number; its frames' headers carry
+//! [`V_COUNT`] where a plain all_to_all's carry its count, so that a rank running one against
+//! a peer running the other is a mismatch, not data at the wrong offsets.
+
+use std::time::Instant;
+
+use super::frame::Desc;
+use super::{call_trace_args, flight, Call, Engine};
+use crate::error::{Error, Result};
+use crate::plan::{self, Algorithm, Collective};
+use crate::transport::NO_OP;
+use crate::types::{DataType, ReduceOp};
+
+/// The count in the frame headers of an all-to-all of counts per peer: one count does not
+/// describe it (its blocks differ from pair to pair).
+pub(super) const V_COUNT: u64 = u64::MAX;
+
+/// The blocks' starts (prefix sums of `counts`, `counts.len() + 1` entries), or `None` when
+/// they overflow.
+fn starts(counts: &[usize]) -> Option<Vec<usize>> {
+    let mut at = Vec::with_capacity(counts.len() + 1);
+    at.push(0usize);
+    for &c in counts {
+        at.push(at.last()?.checked_add(c)?);
+    }
+    Some(at)
+}
+
+impl Engine {
+    /// Sends `send_counts[j]` elements of `src` (blocks in rank order) to rank j and receives
+    /// `recv_counts[i]` elements from rank i into `dst` (blocks in rank order), every rank at
+    /// once: an all-to-all whose blocks differ in size. This rank's own block is copied
+    /// (`send_counts[rank] == recv_counts[rank]`); the others move in the pairwise
+    /// all_to_all's rounds, one program under a collective sequence number. Rank j's
+    /// `recv_counts[rank]` must equal this rank's `send_counts[j]`: where a pair disagrees,
+    /// the receiver finds a frame of another length (a mismatch naming the peer) or waits for
+    /// one that does not come until the peer's next frame, a mismatch too, or the deadline.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (before the call takes its sequence number) when the counts are not
+    /// one per rank, do not add up to the buffers' lengths or disagree on this rank's own
+    /// block; then as [`Engine::run`].
+    pub fn run_all_to_all_v(
+        &mut self,
+        dtype: DataType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
+        self.honour_abort();
+        if let Some(e) = &self.poison {
+            return Err(e.clone());
+        }
+        let (me, n, esz) = (self.rank, self.world, dtype.size());
+        let name = Collective::AllToAll.name();
+        let bad = |what: String| Err(Error::invalid(Some(me), name, what));
+        if send_counts.len() != n || recv_counts.len() != n {
+            return bad(format!(
+                "{} send counts and {} receive counts for a world of {n} (one per rank)",
+                send_counts.len(),
+                recv_counts.len()
+            ));
+        }
+        let (Some(sends), Some(recvs)) = (starts(send_counts), starts(recv_counts)) else {
+            return bad("the counts overflow".into());
+        };
+        let (total_send, total_recv) = (sends[n], recvs[n]);
+        let fits = |elems: usize, len: usize| elems.checked_mul(esz) == Some(len);
+        if !fits(total_send, src.len()) || !fits(total_recv, dst.len()) {
+            return bad(format!(
+                "the counts add up to {total_send} elements sent and {total_recv} received, \
+                 the buffers hold {} and {} bytes of {dtype}",
+                src.len(),
+                dst.len()
+            ));
+        }
+        if send_counts[me] != recv_counts[me] {
+            return bad(format!(
+                "rank {me} sends {} elements to itself but receives {}",
+                send_counts[me], recv_counts[me]
+            ));
+        }
+        let algo = Algorithm::Pairwise;
+        let call = Call {
+            dtype,
+            ..Call::new(Collective::AllToAll, None, total_send, 0, false)
+        };
+        // Recorded with `V_COUNT` too: the ranks' totals differ, and `dspark analyze` would
+        // take that for ranks that disagree about the call.
+        let seq = self.start_call(&call, V_COUNT as usize, algo, flight::FlightPath::Host);
+        let desc = Desc {
+            coll: Collective::AllToAll,
+            algo,
+            seq,
+            dtype,
+            op: NO_OP,
+            count: V_COUNT,
+            root: 0,
+        };
+        let sched = plan::algo::pairwise_all_to_all_v(n, me, &sends, &recvs);
+        let prog = plan::compile(&sched, (self.opts.segment_bytes / esz).max(1));
+        let t0 = self.trace.is_some().then(Instant::now);
+        let result = self
+            .execute(&prog, &desc, ReduceOp::Sum, ReduceOp::Sum, src, dst)
+            .map_err(|e| e.in_op(&desc.op_name()));
+        if let Some(t0) = t0 {
+            let args = call_trace_args(&call, algo);
+            self.trace_call(&desc.op_name(), t0, args, &result);
+        }
+        self.end_call(&call, seq, result.map_err(|e| e.at_rank(me)), esz)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineOptions;
+    use crate::transport::mem::MemFabric;
+    use std::time::Duration;
+
+    /// The elements rank r sends rank j.
+    type Count<'a> = &'a (dyn Fn(usize, usize) -> usize + Sync);
+    /// Changes rank r's send and receive counts after its input is built.
+    type Tweak<'a> = &'a (dyn Fn(usize, &mut Vec<usize>, &mut Vec<usize>) + Sync);
+
+    /// Rank `r`'s block for rank `j` in world `n`: `count(r, j)` elements naming both.
+    fn block(r: usize, j: usize, count: usize) -> Vec<u32> {
+        (0..count)
+            .map(|k| (r * 1_000_000 + j * 1000 + k) as u32)
+            .collect()
+    }
+
+    /// Runs one all-to-all-v per rank as threads over a `mem` fabric (segments of `seg`
+    /// bytes): `count(r, j)` elements from rank r to rank j. Returns each rank's result.
+    fn run(n: usize, seg: usize, count: Count<'_>, tweak: Tweak<'_>) -> Vec<Result<Vec<u32>>> {
+        let fabric = MemFabric::new(n, 4);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let opts = EngineOptions {
+                        segment_bytes: seg,
+                        timeout: Duration::from_secs(10),
+                        ..EngineOptions::default()
+                    };
+                    let mut eng = Engine::new(r, n, Box::new(fabric.transport(r)), opts);
+                    s.spawn(move || {
+                        let mut sc: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
+                        let mut rc: Vec<usize> = (0..n).map(|i| count(i, r)).collect();
+                        let src: Vec<u32> = (0..n).flat_map(|j| block(r, j, sc[j])).collect();
+                        tweak(r, &mut sc, &mut rc);
+                        let mut dst = vec![u32::MAX; rc.iter().sum()];
+                        eng.run_all_to_all_v(
+                            DataType::U32,
+                            &sc,
+                            &rc,
+                            bytemuck::cast_slice(&src[..sc.iter().sum::<usize>()]),
+                            bytemuck::cast_slice_mut(&mut dst),
+                        )
+                        .map(|()| dst)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Worlds of 1 to 5, blocks of every size from empty to several segments (odd, prime,
+    /// smaller than the world): every rank ends with every peer's block for it, in rank order,
+    /// compared with the blocks built here.
+    #[test]
+    fn every_rank_gets_every_peers_block_for_it_whatever_their_sizes() {
+        let counts: [Count<'_>; 4] = [
+            &|r, j| (r * 7 + j * 3) % 5,
+            &|r, j| if (r + j) % 2 == 0 { 0 } else { 1 + r * 13 + j },
+            &|r, j| 97 * (r + 1) + 31 * j + 1,
+            &|_, _| 0,
+        ];
+        for n in 1..=5 {
+            for (k, count) in counts.iter().enumerate() {
+                // 64-byte segments: blocks of up to 30 segments.
+                for (r, got) in run(n, 64, count, &|_, _, _| {}).into_iter().enumerate() {
+                    let want: Vec<u32> = (0..n).flat_map(|i| block(i, r, count(i, r))).collect();
+                    assert_eq!(got.unwrap(), want, "world {n}, counts {k}, rank {r}");
+                }
+            }
+        }
+    }
+
+    /// A rank that expects a larger block than its peer sends fails well before the deadline:
+    /// it finds a frame of another length, and the error names the peer and the cause.
+    #[test]
+    fn ranks_that_disagree_about_a_block_fail_with_a_mismatch() {
+        let t = Instant::now();
+        let res = run(3, 64, &|r, j| 10 + r + j, &|r, _, rc| {
+            if r == 2 {
+                rc[0] += 1; // expects one element more from rank 0 than rank 0 sends
+            }
+        });
+        let text = match &res[2] {
+            Err(e @ Error::Mismatch { .. }) => e.to_string(),
+            other => panic!("rank 2: {other:?}"),
+        };
+        assert!(
+            text.contains("rank 0") && text.contains("counts for the block between them"),
+            "{text}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    }
+
+    /// Wrong arguments fail before the call takes its sequence number: the next call runs.
+    #[test]
+    fn wrong_counts_are_refused_before_the_call_starts() {
+        let fabric = MemFabric::new(1, 4);
+        let mut eng = Engine::new(
+            0,
+            1,
+            Box::new(fabric.transport(0)),
+            EngineOptions::default(),
+        );
+        let src = [1u8, 2, 3];
+        let mut dst = [0u8; 3];
+        for (sc, rc, want) in [
+            (vec![3, 0], vec![3], "one per rank"),
+            (vec![2], vec![2], "add up"),
+            (vec![3], vec![2], "add up"),
+        ] {
+            let e = eng
+                .run_all_to_all_v(DataType::U8, &sc, &rc, &src, &mut dst)
+                .unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains(want),
+                "{e}"
+            );
+        }
+        eng.run_all_to_all_v(DataType::U8, &[3], &[3], &src, &mut dst)
+            .unwrap();
+        assert_eq!(dst, src);
+    }
+}
