@@ -155,6 +155,10 @@ def _entries(group, pg_id, name, desc, ranks, limit):
             pname, ins, outs = coll, [[count]], [[count * n]]
         elif coll == "reduce_scatter":
             pname, ins, outs = coll, [[count * n]], [[count]]
+        elif coll == "all_to_all" and count == 2**64 - 1:
+            # An all_to_all_v (counts per peer): its sizes differ from rank to rank and are
+            # not recorded.
+            pname, ins, outs = coll, [], []
         elif coll == "all_to_all":
             pname, ins, outs = coll, [[count * n]], [[count * n]]
         elif coll == "barrier":

@@ -255,7 +255,8 @@ class _Collectives:
                     f"dspark: all_to_all_single: {out_rows} output rows do not split into {n}"
                 )
             outs = [out_rows // n] * n
-        if len(ins) != n or len(outs) != n or sum(ins) != in_rows or sum(outs) != out_rows:
+        if (len(ins) != n or len(outs) != n or sum(ins) != in_rows or sum(outs) != out_rows
+                or min(ins) < 0 or min(outs) < 0):
             raise InvalidArgumentError(
                 f"dspark: all_to_all_single: split sizes {ins} / {outs} do not match "
                 f"{in_rows} input / {out_rows} output rows and group size {n}"

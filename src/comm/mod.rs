@@ -832,6 +832,8 @@ impl Communicator {
         timeout: Option<Duration>,
     ) -> Result<()> {
         let (src, dst) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        let span = tracing::trace_span!("collective", coll = "all_to_all_v", count = src.len());
+        let _g = span.enter();
         self.shared.exclusive(timeout, |eng| {
             eng.run_all_to_all_v(T::DATA_TYPE, send_counts, recv_counts, src, dst)
         })

@@ -1,22 +1,25 @@
 //! An all-to-all whose blocks differ in size ([`Engine::run_all_to_all_v`]): MPI's
 //! `Alltoallv` with contiguous blocks, torch's `all_to_all_single` with split sizes. One
 //! program of the pairwise all_to_all's rounds ([`plan::algo::pairwise_all_to_all_v`]) built
-//! from this rank's counts, under a collective sequence number; its frames' headers carry
-//! [`V_COUNT`] where a plain all_to_all's carry its count, so that a rank running one against
-//! a peer running the other is a mismatch, not data at the wrong offsets.
+//! from this rank's counts, under a collective sequence number. Every pair exchanges at least
+//! one frame (a descriptor-only one for an empty block), and each frame's header carries the
+//! size of the block between its two ranks, marked with [`COUNT_PER_PEER`], where a plain
+//! all_to_all's carry the call's count: two ranks that disagree about their block, or a rank
+//! running a plain all_to_all against one running this, meet as a mismatch at the pair's first
+//! frame, naming both sizes, never as data at the wrong offsets or a frame left over.
 
 use std::time::Instant;
 
-use super::frame::Desc;
+use super::frame::{Desc, Descs};
 use super::{call_trace_args, flight, Call, Engine};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Collective};
-use crate::transport::NO_OP;
+use crate::transport::{COUNT_PER_PEER, NO_OP};
 use crate::types::{DataType, ReduceOp};
 
-/// The count in the frame headers of an all-to-all of counts per peer: one count does not
-/// describe it (its blocks differ from pair to pair).
-pub(super) const V_COUNT: u64 = u64::MAX;
+/// The count the flight recorder keeps for an all-to-all of counts per peer (`u64::MAX`): the
+/// ranks' totals differ, and `dspark analyze` would take that for ranks that disagree.
+const RECORDED_COUNT: usize = usize::MAX;
 
 /// The blocks' starts (prefix sums of `counts`, `counts.len() + 1` entries), or `None` when
 /// they overflow.
@@ -36,8 +39,8 @@ impl Engine {
     /// (`send_counts[rank] == recv_counts[rank]`); the others move in the pairwise
     /// all_to_all's rounds, one program under a collective sequence number. Rank j's
     /// `recv_counts[rank]` must equal this rank's `send_counts[j]`: where a pair disagrees,
-    /// the receiver finds a frame of another length (a mismatch naming the peer) or waits for
-    /// one that does not come until the peer's next frame, a mismatch too, or the deadline.
+    /// the pair's first frame (every pair exchanges one, even for an empty block) carries
+    /// the sender's size, and the call fails with a mismatch naming the peer and both sizes.
     ///
     /// # Errors
     /// `InvalidArgument` (before the call takes its sequence number) when the counts are not
@@ -89,24 +92,36 @@ impl Engine {
             dtype,
             ..Call::new(Collective::AllToAll, None, total_send, 0, false)
         };
-        // Recorded with `V_COUNT` too: the ranks' totals differ, and `dspark analyze` would
-        // take that for ranks that disagree about the call.
-        let seq = self.start_call(&call, V_COUNT as usize, algo, flight::FlightPath::Host);
+        let seq = self.start_call(&call, RECORDED_COUNT, algo, flight::FlightPath::Host);
         let desc = Desc {
             coll: Collective::AllToAll,
             algo,
             seq,
             dtype,
             op: NO_OP,
-            count: V_COUNT,
+            count: COUNT_PER_PEER,
             root: 0,
         };
+        let per_pair =
+            |c: &[usize]| -> Vec<u64> { c.iter().map(|&k| COUNT_PER_PEER | k as u64).collect() };
+        let (to, from) = (per_pair(send_counts), per_pair(recv_counts));
         let sched = plan::algo::pairwise_all_to_all_v(n, me, &sends, &recvs);
         let prog = plan::compile(&sched, (self.opts.segment_bytes / esz).max(1));
         let t0 = self.trace.is_some().then(Instant::now);
-        let result = self
-            .execute(&prog, &desc, ReduceOp::Sum, ReduceOp::Sum, src, dst)
-            .map_err(|e| e.in_op(&desc.op_name()));
+        let result = if prog.steps.is_empty() {
+            Ok(())
+        } else {
+            self.with_scratch(&prog, |eng, s, start, deadline| {
+                let descs = Descs {
+                    send: &desc,
+                    recv: &desc,
+                    per_peer: Some((&to, &from)),
+                };
+                let sum = ReduceOp::Sum;
+                eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)
+            })
+        }
+        .map_err(|e| e.in_op(&desc.op_name()));
         if let Some(t0) = t0 {
             let args = call_trace_args(&call, algo);
             self.trace_call(&desc.op_name(), t0, args, &result);
@@ -190,25 +205,76 @@ mod tests {
         }
     }
 
-    /// A rank that expects a larger block than its peer sends fails well before the deadline:
-    /// it finds a frame of another length, and the error names the peer and the cause.
+    /// A rank that expects a larger, a smaller or an empty block where its peer sends 12
+    /// elements (or a block where the peer sends none) fails at that pair's first frame, well
+    /// before the deadline, with a mismatch naming the peer and both sizes.
     #[test]
-    fn ranks_that_disagree_about_a_block_fail_with_a_mismatch() {
-        let t = Instant::now();
-        let res = run(3, 64, &|r, j| 10 + r + j, &|r, _, rc| {
-            if r == 2 {
-                rc[0] += 1; // expects one element more from rank 0 than rank 0 sends
-            }
+    fn ranks_that_disagree_about_a_block_fail_with_a_mismatch_naming_both_sizes() {
+        // (count from rank 0 to rank 2, what rank 2 expects of it)
+        for (sent, expected) in [(12, 13), (12, 11), (12, 0), (0, 5), (16, 32)] {
+            let t = Instant::now();
+            let count = move |r: usize, j: usize| if (r, j) == (0, 2) { sent } else { 3 + r + j };
+            let res = run(3, 64, &count, &|r, _, rc| {
+                if r == 2 {
+                    rc[0] = expected;
+                }
+            });
+            let text = match &res[2] {
+                Err(e @ Error::Mismatch { .. }) => e.to_string(),
+                other => panic!("{sent} sent, {expected} expected: rank 2: {other:?}"),
+            };
+            assert!(
+                text.contains("rank 0")
+                    && text.contains(&format!("{sent} for this pair"))
+                    && text.contains(&format!("{expected} for this pair")),
+                "{sent} sent, {expected} expected: {text}"
+            );
+            assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+        }
+    }
+
+    /// A plain all_to_all against an all-to-all of counts per peer is a mismatch on the rank
+    /// that runs the plain one, whatever the sizes.
+    #[test]
+    fn a_plain_all_to_all_against_one_of_counts_per_peer_is_a_mismatch() {
+        let fabric = MemFabric::new(2, 4);
+        let res: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let opts = EngineOptions {
+                        timeout: Duration::from_secs(10),
+                        ..EngineOptions::default()
+                    };
+                    let mut eng = Engine::new(r, 2, Box::new(fabric.transport(r)), opts);
+                    s.spawn(move || {
+                        let src = [7u8; 8];
+                        let mut dst = [0u8; 8];
+                        if r == 0 {
+                            let call = Call::new(Collective::AllToAll, None, 4, 0, false);
+                            eng.run(&call, &src, &mut dst)
+                        } else {
+                            eng.run_all_to_all_v(DataType::U8, &[4, 4], &[4, 4], &src, &mut dst)
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let text = match &res[2] {
-            Err(e @ Error::Mismatch { .. }) => e.to_string(),
-            other => panic!("rank 2: {other:?}"),
-        };
+        for (r, e) in res.iter().enumerate() {
+            let text = match e {
+                Err(e @ (Error::Mismatch { .. } | Error::Aborted { .. })) => e.to_string(),
+                other => panic!("rank {r}: {other:?}"),
+            };
+            assert!(
+                text.contains("for this pair") || text.contains("aborted"),
+                "{text}"
+            );
+        }
         assert!(
-            text.contains("rank 0") && text.contains("counts for the block between them"),
-            "{text}"
+            matches!(res[0], Err(Error::Mismatch { .. })),
+            "rank 0: {:?}",
+            res[0]
         );
-        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
     }
 
     /// Wrong arguments fail before the call takes its sequence number: the next call runs.

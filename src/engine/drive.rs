@@ -42,6 +42,7 @@ impl Engine {
             let descs = Descs {
                 send: desc,
                 recv: desc,
+                per_peer: None,
             };
             eng.drive(prog, descs, full_op, op, src, dst, esz, start, deadline, s)
         })
@@ -129,7 +130,7 @@ impl Engine {
                         Buf::Src => &src[r],
                         Buf::Dst => &dst[r],
                     };
-                    let hdr = desc.header(data.len());
+                    let hdr = descs.header_to(p, data.len());
                     if self.trace.is_some() && s.send_started[p].is_none() {
                         s.send_started[p] = Some(Instant::now());
                     }
@@ -171,10 +172,11 @@ impl Engine {
                                 (d, Acc::From(a))
                             }
                         };
+                        let from = descs.recv_from(p);
                         let mut sink = Sink {
                             rank: self.rank,
                             peer: p,
-                            desc: descs.recv,
+                            desc: &from,
                             len,
                             dst: dseg,
                             acc,

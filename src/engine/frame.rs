@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
 use crate::reduce;
-use crate::transport::{FrameHeader, FrameKind, RecvSink, NO_OP};
+use crate::transport::{count_text, FrameHeader, FrameKind, RecvSink, COUNT_PER_PEER, NO_OP};
 use crate::types::{DataType, ReduceOp};
 
 /// The descriptors a drive loop checks frames against: the call's, for its sends and its
@@ -19,6 +19,32 @@ use crate::types::{DataType, ReduceOp};
 pub(super) struct Descs<'a> {
     pub(super) send: &'a Desc,
     pub(super) recv: &'a Desc,
+    /// An all-to-all of counts per peer ([`super::Engine::run_all_to_all_v`]): the count the
+    /// frames to and from each peer carry instead of the descriptor's (indexed by peer; the
+    /// block between the two ranks, marked with [`COUNT_PER_PEER`]).
+    pub(super) per_peer: Option<(&'a [u64], &'a [u64])>,
+}
+
+impl Descs<'_> {
+    /// The descriptor the frames from `peer` are checked against.
+    pub(super) fn recv_from(&self, peer: usize) -> Desc {
+        match self.per_peer {
+            Some((_, from)) => Desc {
+                count: from[peer],
+                ..*self.recv
+            },
+            None => *self.recv,
+        }
+    }
+
+    /// The header of a frame of `len` bytes to `peer`.
+    pub(super) fn header_to(&self, peer: usize, len: usize) -> FrameHeader {
+        let mut h = self.send.header(len);
+        if let Some((to, _)) = self.per_peer {
+            h.count = to[peer];
+        }
+        h
+    }
 }
 
 /// The descriptor every frame of a call carries.
@@ -56,11 +82,7 @@ impl Desc {
             .map_or(format!("collective #{coll}"), |c| c.name().to_string());
         let dtype_s =
             DataType::from_code(dtype).map_or(format!("type #{dtype}"), |d| d.to_string());
-        let mut s = if count == super::all_to_all_v::V_COUNT {
-            format!("{coll_s} #{seq} (counts per peer, {dtype_s}")
-        } else {
-            format!("{coll_s} #{seq} (count {count}, {dtype_s}")
-        };
+        let mut s = format!("{coll_s} #{seq} ({}, {dtype_s}", count_text(count));
         if op != NO_OP {
             s += &ReduceOp::from_code(op).map_or(format!(", op #{op}"), |o| format!(", {o}"));
         }
@@ -124,7 +146,7 @@ pub(super) fn check_header(
         });
     }
     if h.len as usize != len {
-        let why = if d.count == super::all_to_all_v::V_COUNT {
+        let why = if d.count & COUNT_PER_PEER != 0 {
             "the two ranks' counts for the block between them differ"
         } else {
             "a frame was lost or the ranks cut messages into different segments"

@@ -493,6 +493,7 @@ impl Engine {
                 let descs = Descs {
                     send: &send_desc,
                     recv: &recv_desc,
+                    per_peer: None,
                 };
                 let sum = ReduceOp::Sum;
                 eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)

@@ -716,9 +716,11 @@ fn pairwise_all_to_all(n: usize, r: Rank, c: usize) -> Schedule {
 /// `n` copies its own block, then in step s = 1..n-1 sends its block for rank r+s and receives
 /// rank r−s's block. Block j of `Src` is elements `send[j]..send[j + 1]`, block i of `Dst` is
 /// `recv[i]..recv[i + 1]` (`send` and `recv` are the blocks' starts, `n + 1` each: prefix sums
-/// of the counts). An empty block moves no frame. Each rank's schedule depends on its own
-/// counts only; rank j's `recv[r + 1] - recv[r]` must be rank r's `send[j + 1] - send[j]` for
-/// the frames to match.
+/// of the counts). An empty block still moves a descriptor-only frame, so that every pair
+/// exchanges one and a pair that disagrees about its block meets (the engine puts the block's
+/// size in each frame's header). Each rank's schedule depends on its own counts only; rank
+/// j's `recv[r + 1] - recv[r]` must be rank r's `send[j + 1] - send[j]` for the frames to
+/// match.
 pub fn pairwise_all_to_all_v(n: usize, r: Rank, send: &[usize], recv: &[usize]) -> Schedule {
     let mut s = Schedule::new();
     s.round().push(Op::Copy {
@@ -729,8 +731,15 @@ pub fn pairwise_all_to_all_v(n: usize, r: Rank, send: &[usize], recv: &[usize]) 
         let to = (r + step) % n;
         let from = (r + n - step) % n;
         s.round()
-            .send(to, Loc::src(send[to]..send[to + 1]))
-            .recv_copy(from, Loc::dst(recv[from]..recv[from + 1]));
+            .push(Op::Send {
+                peer: to,
+                src: Loc::src(send[to]..send[to + 1]),
+            })
+            .push(Op::Recv {
+                peer: from,
+                dst: Loc::dst(recv[from]..recv[from + 1]),
+                acc: None,
+            });
     }
     s
 }

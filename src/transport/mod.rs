@@ -174,6 +174,20 @@ pub struct FrameHeader {
 /// `op` value of collectives that do not reduce.
 pub const NO_OP: u8 = 0xff;
 
+/// The high bit of a frame header's `count` in an all-to-all of counts per peer: the rest is
+/// the number of elements of the block between the frame's two ranks (the engine's
+/// `all_to_all_v`), where other calls' headers carry the call's count.
+pub const COUNT_PER_PEER: u64 = 1 << 63;
+
+/// A header's `count` in words: `count 12`, or `12 for this pair, counts per peer`.
+pub fn count_text(count: u64) -> String {
+    if count & COUNT_PER_PEER != 0 {
+        format!("{} for this pair, counts per peer", count & !COUNT_PER_PEER)
+    } else {
+        format!("count {count}")
+    }
+}
+
 impl FrameHeader {
     /// Serialises to little-endian bytes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {

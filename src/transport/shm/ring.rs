@@ -360,17 +360,19 @@ impl ShmTransport {
                 sink.on_header(&h)?;
                 let what = if h.seq == seq {
                     format!(
-                        "rank {peer} runs collective #{} (count {}) one-shot through shared \
+                        "rank {peer} runs collective #{} ({}) one-shot through shared \
                          memory where rank {rank} sends frames (another collective, count or \
                          algorithm: DSPARK_ALGO differs between the ranks?)",
-                        h.seq, h.count
+                        h.seq,
+                        crate::transport::count_text(h.count)
                     )
                 } else {
                     format!(
-                        "rank {peer} runs collective #{} (count {}) one-shot through shared \
+                        "rank {peer} runs collective #{} ({}) one-shot through shared \
                          memory, which rank {rank} called with no elements or ran as frames; \
                          rank {rank} is at #{seq}",
-                        h.seq, h.count
+                        h.seq,
+                        crate::transport::count_text(h.count)
                     )
                 };
                 return Err(Error::Mismatch {

@@ -226,19 +226,24 @@ impl Slots for ShmTransport {
                 }
                 let what = if h.seq == seq {
                     format!(
-                        "rank {peer} sent a frame of collective #{seq} (count {}, {} bytes) \
+                        "rank {peer} sent a frame of collective #{seq} ({}, {} bytes) \
                          where rank {} runs it one-shot through shared memory (another \
                          collective, count or algorithm: DSPARK_ALGO differs between the \
                          ranks?)",
-                        h.count, h.len, self.rank
+                        crate::transport::count_text(h.count),
+                        h.len,
+                        self.rank
                     )
                 } else {
                     format!(
-                        "rank {peer} sent a frame of collective #{} (count {}, {} bytes) \
+                        "rank {peer} sent a frame of collective #{} ({}, {} bytes) \
                          without a contribution to collective #{seq}, which rank {} runs \
                          one-shot through shared memory: rank {peer} called #{seq} with no \
                          elements, or another collective",
-                        h.seq, h.count, h.len, self.rank
+                        h.seq,
+                        crate::transport::count_text(h.count),
+                        h.len,
+                        self.rank
                     )
                 };
                 return Err(Error::Mismatch {
