@@ -217,6 +217,26 @@ class Communicator:
         del keep
         return src
 
+    def all_to_all_v(self, send, send_counts, recv, recv_counts, *, async_op=False,
+                     timeout=None):
+        """Block ``j`` of ``send`` (``send_counts[j]`` elements, the blocks in rank order)
+        goes to rank ``j``; block ``i`` of ``recv`` (``recv_counts[i]`` elements) comes from
+        rank ``i``: an all-to-all whose blocks differ in size (MPI's ``Alltoallv``). Rank
+        ``j``'s ``recv_counts[r]`` must equal rank ``r``'s ``send_counts[j]``; a pair that
+        disagrees fails with a ``MismatchError`` naming both sizes."""
+        s = describe(send, False, "all_to_all_v send")
+        r = describe(recv, True, "all_to_all_v recv")
+        self._same("all_to_all_v", s, r)
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if min(sc + rc, default=0) < 0 or sum(sc) != s[1] or sum(rc) != r[1]:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all_v: counts {sc} / {rc} must be non-negative and add up "
+                f"to send's {s[1]} and recv's {r[1]} elements"
+            )
+        w = self._c._all_to_all_v(s[2], s[0], sc, r[0], rc, (s[3], r[3]), timeout,
+                                  not async_op)
+        return Work(w, recv) if async_op else recv
+
     def send_recv(self, send, dest, recv, source, *, async_op=False, timeout=None):
         """Sends ``send`` to ``dest`` and receives ``recv`` from ``source`` at once (MPI's
         ``Sendrecv``): the two progress together, so ranks that exchange buffers (a swap, a

@@ -122,6 +122,21 @@ for dt in DTYPES:
         comm.all_to_all(sends[RANK], out)
         want = np.concatenate([sends[r][RANK * count:(RANK + 1) * count] for r in range(N)])
         check(np.array_equal(out, want), f"all_to_all {dt.__name__} {count}")
+        # all_to_all_v: rank r sends rank j a block of (r + 2j + count) % 4 elements, blocking
+        # and not; each block a slice of the sender's data.
+        size = lambda i, j: (i + 2 * j + count) % 4  # noqa: E731
+        mine = data(RANK, sum(size(RANK, j) for j in range(N)), dt, 4)
+        starts = lambda i: np.cumsum([0] + [size(i, j) for j in range(N)])  # noqa: E731
+        want = np.concatenate([data(i, sum(size(i, j) for j in range(N)), dt, 4)
+                               [starts(i)[RANK]:starts(i)[RANK + 1]] for i in range(N)])
+        for async_op in (False, True):
+            got = np.full(len(want), 99, dtype=dt)
+            w = comm.all_to_all_v(mine, [size(RANK, j) for j in range(N)], got,
+                                  [size(i, RANK) for i in range(N)], async_op=async_op)
+            if async_op:
+                w.wait()
+            check(np.array_equal(got, want), f"all_to_all_v {dt.__name__} {count} "
+                  f"async={async_op}: {got} vs {want}")
         if N > 1:
             nxt, prv = (RANK + 1) % N, (RANK - 1) % N
             got = np.empty(count, dtype=dt)
