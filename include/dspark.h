@@ -489,6 +489,31 @@ dspark_result_t dspark_send_recv(const dspark_comm_t *comm,
                                  dspark_work_t **work);
 
 /**
+ * All-to-all of blocks of any size (MPI's `MPI_Alltoallv` with contiguous blocks):
+ * `sendcounts[j]` elements of `sendbuf` (the blocks in rank order) go to rank `j`, and
+ * `recvcounts[i]` elements from rank `i` land in `recvbuf` (in rank order). Rank `j`'s
+ * `recvcounts[r]` must equal rank `r`'s `sendcounts[j]`; a pair that disagrees fails with
+ * `DSPARK_ERR_MISMATCH` naming both sizes. The counts (`size` each) are read during the
+ * call and may be freed once it returns. The buffers may overlap (a copy of the send blocks
+ * is then sent).
+ *
+ * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
+ *
+ * # Safety
+ * As `dspark_all_reduce`, with `sendcounts` and `recvcounts` valid for reads of `size`
+ * `size_t` each during the call, `sendbuf` valid for reads of the sum of `sendcounts`
+ * elements of `dtype` and `recvbuf` for reads and writes of the sum of `recvcounts`, until
+ * the operation completes.
+ */
+dspark_result_t dspark_all_to_all_v(const dspark_comm_t *comm,
+                                    const void *sendbuf,
+                                    const size_t *sendcounts,
+                                    void *recvbuf,
+                                    const size_t *recvcounts,
+                                    dspark_dtype_t dtype,
+                                    dspark_work_t **work);
+
+/**
  * Barrier: completes once every rank of `comm` has reached it.
  *
  * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.

@@ -953,6 +953,68 @@ pub unsafe extern "C" fn dspark_send_recv(
     }
 }
 
+/// All-to-all of blocks of any size (MPI's `MPI_Alltoallv` with contiguous blocks):
+/// `sendcounts[j]` elements of `sendbuf` (the blocks in rank order) go to rank `j`, and
+/// `recvcounts[i]` elements from rank `i` land in `recvbuf` (in rank order). Rank `j`'s
+/// `recvcounts[r]` must equal rank `r`'s `sendcounts[j]`; a pair that disagrees fails with
+/// `DSPARK_ERR_MISMATCH` naming both sizes. The counts (`size` each) are read during the
+/// call and may be freed once it returns. The buffers may overlap (a copy of the send blocks
+/// is then sent).
+///
+/// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
+///
+/// # Safety
+/// As `dspark_all_reduce`, with `sendcounts` and `recvcounts` valid for reads of `size`
+/// `size_t` each during the call, `sendbuf` valid for reads of the sum of `sendcounts`
+/// elements of `dtype` and `recvbuf` for reads and writes of the sum of `recvcounts`, until
+/// the operation completes.
+#[no_mangle]
+pub unsafe extern "C" fn dspark_all_to_all_v(
+    comm: *const dspark_comm_t,
+    sendbuf: *const core::ffi::c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut core::ffi::c_void,
+    recvcounts: *const usize,
+    dtype: dspark_dtype_t,
+    work: *mut *mut dspark_work_t,
+) -> dspark_result_t {
+    const FUNC: &str = "dspark_all_to_all_v";
+    guard(FUNC, || {
+        if !work.is_null() {
+            // SAFETY: non-null `work` is valid for a write (contract). Set first, so that
+            // `*work` is NULL whenever the call fails.
+            unsafe { work.write(ptr::null_mut()) };
+        }
+        // SAFETY: NULL or live (contract).
+        let c = unsafe { comm_ref(comm, FUNC) }?;
+        let (me, n) = (c.rank(), c.world_size());
+        let dtype = dtype_of(dtype, me, FUNC)?;
+        let counts = |p: *const usize, which: &str| -> Result<&[usize], Error> {
+            if p.is_null() {
+                return Err(invalid(Some(me), FUNC, format!("{which} is NULL")));
+            }
+            // SAFETY: valid for reads of `size` counts during the call (contract).
+            Ok(unsafe { std::slice::from_raw_parts(p, n) })
+        };
+        let send = (sendbuf.cast::<u8>(), counts(sendcounts, "sendcounts")?);
+        let recv = (recvbuf.cast::<u8>(), counts(recvcounts, "recvcounts")?);
+        if work.is_null() {
+            // SAFETY: the buffers are valid for the call until it returns (contract).
+            unsafe { c.run_raw_all_to_all_v(dtype, send, recv, None) }
+        } else {
+            // SAFETY: the buffers stay valid, and untouched by the caller, until the
+            // operation completes (contract); the counts are copied.
+            let w = unsafe { c.start_raw_all_to_all_v(dtype, send, recv, None) }?;
+            let h = Box::new(dspark_work_t {
+                state: WorkState::Pending(w),
+            });
+            // SAFETY: non-null and valid for a write (checked above, contract).
+            unsafe { work.write(Box::into_raw(h)) };
+            Ok(())
+        }
+    })
+}
+
 /// Barrier: completes once every rank of `comm` has reached it.
 ///
 /// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.

@@ -606,6 +606,51 @@ static void test_all_to_all(dspark_comm_t *comm)
             }
 }
 
+/* Elements rank `from` sends rank `to` in all_to_all_v's case `c`: 0 to 4 blocks' worth. */
+static size_t a2av_count(int from, int to, size_t c)
+{
+    return (size_t)((from + 2 * to + (int)c) % 5) * (c * 7 + 1);
+}
+
+static void test_all_to_all_v(dspark_comm_t *comm)
+{
+    static const dspark_dtype_t types[] = {DSPARK_U32, DSPARK_F64};
+    size_t d, c, i, *sc = calloc((size_t)g_size, sizeof(size_t)),
+                    *rc = calloc((size_t)g_size, sizeof(size_t));
+    int v, j;
+    char what[160];
+    for (d = 0; d < 2; d++)
+        for (c = 0; c < 3; c++)
+            for (v = 0; v < 3; v++) {
+                dspark_dtype_t t = types[d];
+                size_t ns = 0, nr = 0, at;
+                for (j = 0; j < g_size; j++) {
+                    sc[j] = a2av_count(g_rank, j, c);
+                    rc[j] = a2av_count(j, g_rank, c);
+                    ns += sc[j];
+                    nr += rc[j];
+                }
+                void *send = alloc(t, ns + 1), *recv = alloc(t, nr + 1);
+                double *want = calloc(nr + 1, sizeof(double));
+                dspark_work_t *w = NULL;
+                for (j = 0, at = 0; j < g_size; j++)
+                    for (i = 0; i < sc[j]; i++) put(t, send, at++, a2a_value(g_rank, j, i));
+                for (j = 0, at = 0; j < g_size; j++)
+                    for (i = 0; i < rc[j]; i++) want[at++] = a2a_value(j, g_rank, i);
+                fill_sentinel(t, recv, nr);
+                snprintf(what, sizeof what, "all_to_all_v %s %s case %zu", dt_name(t),
+                         variant_name(v), c);
+                if (complete(dspark_all_to_all_v(comm, send, sc, recv, rc, t, WORK(v)), &w, v,
+                             what))
+                    CHECK_BUF(what, t, recv, want, nr);
+                free(send);
+                free(recv);
+                free(want);
+            }
+    free(sc);
+    free(rc);
+}
+
 /* A ring: each rank sends to the next and receives from the previous. Operations of a
  * communicator run in issue order, so with dspark_send and dspark_recv even ranks send first
  * and odd ranks receive first; with dspark_send_recv (`exchange`) every rank makes the same
@@ -1015,6 +1060,7 @@ int main(void)
     test_all_gather(comm);
     test_reduce_scatter(comm);
     test_all_to_all(comm);
+    test_all_to_all_v(comm);
     ring(comm, 0);
     ring(comm, 1);
     test_barrier(comm);
