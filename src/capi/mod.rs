@@ -402,23 +402,34 @@ unsafe fn issue(
             count,
             timeout: None,
         };
-        if work.is_null() {
-            // SAFETY: the buffers are valid for the call until it returns (the caller's
-            // contract, documented on each public function).
-            unsafe { c.run_raw(&call) }
-        } else {
-            // SAFETY: the buffers stay valid, and untouched by the caller, until the
-            // operation completes (the caller's contract, documented on each public
-            // function and on `dspark_work_free`).
-            let w = unsafe { c.start_raw(&call) }?;
-            let h = Box::new(dspark_work_t {
-                state: WorkState::Pending(w),
-            });
-            // SAFETY: non-null and valid for a write (checked above, contract).
-            unsafe { work.write(Box::into_raw(h)) };
-            Ok(())
-        }
+        // SAFETY: `work` was checked as `run_or_start` needs; the buffers are valid for the
+        // call until it returns, and stay valid and untouched by the caller until a started
+        // operation completes (the caller's contract, documented on each public function
+        // and on `dspark_work_free`).
+        unsafe { run_or_start(work, || c.run_raw(&call), || c.start_raw(&call)) }
     })
+}
+
+/// Runs an operation on this thread when `work` is NULL (`run`), else starts it (`start`)
+/// and hands its handle out through `work`.
+///
+/// # Safety
+/// `work` is NULL or valid for a write of a pointer; `run` and `start` are safe to call
+/// under the caller's contract for the operation's buffers.
+unsafe fn run_or_start(
+    work: *mut *mut dspark_work_t,
+    run: impl FnOnce() -> Result<(), Error>,
+    start: impl FnOnce() -> Result<Work, Error>,
+) -> Result<(), Error> {
+    if work.is_null() {
+        return run();
+    }
+    let h = Box::new(dspark_work_t {
+        state: WorkState::Pending(start()?),
+    });
+    // SAFETY: non-null and valid for a write (contract).
+    unsafe { work.write(Box::into_raw(h)) };
+    Ok(())
 }
 
 /// The message of the last call on this thread that failed, when it was the last call on
@@ -998,19 +1009,13 @@ pub unsafe extern "C" fn dspark_all_to_all_v(
         };
         let send = (sendbuf.cast::<u8>(), counts(sendcounts, "sendcounts")?);
         let recv = (recvbuf.cast::<u8>(), counts(recvcounts, "recvcounts")?);
-        if work.is_null() {
-            // SAFETY: the buffers are valid for the call until it returns (contract).
-            unsafe { c.run_raw_all_to_all_v(dtype, send, recv, None) }
-        } else {
-            // SAFETY: the buffers stay valid, and untouched by the caller, until the
-            // operation completes (contract); the counts are copied.
-            let w = unsafe { c.start_raw_all_to_all_v(dtype, send, recv, None) }?;
-            let h = Box::new(dspark_work_t {
-                state: WorkState::Pending(w),
-            });
-            // SAFETY: non-null and valid for a write (checked above, contract).
-            unsafe { work.write(Box::into_raw(h)) };
-            Ok(())
+        // SAFETY: as in `issue`; the counts are copied before `start` returns.
+        unsafe {
+            run_or_start(
+                work,
+                || c.run_raw_all_to_all_v(dtype, send, recv, None),
+                || c.start_raw_all_to_all_v(dtype, send, recv, None),
+            )
         }
     })
 }

@@ -105,8 +105,7 @@ impl RawBuffers {
     }
 
     fn overlap(&self) -> bool {
-        let (s, d) = (self.src as usize, self.dst as usize);
-        self.src_len > 0 && self.dst_len > 0 && s < d + self.dst_len && d < s + self.src_len
+        overlap((self.src, self.src_len), (self.dst, self.dst_len))
     }
 
     /// Runs the call on `eng`.
@@ -154,6 +153,12 @@ impl RawBuffers {
             }
         }
     }
+}
+
+/// Whether two byte ranges share a byte (an in-place call in NCCL's convention).
+fn overlap((src, src_len): (*const u8, usize), (dst, dst_len): (*mut u8, usize)) -> bool {
+    let (s, d) = (src as usize, dst as usize);
+    src_len > 0 && dst_len > 0 && s < d + dst_len && d < s + src_len
 }
 
 /// # Safety
@@ -581,9 +586,7 @@ impl VBuffers {
     /// reads and writes of `dst_len` bytes (each may be null when its length is 0), and no
     /// other thread may write `src` or access `dst`. The two may overlap.
     unsafe fn run(self, eng: &mut Engine) -> Result<()> {
-        let (s, d) = (self.src as usize, self.dst as usize);
-        let overlap =
-            self.src_len > 0 && self.dst_len > 0 && s < d + self.dst_len && d < s + self.src_len;
+        let overlap = overlap((self.src, self.src_len), (self.dst, self.dst_len));
         let src: &[u8] = if self.src_len == 0 {
             &[]
         } else {
