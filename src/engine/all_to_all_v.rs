@@ -8,13 +8,11 @@
 //! running a plain all_to_all against one running this, meet as a mismatch at the pair's first
 //! frame, naming both sizes, never as data at the wrong offsets or a frame left over.
 
-use std::time::Instant;
-
-use super::frame::{Desc, Descs};
-use super::{call_trace_args, flight, Call, Engine};
+use super::frame::Descs;
+use super::{flight, Call, Engine, Framed};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Collective};
-use crate::transport::{COUNT_PER_PEER, NO_OP};
+use crate::transport::COUNT_PER_PEER;
 use crate::types::{DataType, ReduceOp};
 
 /// The count the flight recorder keeps for an all-to-all of counts per peer (`u64::MAX`): the
@@ -54,10 +52,7 @@ impl Engine {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<()> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         let (me, n, esz) = (self.rank, self.world, dtype.size());
         let name = Collective::AllToAll.name();
         let bad = |what: String| Err(Error::invalid(Some(me), name, what));
@@ -87,46 +82,35 @@ impl Engine {
                 send_counts[me], recv_counts[me]
             ));
         }
-        let algo = Algorithm::Pairwise;
         let call = Call {
             dtype,
             ..Call::new(Collective::AllToAll, None, total_send, 0, false)
-        };
-        let seq = self.start_call(&call, RECORDED_COUNT, algo, flight::FlightPath::Host);
-        let desc = Desc {
-            coll: Collective::AllToAll,
-            algo,
-            seq,
-            dtype,
-            op: NO_OP,
-            count: COUNT_PER_PEER,
-            root: 0,
         };
         let per_pair =
             |c: &[usize]| -> Vec<u64> { c.iter().map(|&k| COUNT_PER_PEER | k as u64).collect() };
         let (to, from) = (per_pair(send_counts), per_pair(recv_counts));
         let sched = plan::algo::pairwise_all_to_all_v(n, me, &sends, &recvs);
         let prog = plan::compile(&sched, (self.opts.segment_bytes / esz).max(1));
-        let t0 = self.trace.is_some().then(Instant::now);
-        let result = if prog.steps.is_empty() {
-            Ok(())
-        } else {
-            self.with_scratch(&prog, |eng, s, start, deadline| {
+        let frame = Framed {
+            recorded: RECORDED_COUNT,
+            algo: Algorithm::Pairwise,
+            path: flight::FlightPath::Host,
+            count: COUNT_PER_PEER,
+        };
+        self.framed(&call, frame, |eng, desc| {
+            if prog.steps.is_empty() {
+                return Ok(());
+            }
+            eng.with_scratch(&prog, |eng, s, start, deadline| {
                 let descs = Descs {
-                    send: &desc,
-                    recv: &desc,
+                    send: desc,
+                    recv: desc,
                     per_peer: Some((&to, &from)),
                 };
                 let sum = ReduceOp::Sum;
                 eng.drive(&prog, descs, sum, sum, src, dst, esz, start, deadline, s)
             })
-        }
-        .map_err(|e| e.in_op(&desc.op_name()));
-        if let Some(t0) = t0 {
-            let args = call_trace_args(&call, algo);
-            self.trace_call(&desc.op_name(), t0, args, &result);
-        }
-        self.end_call(&call, seq, result.map_err(|e| e.at_rank(me)), esz)
+        })
     }
 }
 
@@ -135,7 +119,7 @@ mod tests {
     use super::*;
     use crate::engine::EngineOptions;
     use crate::transport::mem::MemFabric;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     /// The elements rank r sends rank j.
     type Count<'a> = &'a (dyn Fn(usize, usize) -> usize + Sync);

@@ -42,10 +42,7 @@ impl Engine {
         dst: &mut [u8],
         wait: Option<Duration>,
     ) -> Result<Option<usize>> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         if self.world < 2 {
             return Err(Error::invalid(
                 Some(self.rank),

@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
 use crate::reduce;
-use crate::transport::{count_text, FrameHeader, FrameKind, RecvSink, COUNT_PER_PEER, NO_OP};
+use crate::transport::{count_text, FrameHeader, FrameKind, RecvSink, NO_OP};
 use crate::types::{DataType, ReduceOp};
 
 /// The descriptors a drive loop checks frames against: the call's, for its sends and its
@@ -21,7 +21,7 @@ pub(super) struct Descs<'a> {
     pub(super) recv: &'a Desc,
     /// An all-to-all of counts per peer ([`super::Engine::run_all_to_all_v`]): the count the
     /// frames to and from each peer carry instead of the descriptor's (indexed by peer; the
-    /// block between the two ranks, marked with [`COUNT_PER_PEER`]).
+    /// block between the two ranks, marked with [`COUNT_PER_PEER`](crate::transport::COUNT_PER_PEER)).
     pub(super) per_peer: Option<(&'a [u64], &'a [u64])>,
 }
 
@@ -146,18 +146,13 @@ pub(super) fn check_header(
         });
     }
     if h.len as usize != len {
-        let why = if d.count & COUNT_PER_PEER != 0 {
-            "the two ranks' counts for the block between them differ"
-        } else {
-            "a frame was lost or the ranks cut messages into different segments"
-        };
         return Err(Error::Mismatch {
             rank: Some(rank),
             peer: Some(peer),
             op: d.coll.name().into(),
             what: format!(
                 "rank {peer} sent a {}-byte frame of {} where rank {rank} expected {len} bytes: \
-                 {why}",
+                 a frame was lost or the ranks cut messages into different segments",
                 h.len,
                 d.describe_self(),
             ),

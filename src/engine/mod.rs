@@ -418,10 +418,7 @@ impl Engine {
     /// exactly those of a send to `call.root` and a receive from `from` (each with its own
     /// sequence number), so a peer may answer with a plain `recv` and `send`.
     fn run_exchange(&mut self, call: &Call, from: usize, src: &[u8], dst: &mut [u8]) -> Result<()> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         let to = call.root;
         let name = Collective::SendRecv.name();
         for (what, p) in [("destination", to), ("source", from)] {
@@ -524,10 +521,7 @@ impl Engine {
         path: flight::FlightPath,
         body: impl FnOnce(&mut Self, Arc<Program>, Desc) -> Result<()>,
     ) -> Result<()> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         let peer_call = call.coll.rooted() || call.coll == Collective::SendRecv;
         if peer_call && call.root >= self.world {
             return Err(Error::invalid(
@@ -560,7 +554,6 @@ impl Engine {
                 );
             }
         }
-        let seq = self.start_call(call, call.count, algo, path);
         let req = Request {
             coll: call.coll,
             algo,
@@ -572,49 +565,79 @@ impl Engine {
             finalize: call.op == Some(ReduceOp::Avg),
             per_host: self.opts.per_host,
         };
+        let frame = Framed {
+            recorded: call.count,
+            algo,
+            path,
+            count: call.count as u64,
+        };
+        self.framed(call, frame, |eng, desc| {
+            let c = eng.program(&req, esz)?;
+            let (need_src, need_dst) = (c.extent[Buf::Src as usize], c.extent[Buf::Dst as usize]);
+            if src_len / esz < need_src || dst_len / esz < need_dst {
+                return Err(Error::invalid(
+                    Some(eng.rank),
+                    call.coll.name(),
+                    format!(
+                        "buffers hold {} and {} elements, the call needs {need_src} and \
+                         {need_dst}",
+                        src_len / esz,
+                        dst_len / esz
+                    ),
+                ));
+            }
+            body(eng, c.prog, *desc)
+        })
+    }
+
+    /// Acts on an abort requested from another thread, and returns the error that poisoned
+    /// the engine, if one has: what every call checks before it takes a sequence number.
+    fn ready(&mut self) -> Result<()> {
+        self.honour_abort();
+        match &self.poison {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// The frame of every scheduled call, around its `body`: takes the call's sequence number
+    /// and opens its recorder entry ([`Engine::start_call`]), describes it to the frames
+    /// ([`Desc`]), runs `body`, names the call in its error and traces it (the name, "all_reduce
+    /// #12", is formatted only there, never on the hot path), then ends it
+    /// ([`Engine::end_call`]: a failure poisons the engine and tells every peer).
+    fn framed(
+        &mut self,
+        call: &Call,
+        frame: Framed,
+        body: impl FnOnce(&mut Self, &Desc) -> Result<()>,
+    ) -> Result<()> {
+        let seq = self.start_call(call, frame.recorded, frame.algo, frame.path);
         let desc = Desc {
             coll: call.coll,
-            algo,
+            algo: frame.algo,
             seq,
             dtype: call.dtype,
             op: call.op.map_or(NO_OP, ReduceOp::code),
-            count: call.count as u64,
+            count: frame.count,
             root: if call.coll.rooted() {
                 call.root as u32
             } else {
                 0
             },
         };
-        let result = match self.program(&req, esz) {
-            Ok(c) => {
-                let (need_src, need_dst) =
-                    (c.extent[Buf::Src as usize], c.extent[Buf::Dst as usize]);
-                if src_len / esz < need_src || dst_len / esz < need_dst {
-                    Err(Error::invalid(
-                        Some(self.rank),
-                        call.coll.name(),
-                        format!(
-                            "buffers hold {} and {} elements, the call needs {need_src} and \
-                             {need_dst}",
-                            src_len / esz,
-                            dst_len / esz
-                        ),
-                    ))
-                } else {
-                    // The call's name ("all_reduce #12") is formatted only where it is
-                    // used: in an error or a trace event, never on the hot path.
-                    let t0 = self.trace.is_some().then(Instant::now);
-                    let r = body(self, c.prog, desc).map_err(|e| e.in_op(&desc.op_name()));
-                    if let Some(t0) = t0 {
-                        let args = call_trace_args(call, algo);
-                        self.trace_call(&desc.op_name(), t0, args, &r);
-                    }
-                    r
-                }
-            }
-            Err(e) => Err(e),
-        };
-        self.end_call(call, seq, result.map_err(|e| e.at_rank(self.rank)), esz)
+        let t0 = self.trace.is_some().then(Instant::now);
+        let result = body(self, &desc).map_err(|e| e.in_op(&desc.op_name()));
+        if let Some(t0) = t0 {
+            let args = call_trace_args(call, frame.algo);
+            self.trace_call(&desc.op_name(), t0, args, &result);
+        }
+        let rank = self.rank;
+        self.end_call(
+            call,
+            seq,
+            result.map_err(|e| e.at_rank(rank)),
+            call.dtype.size(),
+        )
     }
 
     /// What every call does once it has its algorithm: takes its sequence number, tells the
@@ -715,10 +738,7 @@ impl Engine {
     /// 0 here, N elsewhere) meet a mismatch at their next call that exchanges data, instead
     /// of one of them waiting for a deadline. Reports an earlier failure.
     pub fn skip_empty(&mut self, call: &Call) -> Result<()> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         // Nothing runs: the transport hears only that it completed.
         let algo = self.algorithm(call.coll, 0);
         let seq = self.record_start(call, 0, algo, flight::FlightPath::Host);
@@ -856,6 +876,16 @@ fn started(
         path,
         seq,
     }
+}
+
+/// What [`Engine::framed`] records and describes of a call besides the [`Call`] itself.
+struct Framed {
+    /// The count its recorder entry keeps.
+    recorded: usize,
+    algo: Algorithm,
+    path: flight::FlightPath,
+    /// The count its frames' headers carry.
+    count: u64,
 }
 
 #[cfg(test)]

@@ -60,10 +60,7 @@ impl Engine {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<()> {
-        self.honour_abort();
-        if let Some(e) = &self.poison {
-            return Err(e.clone());
-        }
+        self.ready()?;
         let seq = self.start_call_unrecorded(call);
         let entry = super::started(call, call.count, Algorithm::OneShot, path, seq);
         let desc = Desc {
