@@ -30,9 +30,10 @@ fn every_collective_type_and_op_matches_the_reference_on_worlds_1_to_5() {
     }
 }
 
-/// all_to_all_v through each way in: the blocking call, its `Timed` form, and the raw one
+/// all_to_all_v through each way in: the blocking call, its `Timed` form, the raw one
 /// started without blocking with the send blocks at the start of the buffer that receives
-/// (sent from a copy); worlds 1 to 4, blocks of 0 to 6 elements, 24-byte segments, exact.
+/// (sent from a copy), and the scoped one (a buffer one element off refused before anything starts);
+/// worlds 1 to 4, blocks of 0 to 6 elements, 24-byte segments, exact.
 #[test]
 fn all_to_all_v_is_exact_blocking_timed_and_raw_with_overlapping_buffers() {
     for world in 1..=4 {
@@ -71,6 +72,32 @@ fn all_to_all_v_is_exact_blocking_timed_and_raw_with_overlapping_buffers() {
             w.wait().map_err(e2s)?;
             if buf[..want.len()] != want[..] {
                 return Err(format!("raw: {:?}, want {want:?}", &buf[..want.len()]));
+            }
+            // Scoped, then the result sent back the same way: every rank ends with its own
+            // blocks again.
+            let mut recv = vec![0u32; want.len()];
+            let mut back = vec![0u32; send.len()];
+            // A receive buffer one element off is refused at once, nothing started.
+            let mut off = vec![0u32; if want.is_empty() { 1 } else { want.len() - 1 }];
+            let short = c.scope(|s| -> Result<Option<String>, String> {
+                let w = s.all_to_all_v(&send, &sc, &mut recv, &rc).map_err(e2s)?;
+                let refused = match s.all_to_all_v(&send, &sc, &mut off, &rc) {
+                    Err(Error::InvalidArgument { .. }) => None,
+                    other => Some(format!("a buffer one element off gave {other:?}")),
+                };
+                w.wait().map_err(e2s)?;
+                Ok(refused)
+            })?;
+            if let Some(e) = short {
+                return Err(e);
+            }
+            if recv != want {
+                return Err(format!("scoped: {recv:?}, want {want:?}"));
+            }
+            c.scope(|s| s.all_to_all_v(&recv, &rc, &mut back, &sc)?.wait())
+                .map_err(e2s)?;
+            if back != send {
+                return Err(format!("scoped back: {back:?}, want {send:?}"));
             }
             Ok(())
         });

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use super::raw::RawBuffers;
 use super::work::{Completion, Work};
 use super::{Communicator, HostOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::plan::Collective;
 use crate::types::{Element, ReduceOp};
 
 /// Started operations kept before the finished ones are pruned.
@@ -154,12 +155,17 @@ impl<'scope> Scope<'scope, '_> {
         // operation completes: by success, its deadline or an abort). Until then the borrow
         // keeps everybody else away from them: exactly `RawBuffers::run`'s contract.
         let work = unsafe { self.comm.submit_raw(bufs, None, what) };
+        Ok(self.track(work))
+    }
+
+    /// Keeps `work`'s completion for `join` (operations on borrowed buffers only).
+    fn track(&self, work: Work) -> Work {
         let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
         if started.len() >= PRUNE_AT {
             started.retain(|c| c.get().is_none());
         }
         started.push(Arc::clone(work.completion()));
-        Ok(work)
+        work
     }
 
     /// Starts [`Communicator::all_reduce`].
@@ -197,6 +203,53 @@ impl<'scope> Scope<'scope, '_> {
     /// As [`Scope::all_reduce`].
     pub fn all_to_all<T: Element>(&self, send: &'scope [T], recv: &'scope mut [T]) -> Result<Work> {
         self.start(self.comm.op_all_to_all(send, recv))
+    }
+
+    /// Starts [`Communicator::all_to_all_v`]. The counts are copied.
+    ///
+    /// # Errors
+    /// `InvalidArgument` at once when the counts are not one per rank or do not add up to the
+    /// buffers' lengths; the operation's errors from its [`Work`].
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &'scope [T],
+        send_counts: &[usize],
+        recv: &'scope mut [T],
+        recv_counts: &[usize],
+    ) -> Result<Work> {
+        let total = |c: &[usize]| c.iter().try_fold(0usize, |a, &k| a.checked_add(k));
+        let (sent, received) = (total(send_counts), total(recv_counts));
+        if sent != Some(send.len()) || received != Some(recv.len()) {
+            let text =
+                |t: Option<usize>| t.map_or("more than usize::MAX".into(), |t| t.to_string());
+            return Err(Error::invalid(
+                Some(self.comm.rank()),
+                Collective::AllToAll.name(),
+                format!(
+                    "the counts add up to {} elements sent and {} received, the buffers hold \
+                     {} and {} elements",
+                    text(sent),
+                    text(received),
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let (src, dst) = (send.as_ptr().cast::<u8>(), recv.as_mut_ptr().cast::<u8>());
+        #[allow(unsafe_code)]
+        // SAFETY: the counts add up to exactly the slices' lengths (checked above), so `src`
+        // is valid for reads and `dst` for reads and writes of what they describe. Both are
+        // borrowed for 'scope, which outlives `join`, and `join` returns only once the
+        // operation has completed; until then the borrows keep everybody else away from them.
+        let work = unsafe {
+            self.comm.start_raw_all_to_all_v(
+                T::DATA_TYPE,
+                (src, send_counts),
+                (dst, recv_counts),
+                None,
+            )?
+        };
+        Ok(self.track(work))
     }
 
     /// Starts [`Communicator::broadcast`].
