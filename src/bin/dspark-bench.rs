@@ -65,6 +65,9 @@ enum Coll {
     Broadcast,
     Reduce,
     AllToAll,
+    /// all_to_all with a block size per pair (`Communicator::all_to_all_v`), skewed by
+    /// `--skew`.
+    AllToAllV,
     SendRecv,
 }
 
@@ -76,7 +79,7 @@ impl Coll {
             Coll::ReduceScatter => Collective::ReduceScatter,
             Coll::Broadcast => Collective::Broadcast,
             Coll::Reduce => Collective::Reduce,
-            Coll::AllToAll => Collective::AllToAll,
+            Coll::AllToAll | Coll::AllToAllV => Collective::AllToAll,
             Coll::SendRecv => Collective::SendRecv,
         }
     }
@@ -86,13 +89,31 @@ impl Coll {
         let n = n as f64;
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV => {
+                (n - 1.0) / n
+            }
             Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
 
     fn reduces(self) -> bool {
         self.collective().reduces()
+    }
+
+    /// The name the tables and the CSV show (the command line's).
+    fn name(self) -> &'static str {
+        match self {
+            Coll::AllToAllV => "all_to_all_v",
+            c => c.collective().name(),
+        }
+    }
+}
+
+/// `--skew`: a fraction from 0 to 1.
+fn parse_skew(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction from 0 to 1")),
     }
 }
 
@@ -122,6 +143,12 @@ struct Args {
     /// Reduction: sum, prod, min, max, avg.
     #[arg(short = 'o', long = "op", default_value = "sum")]
     op: ReduceOp,
+    /// all_to_all_v's imbalance, from 0 (equal blocks, through the per-pair path) to 1: rank
+    /// r sends rank j the even share plus or minus up to this fraction of it, the most to the
+    /// rank before it and the least to itself (empty at 1), so that every rank sends and
+    /// receives the same total while no two blocks between a pair need be equal.
+    #[arg(long, default_value = "0", value_parser = parse_skew)]
+    skew: f64,
     /// Root of broadcast / reduce.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     root: usize,
@@ -231,6 +258,10 @@ fn main() -> ExitCode {
             "dspark-bench: --mem emulated drives the staged pipeline through a test hook: build \
              dspark-bench with `--features testing` to use it"
         );
+        return ExitCode::from(2);
+    }
+    if args.collective == Coll::AllToAllV && (args.mem != Mem::Host || args.compare_paths) {
+        eprintln!("dspark-bench: all_to_all_v runs on host memory only (--mem host)");
         return ExitCode::from(2);
     }
     let is_child = std::env::var_os(CHILD).is_some();

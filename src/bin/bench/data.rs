@@ -6,6 +6,7 @@ use cudarc::driver::DeviceRepr;
 use dspark::{Communicator, Element, ReduceOp};
 use half::{bf16, f16};
 
+use crate::sizes::v_counts;
 use crate::{Args, Coll};
 
 /// Values chosen so every result is exact in every type (nccl-tests' "verifiable" idea).
@@ -132,6 +133,8 @@ fn count_wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> T) -> u64 {
 pub(crate) struct Bufs<T> {
     pub(crate) send: Vec<T>,
     pub(crate) recv: Vec<T>,
+    /// all_to_all_v's counts, sent and received ([`v_counts`]).
+    pub(crate) counts: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 /// One size's host buffers (`send` and `recv` elements), the input filled in where the
@@ -146,6 +149,8 @@ pub(crate) fn prepare<T: BenchElem>(
     let mut b = Bufs {
         send: vec![T::default(); send],
         recv: vec![T::default(); recv],
+        counts: (args.collective == Coll::AllToAllV)
+            .then(|| v_counts(comm.world_size(), args.skew, r, send)),
     };
     match args.collective {
         Coll::AllReduce | Coll::Reduce => fill(&mut b.recv, args.op, r, 0),
@@ -188,6 +193,20 @@ pub(crate) fn verify<T: BenchElem>(
                 let (j, k) = (i / per, i % per);
                 T::from_i64(input_value(op, j, r * per + k))
             })
+        }
+        Coll::AllToAllV => {
+            // Rank i's block for this rank starts in i's input after its blocks for ranks
+            // before this one; it lands after the blocks from ranks before i.
+            let mut want = Vec::with_capacity(out.len());
+            for i in 0..n {
+                let (to, _) = v_counts(n, args.skew, i, send_len);
+                let at: usize = to[..r].iter().sum();
+                want.extend((at..at + to[r]).map(|k| T::from_i64(input_value(op, i, k))));
+            }
+            if want.len() != out.len() {
+                return out.len().max(want.len()) as u64;
+            }
+            count_wrong(out, |i| want[i])
         }
         Coll::SendRecv if r % 2 == 1 => {
             count_wrong(out, |i| T::from_i64(input_value(op, r - 1, i)))

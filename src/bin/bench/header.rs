@@ -199,17 +199,26 @@ pub(crate) fn header(
     let n = comm.world_size();
     let c = args.collective.collective();
     println!(
-        "# dspark-bench {}: {} ranks, {} {}{}, {}, {} warm-up, check {}; time: the median window's mean per call",
-        c,
+        "# dspark-bench {}: {} ranks, {}{}{}, {}, {} warm-up, check {}; time: the median window's mean per call",
+        args.collective.name(),
         n,
         args.dtype,
         if args.collective.reduces() {
-            args.op.name()
+            format!(" {}", args.op.name())
         } else {
-            ""
+            String::new()
         },
         if c.rooted() {
             format!(", root {}", args.root)
+        } else if args.collective == crate::Coll::AllToAllV && args.skew == 0.0 {
+            ", skew 0 (equal blocks, through the per-pair path)".to_string()
+        } else if args.collective == crate::Coll::AllToAllV {
+            format!(
+                ", skew {} (blocks from {:.0}% to {:.0}% of the even share, the same total per rank)",
+                args.skew,
+                100.0 * (1.0 - args.skew),
+                100.0 * (1.0 + args.skew)
+            )
         } else {
             String::new()
         },

@@ -26,6 +26,10 @@ fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
         Coll::Broadcast => comm.broadcast(&mut b.recv, args.root),
         Coll::Reduce => comm.reduce(&mut b.recv, args.op, args.root),
         Coll::AllToAll => comm.all_to_all(&b.send, &mut b.recv),
+        Coll::AllToAllV => {
+            let (sc, rc) = b.counts.as_ref().ok_or_else(no_counts)?;
+            comm.all_to_all_v(&b.send, sc, &mut b.recv, rc)
+        }
         Coll::SendRecv => {
             // Pairs 0→1, 2→3, ...; with an odd world the last rank idles.
             if r.is_multiple_of(2) && r + 1 < n {
@@ -37,6 +41,11 @@ fn run_host<T: BenchElem>(args: &Args, comm: &Communicator, b: &mut Bufs<T>) -> 
             }
         }
     }
+}
+
+/// A bench's all_to_all_v buffers without their counts (`data::prepare` makes both).
+fn no_counts() -> dspark::Error {
+    dspark::Error::invalid(None, "all_to_all_v", "the bench prepared no counts")
 }
 
 /// [`run_host`] through the non-blocking API: start in a scope, then wait.
@@ -55,6 +64,10 @@ fn run_host_nonblocking<T: BenchElem>(
             Coll::Broadcast => s.broadcast(&mut b.recv, args.root)?,
             Coll::Reduce => s.reduce(&mut b.recv, args.op, args.root)?,
             Coll::AllToAll => s.all_to_all(&b.send, &mut b.recv)?,
+            Coll::AllToAllV => {
+                let (sc, rc) = b.counts.as_ref().ok_or_else(no_counts)?;
+                s.all_to_all_v(&b.send, sc, &mut b.recv, rc)?
+            }
             Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => s.send(&b.send, r + 1)?,
             Coll::SendRecv if r % 2 == 1 => s.recv(&mut b.recv, r - 1)?,
             Coll::SendRecv => return Ok(()),
@@ -83,6 +96,8 @@ fn staged_call<T: BenchElem>(
         Coll::ReduceScatter => Call::new(coll, op, recv, 0, false),
         Coll::AllGather => Call::new(coll, op, send, 0, false),
         Coll::AllToAll => Call::new(coll, op, send / n, 0, false),
+        // Refused at start: all_to_all_v runs on host memory only.
+        Coll::AllToAllV => return None,
         Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
             Call::new(coll, None, send, r + 1, true)
         }
@@ -272,6 +287,11 @@ fn run_device<T: BenchElem>(
             recv.as_mut().ok_or_else(missing)?,
             stream,
         ),
+        Coll::AllToAllV => Err(dspark::Error::invalid(
+            Some(r),
+            "all_to_all_v",
+            "runs on host memory only (refused at start)",
+        )),
         Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
             comm.send_device(send.as_ref().ok_or_else(missing)?, r + 1, stream)
         }

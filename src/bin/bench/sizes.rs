@@ -43,11 +43,35 @@ pub(crate) fn counts(c: Coll, bytes: usize, esz: usize, n: usize) -> (usize, usi
             let per = total / n;
             (per * n, per, per * n)
         }
-        Coll::AllToAll => {
+        Coll::AllToAll | Coll::AllToAllV => {
             let per = total / n;
             (per * n, per * n, per * n)
         }
     }
+}
+
+/// all_to_all_v's block from rank `from` to rank `to` in a world of `n`: the even share
+/// `per` plus `per × skew × (2k − (n − 1)) / (n − 1)` rounded toward zero, where k is
+/// `(to − from) mod n`. The term is odd about the middle k, so the blocks a rank sends (k over
+/// every value) add up to `n × per` exactly, as do those it receives; its own block (k = 0)
+/// is the smallest, the one to the rank before it the largest.
+pub(crate) fn v_block(n: usize, per: usize, skew: f64, from: usize, to: usize) -> usize {
+    if n < 2 {
+        return per;
+    }
+    let k = (to + n - from % n) % n;
+    let span = (n - 1) as f64;
+    let d = (per as f64 * skew * (2.0 * k as f64 - span) / span).trunc() as i64;
+    (per as i64 + d).max(0) as usize
+}
+
+/// Rank `r`'s all_to_all_v counts, sent and received, for `send` elements in all.
+pub(crate) fn v_counts(n: usize, skew: f64, r: usize, send: usize) -> (Vec<usize>, Vec<usize>) {
+    let per = send / n.max(1);
+    (
+        (0..n).map(|j| v_block(n, per, skew, r, j)).collect(),
+        (0..n).map(|i| v_block(n, per, skew, i, r)).collect(),
+    )
 }
 
 /// The bytes of one call of a size as the engine counts them (its element count times the
@@ -58,7 +82,7 @@ pub(crate) fn engine_bytes(c: Coll, bytes: usize, esz: usize, n: usize) -> usize
     esz * match c {
         Coll::AllGather => send,
         Coll::ReduceScatter => recv,
-        Coll::AllToAll => send / n.max(1),
+        Coll::AllToAll | Coll::AllToAllV => send / n.max(1),
         _ => total,
     }
 }
@@ -68,7 +92,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
-    use crate::parse_bytes;
+    use crate::{parse_bytes, parse_skew};
 
     fn args(extra: &[&str]) -> Args {
         let argv = ["dspark-bench"].iter().chain(extra).copied();
@@ -115,5 +139,38 @@ mod tests {
         assert_eq!(engine_bytes(Coll::AllGather, 1000, 4, 4), 62 * 4);
         assert_eq!(engine_bytes(Coll::AllToAll, 1000, 4, 4), 62 * 4);
         assert_eq!(engine_bytes(Coll::AllReduce, 1000, 4, 4), 1000);
+    }
+
+    #[test]
+    fn all_to_all_v_blocks_keep_every_ranks_totals_and_agree_between_sender_and_receiver() {
+        // 4 ranks, 10 elements a block on average, skew 0.5: own block 10 − 5, then
+        // 10 − 1.67 → 9, 10 + 1.67 → 11, 10 + 5 (the rank before).
+        assert_eq!(v_counts(4, 0.5, 0, 40).0, [5, 9, 11, 15]);
+        assert_eq!(
+            v_counts(4, 0.5, 2, 40),
+            (vec![11, 15, 5, 9], vec![11, 9, 5, 15])
+        );
+        assert_eq!(v_counts(3, 1.0, 1, 9).0, [6, 0, 3]);
+        for n in 1..=9 {
+            for per in [0, 1, 2, 7, 1000] {
+                for skew in [0.0, 0.3, 1.0] {
+                    for r in 0..n {
+                        let (to, from) = v_counts(n, skew, r, per * n);
+                        assert_eq!(to.iter().sum::<usize>(), per * n, "n {n} per {per} {skew}");
+                        assert_eq!(from.iter().sum::<usize>(), per * n, "n {n} per {per}");
+                        assert_eq!(to[r], from[r], "a rank's own block both ways");
+                        for j in 0..n {
+                            // What r sends j is what j expects from r.
+                            assert_eq!(to[j], v_counts(n, skew, j, per * n).1[r]);
+                            if skew == 0.0 {
+                                assert_eq!(to[j], per);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(parse_skew("1.5").is_err() && parse_skew("-0.1").is_err());
+        assert_eq!(parse_skew("0.25"), Ok(0.25));
     }
 }

@@ -45,7 +45,7 @@ pub(crate) fn write_plot(
     };
     let title = format!(
         "{} {}{op}, {n} ranks, {} — bus bandwidth",
-        args.collective.collective().name(),
+        args.collective.name(),
         args.dtype.name(),
         comm.info().transport
     );

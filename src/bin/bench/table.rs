@@ -69,7 +69,7 @@ pub(crate) fn csv_row(
     let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
     format!(
         "{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{},{}",
-        coll.collective().name(),
+        coll.name(),
         args.dtype.name(),
         op_column(args),
         n,
@@ -259,19 +259,20 @@ mod tests {
         let n = n as f64;
         match collective {
             "all_reduce" => 2.0 * (n - 1.0) / n,
-            "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1.0) / n,
+            "all_gather" | "reduce_scatter" | "all_to_all" | "all_to_all_v" => (n - 1.0) / n,
             "broadcast" | "reduce" | "send_recv" => 1.0,
             other => panic!("no factor for {other}"),
         }
     }
 
-    const COLLECTIVES: [&str; 7] = [
+    const COLLECTIVES: [&str; 8] = [
         "all_reduce",
         "all_gather",
         "reduce_scatter",
         "broadcast",
         "reduce",
         "all_to_all",
+        "all_to_all_v",
         "send_recv",
     ];
 
