@@ -210,6 +210,8 @@ pub struct Engine {
     p2p_sent: Vec<u64>,
     p2p_received: Vec<u64>,
     cache: Vec<CacheEntry>,
+    /// all_to_all_v's programs by counts, with the clock of their last use.
+    v_cache: Vec<(u64, Arc<all_to_all_v::VProgram>)>,
     clock: u64,
     scratch: Scratch,
     /// Raised by another thread to stop the call in progress ([`Engine::abort_flag`]).
@@ -248,6 +250,7 @@ impl Engine {
             p2p_sent: vec![0; world],
             p2p_received: vec![0; world],
             cache: Vec::new(),
+            v_cache: Vec::new(),
             clock: 0,
             scratch: Scratch::default(),
             abort: Arc::new(AtomicBool::new(false)),
