@@ -159,11 +159,11 @@ mod tests {
                         assert_eq!(to.iter().sum::<usize>(), per * n, "n {n} per {per} {skew}");
                         assert_eq!(from.iter().sum::<usize>(), per * n, "n {n} per {per}");
                         assert_eq!(to[r], from[r], "a rank's own block both ways");
-                        for j in 0..n {
+                        for (j, &c) in to.iter().enumerate() {
                             // What r sends j is what j expects from r.
-                            assert_eq!(to[j], v_counts(n, skew, j, per * n).1[r]);
+                            assert_eq!(c, v_counts(n, skew, j, per * n).1[r]);
                             if skew == 0.0 {
-                                assert_eq!(to[j], per);
+                                assert_eq!(c, per);
                             }
                         }
                     }
