@@ -127,9 +127,10 @@ pub(super) struct VProgram {
     from: Vec<u64>,
 }
 
-/// all_to_all_v programs kept, the least recently used replaced: building one takes
-/// 0.25 µs for 2 ranks, 0.64 for 4 and 1.3 for 8 (this machine, release build), a tenth of a
-/// small call's time, and grows with the world.
+/// all_to_all_v programs kept, the least recently used replaced. Building one took 0.25 µs for
+/// 2 ranks, 0.64 for 4 and 1.3 for 8 (release build, the development VM), growing with the
+/// world, where a whole 64-byte call over shared memory takes 0.45 µs with 2 ranks once its
+/// program is kept (`benches/data/issue25-stop41-2026-12-05/`).
 const V_SLOTS: usize = 8;
 
 impl Engine {
