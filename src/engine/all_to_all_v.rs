@@ -88,7 +88,6 @@ impl Engine {
             dtype,
             ..Call::new(Collective::AllToAll, None, total_send, 0, false)
         };
-        let built = self.v_program(send_counts, recv_counts, esz);
         let frame = Framed {
             recorded: RECORDED_COUNT,
             algo: Algorithm::Pairwise,
@@ -96,6 +95,8 @@ impl Engine {
             count: COUNT_PER_PEER,
         };
         self.framed(&call, frame, |eng, desc| {
+            // Inside the call, as `guarded` fetches its program: the trace's span covers it.
+            let built = eng.v_program(send_counts, recv_counts, esz)?;
             let prog = &built.prog;
             if prog.steps.is_empty() {
                 return Ok(());
@@ -134,14 +135,18 @@ pub(super) struct VProgram {
 const V_SLOTS: usize = 8;
 
 impl Engine {
-    /// The program of an all_to_all_v with these counts (checked to add up: see
-    /// [`Engine::run_all_to_all_v`]), from the engine's cache when a call had them before.
+    /// The program of an all_to_all_v with these counts, one per rank, from the engine's cache
+    /// when a call had them before.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the counts overflow (which [`Engine::run_all_to_all_v`] has
+    /// ruled out before).
     fn v_program(
         &mut self,
         send_counts: &[usize],
         recv_counts: &[usize],
         esz: usize,
-    ) -> Arc<VProgram> {
+    ) -> Result<Arc<VProgram>> {
         let seg_elems = (self.opts.segment_bytes / esz).max(1);
         self.clock += 1;
         let now = self.clock;
@@ -150,12 +155,13 @@ impl Engine {
         });
         if let Some((used, v)) = hit {
             *used = now;
-            return Arc::clone(v);
+            return Ok(Arc::clone(v));
         }
         let (n, me) = (self.world, self.rank);
-        // The counts add up without overflow (checked by the caller), so their starts do.
-        let sends = starts(send_counts).unwrap_or_default();
-        let recvs = starts(recv_counts).unwrap_or_default();
+        let (Some(sends), Some(recvs)) = (starts(send_counts), starts(recv_counts)) else {
+            let what = "the counts overflow";
+            return Err(Error::invalid(Some(me), Collective::AllToAll.name(), what));
+        };
         let sched = plan::algo::pairwise_all_to_all_v(n, me, &sends, &recvs);
         let per_pair = |c: &[usize]| c.iter().map(|&k| COUNT_PER_PEER | k as u64).collect();
         let built = Arc::new(VProgram {
@@ -172,7 +178,7 @@ impl Engine {
             }
         }
         self.v_cache.push((now, Arc::clone(&built)));
-        built
+        Ok(built)
     }
 }
 
@@ -296,6 +302,35 @@ mod tests {
                 h.join().unwrap();
             }
         });
+    }
+
+    /// The same counts again give the kept program itself, while kept; other counts, a
+    /// program of their own; once `V_SLOTS` others were used since, a new one; a different
+    /// element size that cuts other segments, another.
+    #[test]
+    fn counts_seen_before_take_the_kept_program_until_it_is_replaced() {
+        let fabric = MemFabric::new(1, 4);
+        let opts = EngineOptions {
+            segment_bytes: 64,
+            ..EngineOptions::default()
+        };
+        let mut eng = Engine::new(0, 1, Box::new(fabric.transport(0)), opts);
+        let mut get = |c: usize, esz: usize| eng.v_program(&[c], &[c], esz).unwrap();
+        let first = get(5, 4);
+        assert!(Arc::ptr_eq(&first, &get(5, 4)), "the same counts again");
+        assert!(!Arc::ptr_eq(&first, &get(6, 4)), "other counts");
+        assert!(Arc::ptr_eq(&first, &get(5, 4)), "kept among others");
+        assert!(
+            !Arc::ptr_eq(&first, &get(5, 8)),
+            "another segment in elements"
+        );
+        for c in 100..100 + V_SLOTS {
+            get(c, 4);
+        }
+        assert!(
+            !Arc::ptr_eq(&first, &get(5, 4)),
+            "replaced after {V_SLOTS} others"
+        );
     }
 
     /// A rank that expects a larger, a smaller or an empty block where its peer sends 12
