@@ -79,15 +79,68 @@ fn all_to_all_v_with_skewed_blocks_checks_out_over_shm_and_tcp() {
     }
 }
 
+/// `--csv` names a skewed run's rows after its skew, so that runs of different skews stay
+/// apart in one file.
 #[test]
-fn all_to_all_v_refuses_a_skew_outside_0_to_1_and_device_memory() {
-    let (code, text) = bench(&["all_to_all_v", "--skew", "1.5"]);
-    assert_eq!(code, Some(2), "{text}");
-    assert!(text.contains("not a fraction from 0 to 1"), "{text}");
-    let (code, text) = bench(&["all_to_all_v", "--mem", "device"]);
-    assert_eq!(code, Some(2), "{text}");
+fn all_to_all_v_csv_rows_name_the_skew() {
+    let (code, text) = bench(&[
+        "all_to_all_v",
+        "--ranks",
+        "3",
+        "--skew",
+        "0.5",
+        "--csv",
+        "-b",
+        "4K",
+        "-e",
+        "4K",
+        "-n",
+        "5",
+        "-w",
+        "1",
+    ]);
+    assert_eq!(code, Some(0), "{text}");
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("all_to_all_v"))
+        .unwrap_or_else(|| panic!("no row:\n{text}"));
     assert!(
-        text.contains("all_to_all_v runs on host memory only"),
-        "{text}"
+        row.starts_with("all_to_all_v/skew=0.5,float,none,3,"),
+        "{row}"
     );
+}
+
+#[test]
+fn all_to_all_v_refuses_a_skew_it_cannot_make_and_device_memory() {
+    for (args, code, why) in [
+        (
+            &["all_to_all_v", "--skew", "1.5"][..],
+            2,
+            "not a fraction from 0 to 1",
+        ),
+        (
+            &["all_reduce", "--skew", "0.5"],
+            2,
+            "--skew is all_to_all_v's",
+        ),
+        (
+            &["all_to_all_v", "--ranks", "2", "--skew", "0.5"],
+            1,
+            "needs 3 ranks or more",
+        ),
+        (
+            &["all_to_all_v", "--mem", "device"],
+            2,
+            "runs on host memory only",
+        ),
+        (
+            &["all_to_all_v", "--compare-paths"],
+            2,
+            "runs on host memory only",
+        ),
+    ] {
+        let (got, text) = bench(args);
+        assert_eq!(got, Some(code), "{args:?}: {text}");
+        assert!(text.contains(why), "{args:?}: {text}");
+    }
 }

@@ -100,11 +100,22 @@ impl Coll {
         self.collective().reduces()
     }
 
-    /// The name the tables and the CSV show (the command line's).
+    /// The name the header shows (the command line's).
     fn name(self) -> &'static str {
         match self {
             Coll::AllToAllV => "all_to_all_v",
             c => c.collective().name(),
+        }
+    }
+}
+
+impl Args {
+    /// What the CSV's and the plot's rows are of: the collective's name, with the skew of
+    /// an uneven all_to_all_v (`all_to_all_v/skew=0.5`).
+    fn label(&self) -> String {
+        match self.collective {
+            Coll::AllToAllV if self.skew != 0.0 => format!("all_to_all_v/skew={}", self.skew),
+            c => c.name().to_string(),
         }
     }
 }
@@ -261,7 +272,14 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if args.collective == Coll::AllToAllV && (args.mem != Mem::Host || args.compare_paths) {
-        eprintln!("dspark-bench: all_to_all_v runs on host memory only (--mem host)");
+        eprintln!(
+            "dspark-bench: all_to_all_v runs on host memory only (--mem host, and no \
+             --compare-paths: it has no device form)"
+        );
+        return ExitCode::from(2);
+    }
+    if args.skew != 0.0 && args.collective != Coll::AllToAllV {
+        eprintln!("dspark-bench: --skew is all_to_all_v's (blocks of a size per pair)");
         return ExitCode::from(2);
     }
     let is_child = std::env::var_os(CHILD).is_some();
@@ -294,6 +312,14 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
     }
     let comm = Communicator::init(cfg).map_err(|e| e.to_string())?;
     let _ = BINDING.set(gather_binding(&comm, &how)?);
+    if args.skew != 0.0 && comm.world_size() < 3 {
+        return Err(format!(
+            "--skew {} needs 3 ranks or more: with {}, a rank's one peer block is all it \
+             sends, so blocks of the same total per rank cannot differ",
+            args.skew,
+            comm.world_size()
+        ));
+    }
     if args.root >= comm.world_size() {
         return Err(format!(
             "--root {} is not a rank (world size {})",

@@ -102,6 +102,14 @@ fn input_value(op: ReduceOp, r: usize, i: usize) -> i64 {
     }
 }
 
+/// Input of rank `r` at element `i` of an all-to-all, which moves data without reducing it:
+/// the values repeat only every 127 elements (`input_value`'s sums repeat every 5, so a
+/// block misplaced by a multiple of 5 would go unseen) and differ between ranks, while every
+/// type holds them exactly (−63 to 63).
+fn moved_value(r: usize, i: usize) -> i64 {
+    ((r * 37 + i) % 127) as i64 - 63
+}
+
 /// Fills `buf` with rank `r`'s inputs from element `offset` on.
 fn fill<T: BenchElem>(buf: &mut [T], op: ReduceOp, r: usize, offset: usize) {
     for (i, x) in buf.iter_mut().enumerate() {
@@ -159,6 +167,11 @@ pub(crate) fn prepare<T: BenchElem>(
                 fill(&mut b.recv, args.op, r, 0)
             }
         }
+        Coll::AllToAll | Coll::AllToAllV => {
+            for (i, x) in b.send.iter_mut().enumerate() {
+                *x = T::from_i64(moved_value(r, i));
+            }
+        }
         _ => fill(&mut b.send, args.op, r, 0),
     }
     b
@@ -191,7 +204,7 @@ pub(crate) fn verify<T: BenchElem>(
             let per = (out.len() / n).max(1);
             count_wrong(out, |i| {
                 let (j, k) = (i / per, i % per);
-                T::from_i64(input_value(op, j, r * per + k))
+                T::from_i64(moved_value(j, r * per + k))
             })
         }
         Coll::AllToAllV => {
@@ -201,7 +214,7 @@ pub(crate) fn verify<T: BenchElem>(
             for i in 0..n {
                 let (to, _) = v_counts(n, args.skew, i, send_len);
                 let at: usize = to[..r].iter().sum();
-                want.extend((at..at + to[r]).map(|k| T::from_i64(input_value(op, i, k))));
+                want.extend((at..at + to[r]).map(|k| T::from_i64(moved_value(i, k))));
             }
             if want.len() != out.len() {
                 return out.len().max(want.len()) as u64;

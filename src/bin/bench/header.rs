@@ -214,7 +214,8 @@ pub(crate) fn header(
             ", skew 0 (equal blocks, through the per-pair path)".to_string()
         } else if args.collective == crate::Coll::AllToAllV {
             format!(
-                ", skew {} (blocks from {:.0}% to {:.0}% of the even share, the same total per rank)",
+                ", skew {} (its own block the even share, its peers' from {:.0}% to {:.0}% of it; \
+                 the same total per rank)",
                 args.skew,
                 100.0 * (1.0 - args.skew),
                 100.0 * (1.0 + args.skew)
@@ -380,7 +381,12 @@ pub(crate) fn header(
             pred.push(format!("{} {t:.1}", human_bytes(b as u64, false)));
         }
     }
-    println!("# predicted : µs, {}", pred.join(", "));
+    let equal = if args.collective == crate::Coll::AllToAllV && args.skew != 0.0 {
+        " (all_to_all's of equal blocks: the model does not see the skew)"
+    } else {
+        ""
+    };
+    println!("# predicted : µs, {}{equal}", pred.join(", "));
     println!("#");
     for line in table::column_heads() {
         println!("{line}");

@@ -50,18 +50,20 @@ pub(crate) fn counts(c: Coll, bytes: usize, esz: usize, n: usize) -> (usize, usi
     }
 }
 
-/// all_to_all_v's block from rank `from` to rank `to` in a world of `n`: the even share
-/// `per` plus `per × skew × (2k − (n − 1)) / (n − 1)` rounded toward zero, where k is
-/// `(to − from) mod n`. The term is odd about the middle k, so the blocks a rank sends (k over
-/// every value) add up to `n × per` exactly, as do those it receives; its own block (k = 0)
-/// is the smallest, the one to the rank before it the largest.
+/// all_to_all_v's block from rank `from` to rank `to` in a world of `n`: a rank's own block
+/// is the even share `per`; a peer's, k = `(to − from) mod n` ranks on, is `per` plus
+/// `per × skew × (2k − n) / (n − 2)` rounded toward zero, from `per × (1 − skew)` for the next
+/// rank to `per × (1 + skew)` for the one before. The term is odd about k = n / 2, so the
+/// blocks a rank sends add up to `n × per` exactly, as do those it receives, and as much
+/// crosses between ranks as in an all_to_all of `per` (its bus bandwidth compares); the
+/// two blocks between a pair (k and n − k) differ, except for ranks n / 2 apart. With fewer
+/// than 3 ranks every block is `per`: one peer block of the same total cannot differ.
 pub(crate) fn v_block(n: usize, per: usize, skew: f64, from: usize, to: usize) -> usize {
-    if n < 2 {
+    let k = (to + n - from % n.max(1)) % n.max(1);
+    if n < 3 || k == 0 {
         return per;
     }
-    let k = (to + n - from % n) % n;
-    let span = (n - 1) as f64;
-    let d = (per as f64 * skew * (2.0 * k as f64 - span) / span).trunc() as i64;
+    let d = (per as f64 * skew * (2.0 * k as f64 - n as f64) / (n - 2) as f64).trunc() as i64;
     (per as i64 + d).max(0) as usize
 }
 
@@ -143,14 +145,17 @@ mod tests {
 
     #[test]
     fn all_to_all_v_blocks_keep_every_ranks_totals_and_agree_between_sender_and_receiver() {
-        // 4 ranks, 10 elements a block on average, skew 0.5: own block 10 − 5, then
-        // 10 − 1.67 → 9, 10 + 1.67 → 11, 10 + 5 (the rank before).
-        assert_eq!(v_counts(4, 0.5, 0, 40).0, [5, 9, 11, 15]);
+        // 4 ranks, 10 elements a block on average, skew 0.5: its own block 10, then to the
+        // next rank 10 − 5, to the one 2 on 10 (ranks n / 2 apart swap equal blocks), to
+        // the one before 10 + 5.
+        assert_eq!(v_counts(4, 0.5, 0, 40).0, [10, 5, 10, 15]);
         assert_eq!(
             v_counts(4, 0.5, 2, 40),
-            (vec![11, 15, 5, 9], vec![11, 9, 5, 15])
+            (vec![10, 15, 10, 5], vec![10, 5, 10, 15])
         );
-        assert_eq!(v_counts(3, 1.0, 1, 9).0, [6, 0, 3]);
+        assert_eq!(v_counts(3, 1.0, 1, 9), (vec![6, 3, 0], vec![0, 3, 6]));
+        // Two ranks: nothing to skew.
+        assert_eq!(v_counts(2, 1.0, 1, 20), (vec![10, 10], vec![10, 10]));
         for n in 1..=9 {
             for per in [0, 1, 2, 7, 1000] {
                 for skew in [0.0, 0.3, 1.0] {
@@ -158,12 +163,15 @@ mod tests {
                         let (to, from) = v_counts(n, skew, r, per * n);
                         assert_eq!(to.iter().sum::<usize>(), per * n, "n {n} per {per} {skew}");
                         assert_eq!(from.iter().sum::<usize>(), per * n, "n {n} per {per}");
-                        assert_eq!(to[r], from[r], "a rank's own block both ways");
+                        assert_eq!((to[r], from[r]), (per, per), "a rank's own block");
                         for (j, &c) in to.iter().enumerate() {
                             // What r sends j is what j expects from r.
                             assert_eq!(c, v_counts(n, skew, j, per * n).1[r]);
-                            if skew == 0.0 {
-                                assert_eq!(c, per);
+                            let apart = (j + n - r) % n;
+                            if skew == 0.0 || apart == 0 || 2 * apart == n || n < 3 {
+                                assert_eq!((c, from[j]), (per, per), "n {n} r {r} j {j}");
+                            } else if per == 1000 {
+                                assert_ne!(c, from[j], "n {n} r {r} j {j} {skew}");
                             }
                         }
                     }

@@ -45,7 +45,7 @@ pub(crate) fn write_plot(
     };
     let title = format!(
         "{} {}{op}, {n} ranks, {} — bus bandwidth",
-        args.collective.name(),
+        args.label(),
         args.dtype.name(),
         comm.info().transport
     );

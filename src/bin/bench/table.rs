@@ -69,7 +69,7 @@ pub(crate) fn csv_row(
     let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
     format!(
         "{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{},{}",
-        coll.name(),
+        args.label(),
         args.dtype.name(),
         op_column(args),
         n,
@@ -166,7 +166,7 @@ pub(crate) fn print_algorithm_table(
     let factor = args.collective.bus_factor(comm.world_size());
     println!(
         "# --algo all: the same sweep with each algorithm of {} (time in us, busbw in GB/s)",
-        c.name()
+        args.label()
     );
     let mut head = format!("# {:>12}", "size");
     for (a, _) in runs {
