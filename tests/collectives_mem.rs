@@ -64,6 +64,16 @@ fn all_to_all_v_is_exact_blocking_timed_and_raw_with_overlapping_buffers() {
             let mut buf = vec![0u32; send.len().max(want.len())];
             buf[..send.len()].copy_from_slice(&send);
             let p = buf.as_mut_ptr().cast::<u8>();
+            // A rank whose own block differs both ways is refused at once, nothing started.
+            let mut odd = rc.clone();
+            odd[r] += 1;
+            // SAFETY: refused before anything reads the buffers (checked below).
+            match unsafe {
+                c.start_raw_all_to_all_v(DataType::U32, (p.cast_const(), &sc), (p, &odd), None)
+            } {
+                Err(Error::InvalidArgument { what, .. }) if what.contains("to itself") => {}
+                other => return Err(format!("own block differing: {other:?}")),
+            }
             // SAFETY: `buf` lives past the wait below, and nothing else touches it meanwhile.
             let w = unsafe {
                 c.start_raw_all_to_all_v(DataType::U32, (p.cast_const(), &sc), (p, &rc), None)

@@ -520,27 +520,22 @@ impl Communicator {
         })
     }
 
-    /// Checks an all-to-all-v's counts against the world and its pointers, and keeps them.
+    /// Checks an all-to-all-v's counts ([`crate::engine::v_check`]) and its pointers, and
+    /// keeps them.
     fn v_buffers(
         &self,
         dtype: DataType,
         (send, send_counts): (*const u8, &[usize]),
         (recv, recv_counts): (*mut u8, &[usize]),
     ) -> Result<VBuffers> {
-        let (me, n) = (self.rank(), self.world_size());
+        let me = self.rank();
+        let counts = (send_counts, recv_counts);
+        let (sent, received) =
+            crate::engine::v_check((me, self.world_size()), dtype, counts, None)?;
         let bad = |what: String| Error::invalid(Some(me), Collective::AllToAll.name(), what);
-        if send_counts.len() != n || recv_counts.len() != n {
-            return Err(bad(format!(
-                "{} send counts and {} receive counts for a world of {n} (one per rank)",
-                send_counts.len(),
-                recv_counts.len()
-            )));
-        }
-        let bytes = |counts: &[usize], p: *const u8, which: &str| -> Result<usize> {
-            let b = counts
-                .iter()
-                .try_fold(0usize, |a, &c| a.checked_add(c))
-                .and_then(|e| e.checked_mul(dtype.size()))
+        let bytes = |elems: usize, p: *const u8, which: &str| -> Result<usize> {
+            let b = elems
+                .checked_mul(dtype.size())
                 .filter(|&b| b <= isize::MAX as usize)
                 .ok_or_else(|| bad(format!("the {which} counts overflow")))?;
             if b > 0 && p.is_null() {
@@ -552,8 +547,8 @@ impl Communicator {
         };
         Ok(VBuffers {
             dtype,
-            src_len: bytes(send_counts, send, "send")?,
-            dst_len: bytes(recv_counts, recv.cast_const(), "receive")?,
+            src_len: bytes(sent, send, "send")?,
+            dst_len: bytes(received, recv.cast_const(), "receive")?,
             src: send,
             dst: recv,
             send_counts: send_counts.to_vec(),

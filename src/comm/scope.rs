@@ -7,8 +7,7 @@ use std::sync::{Arc, Mutex};
 use super::raw::RawBuffers;
 use super::work::{Completion, Work};
 use super::{Communicator, HostOp};
-use crate::error::{Error, Result};
-use crate::plan::Collective;
+use crate::error::Result;
 use crate::types::{Element, ReduceOp};
 
 /// Started operations kept before the finished ones are pruned.
@@ -208,8 +207,9 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts [`Communicator::all_to_all_v`]. The counts are copied.
     ///
     /// # Errors
-    /// `InvalidArgument` at once when the counts are not one per rank or do not add up to the
-    /// buffers' lengths; the operation's errors from its [`Work`].
+    /// `InvalidArgument` at once when the counts are not one per rank, do not add up to the
+    /// buffers' lengths or differ for this rank's own block; the operation's errors from its
+    /// [`Work`].
     pub fn all_to_all_v<T: Element>(
         &self,
         send: &'scope [T],
@@ -217,24 +217,10 @@ impl<'scope> Scope<'scope, '_> {
         recv: &'scope mut [T],
         recv_counts: &[usize],
     ) -> Result<Work> {
-        let total = |c: &[usize]| c.iter().try_fold(0usize, |a, &k| a.checked_add(k));
-        let (sent, received) = (total(send_counts), total(recv_counts));
-        if sent != Some(send.len()) || received != Some(recv.len()) {
-            let text =
-                |t: Option<usize>| t.map_or("more than usize::MAX".into(), |t| t.to_string());
-            return Err(Error::invalid(
-                Some(self.comm.rank()),
-                Collective::AllToAll.name(),
-                format!(
-                    "the counts add up to {} elements sent and {} received, the buffers hold \
-                     {} and {} elements",
-                    text(sent),
-                    text(received),
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
+        let (rank, n) = (self.comm.rank(), self.comm.world_size());
+        let counts = (send_counts, recv_counts);
+        let bytes = Some((size_of_val(send), size_of_val(recv)));
+        crate::engine::v_check((rank, n), T::DATA_TYPE, counts, bytes)?;
         let (src, dst) = (send.as_ptr().cast::<u8>(), recv.as_mut_ptr().cast::<u8>());
         #[allow(unsafe_code)]
         // SAFETY: the counts add up to exactly the slices' lengths (checked above), so `src`

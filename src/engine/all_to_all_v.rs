@@ -32,6 +32,57 @@ fn starts(counts: &[usize]) -> Option<Vec<usize>> {
     Some(at)
 }
 
+/// Checks an all_to_all_v's counts on rank `rank` of `world`: one per rank, a sum that fits a
+/// `usize` each way, buffers of `bytes` (sent, received) that hold exactly those sums of
+/// `dtype` (`None` where their lengths are taken from the counts), and this rank's own block
+/// the same both ways. Returns the elements sent and received in all. Every way in checks
+/// them here (the engine, the raw and the scoped starts), so that an argument error reads the
+/// same whichever found it.
+///
+/// # Errors
+/// `InvalidArgument` naming what is wrong.
+pub(crate) fn v_check(
+    (rank, world): (usize, usize),
+    dtype: DataType,
+    (send_counts, recv_counts): (&[usize], &[usize]),
+    bytes: Option<(usize, usize)>,
+) -> Result<(usize, usize)> {
+    let bad = |what: String| {
+        Err(Error::invalid(
+            Some(rank),
+            Collective::AllToAll.name(),
+            what,
+        ))
+    };
+    if send_counts.len() != world || recv_counts.len() != world {
+        return bad(format!(
+            "{} send counts and {} receive counts for a world of {world} (one per rank)",
+            send_counts.len(),
+            recv_counts.len()
+        ));
+    }
+    let total = |c: &[usize]| c.iter().try_fold(0usize, |a, &k| a.checked_add(k));
+    let (Some(sent), Some(received)) = (total(send_counts), total(recv_counts)) else {
+        return bad("the counts overflow".into());
+    };
+    if let Some((src_bytes, dst_bytes)) = bytes {
+        let fits = |elems: usize, len: usize| elems.checked_mul(dtype.size()) == Some(len);
+        if !fits(sent, src_bytes) || !fits(received, dst_bytes) {
+            return bad(format!(
+                "the counts add up to {sent} elements sent and {received} received, the \
+                 buffers hold {src_bytes} and {dst_bytes} bytes of {dtype}"
+            ));
+        }
+    }
+    if send_counts[rank] != recv_counts[rank] {
+        return bad(format!(
+            "rank {rank} sends {} elements to itself but receives {}",
+            send_counts[rank], recv_counts[rank]
+        ));
+    }
+    Ok((sent, received))
+}
+
 impl Engine {
     /// Sends `send_counts[j]` elements of `src` (blocks in rank order) to rank j and receives
     /// `recv_counts[i]` elements from rank i into `dst` (blocks in rank order), every rank at
@@ -55,38 +106,13 @@ impl Engine {
         dst: &mut [u8],
     ) -> Result<()> {
         self.ready()?;
-        let (me, n, esz) = (self.rank, self.world, dtype.size());
-        let name = Collective::AllToAll.name();
-        let bad = |what: String| Err(Error::invalid(Some(me), name, what));
-        if send_counts.len() != n || recv_counts.len() != n {
-            return bad(format!(
-                "{} send counts and {} receive counts for a world of {n} (one per rank)",
-                send_counts.len(),
-                recv_counts.len()
-            ));
-        }
-        let total = |c: &[usize]| c.iter().try_fold(0usize, |a, &k| a.checked_add(k));
-        let (Some(total_send), Some(total_recv)) = (total(send_counts), total(recv_counts)) else {
-            return bad("the counts overflow".into());
-        };
-        let fits = |elems: usize, len: usize| elems.checked_mul(esz) == Some(len);
-        if !fits(total_send, src.len()) || !fits(total_recv, dst.len()) {
-            return bad(format!(
-                "the counts add up to {total_send} elements sent and {total_recv} received, \
-                 the buffers hold {} and {} bytes of {dtype}",
-                src.len(),
-                dst.len()
-            ));
-        }
-        if send_counts[me] != recv_counts[me] {
-            return bad(format!(
-                "rank {me} sends {} elements to itself but receives {}",
-                send_counts[me], recv_counts[me]
-            ));
-        }
+        let esz = dtype.size();
+        let (me, n) = (self.rank, self.world);
+        let counts = (send_counts, recv_counts);
+        let totals = v_check((me, n), dtype, counts, Some((src.len(), dst.len())))?;
         let call = Call {
             dtype,
-            ..Call::new(Collective::AllToAll, None, total_send, 0, false)
+            ..Call::new(Collective::AllToAll, None, totals.0, 0, false)
         };
         let frame = Framed {
             recorded: RECORDED_COUNT,
@@ -105,7 +131,7 @@ impl Engine {
                 let descs = Descs {
                     send: desc,
                     recv: desc,
-                    per_peer: Some((&built.to, &built.from)),
+                    per_peer: Some((send_counts, recv_counts)),
                 };
                 let sum = ReduceOp::Sum;
                 eng.drive(prog, descs, sum, sum, src, dst, esz, start, deadline, s)
@@ -114,8 +140,7 @@ impl Engine {
     }
 }
 
-/// An all_to_all_v's program for one set of counts, with the per-pair counts its frames
-/// carry: kept ([`V_SLOTS`]) for the next call with the same counts and segment, as a training
+/// An all_to_all_v's program for one set of counts: kept ([`V_SLOTS`]) for the next call with the same counts and segment, as a training
 /// loop's fixed-capacity expert exchange makes.
 #[derive(Debug)]
 pub(super) struct VProgram {
@@ -123,9 +148,6 @@ pub(super) struct VProgram {
     recv_counts: Vec<usize>,
     seg_elems: usize,
     prog: Program,
-    /// The counts of the frames to and from each peer ([`COUNT_PER_PEER`] set).
-    to: Vec<u64>,
-    from: Vec<u64>,
 }
 
 /// all_to_all_v programs kept, the least recently used replaced. Building one took 0.25 µs for
@@ -163,14 +185,11 @@ impl Engine {
             return Err(Error::invalid(Some(me), Collective::AllToAll.name(), what));
         };
         let sched = plan::algo::pairwise_all_to_all_v(n, me, &sends, &recvs);
-        let per_pair = |c: &[usize]| c.iter().map(|&k| COUNT_PER_PEER | k as u64).collect();
         let built = Arc::new(VProgram {
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
             seg_elems,
             prog: plan::compile(&sched, seg_elems),
-            to: per_pair(send_counts),
-            from: per_pair(recv_counts),
         });
         if self.v_cache.len() >= V_SLOTS {
             if let Some(oldest) = (0..self.v_cache.len()).min_by_key(|&i| self.v_cache[i].0) {

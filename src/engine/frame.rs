@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::plan::{Algorithm, Collective};
 use crate::reduce;
-use crate::transport::{count_text, FrameHeader, FrameKind, RecvSink, NO_OP};
+use crate::transport::{count_text, FrameHeader, FrameKind, RecvSink, COUNT_PER_PEER, NO_OP};
 use crate::types::{DataType, ReduceOp};
 
 /// The descriptors a drive loop checks frames against: the call's, for its sends and its
@@ -19,10 +19,10 @@ use crate::types::{DataType, ReduceOp};
 pub(super) struct Descs<'a> {
     pub(super) send: &'a Desc,
     pub(super) recv: &'a Desc,
-    /// An all-to-all of counts per peer ([`super::Engine::run_all_to_all_v`]): the count the
-    /// frames to and from each peer carry instead of the descriptor's (indexed by peer; the
-    /// block between the two ranks, marked with [`COUNT_PER_PEER`](crate::transport::COUNT_PER_PEER)).
-    pub(super) per_peer: Option<(&'a [u64], &'a [u64])>,
+    /// An all-to-all of counts per peer ([`super::Engine::run_all_to_all_v`]): the elements
+    /// sent to and received from each peer (indexed by peer), which the frames between the
+    /// two carry as their count, marked with [`COUNT_PER_PEER`], instead of the descriptor's.
+    pub(super) per_peer: Option<(&'a [usize], &'a [usize])>,
 }
 
 impl Descs<'_> {
@@ -30,7 +30,7 @@ impl Descs<'_> {
     pub(super) fn recv_from(&self, peer: usize) -> Desc {
         match self.per_peer {
             Some((_, from)) => Desc {
-                count: from[peer],
+                count: COUNT_PER_PEER | from[peer] as u64,
                 ..*self.recv
             },
             None => *self.recv,
@@ -41,7 +41,7 @@ impl Descs<'_> {
     pub(super) fn header_to(&self, peer: usize, len: usize) -> FrameHeader {
         let mut h = self.send.header(len);
         if let Some((to, _)) = self.per_peer {
-            h.count = to[peer];
+            h.count = COUNT_PER_PEER | to[peer] as u64;
         }
         h
     }

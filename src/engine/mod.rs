@@ -48,6 +48,7 @@ pub mod trace;
 use crate::transport::{AbortClass, Transport, TransportKind, NO_OP};
 
 use crate::types::{DataType, ReduceOp};
+pub(crate) use all_to_all_v::v_check;
 pub(crate) use any::RECV_ANY;
 use cache::CacheEntry;
 use frame::{Desc, Descs};
