@@ -163,10 +163,11 @@ struct Args {
     /// Root of broadcast / reduce.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     root: usize,
-    /// Timed iterations per size. Default: at least 20, and as many more as fill 2 ms of
+    /// Timed iterations per size. Default: at least 20, and as many more as fill 10 ms of
     /// calls at the warm-up's pace (at most 100 000): 20 calls of 8 bytes are a 5 µs window,
-    /// which a single interruption of the machine (50–130 µs seen on a VM) would double. The
-    /// calls are timed in 5 windows; the row's time is the median window's.
+    /// which a single interruption of the machine (50–130 µs seen on a VM) would double, and
+    /// a VM's slow stretches last milliseconds. The calls are timed in 5 windows; the row's
+    /// time is the median window's.
     #[arg(short = 'n', long = "iters")]
     iters: Option<usize>,
     /// Warm-up iterations per size.
