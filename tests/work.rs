@@ -413,7 +413,15 @@ fn wait_timeout_reports_an_operation_still_in_flight_and_a_later_wait_gets_its_r
                 Err(Error::Timeout { .. }) => {}
                 other => return Err(format!("expected a wait timeout, got {other:?}")),
             }
-            w.wait().map_err(|e| e.to_string())
+            w.wait().map_err(|e| e.to_string())?;
+            // Waiting again (it waits by reference) returns the same result, without waiting
+            // for anything (the bound only says it did not hang).
+            let t0 = Instant::now();
+            w.wait().map_err(|e| format!("a second wait: {e}"))?;
+            match t0.elapsed() < Duration::from_secs(10) {
+                true => Ok(()),
+                false => Err(format!("a second wait took {:?}", t0.elapsed())),
+            }
         })?;
         check("late receive", &got, &data)
     });

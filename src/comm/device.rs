@@ -539,11 +539,11 @@ impl Communicator {
     /// Every buffer passed to the call made through the returned [`Enqueue`] must stay
     /// allocated — not dropped, and not freed any other way, stream-ordered frees
     /// (`cuMemFreeAsync`, which cudarc's `Drop` calls) included — until the call's [`Work`]
-    /// has completed without leaving device work behind: [`Work::wait`] returned `Ok`, or
-    /// [`Work::test`] / [`Work::wait_timeout`] reported the end (success or error) and
-    /// [`Work::buffers_may_be_in_use`] is `false`. Otherwise — `wait` returned an error (it
-    /// consumes the `Work`, so the flag cannot be read after it), the `Work` was dropped or
-    /// forgotten before its end, or the flag is set — the buffers must never be freed
+    /// has completed without leaving device work behind: [`Work::wait`], [`Work::test`] or
+    /// [`Work::wait_timeout`] reported the end (success or error) and
+    /// [`Work::buffers_may_be_in_use`] is `false` (it always is after a success).
+    /// Otherwise — the `Work` was dropped or forgotten before its end, or the flag is set —
+    /// the buffers must never be freed
     /// (`std::mem::forget` them). The reason: the library issues copies and kernels on them
     /// from its progress thread while the call runs, after this returns, and CUDA makes work
     /// issued on freed memory undefined. Using the buffers in stream order on `stream`

@@ -710,12 +710,14 @@ impl Work {
         }
     }
 
-    /// Waits for the operation. It cannot wait forever: the operation itself fails by its
-    /// deadline (the communicator's, or the one it was issued with).
+    /// Waits for the operation, running it (and what was issued before it) on this thread
+    /// when no other thread is: a caller that waits at once pays no wake-up of the progress
+    /// thread. It cannot wait forever: the operation itself fails by its deadline (the
+    /// communicator's, or the one it was issued with). Waiting again returns the same result.
     ///
     /// # Errors
     /// The operation's error: `Timeout`, `PeerLost`, `Mismatch`, `Aborted`, ...
-    pub fn wait(self) -> Result<()> {
+    pub fn wait(&self) -> Result<()> {
         self.wait_for(None).unwrap_or_else(|| Err(self.lost()))
     }
 
