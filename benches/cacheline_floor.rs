@@ -15,9 +15,9 @@
 //!   `samples` rounds over the page, `k` round trips per line and round; one row per line
 //!   (`line<i>`), then `lines` with the median, fastest and slowest line's median. Where the
 //!   last-level cache is cut into slices homed by physical address, each line's round trip
-//!   is its own and stays so for the mapping's life (on this project's 2-vCPU VM, 0.104 to
-//!   0.143 µs across one page, the same lines slow in every run): what a fresh process's
-//!   flags land on is part of its placement.
+//!   is its own and steady for the mapping's life, and differs in the next run (new physical
+//!   pages): on this project's 2-vCPU VM 0.104 to 0.143 µs across one page, a line steady
+//!   within 0.007 µs in a run. What a fresh process's flags land on is part of its placement.
 //!
 //! Timing as the peers' benchmarks: the median of `samples` samples of `k` back-to-back
 //! iterations each, in µs per iteration.
@@ -56,8 +56,9 @@ fn shared(len: usize) -> *mut u8 {
 
 /// The atomic word at the start of line `i` of `base`.
 fn word(base: *mut u8, i: usize) -> &'static AtomicU64 {
-    // SAFETY: `base` is a live page-aligned shared mapping of at least 6 lines that is never
-    // unmapped; every access to these words, in both processes, is atomic.
+    // SAFETY: `base` is a live page-aligned shared mapping that is never unmapped and holds
+    // line `i` (6 lines for `run`'s modes, the 64 of a page for `lines`); every access to
+    // these words, in both processes, is atomic.
     unsafe { &*(base.add(i * LINE) as *const AtomicU64) }
 }
 
@@ -83,14 +84,18 @@ fn pin(cpu: usize) {
 /// never got a CPU): no run of this program is near it, and nothing then spins forever
 /// holding a measurement lock.
 const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(60);
-static STARTED: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
 
 fn wait_for(w: &AtomicU64, v: u64) {
     let mut spins = 0u32;
+    // From this wait's own start (read only once it has spun a while): a long run (`lines`
+    // makes 64 times `pingpong`'s round trips) is not a peer that stopped answering.
+    let mut since: Option<Instant> = None;
     while w.load(Ordering::Acquire) < v {
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(1 << 16) && STARTED.get_or_init(Instant::now).elapsed() > GIVE_UP {
+        if spins.is_multiple_of(1 << 16)
+            && since.get_or_insert_with(Instant::now).elapsed() > GIVE_UP
+        {
             eprintln!("cacheline_floor: the other process stopped answering; giving up");
             std::process::exit(1);
         }
@@ -276,7 +281,6 @@ fn run_lines(samples: usize, k: usize, pinned: bool) -> Vec<Vec<f64>> {
 }
 
 fn main() {
-    STARTED.get_or_init(Instant::now);
     // `cargo bench` passes `--bench`; numbers are samples and k, `pin` pins.
     let args: Vec<String> = std::env::args()
         .skip(1)

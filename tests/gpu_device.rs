@@ -1018,8 +1018,8 @@ fn enqueued_device_collectives_are_ordered_on_the_callers_stream_and_return_at_o
         let w = q()
             .all_reduce(&mut x, ReduceOp::Sum, &stream)
             .map_err(e("enqueue"))?;
-        // `wait_timeout` borrows the Work, so whether device work was left on `x` can be
-        // read after it (`wait` would consume it).
+        // `wait_timeout` borrows the Work (as `wait` does), so whether device work was left
+        // on `x` can be read after it.
         let failed = w.wait_timeout(std::time::Duration::from_secs(120));
         let stuck = w.buffers_may_be_in_use() || matches!(w.test(), Ok(false));
         let t = Instant::now();

@@ -347,8 +347,8 @@ class _AsyncWork(dist._Work):
         # completer's thread, so a caller woken by the inner alone could find
         # `get_future().value()` not ready yet (torch's "completed() INTERNAL ASSERT"). So
         # the outer is waited for, which implies the inner: waiting for the inner first put
-        # a second wake-up (the outer's) on every `wait()` (8-byte all_reduce, async + wait:
-        # ~50 against ~31 µs through `get_future().wait()`, 2-vCPU VM).
+        # a second wait (the outer's) on every `wait()` (benches/RESULTS.md, "Issue 25, stop
+        # 42": an 8-byte `wait()` 3–23 µs slower than `get_future().wait()` before).
         try:
             self._outer.wait()
         except Exception:  # noqa: BLE001 - the failure is the inner's value, raised by the caller

@@ -19,8 +19,9 @@ How it plugs in (see the README's PyTorch section):
   is its own dspark communicator with its own sequence numbers and mismatch checks.
 - Work: every Work's ``get_future()`` completes with the tensor list (DDP requires it).
   Synchronous calls (``async_op=False``) run at once on the caller's thread with the GIL
-  released; asynchronous ones go through the communicator's progress thread and complete in
-  issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
+  released; asynchronous ones run on the communicator's progress thread, or on the backend's
+  thread that waits for them (which runs them rather than wake the progress thread), and
+  complete in issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
   (torch has no watchdog for Python backends: dspark's deadlines are the guard).
 - Errors: dspark's classes, each raised through this backend as a subclass that is also
   the matching ``torch.distributed`` error (``DistBackendError``, ``DistNetworkError``,

@@ -15,13 +15,14 @@
 //!   logged once per GPU and shown by [`Communicator::enqueue_blocks`].
 //!
 //! **Why the non-blocking forms are `unsafe`.** The operation keeps no borrow of the
-//! buffers: its copies and kernels on them are issued later, by the communicator's progress
-//! thread, while the call runs. The ordering on the GPU is safe — cudarc's record of each
+//! buffers: its copies and kernels on them are issued later, while the call runs, by the
+//! communicator's progress thread or by a thread that waits for an operation and runs the
+//! queue itself ([`Work::wait`]). The ordering on the GPU is safe — cudarc's record of each
 //! buffer's use is made on the caller's stream *after* the wait for the collective, so every
 //! later use of the buffer through cudarc waits for it. The host's side is not: dropping a
 //! cudarc buffer frees it at once (`cuMemFreeAsync`, ordered on the GPU, but CUDA makes any
-//! work *issued* afterwards on that memory undefined), so a copy the progress thread issues
-//! after the drop is refused (`CUDA_ERROR_INVALID_VALUE` on an H200, driver 580: the call
+//! work *issued* afterwards on that memory undefined), so a copy the library issues after
+//! the drop is refused (`CUDA_ERROR_INVALID_VALUE` on an H200, driver 580: the call
 //! fails and poisons the communicator) or, in CUDA's terms, undefined. Hence the contract of
 //! [`Communicator::enqueue`]: buffers stay allocated until the call's [`Work`] has
 //! completed. (Issuing every copy of the caller's buffers before returning, into memory the
@@ -543,10 +544,10 @@ impl Communicator {
     /// [`Work::wait_timeout`] reported the end (success or error) and
     /// [`Work::buffers_may_be_in_use`] is `false` (it always is after a success).
     /// Otherwise — the `Work` was dropped or forgotten before its end, or the flag is set —
-    /// the buffers must never be freed
-    /// (`std::mem::forget` them). The reason: the library issues copies and kernels on them
-    /// from its progress thread while the call runs, after this returns, and CUDA makes work
-    /// issued on freed memory undefined. Using the buffers in stream order on `stream`
+    /// the buffers must never be freed (`std::mem::forget` them). The reason: the library
+    /// issues copies and kernels on them from its progress thread (or a thread waiting in
+    /// [`Work::wait`]) while the call runs, after this returns, and CUDA makes work issued
+    /// on freed memory undefined. Using the buffers in stream order on `stream`
     /// (kernels, copies queued there) needs nothing more: that work waits for the call.
     ///
     /// ```no_run
