@@ -79,10 +79,11 @@ pub(crate) fn default_algorithm(comm: &Communicator, c: Collective, bytes: usize
 /// 10 ms, not the 2 ms it was: a VM's slow stretches last milliseconds (a host's other
 /// work on the vCPU's core), so the five windows of a 2 ms row could all fall in one. Forty
 /// fresh 2-rank runs at 64 KiB over shm read 6.54–8.97 µs (slowest ÷ median 1.23) with 2 ms,
-/// thirty with 10 ms 6.97–7.65 (1.04); the rows of one process, size after size, spread as
-/// much as fresh runs did (6.5–7.8 µs with 2 ms), so the spread was the measurement's, not
-/// the state a fresh process starts in (`benches/RESULTS.md`, "Issue 25, stop 42"). A sweep
-/// of 8 B–256 MiB takes some 0.1 s longer.
+/// thirty others with ~10 ms 6.97–7.65 (1.04); one process's rows of that one size spread
+/// as fresh runs did (6.7–8.0 µs with 2 ms, one first row 10.5), so the spread was the
+/// measurement's, not the state a fresh process starts in; the new default's sets of twelve
+/// fresh runs read 1.06–1.13 (`benches/RESULTS.md`, "Issue 25, stop 42"). A sweep of 8 B–256
+/// MiB takes some 0.1 s longer.
 pub(crate) const MIN_ITERS: usize = 20;
 pub(crate) const MIN_TIMED_US: f64 = 10_000.0;
 const MAX_ITERS: usize = 100_000;
