@@ -81,6 +81,10 @@ pub struct EngineOptions {
     pub one_shot_bytes: usize,
 }
 
+/// (collective, size) pairs whose algorithm the engine remembers ([`Engine::chosen`]): a
+/// training loop's few bucket sizes and the collectives around them.
+const CHOICES: usize = 8;
+
 /// The pipeline segment of an all_reduce under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
 /// ranks over TCP ([`call_segment`]).
 pub const PAIR_SEGMENT: usize = 256 << 10;
@@ -121,16 +125,31 @@ pub fn call_segment(
 impl EngineOptions {
     /// The algorithm a call of `coll` on `bytes` bytes runs with on a world of `world`.
     pub fn algorithm(&self, world: usize, coll: Collective, bytes: usize) -> Algorithm {
+        self.settled(world, coll, bytes)
+            .unwrap_or_else(|| plan::choose(coll, bytes, world, self.per_host, &self.model))
+    }
+
+    /// The algorithm when no model is asked: a forced one that implements `coll`, or the
+    /// one-shot all_reduce for the sizes the transport's slots hold. The model never picks
+    /// the one-shot all_reduce ([`plan::choose`]), so a call runs one-shot exactly when this
+    /// says so.
+    #[inline]
+    pub(crate) fn settled(
+        &self,
+        world: usize,
+        coll: Collective,
+        bytes: usize,
+    ) -> Option<Algorithm> {
         match self.force_algo {
-            Some(a) if a.supports(coll) => a,
+            Some(a) if a.supports(coll) => Some(a),
             _ if coll == Collective::AllReduce
                 && world > 1
                 && bytes > 0
                 && bytes <= self.one_shot_bytes =>
             {
-                Algorithm::OneShot
+                Some(Algorithm::OneShot)
             }
-            _ => plan::choose(coll, bytes, world, self.per_host, &self.model),
+            _ => None,
         }
     }
 }
@@ -213,6 +232,10 @@ pub struct Engine {
     cache: Vec<CacheEntry>,
     /// all_to_all_v's programs by counts, with the clock of their last use.
     v_cache: Vec<(u64, Arc<all_to_all_v::VProgram>)>,
+    /// The algorithms chosen for the last calls, by collective and size ([`Engine::chosen`]).
+    choices: [Option<(Collective, usize, Algorithm)>; CHOICES],
+    /// Where the next choice goes in `choices` (round robin).
+    next_choice: usize,
     clock: u64,
     scratch: Scratch,
     /// Raised by another thread to stop the call in progress ([`Engine::abort_flag`]).
@@ -252,6 +275,8 @@ impl Engine {
             p2p_received: vec![0; world],
             cache: Vec::new(),
             v_cache: Vec::new(),
+            choices: [None; CHOICES],
+            next_choice: 0,
             clock: 0,
             scratch: Scratch::default(),
             abort: Arc::new(AtomicBool::new(false)),
@@ -317,6 +342,7 @@ impl Engine {
     /// measured the link between hosts; every rank sets the same one before its first call).
     pub fn set_model(&mut self, model: CostModel) {
         self.opts.model = model;
+        self.choices = [None; CHOICES];
     }
 
     /// Forces `algo` for later calls of the collectives it implements (`None`: the choice by
@@ -324,6 +350,7 @@ impl Engine {
     pub fn set_forced_algorithm(&mut self, algo: Option<Algorithm>) {
         self.opts.force_algo = algo;
         self.forced_warned = 0;
+        self.choices = [None; CHOICES];
     }
 
     /// The flag another thread raises to make the call in progress (and every later one)
@@ -394,6 +421,31 @@ impl Engine {
     /// The algorithm `call` runs with.
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
         self.opts.algorithm(self.world, coll, bytes)
+    }
+
+    /// [`Engine::algorithm`]: a forced algorithm or the one-shot all_reduce at once, and the
+    /// cost model's choice remembered for the last [`CHOICES`] (collective, size) pairs until
+    /// the model or the forced algorithm changes. The choice runs the model's prediction for
+    /// every algorithm: ~7% of a 2-rank 64-byte all_to_all over shared memory (0.47 µs) in a
+    /// profile, on every call of a size a training loop repeats (and twice per all_reduce
+    /// above the one-shot sizes, whose one-shot test asked the model too).
+    pub(crate) fn chosen(&mut self, coll: Collective, bytes: usize) -> Algorithm {
+        // Forced, or one-shot (the 8-byte all_reduce): two comparisons, before any lookup.
+        if let Some(a) = self.opts.settled(self.world, coll, bytes) {
+            return a;
+        }
+        let hit = self
+            .choices
+            .iter()
+            .flatten()
+            .find(|&&(c, b, _)| c == coll && b == bytes);
+        if let Some(&(_, _, a)) = hit {
+            return a;
+        }
+        let a = self.algorithm(coll, bytes);
+        self.choices[self.next_choice] = Some((coll, bytes, a));
+        self.next_choice = (self.next_choice + 1) % CHOICES;
+        a
     }
 
     /// Runs one call. `src` is the input of out-of-place collectives and of `send` (empty
@@ -539,7 +591,7 @@ impl Engine {
         }
         let esz = call.dtype.size();
         let bytes = call.count.saturating_mul(esz);
-        let algo = self.algorithm(call.coll, bytes);
+        let algo = self.chosen(call.coll, bytes);
         if let Some(f) = self.opts.force_algo {
             let bit = 1u16 << (call.coll as usize);
             // Only where there was a choice: a barrier has one algorithm whatever is forced.
@@ -1135,6 +1187,56 @@ mod tests {
                 got as usize, want,
                 "{world} ranks over {kind:?}, {coll} of {count} f32"
             );
+        }
+    }
+
+    #[test]
+    fn remembered_choices_are_the_models_and_forget_a_new_model_or_forced_algorithm() {
+        let fabric = MemFabric::new(8, 4);
+        let (mut eng, _) = engine(&fabric, 0, 8);
+        let colls = [
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::Broadcast,
+            Collective::AllToAll,
+        ];
+        let sizes = [1usize, 64, 4096, 65_536, 1 << 20, 64 << 20];
+        // More (collective, size) pairs than the memo holds, twice over: every answer is the
+        // model's, whether remembered, replaced or asked again.
+        for _ in 0..2 {
+            for &c in &colls {
+                for &b in &sizes {
+                    assert_eq!(eng.chosen(c, b), eng.algorithm(c, b), "{c:?} {b}");
+                }
+            }
+        }
+        // A forced algorithm overrides a remembered choice, and the choice is back after.
+        let big = 64 << 20;
+        let before = eng.chosen(Collective::AllReduce, big);
+        eng.set_forced_algorithm(Some(Algorithm::Ring));
+        assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
+        assert_eq!(eng.chosen(Collective::AllReduce, 64), Algorithm::Ring);
+        eng.set_forced_algorithm(None);
+        assert_eq!(eng.chosen(Collective::AllReduce, big), before);
+        // A model whose every hop costs a second chooses otherwise for some of these (a
+        // 64 MiB all_reduce: the ring, where the default model takes Rabenseifner's).
+        let m = eng.opts.model;
+        let alt = CostModel {
+            costs: plan::model::Costs {
+                alpha_us: 1e6,
+                ..m.costs
+            },
+            ..m
+        };
+        eng.set_model(alt);
+        for &c in &colls {
+            for &b in &sizes {
+                assert_eq!(
+                    eng.chosen(c, b),
+                    eng.algorithm(c, b),
+                    "new model: {c:?} {b}"
+                );
+            }
         }
     }
 }

@@ -38,7 +38,7 @@ impl Engine {
         }
         let bytes = call.count.saturating_mul(call.dtype.size());
         bytes > 0
-            && self.algorithm(call.coll, bytes) == Algorithm::OneShot
+            && self.opts.settled(self.world, call.coll, bytes) == Some(Algorithm::OneShot)
             && self
                 .transport
                 .slots()
