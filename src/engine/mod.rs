@@ -1191,7 +1191,7 @@ mod tests {
     }
 
     #[test]
-    fn remembered_choices_are_the_models_and_forget_a_new_model_or_forced_algorithm() {
+    fn remembered_choices_are_the_models_are_used_and_are_forgotten_with_the_model() {
         let fabric = MemFabric::new(8, 4);
         let (mut eng, _) = engine(&fabric, 0, 8);
         let colls = [
@@ -1202,7 +1202,7 @@ mod tests {
         ];
         let sizes = [1usize, 64, 4096, 65_536, 1 << 20, 64 << 20];
         // More (collective, size) pairs than the memo holds, twice over: every answer is the
-        // model's, whether remembered, replaced or asked again.
+        // model's as pairs are remembered and replaced.
         for _ in 0..2 {
             for &c in &colls {
                 for &b in &sizes {
@@ -1210,16 +1210,31 @@ mod tests {
                 }
             }
         }
-        // A forced algorithm overrides a remembered choice, and the choice is back after.
+        // A pair asked again is answered from the memo: one made to say otherwise is believed.
         let big = 64 << 20;
-        let before = eng.chosen(Collective::AllReduce, big);
+        let model = eng.chosen(Collective::AllReduce, big);
+        let other = if model == Algorithm::Ring {
+            Algorithm::Rabenseifner
+        } else {
+            Algorithm::Ring
+        };
+        let slot = eng
+            .choices
+            .iter()
+            .position(|e| matches!(e, Some((Collective::AllReduce, b, _)) if *b == big))
+            .expect("the pair just asked is remembered");
+        eng.choices[slot] = Some((Collective::AllReduce, big, other));
+        assert_eq!(eng.chosen(Collective::AllReduce, big), other);
+        eng.choices[slot] = Some((Collective::AllReduce, big, model));
+        // A forced algorithm overrides a remembered choice, and the choice is back after.
         eng.set_forced_algorithm(Some(Algorithm::Ring));
         assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
         assert_eq!(eng.chosen(Collective::AllReduce, 64), Algorithm::Ring);
         eng.set_forced_algorithm(None);
-        assert_eq!(eng.chosen(Collective::AllReduce, big), before);
+        assert_eq!(eng.chosen(Collective::AllReduce, big), model);
         // A model whose every hop costs a second chooses otherwise for some of these (a
-        // 64 MiB all_reduce: the ring, where the default model takes Rabenseifner's).
+        // 64 MiB all_reduce: the ring, where the default model takes Rabenseifner's): a new
+        // model forgets what the old one chose.
         let m = eng.opts.model;
         let alt = CostModel {
             costs: plan::model::Costs {
