@@ -157,73 +157,85 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs `samples` × `k` iterations of `mode` in both processes; the parent returns the
-/// per-iteration times of its samples.
-fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
-    let base = shared(4096 + 4 * ONESHOT);
-    let total = (samples * k) as u64;
+/// Forks: the child (on CPU 1 when `pinned`) runs `child` and exits, the parent (on CPU 0)
+/// runs `parent`, waits for the child and returns what `parent` did. The two may share only
+/// memory mapped shared before the call.
+fn forked<R>(pinned: bool, child: impl FnOnce(), parent: impl FnOnce() -> R) -> R {
     // SAFETY: fork in a single-threaded benchmark process; the child only touches the shared
     // mapping and exits with _exit.
-    let child = unsafe { libc::fork() };
-    assert!(child >= 0, "fork failed");
-    if child == 0 {
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
         if pinned {
             pin(1);
         }
-        match mode {
-            "pingpong" => {
-                let w = word(base, 0);
-                for i in 0..total {
-                    wait_for(w, 2 * i + 1);
-                    w.store(2 * i + 2, Ordering::Release);
-                }
-            }
-            "oneshot64k" => {
-                let mut o = OneShot::new(base, 1);
-                for i in 1..=total {
-                    o.call(i);
-                }
-            }
-            _ => {
-                let (mine, theirs) = (word(base, 1), word(base, 0));
-                for i in 1..=total {
-                    mine.store(i, Ordering::Release);
-                    wait_for(theirs, i);
-                }
-            }
-        }
+        child();
         // SAFETY: leave the forked child without running the parent's destructors.
         unsafe { libc::_exit(0) };
     }
     if pinned {
         pin(0);
     }
-    let mut times = Vec::with_capacity(samples);
-    let mut i = 0u64;
-    let mut oneshot = OneShot::new(base, 0);
-    for _ in 0..samples {
-        let t0 = Instant::now();
-        for _ in 0..k {
-            match mode {
-                "pingpong" => {
-                    let w = word(base, 0);
-                    w.store(2 * i + 1, Ordering::Release);
-                    wait_for(w, 2 * i + 2);
-                }
-                "oneshot64k" => oneshot.call(i + 1),
-                _ => {
-                    let (mine, theirs) = (word(base, 0), word(base, 1));
-                    mine.store(i + 1, Ordering::Release);
-                    wait_for(theirs, i + 1);
-                }
-            }
-            i += 1;
-        }
-        times.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
-    }
+    let r = parent();
     // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
-    times
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+    r
+}
+
+/// Runs `samples` × `k` iterations of `mode` in both processes; the parent returns the
+/// per-iteration times of its samples.
+fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
+    let base = shared(4096 + 4 * ONESHOT);
+    let total = (samples * k) as u64;
+    let child = || match mode {
+        "pingpong" => {
+            let w = word(base, 0);
+            for i in 0..total {
+                wait_for(w, 2 * i + 1);
+                w.store(2 * i + 2, Ordering::Release);
+            }
+        }
+        "oneshot64k" => {
+            let mut o = OneShot::new(base, 1);
+            for i in 1..=total {
+                o.call(i);
+            }
+        }
+        _ => {
+            let (mine, theirs) = (word(base, 1), word(base, 0));
+            for i in 1..=total {
+                mine.store(i, Ordering::Release);
+                wait_for(theirs, i);
+            }
+        }
+    };
+    let parent = || {
+        let mut times = Vec::with_capacity(samples);
+        let mut i = 0u64;
+        let mut oneshot = OneShot::new(base, 0);
+        for _ in 0..samples {
+            let t0 = Instant::now();
+            for _ in 0..k {
+                match mode {
+                    "pingpong" => {
+                        let w = word(base, 0);
+                        w.store(2 * i + 1, Ordering::Release);
+                        wait_for(w, 2 * i + 2);
+                    }
+                    "oneshot64k" => oneshot.call(i + 1),
+                    _ => {
+                        let (mine, theirs) = (word(base, 0), word(base, 1));
+                        mine.store(i + 1, Ordering::Release);
+                        wait_for(theirs, i + 1);
+                    }
+                }
+                i += 1;
+            }
+            times.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
+        }
+        times
+    };
+    forked(pinned, child, parent)
 }
 
 /// Lines of the page the `lines` mode walks.
@@ -236,14 +248,7 @@ fn run_lines(samples: usize, k: usize, pinned: bool) -> Vec<Vec<f64>> {
     // SAFETY: the second page of a mapping of two pages: `word` stays inside it.
     let page = unsafe { base.add(4096) };
     let k = k as u64;
-    // SAFETY: fork in a single-threaded benchmark process; the child only touches the shared
-    // mapping and exits with _exit.
-    let child = unsafe { libc::fork() };
-    assert!(child >= 0, "fork failed");
-    if child == 0 {
-        if pinned {
-            pin(1);
-        }
+    let child = || {
         for s in 0..samples as u64 {
             for line in 0..PAGE_LINES {
                 let w = word(page, line);
@@ -254,30 +259,26 @@ fn run_lines(samples: usize, k: usize, pinned: bool) -> Vec<Vec<f64>> {
                 }
             }
         }
-        // SAFETY: leave the forked child without running the parent's destructors.
-        unsafe { libc::_exit(0) };
-    }
-    if pinned {
-        pin(0);
-    }
-    let mut times: Vec<Vec<f64>> = (0..PAGE_LINES)
-        .map(|_| Vec::with_capacity(samples))
-        .collect();
-    for s in 0..samples as u64 {
-        for (line, t) in times.iter_mut().enumerate() {
-            let w = word(page, line);
-            let t0 = Instant::now();
-            for r in 0..k {
-                let v = 2 * (s * k + r) + 1;
-                w.store(v, Ordering::Release);
-                wait_for(w, v + 1);
+    };
+    let parent = || {
+        let mut times: Vec<Vec<f64>> = (0..PAGE_LINES)
+            .map(|_| Vec::with_capacity(samples))
+            .collect();
+        for s in 0..samples as u64 {
+            for (line, t) in times.iter_mut().enumerate() {
+                let w = word(page, line);
+                let t0 = Instant::now();
+                for r in 0..k {
+                    let v = 2 * (s * k + r) + 1;
+                    w.store(v, Ordering::Release);
+                    wait_for(w, v + 1);
+                }
+                t.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
             }
-            t.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
         }
-    }
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
-    times
+        times
+    };
+    forked(pinned, child, parent)
 }
 
 fn main() {

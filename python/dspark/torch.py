@@ -21,8 +21,9 @@ How it plugs in (see the README's PyTorch section):
   Synchronous calls (``async_op=False``) run at once on the caller's thread with the GIL
   released; asynchronous ones run on the communicator's progress thread, or on the backend's
   thread that waits for them (which runs them rather than wake the progress thread), and
-  complete in issue order. The timeout of ``init_process_group(timeout=...)`` is every call's deadline
-  (torch has no watchdog for Python backends: dspark's deadlines are the guard).
+  complete in issue order. The timeout of ``init_process_group(timeout=...)`` is every
+  call's deadline (torch has no watchdog for Python backends: dspark's deadlines are the
+  guard).
 - Errors: dspark's classes, each raised through this backend as a subclass that is also
   the matching ``torch.distributed`` error (``DistBackendError``, ``DistNetworkError``,
   ``DistStoreError``; :func:`_torch_error`), a timeout's message with torch's "Timed out".

@@ -140,8 +140,8 @@ impl Engine {
     }
 }
 
-/// An all_to_all_v's program for one set of counts: kept ([`V_SLOTS`]) for the next call with the same counts and segment, as a training
-/// loop's fixed-capacity expert exchange makes.
+/// An all_to_all_v's program for one set of counts: kept ([`V_SLOTS`]) for the next call with
+/// the same counts and segment, as a training loop's fixed-capacity expert exchange makes.
 #[derive(Debug)]
 pub(super) struct VProgram {
     send_counts: Vec<usize>,

@@ -35,6 +35,7 @@ use crate::plan::{self, Algorithm, Buf, Collective, Loc, Program, Request};
 mod all_to_all_v;
 mod any;
 mod cache;
+mod choice;
 mod drive;
 pub mod flight;
 mod frame;
@@ -80,10 +81,6 @@ pub struct EngineOptions {
     /// 0 where the transport has none. Set at init from the transport.
     pub one_shot_bytes: usize,
 }
-
-/// (collective, size) pairs whose algorithm the engine remembers ([`Engine::chosen`]): a
-/// training loop's few bucket sizes and the collectives around them.
-const CHOICES: usize = 8;
 
 /// The pipeline segment of an all_reduce under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
 /// ranks over TCP ([`call_segment`]).
@@ -232,10 +229,8 @@ pub struct Engine {
     cache: Vec<CacheEntry>,
     /// all_to_all_v's programs by counts, with the clock of their last use.
     v_cache: Vec<(u64, Arc<all_to_all_v::VProgram>)>,
-    /// The algorithms chosen for the last calls, by collective and size ([`Engine::chosen`]).
-    choices: [Option<(Collective, usize, Algorithm)>; CHOICES],
-    /// Where the next choice goes in `choices` (round robin).
-    next_choice: usize,
+    /// The cost model's choices for the last calls ([`Engine::chosen`]).
+    choices: choice::Choices,
     clock: u64,
     scratch: Scratch,
     /// Raised by another thread to stop the call in progress ([`Engine::abort_flag`]).
@@ -275,8 +270,7 @@ impl Engine {
             p2p_received: vec![0; world],
             cache: Vec::new(),
             v_cache: Vec::new(),
-            choices: [None; CHOICES],
-            next_choice: 0,
+            choices: choice::Choices::default(),
             clock: 0,
             scratch: Scratch::default(),
             abort: Arc::new(AtomicBool::new(false)),
@@ -342,7 +336,7 @@ impl Engine {
     /// measured the link between hosts; every rank sets the same one before its first call).
     pub fn set_model(&mut self, model: CostModel) {
         self.opts.model = model;
-        self.choices = [None; CHOICES];
+        self.choices.clear();
     }
 
     /// Forces `algo` for later calls of the collectives it implements (`None`: the choice by
@@ -350,7 +344,7 @@ impl Engine {
     pub fn set_forced_algorithm(&mut self, algo: Option<Algorithm>) {
         self.opts.force_algo = algo;
         self.forced_warned = 0;
-        self.choices = [None; CHOICES];
+        self.choices.clear();
     }
 
     /// The flag another thread raises to make the call in progress (and every later one)
@@ -421,31 +415,6 @@ impl Engine {
     /// The algorithm `call` runs with.
     pub fn algorithm(&self, coll: Collective, bytes: usize) -> Algorithm {
         self.opts.algorithm(self.world, coll, bytes)
-    }
-
-    /// [`Engine::algorithm`]: a forced algorithm or the one-shot all_reduce at once, and the
-    /// cost model's choice remembered for the last [`CHOICES`] (collective, size) pairs until
-    /// the model or the forced algorithm changes. The choice runs the model's prediction for
-    /// every algorithm: ~7% of a 2-rank 64-byte all_to_all over shared memory (0.47 µs) in a
-    /// profile, on every call of a size a training loop repeats (and twice per all_reduce
-    /// above the one-shot sizes, whose one-shot test asked the model too).
-    pub(crate) fn chosen(&mut self, coll: Collective, bytes: usize) -> Algorithm {
-        // Forced, or one-shot (the 8-byte all_reduce): two comparisons, before any lookup.
-        if let Some(a) = self.opts.settled(self.world, coll, bytes) {
-            return a;
-        }
-        let hit = self
-            .choices
-            .iter()
-            .flatten()
-            .find(|&&(c, b, _)| c == coll && b == bytes);
-        if let Some(&(_, _, a)) = hit {
-            return a;
-        }
-        let a = self.algorithm(coll, bytes);
-        self.choices[self.next_choice] = Some((coll, bytes, a));
-        self.next_choice = (self.next_choice + 1) % CHOICES;
-        a
     }
 
     /// Runs one call. `src` is the input of out-of-place collectives and of `send` (empty
@@ -1187,71 +1156,6 @@ mod tests {
                 got as usize, want,
                 "{world} ranks over {kind:?}, {coll} of {count} f32"
             );
-        }
-    }
-
-    #[test]
-    fn remembered_choices_are_the_models_are_used_and_are_forgotten_with_the_model() {
-        let fabric = MemFabric::new(8, 4);
-        let (mut eng, _) = engine(&fabric, 0, 8);
-        let colls = [
-            Collective::AllReduce,
-            Collective::AllGather,
-            Collective::Broadcast,
-            Collective::AllToAll,
-        ];
-        let sizes = [1usize, 64, 4096, 65_536, 1 << 20, 64 << 20];
-        // More (collective, size) pairs than the memo holds, twice over: every answer is the
-        // model's as pairs are remembered and replaced.
-        for _ in 0..2 {
-            for &c in &colls {
-                for &b in &sizes {
-                    assert_eq!(eng.chosen(c, b), eng.algorithm(c, b), "{c:?} {b}");
-                }
-            }
-        }
-        // A pair asked again is answered from the memo: one made to say otherwise is believed.
-        let big = 64 << 20;
-        let model = eng.chosen(Collective::AllReduce, big);
-        let other = if model == Algorithm::Ring {
-            Algorithm::Rabenseifner
-        } else {
-            Algorithm::Ring
-        };
-        let slot = eng
-            .choices
-            .iter()
-            .position(|e| matches!(e, Some((Collective::AllReduce, b, _)) if *b == big))
-            .expect("the pair just asked is remembered");
-        eng.choices[slot] = Some((Collective::AllReduce, big, other));
-        assert_eq!(eng.chosen(Collective::AllReduce, big), other);
-        eng.choices[slot] = Some((Collective::AllReduce, big, model));
-        // A forced algorithm overrides a remembered choice, and the choice is back after.
-        eng.set_forced_algorithm(Some(Algorithm::Ring));
-        assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
-        assert_eq!(eng.chosen(Collective::AllReduce, 64), Algorithm::Ring);
-        eng.set_forced_algorithm(None);
-        assert_eq!(eng.chosen(Collective::AllReduce, big), model);
-        // A model whose every hop costs a second chooses otherwise for some of these (a
-        // 64 MiB all_reduce: the ring, where the default model takes Rabenseifner's): a new
-        // model forgets what the old one chose.
-        let m = eng.opts.model;
-        let alt = CostModel {
-            costs: plan::model::Costs {
-                alpha_us: 1e6,
-                ..m.costs
-            },
-            ..m
-        };
-        eng.set_model(alt);
-        for &c in &colls {
-            for &b in &sizes {
-                assert_eq!(
-                    eng.chosen(c, b),
-                    eng.algorithm(c, b),
-                    "new model: {c:?} {b}"
-                );
-            }
         }
     }
 }
