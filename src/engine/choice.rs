@@ -7,7 +7,8 @@ use super::Engine;
 use crate::plan::{Algorithm, Collective};
 
 /// (collective, size) pairs whose algorithm is remembered: a training loop's few bucket sizes
-/// and the collectives around them.
+/// and the broadcasts and reduces around them (a collective that one algorithm implements is
+/// not remembered: [`Collective::sole_algorithm`]).
 const CHOICES: usize = 8;
 
 /// The model's choices for the last [`CHOICES`] (collective, size) pairs, replaced round robin.
@@ -39,6 +40,11 @@ impl Engine {
     pub(crate) fn chosen(&mut self, coll: Collective, bytes: usize) -> Algorithm {
         // Forced, or one-shot (the 8-byte all_reduce): two comparisons, before any lookup.
         if let Some(a) = self.opts.settled(self.world, coll, bytes) {
+            return a;
+        }
+        // One algorithm implements it (a barrier, an all_gather): nothing to ask, nothing to
+        // remember (a memo entry would push out an all_reduce's bucket size).
+        if let Some(a) = coll.sole_algorithm() {
             return a;
         }
         let memo = &mut self.choices;
@@ -85,6 +91,18 @@ mod tests {
                 }
             }
         }
+        // The collectives one algorithm implements took no slot: only all_reduce and
+        // broadcast sizes are remembered.
+        for c in [
+            Collective::AllGather,
+            Collective::AllToAll,
+            Collective::Barrier,
+        ] {
+            for &b in &sizes {
+                assert_eq!(eng.choices.slot(c, b), None, "{c:?} {b} remembered");
+            }
+        }
+        assert!(eng.choices.slot(Collective::Broadcast, 64 << 20).is_some());
         // A pair asked again is answered from the memo: one made to say otherwise is believed.
         let big = 64 << 20;
         let model = eng.chosen(Collective::AllReduce, big);

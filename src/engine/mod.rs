@@ -564,10 +564,7 @@ impl Engine {
         if let Some(f) = self.opts.force_algo {
             let bit = 1u16 << (call.coll as usize);
             // Only where there was a choice: a barrier has one algorithm whatever is forced.
-            let has_choice = matches!(
-                call.coll,
-                Collective::AllReduce | Collective::Broadcast | Collective::Reduce
-            );
+            let has_choice = call.coll.sole_algorithm().is_none();
             if has_choice && !f.supports(call.coll) && self.forced_warned & bit == 0 {
                 self.forced_warned |= bit;
                 tracing::warn!(

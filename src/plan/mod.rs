@@ -310,6 +310,35 @@ pub enum Collective {
 }
 
 impl Collective {
+    /// The one algorithm that implements this collective, the one-shot all_reduce aside
+    /// (which the transport's slot size settles, never the model), or `None` where the cost
+    /// model chooses among several (all_reduce, broadcast, reduce). Read from
+    /// [`Algorithm::supports`], so that a new algorithm changes it.
+    pub const fn sole_algorithm(self) -> Option<Algorithm> {
+        const SOLE: [Option<Algorithm>; Collective::ALL.len()] = {
+            let mut t = [None; Collective::ALL.len()];
+            let mut i = 0;
+            while i < Collective::ALL.len() {
+                let c = Collective::ALL[i];
+                let (mut n, mut j) = (0, 0);
+                while j < Algorithm::ALL.len() {
+                    let a = Algorithm::ALL[j];
+                    if !matches!(a, Algorithm::OneShot) && a.supports(c) {
+                        n += 1;
+                        t[c as usize] = Some(a);
+                    }
+                    j += 1;
+                }
+                if n != 1 {
+                    t[c as usize] = None;
+                }
+                i += 1;
+            }
+            t
+        };
+        SOLE[self as usize]
+    }
+
     /// All collectives, in wire-code order.
     pub const ALL: [Collective; 8] = [
         Collective::AllReduce,
@@ -501,7 +530,7 @@ impl Algorithm {
     }
 
     /// Whether this algorithm implements `coll`.
-    pub fn supports(self, coll: Collective) -> bool {
+    pub const fn supports(self, coll: Collective) -> bool {
         use Algorithm::*;
         use Collective::*;
         matches!(
@@ -870,6 +899,47 @@ mod tests {
         assert_eq!(Collective::AllReduce.code(), 0);
         assert_eq!(Collective::Barrier.code(), 7);
         assert_eq!(Collective::from_code(8), None);
+    }
+
+    /// The collectives without a choice are exactly those the model never chooses for: for
+    /// them it answers their sole algorithm at every size, world and layout, whatever its
+    /// constants (literal expectations, not read from `supports`).
+    #[test]
+    fn sole_algorithms_are_the_models_only_answer() {
+        use Algorithm::*;
+        use Collective::*;
+        let expected = [
+            (AllReduce, None),
+            (AllGather, Some(Ring)),
+            (ReduceScatter, Some(Ring)),
+            (Broadcast, None),
+            (Reduce, None),
+            (AllToAll, Some(Pairwise)),
+            (SendRecv, Some(Direct)),
+            (Barrier, Some(Dissemination)),
+        ];
+        assert_eq!(expected.len(), Collective::ALL.len());
+        let default = model::CostModel::default();
+        let slow_hops = model::CostModel {
+            costs: model::Costs {
+                alpha_us: 1e6,
+                ..default.costs
+            },
+            ..default
+        };
+        for (c, sole) in expected {
+            assert_eq!(c.sole_algorithm(), sole, "{c:?}");
+            let Some(sole) = sole else { continue };
+            for m in [&default, &slow_hops] {
+                for world in [2, 3, 4, 8, 64] {
+                    for per_host in [0, 1, 2] {
+                        for bytes in [0, 1, 64, 4096, 1 << 20, 256 << 20] {
+                            assert_eq!(choose(c, bytes, world, per_host, m), sole, "{c:?}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
