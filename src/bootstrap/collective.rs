@@ -36,10 +36,15 @@ fn bruck_all_gather(
         // Send and receive at once: every rank sends before it receives, and a message larger
         // than the socket buffers would otherwise block every rank in its send.
         let got = std::thread::scope(|sc| {
-            let sender = sc.spawn(move || {
-                let mut out = out;
-                ctx.send(&mut out, Some(to), m)
-            });
+            // `Builder`, not `sc.spawn`: a thread the system refuses (a container's pid limit)
+            // is an init error naming the peer, not a panic.
+            let sender = std::thread::Builder::new()
+                .name("dspark-init-send".into())
+                .spawn_scoped(sc, move || {
+                    let mut out = out;
+                    ctx.send(&mut out, Some(to), m)
+                })
+                .map_err(|e| ctx.io(Some(to), "starting a sender thread", e))?;
             let got = ctx.recv(src, Some(from), "gathering init data");
             let sent = sender
                 .join()

@@ -68,7 +68,8 @@ fn join_generation(
         }
         let (expected, g, n, id) = match parse(&seen) {
             Some((g, n, id)) if n < world => (seen.clone(), g, n + 1, id),
-            Some((g, _, _)) => (seen.clone(), g + 1, 1, me.clone()),
+            // (A last generation of u64::MAX, written by no dspark, starts over at 0.)
+            Some((g, _, _)) => (seen.clone(), g.checked_add(1).unwrap_or(0), 1, me.clone()),
             // Missing, or not a record (a stray add's counter): the first generation.
             None if seen == PROBE => (Vec::new(), 0, 1, me.clone()),
             None => (seen.clone(), 0, 1, me.clone()),
@@ -274,5 +275,31 @@ impl Communicator {
         let store = PrefixStore::new(prefix, store);
         let (rank, world) = (config.rank, config.world_size);
         Self::init_with_store(&store, rank, world, config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::store::MemStore;
+
+    /// A record at the last generation a u64 holds (left by something that is not dspark: no
+    /// init gets there) is full like any other: the next init opens generation 0 instead of
+    /// overflowing.
+    #[test]
+    fn a_full_record_at_the_last_generation_starts_over() {
+        let store = MemStore::new();
+        let config = Config::new(0, 2, "127.0.0.1:1");
+        store
+            .set(
+                GENERATION,
+                format!("{GEN_TAG} {} 2 old x", u64::MAX).as_bytes(),
+            )
+            .unwrap();
+        let key = join_generation(&store, 0, 2, &config).unwrap();
+        assert!(key.starts_with("dspark/root/0-"), "{key}");
+        // And the next rank of the world joins that generation.
+        let again = join_generation(&store, 1, 2, &config).unwrap();
+        assert_eq!(again, key);
     }
 }

@@ -303,7 +303,7 @@ impl Communicator {
                 self.config.job_token.as_deref(),
                 self.config.job_id.as_deref(),
             ),
-            deadline: Instant::now() + self.config.timeout,
+            deadline: crate::time::deadline(Instant::now(), self.config.timeout),
             excluded,
             survivors,
         };

@@ -78,7 +78,9 @@ pub fn volume(
         (C::AllReduce, A::Hierarchical) if hierarchical_fits(n, per_host) => {
             let (l, h) = (per_host, n / per_host);
             let rail = c.div_ceil(l);
-            let each = (c - c / l).saturating_mul(2) + (rail - rail / h).saturating_mul(2);
+            let each = (c - c / l)
+                .saturating_mul(2)
+                .saturating_add((rail - rail / h).saturating_mul(2));
             // Pipelined in chunks: every chunk sends its own messages (the bytes do not change).
             let chunks = hier_chunks(c, l, h);
             Volume {
@@ -88,7 +90,7 @@ pub fn volume(
                 sends: chunks * (2 * (l - 1) + 2 * (h - 1)),
                 sent: each.min(c.saturating_mul(2)),
                 recvd: each.min(c.saturating_mul(2)),
-                reduced: (c - c / l) + (rail - rail / h),
+                reduced: (c - c / l).saturating_add(rail - rail / h),
                 total_sends: chunks * n * (2 * (l - 1) + 2 * (h - 1)),
                 total_sent: (2 * (n - 1)).saturating_mul(c),
                 total_reduced: (n - 1).saturating_mul(c),
@@ -115,8 +117,8 @@ pub fn volume(
             let (hi, lo) = (c.div_ceil(2), c / 2);
             let (sends, sent) = match n {
                 2 => (2, c),
-                3 => (3, 2 * hi + lo),
-                _ => (4, 3 * hi + lo),
+                3 => (3, hi.saturating_mul(2).saturating_add(lo)),
+                _ => (4, hi.saturating_mul(3).saturating_add(lo)),
             };
             Volume {
                 hops: 2 * d,
@@ -125,7 +127,7 @@ pub fn volume(
                 sends,
                 sent,
                 recvd: sent,
-                reduced: if n == 2 { hi } else { 2 * hi },
+                reduced: if n == 2 { hi } else { hi.saturating_mul(2) },
                 total_sends: 4 * (n - 1),
                 total_sent: (2 * (n - 1)).saturating_mul(c),
                 total_reduced: (n - 1).saturating_mul(c),
@@ -140,16 +142,18 @@ pub fn volume(
             // and reduces the most: all but its block in the halving, its aligned groups of
             // 2, 4, ... p/2 blocks and its block in the doubling.
             let (q, e) = (c / p, c % p);
-            let groups: usize = (1..l).map(|k| (q << k) + e.min(1 << k)).sum();
+            let groups = (1..l).fold(0usize, |a, k| {
+                a.saturating_add(q.saturating_mul(1 << k).saturating_add(e.min(1 << k)))
+            });
             let own = q + usize::from(e > 0);
             Volume {
                 hops: 2 * l + 2 * fold,
                 reducing_hops: l + fold,
                 hop_elems: c.div_ceil(2),
                 sends: 2 * l + fold,
-                sent: c + groups + fold * c,
-                recvd: c + groups + fold * c,
-                reduced: own + groups + fold * c,
+                sent: c.saturating_add(groups).saturating_add(fold * c),
+                recvd: c.saturating_add(groups).saturating_add(fold * c),
+                reduced: own.saturating_add(groups).saturating_add(fold * c),
                 total_sends: 2 * p * l + 2 * x,
                 total_sent: (2 * (n - 1)).saturating_mul(c),
                 total_reduced: (n - 1).saturating_mul(c),
@@ -283,6 +287,29 @@ mod tests {
     use super::*;
     use crate::plan::{compile, schedule, Op, Request};
     use std::collections::HashMap;
+
+    /// A public caller may ask about any size (`Communicator::algorithm(AllReduce,
+    /// usize::MAX)`): the closed forms saturate rather than overflow (a panic in builds with
+    /// overflow checks, a wrong answer without; saturated, the volumes are only large), and the
+    /// model still chooses an algorithm of the collective.
+    #[test]
+    fn the_largest_counts_saturate() {
+        let model = crate::plan::model::CostModel::default();
+        for world in [2, 3, 4, 5, 6, 8, 12, 16] {
+            for per_host in [0, 1, 2, 3, 4] {
+                for count in [usize::MAX, usize::MAX / 2, usize::MAX / 3 + 1] {
+                    for coll in Collective::ALL {
+                        // The test profile checks overflow: reaching the end is the test.
+                        for algo in Algorithm::ALL {
+                            volume(coll, algo, world, count, per_host);
+                        }
+                        let a = crate::plan::choose(coll, count, world, per_host, &model);
+                        assert!(a.supports(coll), "{coll:?} n={world}: {a:?}");
+                    }
+                }
+            }
+        }
+    }
 
     /// What the schedules themselves say, counted independently of the closed forms: the
     /// critical path in messages (a receive completes one hop after its matching send; a step
