@@ -8,8 +8,9 @@
 //! tensors dropped while a non-blocking call
 //! uses them (`inflight_check.py`), absurd world sizes and ranks through the Python
 //! package (`limits_check.py`), timeouts and `dist.monitored_barrier` against gloo
-//! (`surface_check.py`), and `dist.shrink_group` after a killed or hung rank
-//! (`shrink_check.py`, and `examples/torch_shrink.py`'s DDP training).
+//! (`surface_check.py`), `dist.shrink_group` after a killed or hung rank
+//! (`shrink_check.py`, and `examples/torch_shrink.py`'s DDP training), and collectives in an
+//! exit handler that runs after dspark's (`exit_check.py`).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -372,6 +373,32 @@ fn async_works_complete_like_gloos_with_callbacks_that_wait_and_wait_timeouts() 
                 &format!("WORK_CHECK backend={backend} rank={rank} "),
                 &format!("work_check.py with {backend}"),
             );
+        }
+    }
+}
+
+/// Collectives issued by an exit handler that Python runs after dspark's own (a script's
+/// `atexit` barrier and `destroy_process_group`, registered before the group was made):
+/// dspark's handler stops the threads that complete asynchronous operations, and an
+/// asynchronous all_reduce or barrier issued after it waited forever (`exit_check.py`, 2 ranks,
+/// results against a gloo group's in the same run; the script checks itself with gloo first).
+#[test]
+fn collectives_in_an_exit_handler_after_dsparks_complete() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    for backend in ["gloo", "dspark"] {
+        let r = run(
+            torchrun_standalone(&t, 2, "exit_check.py", backend),
+            Duration::from_secs(150),
+        );
+        for rank in 0..2 {
+            let prefix = format!("EXIT_CHECK backend={backend} rank={rank} ");
+            assert_pass(&r, &prefix, &format!("exit_check.py with {backend}"));
+            // The order this test is about: dspark's handler first (torch >= 2.14 imports
+            // dspark when the group is made; older torch at `import torch`).
+            if r.line(&prefix).is_some_and(|l| !l.contains("order=after")) {
+                println!("exit_check.py: dspark was imported before the script's handler (older torch): the order is not what was tested");
+            }
         }
     }
 }

@@ -139,7 +139,10 @@ def _receive(comms, dt, flat, deadline_s, rank):
     end = time.monotonic() + deadline_s
     while True:
         for c in comms:
-            src = c._recv_any(dt, ptr, count, _SLICE, deadline_s)
+            # What is left of the deadline, not all of it again: a message that starts
+            # arriving late in the wait must end by the deadline too.
+            left = max(end - time.monotonic(), 0.001)
+            src = c._recv_any(dt, ptr, count, min(_SLICE, left), left)
             if src is not None:
                 return src
         if time.monotonic() >= end:

@@ -95,6 +95,7 @@ class _Lane:
         self.threads = []  # every server's thread (joined at stop)
         self.cb_since = None  # when the current server's callback started, if in one
         self.server = None  # the thread id of the server inside that callback
+        self.stopped = False  # set by `stop`: nothing more is queued here
         self._serve()
 
     def _serve(self):  # with self.lock held, or before the lane is shared
@@ -175,11 +176,24 @@ class _Lane:
         finally:
             self.lock.acquire()
 
+    def offer(self, pending):
+        """Queues `pending` for the server; False (nothing queued) once the lane was stopped,
+        whose server ends at the stop marker and would never see it."""
+        with self.lock:
+            if self.stopped:
+                return False
+            self.q.put(pending)
+            return True
+
     def stop(self):
         """Lets the server wait for and complete what was queued, then end; waits for that
         and for servers still inside callbacks (bounded), so that no future's callbacks run
-        while the interpreter exits."""
-        self.q.put(None)
+        while the interpreter exits. What is offered afterwards is refused (`offer`)."""
+        with self.lock:
+            first = not self.stopped
+            self.stopped = True
+        if first:
+            self.q.put(None)
         end = time.monotonic() + _STOP_WAIT_S
         with self.lock:
             threads = list(self.threads)
@@ -252,7 +266,10 @@ class _Completer:
         self._closed = False
 
     def put(self, pending, lane=()):
-        """Queues `pending` on `lane` (a hashable key: the communicators it runs on)."""
+        """Queues `pending` on `lane` (a hashable key: the communicators it runs on). After
+        the exit handler stopped the lanes (an operation issued by an exit handler that runs
+        after dspark's), the caller completes it before the call returns."""
+        stopped = False
         with self._lock:
             if not self._closed:
                 q = self._lanes.get(lane)
@@ -264,12 +281,16 @@ class _Completer:
                     else:
                         _LANES.add(q)
                 if q is not None:
-                    q.q.put(pending)
-                    q.queued()
-                    return
-        # Closed, or no thread to wait on: this caller waits and completes it (the call
-        # returns when it completed instead of at once).
-        if not self._closed:
+                    if q.offer(pending):
+                        q.queued()
+                        return
+                    # Stopped by the exit handler (`_stop_completers`; it stays stopped):
+                    # the interpreter is exiting, and a thread started now could die inside
+                    # torch's callbacks.
+                    stopped = True
+        # Closed, stopped, or no thread to wait on: this caller waits and completes it (the
+        # call returns when it completed instead of at once).
+        if not self._closed and not stopped:
             warnings.warn("dspark: no thread to wait for an asynchronous operation; it "
                           "completes before the call returns", RuntimeWarning, stacklevel=3)
         pending.complete()

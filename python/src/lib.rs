@@ -291,6 +291,30 @@ impl PyComm {
         })
     }
 
+    /// [`PyComm::pend`] for a start that may run the whole operation (a device collective
+    /// on a GPU that cannot order it on the stream runs to completion inline, and a first
+    /// device call compiles its kernels): `start` runs without the GIL, so that the other
+    /// Python threads (the lanes completing torch's futures, another group's caller) go on,
+    /// and without `pending`'s lock, which a thread holding the GIL may be waiting for.
+    /// `keepalive` is the caller's argument meanwhile, so alive.
+    fn pend_detached(
+        &self,
+        py: Python<'_>,
+        coll: &str,
+        keepalive: Py<PyAny>,
+        start: impl FnOnce(&Communicator) -> dspark::Result<dspark::Work> + Send,
+    ) -> PyResult<PyWork> {
+        let c = self.get()?;
+        let w = Arc::new(py.detach(|| start(&c)).map_err(py_err)?);
+        let mut pending = lock(&self.pending);
+        Self::prune(&mut pending);
+        pending.push_back((Arc::clone(&w), keepalive));
+        Ok(PyWork {
+            w,
+            what: coll.to_string(),
+        })
+    }
+
     /// Releases the keepalives of operations that completed (from the front: they complete
     /// in order).
     fn prune(pending: &mut VecDeque<(Arc<dspark::Work>, Py<PyAny>)>) {
@@ -691,6 +715,7 @@ impl PyComm {
     #[allow(clippy::too_many_arguments)]
     fn _start_device(
         &self,
+        py: Python<'_>,
         coll: &str,
         dtype: &str,
         send: usize,
@@ -710,7 +735,9 @@ impl PyComm {
         } else {
             Communicator::start_raw_device_unordered_on
         };
-        self.pend(coll, keepalive, |c| {
+        let call = SendCall(call);
+        self.pend_detached(py, coll, keepalive, move |c| {
+            let call = call;
             // SAFETY: the torch backend passes the data pointers of live contiguous CUDA
             // tensors of `device`, held in `keepalive` until the operation completes (as in
             // `_start`), and the handle of torch's current stream of that device, which
@@ -718,7 +745,7 @@ impl PyComm {
             // stream (torch's stream semantics), after the call; unordered only for
             // point-to-point calls, whose Work torch's contract has the user wait for (on the
             // host) before touching the tensors again.
-            unsafe { start(c, &call, device, stream) }
+            unsafe { start(c, &call.0, device, stream) }
         })
     }
 
@@ -895,7 +922,8 @@ impl PyComm {
 /// detached section runs before `_run` returns, while the buffers are alive.
 struct SendCall(RawCall);
 // SAFETY: the pointers are only dereferenced by `run_raw` inside `_run`'s detached section,
-// whose contract (above) keeps the buffers alive; nothing else is shared.
+// or by the device start inside `_start_device`'s, whose contracts (above) keep the buffers
+// alive; nothing else is shared.
 unsafe impl Send for SendCall {}
 
 // -------------------------------------------------------------------------------- Work

@@ -108,13 +108,40 @@ impl Via {
     }
 }
 
-/// What a queued non-blocking device call holds until it ends. Fields drop in this order:
-/// the ticket rings the doorbell first, so that the caller's stream can pass its wait; only
-/// then is the temporary copy dropped, whose free is ordered on that stream (or, without
-/// stream-ordered allocation, synchronises it — which before the ring would never return).
+/// What a queued non-blocking device call holds until it ends (its drop): the ticket rings
+/// the doorbell first, so that the caller's stream can pass its wait; only then is the
+/// temporary copy freed. With stream-ordered allocation that free is queued on the caller's
+/// stream and returns at once. Without it (a GPU without memory pools) cudarc synchronises
+/// that stream first, and the stream may be waiting by then for a later call's ticket,
+/// which only the thread dropping this (the progress thread, running calls in order) rings:
+/// so the copy is freed on a thread of its own, which waits as long as the stream has work
+/// before it, never for itself.
 struct Hold {
-    _ticket: Option<crate::gpu::order::Ticket>,
-    _keep: Option<CudaSlice<u8>>,
+    ticket: Option<crate::gpu::order::Ticket>,
+    keep: Option<CudaSlice<u8>>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        drop(self.ticket.take());
+        let Some(keep) = self.keep.take() else { return };
+        if keep.context().has_async_alloc() {
+            return;
+        }
+        let bytes = keep.len();
+        // A refused spawn drops the closure here: `ManuallyDrop` then leaks the copy rather
+        // than synchronise on this thread.
+        let keep = std::mem::ManuallyDrop::new(keep);
+        if let Err(e) = std::thread::Builder::new()
+            .name("dspark-free".into())
+            .spawn(move || drop(std::mem::ManuallyDrop::into_inner(keep)))
+        {
+            tracing::warn!(
+                "no thread to free a device call's temporary copy on ({e}): its {bytes} \
+                 bytes of GPU memory stay allocated"
+            );
+        }
+    }
 }
 
 /// Runs `call` on `eng` with the prepared device: `Err` is a failure before the engine
@@ -437,10 +464,7 @@ impl Communicator {
                 return Ok(self.device_bytes_now(call, stream, src, dst, timeout));
             }
         };
-        let hold = Hold {
-            _ticket: ticket,
-            _keep: keep,
-        };
+        let hold = Hold { ticket, keep };
         let task: Task = Box::new(move |eng| {
             // Dropped when the task ends, after the device's drop waited for everything it
             // queued (or with the task, when it is dropped without running): rings the
