@@ -373,6 +373,15 @@ fn c_test_of_every_entry_point_on_three_ranks() {
     }
 }
 
+/// The C ABI from an `atexit` handler (`tests/c/atexit.c`, 2 ranks): a wait, a free and a
+/// destroy there once aborted the process (this thread's locals are gone by then).
+#[test]
+fn the_c_abi_works_from_an_atexit_handler() {
+    let exe = build_c("tests/c/atexit.c", "atexit", false);
+    let outs = run_ranks(&exe, 2);
+    assert_ranks_passed(&outs, "tests/c/atexit.c", true);
+}
+
 #[test]
 fn c_example_builds_and_runs_on_three_ranks() {
     for link_static in [false, true] {

@@ -184,8 +184,11 @@ thread_local! {
     static LAST_ERROR: RefCell<Vec<u8>> = RefCell::new(vec![0]);
 }
 
+// `try_with` in both: a call from an `atexit` handler or a thread-exit destructor comes after
+// this thread's locals were destroyed, where `with` panics, and a panic out of an `extern "C"`
+// function aborts the process. The message is then not kept.
 fn set_last_error(msg: &str) {
-    LAST_ERROR.with(|b| {
+    let _ = LAST_ERROR.try_with(|b| {
         if let Ok(mut b) = b.try_borrow_mut() {
             b.clear();
             // A C string ends at the first NUL: keep the message whole.
@@ -196,7 +199,7 @@ fn set_last_error(msg: &str) {
 }
 
 fn clear_last_error() {
-    LAST_ERROR.with(|b| {
+    let _ = LAST_ERROR.try_with(|b| {
         if let Ok(mut b) = b.try_borrow_mut() {
             b.clear();
             b.push(0);
