@@ -124,6 +124,17 @@ mod tests {
         assert_eq!(eng.chosen(Collective::AllReduce, 64), Algorithm::Ring);
         eng.set_forced_algorithm(None);
         assert_eq!(eng.chosen(Collective::AllReduce, big), model);
+        // Forced hier where hosts differ in size or interleave (`per_host` 0): its schedule
+        // is the ring's, and the algorithm the call reports (its frames, the recorder, the
+        // bench) says ring; with a uniform layout, hier.
+        eng.set_forced_algorithm(Some(Algorithm::Hierarchical));
+        assert_eq!(eng.opts.per_host, 0);
+        assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
+        assert_eq!(eng.algorithm(Collective::AllReduce, 64), Algorithm::Ring);
+        eng.opts.per_host = 4;
+        assert_eq!(eng.algorithm(Collective::AllReduce, big), Algorithm::Hierarchical);
+        eng.opts.per_host = 0;
+        eng.set_forced_algorithm(None);
         // A model whose every hop costs a second chooses otherwise for some of these (a
         // 64 MiB all_reduce: the ring, where the default model takes Rabenseifner's): a new
         // model forgets what the old one chose.

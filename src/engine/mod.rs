@@ -138,6 +138,13 @@ impl EngineOptions {
         bytes: usize,
     ) -> Option<Algorithm> {
         match self.force_algo {
+            // The hierarchical allreduce needs hosts of equal size, each numbering its ranks
+            // contiguously (`per_host`); elsewhere its schedule is the ring's, and says so.
+            Some(Algorithm::Hierarchical)
+                if coll == Collective::AllReduce && self.per_host == 0 =>
+            {
+                Some(Algorithm::Ring)
+            }
             Some(a) if a.supports(coll) => Some(a),
             _ if coll == Collective::AllReduce
                 && world > 1
@@ -565,6 +572,19 @@ impl Engine {
             let bit = 1u16 << (call.coll as usize);
             // Only where there was a choice: a barrier has one algorithm whatever is forced.
             let has_choice = call.coll.sole_algorithm().is_none();
+            if f == Algorithm::Hierarchical
+                && algo == Algorithm::Ring
+                && self.forced_warned & bit == 0
+            {
+                self.forced_warned |= bit;
+                tracing::warn!(
+                    rank = self.rank,
+                    "the forced algorithm hier (DSPARK_ALGO or set_algorithm) needs every host \
+                     to hold as many ranks, numbered contiguously (ranks 0..k on one host, k..2k \
+                     on the next, ...): this job's hosts differ in size or interleave their \
+                     ranks, so all_reduce runs the ring"
+                );
+            }
             if has_choice && !f.supports(call.coll) && self.forced_warned & bit == 0 {
                 self.forced_warned |= bit;
                 tracing::warn!(
