@@ -275,6 +275,11 @@ fn drain(child: &mut Child) -> Vec<std::thread::JoinHandle<String>> {
 
 /// Runs `exe` as `world` ranks meeting on a fresh port; kills them all after `RUN_LIMIT`.
 fn run_ranks(exe: &Path, world: usize) -> Vec<Outcome> {
+    run_ranks_with(exe, world, &[])
+}
+
+/// [`run_ranks`] with `env` set for every rank.
+fn run_ranks_with(exe: &Path, world: usize, env: &[(&str, &str)]) -> Vec<Outcome> {
     let port = free_port();
     let lib = lib_dir();
     let mut children: Vec<(Child, Vec<std::thread::JoinHandle<String>>)> = (0..world)
@@ -287,6 +292,8 @@ fn run_ranks(exe: &Path, world: usize) -> Vec<Outcome> {
                 .env("LD_LIBRARY_PATH", &lib)
                 .env_remove("RUST_LOG")
                 .env_remove("DSPARK_NODE")
+                .env_remove("DSPARK_LOG")
+                .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -380,6 +387,34 @@ fn the_c_abi_works_from_an_atexit_handler() {
     let exe = build_c("tests/c/atexit.c", "atexit", false);
     let outs = run_ranks(&exe, 2);
     assert_ranks_passed(&outs, "tests/c/atexit.c", true);
+}
+
+/// dspark's warnings reach a C program's stderr, and `DSPARK_LOG=off` silences them: with
+/// `DSPARK_ALGO=pairwise` (which all_reduce does not implement) over TCP, each rank warns
+/// once (`tests/c/atexit.c`'s all_reduce). A C program has no tracing subscriber: before,
+/// every degraded path went unseen there.
+#[test]
+fn warnings_reach_a_c_programs_stderr_and_dspark_log_filters_them() {
+    let exe = build_c("tests/c/atexit.c", "atexit", false);
+    let warning = "does not implement all_reduce";
+    for log in ["warn", "off"] {
+        let env = [
+            ("DSPARK_ALGO", "pairwise"),
+            ("DSPARK_TRANSPORT", "tcp"),
+            ("DSPARK_LOG", log),
+        ];
+        let outs = run_ranks_with(&exe, 2, &env);
+        assert_ranks_passed(&outs, "tests/c/atexit.c with DSPARK_ALGO=pairwise", true);
+        for (r, o) in outs.iter().enumerate() {
+            let warned = o.out.contains(warning);
+            assert_eq!(
+                warned,
+                log == "warn",
+                "rank {r}, DSPARK_LOG={log}: warning `{warning}` shown: {warned}\n{}",
+                o.out
+            );
+        }
+    }
 }
 
 #[test]

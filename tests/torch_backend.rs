@@ -10,7 +10,8 @@
 //! package (`limits_check.py`), timeouts and `dist.monitored_barrier` against gloo
 //! (`surface_check.py`), `dist.shrink_group` after a killed or hung rank
 //! (`shrink_check.py`, and `examples/torch_shrink.py`'s DDP training), and collectives in an
-//! exit handler that runs after dspark's (`exit_check.py`).
+//! exit handler that runs after dspark's (`exit_check.py`), and dspark's warnings on a Python
+//! process's stderr (`warn_check.py`).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -399,6 +400,37 @@ fn collectives_in_an_exit_handler_after_dsparks_complete() {
             if r.line(&prefix).is_some_and(|l| !l.contains("order=after")) {
                 println!("exit_check.py: dspark was imported before the script's handler (older torch): the order is not what was tested");
             }
+        }
+    }
+}
+
+/// dspark's warnings reach a Python process's stderr (`warn_check.py`, 2 ranks: an all_reduce
+/// with `DSPARK_ALGO=pairwise`, which all_reduce does not implement), and `DSPARK_LOG=off`
+/// silences them. Before, a Python process had no subscriber: every degraded path went unseen.
+#[test]
+fn warnings_reach_stderr_in_python_and_dspark_log_filters_them() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let warning = "does not implement all_reduce";
+    for log in [None, Some("off")] {
+        let mut cmd = torchrun_standalone(&t, 2, "warn_check.py", "dspark");
+        cmd.env("DSPARK_ALGO", "pairwise");
+        match log {
+            Some(v) => cmd.env("DSPARK_LOG", v),
+            None => cmd.env_remove("DSPARK_LOG"),
+        };
+        let r = run(cmd, Duration::from_secs(120));
+        for rank in 0..2 {
+            assert_pass(&r, &format!("WARN_CHECK rank={rank} "), "warn_check.py");
+        }
+        let warned = r.out.lines().filter(|l| l.contains(warning)).count();
+        match log {
+            None => assert!(
+                warned >= 2,
+                "no `{warning}` warning from each rank on stderr ({warned}):\n{}",
+                r.report()
+            ),
+            Some(_) => assert_eq!(warned, 0, "DSPARK_LOG=off:\n{}", r.report()),
         }
     }
 }

@@ -1042,6 +1042,19 @@ fn _buffer_address(view: &Bound<'_, PyMemoryView>, writable: bool) -> PyResult<u
 #[pymodule]
 fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // dspark's warnings — every degraded path (GPUDirect that falls back to staging, device
+    // calls that run as blocking ones, a forced algorithm that does not apply, a link probe
+    // that failed) — to stderr as the binaries print them, filtered by DSPARK_LOG (`off`
+    // silences them; `dspark=debug` says more). A process that installed a subscriber first
+    // keeps its own.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(_buffer_address, m)?)?;

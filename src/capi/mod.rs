@@ -450,6 +450,28 @@ pub extern "C" fn dspark_last_error() -> *const c_char {
     .unwrap_or(c"".as_ptr())
 }
 
+/// dspark's warnings to stderr, filtered by `DSPARK_LOG` as in the binaries: a C program has
+/// no tracing subscriber, and every degraded path would go unseen. Once per process; a
+/// subscriber installed first is kept. (Built without `cli`, no subscriber is linked.)
+fn log_to_stderr() {
+    #[cfg(feature = "cli")]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            let _ = catch_unwind(|| {
+                tracing_subscriber::fmt()
+                    .with_env_filter(
+                        tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
+                            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                    )
+                    .with_writer(std::io::stderr)
+                    .with_ansi(false)
+                    .try_init()
+            });
+        });
+    }
+}
+
 /// Joins the job described by the environment: `DSPARK_RANK`, `DSPARK_WORLD_SIZE`,
 /// `DSPARK_ROOT_ADDR` (or the launcher's: torchrun, Open MPI, PMI, Slurm), `DSPARK_TIMEOUT`,
 /// ... Every rank calls it; it returns once all ranks have joined (or fails by the deadline).
@@ -463,6 +485,7 @@ pub unsafe extern "C" fn dspark_comm_init_from_env(
     out: *mut *mut dspark_comm_t,
 ) -> dspark_result_t {
     const F: &str = "dspark_comm_init_from_env";
+    log_to_stderr();
     guard(F, || {
         // SAFETY: NULL or valid for a write (contract).
         unsafe { put(out, ptr::null_mut(), "out", None, F) }?;

@@ -132,7 +132,10 @@ mod tests {
         assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
         assert_eq!(eng.algorithm(Collective::AllReduce, 64), Algorithm::Ring);
         eng.opts.per_host = 4;
-        assert_eq!(eng.algorithm(Collective::AllReduce, big), Algorithm::Hierarchical);
+        assert_eq!(
+            eng.algorithm(Collective::AllReduce, big),
+            Algorithm::Hierarchical
+        );
         eng.opts.per_host = 0;
         eng.set_forced_algorithm(None);
         // A model whose every hop costs a second chooses otherwise for some of these (a
