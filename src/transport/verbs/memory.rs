@@ -182,6 +182,16 @@ pub(super) fn register_direct(
                 };
                 match r {
                     Ok(mr) => {
+                        if dk == DirectKind::PeerMem && !why.is_empty() {
+                            // The mechanism shows in the data path; why not dma-buf, here (a
+                            // closed kernel module, an rdma-core without dma-buf: usual, and
+                            // about as fast, so not a warning).
+                            tracing::info!(
+                                "GPU memory registered with the NIC through nvidia-peermem, \
+                                 not dma-buf: {}",
+                                why.join("; ")
+                            );
+                        }
                         return DirectOwn {
                             mr,
                             host: None,
