@@ -198,7 +198,7 @@ pub(super) fn register_direct(
                             kind: dk,
                             layout,
                         }
-                        .announced()
+                        .announced();
                     }
                     Err(e) => {
                         let name = if dk == DirectKind::DmaBuf {
