@@ -24,6 +24,10 @@ pub mod gpu;
 pub mod plan;
 #[path = "reduce/mod.rs"]
 pub mod reduce;
+/// dspark's log on stderr for Python and C programs (the extension module and
+/// `dspark_comm_init_from_env` install it).
+#[path = "stderr_log.rs"]
+pub mod stderr_log;
 #[path = "transport/mod.rs"]
 pub mod transport;
 

@@ -268,10 +268,11 @@ class _Completer:
     def put(self, pending, lane=()):
         """Queues `pending` on `lane` (a hashable key: the communicators it runs on). After
         the exit handler stopped the lanes (an operation issued by an exit handler that runs
-        after dspark's), the caller completes it before the call returns."""
-        stopped = False
+        after dspark's), the caller completes it before the call returns: an `irecv` there
+        waits for its send (or the deadline) before it returns."""
+        stopped = _EXITING
         with self._lock:
-            if not self._closed:
+            if not self._closed and not stopped:
                 q = self._lanes.get(lane)
                 if q is None:
                     try:
@@ -313,8 +314,15 @@ _STOP_WAIT_S = 5.0
 _LANES = weakref.WeakSet()
 
 
+# Set by the exit handler: from then on no lane is made (its thread could die inside torch's
+# callbacks at finalization) and operations complete on the thread that issues them.
+_EXITING = False
+
+
 @atexit.register
 def _stop_completers():
+    global _EXITING
+    _EXITING = True
     for lane in list(_LANES):
         lane.stop()
 

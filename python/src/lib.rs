@@ -305,7 +305,14 @@ impl PyComm {
         start: impl FnOnce(&Communicator) -> dspark::Result<dspark::Work> + Send,
     ) -> PyResult<PyWork> {
         let c = self.get()?;
-        let w = Arc::new(py.detach(|| start(&c)).map_err(py_err)?);
+        // `c` is dropped without the GIL too: a `close()` meanwhile leaves it the last
+        // reference, and the communicator's drop runs every issued operation to completion.
+        let w = py.detach(move || {
+            let r = start(&c);
+            drop(c);
+            r
+        });
+        let w = Arc::new(w.map_err(py_err)?);
         let mut pending = lock(&self.pending);
         Self::prune(&mut pending);
         pending.push_back((Arc::clone(&w), keepalive));
@@ -1044,17 +1051,9 @@ fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     // dspark's warnings — every degraded path (GPUDirect that falls back to staging, device
     // calls that run as blocking ones, a forced algorithm that does not apply, a link probe
-    // that failed) — to stderr as the binaries print them, filtered by DSPARK_LOG (`off`
-    // silences them; `dspark=debug` says more). A process that installed a subscriber first
-    // keeps its own.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
+    // that failed) — to stderr as the binaries print them, filtered by DSPARK_LOG as it is at
+    // import (`off` silences them; `dspark=debug` says more).
+    dspark::internals::stderr_log::install();
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(_buffer_address, m)?)?;

@@ -442,34 +442,21 @@ unsafe fn run_or_start(
 #[no_mangle]
 pub extern "C" fn dspark_last_error() -> *const c_char {
     catch_unwind(|| {
-        LAST_ERROR.with(|b| match b.try_borrow() {
-            Ok(b) => b.as_ptr().cast::<c_char>(),
-            Err(_) => c"".as_ptr(),
-        })
+        LAST_ERROR
+            .try_with(|b| match b.try_borrow() {
+                Ok(b) => b.as_ptr().cast::<c_char>(),
+                Err(_) => c"".as_ptr(),
+            })
+            .unwrap_or(c"".as_ptr())
     })
     .unwrap_or(c"".as_ptr())
 }
 
-/// dspark's warnings to stderr, filtered by `DSPARK_LOG` as in the binaries: a C program has
-/// no tracing subscriber, and every degraded path would go unseen. Once per process; a
-/// subscriber installed first is kept. (Built without `cli`, no subscriber is linked.)
+/// dspark's log to stderr ([`crate::internals::stderr_log`]), filtered by `DSPARK_LOG`: a C
+/// program has no tracing subscriber, and every degraded path would go unseen.
 fn log_to_stderr() {
-    #[cfg(feature = "cli")]
-    {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            let _ = catch_unwind(|| {
-                tracing_subscriber::fmt()
-                    .with_env_filter(
-                        tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
-                            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-                    )
-                    .with_writer(std::io::stderr)
-                    .with_ansi(false)
-                    .try_init()
-            });
-        });
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(crate::internals::stderr_log::install);
 }
 
 /// Joins the job described by the environment: `DSPARK_RANK`, `DSPARK_WORLD_SIZE`,

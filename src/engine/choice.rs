@@ -129,9 +129,13 @@ mod tests {
         // bench) says ring; with a uniform layout, hier.
         eng.set_forced_algorithm(Some(Algorithm::Hierarchical));
         assert_eq!(eng.opts.per_host, 0);
+        assert!(eng.opts.forced_hier_is_ring(Collective::AllReduce));
+        // (Its warning asks the same: not for an all_gather, whose ring is its only one.)
+        assert!(!eng.opts.forced_hier_is_ring(Collective::AllGather));
         assert_eq!(eng.chosen(Collective::AllReduce, big), Algorithm::Ring);
         assert_eq!(eng.algorithm(Collective::AllReduce, 64), Algorithm::Ring);
         eng.opts.per_host = 4;
+        assert!(!eng.opts.forced_hier_is_ring(Collective::AllReduce));
         assert_eq!(
             eng.algorithm(Collective::AllReduce, big),
             Algorithm::Hierarchical

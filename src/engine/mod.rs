@@ -126,7 +126,17 @@ impl EngineOptions {
             .unwrap_or_else(|| plan::choose(coll, bytes, world, self.per_host, &self.model))
     }
 
-    /// The algorithm when no model is asked: a forced one that implements `coll`, or the
+    /// Whether `coll` is an all_reduce with the hierarchical algorithm forced on a layout it
+    /// needs and does not have: hosts of equal size, each numbering its ranks contiguously
+    /// (`per_host`). Its schedule is then the ring's, and the call says ring.
+    pub(crate) fn forced_hier_is_ring(&self, coll: Collective) -> bool {
+        self.force_algo == Some(Algorithm::Hierarchical)
+            && coll == Collective::AllReduce
+            && self.per_host == 0
+    }
+
+    /// The algorithm when no model is asked: a forced one that implements `coll` (the ring
+    /// for a forced hierarchical all_reduce without its layout), or the
     /// one-shot all_reduce for the sizes the transport's slots hold. The model never picks
     /// the one-shot all_reduce ([`plan::choose`]), so a call runs one-shot exactly when this
     /// says so.
@@ -138,13 +148,7 @@ impl EngineOptions {
         bytes: usize,
     ) -> Option<Algorithm> {
         match self.force_algo {
-            // The hierarchical allreduce needs hosts of equal size, each numbering its ranks
-            // contiguously (`per_host`); elsewhere its schedule is the ring's, and says so.
-            Some(Algorithm::Hierarchical)
-                if coll == Collective::AllReduce && self.per_host == 0 =>
-            {
-                Some(Algorithm::Ring)
-            }
+            _ if self.forced_hier_is_ring(coll) => Some(Algorithm::Ring),
             Some(a) if a.supports(coll) => Some(a),
             _ if coll == Collective::AllReduce
                 && world > 1
@@ -572,10 +576,7 @@ impl Engine {
             let bit = 1u16 << (call.coll as usize);
             // Only where there was a choice: a barrier has one algorithm whatever is forced.
             let has_choice = call.coll.sole_algorithm().is_none();
-            if f == Algorithm::Hierarchical
-                && algo == Algorithm::Ring
-                && self.forced_warned & bit == 0
-            {
+            if self.opts.forced_hier_is_ring(call.coll) && self.forced_warned & bit == 0 {
                 self.forced_warned |= bit;
                 tracing::warn!(
                     rank = self.rank,

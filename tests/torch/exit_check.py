@@ -3,20 +3,20 @@
 `atexit.register(...)` of a barrier and `destroy_process_group`): dspark's exit handler stops
 the threads that complete asynchronous operations, and an operation issued after it must
 still complete (before, its future was queued for a thread that had ended, and `wait()`
-never returned).
+never returned), without a new such thread (one started then could die inside torch's
+callbacks when the interpreter finalizes).
 
-This script registers its handler before dspark's module is imported (torch >= 2.14 imports
-it when the group is made; older torch at `import torch`, in which case the check says so
-and the order is not what is tested), so that Python runs it after dspark's. In it, each
-rank runs an asynchronous all_reduce, an asynchronous barrier and a synchronous all_reduce
-through the backend under test, checks them against a gloo group's results on the same
-inputs, and destroys the group. A watchdog fails the run after 60 s.
+This script registers its handler before torch and dspark are imported, so that Python runs
+it after dspark's. In it, each rank runs an asynchronous all_reduce (sizes 1, 7 and 1000,
+against a gloo group's result on the same input), an asynchronous barrier, a synchronous
+MAX all_reduce, and an `isend`/`irecv` pair (a lane not used before exit), checks that no
+lane thread ("dspark-futures") is alive afterwards, and destroys the group. A watchdog fails
+the run after 60 s.
 
     DSPARK_TEST_BACKEND=dspark torchrun --standalone --nproc-per-node 2 tests/torch/exit_check.py
 
-Every rank ends with "EXIT_CHECK backend=B rank=R order=O checks=K RESULT=PASS" (O: `after`
-when dspark's handler ran first, `unknown` otherwise); a failed check prints
-"exit_check: FAIL ..." and exits 1.
+Every rank ends with "EXIT_CHECK backend=B rank=R checks=K RESULT=PASS"; a failed check
+prints "exit_check: FAIL ..." and exits 1.
 """
 
 import atexit
@@ -28,8 +28,6 @@ from datetime import timedelta
 BACKEND = os.environ.get("DSPARK_TEST_BACKEND", "dspark")
 RANK = int(os.environ.get("RANK", "0"))
 checks = 0
-# Whether dspark's module (and its exit handler) came after this script's handler.
-ORDER = "after" if "dspark._torch_work" not in sys.modules else "unknown"
 
 
 def fail(msg):
@@ -65,11 +63,21 @@ def at_exit():
     y = torch.full((3,), float(RANK + 2), dtype=torch.float64)
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
     check(torch.equal(y, torch.full((3,), float(n + 1), dtype=torch.float64)), f"max: {y}")
+    p = torch.zeros(5, dtype=torch.int64)
+    if RANK == 0:
+        p += torch.arange(5) * 3 + 1
+        dist.isend(p, 1).wait()
+    elif RANK == 1:
+        dist.irecv(p, 0).wait()
+        check(torch.equal(p, torch.arange(5) * 3 + 1), f"irecv: {p}")
+    if BACKEND == "dspark":
+        lanes = [t.name for t in threading.enumerate() if t.name == "dspark-futures"]
+        check(not lanes, f"lane threads alive after the exit handler: {lanes}")
     dist.barrier()
     dist.destroy_process_group()
     done.set()
-    sys.stdout.write(f"\nEXIT_CHECK backend={BACKEND} rank={RANK} order={ORDER} "
-                     f"checks={checks} RESULT=PASS\n")
+    sys.stdout.write(f"\nEXIT_CHECK backend={BACKEND} rank={RANK} checks={checks} "
+                     "RESULT=PASS\n")
     sys.stdout.flush()
 
 

@@ -39,9 +39,22 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
     let before = comm.forced_algorithm();
     let watch = ThrottleWatch::start();
     let mut runs: Vec<(Algorithm, Vec<Row>)> = Vec::new();
+    let mut not_here = Vec::new();
     for &a in Algorithm::ALL.iter().filter(|a| a.supports(c)) {
         // Every rank switches together: the same list in the same order.
         comm.set_algorithm(Some(a)).map_err(|e| e.to_string())?;
+        // Forced, an algorithm can still run as another (the hierarchical all_reduce as the
+        // ring where hosts differ in size or interleave): a column under its name would be
+        // the other's again. Every rank computes the same (the layout is the job's).
+        let runs_as = comm.algorithm(c, 1 << 20);
+        if runs_as != a {
+            comm.set_algorithm(before).map_err(|e| e.to_string())?;
+            not_here.push(format!(
+                "# {a}: runs as {runs_as} on this job's layout (not swept; the hierarchical \
+                 all_reduce needs every host to hold as many ranks, numbered contiguously)"
+            ));
+            continue;
+        }
         let rows = bench::<T>(args, comm, gpu, false);
         comm.set_algorithm(before).map_err(|e| e.to_string())?;
         runs.push((a, rows?));
@@ -52,7 +65,7 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
-        for l in &throttled {
+        for l in not_here.iter().chain(&throttled) {
             println!("{l}");
         }
     }
