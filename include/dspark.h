@@ -23,7 +23,7 @@
  *    seconds), and a dead or aborted peer turns into an error on every surviving rank.
  *  - Warnings (a degraded path, a forced algorithm that does not apply, a failed link probe)
  *    go to stderr from the first dspark_comm_init_from_env on, filtered by DSPARK_LOG as it is
- *    then (as in the binaries: warn by default, off silences them).
+ *    then (warn by default, off silences them; docs/configuration.md).
  *  - Error codes: DSPARK_ERR_INVALID_ARGUMENT is local and leaves the communicator usable; the
  *    other errors of an operation leave it unusable (every later call fails the same way).
  *    Transport failures (a verbs call, a peer breaking the protocol) are DSPARK_ERR_IO; CUDA

@@ -44,7 +44,7 @@ def _unwrap(fut):
 class _Pending:
     """A started operation (or several: list and coalesced forms) and its future."""
 
-    __slots__ = ("raws", "result", "finish", "inner", "deadline")
+    __slots__ = ("raws", "result", "finish", "inner", "deadline", "lazy", "_lock")
 
     def __init__(self, raws, result, finish, deadline=None):
         self.raws = raws
@@ -52,6 +52,10 @@ class _Pending:
         self.finish = finish
         self.deadline = deadline
         self.inner = torch.futures.Future()
+        # Issued after the exit handler stopped the lanes: no thread completes it; its Work
+        # does, when asked (`complete_now`, `poll`).
+        self.lazy = False
+        self._lock = threading.Lock()
 
     def settle(self):
         """Waits for the operations (on a lane's thread); returns what completes the
@@ -70,6 +74,18 @@ class _Pending:
 
     def complete(self):
         self.inner.set_result(self.settle())
+
+    def complete_now(self):
+        """Completes a lazy operation on this thread (waiting for it), once."""
+        with self._lock:
+            if not self.inner.done():
+                self.complete()
+
+    def poll(self):
+        """Completes a lazy operation whose every part has finished; never blocks."""
+        raws = self.raws
+        if raws is not None and all(getattr(w, "is_completed", lambda: False)() for w in raws):
+            self.complete_now()
 
 
 # A callback that has run this long while operations of its lane wait is taken for one that
@@ -268,9 +284,13 @@ class _Completer:
     def put(self, pending, lane=()):
         """Queues `pending` on `lane` (a hashable key: the communicators it runs on). After
         the exit handler stopped the lanes (an operation issued by an exit handler that runs
-        after dspark's), the caller completes it before the call returns: an `irecv` there
-        waits for its send (or the deadline) before it returns."""
-        stopped = _EXITING
+        after dspark's), nothing is queued: the operation's Work completes it when it is
+        waited for or looked at (`_Pending.lazy`)."""
+        with _EXIT_LOCK:
+            stopped = _EXITING
+            self._put(pending, lane, stopped)
+
+    def _put(self, pending, lane, stopped):
         with self._lock:
             if not self._closed and not stopped:
                 q = self._lanes.get(lane)
@@ -285,15 +305,19 @@ class _Completer:
                     if q.offer(pending):
                         q.queued()
                         return
-                    # Stopped by the exit handler (`_stop_completers`; it stays stopped):
-                    # the interpreter is exiting, and a thread started now could die inside
-                    # torch's callbacks.
+                    # Stopped by the exit handler (`_stop_completers`; it stays stopped).
                     stopped = True
-        # Closed, stopped, or no thread to wait on: this caller waits and completes it (the
-        # call returns when it completed instead of at once).
-        if not self._closed and not stopped:
+        if stopped:
+            # The interpreter is exiting: a thread started now could die inside torch's
+            # callbacks. The operation is in flight; its Work completes it when waited for
+            # or looked at (an `irecv` and an `isend` issued one after the other both start).
+            pending.lazy = True
+            return
+        # Closed, or no thread to wait on: this caller waits and completes it (the call
+        # returns when it completed instead of at once).
+        if not self._closed:
             warnings.warn("dspark: no thread to wait for an asynchronous operation; it "
-                          "completes before the call returns", RuntimeWarning, stacklevel=3)
+                          "completes before the call returns", RuntimeWarning, stacklevel=4)
         pending.complete()
 
     def stop(self):
@@ -315,14 +339,17 @@ _LANES = weakref.WeakSet()
 
 
 # Set by the exit handler: from then on no lane is made (its thread could die inside torch's
-# callbacks at finalization) and operations complete on the thread that issues them.
+# callbacks at finalization) and operations complete when their Work is waited for. The lock
+# orders it with `_Completer.put` on other threads: a lane made just before is in `_LANES`.
 _EXITING = False
+_EXIT_LOCK = threading.Lock()
 
 
 @atexit.register
 def _stop_completers():
     global _EXITING
-    _EXITING = True
+    with _EXIT_LOCK:
+        _EXITING = True
     for lane in list(_LANES):
         lane.stop()
 
@@ -333,7 +360,7 @@ def _async_work(completer, raws, result, finish, deadline=None, lane=()):
     p = _Pending(raws, result, finish, deadline)
     outer = p.inner.then(_unwrap)
     completer.put(p, lane)
-    return _AsyncWork(p.inner, outer)
+    return _AsyncWork(p.inner, outer, p)
 
 
 def _wait_seconds(timeout):
@@ -365,10 +392,20 @@ class _AsyncWork(dist._Work):
     an asynchronous call that timed out looked done. (torch's wrapper around a Python Work on
     the c10d Backend route forwards only `wait` and `get_future`.)"""
 
-    def __init__(self, inner, outer):
+    def __init__(self, inner, outer, pending=None):
         super().__init__()
         self._inner = inner
         self._outer = outer
+        # Kept only for an operation issued after the exit handler, which this Work completes.
+        self._lazy = pending if pending is not None and pending.lazy else None
+
+    def _drive(self):
+        if self._lazy is not None:
+            self._lazy.complete_now()
+
+    def _poll(self):
+        if self._lazy is not None:
+            self._lazy.poll()
 
     def _settled(self):
         # The inner future's value, once the outer one (`get_future()`) is complete too: the
@@ -388,6 +425,7 @@ class _AsyncWork(dist._Work):
         # Without `timeout` (or with zero, torch's kNoTimeout) the operation's deadline
         # bounds the wait; with one, it raises after that long (a negative one at once) and
         # leaves the operation in flight.
+        self._drive()  # (after the exit handler: on this thread, within the op's deadline)
         secs = _wait_seconds(timeout)
         if secs is not None and not self._outer.done():
             done = threading.Event()
@@ -400,18 +438,22 @@ class _AsyncWork(dist._Work):
         return True
 
     def is_completed(self):
+        self._poll()
         return self._outer.done()
 
     def is_success(self):
+        self._poll()
         return self._outer.done() and not isinstance(self._inner.value(), _Failure)
 
     def exception(self):
+        self._poll()
         if not self._inner.done():
             return None
         v = self._inner.value()
         return v.exc if isinstance(v, _Failure) else None
 
     def result(self):
+        self._drive()
         v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc
@@ -424,6 +466,8 @@ class _AsyncWork(dist._Work):
         pass
 
     def get_future(self):
+        # After the exit handler nothing else completes it: done before the future is given.
+        self._drive()
         return self._outer
 
 

@@ -1051,8 +1051,8 @@ fn _dspark(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     // dspark's warnings — every degraded path (GPUDirect that falls back to staging, device
     // calls that run as blocking ones, a forced algorithm that does not apply, a link probe
-    // that failed) — to stderr as the binaries print them, filtered by DSPARK_LOG as it is at
-    // import (`off` silences them; `dspark=debug` says more).
+    // that failed) — to stderr as the binaries print them, filtered by DSPARK_LOG (levels and
+    // target=level) as it is at import (`off` silences them; `dspark=debug` says more).
     dspark::internals::stderr_log::install();
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;

@@ -456,7 +456,10 @@ pub extern "C" fn dspark_last_error() -> *const c_char {
 /// program has no tracing subscriber, and every degraded path would go unseen.
 fn log_to_stderr() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(crate::internals::stderr_log::install);
+    // No panic may leave an extern "C" function: one here costs the log, not the call.
+    ONCE.call_once(|| {
+        let _ = catch_unwind(crate::internals::stderr_log::install);
+    });
 }
 
 /// Joins the job described by the environment: `DSPARK_RANK`, `DSPARK_WORLD_SIZE`,

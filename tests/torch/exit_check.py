@@ -9,8 +9,9 @@ callbacks when the interpreter finalizes).
 This script registers its handler before torch and dspark are imported, so that Python runs
 it after dspark's. In it, each rank runs an asynchronous all_reduce (sizes 1, 7 and 1000,
 against a gloo group's result on the same input), an asynchronous barrier, a synchronous
-MAX all_reduce, and an `isend`/`irecv` pair (a lane not used before exit), checks that no
-lane thread ("dspark-futures") is alive afterwards, and destroys the group. A watchdog fails
+MAX all_reduce, and an exchange (`irecv`, then `isend`, then both waits, on a lane not used
+before exit), checks that no lane thread ("dspark-futures") is alive afterwards, and destroys
+the group. A watchdog fails
 the run after 60 s.
 
     DSPARK_TEST_BACKEND=dspark torchrun --standalone --nproc-per-node 2 tests/torch/exit_check.py
@@ -63,13 +64,17 @@ def at_exit():
     y = torch.full((3,), float(RANK + 2), dtype=torch.float64)
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
     check(torch.equal(y, torch.full((3,), float(n + 1), dtype=torch.float64)), f"max: {y}")
-    p = torch.zeros(5, dtype=torch.int64)
-    if RANK == 0:
-        p += torch.arange(5) * 3 + 1
-        dist.isend(p, 1).wait()
-    elif RANK == 1:
-        dist.irecv(p, 0).wait()
-        check(torch.equal(p, torch.arange(5) * 3 + 1), f"irecv: {p}")
+    # Both ranks post their receive first, then their send, then wait for both (a ring's
+    # exchange): completing each operation as it is issued would block every rank in its
+    # receive until the deadline.
+    if RANK < 2:
+        peer = 1 - RANK
+        got = torch.zeros(5, dtype=torch.int64)
+        mine = torch.arange(5) * 3 + RANK
+        works = [dist.irecv(got, peer), dist.isend(mine, peer)]
+        for w in works:
+            w.wait()
+        check(torch.equal(got, torch.arange(5) * 3 + peer), f"irecv from {peer}: {got}")
     if BACKEND == "dspark":
         lanes = [t.name for t in threading.enumerate() if t.name == "dspark-futures"]
         check(not lanes, f"lane threads alive after the exit handler: {lanes}")
@@ -81,6 +86,10 @@ def at_exit():
     sys.stdout.flush()
 
 
+# The order under test: this handler before dspark's (something that imported dspark first,
+# a sitecustomize say, would make the run test nothing).
+if "dspark._torch_work" in sys.modules:
+    fail("dspark was imported before the exit handler was registered")
 atexit.register(at_exit)
 
 import torch  # noqa: E402 - after the handler: see the module docs
