@@ -287,10 +287,17 @@ class _Completer:
         after dspark's), nothing is queued: the operation's Work completes it when it is
         waited for or looked at (`_Pending.lazy`)."""
         with _EXIT_LOCK:
-            stopped = _EXITING
-            self._put(pending, lane, stopped)
+            queued, inline = self._put(pending, lane, _EXITING)
+        # Outside the locks: both may run torch's callbacks on this thread (a lane taken over
+        # without a thread for it completes what is queued here), and a callback may issue.
+        if queued is not None:
+            queued.queued()
+        elif inline:
+            pending.complete()
 
     def _put(self, pending, lane, stopped):
+        """`put` under the exit lock: the lane `pending` was queued on, or None and whether
+        the caller must complete it itself."""
         with self._lock:
             if not self._closed and not stopped:
                 q = self._lanes.get(lane)
@@ -303,8 +310,7 @@ class _Completer:
                         _LANES.add(q)
                 if q is not None:
                     if q.offer(pending):
-                        q.queued()
-                        return
+                        return q, False
                     # Stopped by the exit handler (`_stop_completers`; it stays stopped).
                     stopped = True
         if stopped:
@@ -312,13 +318,13 @@ class _Completer:
             # callbacks. The operation is in flight; its Work completes it when waited for
             # or looked at (an `irecv` and an `isend` issued one after the other both start).
             pending.lazy = True
-            return
+            return None, False
         # Closed, or no thread to wait on: this caller waits and completes it (the call
         # returns when it completed instead of at once).
         if not self._closed:
             warnings.warn("dspark: no thread to wait for an asynchronous operation; it "
                           "completes before the call returns", RuntimeWarning, stacklevel=4)
-        pending.complete()
+        return None, True
 
     def stop(self):
         with self._lock:
