@@ -175,15 +175,18 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
-/// Installs the printer as the process's tracing subscriber, with `DSPARK_LOG` read now; does
-/// nothing where `DSPARK_LOG=off`, or where this library's tracing already has a subscriber
-/// (installed by an earlier call, or by the Rust program this library is linked into).
+/// Installs the printer as the process's tracing subscriber, with `DSPARK_LOG` read at the
+/// first call (later calls do nothing); does nothing where `DSPARK_LOG=off`, or where this
+/// library's tracing already has a subscriber (installed by the Rust program this library is
+/// linked into).
 pub fn install() {
-    let directives = Directives::parse(std::env::var("DSPARK_LOG").ok().as_deref());
-    if directives.max() == LevelFilter::OFF {
-        return;
-    }
-    let _ = tracing::subscriber::set_global_default(Stderr { directives });
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let directives = Directives::parse(std::env::var("DSPARK_LOG").ok().as_deref());
+        if directives.max() != LevelFilter::OFF {
+            let _ = tracing::subscriber::set_global_default(Stderr { directives });
+        }
+    });
 }
 
 #[cfg(test)]

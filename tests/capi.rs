@@ -397,7 +397,8 @@ fn the_c_abi_works_from_an_atexit_handler() {
 /// went unseen there.
 #[test]
 fn warnings_reach_a_c_programs_stderr_and_dspark_log_filters_them() {
-    let exe = build_c("tests/c/atexit.c", "atexit", false);
+    // A name of its own: the atexit test builds and runs the same source at the same time.
+    let exe = build_c("tests/c/atexit.c", "atexit_log", false);
     for log in ["warn", "off"] {
         let env = [
             ("DSPARK_ALGO", "pairwise"),

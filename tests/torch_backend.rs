@@ -363,16 +363,23 @@ fn a_tensor_dropped_during_a_non_blocking_call_keeps_its_memory_until_the_call_c
 fn async_works_complete_like_gloos_with_callbacks_that_wait_and_wait_timeouts() {
     let _g = serial();
     let Some(t) = torch_with_dspark() else { return };
+    gloo_then_dspark_on_2_ranks(&t, "work_check.py", "WORK_CHECK", 300);
+}
+
+/// Runs `script` under torchrun on 2 ranks with gloo as the backend (the script checking
+/// itself), then with dspark, and asserts every rank printed `PREFIX backend=B rank=R ...
+/// RESULT=PASS`, within `limit_s` seconds each.
+fn gloo_then_dspark_on_2_ranks(t: &Torch, script: &str, prefix: &str, limit_s: u64) {
     for backend in ["gloo", "dspark"] {
         let r = run(
-            torchrun_standalone(&t, 2, "work_check.py", backend),
-            Duration::from_secs(300),
+            torchrun_standalone(t, 2, script, backend),
+            Duration::from_secs(limit_s),
         );
         for rank in 0..2 {
             assert_pass(
                 &r,
-                &format!("WORK_CHECK backend={backend} rank={rank} "),
-                &format!("work_check.py with {backend}"),
+                &format!("{prefix} backend={backend} rank={rank} "),
+                &format!("{script} with {backend}"),
             );
         }
     }
@@ -388,16 +395,7 @@ fn async_works_complete_like_gloos_with_callbacks_that_wait_and_wait_timeouts() 
 fn collectives_in_an_exit_handler_after_dsparks_complete() {
     let _g = serial();
     let Some(t) = torch_with_dspark() else { return };
-    for backend in ["gloo", "dspark"] {
-        let r = run(
-            torchrun_standalone(&t, 2, "exit_check.py", backend),
-            Duration::from_secs(150),
-        );
-        for rank in 0..2 {
-            let prefix = format!("EXIT_CHECK backend={backend} rank={rank} ");
-            assert_pass(&r, &prefix, &format!("exit_check.py with {backend}"));
-        }
-    }
+    gloo_then_dspark_on_2_ranks(&t, "exit_check.py", "EXIT_CHECK", 150);
 }
 
 /// dspark's warnings reach a Python process's stderr (`warn_check.py`, 2 ranks: an all_reduce

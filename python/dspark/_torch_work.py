@@ -111,7 +111,6 @@ class _Lane:
         self.threads = []  # every server's thread (joined at stop)
         self.cb_since = None  # when the current server's callback started, if in one
         self.server = None  # the thread id of the server inside that callback
-        self.stopped = False  # set by `stop`: nothing more is queued here
         self._serve()
 
     def _serve(self):  # with self.lock held, or before the lane is shared
@@ -192,24 +191,12 @@ class _Lane:
         finally:
             self.lock.acquire()
 
-    def offer(self, pending):
-        """Queues `pending` for the server; False (nothing queued) once the lane was stopped,
-        whose server ends at the stop marker and would never see it."""
-        with self.lock:
-            if self.stopped:
-                return False
-            self.q.put(pending)
-            return True
-
     def stop(self):
         """Lets the server wait for and complete what was queued, then end; waits for that
         and for servers still inside callbacks (bounded), so that no future's callbacks run
-        while the interpreter exits. What is offered afterwards is refused (`offer`)."""
-        with self.lock:
-            first = not self.stopped
-            self.stopped = True
-        if first:
-            self.q.put(None)
+        while the interpreter exits. Nothing is queued afterwards: `_Completer.put` checks the
+        flags set before every stop (`_closed`, `_EXITING`) under the locks it queues under."""
+        self.q.put(None)
         end = time.monotonic() + _STOP_WAIT_S
         with self.lock:
             threads = list(self.threads)
@@ -295,11 +282,11 @@ class _Completer:
         elif inline:
             pending.complete()
 
-    def _put(self, pending, lane, stopped):
+    def _put(self, pending, lane, exiting):
         """`put` under the exit lock: the lane `pending` was queued on, or None and whether
         the caller must complete it itself."""
         with self._lock:
-            if not self._closed and not stopped:
+            if not self._closed and not exiting:
                 q = self._lanes.get(lane)
                 if q is None:
                     try:
@@ -309,11 +296,9 @@ class _Completer:
                     else:
                         _LANES.add(q)
                 if q is not None:
-                    if q.offer(pending):
-                        return q, False
-                    # Stopped by the exit handler (`_stop_completers`; it stays stopped).
-                    stopped = True
-        if stopped:
+                    q.q.put(pending)
+                    return q, False
+        if exiting:
             # The interpreter is exiting: a thread started now could die inside torch's
             # callbacks. The operation is in flight; its Work completes it when waited for
             # or looked at (an `irecv` and an `isend` issued one after the other both start).

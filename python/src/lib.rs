@@ -281,14 +281,20 @@ impl PyComm {
         start: impl FnOnce(&Communicator) -> dspark::Result<dspark::Work>,
     ) -> PyResult<PyWork> {
         let c = self.get()?;
+        let w = start(&c).map_err(py_err)?;
+        Ok(self.held(coll, keepalive, w))
+    }
+
+    /// The `PyWork` of a started operation, whose `keepalive` is held until it completes.
+    fn held(&self, coll: &str, keepalive: Py<PyAny>, w: dspark::Work) -> PyWork {
+        let w = Arc::new(w);
         let mut pending = lock(&self.pending);
         Self::prune(&mut pending);
-        let w = Arc::new(start(&c).map_err(py_err)?);
         pending.push_back((Arc::clone(&w), keepalive));
-        Ok(PyWork {
+        PyWork {
             w,
             what: coll.to_string(),
-        })
+        }
     }
 
     /// [`PyComm::pend`] for a start that may run the whole operation (a device collective
@@ -312,14 +318,7 @@ impl PyComm {
             drop(c);
             r
         });
-        let w = Arc::new(w.map_err(py_err)?);
-        let mut pending = lock(&self.pending);
-        Self::prune(&mut pending);
-        pending.push_back((Arc::clone(&w), keepalive));
-        Ok(PyWork {
-            w,
-            what: coll.to_string(),
-        })
+        Ok(self.held(coll, keepalive, w.map_err(py_err)?))
     }
 
     /// Releases the keepalives of operations that completed (from the front: they complete

@@ -31,15 +31,16 @@
 
 #![allow(non_camel_case_types)]
 
-use std::cell::RefCell;
 use std::ffi::{c_char, c_int};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
 use crate::comm::{RawCall, RawOp, Work};
 use crate::error::Error;
 use crate::types::{DataType, ReduceOp};
 use crate::Communicator;
+
+mod boundary;
+use boundary::{guard, invalid, log_to_stderr};
 
 /// A communicator: one rank's membership of a group of ranks.
 ///
@@ -176,82 +177,6 @@ const _: () = {
     shareable::<Communicator>();
     movable::<Work>();
 };
-
-thread_local! {
-    /// The message of this thread's last failed call, NUL-terminated; just a NUL when the
-    /// last call succeeded. Cleared in place (never reallocated when shrinking), so a pointer
-    /// from `dspark_last_error` stays a valid string until the next call on this thread.
-    static LAST_ERROR: RefCell<Vec<u8>> = RefCell::new(vec![0]);
-}
-
-// `try_with` in both: a call from an `atexit` handler or a thread-exit destructor comes after
-// this thread's locals were destroyed, where `with` panics, and a panic out of an `extern "C"`
-// function aborts the process. The message is then not kept.
-fn set_last_error(msg: &str) {
-    let _ = LAST_ERROR.try_with(|b| {
-        if let Ok(mut b) = b.try_borrow_mut() {
-            b.clear();
-            // A C string ends at the first NUL: keep the message whole.
-            b.extend(msg.bytes().map(|c| if c == 0 { b'?' } else { c }));
-            b.push(0);
-        }
-    });
-}
-
-fn clear_last_error() {
-    let _ = LAST_ERROR.try_with(|b| {
-        if let Ok(mut b) = b.try_borrow_mut() {
-            b.clear();
-            b.push(0);
-        }
-    });
-}
-
-/// The code of `e`.
-fn code_of(e: &Error) -> dspark_result_t {
-    use dspark_result_t::*;
-    match e {
-        Error::Timeout { .. } => DSPARK_ERR_TIMEOUT,
-        Error::PeerLost { .. } => DSPARK_ERR_PEER_LOST,
-        Error::Mismatch { .. } => DSPARK_ERR_MISMATCH,
-        Error::InvalidArgument { .. } => DSPARK_ERR_INVALID_ARGUMENT,
-        Error::Config { .. } => DSPARK_ERR_CONFIG,
-        Error::Io { .. } => DSPARK_ERR_IO,
-        Error::Aborted { .. } => DSPARK_ERR_ABORTED,
-        Error::Transport { what, .. } if what.starts_with("internal error") => DSPARK_ERR_INTERNAL,
-        Error::Transport { .. } => DSPARK_ERR_IO,
-        Error::Unavailable { .. } | Error::Cuda { .. } => DSPARK_ERR_UNAVAILABLE,
-    }
-}
-
-/// An invalid-argument error of the C call `func`.
-fn invalid(rank: Option<usize>, func: &str, what: impl Into<String>) -> Error {
-    Error::invalid(rank, func, what)
-}
-
-/// Runs the body of the C function `func`: clears the last error, contains panics, and
-/// turns the outcome into a result code (leaving the error's text behind).
-fn guard(func: &str, body: impl FnOnce() -> Result<(), Error>) -> dspark_result_t {
-    clear_last_error();
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => dspark_result_t::DSPARK_SUCCESS,
-        Ok(Err(e)) => {
-            set_last_error(&e.to_string());
-            code_of(&e)
-        }
-        Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            set_last_error(&format!(
-                "internal error in {func}: {what} (a dspark bug; please report it)"
-            ));
-            dspark_result_t::DSPARK_ERR_INTERNAL
-        }
-    }
-}
 
 /// The communicator behind `comm`, or an argument error.
 ///
@@ -441,25 +366,7 @@ unsafe fn run_or_start(
 /// operation where there are ones. Never NULL.
 #[no_mangle]
 pub extern "C" fn dspark_last_error() -> *const c_char {
-    catch_unwind(|| {
-        LAST_ERROR
-            .try_with(|b| match b.try_borrow() {
-                Ok(b) => b.as_ptr().cast::<c_char>(),
-                Err(_) => c"".as_ptr(),
-            })
-            .unwrap_or(c"".as_ptr())
-    })
-    .unwrap_or(c"".as_ptr())
-}
-
-/// dspark's log to stderr ([`crate::internals::stderr_log`]), filtered by `DSPARK_LOG`: a C
-/// program has no tracing subscriber, and every degraded path would go unseen.
-fn log_to_stderr() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    // No panic may leave an extern "C" function: one here costs the log, not the call.
-    ONCE.call_once(|| {
-        let _ = catch_unwind(crate::internals::stderr_log::install);
-    });
+    boundary::last_error()
 }
 
 /// Joins the job described by the environment: `DSPARK_RANK`, `DSPARK_WORLD_SIZE`,
