@@ -204,6 +204,42 @@ impl OneHost {
         None
     }
 
+    /// Where every rank is on one host but some asked for another transport
+    /// (`DSPARK_TRANSPORT`), which ones: `shm not used although every rank is on one host:
+    /// DSPARK_TRANSPORT=tcp on ranks 0-2,5`.
+    fn asked_otherwise(&self, offers: &[ShmOffer]) -> Option<String> {
+        if !self.one_host() {
+            return None;
+        }
+        let mut asked: Vec<(TransportChoice, Vec<usize>)> = Vec::new();
+        for (r, o) in offers.iter().enumerate() {
+            let Some(m @ (TransportChoice::Tcp | TransportChoice::Verbs)) = o.mode else {
+                continue;
+            };
+            match asked.iter_mut().find(|(k, _)| *k == m) {
+                Some((_, rs)) => rs.push(r),
+                None => asked.push((m, vec![r])),
+            }
+        }
+        if asked.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = asked
+            .iter()
+            .map(|(m, rs)| {
+                let word = if rs.len() == 1 { "rank" } else { "ranks" };
+                format!(
+                    "DSPARK_TRANSPORT={m} on {word} {}",
+                    super::crowd::format_list(rs)
+                )
+            })
+            .collect();
+        Some(format!(
+            "shm not used although every rank is on one host: {}",
+            parts.join("; ")
+        ))
+    }
+
     /// A "no": an error where a rank asked for shm, else a decline whose reason is reported
     /// only where shared memory was a candidate (one host, no other transport asked for).
     fn no(&self, offers: &[ShmOffer], why: String, candidate: bool) -> Verdict {
@@ -295,7 +331,8 @@ pub(crate) fn select(
         return Ok(Err(None));
     }
     let mut c = OneHost(ShmFacts::of(boot, cfg));
-    match negotiate::negotiate(&mut c, boot, streams)?.outcome {
+    let n = negotiate::negotiate(&mut c, boot, streams)?;
+    match n.outcome {
         Outcome::Won(prep, segs) => {
             // Shared memory watches each peer's liveness through a connection to it: the
             // standing partners' from the rendezvous, the others' made on first use, when
@@ -307,7 +344,10 @@ pub(crate) fn select(
             tracing::info!(rank, transport = %t.describe(), "using shared memory");
             Ok(Ok(t))
         }
-        Outcome::Declined(None) => Ok(Err(None)),
+        // Not a candidate. On one host that is because a rank asked for another transport:
+        // no warning (it was asked for), but the reason in `CommInfo`, which says why the
+        // transport is not the fastest one.
+        Outcome::Declined(None) => Ok(Err(c.asked_otherwise(&n.offers))),
         Outcome::Declined(Some(why)) => {
             shm_declined(
                 rank == 0,
@@ -591,6 +631,34 @@ mod tests {
             ShmOptions::default().ring_bytes,
             config::DEFAULT_SHM_RING_BYTES
         );
+    }
+
+    #[test]
+    fn a_transport_asked_for_on_one_host_is_the_reason_shm_is_not_used_and_elsewhere_none() {
+        use TransportChoice::Verbs;
+        let c = one_host(1, &["a"; 6], Auto);
+        let offers = vec![
+            incapable(Tcp, "DSPARK_TRANSPORT=tcp"),
+            incapable(Tcp, "DSPARK_TRANSPORT=tcp"),
+            incapable(Tcp, "DSPARK_TRANSPORT=tcp"),
+            capable(Auto, "k"),
+            incapable(Verbs, "DSPARK_TRANSPORT=verbs"),
+            incapable(Tcp, "DSPARK_TRANSPORT=tcp"),
+        ];
+        assert!(matches!(c.decide(&offers), Verdict::Decline(None)));
+        assert_eq!(
+            c.asked_otherwise(&offers).as_deref(),
+            Some(
+                "shm not used although every rank is on one host: DSPARK_TRANSPORT=tcp on \
+                 ranks 0-2,5; DSPARK_TRANSPORT=verbs on rank 4"
+            )
+        );
+        // Nobody asked: no such reason (a decline there has its own).
+        assert_eq!(c.asked_otherwise(&vec![capable(Auto, "k"); 6]), None);
+        // Several hosts: shm was never the candidate.
+        let apart = one_host(0, &["a", "b"], Auto);
+        let two = [incapable(Tcp, "x"), incapable(Tcp, "x")];
+        assert_eq!(apart.asked_otherwise(&two), None);
     }
 
     #[test]
