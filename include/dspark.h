@@ -578,6 +578,27 @@ dspark_result_t dspark_comm_flight_record(const dspark_comm_t *comm,
                                           size_t len,
                                           size_t *needed);
 
+/**
+ * Copies `comm`'s description — every fact it knows about its paths, as one JSON object
+ * (format `"dspark-comm-info"`, version 1; the object Python's `Communicator.info()`
+ * returns) — into `buf` as a NUL-terminated string: the transport and why not a faster one
+ * (`transport`, `transport_reason`), every connection's (`peer_transports`), hosts, CPU
+ * sharing, `timeout` (seconds), the cost model and where all_reduce switches algorithm
+ * (`all_reduce_algorithms`), the path device memory takes on every connection and why
+ * (`device_path`, `device_paths`), GPUs where non-blocking device calls block
+ * (`enqueue_blocks`), the rendezvous and how the ranks authenticated each other (`auth`).
+ * `*needed` and `len` as for `dspark_comm_flight_record`: call once with `len` 0 to size
+ * the buffer. Never waits for an operation in progress.
+ *
+ * # Safety
+ * `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for
+ * a write; `buf` is valid for writes of `len` bytes (or NULL with `len` 0).
+ */
+dspark_result_t dspark_comm_describe(const dspark_comm_t *comm,
+                                     char *buf,
+                                     size_t len,
+                                     size_t *needed);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -87,6 +87,114 @@ fn expect_mixed(comm: &Communicator) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks `Communicator::describe_json` (what Python's `info()` and C's `dspark_comm_describe`
+/// return) against the job's layout as the test set it up: `layout[p]` is rank p's
+/// `DSPARK_HOST_ID`, `want` the transport every rank should report. Ranks of one host reach
+/// each other over shm unless the job is on TCP or their host has one rank; device memory
+/// is host-staged on every connection (no verbs here), with a reason.
+fn expect_description(
+    comm: &Communicator,
+    layout: &[&str],
+    want: &str,
+    want_algo: &str,
+) -> Result<(), String> {
+    let text = comm.describe_json();
+    let d: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("describe_json: {e}: {text}"))?;
+    let bad = |what: &str| Err(format!("describe_json: {what}: {text}"));
+    let (r, n) = (comm.rank(), comm.world_size());
+    if layout.len() != n {
+        return bad(&format!("the test's layout has {} ranks", layout.len()));
+    }
+    if d["format"] != "dspark-comm-info" || d["version"] != 1 {
+        return bad("format or version");
+    }
+    if d["rank"] != r || d["world_size"] != n || d["transport"] != want {
+        return bad(&format!("rank {r} of {n} on {want} expected"));
+    }
+    if d["hosts"] != serde_json::json!(layout) {
+        return bad(&format!("hosts {layout:?} expected"));
+    }
+    if d["timeout"] != 60.0 || !d["device_path_error"].is_null() {
+        return bad("timeout 60 and no device path error expected");
+    }
+    let alone = |p: usize| layout.iter().filter(|h| **h == layout[p]).count() == 1;
+    let expected = |p: usize| {
+        if want != "tcp" && layout[p] == layout[r] && !alone(p) {
+            "shm"
+        } else {
+            "tcp"
+        }
+    };
+    let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+    let conns = d["device_paths"].as_array().cloned().unwrap_or_default();
+    if conns.len() != peers.len() {
+        return bad(&format!("{} device paths expected", peers.len()));
+    }
+    for (c, &p) in conns.iter().zip(&peers) {
+        let t = expected(p);
+        if d["peer_transports"][p] != t || c["peer"] != p {
+            return bad(&format!("rank {p}: {t} expected"));
+        }
+        for dir in ["send", "recv"] {
+            let reason = c[dir]["reason"].as_str().unwrap_or("");
+            if c[dir]["transport"] != t
+                || c[dir]["memory"] != "staged"
+                || c[dir]["path"] != format!("{t}/staged")
+                || reason.is_empty()
+            {
+                return bad(&format!(
+                    "rank {p} {dir}: {t}/staged with a reason expected"
+                ));
+            }
+        }
+    }
+    let mut kinds: Vec<&str> = peers.iter().map(|&p| expected(p)).collect();
+    kinds.dedup();
+    let column = match kinds.as_slice() {
+        [one] => format!("{one}/staged"),
+        _ => "mixed".into(),
+    };
+    if d["device_path"] != column.as_str() {
+        return bad(&format!("device_path {column} expected"));
+    }
+    let caps = d["gpu_direct"].as_array().cloned().unwrap_or_default();
+    if caps.len() != n
+        || !caps
+            .iter()
+            .all(|c| c.as_str().is_some_and(|c| c.starts_with("unavailable: ")))
+    {
+        return bad("every rank's GPUDirect unavailable, with why, expected");
+    }
+    if d["enqueue_blocks"] != serde_json::json!([]) || !d["algorithm_forced"].is_null() {
+        return bad("no blocking GPU and no forced algorithm expected");
+    }
+    // The choice by size: 8 B runs recursive doubling (checked above through the API), and the
+    // step covering 4 MiB the expected algorithm.
+    let steps = d["all_reduce_algorithms"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let at = |bytes: u64| {
+        steps
+            .iter()
+            .rev()
+            .find(|s| s["from_bytes"].as_u64().is_some_and(|b| b <= bytes))
+            .and_then(|s| s["algorithm"].as_str())
+            .unwrap_or("none")
+            .to_string()
+    };
+    if steps.first().map(|s| &s["from_bytes"]) != Some(&serde_json::json!(4))
+        || at(8) != "recursive_doubling"
+        || (!want_algo.is_empty() && at(4 << 20) != want_algo)
+    {
+        return bad(&format!(
+            "all_reduce_algorithms: recursive_doubling at 8 B and {want_algo:?} at 4 MiB expected"
+        ));
+    }
+    Ok(())
+}
+
 fn run_scenario(s: &str) -> Result<i32, String> {
     let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
     let r = comm.rank();
@@ -178,6 +286,9 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             if want == "shm+tcp" {
                 expect_mixed(&comm)?;
             }
+            let layout = std::env::var("WANT_LAYOUT").unwrap_or_default();
+            let layout: Vec<&str> = layout.split(',').collect();
+            expect_description(&comm, &layout, &want, &want_algo)?;
             let mut v = vec![r as f64 + 1.0; 33];
             comm.all_reduce(&mut v, ReduceOp::Sum)
                 .map_err(|e| e.to_string())?;
@@ -385,6 +496,7 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
     let run = |want: &str, extra: &[(&str, &str)]| {
         let mut extra = extra.to_vec();
         extra.push(("WANT_TRANSPORT", want));
+        extra.push(("WANT_LAYOUT", "host0,host0,host1,host1"));
         spawn(WORLD, "kind", &|r| rank_vars(r, false, &extra), None).wait(Duration::from_secs(60))
     };
     // Two hosts of two ranks, 4 MiB: the pipelined hierarchical allreduce (`plan::model`,
@@ -410,7 +522,11 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
             rank_vars(
                 r,
                 false,
-                &[("WANT_TRANSPORT", "tcp"), ("DSPARK_TRANSPORT", t)],
+                &[
+                    ("WANT_TRANSPORT", "tcp"),
+                    ("DSPARK_TRANSPORT", t),
+                    ("WANT_LAYOUT", "host0,host0,host1,host1"),
+                ],
             )
         },
         None,
@@ -431,6 +547,7 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
                 ("DSPARK_TRANSPORT", "auto"),
                 ("DSPARK_HOST_ID", host),
                 ("WANT_TRANSPORT", want),
+                ("WANT_LAYOUT", "a,a,b,c,c"),
                 // Uneven hosts: the flat ring, with the model's default constants. (The link
                 // probe's α is a step of a tiny allreduce, here of 5 ranks sharing 2 cores over
                 // loopback: it moves with the machine's load, and with it ring or tree at 4 MiB.)

@@ -10,8 +10,9 @@
 //! package (`limits_check.py`), timeouts and `dist.monitored_barrier` against gloo
 //! (`surface_check.py`), `dist.shrink_group` after a killed or hung rank
 //! (`shrink_check.py`, and `examples/torch_shrink.py`'s DDP training), and collectives in an
-//! exit handler that runs after dspark's (`exit_check.py`), and dspark's warnings on a Python
-//! process's stderr (`warn_check.py`).
+//! exit handler that runs after dspark's (`exit_check.py`), dspark's warnings on a Python
+//! process's stderr (`warn_check.py`), and the transport and device path of every connection
+//! through `info()` and `dspark.torch.info()` (`info_check.py`).
 //!
 //! torch comes from the torch venv (`bash tests/torch/venv.sh`; `DSPARK_TORCH_PYTHON` names its
 //! python, torchrun lies next to it) and the backend from `pip install ./python` into that venv.
@@ -425,6 +426,32 @@ fn warnings_reach_stderr_in_python_and_dspark_log_filters_them() {
                 r.report()
             ),
             Some(_) => assert_eq!(warned, 0, "DSPARK_LOG=off:\n{}", r.report()),
+        }
+    }
+}
+
+/// Path truth from Python (`info_check.py`, 3 ranks on one host): `Communicator.info()` and
+/// `dspark.torch.info(group)` name the transport of every connection and the path CUDA tensors
+/// take on it, with why (host-staged here), over shared memory and with `DSPARK_TRANSPORT=tcp`.
+/// Before, Python had the transport but not the device path, nor where all_reduce switches
+/// algorithm, and torch users no documented way to reach either.
+#[test]
+fn python_and_torch_info_name_every_connections_transport_and_device_path() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    for transport in ["shm", "tcp"] {
+        let mut cmd = torchrun_standalone(&t, 3, "info_check.py", "dspark");
+        cmd.env("WANT_TRANSPORT", transport);
+        if transport == "tcp" {
+            cmd.env("DSPARK_TRANSPORT", "tcp");
+        }
+        let r = run(cmd, Duration::from_secs(150));
+        for rank in 0..3 {
+            assert_pass(
+                &r,
+                &format!("INFO_CHECK rank={rank} "),
+                &format!("info_check.py over {transport}"),
+            );
         }
     }
 }

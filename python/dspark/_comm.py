@@ -112,8 +112,12 @@ class Communicator:
         return self._c.world_size
 
     def info(self):
-        """Transport, why not a faster one, hosts, timeout, data path, rendezvous, and how the
-        ranks authenticated each other (`auth`)."""
+        """Every fact the communicator knows about its paths, as a dict: the transport and
+        why not a faster one, each connection's, hosts, CPU sharing, timeout (seconds), where
+        all_reduce switches algorithm, the path device memory takes on every connection and
+        why (`device_path`, `device_paths`), GPUs where asynchronous device calls block
+        (`enqueue_blocks`), rendezvous, and how the ranks authenticated each other (`auth`).
+        The same object as C's ``dspark_comm_describe``."""
         return self._c.info()
 
     # -- the collectives ---------------------------------------------------------------

@@ -387,7 +387,8 @@ class _Ops(_Collectives):
         self._completer.stop()
 
     def dspark_info(self):
-        """The dspark communicator's facts (transport, path, rendezvous, timeout)."""
+        """The dspark communicator's facts (:meth:`dspark.Communicator.info`; through
+        :func:`dspark.torch.info`)."""
         return self._comm.info()
 
     # -- dist.shrink_group (torch >= 2.15; the work is in _torch_shrink.py) -------------

@@ -106,7 +106,7 @@ from ._torch_route import (  # noqa: F401
     _route,
 )
 
-__all__ = ["register", "DsparkBackend", "DsparkProcessGroup", "NAME"]
+__all__ = ["register", "info", "DsparkBackend", "DsparkProcessGroup", "NAME"]
 
 
 def dump_flight_record(path=None):
@@ -122,6 +122,28 @@ def flight_record_bytes():
     """This rank's flight record in torch's format, pickled: what
     ``torch._C._distributed_c10d._dump_fr_trace()`` returns for torch's own backends."""
     return _flight.dump_bytes()
+
+
+def info(group=None):
+    """The facts of the dspark communicator behind ``group`` (default: the world group), as
+    :meth:`dspark.Communicator.info` gives them: the transport and why not a faster one, the
+    path CUDA tensors take on every connection and why (``device_path``, ``device_paths``:
+    ``shm/staged``, ``tcp/staged``, ``verbs/gdr-dmabuf``, ...), where all_reduce switches
+    algorithm, CPU sharing, rendezvous and authentication. Raises ``ValueError`` where no
+    device of the group is dspark's."""
+    import torch
+
+    g = dist.group.WORLD if group is None else group
+    if g is None:
+        raise ValueError("dspark.torch.info: no default process group (init_process_group first)")
+    for device in ("cpu", "cuda"):
+        try:
+            backend = g._get_backend(torch.device(device))
+        except Exception:  # noqa: BLE001 - torch raises RuntimeError for a device it lacks
+            continue
+        if hasattr(backend, "dspark_info"):
+            return backend.dspark_info()
+    raise ValueError(f"dspark.torch.info: group {g} has no dspark backend")
 
 
 _registered = threading.Lock()

@@ -33,7 +33,7 @@ use dspark::{Communicator, Config, DataType, RawCall, RawOp, ReduceOp};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
+use pyo3::types::{PyBytes, PyList, PyMemoryView};
 
 create_exception!(
     dspark,
@@ -574,36 +574,22 @@ impl PyComm {
         self.world
     }
 
-    /// Facts about the connections: transport, each connection's transport, why not a faster
-    /// one, hosts, whether this rank shares its CPUs with other ranks (`cpu_sharing`, and the
-    /// spin that follows from it: `spin_us`, `spin_yields`), timeout, data-path policy, what init allocated for GPUDirect
-    /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in
-    /// words: "job secret from the spawner", "token file /path", "secret published in the
-    /// store", "open: any host that reaches port P can join", ...).
-    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.get()?;
-        let i = c.info();
-        let d = PyDict::new(py);
-        d.set_item("rank", self.rank)?;
-        d.set_item("world_size", self.world)?;
-        d.set_item("transport", i.transport.to_string())?;
-        d.set_item("transport_detail", &i.transport_detail)?;
-        d.set_item("transport_reason", i.transport_reason.clone())?;
-        // Per rank, this rank's connection to it (`shm`/`tcp` in a mixed `shm+tcp` job).
-        let peers: Vec<String> = i.peer_transports.iter().map(|k| k.to_string()).collect();
-        d.set_item("peer_transports", peers)?;
-        d.set_item("hosts", i.hosts.clone())?;
-        d.set_item("local_ranks", i.local_ranks)?;
-        d.set_item("cpu_sharing", &i.cpu_sharing)?;
-        d.set_item("spin_us", i.spin.as_secs_f64() * 1e6)?;
-        d.set_item("spin_yields", i.spin_yields)?;
-        d.set_item("timeout", i.timeout.as_secs_f64())?;
-        d.set_item("segment_bytes", i.segment_bytes)?;
-        d.set_item("data_path", i.data_path.to_string())?;
-        d.set_item("direct_region", i.direct_region.to_string())?;
-        d.set_item("rendezvous", &i.rendezvous)?;
-        d.set_item("auth", i.auth.to_string())?;
-        Ok(d)
+    /// Every fact the communicator knows about its paths, as a dict (the library's
+    /// `Communicator::describe_json`, the object C's `dspark_comm_describe` copies out):
+    /// the transport and why not a faster one (`transport`, `transport_reason`), each
+    /// connection's (`peer_transports`), hosts, whether this rank shares its CPUs with other
+    /// ranks (`cpu_sharing`, and the spin that follows from it: `spin_us`, `spin_yields`),
+    /// `timeout` (seconds), the cost model and where all_reduce switches algorithm
+    /// (`all_reduce_algorithms`), the path device memory (CUDA tensors) takes on every
+    /// connection and why (`device_path`, `device_paths`, `data_path`: the policy,
+    /// `gpu_direct`), GPUs where asynchronous device calls block the host
+    /// (`enqueue_blocks`), what init allocated for GPUDirect (`direct_region`), rendezvous,
+    /// and how the ranks authenticated each other (`auth`, in words: "job secret from the
+    /// spawner", "token file /path", "secret published in the store", "open: any host that
+    /// reaches port P can join", ...).
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let text = self.get()?.describe_json();
+        py.import("json")?.call_method1("loads", (text,))
     }
 
     /// Runs one collective on raw buffers and waits for it, without the GIL.

@@ -1,10 +1,11 @@
 //! What every C function does at the boundary ([`guard`]): the thread's last error, panics
 //! contained, the result code of an [`Error`]; and the log a C program gets
-//! ([`log_to_stderr`]).
+//! ([`log_to_stderr`]); and how a text goes out into a caller's buffer ([`copy_out`]).
 
 use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
 
 use super::dspark_result_t;
 use crate::error::Error;
@@ -104,4 +105,38 @@ pub(super) fn last_error() -> *const c_char {
 /// unseen. No panic may leave an `extern "C"` function: one here costs the log, not the call.
 pub(super) fn log_to_stderr() {
     let _ = catch_unwind(crate::internals::stderr_log::install);
+}
+
+/// Copies `text` and a NUL into `buf` and its length with the NUL into `*needed`; when `len`
+/// is too small, writes nothing to `buf` and says so (`what` names the text).
+///
+/// # Safety
+/// `needed` is NULL (refused) or valid for a write; `buf` is valid for writes of `len` bytes
+/// (or NULL).
+pub(super) unsafe fn copy_out(
+    text: &str,
+    what: &str,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+    rank: Option<usize>,
+    func: &str,
+) -> Result<(), Error> {
+    let need = text.len() + 1;
+    // SAFETY: NULL (refused) or valid for a write (contract).
+    unsafe { super::put(needed, need, "needed", rank, func) }?;
+    if len < need || buf.is_null() {
+        return Err(invalid(
+            rank,
+            func,
+            format!("{what} takes {need} bytes with its NUL; buf holds {len}"),
+        ));
+    }
+    // SAFETY: `buf` is valid for `len >= need` bytes (contract) and does not overlap `text`,
+    // which the caller owns.
+    unsafe {
+        ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+        buf.add(text.len()).write(0);
+    }
+    Ok(())
 }

@@ -40,7 +40,7 @@ use crate::types::{DataType, ReduceOp};
 use crate::Communicator;
 
 mod boundary;
-use boundary::{guard, invalid, log_to_stderr};
+use boundary::{copy_out, guard, invalid, log_to_stderr};
 
 /// A communicator: one rank's membership of a group of ranks.
 ///
@@ -1095,23 +1095,47 @@ pub unsafe extern "C" fn dspark_comm_flight_record(
             what: "the flight record".into(),
             reason: "the flight recorder is off (DSPARK_FR_ENTRIES=0)".into(),
         })?;
-        let json = rec.to_json();
-        let need = json.len() + 1;
-        // SAFETY: NULL (refused) or valid for a write (contract).
-        unsafe { put(needed, need, "needed", rank, F) }?;
-        if len < need || buf.is_null() {
-            return Err(invalid(
-                rank,
-                F,
-                format!("the record takes {need} bytes with its NUL; buf holds {len}"),
-            ));
-        }
-        // SAFETY: `buf` is valid for `len >= need` bytes (contract) and does not overlap
-        // `json`, which this function owns.
+        // SAFETY: the caller's contract is `copy_out`'s.
+        unsafe { copy_out(&rec.to_json(), "the record", buf, len, needed, rank, F) }
+    })
+}
+
+/// Copies `comm`'s description — every fact it knows about its paths, as one JSON object
+/// (format `"dspark-comm-info"`, version 1; the object Python's `Communicator.info()`
+/// returns) — into `buf` as a NUL-terminated string: the transport and why not a faster one
+/// (`transport`, `transport_reason`), every connection's (`peer_transports`), hosts, CPU
+/// sharing, `timeout` (seconds), the cost model and where all_reduce switches algorithm
+/// (`all_reduce_algorithms`), the path device memory takes on every connection and why
+/// (`device_path`, `device_paths`), GPUs where non-blocking device calls block
+/// (`enqueue_blocks`), the rendezvous and how the ranks authenticated each other (`auth`).
+/// `*needed` and `len` as for `dspark_comm_flight_record`: call once with `len` 0 to size
+/// the buffer. Never waits for an operation in progress.
+///
+/// # Safety
+/// `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for
+/// a write; `buf` is valid for writes of `len` bytes (or NULL with `len` 0).
+#[no_mangle]
+pub unsafe extern "C" fn dspark_comm_describe(
+    comm: *const dspark_comm_t,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> dspark_result_t {
+    const F: &str = "dspark_comm_describe";
+    guard(F, || {
+        // SAFETY: NULL or live (contract).
+        let c = unsafe { comm_ref(comm, F) }?;
+        // SAFETY: the caller's contract is `copy_out`'s.
         unsafe {
-            ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
-            buf.add(json.len()).write(0);
+            copy_out(
+                &c.describe_json(),
+                "the description",
+                buf,
+                len,
+                needed,
+                Some(c.rank()),
+                F,
+            )
         }
-        Ok(())
     })
 }

@@ -401,6 +401,19 @@ impl Communicator {
         self.gpu_state().blocking.get(&ordinal).cloned()
     }
 
+    /// Every GPU where non-blocking device calls block the host, with why
+    /// ([`Communicator::enqueue_blocks`]), by ordinal.
+    pub fn enqueue_blocking_gpus(&self) -> Vec<(usize, String)> {
+        let mut all: Vec<(usize, String)> = self
+            .gpu_state()
+            .blocking
+            .iter()
+            .map(|(g, why)| (*g, why.clone()))
+            .collect();
+        all.sort_unstable();
+        all
+    }
+
     /// A non-blocking device call on raw buffers (`(address, bytes)`), ordered on `stream`:
     /// see the module docs. `guards` are cudarc's records of the buffers' use on `stream`,
     /// dropped once `stream` waits for the call.

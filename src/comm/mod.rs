@@ -27,6 +27,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 mod any;
+mod describe;
 mod device;
 mod flight;
 mod raw;

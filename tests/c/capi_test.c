@@ -1036,6 +1036,47 @@ static void test_flight_record(dspark_comm_t *comm)
     free(buf);
 }
 
+/* The description: sized with len 0, then copied; its facts are those of this job (every rank
+ * on one host: shm unless DSPARK_TRANSPORT says otherwise; no GPU, so device memory is
+ * host-staged on every connection, with why; the deadline DSPARK_TIMEOUT=60). */
+static void test_describe(dspark_comm_t *comm)
+{
+    size_t need = 0, again = 0, peers = 0;
+    char *buf, want[128];
+    const char *p, *t = getenv("DSPARK_TRANSPORT");
+
+    if (!t || !*t || !strcmp(t, "auto")) t = "shm";
+    FAILS(dspark_comm_describe(comm, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "bytes",
+          "description into no buffer");
+    CHECK(need > 200, "description size %zu", need);
+    FAILS(dspark_comm_describe(comm, NULL, 0, NULL), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
+          "description size into NULL");
+    FAILS(dspark_comm_describe(NULL, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
+          "description of NULL");
+    buf = malloc(need);
+    CHECK(buf != NULL, "malloc");
+    if (!buf) return;
+    FAILS(dspark_comm_describe(comm, buf, need - 1, &again), DSPARK_ERR_INVALID_ARGUMENT,
+          "bytes", "description into a buffer one byte short");
+    if (OK(dspark_comm_describe(comm, buf, need, &again), "description")) {
+        CHECK(again == need && strlen(buf) + 1 == need, "description length %zu, needed %zu",
+              strlen(buf), again);
+        CHECK(strstr(buf, "{\"format\":\"dspark-comm-info\",\"version\":1,") == buf,
+              "description header: %.120s", buf);
+        snprintf(want, sizeof want, "\"rank\":%d,\"world_size\":%d,\"transport\":\"%s\",",
+                 g_rank, g_size, t);
+        CHECK(strstr(buf, want) != NULL, "description lacks %s: %.300s", want, buf);
+        snprintf(want, sizeof want, "\"device_path\":\"%s/staged\",", t);
+        CHECK(g_size == 1 || strstr(buf, want) != NULL, "description lacks %s", want);
+        CHECK(strstr(buf, "\"timeout\":60,") != NULL, "description's timeout");
+        for (p = buf; (p = strstr(p, "\"peer\":")) != NULL; p++) peers++;
+        CHECK(peers == (size_t)(g_size - 1), "%zu device paths for %d ranks", peers, g_size);
+        CHECK(strstr(buf, "\"memory\":\"staged\",\"reason\":\"") != NULL || g_size == 1,
+              "a device path with its reason");
+    }
+    free(buf);
+}
+
 int main(void)
 {
     dspark_comm_t *comm = NULL;
@@ -1065,6 +1106,7 @@ int main(void)
     ring(comm, 1);
     test_barrier(comm);
     test_flight_record(comm);
+    test_describe(comm);
     test_split(comm);
     test_errors(comm);
     OK(dspark_barrier(comm, NULL), "barrier before the abort tests");
