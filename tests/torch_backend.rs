@@ -402,6 +402,8 @@ fn collectives_in_an_exit_handler_after_dsparks_complete() {
 /// dspark's warnings reach a Python process's stderr (`warn_check.py`, 2 ranks: an all_reduce
 /// with `DSPARK_ALGO=pairwise`, which all_reduce does not implement), and `DSPARK_LOG=off`
 /// silences them. Before, a Python process had no subscriber: every degraded path went unseen.
+/// An init warning about the machine (a tune file that does not parse) comes once per process,
+/// not once per communicator (a torch group makes three).
 #[test]
 fn warnings_reach_stderr_in_python_and_dspark_log_filters_them() {
     let _g = serial();
@@ -428,6 +430,50 @@ fn warnings_reach_stderr_in_python_and_dspark_log_filters_them() {
             Some(_) => assert_eq!(warned, 0, "DSPARK_LOG=off:\n{}", r.report()),
         }
     }
+    // An init warning about the machine, once per process however many communicators it
+    // makes (four here: the package's and three torch groups), the repeats at debug level.
+    let dir = std::env::temp_dir().join(format!("dspark-warn-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let tune = dir.join("tune.json");
+    std::fs::write(&tune, "not a tune file\n").expect("tune file");
+    let warning = "the cost model uses its default constants";
+    // Per process: the package's communicator, and three per torch group (the group's and
+    // its two point-to-point ones): at least 3 repeats each at debug level.
+    for (log, repeats) in [(None, 0), (Some("debug"), 6)] {
+        let mut cmd = torchrun_standalone(&t, 2, "warn_check.py", "dspark");
+        cmd.env("DSPARK_TUNE_FILE", &tune);
+        match log {
+            Some(v) => cmd.env("DSPARK_LOG", v),
+            None => cmd.env_remove("DSPARK_LOG"),
+        };
+        let r = run(cmd, Duration::from_secs(120));
+        for rank in 0..2 {
+            assert_pass(
+                &r,
+                &format!("WARN_CHECK rank={rank} "),
+                "warn_check.py, groups",
+            );
+        }
+        let lines = |level: &str| {
+            r.out
+                .lines()
+                .filter(|l| l.contains(warning) && l.contains(level))
+                .count()
+        };
+        let (warned, debug) = (lines(" WARN "), lines(" DEBUG "));
+        assert!(
+            warned == 2
+                && if repeats == 0 {
+                    debug == 0
+                } else {
+                    debug >= repeats
+                },
+            "`{warning}` with DSPARK_LOG={log:?}: {warned} warnings (2 expected: one per \
+             process) and {debug} repeats at debug level:\n{}",
+            r.report()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Path truth from Python (`info_check.py`, 3 ranks on one host): `Communicator.info()` and

@@ -280,7 +280,7 @@ impl Communicator {
             st.warned = true;
             let plan = self.data_paths(BufferLocation::Device)?;
             for w in &plan.warnings {
-                tracing::warn!("{w}");
+                super::setup::once::warn_once!(key: w, "{w}");
             }
             if let Some(c) = plan.connections.first() {
                 tracing::info!(rank = self.rank(), "device memory path: {:#}", c.send);
@@ -471,7 +471,7 @@ impl Communicator {
                     "GPU {ordinal} cannot make a stream wait for the collective ({e}): \
                      non-blocking device collectives there run as blocking ones"
                 );
-                tracing::warn!(rank = self.rank(), "{why}");
+                super::setup::once::warn_once!(key: &why, rank = self.rank(), "{why}");
                 self.gpu_state().blocking.insert(ordinal, why);
                 drop(guards);
                 return Ok(self.device_bytes_now(call, stream, src, dst, timeout));

@@ -121,10 +121,11 @@ fn publish_ip(config: &Config, towards: Option<&str>) -> Result<IpAddr> {
             let why = towards.map_or("no address to route towards".to_string(), |a| {
                 format!("no IPv4 route towards {a}")
             });
-            tracing::warn!(
+            let what = format!(
                 "rank 0 publishes 127.0.0.1 for the rendezvous ({why}): only ranks on this \
                  host can join; set DSPARK_SOCKET_IFNAME to publish another interface's address"
             );
+            super::setup::once::warn_once!(key: &what, "{what}");
             IpAddr::V4(Ipv4Addr::LOCALHOST)
         }
     })

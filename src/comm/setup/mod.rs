@@ -48,6 +48,7 @@ use crate::transport::{Transport, TransportKind};
 pub(crate) mod crowd;
 mod negotiate;
 pub(crate) mod offer;
+pub(crate) mod once;
 mod probe;
 pub(crate) mod quota;
 mod region;
@@ -144,10 +145,11 @@ fn load_costs(cfg: &Config, medium: Medium) -> (Costs, String) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => return defaults,
         Err(e) => {
-            tracing::warn!(
+            let what = format!(
                 "tune file {}: cannot read it ({e}); the cost model uses its default constants",
                 path.display()
             );
+            once::warn_once!(key: &what, "{what}");
             return (
                 defaults.0,
                 format!("defaults: {} unreadable", path.display()),
@@ -167,11 +169,12 @@ fn load_costs(cfg: &Config, medium: Medium) -> (Costs, String) {
             ),
         },
         Err(e) => {
-            tracing::warn!(
+            let what = format!(
                 "tune file {}: {e}; the cost model uses its default constants (run `dspark \
                  tune` to rewrite it)",
                 path.display()
             );
+            once::warn_once!(key: &what, "{what}");
             (
                 defaults.0,
                 format!("defaults: {} is invalid", path.display()),
@@ -227,13 +230,19 @@ fn ensure_descriptors(rank: usize, world: usize) {
     if let Some(new) = raised_nofile(soft, hard, need) {
         match setrlimit(Resource::RLIMIT_NOFILE, new, hard) {
             Ok(()) => tracing::debug!(rank, soft, new, "raised the open-file limit"),
-            Err(e) => {
-                tracing::warn!(rank, soft, need, error = %e, "could not raise the open-file limit")
-            }
+            Err(e) => once::warn_once!(
+                key: &format!("open-file limit not raised: {e}"),
+                rank,
+                soft,
+                need,
+                error = %e,
+                "could not raise the open-file limit"
+            ),
         }
     }
     if hard < need {
-        tracing::warn!(
+        once::warn_once!(
+            key: &format!("open-file limit {hard} below a world's need"),
             rank,
             world,
             limit = hard,
@@ -298,7 +307,8 @@ impl Communicator {
             // A degraded count: whether ranks share CPUs (and so how they spin) rests on the
             // host's rank and core counts, which miss ranks pinned together. Or more ranks
             // than their cgroup's CPU quota allows: every wait that spins costs them all.
-            tracing::warn!(rank = config.rank, "CPU sharing: {}", crowd.describe());
+            let what = crowd.describe();
+            once::warn_once!(key: &what, rank = config.rank, "CPU sharing: {what}");
         }
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
         let Chosen {

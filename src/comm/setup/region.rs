@@ -86,7 +86,8 @@ fn gpu_region(config: &Config, opts: &VerbsOptions, nic: &str) -> Result<DirectR
         if config.data_path != PathPolicy::GpuDirect {
             return Err(why);
         }
-        tracing::warn!("DSPARK_DATA_PATH=gpu-direct: using GPUDirect although {why}");
+        let what = format!("DSPARK_DATA_PATH=gpu-direct: using GPUDirect although {why}");
+        super::once::warn_once!(key: &what, "{what}");
     }
     let ctx = crate::gpu::device::open_context(ordinal).map_err(|e| e.to_string())?;
     let layout = verbs::direct_layout(config.world_size, opts, DIRECT_SEND_SLOTS);

@@ -115,7 +115,8 @@ pub(crate) fn ranks_by_host(hosts: &[String]) -> String {
 /// would otherwise print it 128 times).
 fn shm_declined(first_on_host: bool, rank: usize, reason: &str, what: &str) {
     if first_on_host {
-        tracing::warn!(rank, reason = %reason, "{what}");
+        let key = format!("{what}: {reason}");
+        super::once::warn_once!(key: &key, rank, reason = %reason, "{what}");
     } else {
         tracing::debug!(rank, reason = %reason, "{what}");
     }

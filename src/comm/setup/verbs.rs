@@ -233,7 +233,12 @@ pub(crate) fn select(
                 .any(|o| o.mode == Some(TransportChoice::Tcp));
             if any_capable && !asked_tcp {
                 // Some ranks could do RDMA but not all: the job silently runs slower. Say so.
-                tracing::warn!(rank, reason = %why, "falling back to TCP on every rank: not every rank can use RDMA verbs");
+                super::once::warn_once!(
+                    key: &format!("verbs fallback: {why}"),
+                    rank,
+                    reason = %why,
+                    "falling back to TCP on every rank: not every rank can use RDMA verbs"
+                );
             } else {
                 tracing::info!(rank, reason = %why, "using TCP");
             }
