@@ -1118,6 +1118,73 @@ fn small_device_all_reduces_run_one_shot_with_a_host_rank_over_shared_memory() {
     }
 }
 
+/// `Communicator::all_to_all_v_device` (torch's all_to_all on CUDA tensors): uneven blocks,
+/// empty ones, and blocks of several segments (up to ~1.2 MiB of f32 between a pair), with the
+/// other rank on device or host memory (the same frames), three calls each; against the
+/// blocks computed here.
+#[test]
+fn device_all_to_all_v_delivers_uneven_blocks_with_a_device_or_host_peer() {
+    let name = "device_all_to_all_v_delivers_uneven_blocks_with_a_device_or_host_peer";
+    let Some((ctx, _r)) = reducer(name) else {
+        return;
+    };
+    let elem = |from: usize, to: usize, k: usize| ((from * 7 + to * 13 + k) % 1021) as f32;
+    for on_device in [[true, false], [true, true]] {
+        let results =
+            two_ranks_on_one_gpu(&ctx, std::time::Duration::from_secs(60), |comm, ctx| {
+                let (rank, n) = (comm.rank(), comm.world_size());
+                let stream = ctx.new_stream().map_err(|e| format!("stream: {e:?}"))?;
+                for scale in [0usize, 1, 300_001] {
+                    let count =
+                        |from: usize, to: usize| (from * 3 + to * 5 + scale) % 7 * (scale + 1) / 2;
+                    let sends: Vec<usize> = (0..n).map(|j| count(rank, j)).collect();
+                    let recvs: Vec<usize> = (0..n).map(|i| count(i, rank)).collect();
+                    let mine: Vec<f32> = (0..n)
+                        .flat_map(|j| (0..sends[j]).map(move |k| elem(rank, j, k)))
+                        .collect();
+                    let want: Vec<f32> = (0..n)
+                        .flat_map(|i| (0..recvs[i]).map(move |k| elem(i, rank, k)))
+                        .collect();
+                    let ctx_s = format!("rank {rank} scale {scale} device {}", on_device[rank]);
+                    let got = if on_device[rank] {
+                        let src = stream
+                            .clone_htod(&mine)
+                            .map_err(|e| format!("{ctx_s}: htod: {e:?}"))?;
+                        let mut dst = stream
+                            .clone_htod(&vec![-1.0f32; want.len()])
+                            .map_err(|e| format!("{ctx_s}: htod: {e:?}"))?;
+                        comm.all_to_all_v_device(&src, &sends, &mut dst, &recvs, &stream)
+                            .map_err(|e| format!("{ctx_s}: {e}"))?;
+                        stream
+                            .clone_dtoh(&dst)
+                            .map_err(|e| format!("{ctx_s}: dtoh: {e:?}"))?
+                    } else {
+                        let mut got = vec![-1.0f32; want.len()];
+                        comm.all_to_all_v(&mine, &sends, &mut got, &recvs)
+                            .map_err(|e| format!("{ctx_s}: {e}"))?;
+                        got
+                    };
+                    if got != want {
+                        let i = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+                        return Err(format!(
+                            "{ctx_s}: element {i} of {} is {:?}, expected {:?}",
+                            want.len(),
+                            got.get(i),
+                            want.get(i)
+                        ));
+                    }
+                }
+                Ok("3 calls exact".into())
+            });
+        for (rank, r) in results.iter().enumerate() {
+            match r {
+                Ok(s) => eprintln!("SUMMARY: all_to_all_v device {on_device:?} rank {rank}: {s}"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+}
+
 /// One all_reduce of `count` elements of `T` on this rank's device (`dev`) or host memory,
 /// checked against the sum, product, min, max or average of both ranks' inputs.
 fn small_case<T: Element + DeviceRepr + bytemuck::Pod + num_like::Small>(

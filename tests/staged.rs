@@ -302,6 +302,139 @@ fn all_types(comm: &Communicator, host_ranks: &[usize], slots: Mode) -> Result<(
     Ok(())
 }
 
+/// Element k of the block rank `from` sends rank `to` in an all_to_all_v: the independent
+/// reference both ends compute.
+fn v_elem<T: TestElem>(from: usize, to: usize, k: usize) -> T {
+    T::input(ReduceOp::Sum, 0xa2a0 ^ (from * 64 + to) as u64, from, k)
+}
+
+/// The elements rank `from` sends rank `to`: uneven, zero for some pairs, several segments
+/// (of 48 bytes) for others, and `scale` shifting them call to call.
+fn v_count(from: usize, to: usize, scale: usize) -> usize {
+    (from * 5 + to * 11 + scale) % 9 * (1 + (from + to) % 3) * (scale % 4 + 1)
+}
+
+/// all_to_all_v on the emulated device (`host_ranks` on host memory: the same frames), with
+/// uneven and empty blocks, against [`v_elem`]; several calls, so that the engine's kept
+/// programs are reused and replaced.
+fn device_all_to_all_v<T: TestElem>(
+    comm: &Communicator,
+    host_ranks: &[usize],
+    mode: Mode,
+    seed: u64,
+) -> Result<(), String> {
+    let (n, r) = (comm.world_size(), comm.rank());
+    for scale in [0usize, 1, 2, 3, 1, 7] {
+        let send_counts: Vec<usize> = (0..n).map(|j| v_count(r, j, scale)).collect();
+        let recv_counts: Vec<usize> = (0..n).map(|i| v_count(i, r, scale)).collect();
+        let send: Vec<T> = (0..n)
+            .flat_map(|j| (0..send_counts[j]).map(move |k| v_elem::<T>(r, j, k)))
+            .collect();
+        let want: Vec<T> = (0..n)
+            .flat_map(|i| (0..recv_counts[i]).map(move |k| v_elem::<T>(i, r, k)))
+            .collect();
+        let ctx = format!(
+            "all_to_all_v {} scale {scale} world {n} rank {r} {mode:?}",
+            T::DATA_TYPE
+        );
+        // Filled with other values, so that an element left unwritten shows.
+        let mut got: Vec<T> = (0..want.len())
+            .map(|k| T::input(ReduceOp::Sum, 0xdead, r, k))
+            .collect();
+        if host_ranks.contains(&r) {
+            comm.all_to_all_v(&send, &send_counts, &mut got, &recv_counts)
+                .map_err(|e| format!("{ctx}: {e}"))?;
+        } else {
+            let dst = bytes(&got);
+            let mut d = match mode {
+                Mode::Staged(s, rv) => {
+                    EmulatedDevice::new(bytes(&send), dst, s, rv, SEG, seed ^ r as u64)
+                }
+                Mode::Direct(s) => {
+                    let region = comm.direct_host_region().expect("a direct region");
+                    let layout = comm.direct_layout().expect("a direct layout");
+                    EmulatedDevice::direct(bytes(&send), dst, region, layout, s, seed ^ r as u64)
+                }
+            };
+            comm.run_staged_all_to_all_v(T::DATA_TYPE, &send_counts, &recv_counts, &mut d)
+                .map_err(|e| format!("{ctx}: {e}"))?;
+            got = typed(&d.dst);
+        }
+        common::check(&ctx, &got, &want)?;
+    }
+    Ok(())
+}
+
+fn all_to_all_v_types(comm: &Communicator, host_ranks: &[usize], mode: Mode) -> Result<(), String> {
+    device_all_to_all_v::<f32>(comm, host_ranks, mode, 3)?;
+    device_all_to_all_v::<u8>(comm, host_ranks, mode, 4)?;
+    device_all_to_all_v::<f64>(comm, host_ranks, mode, 5)?;
+    device_all_to_all_v::<bf16>(comm, host_ranks, mode, 6)
+}
+
+/// all_to_all_v on device memory (MoE's expert exchange on CUDA tensors), staged and direct,
+/// device ranks with host ranks, pools of one slot each way, worlds 1 to 4.
+#[test]
+fn staged_and_direct_all_to_all_v_match_the_reference_on_worlds_1_to_4() {
+    for world in 1..=4 {
+        let modes: [(&str, Vec<Result<(), String>>); 4] = [
+            (
+                "staged",
+                run_world(world, |c| all_to_all_v_types(c, &[], Mode::Staged(2, 2))),
+            ),
+            (
+                "one slot",
+                run_world(world, |c| all_to_all_v_types(c, &[], Mode::Staged(1, 1))),
+            ),
+            (
+                "with host rank 0",
+                run_world(world, |c| all_to_all_v_types(c, &[0], Mode::Staged(2, 1))),
+            ),
+            (
+                "direct",
+                run_direct(world, 2, |c| all_to_all_v_types(c, &[], Mode::Direct(2))),
+            ),
+        ];
+        for (what, outs) in modes {
+            for (r, res) in outs.into_iter().enumerate() {
+                res.unwrap_or_else(|e| panic!("{what}, world {world} rank {r}: {e}"));
+            }
+        }
+    }
+}
+
+/// A device rank whose counts disagree with its peer's gets a mismatch naming both sizes, as
+/// on host memory, never data at the wrong offsets or a hang.
+#[test]
+fn a_staged_all_to_all_v_whose_counts_disagree_fails_with_a_mismatch() {
+    let outs = run_world(2, |comm| {
+        let r = comm.rank();
+        // Rank 0 sends 5 elements to rank 1, which expects 4.
+        let (send, recv) = if r == 0 {
+            ([2, 5], [2, 3])
+        } else {
+            ([3, 2], [4, 2])
+        };
+        let total = |c: &[usize; 2]| c.iter().sum::<usize>() * 4;
+        let mut d = EmulatedDevice::new(
+            vec![0u8; total(&send)],
+            vec![0u8; total(&recv)],
+            2,
+            2,
+            SEG,
+            9,
+        );
+        comm.run_staged_all_to_all_v(dspark::DataType::F32, &send, &recv, &mut d)
+    });
+    let e = outs[1]
+        .as_ref()
+        .expect_err("rank 1 expected 4 elements and got 5");
+    assert!(
+        matches!(e, dspark::Error::Mismatch { .. }) && e.to_string().contains('5'),
+        "{e}"
+    );
+}
+
 #[test]
 fn staged_device_collectives_match_the_reference_on_worlds_1_to_4() {
     for world in 1..=4 {

@@ -95,7 +95,7 @@ def _check_device(t, what, cuda=False):
         f"dspark: {what} is on {t.device}; this dspark torch backend runs this operation "
         "on CPU tensors only" + ("" if t.device.type != "cuda" else
         " (CUDA tensors: all_reduce, broadcast, reduce, all_gather, reduce_scatter, "
-        "send/recv and the coalesced forms)") + ". Use "
+        "all_to_all, send/recv and the coalesced forms)") + ". Use "
         "init_process_group(backend=\"cpu:dspark,cuda:nccl\") to keep CUDA tensors on "
         "NCCL."
     )

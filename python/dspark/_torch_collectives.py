@@ -2,6 +2,8 @@
 collective methods checks its tensors and turns them into dspark calls, which
 :meth:`~dspark._torch_ops._Ops._go` runs."""
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -21,6 +23,23 @@ from ._torch_args import (
 )
 from ._torch_errors import _torch_error
 from ._torch_work import _async_work, _Done
+
+_SAID = set()
+
+
+def _blocking_cuda_all_to_all_said():
+    """A degraded path, said once per process: an asynchronous all_to_all on CUDA tensors
+    blocks the calling thread until the exchange completed (no stream-ordered form yet)."""
+    if "a2a" in _SAID:
+        return
+    _SAID.add("a2a")
+    warnings.warn(
+        "dspark: all_to_all on CUDA tensors runs to completion before it returns, also with "
+        "async_op=True (its Work is complete at once): the exchange does not overlap the "
+        "work queued after it on the host thread",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 class _Collectives:
@@ -232,8 +251,8 @@ class _Collectives:
             raise InvalidArgumentError(
                 f"dspark: all_to_all_single: input is {input.dtype} but output is {output.dtype}"
             )
-        _check_device(input, "all_to_all input")
-        _check_device(output, "all_to_all output")
+        _check_device(input, "all_to_all input", cuda=True)
+        _check_device(output, "all_to_all output", cuda=True)
         if not input.is_contiguous() or not output.is_contiguous():
             # torch's own check, the same for every backend.
             raise InvalidArgumentError("dspark: all_to_all_single: Tensors must be contiguous")
@@ -278,9 +297,10 @@ class _Collectives:
         if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
             raise InvalidArgumentError("dspark: all_to_all: tensors of different dtypes")
         for t in list(inputs) + list(outputs):
-            _check_device(t, "all_to_all tensor")
+            _check_device(t, "all_to_all tensor", cuda=True)
         flat_in = torch.cat([t.reshape(-1) for t in inputs])
-        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=dtype,
+                               device=inputs[0].device)
 
         def copy_out():
             off = 0
@@ -312,6 +332,10 @@ class _Collectives:
         async_op = getattr(opts, "asyncOp", True)
         timeout = _seconds(getattr(opts, "timeout", None))
         deadline = timeout or self._deadline
+        if flat_in.device.type == "cuda" or flat_out.device.type == "cuda":
+            return self._all_to_allv_cuda(src, dt, [c * mult for c in in_counts], dst,
+                                          [c * mult for c in out_counts], result, finishers,
+                                          async_op, timeout, deadline)
         # The storages too, as `_go` keeps them.
         held = (flat_in, flat_out, src, dst, src.untyped_storage(), dst.untyped_storage(),
                 *keep)
@@ -327,6 +351,31 @@ class _Collectives:
             return _Done(result)
         return _async_work(self._completer, [w], result, _chain(list(finishers)), deadline,
                            (id(self._comm),))
+
+    def _all_to_allv_cuda(self, src, dt, in_counts, dst, out_counts, result, finishers,
+                          async_op, timeout, deadline):
+        """all_to_all on CUDA tensors: dspark's device all_to_all_v (GPUDirect or
+        host-staged, as the other device collectives), ordered on torch's current stream of
+        the tensors' GPU. It runs to completion before returning, asynchronous calls too
+        (their Work is complete at once): said once per process."""
+        if src.device != dst.device:
+            raise InvalidArgumentError(
+                f"dspark: all_to_all: input on {src.device}, output on {dst.device}: one "
+                "operation's tensors must all be on one CUDA device"
+            )
+        dev = src.device
+        if async_op:
+            _blocking_cuda_all_to_all_said()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        try:
+            self._comm._all_to_all_v_device(dt, src.data_ptr(), in_counts, dst.data_ptr(),
+                                            out_counts, dev.index, stream, timeout)
+        except _dspark.Error as e:
+            raise _torch_error(e, deadline) from None
+        # Copies into the outputs (all_to_all's list form): queued on the same stream.
+        for f in finishers:
+            f()
+        return _Done(result)
 
     # -- gather / scatter --------------------------------------------------------------
     def gather(self, output_lists, inputs, opts=None):

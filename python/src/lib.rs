@@ -832,6 +832,62 @@ impl PyComm {
         .map(Some)
     }
 
+    /// all_to_all_v on CUDA memory: the tensors' data pointers on GPU `device`, ordered on the
+    /// CUDA stream whose handle is `stream` (torch's current stream there). Runs to completion
+    /// on this thread without the GIL (GPU buffers go through the device path, GPUDirect or
+    /// host-staged: `info()["device_path"]`).
+    #[pyo3(signature = (dtype, send, send_counts, recv, recv_counts, device, stream, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _all_to_all_v_device(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        send: u64,
+        send_counts: Vec<usize>,
+        recv: u64,
+        recv_counts: Vec<usize>,
+        device: usize,
+        stream: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let dt = parse_dtype(dtype)?;
+        let timeout = secs(timeout)?;
+        let c = self.get()?;
+        let bytes = |counts: &[usize]| {
+            counts
+                .iter()
+                .try_fold(0usize, |a, &k| a.checked_add(k))
+                .and_then(|n| n.checked_mul(dt.size()))
+                .ok_or_else(|| {
+                    py_err(dspark::Error::invalid(
+                        Some(c.rank()),
+                        "all_to_all_v",
+                        "the counts overflow",
+                    ))
+                })
+        };
+        let (sent, received) = (bytes(&send_counts)?, bytes(&recv_counts)?);
+        py.detach(move || {
+            // SAFETY: the Python caller (dspark/_torch_collectives.py) passes the data
+            // pointers of live contiguous CUDA tensors of `device` holding the counts' sums
+            // of elements, which it references until this call returns, and the handle of
+            // torch's current stream of that device, which torch never destroys.
+            unsafe {
+                c.run_raw_all_to_all_v_device_on(
+                    dt,
+                    (send, sent),
+                    &send_counts,
+                    (recv, received),
+                    &recv_counts,
+                    device,
+                    stream,
+                    timeout,
+                )
+            }
+        })
+        .map_err(py_err)
+    }
+
     /// Splits into sub-communicators, as `ncclCommSplit`: ranks with the same `colour` form
     /// one, ordered by `key` then by rank; `None` or a negative colour opts out (returns
     /// `None`). Collective over this communicator.

@@ -54,6 +54,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 
 use crate::comm::work::{Task, Work};
 use crate::comm::{Api, Communicator, Target};
+use crate::engine::staged::StagedDevice;
 use crate::engine::{Call, Engine};
 use crate::error::{Error, Result};
 use crate::gpu::device::{driver_err, GpuReducer};
@@ -144,11 +145,18 @@ impl Drop for Hold {
     }
 }
 
-/// Runs `call` on `eng` with the prepared device: `Err` is a failure before the engine
-/// started (the caller fails the call for every rank), `Ok` the engine's result.
+/// The counts of an all_to_all_v (sent to each rank, received from each rank), for a device
+/// call that is one.
+type VCounts<'a> = Option<(&'a [usize], &'a [usize])>;
+
+/// Runs `call` (an all_to_all_v with counts `v`) on `eng` with the prepared device: `Err` is
+/// a failure before the engine started (the caller fails the call for every rank), `Ok` the
+/// engine's result.
+#[allow(clippy::too_many_arguments)]
 fn run_prepared<T, S, D>(
     eng: &mut Engine,
     call: &Call,
+    v: VCounts<'_>,
     reducer: &GpuReducer,
     via: &Via,
     stream: &Arc<CudaStream>,
@@ -162,6 +170,10 @@ where
 {
     let span = tracing::trace_span!("staged", coll = call.coll.name(), count = call.count);
     let _g = span.enter();
+    let run = |eng: &mut Engine, dev: &mut dyn StagedDevice| match v {
+        None => eng.run_staged(call, dev),
+        Some((sent, received)) => eng.run_staged_all_to_all_v(call.dtype, sent, received, dev),
+    };
     match via {
         Via::Direct(g) => {
             #[allow(unsafe_code)]
@@ -170,7 +182,7 @@ where
             let mut dev = unsafe {
                 CudaDirectDevice::new::<T, S, D>(reducer, stream, src, dst, g, DIRECT_SEND_SLOTS)?
             };
-            Ok(eng.run_staged(call, &mut dev))
+            Ok(run(eng, &mut dev))
         }
         Via::Staged(pool) => {
             let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
@@ -178,7 +190,7 @@ where
             // SAFETY: as above: a local, dropped when this function returns.
             let mut dev =
                 unsafe { CudaStagedDevice::new::<T, S, D>(reducer, stream, src, dst, &mut pool)? };
-            Ok(eng.run_staged(call, &mut dev))
+            Ok(run(eng, &mut dev))
         }
     }
 }
@@ -346,6 +358,7 @@ impl Communicator {
     fn device_call<T, S, D>(
         &self,
         call: Call,
+        v: VCounts<'_>,
         stream: &Arc<CudaStream>,
         src: Option<&S>,
         dst: Option<&mut D>,
@@ -355,9 +368,12 @@ impl Communicator {
         S: DevicePtr<T>,
         D: DevicePtrMut<T>,
     {
-        // A poisoned communicator is reported by the engine for a call that runs.
-        if let Some(res) = self.empty_call(&call, None) {
-            return res;
+        // A poisoned communicator is reported by the engine for a call that runs. (An
+        // all_to_all_v that sends nothing may still receive.)
+        if v.is_none() {
+            if let Some(res) = self.empty_call(&call, None) {
+                return res;
+            }
         }
         let call = Call {
             dtype: T::DATA_TYPE,
@@ -371,7 +387,7 @@ impl Communicator {
         let prepared = self.prepare(stream);
         self.shared.exclusive(None, |eng| {
             let r = prepared.and_then(|(reducer, via)| {
-                run_prepared::<T, S, D>(eng, &call, &reducer, &via, stream, src, dst)
+                run_prepared::<T, S, D>(eng, &call, v, &reducer, &via, stream, src, dst)
             });
             match r {
                 Ok(r) => r,
@@ -495,6 +511,7 @@ impl Communicator {
                     run_prepared::<u8, _, _>(
                         eng,
                         &call,
+                        None,
                         &reducer,
                         &via,
                         &own,
@@ -553,6 +570,7 @@ impl Communicator {
                 run_prepared::<u8, _, _>(
                     eng,
                     &call,
+                    None,
                     &reducer,
                     &via,
                     stream,
@@ -677,6 +695,113 @@ impl Communicator {
         self.blocking().all_to_all(send, recv, stream)?.wait()
     }
 
+    /// [`Communicator::all_to_all_v`] on device memory, ordered on `stream`: `send_counts[j]`
+    /// elements of `send` (blocks in rank order) to rank j, `recv_counts[i]` elements from rank
+    /// i into `recv` — an expert-parallel exchange on GPU buffers. Blocking: it returns once
+    /// the exchange is complete (through the same path as the other device collectives,
+    /// GPUDirect or host-staged). The same frames as the host call, so host and device ranks
+    /// can be mixed.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the counts are not one per rank, do not add up to the buffers'
+    /// lengths or disagree on this rank's own block; a mismatch where a peer's counts disagree
+    /// with this rank's; otherwise as [`Communicator::all_reduce_device`].
+    pub fn all_to_all_v_device<T: Element + DeviceRepr>(
+        &self,
+        send: &CudaSlice<T>,
+        send_counts: &[usize],
+        recv: &mut CudaSlice<T>,
+        recv_counts: &[usize],
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let (sent, _) = crate::engine::v_check(
+            (self.rank(), self.world_size()),
+            T::DATA_TYPE,
+            (send_counts, recv_counts),
+            Some((send.num_bytes(), recv.num_bytes())),
+        )?;
+        let call = Call::new(Collective::AllToAll, None, sent, 0, false);
+        self.device_call::<T, _, _>(
+            call,
+            Some((send_counts, recv_counts)),
+            stream,
+            Some(send),
+            Some(recv),
+        )
+    }
+
+    /// [`Communicator::all_to_all_v_device`] on raw device buffers (`(address, bytes)`) of GPU
+    /// `device`'s primary context, ordered on the CUDA stream whose handle is `stream` (0:
+    /// the legacy default stream) — as torch gives them. Runs on the caller's thread, after
+    /// every operation issued before it, and returns once complete; `timeout` replaces the
+    /// communicator's deadline for this call.
+    ///
+    /// # Safety
+    /// Until this returns: `src` and `dst` are device memory of that context valid for the
+    /// bytes given (reads of `src`, reads and writes of `dst`), no other work writes `src` or
+    /// accesses `dst`, and `stream` is 0 or a live stream of that context.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the buffers overlap; otherwise as
+    /// [`Communicator::all_to_all_v_device`].
+    #[allow(unsafe_code, clippy::too_many_arguments)]
+    pub unsafe fn run_raw_all_to_all_v_device_on(
+        &self,
+        dtype: crate::types::DataType,
+        src: (u64, usize),
+        send_counts: &[usize],
+        dst: (u64, usize),
+        recv_counts: &[usize],
+        device: usize,
+        stream: usize,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<()> {
+        let (sent, _) = crate::engine::v_check(
+            (self.rank(), self.world_size()),
+            dtype,
+            (send_counts, recv_counts),
+            Some((src.1, dst.1)),
+        )?;
+        let (s, d) = (src.0 as u128, dst.0 as u128);
+        if src.1 > 0 && dst.1 > 0 && s < d + dst.1 as u128 && d < s + src.1 as u128 {
+            return Err(Error::invalid(
+                Some(self.rank()),
+                "all_to_all_v",
+                "the send and receive buffers overlap",
+            ));
+        }
+        let call = Call {
+            dtype,
+            ..Call::new(Collective::AllToAll, None, sent, 0, false)
+        };
+        let ctx = crate::gpu::device::open_context(device)?;
+        // SAFETY: the caller's contract: a live stream of this context (or 0), alive until
+        // this returns.
+        let stream = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
+        let src = Raw::<u8>::new(src.0, src.1, &stream);
+        let mut dst = Raw::<u8>::new(dst.0, dst.1, &stream);
+        let prepared = self.prepare(&stream);
+        let v = Some((send_counts, recv_counts));
+        self.shared.exclusive(timeout, |eng| {
+            let r = prepared.and_then(|(reducer, via)| {
+                run_prepared::<u8, _, _>(
+                    eng,
+                    &call,
+                    v,
+                    &reducer,
+                    &via,
+                    &stream,
+                    Some(&src),
+                    Some(&mut dst),
+                )
+            });
+            match r {
+                Ok(r) => r,
+                Err(e) => Err(eng.fail_before_start(&call, e)),
+            }
+        })
+    }
+
     /// [`Communicator::broadcast`] on device memory, ordered on `stream`.
     ///
     /// # Errors
@@ -767,7 +892,7 @@ impl Enqueue<'_> {
     {
         let c = self.comm;
         if self.blocking {
-            let r = c.device_call::<T, S, D>(call, stream, src, dst);
+            let r = c.device_call::<T, S, D>(call, None, stream, src, dst);
             return Ok(c.shared.finished(r, call.coll.name()));
         }
         let call = Call {

@@ -543,6 +543,25 @@ impl Communicator {
         self.exec_staged(call, dev)
     }
 
+    /// [`Communicator::all_to_all_v`] on device buffers through the staged engine (`dev`'s
+    /// `Src` the blocks sent, its `Dst` those received), as [`Communicator::run_staged`]:
+    /// a test hook, with the `testing` feature.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all_v`].
+    #[cfg(feature = "testing")]
+    pub fn run_staged_all_to_all_v(
+        &self,
+        dtype: crate::types::DataType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        dev: &mut dyn crate::engine::staged::StagedDevice,
+    ) -> Result<()> {
+        self.shared.exclusive(None, |eng| {
+            eng.run_staged_all_to_all_v(dtype, send_counts, recv_counts, dev)
+        })
+    }
+
     /// Runs a call on device buffers through the staged engine: the body of `run_staged`
     /// (feature `testing`; the device collectives run `Engine::run_staged` inside their own
     /// queued or exclusive operation).

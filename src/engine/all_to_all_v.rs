@@ -140,6 +140,61 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// [`Engine::run_all_to_all_v`] on device buffers through `dev` (the host-staged path, or
+    /// GPUDirect where `dev` is direct): `dev`'s `Src` holds the blocks sent, its `Dst` those
+    /// received. The same frames as the host call, so host and device ranks can be mixed.
+    ///
+    /// # Errors
+    /// As [`Engine::run_all_to_all_v`]; a device that cannot run the call fails it for every
+    /// rank, as in [`Engine::run_staged`].
+    pub fn run_staged_all_to_all_v(
+        &mut self,
+        dtype: DataType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        dev: &mut dyn super::staged::StagedDevice,
+    ) -> Result<()> {
+        self.ready()?;
+        let esz = dtype.size();
+        let (me, n) = (self.rank, self.world);
+        let counts = (send_counts, recv_counts);
+        let lens = dev.buffer_bytes();
+        let totals = v_check((me, n), dtype, counts, Some((lens.0, lens.1)))?;
+        let call = Call {
+            dtype,
+            ..Call::new(Collective::AllToAll, None, totals.0, 0, false)
+        };
+        let direct = match self.check_device(dev) {
+            Ok(d) => d,
+            Err(e) => return Err(self.fail_before_start(&call, e)),
+        };
+        let frame = Framed {
+            recorded: RECORDED_COUNT,
+            algo: Algorithm::Pairwise,
+            path: if direct.is_some() {
+                flight::FlightPath::GpuDirect
+            } else {
+                flight::FlightPath::HostStaged
+            },
+            count: COUNT_PER_PEER,
+        };
+        self.framed(&call, frame, |eng, desc| {
+            let built = eng.v_program(send_counts, recv_counts, esz)?;
+            let prog = &built.prog;
+            if prog.steps.is_empty() {
+                return Ok(());
+            }
+            let descs = Descs {
+                send: desc,
+                recv: desc,
+                per_peer: Some((send_counts, recv_counts)),
+            };
+            eng.execute_staged(prog, &descs, ReduceOp::Sum, dev, direct)
+        })
+    }
+}
+
 /// An all_to_all_v's program for one set of counts: kept ([`V_SLOTS`]) for the next call with
 /// the same counts and segment, as a training loop's fixed-capacity expert exchange makes.
 #[derive(Debug)]

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::drive::{byte_range, internal};
-use super::frame::{Acc, Desc, Sink};
+use super::frame::{Acc, Descs, Sink};
 use super::pace::Pacer;
 use super::scratch::Scratch;
 use super::trace::Lane;
@@ -250,13 +250,18 @@ impl Engine {
         };
         self.guarded(call, lens, path, |eng, prog, desc| {
             let full = call.op.unwrap_or(ReduceOp::Sum);
-            eng.execute_staged(&prog, &desc, full, dev, direct)
+            let descs = Descs {
+                send: &desc,
+                recv: &desc,
+                per_peer: None,
+            };
+            eng.execute_staged(&prog, &descs, full, dev, direct)
         })
     }
 
     /// Whether `dev` can run a call: slots that hold a segment, and for a direct device, the
     /// transport's direct region (its layout is returned).
-    fn check_device(&self, dev: &dyn StagedDevice) -> Result<Option<DirectLayout>> {
+    pub(super) fn check_device(&self, dev: &dyn StagedDevice) -> Result<Option<DirectLayout>> {
         if dev.send_slots() == 0
             || (dev.recv_slots() == 0 && !dev.direct())
             || dev.slot_bytes() < self.opts.segment_bytes
@@ -303,10 +308,12 @@ impl Engine {
         Ok(l)
     }
 
-    fn execute_staged(
+    /// Runs `prog` on `dev`'s buffers; `descs` gives the frames' descriptors (per peer for an
+    /// all_to_all_v, [`Engine::run_staged_all_to_all_v`]).
+    pub(super) fn execute_staged(
         &mut self,
         prog: &Program,
-        desc: &Desc,
+        descs: &Descs<'_>,
         full_op: ReduceOp,
         dev: &mut dyn StagedDevice,
         direct: Option<DirectLayout>,
@@ -320,7 +327,7 @@ impl Engine {
                 eng.world,
             );
             let res = eng.drive_staged(
-                prog, desc, full_op, dev, direct, start, deadline, s, &mut st,
+                prog, descs, full_op, dev, direct, start, deadline, s, &mut st,
             );
             s.staged = st;
             res
@@ -333,7 +340,7 @@ impl Engine {
     fn drive_staged(
         &mut self,
         prog: &Program,
-        desc: &Desc,
+        descs: &Descs<'_>,
         full_op: ReduceOp,
         dev: &mut dyn StagedDevice,
         direct: Option<DirectLayout>,
@@ -342,6 +349,7 @@ impl Engine {
         s: &mut Scratch,
         st: &mut StagedScratch,
     ) -> Result<()> {
+        let desc = descs.send;
         let esz = desc.dtype.size();
         let op = full_op.step_op();
         let StagedScratch {
@@ -484,7 +492,7 @@ impl Engine {
                         send_state[iu] = SendState::Ready { slot };
                         *staging = staging.saturating_sub(1);
                     }
-                    let hdr = desc.header(len);
+                    let hdr = descs.header_to(p, len);
                     if tracing && s.send_started[p].is_none() {
                         s.send_started[p] = Some(Instant::now());
                     }
@@ -538,10 +546,11 @@ impl Engine {
                     if direct.is_some() {
                         let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
                         let landed = {
+                            let from = descs.recv_from(p);
                             let mut sink = Sink {
                                 rank: self.rank,
                                 peer: p,
-                                desc,
+                                desc: &from,
                                 len,
                                 dst: &mut [],
                                 acc: Acc::None,
@@ -587,6 +596,7 @@ impl Engine {
                     }
                     let before = (s.recv_prog[p].header.is_some(), s.recv_prog[p].got);
                     let fin = {
+                        let from = descs.recv_from(p);
                         let mut empty: [u8; 0] = [];
                         let buf: &mut [u8] = match recv_slot[p] {
                             Some(slot) => dev.slot_mut(slot).get_mut(..len).ok_or_else(|| {
@@ -597,7 +607,7 @@ impl Engine {
                         let mut sink = Sink {
                             rank: self.rank,
                             peer: p,
-                            desc,
+                            desc: &from,
                             len,
                             dst: buf,
                             acc: Acc::None,

@@ -33,9 +33,12 @@
 #   7b. small all_reduces (one-shot through shared-memory slots) between a device rank and a
 #      host rank, each way and both on the device, 2 ranks (threads) on one GPU over shm:
 #      f32 at 1..1025 elements around the 4096-byte bound, i64 and f64, every operator, exact
+#   7c. Communicator::all_to_all_v_device, 2 ranks (threads) on one GPU over TCP, the peer on
+#      device or host memory: uneven, empty and multi-segment blocks, exact
 #   8. the torch backend on CUDA tensors (tests/torch/cuda_check.py): every reduction op x 8
 #      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
-#      all_gather_into_tensor, reduce_scatter_tensor, send/recv, coalesced, a non-contiguous
+#      all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (uneven and equal
+#      splits) and all_to_all, send/recv, coalesced, a non-contiguous
 #      output, and 10 DDP steps on CUDA against DDP over gloo on CPU; skipped without torch+CUDA
 #      (through both routes into torch: the ProcessGroup of backend="dspark" and, forced with
 #      DSPARK_TORCH_ROUTE=backend, the c10d Backend of a group shared with another backend)
@@ -260,6 +263,7 @@ run() {
     step "staged allreduce 2 ranks TCP" 120 "$BIN/gpu_device" staged_all_reduce --nocapture
     step "enqueued (stream-ordered) device calls" 90 "$BIN/gpu_device" enqueued_device --nocapture
     step "one-shot device+host ranks shm" 60 "$BIN/gpu_device" small_device_all_reduces --nocapture
+    step "device all_to_all_v (uneven blocks)" 60 "$BIN/gpu_device" device_all_to_all_v --nocapture
     # A step runs a program under `timeout`, so the torch check (a function here) runs as
     # this script again with --torch-check.
     step "torch backend on CUDA tensors" 240 bash "$ROOT/tests/gpu/run_all.sh" --torch-check

@@ -12,6 +12,8 @@ Every rank uses GPU (local rank mod the number of GPUs), so 2 ranks on one GPU w
   bfloat16, int8, uint8, int32 and int64, at 1, 7 and 1000003 elements: synchronous calls, whose
   result is read by work queued afterwards on torch's current stream (no wait in between), and
   async_op=True calls waited through their Work;
+- all_to_all_single with uneven and equal splits and all_to_all (list form) on float32,
+  bfloat16, int64 and uint8, synchronous and async_op=True, against the blocks computed here;
 - a non-contiguous output (copied back on the same stream);
 - ten DDP steps of a small model on CUDA with different initialisations per rank: the
   parameters agree with the same DDP run over gloo on CPU (float32, within 1e-4 relative).
@@ -135,6 +137,32 @@ def main():
                 for r in reqs:
                     r.wait()
                 check(f"send/recv {dtype} n={count}", got, make((rank - 1) % n, count, dtype), True)
+
+    # all_to_all on CUDA tensors (MoE's expert exchange): uneven splits (rank q sends rank j
+    # (q + 2j) % 4 rows of 3 elements, none for some pairs), equal splits, the list form, and
+    # async_op=True (complete once it returns); against the blocks computed here.
+    def block(q, j, rows, dtype):
+        return (torch.arange(rows * 3, dtype=torch.int64) * 5 + q * 11 + j * 3).remainder(
+            101).to(dtype).reshape(rows, 3)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        for split in ("uneven", "equal"):
+            rows = [((rank + 2 * j) % 4 if split == "uneven" else 2) for j in range(n)]
+            rows_in = [((q + 2 * rank) % 4 if split == "uneven" else 2) for q in range(n)]
+            inp = torch.cat([block(rank, j, rows[j], dtype) for j in range(n)]).to(dev)
+            out = torch.full((sum(rows_in), 3), 77, dtype=dtype, device=dev)
+            for async_op in (False, True):
+                w = dist.all_to_all_single(out, inp, rows_in if split == "uneven" else None,
+                                           rows if split == "uneven" else None,
+                                           async_op=async_op)
+                if async_op:
+                    w.wait()
+                check(f"all_to_all_single {split} {dtype} async={async_op}", out.clone(),
+                      torch.cat([block(q, rank, rows_in[q], dtype) for q in range(n)]), True)
+        outs = [torch.empty(((q + 2 * rank) % 4, 3), dtype=dtype, device=dev) for q in range(n)]
+        dist.all_to_all(outs, [block(rank, j, (rank + 2 * j) % 4, dtype).to(dev) for j in range(n)])
+        check(f"all_to_all (list) {dtype}", torch.cat(outs),
+              torch.cat([block(q, rank, (q + 2 * rank) % 4, dtype) for q in range(n)]), True)
 
     # A non-contiguous output: every other column of a matrix.
     m = torch.zeros(5, 8, device=dev)
