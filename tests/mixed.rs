@@ -289,6 +289,13 @@ fn run_scenario(s: &str) -> Result<i32, String> {
             let layout = std::env::var("WANT_LAYOUT").unwrap_or_default();
             let layout: Vec<&str> = layout.split(',').collect();
             expect_description(&comm, &layout, &want, &want_algo)?;
+            // Where a rank asked for TCP, the reason says so (host peers could have shared
+            // memory).
+            let reason = std::env::var("WANT_REASON").unwrap_or_default();
+            let got = comm.info().transport_reason.clone().unwrap_or_default();
+            if !got.contains(&reason) {
+                return Err(format!("transport_reason {got:?} lacks {reason:?}"));
+            }
             let mut v = vec![r as f64 + 1.0; 33];
             comm.all_reduce(&mut v, ReduceOp::Sum)
                 .map_err(|e| e.to_string())?;
@@ -526,6 +533,7 @@ fn two_host_ids_with_two_ranks_each_choose_shm_within_and_tcp_between_unless_tcp
                     ("WANT_TRANSPORT", "tcp"),
                     ("DSPARK_TRANSPORT", t),
                     ("WANT_LAYOUT", "host0,host0,host1,host1"),
+                    ("WANT_REASON", "DSPARK_TRANSPORT=tcp on rank 3"),
                 ],
             )
         },

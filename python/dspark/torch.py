@@ -136,10 +136,12 @@ def info(group=None):
     g = dist.group.WORLD if group is None else group
     if g is None:
         raise ValueError("dspark.torch.info: no default process group (init_process_group first)")
+    if g is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("dspark.torch.info: this rank is not a member of the group")
     for device in ("cpu", "cuda"):
         try:
             backend = g._get_backend(torch.device(device))
-        except Exception:  # noqa: BLE001 - torch raises RuntimeError for a device it lacks
+        except (RuntimeError, ValueError, KeyError):  # no backend for that device
             continue
         if hasattr(backend, "dspark_info"):
             return backend.dspark_info()

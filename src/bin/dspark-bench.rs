@@ -272,13 +272,6 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    if args.collective == Coll::AllToAllV && (args.mem != Mem::Host || args.compare_paths) {
-        eprintln!(
-            "dspark-bench: all_to_all_v runs on host memory only (--mem host, and no \
-             --compare-paths: it has no device form)"
-        );
-        return ExitCode::from(2);
-    }
     if args.skew != 0.0 && args.collective != Coll::AllToAllV {
         eprintln!("dspark-bench: --skew is all_to_all_v's (blocks of a size per pair)");
         return ExitCode::from(2);

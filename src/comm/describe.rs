@@ -23,6 +23,17 @@ pub(crate) const DESCRIBE_VERSION: u32 = 1;
 /// The all_reduce sizes the `all_reduce_algorithms` member walks: 4 B to 1 GiB, doubling.
 const CHOICE_SIZES: std::ops::RangeInclusive<u32> = 2..=30;
 
+/// A JSON number that reads back as a float (`60.0`, not `60`; `1.8446744073709552e19` for
+/// the longest deadline): Python's `info()` has always given floats here. Never NaN or
+/// infinite (durations are neither).
+fn json_f64(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:?}")
+    } else {
+        "null".to_string()
+    }
+}
+
 fn opt_str(s: Option<&str>) -> String {
     s.map_or_else(|| "null".to_string(), json_str)
 }
@@ -66,7 +77,7 @@ impl Communicator {
     /// `device_path_error` (why the policy cannot be honoured, or null), `enqueue_blocks`
     /// (`[{"gpu": 0, "reason": "..."}]`: GPUs where non-blocking device calls run as blocking
     /// ones), `direct_region`; `rendezvous` and `auth` (how the ranks met and authenticated
-    /// each other, in words).
+    /// each other, in words). Numbers of seconds and microseconds are written as floats.
     ///
     /// Never waits for an operation in progress. Its cost grows with the world (a member per
     /// peer): for a debugging session or a log line, not for every call.
@@ -94,9 +105,9 @@ impl Communicator {
             i.connected_at_init
                 .map_or_else(|| "null".to_string(), |n| n.to_string()),
             json_str(&i.cpu_sharing),
-            i.spin.as_secs_f64() * 1e6,
+            json_f64(i.spin.as_secs_f64() * 1e6),
             i.spin_yields,
-            i.timeout.as_secs_f64(),
+            json_f64(i.timeout.as_secs_f64()),
             i.segment_bytes,
             json_str(&i.cost_model),
         );
@@ -168,5 +179,21 @@ impl Communicator {
             json_str(&i.auth.to_string()),
         );
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json_f64;
+
+    #[test]
+    fn seconds_read_back_as_floats_and_the_longest_deadline_as_json() {
+        assert_eq!(json_f64(60.0), "60.0");
+        assert_eq!(json_f64(0.5), "0.5");
+        let max = std::time::Duration::MAX.as_secs_f64();
+        let text = json_f64(max);
+        assert_eq!(text.parse::<f64>().ok(), Some(max), "{text}");
+        assert!(text.contains('e') || text.contains('.'), "{text}");
+        assert_eq!(json_f64(f64::NAN), "null");
     }
 }

@@ -1068,7 +1068,7 @@ static void test_describe(dspark_comm_t *comm)
         CHECK(strstr(buf, want) != NULL, "description lacks %s: %.300s", want, buf);
         snprintf(want, sizeof want, "\"device_path\":\"%s/staged\",", t);
         CHECK(g_size == 1 || strstr(buf, want) != NULL, "description lacks %s", want);
-        CHECK(strstr(buf, "\"timeout\":60,") != NULL, "description's timeout");
+        CHECK(strstr(buf, "\"timeout\":60.0,") != NULL, "description's timeout");
         for (p = buf; (p = strstr(p, "\"peer\":")) != NULL; p++) peers++;
         CHECK(peers == (size_t)(g_size - 1), "%zu device paths for %d ranks", peers, g_size);
         CHECK(strstr(buf, "\"memory\":\"staged\",\"reason\":\"") != NULL || g_size == 1,

@@ -91,7 +91,9 @@ comm = dspark.Communicator.from_env()
 del os.environ["DSPARK_TIMEOUT"]
 info = comm.info()
 check_info(info, RANK, N, "Communicator.info()")
-check(info["timeout"] == 42.0, f"timeout {info['timeout']}, expected 42.0 (DSPARK_TIMEOUT)")
+check(info["timeout"] == 42.0 and isinstance(info["timeout"], float)
+      and isinstance(info["spin_us"], float),
+      f"timeout {info['timeout']!r}, expected 42.0 (DSPARK_TIMEOUT), and floats")
 comm.close()
 
 dist.init_process_group("dspark", timeout=datetime.timedelta(seconds=50))
@@ -102,6 +104,12 @@ check(world_info["timeout"] == 50.0, f"torch group timeout {world_info['timeout'
 pair = dist.new_group([0, 1], backend="dspark")
 if RANK in (0, 1):
     check_info(dspark.torch.info(pair), RANK, 2, "dspark.torch.info(new_group([0, 1]))")
+else:
+    try:
+        dspark.torch.info(pair)
+        check(False, "dspark.torch.info(a group without this rank) did not raise")
+    except ValueError as e:
+        check("not a member" in str(e), f"dspark.torch.info(a group without this rank): {e}")
 try:
     dspark.torch.info(gloo)
     check(False, "dspark.torch.info(gloo group) did not raise")

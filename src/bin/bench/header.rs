@@ -247,7 +247,7 @@ pub(crate) fn header(
         info.transport, info.transport_detail
     );
     if let Some(why) = &info.transport_reason {
-        println!("#   (not RDMA: {why})");
+        println!("#   (not a faster transport: {why})");
     }
     for (i, l) in pv.lines.iter().enumerate() {
         println!(

@@ -96,8 +96,8 @@ fn staged_call<T: BenchElem>(
         Coll::ReduceScatter => Call::new(coll, op, recv, 0, false),
         Coll::AllGather => Call::new(coll, op, send, 0, false),
         Coll::AllToAll => Call::new(coll, op, send / n, 0, false),
-        // Refused at start: all_to_all_v runs on host memory only.
-        Coll::AllToAllV => return None,
+        // Its counts go with it (`Runner::Emulated`); the call is what it is counted as.
+        Coll::AllToAllV => Call::new(coll, None, send, 0, false),
         Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
             Call::new(coll, None, send, r + 1, true)
         }
@@ -144,14 +144,19 @@ impl Gpu {
     }
 }
 
-/// One size's buffers wherever `--mem` puts them, and how to run the call on them.
+/// all_to_all_v's counts: sent to each rank, received from each rank.
+type Counts = (Vec<usize>, Vec<usize>);
+
+/// One size's buffers wherever `--mem` puts them, and how to run the call on them (with
+/// all_to_all_v's counts where it is the collective).
 pub(crate) enum Runner<T: BenchElem> {
     Host(Bufs<T>),
-    Emulated(Option<Call>, EmulatedDevice),
+    Emulated(Option<Call>, EmulatedDevice, Option<Counts>),
     Device {
         stream: Arc<CudaStream>,
         send: Option<CudaSlice<T>>,
         recv: Option<CudaSlice<T>>,
+        counts: Option<Counts>,
     },
 }
 
@@ -180,7 +185,7 @@ impl<T: BenchElem> Runner<T> {
                     seg,
                     comm.rank() as u64 + 1,
                 );
-                Ok(Runner::Emulated(call, dev))
+                Ok(Runner::Emulated(call, dev, b.counts))
             }
             (_, Some(g)) => {
                 let up = |v: &Vec<T>| -> Result<Option<CudaSlice<T>>, String> {
@@ -197,6 +202,7 @@ impl<T: BenchElem> Runner<T> {
                     stream: g.stream.clone(),
                     send: up(&b.send)?,
                     recv: up(&b.recv)?,
+                    counts: b.counts,
                 })
             }
             (_, None) => Err("device memory requested but no GPU was opened".into()),
@@ -206,11 +212,16 @@ impl<T: BenchElem> Runner<T> {
     pub(crate) fn run(&mut self, args: &Args, comm: &Communicator) -> dspark::Result<()> {
         match self {
             Runner::Host(b) => run_host(args, comm, b),
-            Runner::Emulated(call, dev) => match call {
-                Some(c) => run_emulated(comm, *c, dev),
+            Runner::Emulated(call, dev, counts) => match call {
+                Some(c) => run_emulated(comm, *c, dev, counts.as_ref()),
                 None => Ok(()),
             },
-            Runner::Device { stream, send, recv } => run_device(args, comm, stream, send, recv),
+            Runner::Device {
+                stream,
+                send,
+                recv,
+                counts,
+            } => run_device(args, comm, stream, (send, recv), counts.as_ref()),
         }
     }
 
@@ -218,7 +229,7 @@ impl<T: BenchElem> Runner<T> {
     pub(crate) fn output(&mut self) -> Result<Vec<T>, String> {
         match self {
             Runner::Host(b) => Ok(b.recv.clone()),
-            Runner::Emulated(_, dev) => Ok(dev
+            Runner::Emulated(_, dev, _) => Ok(dev
                 .dst
                 .chunks_exact(size_of::<T>())
                 .map(bytemuck::pod_read_unaligned)
@@ -233,14 +244,28 @@ impl<T: BenchElem> Runner<T> {
     }
 }
 
-/// One call on the emulated device (`--mem emulated`, refused at start without `testing`).
+/// One call on the emulated device (`--mem emulated`, refused at start without `testing`):
+/// an all_to_all_v where it has `counts`.
 #[cfg(feature = "testing")]
-fn run_emulated(comm: &Communicator, call: Call, dev: &mut EmulatedDevice) -> dspark::Result<()> {
-    comm.run_staged(call, dev)
+fn run_emulated(
+    comm: &Communicator,
+    call: Call,
+    dev: &mut EmulatedDevice,
+    counts: Option<&Counts>,
+) -> dspark::Result<()> {
+    match counts {
+        Some((sc, rc)) => comm.run_staged_all_to_all_v(call.dtype, sc, rc, dev),
+        None => comm.run_staged(call, dev),
+    }
 }
 
 #[cfg(not(feature = "testing"))]
-fn run_emulated(_: &Communicator, _: Call, _: &mut EmulatedDevice) -> dspark::Result<()> {
+fn run_emulated(
+    _: &Communicator,
+    _: Call,
+    _: &mut EmulatedDevice,
+    _: Option<&Counts>,
+) -> dspark::Result<()> {
     Err(dspark::Error::unavailable(
         "dspark-bench --mem emulated",
         "this dspark-bench was built without the `testing` feature",
@@ -257,8 +282,8 @@ fn run_device<T: BenchElem>(
     args: &Args,
     comm: &Communicator,
     stream: &Arc<CudaStream>,
-    send: &mut Option<CudaSlice<T>>,
-    recv: &mut Option<CudaSlice<T>>,
+    (send, recv): (&mut Option<CudaSlice<T>>, &mut Option<CudaSlice<T>>),
+    counts: Option<&Counts>,
 ) -> dspark::Result<()> {
     let n = comm.world_size();
     let r = comm.rank();
@@ -287,11 +312,16 @@ fn run_device<T: BenchElem>(
             recv.as_mut().ok_or_else(missing)?,
             stream,
         ),
-        Coll::AllToAllV => Err(dspark::Error::invalid(
-            Some(r),
-            "all_to_all_v",
-            "runs on host memory only (refused at start)",
-        )),
+        Coll::AllToAllV => {
+            let (sc, rc) = counts.ok_or_else(no_counts)?;
+            comm.all_to_all_v_device(
+                send.as_ref().ok_or_else(missing)?,
+                sc,
+                recv.as_mut().ok_or_else(missing)?,
+                rc,
+                stream,
+            )
+        }
         Coll::SendRecv if r.is_multiple_of(2) && r + 1 < n => {
             comm.send_device(send.as_ref().ok_or_else(missing)?, r + 1, stream)
         }

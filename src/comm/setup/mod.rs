@@ -231,7 +231,7 @@ fn ensure_descriptors(rank: usize, world: usize) {
         match setrlimit(Resource::RLIMIT_NOFILE, new, hard) {
             Ok(()) => tracing::debug!(rank, soft, new, "raised the open-file limit"),
             Err(e) => once::warn_once!(
-                key: &format!("open-file limit not raised: {e}"),
+                key: &format!("open-file limit not raised to {need}: {e}"),
                 rank,
                 soft,
                 need,
@@ -242,7 +242,7 @@ fn ensure_descriptors(rank: usize, world: usize) {
     }
     if hard < need {
         once::warn_once!(
-            key: &format!("open-file limit {hard} below a world's need"),
+            key: &format!("open-file limit {hard} below {need}"),
             rank,
             world,
             limit = hard,

@@ -110,6 +110,36 @@ pub(crate) fn ranks_by_host(hosts: &[String]) -> String {
         .join("; ")
 }
 
+/// The transports other than shm that ranks asked for (`DSPARK_TRANSPORT`), and which ranks:
+/// `DSPARK_TRANSPORT=tcp on ranks 0-2,5; DSPARK_TRANSPORT=verbs on rank 4`; `None` where
+/// nobody did.
+fn asked_for(offers: &[ShmOffer]) -> Option<String> {
+    let mut asked: Vec<(TransportChoice, Vec<usize>)> = Vec::new();
+    for (r, o) in offers.iter().enumerate() {
+        let Some(m @ (TransportChoice::Tcp | TransportChoice::Verbs)) = o.mode else {
+            continue;
+        };
+        match asked.iter_mut().find(|(k, _)| *k == m) {
+            Some((_, rs)) => rs.push(r),
+            None => asked.push((m, vec![r])),
+        }
+    }
+    if asked.is_empty() {
+        return None;
+    }
+    let parts: Vec<String> = asked
+        .iter()
+        .map(|(m, rs)| {
+            let word = if rs.len() == 1 { "rank" } else { "ranks" };
+            format!(
+                "DSPARK_TRANSPORT={m} on {word} {}",
+                super::crowd::format_list(rs)
+            )
+        })
+        .collect();
+    Some(parts.join("; "))
+}
+
 /// Why the ranks of a host do not share memory: a warning from the host's first rank, the
 /// others' at debug level (every rank's `CommInfo` carries the reason; 128 ranks on a host
 /// would otherwise print it 128 times).
@@ -212,32 +242,9 @@ impl OneHost {
         if !self.one_host() {
             return None;
         }
-        let mut asked: Vec<(TransportChoice, Vec<usize>)> = Vec::new();
-        for (r, o) in offers.iter().enumerate() {
-            let Some(m @ (TransportChoice::Tcp | TransportChoice::Verbs)) = o.mode else {
-                continue;
-            };
-            match asked.iter_mut().find(|(k, _)| *k == m) {
-                Some((_, rs)) => rs.push(r),
-                None => asked.push((m, vec![r])),
-            }
-        }
-        if asked.is_empty() {
-            return None;
-        }
-        let parts: Vec<String> = asked
-            .iter()
-            .map(|(m, rs)| {
-                let word = if rs.len() == 1 { "rank" } else { "ranks" };
-                format!(
-                    "DSPARK_TRANSPORT={m} on {word} {}",
-                    super::crowd::format_list(rs)
-                )
-            })
-            .collect();
+        let asked = asked_for(offers)?;
         Some(format!(
-            "shm not used although every rank is on one host: {}",
-            parts.join("; ")
+            "shm not used although every rank is on one host: {asked}"
         ))
     }
 
@@ -565,6 +572,17 @@ pub(crate) fn select_within_hosts(
                 let first = c.members(rank).first() == Some(&rank);
                 shm_declined(first, rank, w, "not using shared memory within this host");
             }
+            // Not a candidate because a rank asked for a transport: no warning, but the
+            // reason where this rank has host peers it could have shared memory with.
+            let why = why.or_else(|| {
+                let asked = asked_for(&n.offers)?;
+                (c.members(rank).len() > 1).then(|| {
+                    format!(
+                        "shm not used among the ranks of host {}: {asked}",
+                        c.hosts[rank]
+                    )
+                })
+            });
             Ok(WithinHostsSelected {
                 shm: None,
                 intra,
