@@ -373,11 +373,12 @@ fn all_to_all_v_types(comm: &Communicator, host_ranks: &[usize], mode: Mode) -> 
 }
 
 /// all_to_all_v on device memory (MoE's expert exchange on CUDA tensors), staged and direct,
-/// device ranks with host ranks, pools of one slot each way, worlds 1 to 4.
+/// device ranks with host ranks (staged: the same frames; a host rank facing a direct one is
+/// a mismatch by design), pools of one slot each way, worlds 1 to 4.
 #[test]
 fn staged_and_direct_all_to_all_v_match_the_reference_on_worlds_1_to_4() {
     for world in 1..=4 {
-        let modes: [(&str, Vec<Result<(), String>>); 4] = [
+        let modes: [(&str, Vec<Result<(), String>>); 5] = [
             (
                 "staged",
                 run_world(world, |c| all_to_all_v_types(c, &[], Mode::Staged(2, 2))),
@@ -393,6 +394,10 @@ fn staged_and_direct_all_to_all_v_match_the_reference_on_worlds_1_to_4() {
             (
                 "direct",
                 run_direct(world, 2, |c| all_to_all_v_types(c, &[], Mode::Direct(2))),
+            ),
+            (
+                "direct, one send slot and one landing slot",
+                run_direct(world, 1, |c| all_to_all_v_types(c, &[], Mode::Direct(1))),
             ),
         ];
         for (what, outs) in modes {
@@ -429,9 +434,12 @@ fn a_staged_all_to_all_v_whose_counts_disagree_fails_with_a_mismatch() {
     let e = outs[1]
         .as_ref()
         .expect_err("rank 1 expected 4 elements and got 5");
+    let text = e.to_string();
     assert!(
-        matches!(e, dspark::Error::Mismatch { .. }) && e.to_string().contains('5'),
-        "{e}"
+        matches!(e, dspark::Error::Mismatch { .. })
+            && text.contains("5 for this pair")
+            && text.contains("4 for this pair"),
+        "{text}"
     );
 }
 

@@ -87,8 +87,8 @@ def _flat(t):
 
 
 def _check_device(t, what, cuda=False):
-    """CPU tensors everywhere; CUDA tensors where the operation goes through `_go` (the
-    device path, ordered on torch's current stream)."""
+    """CPU tensors everywhere; CUDA tensors where the operation has a device path (`_go`'s,
+    ordered on torch's current stream, and all_to_all's)."""
     if t.device.type == "cpu" or (cuda and t.device.type == "cuda"):
         return
     raise UnavailableError(

@@ -38,7 +38,7 @@ def _blocking_cuda_all_to_all_said():
         "async_op=True (its Work is complete at once): the exchange does not overlap the "
         "work queued after it on the host thread",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -298,6 +298,12 @@ class _Collectives:
             raise InvalidArgumentError("dspark: all_to_all: tensors of different dtypes")
         for t in list(inputs) + list(outputs):
             _check_device(t, "all_to_all tensor", cuda=True)
+        devices = {t.device for t in list(inputs) + list(outputs)}
+        if len(devices) != 1:
+            raise InvalidArgumentError(
+                "dspark: all_to_all: one operation's tensors must all be on one device, not "
+                + ", ".join(sorted(str(d) for d in devices))
+            )
         flat_in = torch.cat([t.reshape(-1) for t in inputs])
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=dtype,
                                device=inputs[0].device)
@@ -364,6 +370,13 @@ class _Collectives:
                 "operation's tensors must all be on one CUDA device"
             )
         dev = src.device
+        # In place (all_to_all_single(t, t)), as on CPU: the blocks sent are a copy, taken on
+        # the stream first.
+        s0, d0 = src.data_ptr(), dst.data_ptr()
+        s_len = src.numel() * src.element_size()
+        d_len = dst.numel() * dst.element_size()
+        if s_len and d_len and s0 < d0 + d_len and d0 < s0 + s_len:
+            src = src.clone()
         if async_op:
             _blocking_cuda_all_to_all_said()
         stream = torch.cuda.current_stream(dev).cuda_stream

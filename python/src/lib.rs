@@ -861,7 +861,7 @@ impl PyComm {
                 .ok_or_else(|| {
                     py_err(dspark::Error::invalid(
                         Some(c.rank()),
-                        "all_to_all_v",
+                        "all_to_all",
                         "the counts overflow",
                     ))
                 })

@@ -129,6 +129,14 @@ impl Drop for Hold {
         if keep.context().has_async_alloc() {
             return;
         }
+        let ordinal = keep.context().ordinal();
+        let what = format!(
+            "GPU {ordinal} has no stream-ordered memory pools: the temporary copy a \
+             non-blocking device call runs on (in-place or overlapping buffers) is \
+             allocated synchronously and freed on a thread of its own, each synchronising \
+             with the caller's stream"
+        );
+        super::setup::once::warn_once!(key: &what, "{what}");
         let bytes = keep.len();
         // A refused spawn drops the closure here: `ManuallyDrop` then leaks the copy rather
         // than synchronise on this thread.
@@ -766,7 +774,7 @@ impl Communicator {
         if src.1 > 0 && dst.1 > 0 && s < d + dst.1 as u128 && d < s + src.1 as u128 {
             return Err(Error::invalid(
                 Some(self.rank()),
-                "all_to_all_v",
+                Collective::AllToAll.name(),
                 "the send and receive buffers overlap",
             ));
         }
