@@ -26,20 +26,26 @@ fn bench(args: &[&str]) -> (Option<i32>, String) {
 
 /// Three ranks (blocks of an odd world), skews that leave some blocks empty (1) and cut
 /// the rest unevenly (0.37), sizes from below the world's element count to several 64 KiB
-/// segments' worth, int32 (exact) and half: every row checked.
+/// segments' worth, int32 (exact) and half: every row checked. Also through the staged
+/// device pipeline (`--mem emulated`: host memory driven as device memory, copies completing
+/// late), every row on the staged path: the device all_to_all_v as a user runs it.
 #[test]
-fn all_to_all_v_with_skewed_blocks_checks_out_over_shm_and_tcp() {
-    for (transport, skew, dtype, api) in [
-        ("shm", "1", "int32", "blocking"),
-        ("shm", "0.37", "half", "nonblocking"),
-        ("tcp", "0.37", "int32", "blocking"),
-        ("tcp", "1", "float", "nonblocking"),
+fn all_to_all_v_with_skewed_blocks_checks_out_over_shm_and_tcp_and_the_emulated_device() {
+    for (transport, skew, dtype, api, mem) in [
+        ("shm", "1", "int32", "blocking", "host"),
+        ("shm", "0.37", "half", "nonblocking", "host"),
+        ("tcp", "0.37", "int32", "blocking", "host"),
+        ("tcp", "1", "float", "nonblocking", "host"),
+        ("shm", "0.37", "float", "blocking", "emulated"),
+        ("tcp", "1", "int32", "blocking", "emulated"),
     ] {
-        let what = format!("{transport} skew {skew} {dtype} {api}");
+        let what = format!("{transport} skew {skew} {dtype} {api} {mem}");
         let (code, text) = bench(&[
             "all_to_all_v",
             "--ranks",
             "3",
+            "--mem",
+            mem,
             "--transport",
             transport,
             "--skew",
@@ -70,50 +76,14 @@ fn all_to_all_v_with_skewed_blocks_checks_out_over_shm_and_tcp() {
             text.contains("Out of bounds values : 0 OK"),
             "{what}: results not checked OK:\n{text}"
         );
-        // 8 B … 512 KiB by 8: seven rows, each showing the collective's algorithm.
+        // 8 B … 512 KiB by 8: seven rows, each showing the collective's algorithm (and on
+        // the emulated device, the staged path).
+        let path = if mem == "emulated" { " staged" } else { "" };
         let rows = text
             .lines()
-            .filter(|l| !l.starts_with('#') && l.contains(" pairwise "))
+            .filter(|l| !l.starts_with('#') && l.contains(" pairwise ") && l.ends_with(path))
             .count();
         assert_eq!(rows, 7, "{what}: rows:\n{text}");
-    }
-}
-
-/// all_to_all_v through the staged device pipeline (`--mem emulated`: host memory driven as
-/// device memory, copies completing late), three ranks, blocks skewed and some empty, every
-/// row checked: the device all_to_all_v's engine path as a user runs it.
-#[test]
-fn all_to_all_v_on_the_emulated_device_checks_out() {
-    for skew in ["0.37", "1"] {
-        let (code, text) = bench(&[
-            "all_to_all_v",
-            "--ranks",
-            "3",
-            "--mem",
-            "emulated",
-            "--skew",
-            skew,
-            "-b",
-            "8",
-            "-e",
-            "512K",
-            "-f",
-            "8",
-            "-n",
-            "5",
-            "-w",
-            "2",
-        ]);
-        assert_eq!(code, Some(0), "skew {skew}:\n{text}");
-        assert!(
-            text.contains("Out of bounds values : 0 OK"),
-            "skew {skew}: results not checked OK:\n{text}"
-        );
-        let rows = text
-            .lines()
-            .filter(|l| !l.starts_with('#') && l.contains(" pairwise ") && l.ends_with(" staged"))
-            .count();
-        assert_eq!(rows, 7, "skew {skew}: rows on the staged path:\n{text}");
     }
 }
 

@@ -105,42 +105,22 @@ impl Engine {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<()> {
-        self.ready()?;
-        let esz = dtype.size();
-        let (me, n) = (self.rank, self.world);
-        let counts = (send_counts, recv_counts);
-        let totals = v_check((me, n), dtype, counts, Some((src.len(), dst.len())))?;
-        let call = Call {
+        let lens = (src.len(), dst.len());
+        let host = |_: &mut Self, _: &Call| Ok((flight::FlightPath::Host, ()));
+        self.run_v(
             dtype,
-            ..Call::new(Collective::AllToAll, None, totals.0, 0, false)
-        };
-        let frame = Framed {
-            recorded: RECORDED_COUNT,
-            algo: Algorithm::Pairwise,
-            path: flight::FlightPath::Host,
-            count: COUNT_PER_PEER,
-        };
-        self.framed(&call, frame, |eng, desc| {
-            // Inside the call, as `guarded` fetches its program: the trace's span covers it.
-            let built = eng.v_program(send_counts, recv_counts, esz)?;
-            let prog = &built.prog;
-            if prog.steps.is_empty() {
-                return Ok(());
-            }
-            eng.with_scratch(prog, |eng, s, start, deadline| {
-                let descs = Descs {
-                    send: desc,
-                    recv: desc,
-                    per_peer: Some((send_counts, recv_counts)),
-                };
-                let sum = ReduceOp::Sum;
-                eng.drive(prog, descs, sum, sum, src, dst, esz, start, deadline, s)
-            })
-        })
+            (send_counts, recv_counts),
+            lens,
+            host,
+            |eng, prog, descs, ()| {
+                eng.with_scratch(prog, |eng, s, start, deadline| {
+                    let (sum, esz) = (ReduceOp::Sum, dtype.size());
+                    eng.drive(prog, descs, sum, sum, src, dst, esz, start, deadline, s)
+                })
+            },
+        )
     }
-}
 
-impl Engine {
     /// [`Engine::run_all_to_all_v`] on device buffers through `dev` (the host-staged path, or
     /// GPUDirect where `dev` is direct): `dev`'s `Src` holds the blocks sent, its `Dst` those
     /// received. The same frames as the host call, so host and device ranks can be mixed.
@@ -155,32 +135,52 @@ impl Engine {
         recv_counts: &[usize],
         dev: &mut dyn super::staged::StagedDevice,
     ) -> Result<()> {
-        self.ready()?;
-        let esz = dtype.size();
-        let (me, n) = (self.rank, self.world);
-        let counts = (send_counts, recv_counts);
         let lens = dev.buffer_bytes();
-        let totals = v_check((me, n), dtype, counts, Some((lens.0, lens.1)))?;
+        // The device is judged once the counts are (an argument error poisons nothing).
+        let device = |eng: &mut Self, call: &Call| match eng.check_device(dev) {
+            Ok(Some(l)) => Ok((flight::FlightPath::GpuDirect, (dev, Some(l)))),
+            Ok(None) => Ok((flight::FlightPath::HostStaged, (dev, None))),
+            Err(e) => Err(eng.fail_before_start(call, e)),
+        };
+        self.run_v(
+            dtype,
+            (send_counts, recv_counts),
+            lens,
+            device,
+            |eng, prog, descs, (dev, direct)| {
+                eng.execute_staged(prog, &descs, ReduceOp::Sum, dev, direct)
+            },
+        )
+    }
+
+    /// What both all_to_all_v's share: the checks (before the call takes its sequence
+    /// number), the call with every frame's count per peer, the kept program and the per-peer
+    /// descriptors. `prepare` runs between the checks and the sequence number and says the
+    /// path the flight recorder keeps; `run` drives the program.
+    fn run_v<'c, P>(
+        &mut self,
+        dtype: DataType,
+        counts: (&'c [usize], &'c [usize]),
+        lens: (usize, usize),
+        prepare: impl FnOnce(&mut Self, &Call) -> Result<(flight::FlightPath, P)>,
+        run: impl FnOnce(&mut Self, &Program, Descs<'_>, P) -> Result<()>,
+    ) -> Result<()> {
+        self.ready()?;
+        let totals = v_check((self.rank, self.world), dtype, counts, Some(lens))?;
         let call = Call {
             dtype,
             ..Call::new(Collective::AllToAll, None, totals.0, 0, false)
         };
-        let direct = match self.check_device(dev) {
-            Ok(d) => d,
-            Err(e) => return Err(self.fail_before_start(&call, e)),
-        };
+        let (path, prepared) = prepare(self, &call)?;
         let frame = Framed {
             recorded: RECORDED_COUNT,
             algo: Algorithm::Pairwise,
-            path: if direct.is_some() {
-                flight::FlightPath::GpuDirect
-            } else {
-                flight::FlightPath::HostStaged
-            },
+            path,
             count: COUNT_PER_PEER,
         };
         self.framed(&call, frame, |eng, desc| {
-            let built = eng.v_program(send_counts, recv_counts, esz)?;
+            // Inside the call, as `guarded` fetches its program: the trace's span covers it.
+            let built = eng.v_program(counts.0, counts.1, dtype.size())?;
             let prog = &built.prog;
             if prog.steps.is_empty() {
                 return Ok(());
@@ -188,9 +188,9 @@ impl Engine {
             let descs = Descs {
                 send: desc,
                 recv: desc,
-                per_peer: Some((send_counts, recv_counts)),
+                per_peer: Some(counts),
             };
-            eng.execute_staged(prog, &descs, ReduceOp::Sum, dev, direct)
+            run(eng, prog, descs, prepared)
         })
     }
 }

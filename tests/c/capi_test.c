@@ -1008,72 +1008,72 @@ static void test_abort(dspark_comm_t *comm)
     OK(dspark_comm_destroy(ab), "destroying an aborted communicator");
 }
 
-/* The flight record: sized with len 0, then copied; the last calls are in it. */
-static void test_flight_record(dspark_comm_t *comm)
+/* A text copied out as dspark_comm_flight_record and dspark_comm_describe do: sized with
+ * len 0 (refused, *needed set to at least `least`), a NULL needed or comm refused, a buffer
+ * one byte short refused where the text cannot grow (`slack` 0), then copied with `slack`
+ * bytes of room more: the NUL-terminated text (malloc'd; NULL after a failure). */
+typedef dspark_result_t (*copy_out_fn)(const dspark_comm_t *, char *, size_t, size_t *);
+static char *copied_out(dspark_comm_t *comm, copy_out_fn f, const char *what, size_t least,
+                        size_t slack)
 {
     size_t need = 0, again = 0;
     char *buf;
-    FAILS(dspark_comm_flight_record(comm, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "bytes",
-          "flight record into no buffer");
-    CHECK(need > 100, "flight record size %zu", need);
-    FAILS(dspark_comm_flight_record(comm, NULL, 0, NULL), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
-          "flight record size into NULL");
-    FAILS(dspark_comm_flight_record(NULL, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
-          "flight record of NULL");
-    need += 4096; /* room for the record to grow between the calls */
-    buf = malloc(need);
+    FAILS(f(comm, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "bytes", what);
+    CHECK(need > least, "%s: size %zu", what, need);
+    FAILS(f(comm, NULL, 0, NULL), DSPARK_ERR_INVALID_ARGUMENT, "NULL", what);
+    FAILS(f(NULL, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "NULL", what);
+    buf = malloc(need + slack);
     CHECK(buf != NULL, "malloc");
-    if (!buf) return;
-    if (OK(dspark_comm_flight_record(comm, buf, need, &again), "flight record")) {
-        CHECK(again <= need && strlen(buf) + 1 == again, "flight record length %zu, needed %zu",
-              strlen(buf), again);
-        CHECK(strstr(buf, "\"format\":\"dspark-flight-record\",\"version\":1") != NULL,
-              "flight record header: %.120s", buf);
-        CHECK(strstr(buf, "\"collective\":\"barrier\"") != NULL &&
-                  strstr(buf, "\"state\":\"completed\"") != NULL,
-              "the barriers just run are in the flight record");
+    if (!buf) return NULL;
+    if (slack == 0)
+        FAILS(f(comm, buf, need - 1, &again), DSPARK_ERR_INVALID_ARGUMENT, "bytes", what);
+    if (!OK(f(comm, buf, need + slack, &again), what)) {
+        free(buf);
+        return NULL;
     }
+    CHECK(again <= need + slack && strlen(buf) + 1 == again && (slack > 0 || again == need),
+          "%s: length %zu, needed %zu", what, strlen(buf), again);
+    return buf;
+}
+
+/* The flight record: the last calls are in it (4096 bytes of room for it to grow between
+ * the calls). */
+static void test_flight_record(dspark_comm_t *comm)
+{
+    char *buf = copied_out(comm, dspark_comm_flight_record, "flight record", 100, 4096);
+    if (!buf) return;
+    CHECK(strstr(buf, "\"format\":\"dspark-flight-record\",\"version\":1") != NULL,
+          "flight record header: %.120s", buf);
+    CHECK(strstr(buf, "\"collective\":\"barrier\"") != NULL &&
+              strstr(buf, "\"state\":\"completed\"") != NULL,
+          "the barriers just run are in the flight record");
     free(buf);
 }
 
-/* The description: sized with len 0, then copied; its facts are those of this job (every rank
- * on one host: shm unless DSPARK_TRANSPORT says otherwise; no GPU, so device memory is
- * host-staged on every connection, with why; the deadline DSPARK_TIMEOUT=60). */
+/* The description: its facts are those of this job (every rank on one host: shm unless
+ * DSPARK_TRANSPORT says otherwise; no GPU, so device memory is host-staged on every
+ * connection, with why; the deadline DSPARK_TIMEOUT=60). */
 static void test_describe(dspark_comm_t *comm)
 {
-    size_t need = 0, again = 0, peers = 0;
-    char *buf, want[128];
+    size_t peers = 0;
+    char want[128];
     const char *p, *t = getenv("DSPARK_TRANSPORT");
+    char *buf = copied_out(comm, dspark_comm_describe, "description", 200, 0);
 
-    if (!t || !*t || !strcmp(t, "auto")) t = "shm";
-    FAILS(dspark_comm_describe(comm, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "bytes",
-          "description into no buffer");
-    CHECK(need > 200, "description size %zu", need);
-    FAILS(dspark_comm_describe(comm, NULL, 0, NULL), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
-          "description size into NULL");
-    FAILS(dspark_comm_describe(NULL, NULL, 0, &need), DSPARK_ERR_INVALID_ARGUMENT, "NULL",
-          "description of NULL");
-    buf = malloc(need);
-    CHECK(buf != NULL, "malloc");
     if (!buf) return;
-    FAILS(dspark_comm_describe(comm, buf, need - 1, &again), DSPARK_ERR_INVALID_ARGUMENT,
-          "bytes", "description into a buffer one byte short");
-    if (OK(dspark_comm_describe(comm, buf, need, &again), "description")) {
-        CHECK(again == need && strlen(buf) + 1 == need, "description length %zu, needed %zu",
-              strlen(buf), again);
-        CHECK(strstr(buf, "{\"format\":\"dspark-comm-info\",\"version\":1,") == buf,
-              "description header: %.120s", buf);
-        snprintf(want, sizeof want, "\"rank\":%d,\"world_size\":%d,\"transport\":\"%s\",",
-                 g_rank, g_size, t);
-        CHECK(strstr(buf, want) != NULL, "description lacks %s: %.300s", want, buf);
-        snprintf(want, sizeof want, "\"device_path\":\"%s/staged\",", t);
-        CHECK(g_size == 1 || strstr(buf, want) != NULL, "description lacks %s", want);
-        CHECK(strstr(buf, "\"timeout\":60.0,") != NULL, "description's timeout");
-        for (p = buf; (p = strstr(p, "\"peer\":")) != NULL; p++) peers++;
-        CHECK(peers == (size_t)(g_size - 1), "%zu device paths for %d ranks", peers, g_size);
-        CHECK(strstr(buf, "\"memory\":\"staged\",\"reason\":\"") != NULL || g_size == 1,
-              "a device path with its reason");
-    }
+    if (!t || !*t || !strcmp(t, "auto")) t = "shm";
+    CHECK(strstr(buf, "{\"format\":\"dspark-comm-info\",\"version\":1,") == buf,
+          "description header: %.120s", buf);
+    snprintf(want, sizeof want, "\"rank\":%d,\"world_size\":%d,\"transport\":\"%s\",",
+             g_rank, g_size, t);
+    CHECK(strstr(buf, want) != NULL, "description lacks %s: %.300s", want, buf);
+    snprintf(want, sizeof want, "\"device_path\":\"%s/staged\",", t);
+    CHECK(g_size == 1 || strstr(buf, want) != NULL, "description lacks %s", want);
+    CHECK(strstr(buf, "\"timeout\":60.0,") != NULL, "description's timeout");
+    for (p = buf; (p = strstr(p, "\"peer\":")) != NULL; p++) peers++;
+    CHECK(peers == (size_t)(g_size - 1), "%zu device paths for %d ranks", peers, g_size);
+    CHECK(strstr(buf, "\"memory\":\"staged\",\"reason\":\"") != NULL || g_size == 1,
+          "a device path with its reason");
     free(buf);
 }
 
