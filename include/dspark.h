@@ -586,7 +586,8 @@ dspark_result_t dspark_comm_flight_record(const dspark_comm_t *comm,
  * sharing, `timeout` (seconds), the cost model and where all_reduce switches algorithm
  * (`all_reduce_algorithms`), the path device memory takes on every connection and why
  * (`device_path`, `device_paths`), GPUs where non-blocking device calls block
- * (`enqueue_blocks`), the rendezvous and how the ranks authenticated each other (`auth`).
+ * (`enqueue_blocks`, among those used so far), the rendezvous and how the ranks
+ * authenticated each other (`auth`).
  * `*needed` and `len` as for `dspark_comm_flight_record`: call once with `len` 0 to size
  * the buffer. Never waits for an operation in progress.
  *

@@ -17,7 +17,8 @@
 //! That decoders allocate nothing beyond their input's size is checked by the harnesses, which
 //! count allocations (`tests/fuzz.rs`). The same targets run under a coverage-guided fuzzer
 //! (`fuzz/`, cargo-afl) and, with structure-aware random inputs, in CI (`tests/fuzz.rs`).
-//! [`sample`] makes a valid input of a target from random numbers, as a seed to mutate.
+//! [`sample`](crate::internals::fuzzing::sample) makes a valid input of a target from random
+//! numbers, as a seed to mutate.
 
 #![forbid(unsafe_code)]
 

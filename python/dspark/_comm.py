@@ -116,7 +116,8 @@ class Communicator:
         why not a faster one, each connection's, hosts, CPU sharing, timeout (seconds), where
         all_reduce switches algorithm, the path device memory takes on every connection and
         why (`device_path`, `device_paths`), GPUs where asynchronous device calls block
-        (`enqueue_blocks`), rendezvous, and how the ranks authenticated each other (`auth`).
+        (`enqueue_blocks`, among those used so far), rendezvous, and how the ranks
+        authenticated each other (`auth`).
         The same object as C's ``dspark_comm_describe``."""
         return self._c.info()
 

@@ -21,7 +21,7 @@ How it plugs in (see the README's PyTorch section):
   Synchronous calls (``async_op=False``) run at once on the caller's thread with the GIL
   released; asynchronous ones run on the communicator's progress thread, or on the backend's
   thread that waits for them (which runs them rather than wake the progress thread), and
-  complete in issue order. The timeout of ``init_process_group(timeout=...)`` is every
+  complete in issue order (all_to_all on CUDA tensors completes before returning). The timeout of ``init_process_group(timeout=...)`` is every
   call's deadline (torch has no watchdog for Python backends: dspark's deadlines are the
   guard).
 - Errors: dspark's classes, each raised through this backend as a subclass that is also
@@ -129,8 +129,11 @@ def info(group=None):
     :meth:`dspark.Communicator.info` gives them: the transport and why not a faster one, the
     path CUDA tensors take on every connection and why (``device_path``, ``device_paths``:
     ``shm/staged``, ``tcp/staged``, ``verbs/gdr-dmabuf``, ...), where all_reduce switches
-    algorithm, CPU sharing, rendezvous and authentication. Raises ``ValueError`` where no
-    device of the group is dspark's."""
+    algorithm, CPU sharing, rendezvous and authentication. ``cuda_backend`` names the backend
+    CUDA tensors of the group go to: ``"dspark"``, or another one (``cpu:dspark,cuda:nccl``:
+    ``"nccl"``, and ``device_path`` is then the path dspark would take, not theirs), or
+    ``None`` where the group has no CUDA backend. Raises ``ValueError`` where no device of
+    the group is dspark's."""
     import torch
 
     g = dist.group.WORLD if group is None else group
@@ -138,14 +141,27 @@ def info(group=None):
         raise ValueError("dspark.torch.info: no default process group (init_process_group first)")
     if g is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("dspark.torch.info: this rank is not a member of the group")
-    for device in ("cpu", "cuda"):
+
+    def backend_of(device):
         try:
-            backend = g._get_backend(torch.device(device))
+            return g._get_backend(torch.device(device))
         except (RuntimeError, ValueError, KeyError):  # no backend for that device
-            continue
-        if hasattr(backend, "dspark_info"):
-            return backend.dspark_info()
-    raise ValueError(f"dspark.torch.info: group {g} has no dspark backend")
+            return None
+
+    backends = {d: backend_of(d) for d in ("cpu", "cuda")}
+    ours = [b for b in backends.values() if hasattr(b, "dspark_info")]
+    if not ours:
+        raise ValueError(f"dspark.torch.info: group {g} has no dspark backend")
+    facts = ours[0].dspark_info()
+    cuda = backends["cuda"]
+    if cuda is None:
+        facts["cuda_backend"] = None
+    elif hasattr(cuda, "dspark_info"):
+        facts["cuda_backend"] = "dspark"
+    else:
+        name = getattr(cuda, "name", None)
+        facts["cuda_backend"] = name() if callable(name) else type(cuda).__name__
+    return facts
 
 
 _registered = threading.Lock()

@@ -76,7 +76,7 @@ impl Communicator {
     /// memory path and the reason it is not the fast one), `device_path_warnings`,
     /// `device_path_error` (why the policy cannot be honoured, or null), `enqueue_blocks`
     /// (`[{"gpu": 0, "reason": "..."}]`: GPUs where non-blocking device calls run as blocking
-    /// ones), `direct_region`; `rendezvous` and `auth` (how the ranks met and authenticated
+    /// ones, among those a non-blocking call has run on so far), `direct_region`; `rendezvous` and `auth` (how the ranks met and authenticated
     /// each other, in words). Numbers of seconds and microseconds are written as floats.
     ///
     /// Never waits for an operation in progress. Its cost grows with the world (a member per

@@ -12,7 +12,7 @@
 //!   stream of that GPU (see `gpu::order` for how, and why the stream never waits forever).
 //!   Where the GPU cannot make a stream wait for a memory value (no stream memory
 //!   operations), they run as the blocking forms do and return a completed [`Work`]; that is
-//!   logged once per GPU and shown by [`Communicator::enqueue_blocks`].
+//!   logged once per process and GPU and shown by [`Communicator::enqueue_blocks`].
 //!
 //! **Why the non-blocking forms are `unsafe`.** The operation keeps no borrow of the
 //! buffers: its copies and kernels on them are issued later, while the call runs, by the
@@ -426,7 +426,8 @@ impl Communicator {
     }
 
     /// Every GPU where non-blocking device calls block the host, with why
-    /// ([`Communicator::enqueue_blocks`]), by ordinal.
+    /// ([`Communicator::enqueue_blocks`]), by ordinal: among the GPUs a non-blocking call has
+    /// run on so far.
     pub fn enqueue_blocking_gpus(&self) -> Vec<(usize, String)> {
         let mut all: Vec<(usize, String)> = self
             .gpu_state()

@@ -14,8 +14,9 @@ Checks, on each rank:
   the reason), the common `device_path`, no GPU where asynchronous calls block, where
   all_reduce switches algorithm (from 4 B on), the timeout given, the object's format;
 - the same through torch: `dspark.torch.info()` of the world group made with
-  backend="dspark", and of a `new_group([0, 1])` (2 ranks: one peer), and a ValueError for a
-  gloo group;
+  backend="dspark", and of a `new_group([0, 1])` (2 ranks: one peer), a ValueError for a
+  gloo group and for a group without this rank, and `cuda_backend` naming gloo for a
+  `cpu:dspark,cuda:gloo` group (its CUDA tensors are not dspark's);
 - an all_reduce on the dspark group against the gloo group's in the same run (the group the
   facts describe works).
 
@@ -110,6 +111,15 @@ else:
         check(False, "dspark.torch.info(a group without this rank) did not raise")
     except ValueError as e:
         check("not a member" in str(e), f"dspark.torch.info(a group without this rank): {e}")
+# The route into torch decides whether the world group has a CUDA backend of dspark's.
+check(world_info["cuda_backend"] in ("dspark", None),
+      f"dspark.torch.info(): cuda_backend {world_info['cuda_backend']!r}")
+# CUDA tensors of a shared group go to the other backend, and info says which.
+shared = dist.new_group(backend="cpu:dspark,cuda:gloo")
+shared_info = dspark.torch.info(shared)
+check(shared_info["cuda_backend"] == "gloo" and shared_info["transport"] == WANT,
+      f"dspark.torch.info(cpu:dspark,cuda:gloo): cuda_backend {shared_info['cuda_backend']!r}, "
+      f"transport {shared_info['transport']}")
 try:
     dspark.torch.info(gloo)
     check(False, "dspark.torch.info(gloo group) did not raise")
