@@ -9,6 +9,7 @@
 //! buffer and panicked there). One `write` per line, so ranks sharing a pipe do not interleave
 //! within a line.
 
+use std::fmt::Write as _;
 use std::io::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -19,11 +20,13 @@ use tracing::{span, Event, Level, Metadata, Subscriber};
 /// `DSPARK_LOG` as this printer reads it: comma-separated directives, each a level for every
 /// target (`warn`) or `target=level` for a target and the modules under it
 /// (`dspark::transport=debug`); the longest matching target wins; levels `off`, `error`,
-/// `warn`, `info`, `debug`, `trace`. A directive it cannot read is ignored. Default: `warn`.
+/// `warn`, `info`, `debug`, `trace`. A directive it cannot read is ignored, and said so once
+/// on stderr when the printer is installed ([`Directives::ignored`]). Default: `warn`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Directives {
     default: LevelFilter,
     targets: Vec<(String, LevelFilter)>,
+    ignored: Vec<String>,
 }
 
 impl Directives {
@@ -32,6 +35,7 @@ impl Directives {
         let mut d = Directives {
             default: LevelFilter::WARN,
             targets: Vec::new(),
+            ignored: Vec::new(),
         };
         // (`LevelFilter::from_str` reads "" as `error`: empty parts are skipped.)
         for part in s.unwrap_or("").split(',').map(str::trim) {
@@ -39,18 +43,23 @@ impl Directives {
                 _ if part.is_empty() => {}
                 Some((t, l)) => {
                     let (t, l) = (t.trim(), l.trim());
-                    if let (false, false, Ok(l)) = (t.is_empty(), l.is_empty(), l.parse()) {
-                        d.targets.push((t.to_string(), l));
+                    match (t.is_empty(), l.is_empty(), l.parse()) {
+                        (false, false, Ok(l)) => d.targets.push((t.to_string(), l)),
+                        _ => d.ignored.push(part.to_string()),
                     }
                 }
-                None => {
-                    if let Ok(l) = part.parse::<LevelFilter>() {
-                        d.default = l;
-                    }
-                }
+                None => match part.parse::<LevelFilter>() {
+                    Ok(l) => d.default = l,
+                    Err(_) => d.ignored.push(part.to_string()),
+                },
             }
         }
         d
+    }
+
+    /// The directives it could not read (a typo such as `dspark=degub`), which it ignored.
+    pub fn ignored(&self) -> &[String] {
+        &self.ignored
     }
 
     /// Whether an event of `level` from `target` prints.
@@ -92,16 +101,15 @@ impl Visit for Line<'_> {
         if field.name() == "message" {
             self.message.push_str(value);
         } else {
-            self.fields.push_str(&format!(" {}={value}", field.name()));
+            let _ = write!(self.fields, " {}={value}", field.name());
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" {
-            self.message.push_str(&format!("{value:?}"));
+            let _ = write!(self.message, "{value:?}");
         } else {
-            self.fields
-                .push_str(&format!(" {}={value:?}", field.name()));
+            let _ = write!(self.fields, " {}={value:?}", field.name());
         }
     }
 }
@@ -183,6 +191,14 @@ pub fn install() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let directives = Directives::parse(std::env::var("DSPARK_LOG").ok().as_deref());
+        if !directives.ignored().is_empty() {
+            // Not through the printer: it may be off, and a typo must not pass unseen.
+            let _ = writeln!(
+                std::io::stderr(),
+                "dspark: DSPARK_LOG: ignored what is not a level or target=level: {:?}",
+                directives.ignored()
+            );
+        }
         if directives.max() != LevelFilter::OFF {
             let _ = tracing::subscriber::set_global_default(Stderr { directives });
         }
@@ -211,11 +227,17 @@ mod tests {
         assert!(d.allows("dsparkle", &Level::ERROR));
         assert_eq!(d.max(), LevelFilter::TRACE);
 
-        // Unreadable directives change nothing: the default stays.
+        // Unreadable directives change nothing: the default stays; they are kept to be said.
+        let junk = Directives::parse(Some(",, junk=, =debug, loud"));
+        assert_eq!(junk.ignored(), ["junk=", "=debug", "loud"]);
         assert_eq!(
-            Directives::parse(Some(",, junk=, =debug, loud")),
+            Directives {
+                ignored: Vec::new(),
+                ..junk
+            },
             Directives::parse(None)
         );
+        assert!(Directives::parse(Some("dspark=debug")).ignored().is_empty());
         let d = Directives::parse(Some("off"));
         assert_eq!(d.max(), LevelFilter::OFF);
         assert!(!d.allows("dspark", &Level::ERROR));

@@ -24,23 +24,6 @@ from ._torch_args import (
 from ._torch_errors import _torch_error
 from ._torch_work import _async_work, _Done
 
-_SAID = set()
-
-
-def _blocking_cuda_all_to_all_said():
-    """A degraded path, said once per process: an asynchronous all_to_all on CUDA tensors
-    blocks the calling thread until the exchange completed (no stream-ordered form yet)."""
-    if "a2a" in _SAID:
-        return
-    _SAID.add("a2a")
-    warnings.warn(
-        "dspark: all_to_all on CUDA tensors runs to completion before it returns, also with "
-        "async_op=True (its Work is complete at once): the exchange does not overlap the "
-        "work queued after it on the host thread",
-        RuntimeWarning,
-        stacklevel=5,
-    )
-
 
 class _Collectives:
     """torch's collective methods (a part of :class:`~dspark._torch_ops._Ops`)."""
@@ -363,7 +346,7 @@ class _Collectives:
         """all_to_all on CUDA tensors: dspark's device all_to_all_v (GPUDirect or
         host-staged, as the other device collectives), ordered on torch's current stream of
         the tensors' GPU. It runs to completion before returning, asynchronous calls too
-        (their Work is complete at once): said once per process."""
+        (their Work is complete at once): said by a RuntimeWarning."""
         if src.device != dst.device:
             raise InvalidArgumentError(
                 f"dspark: all_to_all: input on {src.device}, output on {dst.device}: one "
@@ -378,7 +361,15 @@ class _Collectives:
         if s_len and d_len and s0 < d0 + d_len and d0 < s0 + s_len:
             src = src.clone()
         if async_op:
-            _blocking_cuda_all_to_all_said()
+            # A degraded path (no stream-ordered form yet), said through Python's warnings,
+            # whose default filter shows it once per calling line.
+            warnings.warn(
+                "dspark: all_to_all on CUDA tensors runs to completion before it returns, "
+                "also with async_op=True (its Work is complete at once): the exchange does "
+                "not overlap the work queued after it on the host thread",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         stream = torch.cuda.current_stream(dev).cuda_stream
         try:
             self._comm._all_to_all_v_device(dt, src.data_ptr(), in_counts, dst.data_ptr(),

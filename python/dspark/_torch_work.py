@@ -44,7 +44,7 @@ def _unwrap(fut):
 class _Pending:
     """A started operation (or several: list and coalesced forms) and its future."""
 
-    __slots__ = ("raws", "result", "finish", "inner", "deadline", "lazy", "_lock")
+    __slots__ = ("raws", "result", "finish", "inner", "deadline", "_lock")
 
     def __init__(self, raws, result, finish, deadline=None):
         self.raws = raws
@@ -52,10 +52,16 @@ class _Pending:
         self.finish = finish
         self.deadline = deadline
         self.inner = torch.futures.Future()
-        # Issued after the exit handler stopped the lanes: no thread completes it; its Work
-        # does, when asked (`complete_now`, `poll`).
-        self.lazy = False
+        # Set by `make_lazy` (issued after the exit handler stopped the lanes: no thread
+        # completes it; its Work does, when asked: `complete_now`, `poll`).
+        self._lock = None
+
+    def make_lazy(self):
         self._lock = threading.Lock()
+
+    @property
+    def lazy(self):
+        return self._lock is not None
 
     def settle(self):
         """Waits for the operations (on a lane's thread); returns what completes the
@@ -82,10 +88,16 @@ class _Pending:
                 self.complete()
 
     def poll(self):
-        """Completes a lazy operation whose every part has finished; never blocks."""
+        """Completes a lazy operation whose every part has finished; never blocks (a thread
+        completing it already holds the lock)."""
         raws = self.raws
-        if raws is not None and all(getattr(w, "is_completed", lambda: False)() for w in raws):
-            self.complete_now()
+        if raws is not None and all(w.is_completed() for w in raws):
+            if self._lock.acquire(blocking=False):
+                try:
+                    if not self.inner.done():
+                        self.complete()
+                finally:
+                    self._lock.release()
 
 
 # A callback that has run this long while operations of its lane wait is taken for one that
@@ -302,7 +314,7 @@ class _Completer:
             # The interpreter is exiting: a thread started now could die inside torch's
             # callbacks. The operation is in flight; its Work completes it when waited for
             # or looked at (an `irecv` and an `isend` issued one after the other both start).
-            pending.lazy = True
+            pending.make_lazy()
             return None, False
         # Closed, or no thread to wait on: this caller waits and completes it (the call
         # returns when it completed instead of at once).

@@ -584,9 +584,9 @@ impl PyComm {
     /// connection and why (`device_path`, `device_paths`, `data_path`: the policy,
     /// `gpu_direct`), GPUs where asynchronous device calls block the host
     /// (`enqueue_blocks`, among those used so far), what init allocated for GPUDirect
-    /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in words: "job secret from the
-    /// spawner", "token file /path", "secret published in the store", "open: any host that
-    /// reaches port P can join", ...).
+    /// (`direct_region`), rendezvous, and how the ranks authenticated each other (`auth`, in
+    /// words: "job secret from the spawner", "token file /path", "secret published in the
+    /// store", "open: any host that reaches port P can join", ...).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let text = self.get()?.describe_json();
         py.import("json")?.call_method1("loads", (text,))

@@ -11,7 +11,7 @@
 use std::fmt::Write as _;
 
 use super::Communicator;
-use crate::engine::trace::json_str;
+use crate::engine::trace::{json_opt, json_opt_str, json_str};
 use crate::path::{BufferLocation, DataPath, GpuDirectCapability};
 use crate::plan::Collective;
 
@@ -34,10 +34,6 @@ fn json_f64(x: f64) -> String {
     }
 }
 
-fn opt_str(s: Option<&str>) -> String {
-    s.map_or_else(|| "null".to_string(), json_str)
-}
-
 fn str_list<I: IntoIterator<Item = S>, S: AsRef<str>>(items: I) -> String {
     let parts: Vec<String> = items.into_iter().map(|s| json_str(s.as_ref())).collect();
     format!("[{}]", parts.join(","))
@@ -57,7 +53,7 @@ fn direction(p: &DataPath) -> String {
         json_str(&p.short()),
         json_str(p.transport.name()),
         json_str(p.memory.short()),
-        opt_str(p.reason.as_deref())
+        json_opt_str(p.reason.as_deref())
     )
 }
 
@@ -76,8 +72,9 @@ impl Communicator {
     /// memory path and the reason it is not the fast one), `device_path_warnings`,
     /// `device_path_error` (why the policy cannot be honoured, or null), `enqueue_blocks`
     /// (`[{"gpu": 0, "reason": "..."}]`: GPUs where non-blocking device calls run as blocking
-    /// ones, among those a non-blocking call has run on so far), `direct_region`; `rendezvous` and `auth` (how the ranks met and authenticated
-    /// each other, in words). Numbers of seconds and microseconds are written as floats.
+    /// ones, among those a non-blocking call has run on so far), `direct_region`;
+    /// `rendezvous` and `auth` (how the ranks met and authenticated each other, in words).
+    /// Numbers of seconds and microseconds are written as floats.
     ///
     /// Never waits for an operation in progress. Its cost grows with the world (a member per
     /// peer): for a debugging session or a log line, not for every call.
@@ -96,14 +93,13 @@ impl Communicator {
             self.world_size(),
             json_str(i.transport.name()),
             json_str(&i.transport_detail),
-            opt_str(i.transport_reason.as_deref()),
+            json_opt_str(i.transport_reason.as_deref()),
             str_list(i.peer_transports.iter().map(|k| k.name())),
             str_list(i.intra_host.iter().map(|k| k.name())),
             json_str(i.inter_host.name()),
             str_list(&i.hosts),
             i.local_ranks,
-            i.connected_at_init
-                .map_or_else(|| "null".to_string(), |n| n.to_string()),
+            json_opt(i.connected_at_init),
             json_str(&i.cpu_sharing),
             json_f64(i.spin.as_secs_f64() * 1e6),
             i.spin_yields,
@@ -128,7 +124,7 @@ impl Communicator {
             o,
             "\"algorithm_forced\":{},\"all_reduce_algorithms\":[{}],\"data_path\":{},\
              \"gpu_direct\":{},",
-            opt_str(self.forced_algorithm().map(|a| a.name())),
+            json_opt_str(self.forced_algorithm().map(|a| a.name())),
             steps.join(","),
             json_str(self.data_path().name()),
             str_list(i.gpu_direct.iter().map(capability)),

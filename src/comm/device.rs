@@ -157,6 +157,15 @@ impl Drop for Hold {
 /// call that is one.
 type VCounts<'a> = Option<(&'a [usize], &'a [usize])>;
 
+/// A raw device buffer, `(address, bytes)`, where the call has one.
+type RawBuf = Option<(u64, usize)>;
+
+/// The elements an all_to_all_v sends, for its call's count (saturating: the engine's
+/// `v_check` rejects counts that overflow, before the call takes a sequence number).
+fn v_sent(send_counts: &[usize]) -> usize {
+    send_counts.iter().fold(0, |a, &c| a.saturating_add(c))
+}
+
 /// Runs `call` (an all_to_all_v with counts `v`) on `eng` with the prepared device: `Err` is
 /// a failure before the engine started (the caller fails the call for every rank), `Ok` the
 /// engine's result.
@@ -570,16 +579,30 @@ impl Communicator {
         dst: Option<(u64, usize)>,
         timeout: Option<std::time::Duration>,
     ) -> Work {
-        let what = call.coll.name();
+        let r = self.device_bytes_run(call, None, stream, (src, dst), timeout);
+        self.shared.finished(r, call.coll.name())
+    }
+
+    /// A device call (an all_to_all_v with counts `v`) on raw buffers, run on this thread
+    /// after every operation issued before it: the body of [`Self::device_bytes_now`] and
+    /// [`Communicator::run_raw_all_to_all_v_device_on`].
+    fn device_bytes_run(
+        &self,
+        call: Call,
+        v: VCounts<'_>,
+        stream: &Arc<CudaStream>,
+        (src, dst): (RawBuf, RawBuf),
+        timeout: Option<std::time::Duration>,
+    ) -> Result<()> {
         let src = src.map(|(p, n)| Raw::<u8>::new(p, n, stream));
         let mut dst = dst.map(|(p, n)| Raw::<u8>::new(p, n, stream));
         let prepared = self.prepare(stream);
-        let r = self.shared.exclusive(timeout, |eng| {
+        self.shared.exclusive(timeout, |eng| {
             let r = prepared.and_then(|(reducer, via)| {
                 run_prepared::<u8, _, _>(
                     eng,
                     &call,
-                    None,
+                    v,
                     &reducer,
                     &via,
                     stream,
@@ -591,8 +614,7 @@ impl Communicator {
                 Ok(r) => r,
                 Err(e) => Err(eng.fail_before_start(&call, e)),
             }
-        });
-        self.shared.finished(r, what)
+        })
     }
 
     /// The non-blocking device collectives: each is queued on the caller's stream and
@@ -723,13 +745,8 @@ impl Communicator {
         recv_counts: &[usize],
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let (sent, _) = crate::engine::v_check(
-            (self.rank(), self.world_size()),
-            T::DATA_TYPE,
-            (send_counts, recv_counts),
-            Some((send.num_bytes(), recv.num_bytes())),
-        )?;
-        let call = Call::new(Collective::AllToAll, None, sent, 0, false);
+        // The engine checks the counts against the buffers (`v_check`), as on host memory.
+        let call = Call::new(Collective::AllToAll, None, v_sent(send_counts), 0, false);
         self.device_call::<T, _, _>(
             call,
             Some((send_counts, recv_counts)),
@@ -765,12 +782,6 @@ impl Communicator {
         stream: usize,
         timeout: Option<std::time::Duration>,
     ) -> Result<()> {
-        let (sent, _) = crate::engine::v_check(
-            (self.rank(), self.world_size()),
-            dtype,
-            (send_counts, recv_counts),
-            Some((src.1, dst.1)),
-        )?;
         let (s, d) = (src.0 as u128, dst.0 as u128);
         if src.1 > 0 && dst.1 > 0 && s < d + dst.1 as u128 && d < s + src.1 as u128 {
             return Err(Error::invalid(
@@ -781,34 +792,14 @@ impl Communicator {
         }
         let call = Call {
             dtype,
-            ..Call::new(Collective::AllToAll, None, sent, 0, false)
+            ..Call::new(Collective::AllToAll, None, v_sent(send_counts), 0, false)
         };
         let ctx = crate::gpu::device::open_context(device)?;
         // SAFETY: the caller's contract: a live stream of this context (or 0), alive until
         // this returns.
         let stream = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
-        let src = Raw::<u8>::new(src.0, src.1, &stream);
-        let mut dst = Raw::<u8>::new(dst.0, dst.1, &stream);
-        let prepared = self.prepare(&stream);
         let v = Some((send_counts, recv_counts));
-        self.shared.exclusive(timeout, |eng| {
-            let r = prepared.and_then(|(reducer, via)| {
-                run_prepared::<u8, _, _>(
-                    eng,
-                    &call,
-                    v,
-                    &reducer,
-                    &via,
-                    &stream,
-                    Some(&src),
-                    Some(&mut dst),
-                )
-            });
-            match r {
-                Ok(r) => r,
-                Err(e) => Err(eng.fail_before_start(&call, e)),
-            }
-        })
+        self.device_bytes_run(call, v, &stream, (Some(src), Some(dst)), timeout)
     }
 
     /// [`Communicator::broadcast`] on device memory, ordered on `stream`.

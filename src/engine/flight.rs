@@ -49,7 +49,7 @@ use std::sync::Mutex;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::scratch::Scratch;
-use super::trace::json_str;
+use super::trace::{json_opt as opt, json_opt_str, json_str};
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::plan::Program;
@@ -706,13 +706,9 @@ pub fn file_name(dir: &Path, rank: usize, k: usize) -> PathBuf {
     }
 }
 
-fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
-    v.map_or_else(|| "null".to_string(), |x| x.to_string())
-}
-
 impl FlightEntry {
     fn json(&self, o: &mut String) {
-        let s = |v: Option<&str>| v.map_or_else(|| "null".to_string(), json_str);
+        let s = json_opt_str;
         let _ = write!(
             o,
             r#"{{"seq":{},"collective":{},"dtype":{},"count":{},"op":{},"root":{},"peer":{},"#,

@@ -265,6 +265,16 @@ pub(crate) fn json_str(s: &str) -> String {
     o
 }
 
+/// `s` as a JSON string literal, or `null`.
+pub(crate) fn json_opt_str(s: Option<&str>) -> String {
+    s.map_or_else(|| "null".to_string(), json_str)
+}
+
+/// `v` as its `Display` (a JSON number), or `null`.
+pub(crate) fn json_opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "null".to_string(), |x| x.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
