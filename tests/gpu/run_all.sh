@@ -35,6 +35,8 @@
 #      f32 at 1..1025 elements around the 4096-byte bound, i64 and f64, every operator, exact
 #   7c. Communicator::all_to_all_v_device, 2 ranks (threads) on one GPU over TCP, the peer on
 #      device or host memory: uneven, empty and multi-segment blocks, exact
+#   7d. dspark-bench --mem device, every collective, 3 ranks (processes) on GPU 0, from sizes
+#      whose per-rank buffers are empty up to 1 MiB, results checked; --compare-paths once
 #   8. the torch backend on CUDA tensors (tests/torch/cuda_check.py): every reduction op x 8
 #      dtypes at 1, 7 and 1000003 elements against a float64 reference, broadcast, reduce,
 #      all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (uneven and equal
@@ -62,7 +64,7 @@ build() {
     echo "== building release test binaries (debug info off)" >&2
     (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --no-run \
         --test gpu_device --test gpu_kernels_compile --message-format=json) >"$json" || { rm -f "$json"; return 1; }
-    (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --bin dspark) >&2 || { rm -f "$json"; return 1; }
+    (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --bin dspark --bin dspark-bench) >&2 || { rm -f "$json"; return 1; }
     for t in gpu_device gpu_kernels_compile; do
         local exe
         exe="$(grep -o "\"executable\":\"[^\"]*/deps/${t}-[^\"]*\"" "$json" | tail -n1 | sed 's/.*:"\(.*\)"/\1/')"
@@ -71,7 +73,7 @@ build() {
     done
     rm -f "$json"
     local target="${CARGO_TARGET_DIR:-$ROOT/target}"
-    cp "$target/release/dspark" "$BIN/dspark"
+    cp "$target/release/dspark" "$target/release/dspark-bench" "$BIN/"
     # The Python package's wheel, for the torch CUDA check (check 8); maturin from PATH or
     # from the torch test venv (tests/torch/venv.sh).
     local maturin
@@ -134,6 +136,26 @@ EOF
         fi
     fi
     return 1
+}
+
+# Check 7d: dspark-bench on device memory, every collective, 3 ranks (processes) on GPU 0 over
+# shm, from sizes whose per-rank buffers are empty (all_gather of 4 B on 3 ranks: CUDA allocates
+# no empty buffer, the bench runs those calls as the library's empty calls) up to 1 MiB, results
+# checked; then --compare-paths once. Any wrong element or a bench error fails it.
+bench_device_check() {
+    local c fail=0 skew
+    for c in all_reduce all_gather reduce_scatter broadcast reduce all_to_all all_to_all_v send_recv; do
+        echo "--- $c"
+        skew=()
+        [ "$c" = all_to_all_v ] && skew=(--skew 0.5)
+        # Exits non-zero on an error or any wrong element.
+        CUDA_VISIBLE_DEVICES=0 "$BIN/dspark-bench" "$c" --ranks 3 --mem device "${skew[@]}" \
+            -b 4 -e 1M -f 16 -c 1 -w 2 -n 20 || fail=1
+    done
+    echo "--- all_reduce --compare-paths"
+    CUDA_VISIBLE_DEVICES=0 "$BIN/dspark-bench" all_reduce --ranks 2 --compare-paths -b 4 -e 4M -f 16 -c 1 -w 2 -n 20 || fail=1
+    echo "SUMMARY: dspark-bench --mem device: $([ "$fail" -eq 0 ] && echo "every collective ran and checked" || echo FAILED)"
+    return "$fail"
 }
 
 # Check 8: the torch backend on CUDA tensors, 2 ranks on GPU 0 (torchrun), with the wheel built
@@ -234,7 +256,7 @@ step() {
 }
 
 run() {
-    for b in dspark gpu_device gpu_kernels_compile; do
+    for b in dspark dspark-bench gpu_device gpu_kernels_compile; do
         [ -x "$BIN/$b" ] || { echo "run_all: $BIN/$b missing: run with --build first (or without arguments)" >&2; return 1; }
     done
     mkdir -p "$LOGDIR"
@@ -264,6 +286,7 @@ run() {
     step "enqueued (stream-ordered) device calls" 90 "$BIN/gpu_device" enqueued_device --nocapture
     step "one-shot device+host ranks shm" 60 "$BIN/gpu_device" small_device_all_reduces --nocapture
     step "device all_to_all_v (uneven blocks)" 60 "$BIN/gpu_device" device_all_to_all_v --nocapture
+    step "dspark-bench --mem device, 3 ranks" 90 bash "$ROOT/tests/gpu/run_all.sh" --bench-check
     # A step runs a program under `timeout`, so the torch check (a function here) runs as
     # this script again with --torch-check.
     step "torch backend on CUDA tensors" 240 bash "$ROOT/tests/gpu/run_all.sh" --torch-check
@@ -289,6 +312,7 @@ case "$mode" in
     --build) build ;;
     --run) run ;;
     --torch-check) torch_cuda_check ;;
+    --bench-check) bench_device_check ;;
     all) build && run ;;
     *) echo "usage: $0 [--build|--run]" >&2; exit 2 ;;
 esac
