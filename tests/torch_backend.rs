@@ -390,7 +390,8 @@ fn gloo_then_dspark_on_2_ranks(t: &Torch, script: &str, prefix: &str, limit_s: u
 /// `atexit` barrier and `destroy_process_group`, registered before the group was made):
 /// dspark's handler stops the threads that complete asynchronous operations, and an
 /// asynchronous all_reduce or barrier issued after it waited forever; one on a lane first used
-/// there (an `irecv`) must not start a new thread either (`exit_check.py`, 2 ranks, results
+/// there (an `irecv`) must not start a new thread either, and `wait(timeout)` there keeps
+/// its timeout (it waited for the call's deadline) (`exit_check.py`, 2 ranks, results
 /// against a gloo group's in the same run; the script checks itself with gloo first).
 #[test]
 fn collectives_in_an_exit_handler_after_dsparks_complete() {

@@ -87,6 +87,18 @@ class _Pending:
             if not self.inner.done():
                 self.complete()
 
+    def wait_for(self, secs):
+        """Waits up to `secs` for a lazy operation's every part to finish, completing
+        nothing: False when one is still in flight then (`Work.wait(timeout)`'s timeout)."""
+        end = time.monotonic() + secs
+        for w in self.raws or ():
+            try:
+                w.wait(max(0.0, end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - a failure is the operation's, settled later
+                if not w.is_completed():
+                    return False
+        return True
+
     def poll(self):
         """Completes a lazy operation whose every part has finished; never blocks (a thread
         completing it already holds the lock)."""
@@ -428,8 +440,10 @@ class _AsyncWork(dist._Work):
         # Without `timeout` (or with zero, torch's kNoTimeout) the operation's deadline
         # bounds the wait; with one, it raises after that long (a negative one at once) and
         # leaves the operation in flight.
-        self._drive()  # (after the exit handler: on this thread, within the op's deadline)
         secs = _wait_seconds(timeout)
+        if self._lazy is not None and secs is not None and not self._lazy.wait_for(secs):
+            raise _wait_timed_out(timeout)
+        self._drive()  # (after the exit handler: on this thread, within the op's deadline)
         if secs is not None and not self._outer.done():
             done = threading.Event()
             self._outer.add_done_callback(lambda _f: done.set())

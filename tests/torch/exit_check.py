@@ -10,7 +10,8 @@ This script registers its handler before torch and dspark are imported, so that 
 it after dspark's. In it, each rank runs an asynchronous all_reduce (sizes 1, 7 and 1000,
 against a gloo group's result on the same input), an asynchronous barrier, a synchronous
 MAX all_reduce, and an exchange (`irecv`, then `isend`, then both waits, on a lane not used
-before exit), checks that no lane thread ("dspark-futures") is alive afterwards, and destroys
+before exit), a `wait(timeout)` that must time out on a receive not yet sent (dspark only),
+checks that no lane thread ("dspark-futures") is alive afterwards, and destroys
 the group. A watchdog fails
 the run after 60 s.
 
@@ -24,6 +25,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 BACKEND = os.environ.get("DSPARK_TEST_BACKEND", "dspark")
@@ -75,6 +77,29 @@ def at_exit():
         for w in works:
             w.wait()
         check(torch.equal(got, torch.arange(5) * 3 + peer), f"irecv from {peer}: {got}")
+    if BACKEND == "dspark":
+        # `Work.wait(timeout)` keeps its timeout after the exit handler: rank 0's receive
+        # cannot complete until rank 1 sends, after the gloo barrier that rank 0 reaches
+        # only once its 0.3 s wait gave up (the call's own deadline is 30 s).
+        if RANK == 0:
+            got = torch.zeros(3, dtype=torch.int32)
+            w = dist.irecv(got, 1)
+            t0 = time.monotonic()
+            try:
+                w.wait(timeout=timedelta(milliseconds=300))
+                fail("wait(timeout) on a receive nobody sent yet returned")
+            except dist.DistBackendError as e:
+                took = time.monotonic() - t0
+                check("Timed out" in str(e), f"wait(timeout) raised {e!r}")
+                check(took < 5, f"wait(timeout=0.3 s) took {took:.1f} s")
+            check(not w.is_completed(), "the timed-out receive looks complete")
+        dist.barrier(group=GLOO)
+        if RANK == 1:
+            dist.send(torch.tensor([7, 8, 9], dtype=torch.int32), 0)
+        if RANK == 0:
+            w.wait()
+            check(torch.equal(got, torch.tensor([7, 8, 9], dtype=torch.int32)),
+                  f"the receive after its timed-out wait: {got}")
     if BACKEND == "dspark":
         lanes = [t.name for t in threading.enumerate() if t.name == "dspark-futures"]
         check(not lanes, f"lane threads alive after the exit handler: {lanes}")
