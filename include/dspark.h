@@ -25,8 +25,11 @@
  *    go to stderr from the first dspark_comm_init_from_env on, filtered by DSPARK_LOG as it is
  *    then (warn by default, off silences them; docs/configuration.md).
  *  - Error codes: DSPARK_ERR_INVALID_ARGUMENT is local and leaves the communicator usable; the
- *    other errors of an operation leave it unusable (every later call fails the same way).
- *    Transport failures (a verbs call, a peer breaking the protocol) are DSPARK_ERR_IO; CUDA
+ *    other errors of a collective or point-to-point operation leave it unusable (every later
+ *    call fails the same way), and its receive buffer's contents are then undefined. The
+ *    calls that make or describe a communicator (split, shrink, flight record, describe) leave
+ *    `comm` as it was when they fail, except a shrink with DSPARK_SHRINK_ABORT past its
+ *    argument checks (it aborted `comm`). Transport failures (a verbs call, a peer breaking the protocol) are DSPARK_ERR_IO; CUDA
  *    errors are DSPARK_ERR_UNAVAILABLE; DSPARK_ERR_INTERNAL is a dspark bug.
  */
 
@@ -46,7 +49,9 @@
 
 /**
  * `dspark_comm_shrink` flags: abort `comm` first (as `dspark_comm_abort`), so that whatever is
- * in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`.
+ * in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`. The arguments are checked
+ * before: a call refused with `DSPARK_ERR_INVALID_ARGUMENT` for a rank out of range or this
+ * rank among the excluded leaves `comm` as it was.
  */
 #define DSPARK_SHRINK_ABORT 1
 
@@ -75,7 +80,8 @@ typedef enum {
     DSPARK_ERR_MISMATCH = 3,
     /**
      * An argument is invalid: a NULL pointer, an unknown type or operator, a root or peer
-     * out of range, counts that overflow. Local: the communicator stays usable.
+     * out of range (or a peer that is this rank: no send or receive to itself), counts that
+     * overflow. Local: the communicator stays usable.
      */
     DSPARK_ERR_INVALID_ARGUMENT = 4,
     /**
@@ -260,7 +266,7 @@ dspark_result_t dspark_comm_size(const dspark_comm_t *comm, int *size);
  * new communicator, ranked by `key`, then by their rank in `comm`. A rank that passes a
  * negative `color` opts out and gets `*out == NULL` (with `DSPARK_SUCCESS`). Every rank of
  * `comm` must call it (it is a collective on `comm`); `comm` stays usable. Free the new
- * communicator with `dspark_comm_destroy`.
+ * communicator with `dspark_comm_destroy`. `*out` is NULL on every failure.
  *
  * # Safety
  * `comm` is NULL (refused) or a live communicator; `out` is NULL (refused) or valid for a
@@ -278,7 +284,7 @@ dspark_result_t dspark_comm_split(dspark_comm_t *comm, int color, int key, dspar
  * excluded, or when the survivors' first rank excludes this one; `DSPARK_ERR_MISMATCH` on
  * every survivor when one names another set; `DSPARK_ERR_TIMEOUT` by the deadline when a
  * survivor does not join, e.g. a dead rank that was not excluded (the message names it).
- * Free the new communicator with `dspark_comm_destroy`.
+ * Free the new communicator with `dspark_comm_destroy`. `*out` is NULL on every failure.
  *
  * # Safety
  * `comm` is NULL (refused) or a live communicator; `exclude` is valid for reads of `count`
@@ -428,7 +434,8 @@ dspark_result_t dspark_all_to_all(const dspark_comm_t *comm,
                                   dspark_work_t **work);
 
 /**
- * Sends `count` elements of `buf` to rank `peer`, which receives them with `dspark_recv`.
+ * Sends `count` elements of `buf` to rank `peer` (another rank: one's own is refused), which
+ * receives them with `dspark_recv`.
  *
  * Operations of a communicator run one at a time in issue order, also non-blocking ones:
  * order sends and receives so that they match without deadlock (in a ring, for example,
@@ -449,7 +456,8 @@ dspark_result_t dspark_send(const dspark_comm_t *comm,
                             dspark_work_t **work);
 
 /**
- * Receives `count` elements from rank `peer` (its matching `dspark_send`) into `buf`.
+ * Receives `count` elements from rank `peer` (its matching `dspark_send`; another rank: one's
+ * own is refused) into `buf`.
  *
  * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce` (see `dspark_send`
  * on ordering).
@@ -471,7 +479,7 @@ dspark_result_t dspark_recv(const dspark_comm_t *comm,
  * together, so ranks that exchange buffers (a swap, a ring shift, a halo) complete whatever
  * the size, where a `dspark_send` then a `dspark_recv` on both ranks of a swap wait on each
  * other once the message outgrows what the transport buffers. `dest` and `source` may be
- * the same rank; the peers may answer with `dspark_send_recv` or with `dspark_recv` and
+ * the same rank, but not this one (refused); the peers may answer with `dspark_send_recv` or with `dspark_recv` and
  * `dspark_send`. Host buffers only.
  *
  * Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
@@ -549,7 +557,8 @@ dspark_result_t dspark_work_wait(dspark_work_t *work);
 dspark_result_t dspark_work_test(dspark_work_t *work, int *done);
 
 /**
- * Frees a work handle; NULL is ignored. Freeing the handle of an operation still in flight
+ * Frees a work handle; NULL is ignored. It leaves `dspark_last_error` as it was (wait, free,
+ * then read the wait's error). Freeing the handle of an operation still in flight
  * does not cancel it: the operation runs to completion in issue order, and its buffers must
  * stay valid and untouched until then. So free a handle once `dspark_work_wait` returned
  * or `dspark_work_test` reported it done, unless the buffers outlive the communicator's
@@ -567,7 +576,8 @@ void dspark_work_free(dspark_work_t *work);
  * its NUL; when `len` is smaller, nothing is written to `buf` (which may then be NULL) and
  * `DSPARK_ERR_INVALID_ARGUMENT` says so: call once with `len` 0 to size the buffer, then
  * again (the record may have grown meanwhile). `DSPARK_ERR_UNAVAILABLE` when the recorder
- * is off (`DSPARK_FR_ENTRIES=0`). Never waits for an operation in progress.
+ * is off (`DSPARK_FR_ENTRIES=0`; `*needed` is 0 then). Never waits for an operation in
+ * progress.
  *
  * # Safety
  * `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for

@@ -165,17 +165,34 @@ fn killed(comm: &Communicator) -> Result<i32, String> {
     Ok(OK)
 }
 
-/// Rank 1 aborts the communicator while the others run collectives (NCCL's SHRINK_ABORT
-/// case): every rank sees it fail, and all of them, the aborting rank too, shrink with
-/// nobody excluded.
+/// Rank 1 shrinks with an abort first (`shrink_aborting`, NCCL's SHRINK_ABORT) while the
+/// others run collectives: they see the parent fail and shrink too, all with nobody
+/// excluded. First every rank's argument errors with the abort: refused before aborting,
+/// they leave the parent usable (they aborted it first before).
 fn aborted(comm: &Communicator) -> Result<i32, String> {
     let me = comm.rank();
-    if me == 1 {
-        std::thread::sleep(Duration::from_millis(200));
-        comm.abort();
+    for bad in [vec![comm.world_size() + 4], vec![me]] {
+        match comm.shrink_aborting(&bad) {
+            Err(Error::InvalidArgument { .. }) => {}
+            Err(e) => return Err(format!("shrink_aborting({bad:?}): {e}")),
+            Ok(_) => return Err(format!("shrink_aborting({bad:?}) succeeded")),
+        }
     }
-    until_failure(comm)?;
-    let new = comm.shrink(&[]).map_err(|e| format!("shrink: {e}"))?;
+    let mut x = vec![me as u32 + 1; 5];
+    comm.all_reduce(&mut x, ReduceOp::Sum)
+        .map_err(|e| format!("all_reduce after the refused shrinks: {e}"))?;
+    let n = comm.world_size() as u32;
+    if x != vec![n * (n + 1) / 2; 5] {
+        return Err(format!("all_reduce after the refused shrinks gave {x:?}"));
+    }
+    let new = if me == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        comm.shrink_aborting(&[])
+    } else {
+        until_failure(comm)?;
+        comm.shrink(&[])
+    }
+    .map_err(|e| format!("shrink: {e}"))?;
     let all: Vec<usize> = (0..comm.world_size()).collect();
     check_shrunk(&new, me, &all)?;
     Ok(OK)

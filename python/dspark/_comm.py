@@ -281,13 +281,13 @@ class Communicator:
     def shrink(self, exclude, abort=False):
         """A communicator of this one's ranks minus ``exclude``, as ``ncclCommShrink``: every
         survivor calls it with the same excluded ranks, also after a lost peer or an abort
-        (``abort=True`` aborts this one first, as torch's ``SHRINK_ABORT``). A survivor's
-        new rank is the number of survivors below it. A survivor naming another set gets
-        ``MismatchError``, a rank the others exclude ``InvalidArgumentError``."""
+        (``abort=True`` aborts this one first, as torch's ``SHRINK_ABORT``, once the
+        excluded ranks were checked: an ``InvalidArgumentError`` for a rank that is not one,
+        or this rank among them, leaves it as it was). A survivor's new rank is the number
+        of survivors below it. A survivor naming another set gets ``MismatchError``, a rank
+        the others exclude ``InvalidArgumentError``."""
         exclude = [self._rank_arg(r, "excluded rank") for r in exclude]
-        if abort:
-            self.abort()
-        return Communicator(self._c.shrink(exclude))
+        return Communicator(self._c.shrink(exclude, abort=bool(abort)))
 
     def flight_record(self):
         """The flight record: this communicator's last operations (``DSPARK_FR_ENTRIES``,

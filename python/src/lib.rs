@@ -901,12 +901,20 @@ impl PyComm {
 
     /// A communicator of this one's ranks minus `exclude`, as `ncclCommShrink`: every
     /// survivor calls it with the same excluded ranks, after a lost peer or an abort too.
-    #[pyo3(signature = (exclude))]
-    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>) -> PyResult<Self> {
+    /// `abort`: this one is aborted first, once the excluded ranks were checked
+    /// (`Communicator::shrink_aborting`).
+    #[pyo3(signature = (exclude, abort=false))]
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>, abort: bool) -> PyResult<Self> {
         let c = self.get()?;
-        py.detach(move || c.shrink(&exclude))
-            .map(PyComm::new)
-            .map_err(py_err)
+        py.detach(move || {
+            if abort {
+                c.shrink_aborting(&exclude)
+            } else {
+                c.shrink(&exclude)
+            }
+        })
+        .map(PyComm::new)
+        .map_err(py_err)
     }
 
     /// The flight record (the last operations; `DSPARK_FR_ENTRIES`) as the JSON text of

@@ -66,6 +66,15 @@ pub(super) fn invalid(rank: Option<usize>, func: &str, what: impl Into<String>) 
 /// turns the outcome into a result code (leaving the error's text behind).
 pub(super) fn guard(func: &str, body: impl FnOnce() -> Result<(), Error>) -> dspark_result_t {
     clear_last_error();
+    guard_keeping(func, body)
+}
+
+/// [`guard`] without clearing the last error first: for a call that cannot fail
+/// (`dspark_work_free`), so that wait, free, then `dspark_last_error` still reads the wait's.
+pub(super) fn guard_keeping(
+    func: &str,
+    body: impl FnOnce() -> Result<(), Error>,
+) -> dspark_result_t {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => dspark_result_t::DSPARK_SUCCESS,
         Ok(Err(e)) => {
@@ -125,7 +134,14 @@ pub(super) unsafe fn copy_out(
     let need = text.len() + 1;
     // SAFETY: NULL (refused) or valid for a write (contract).
     unsafe { super::put(needed, need, "needed", rank, func) }?;
-    if len < need || buf.is_null() {
+    if buf.is_null() {
+        return Err(invalid(
+            rank,
+            func,
+            format!("buf is NULL (len {len}); {what} takes {need} bytes with its NUL"),
+        ));
+    }
+    if len < need {
         return Err(invalid(
             rank,
             func,

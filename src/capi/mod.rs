@@ -40,7 +40,7 @@ use crate::types::{DataType, ReduceOp};
 use crate::Communicator;
 
 mod boundary;
-use boundary::{copy_out, guard, invalid, log_to_stderr};
+use boundary::{copy_out, guard, guard_keeping, invalid, log_to_stderr};
 
 /// A communicator: one rank's membership of a group of ranks.
 ///
@@ -85,7 +85,8 @@ pub enum dspark_result_t {
     /// job. The communicator is unusable.
     DSPARK_ERR_MISMATCH = 3,
     /// An argument is invalid: a NULL pointer, an unknown type or operator, a root or peer
-    /// out of range, counts that overflow. Local: the communicator stays usable.
+    /// out of range (or a peer that is this rank: no send or receive to itself), counts that
+    /// overflow. Local: the communicator stays usable.
     DSPARK_ERR_INVALID_ARGUMENT = 4,
     /// Bad configuration (an environment variable): the message names it.
     DSPARK_ERR_CONFIG = 5,
@@ -438,7 +439,7 @@ pub unsafe extern "C" fn dspark_comm_size(
 /// new communicator, ranked by `key`, then by their rank in `comm`. A rank that passes a
 /// negative `color` opts out and gets `*out == NULL` (with `DSPARK_SUCCESS`). Every rank of
 /// `comm` must call it (it is a collective on `comm`); `comm` stays usable. Free the new
-/// communicator with `dspark_comm_destroy`.
+/// communicator with `dspark_comm_destroy`. `*out` is NULL on every failure.
 ///
 /// # Safety
 /// `comm` is NULL (refused) or a live communicator; `out` is NULL (refused) or valid for a
@@ -452,10 +453,10 @@ pub unsafe extern "C" fn dspark_comm_split(
 ) -> dspark_result_t {
     const F: &str = "dspark_comm_split";
     guard(F, || {
+        // SAFETY: NULL or valid for a write (contract). First: NULL on every failure.
+        unsafe { put(out, ptr::null_mut(), "out", None, F) }?;
         // SAFETY: NULL or live (contract).
         let c = unsafe { comm_ref(comm, F) }?;
-        // SAFETY: NULL or valid for a write (contract).
-        unsafe { put(out, ptr::null_mut(), "out", Some(c.rank()), F) }?;
         if let Some(new) = c.split(Some(color), key)? {
             let h = Box::into_raw(Box::new(dspark_comm_t { comm: new }));
             // SAFETY: non-null (checked by `put` above) and valid for a write (contract).
@@ -468,7 +469,9 @@ pub unsafe extern "C" fn dspark_comm_split(
 /// `dspark_comm_shrink` flags: shrink beside what runs on `comm`.
 pub const DSPARK_SHRINK_DEFAULT: c_int = 0;
 /// `dspark_comm_shrink` flags: abort `comm` first (as `dspark_comm_abort`), so that whatever is
-/// in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`.
+/// in flight on it fails at once, as NCCL's `NCCL_SHRINK_ABORT`. The arguments are checked
+/// before: a call refused with `DSPARK_ERR_INVALID_ARGUMENT` for a rank out of range or this
+/// rank among the excluded leaves `comm` as it was.
 pub const DSPARK_SHRINK_ABORT: c_int = 1;
 
 /// Makes a communicator of the ranks of `comm` minus the `count` ranks in `exclude`, as
@@ -480,7 +483,7 @@ pub const DSPARK_SHRINK_ABORT: c_int = 1;
 /// excluded, or when the survivors' first rank excludes this one; `DSPARK_ERR_MISMATCH` on
 /// every survivor when one names another set; `DSPARK_ERR_TIMEOUT` by the deadline when a
 /// survivor does not join, e.g. a dead rank that was not excluded (the message names it).
-/// Free the new communicator with `dspark_comm_destroy`.
+/// Free the new communicator with `dspark_comm_destroy`. `*out` is NULL on every failure.
 ///
 /// # Safety
 /// `comm` is NULL (refused) or a live communicator; `exclude` is valid for reads of `count`
@@ -495,11 +498,11 @@ pub unsafe extern "C" fn dspark_comm_shrink(
 ) -> dspark_result_t {
     const F: &str = "dspark_comm_shrink";
     guard(F, || {
+        // SAFETY: NULL or valid for a write (contract). First: NULL on every failure.
+        unsafe { put(out, ptr::null_mut(), "out", None, F) }?;
         // SAFETY: NULL or live (contract).
         let c = unsafe { comm_ref(comm, F) }?;
         let me = c.rank();
-        // SAFETY: NULL or valid for a write (contract).
-        unsafe { put(out, ptr::null_mut(), "out", Some(me), F) }?;
         let n = rank_arg(count, "count", me, F)?;
         if n > 0 && exclude.is_null() {
             return Err(invalid(
@@ -521,10 +524,11 @@ pub unsafe extern "C" fn dspark_comm_shrink(
             .iter()
             .map(|&r| rank_arg(r, "excluded rank", me, F))
             .collect::<Result<Vec<usize>, Error>>()?;
-        if flags & DSPARK_SHRINK_ABORT != 0 {
-            c.abort();
-        }
-        let new = c.shrink(&ranks)?;
+        let new = if flags & DSPARK_SHRINK_ABORT != 0 {
+            c.shrink_aborting(&ranks)?
+        } else {
+            c.shrink(&ranks)?
+        };
         let h = Box::into_raw(Box::new(dspark_comm_t { comm: new }));
         // SAFETY: non-null (checked by `put` above) and valid for a write (contract).
         unsafe { out.write(h) };
@@ -777,7 +781,8 @@ pub unsafe extern "C" fn dspark_all_to_all(
     }
 }
 
-/// Sends `count` elements of `buf` to rank `peer`, which receives them with `dspark_recv`.
+/// Sends `count` elements of `buf` to rank `peer` (another rank: one's own is refused), which
+/// receives them with `dspark_recv`.
 ///
 /// Operations of a communicator run one at a time in issue order, also non-blocking ones:
 /// order sends and receives so that they match without deadlock (in a ring, for example,
@@ -813,7 +818,8 @@ pub unsafe extern "C" fn dspark_send(
     }
 }
 
-/// Receives `count` elements from rank `peer` (its matching `dspark_send`) into `buf`.
+/// Receives `count` elements from rank `peer` (its matching `dspark_send`; another rank: one's
+/// own is refused) into `buf`.
 ///
 /// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce` (see `dspark_send`
 /// on ordering).
@@ -850,7 +856,7 @@ pub unsafe extern "C" fn dspark_recv(
 /// together, so ranks that exchange buffers (a swap, a ring shift, a halo) complete whatever
 /// the size, where a `dspark_send` then a `dspark_recv` on both ranks of a swap wait on each
 /// other once the message outgrows what the transport buffers. `dest` and `source` may be
-/// the same rank; the peers may answer with `dspark_send_recv` or with `dspark_recv` and
+/// the same rank, but not this one (refused); the peers may answer with `dspark_send_recv` or with `dspark_recv` and
 /// `dspark_send`. Host buffers only.
 ///
 /// Blocking when `work` is NULL, else non-blocking as `dspark_all_reduce`.
@@ -1047,7 +1053,8 @@ pub unsafe extern "C" fn dspark_work_test(
     })
 }
 
-/// Frees a work handle; NULL is ignored. Freeing the handle of an operation still in flight
+/// Frees a work handle; NULL is ignored. It leaves `dspark_last_error` as it was (wait, free,
+/// then read the wait's error). Freeing the handle of an operation still in flight
 /// does not cancel it: the operation runs to completion in issue order, and its buffers must
 /// stay valid and untouched until then. So free a handle once `dspark_work_wait` returned
 /// or `dspark_work_test` reported it done, unless the buffers outlive the communicator's
@@ -1057,7 +1064,7 @@ pub unsafe extern "C" fn dspark_work_test(
 /// `work` is NULL or a live handle that no other thread is using; it is invalid afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn dspark_work_free(work: *mut dspark_work_t) {
-    let _ = guard("dspark_work_free", || {
+    let _ = guard_keeping("dspark_work_free", || {
         if !work.is_null() {
             // SAFETY: a pointer from `Box::into_raw` in this ABI, not yet freed, used by
             // nobody else (contract).
@@ -1073,7 +1080,8 @@ pub unsafe extern "C" fn dspark_work_free(work: *mut dspark_work_t) {
 /// its NUL; when `len` is smaller, nothing is written to `buf` (which may then be NULL) and
 /// `DSPARK_ERR_INVALID_ARGUMENT` says so: call once with `len` 0 to size the buffer, then
 /// again (the record may have grown meanwhile). `DSPARK_ERR_UNAVAILABLE` when the recorder
-/// is off (`DSPARK_FR_ENTRIES=0`). Never waits for an operation in progress.
+/// is off (`DSPARK_FR_ENTRIES=0`; `*needed` is 0 then). Never waits for an operation in
+/// progress.
 ///
 /// # Safety
 /// `comm` is NULL (refused) or a live communicator; `needed` is NULL (refused) or valid for
@@ -1090,6 +1098,8 @@ pub unsafe extern "C" fn dspark_comm_flight_record(
         // SAFETY: NULL or live (contract).
         let c = unsafe { comm_ref(comm, F) }?;
         let rank = Some(c.rank());
+        // SAFETY: NULL (refused) or valid for a write (contract).
+        unsafe { put(needed, 0, "needed", rank, F) }?;
         let rec = c.flight_record().ok_or_else(|| Error::Unavailable {
             rank,
             what: "the flight record".into(),

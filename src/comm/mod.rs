@@ -402,10 +402,16 @@ impl Communicator {
             Target::SendTo(r) => (r, true),
         };
         let n = self.world;
+        // A send or a receive is named as such, not as the send_recv collective it runs as.
+        let op_name = match (coll, target) {
+            (Collective::SendRecv, Target::SendTo(_)) => "send",
+            (Collective::SendRecv, Target::RecvFrom(_)) => "recv",
+            (c, _) => c.name(),
+        };
         let invalid = |what: String| {
             let name = match api {
-                Api::Host => coll.name().to_string(),
-                Api::Device => format!("{}_device", coll.name()),
+                Api::Host => op_name.to_string(),
+                Api::Device => format!("{op_name}_device"),
             };
             Error::invalid(Some(self.rank), name, what)
         };

@@ -115,6 +115,9 @@ impl RawBuffers {
     /// for reads and writes of `dst_len` bytes (each may be null when its length is 0), and
     /// no other thread may write `src` or access `dst`. The two may overlap.
     pub(crate) unsafe fn run(self, eng: &mut Engine) -> Result<()> {
+        // A failed or aborted communicator fails the call before its buffers are touched
+        // (the out-of-place copy into `dst` below overwrote the caller's receive buffer).
+        eng.ready()?;
         let src: &[u8] = if self.src_len == 0 {
             &[]
         } else {
@@ -123,7 +126,7 @@ impl RawBuffers {
         };
         match self.prepare {
             Prepare::InPlaceOnCopy => {
-                let mut tmp = src.to_vec();
+                let mut tmp = copy_of(eng, &self.call, src)?;
                 eng.run(&self.call, &[], &mut tmp)
             }
             Prepare::CopyIntoDst => {
@@ -140,7 +143,7 @@ impl RawBuffers {
             Prepare::AsGiven if self.overlap() => {
                 // In-place all_gather / reduce_scatter / all_to_all (NCCL's convention: the
                 // send buffer is a part of the receive buffer): read a copy.
-                let tmp = src.to_vec();
+                let tmp = copy_of(eng, &self.call, src)?;
                 // SAFETY: as above; `src` is no longer used.
                 let dst = unsafe { dst_slice(self.dst, self.dst_len) };
                 eng.run(&self.call, &tmp, dst)
@@ -152,6 +155,28 @@ impl RawBuffers {
                 eng.run(&self.call, src, dst)
             }
         }
+    }
+}
+
+/// A copy of `src` for `call` to read from (an in-place call), or, where the memory cannot
+/// be had, the call failed on every rank (`Unavailable`) instead of the process aborted.
+fn copy_of(eng: &mut Engine, call: &Call, src: &[u8]) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    match v.try_reserve_exact(src.len()) {
+        Ok(()) => {
+            v.extend_from_slice(src);
+            Ok(v)
+        }
+        Err(e) => Err(eng.fail_before_start(
+            call,
+            Error::unavailable(
+                "memory",
+                format!(
+                    "a {} copy of the send buffer, which an in-place call reads from: {e}",
+                    crate::types::human_bytes(src.len() as u64, false)
+                ),
+            ),
+        )),
     }
 }
 
@@ -532,7 +557,7 @@ impl Communicator {
         let counts = (send_counts, recv_counts);
         let (sent, received) =
             crate::engine::v_check((me, self.world_size()), dtype, counts, None)?;
-        let bad = |what: String| Error::invalid(Some(me), Collective::AllToAll.name(), what);
+        let bad = |what: String| Error::invalid(Some(me), "all_to_all_v", what);
         let bytes = |elems: usize, p: *const u8, which: &str| -> Result<usize> {
             let b = elems
                 .checked_mul(dtype.size())
@@ -581,6 +606,7 @@ impl VBuffers {
     /// reads and writes of `dst_len` bytes (each may be null when its length is 0), and no
     /// other thread may write `src` or access `dst`. The two may overlap.
     unsafe fn run(self, eng: &mut Engine) -> Result<()> {
+        eng.ready()?;
         let overlap = overlap((self.src, self.src_len), (self.dst, self.dst_len));
         let src: &[u8] = if self.src_len == 0 {
             &[]
@@ -589,7 +615,19 @@ impl VBuffers {
             unsafe { std::slice::from_raw_parts(self.src, self.src_len) }
         };
         // Overlapping buffers: send from a copy, so that no shared view aliases `dst`.
-        let copy = overlap.then(|| src.to_vec());
+        let copy = if overlap {
+            let count = self
+                .send_counts
+                .iter()
+                .fold(0, |a: usize, &c| a.saturating_add(c));
+            let call = Call {
+                dtype: self.dtype,
+                ..Call::new(Collective::AllToAll, None, count, 0, false)
+            };
+            Some(copy_of(eng, &call, src)?)
+        } else {
+            None
+        };
         let src = copy.as_deref().unwrap_or(src);
         // SAFETY: valid for reads and writes of dst_len bytes, used by nobody else (contract);
         // where it overlaps `src`, `src` is a copy.

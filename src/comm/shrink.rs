@@ -217,7 +217,8 @@ impl Communicator {
     ///
     /// It works when this communicator cannot: after a peer was lost, after
     /// [`Communicator::abort`] (to drop what is in flight first, as `SHRINK_ABORT` does,
-    /// call `abort` then `shrink`), or on a healthy communicator, which it leaves as it is.
+    /// use [`Communicator::shrink_aborting`]), or on a healthy communicator, which it leaves
+    /// as it is.
     /// The survivors agree over this communicator's secret on a port each rank reserved at
     /// init (no rendezvous port); the new communicator is built by an ordinary init, with
     /// fresh sequence numbers, mismatch checks, transport choice and path report, and a
@@ -251,6 +252,22 @@ impl Communicator {
     /// # }
     /// ```
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        self.shrink_as(exclude, false)
+    }
+
+    /// [`Communicator::shrink`] after aborting this communicator, as `ncclCommShrink` with
+    /// `NCCL_SHRINK_ABORT`: what is in flight on it (a collective waiting for the dead rank)
+    /// fails at once, and every later call on it fails. The abort comes after the arguments
+    /// are checked: an `InvalidArgument` for a rank that is not one, or this rank among the
+    /// excluded, leaves this communicator as it was.
+    ///
+    /// # Errors
+    /// As [`Communicator::shrink`].
+    pub fn shrink_aborting(&self, exclude: &[usize]) -> Result<Communicator> {
+        self.shrink_as(exclude, true)
+    }
+
+    fn shrink_as(&self, exclude: &[usize], abort_first: bool) -> Result<Communicator> {
         let (me, n) = (self.rank(), self.world_size());
         let invalid = |what: String| Error::invalid(Some(me), OP, what);
         let mut excluded = exclude.to_vec();
@@ -279,6 +296,9 @@ impl Communicator {
             )
         };
         if survivors.len() == 1 {
+            if abort_first {
+                self.abort();
+            }
             let token = split::derived_secret(&self.config, &[LABEL_SECRET, b"alone"]);
             let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             let cfg = split::child_config(&self.config, 0, 1, loopback, token, how(me));
@@ -294,6 +314,9 @@ impl Communicator {
         let mut carried = door.busy.try_lock().map_err(|_| {
             invalid("another shrink of this communicator is in progress on this rank".into())
         })?;
+        if abort_first {
+            self.abort();
+        }
         let plan = Plan {
             comm: self,
             door,

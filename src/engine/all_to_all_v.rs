@@ -47,13 +47,7 @@ pub(crate) fn v_check(
     (send_counts, recv_counts): (&[usize], &[usize]),
     bytes: Option<(usize, usize)>,
 ) -> Result<(usize, usize)> {
-    let bad = |what: String| {
-        Err(Error::invalid(
-            Some(rank),
-            Collective::AllToAll.name(),
-            what,
-        ))
-    };
+    let bad = |what: String| Err(Error::invalid(Some(rank), "all_to_all_v", what));
     if send_counts.len() != world || recv_counts.len() != world {
         return bad(format!(
             "{} send counts and {} receive counts for a world of {world} (one per rank)",

@@ -635,7 +635,7 @@ impl Engine {
 
     /// Acts on an abort requested from another thread, and returns the error that poisoned
     /// the engine, if one has: what every call checks before it takes a sequence number.
-    fn ready(&mut self) -> Result<()> {
+    pub(crate) fn ready(&mut self) -> Result<()> {
         self.honour_abort();
         match &self.poison {
             Some(e) => Err(e.clone()),

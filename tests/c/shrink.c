@@ -8,7 +8,8 @@
  * shrink without it (DSPARK_SHRINK_DEFAULT) and check the new communicator's all_reduce
  * against values computed here; then they shrink that one again with DSPARK_SHRINK_ABORT
  * (which aborts it first: its later calls fail with DSPARK_ERR_ABORTED) and check the result.
- * The argument errors are checked first (local: the communicator stays usable). Prints each
+ * The argument errors are checked first, with and without DSPARK_SHRINK_ABORT (local: the
+ * communicator stays usable). Prints each
  * failure and "N passed, M failed" alone on a line; exits non-zero on any failure.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -75,6 +76,12 @@ int main(void)
     r = dspark_comm_shrink(comm, &self, 1, &shrunk, DSPARK_SHRINK_DEFAULT);
     CHECK(r == DSPARK_ERR_INVALID_ARGUMENT && strstr(dspark_last_error(), "excluded"),
           "excluding itself: %d", (int)r);
+    /* With DSPARK_SHRINK_ABORT too: refused before the abort (it aborted first before). */
+    CHECK(dspark_comm_shrink(comm, &bad, 1, &shrunk, DSPARK_SHRINK_ABORT) ==
+              DSPARK_ERR_INVALID_ARGUMENT, "rank 7 of 3, aborting");
+    r = dspark_comm_shrink(comm, &self, 1, &shrunk, DSPARK_SHRINK_ABORT);
+    CHECK(r == DSPARK_ERR_INVALID_ARGUMENT && shrunk == NULL, "excluding itself, aborting: %d",
+          (int)r);
     check_sum(comm, g_rank, (const int[]){0, 1, 2}, 3, "after the argument errors");
 
     if (g_rank == 2) {
