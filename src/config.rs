@@ -19,7 +19,7 @@
 //! | `DSPARK_JOB_TOKEN_FILE` | a file (mode 600: refused when group or others may read it) holding the job's shared secret; ranks without it are refused ([`JobAuth`]) | `DSPARK_JOB_TOKEN` |
 //! | `DSPARK_JOB_TOKEN` | the shared secret itself (both set: they must agree) | a random per-job secret where a private channel exists: dspark's spawners (`DSPARK_SPAWNER_SECRET`), the store rendezvous, `split`; else open |
 //! | `DSPARK_ALGO` | force an algorithm for the collectives it implements (`ring`, `recursive_doubling`, `chain`, `binomial_tree`, `tree`, `pairwise`, `dissemination`, `direct`) | by size |
-//! | `DSPARK_CHUNK_BYTES` | pipeline segment size (two ranks over TCP: at most 256 KiB for all_reduces under 16 MiB) | 512 KiB |
+//! | `DSPARK_CHUNK_BYTES` | pipeline segment size, 64 B–256 MiB (two ranks over TCP: at most 256 KiB for all_reduces under 16 MiB) | 512 KiB |
 //! | `DSPARK_SPIN_US` | busy-poll time before blocking, µs (at most 1 s); after a wait that slept and was woken soon after, the engine spins up to 2 ms (yielding the CPU past this), then gives it back call by call (0: never spin) | 50 (100, yielding the CPU, where ranks share CPUs: `CommInfo::cpu_sharing`) |
 //! | `DSPARK_SOCKET_BUFFER` | TCP socket buffer size (0: the kernel's autotuning; at most 1 GiB) | 4 MiB |
 //! | `DSPARK_IB_SLOTS`, `DSPARK_IB_SLOT_BYTES`, `DSPARK_IB_TIMEOUT`, `DSPARK_IB_RETRY_CNT`, `DSPARK_IB_RNR_RETRY`, `DSPARK_IB_SL`, `DSPARK_IB_TC`, `DSPARK_IB_SPIN_US`, `DSPARK_IB_ZERO_COPY_MIN` | verbs tunables ([`IbSettings`]; the table in [`crate::transport::verbs`]) | see there |
@@ -705,7 +705,7 @@ impl Config {
             return Err(Error::config(
                 "DSPARK_CHUNK_BYTES",
                 format!(
-                    "a segment of {} bytes: it must be between 64 B and 1 GiB",
+                    "a segment of {} bytes: it must be between 64 B and 256 MiB",
                     self.segment_bytes
                 ),
             ));
@@ -775,7 +775,12 @@ pub(crate) const DEFAULT_SHM_RING_BYTES: usize = 2 << 20;
 pub(crate) const MIN_SHM_RING_BYTES: usize = 4096;
 pub(crate) const MAX_SHM_RING_BYTES: usize = 1 << 30;
 const MIN_SEGMENT: usize = 64;
-const MAX_SEGMENT: usize = 1 << 30;
+/// A shared-memory ring holds two segments and their headers (`comm::setup::shm`) within
+/// its 1 GiB limit: a larger segment left the ring clamped to less, where a schedule whose
+/// receive waits for its own send waits for the deadline.
+pub(crate) const MAX_SEGMENT: usize = 256 << 20;
+/// The largest verbs slot (`DSPARK_IB_SLOT_BYTES`).
+const MAX_IB_SLOT: usize = 1 << 30;
 const MAX_SOCKET_BUFFER: usize = 1 << 30;
 const MAX_SPIN: Duration = Duration::from_secs(1);
 
@@ -811,7 +816,7 @@ impl IbSettings {
                     ),
                 ));
             }
-            if b > MAX_SEGMENT {
+            if b > MAX_IB_SLOT {
                 return Err(Error::config(
                     "DSPARK_IB_SLOT_BYTES",
                     format!("{b} bytes: a slot holds at most 1 GiB"),

@@ -327,6 +327,60 @@ mod tests {
         }
     }
 
+    /// After a 64 KiB all_reduce (frames) the send position of rank 0's ring to rank 1 is
+    /// past the ring's hot window, so rank 0's next small frame comes behind a wrap marker.
+    /// Rank 1 runs call #2 one-shot where rank 0 runs a reduce to rank 1: a prompt mismatch
+    /// on both. Rank 1, which publishes 300 ms after rank 0's frame is in the ring, finds it
+    /// itself ("rank 0 sent a frame of collective #2 ...") in its first look, where it used
+    /// to read the marker as the frame, see nothing, and wait for rank 0 (waiting in its
+    /// reduce) to find the mismatch and say so. Either way is accepted (rank 1 may be off
+    /// its core long enough for rank 0 to be first); both sides' checks failing would be the
+    /// deadline's timeout.
+    #[test]
+    fn a_frame_behind_a_wrap_marker_is_a_prompt_mismatch_for_a_one_shot_call() {
+        let t0 = Instant::now();
+        let both = std::sync::Barrier::new(2);
+        let res: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = engines(2)
+                .into_iter()
+                .enumerate()
+                .map(|(r, mut eng)| {
+                    let both = &both;
+                    s.spawn(move || {
+                        eng.set_call_timeout(Some(std::time::Duration::from_secs(20)));
+                        let big = f32_call(Collective::AllReduce, 16384, 0, false);
+                        assert!(!eng.runs_one_shot(&big));
+                        eng.run(&big, &[], &mut vec![0u8; 65536])?;
+                        let res = if r == 1 {
+                            // After rank 0's frame is in the ring.
+                            std::thread::sleep(std::time::Duration::from_millis(300));
+                            let c = f32_call(Collective::AllReduce, 4, 0, false);
+                            assert!(eng.runs_one_shot(&c));
+                            eng.run(&c, &[], &mut [0u8; 16])
+                        } else {
+                            let mut c =
+                                Call::new(Collective::Reduce, Some(ReduceOp::Sum), 4, 1, false);
+                            c.dtype = DataType::F32;
+                            eng.run(&c, &[], &mut [0u8; 16])
+                        };
+                        // Rank 0 keeps its engine (no goodbye) until rank 1 is done.
+                        both.wait();
+                        res
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, e) in res.iter().enumerate() {
+            match e {
+                Err(e @ Error::Mismatch { .. }) => assert!(e.to_string().contains("#2"), "{e}"),
+                other => panic!("rank {r} after {:?}: {other:?}", t0.elapsed()),
+            }
+        }
+        let took = t0.elapsed();
+        assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    }
+
     /// A send/recv frame from the peer waits in the ring, unreceived, while this rank waits
     /// for that peer's one-shot contribution: the wait sleeps instead of turning at once on
     /// the frame it cannot take (it spun for the peer's whole delay), and then takes the

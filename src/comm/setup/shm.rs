@@ -640,6 +640,20 @@ mod tests {
 
     use TransportChoice::{Auto, Shm, Tcp};
 
+    /// The largest segment `DSPARK_CHUNK_BYTES` allows still gets a ring of two whole frames
+    /// (a larger one was clamped to the ring's limit, below two).
+    #[test]
+    fn the_largest_segment_gets_a_ring_of_two_frames() {
+        let mut cfg = Config::new(0, 2, "127.0.0.1:1");
+        cfg.segment_bytes = crate::config::MAX_SEGMENT;
+        cfg.validate().expect("the largest segment is valid");
+        let ring = shm_options(&cfg).ring_bytes;
+        assert!(ring <= shm::MAX_RING_BYTES, "{ring}");
+        assert!(ring >= 2 * (cfg.segment_bytes + 32), "{ring}");
+        cfg.segment_bytes += 1;
+        assert!(cfg.validate().is_err());
+    }
+
     #[test]
     fn the_ring_setting_and_the_transport_agree_on_its_default_and_range() {
         use crate::config;

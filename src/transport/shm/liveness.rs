@@ -28,11 +28,22 @@ use crate::transport::{rdhup, AbortClass, Interest};
 
 /// Whether `p`'s process runs: its pid names a process that is not a zombie and started
 /// when the peer's did (not another process that took the pid since).
+/// Only "no such process" is death: a read that fails otherwise (no file descriptor left,
+/// no memory) or a text that does not parse says nothing about the peer, which counts as
+/// alive (it used to count as dead: a live peer then failed as gone).
 pub(super) fn alive(p: &super::Peer) -> bool {
-    match proc_stat(p.pid) {
-        Some((state, t)) => !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t),
-        None => false,
+    match std::fs::read_to_string(format!("/proc/{}/stat", p.pid)) {
+        Ok(text) => parse_proc_stat(&text).is_none_or(|(state, t)| {
+            !matches!(state, 'Z' | 'X' | 'x') && p.started.is_none_or(|s| s == t)
+        }),
+        Err(e) => !gone(&e),
     }
+}
+
+/// Whether reading a process's `/proc` file failed because the process is not there (the
+/// file is missing, or the process exited between the open and the read).
+fn gone(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH)
 }
 
 /// The state and start time (clock ticks after boot) of process `pid`, from

@@ -34,6 +34,12 @@ const HOT_WINDOW: usize = 16 * 1024;
 /// First byte of a wrap marker: "the next frame starts at the beginning of the ring".
 const WRAP_KIND: u8 = 0x57;
 
+/// Whether the header-sized bytes `b` at a frame's place in a ring are a wrap marker: the
+/// frame is at the start of the ring instead.
+pub(super) fn is_wrap_marker(b: &[u8; HEADER_LEN]) -> bool {
+    b[0] == WRAP_KIND && b[12..16] == FRAME_MAGIC.to_le_bytes()
+}
+
 impl Peer {
     /// Re-reads the head of the ring `peer` sends into (`head`, published by it with release
     /// ordering): an error, not a wrapped count, when the counters a misbehaving or corrupted
@@ -448,7 +454,7 @@ impl ShmTransport {
             self.own
                 .read(data_off + (start % ring) as usize, &mut b)
                 .map_err(out_of_bounds(rank, peer))?;
-            if b[0] == WRAP_KIND && b[12..16] == FRAME_MAGIC.to_le_bytes() {
+            if is_wrap_marker(&b) {
                 p.rx_tail = start + (ring - start % ring);
                 continue;
             }

@@ -26,7 +26,7 @@ use std::time::Instant;
 use super::sizing::pad;
 use super::{
     out_of_bounds, seg, PeerState, ShmTransport, OFF_BELL, OFF_SLEEPING, OFF_SLOTS, OFF_STATUS,
-    RING_DATA, SLOT_STRIDE, STATUS_OPEN,
+    RING_DATA, RING_HEAD, SLOT_STRIDE, STATUS_OPEN,
 };
 use crate::error::{Error, Result};
 use crate::plan::Collective;
@@ -112,11 +112,29 @@ impl ShmTransport {
         if !p.committed || p.rx_in_frame || !self.rx_pending(p) {
             return None;
         }
-        let start = pad(p.rx_tail) % self.ring as u64;
+        let ring = self.ring as u64;
+        let read = |at: u64, b: &mut [u8; HEADER_LEN]| {
+            self.own
+                .read(p.rx_base + RING_DATA + (at % ring) as usize, b)
+                .ok()
+        };
+        let mut at = pad(p.rx_tail);
         let mut b = [0u8; HEADER_LEN];
-        self.own
-            .read(p.rx_base + RING_DATA + start as usize, &mut b)
-            .ok()?;
+        read(at, &mut b)?;
+        if super::ring::is_wrap_marker(&b) {
+            // The frame is at the start of the ring, once the peer's head says it is there
+            // (skipping the marker as `next_header` does: a frame behind one was not seen,
+            // and a mismatch became the deadline's timeout).
+            at += ring - at % ring;
+            let head = self
+                .own
+                .u64_at(p.rx_base + RING_HEAD)
+                .load(Ordering::Acquire);
+            if head < at + HEADER_LEN as u64 {
+                return None;
+            }
+            read(at, &mut b)?;
+        }
         let h = FrameHeader::decode(&b).ok()?;
         let p2p = Collective::from_code(h.coll & 0x0f) == Some(Collective::SendRecv);
         (h.kind == FrameKind::Data && h.seq >= seq && !p2p).then_some(h)
