@@ -19,6 +19,11 @@ from . import _dspark
 _MAX_DIMS = 64
 
 
+def _op_name(red):
+    """A ReduceOp's name (`ReduceOp.RedOpType.MAX` prints as `RedOpType.MAX`)."""
+    return str(red).split(".")[-1]
+
+
 def all_reduce(ops, tensors, opts):
     """`allreduce` of `tensors` (sparse COO, CPU) on `ops` (a dspark `_Ops`)."""
     from . import torch as _t  # the backend module (imports this one lazily)
@@ -26,7 +31,7 @@ def all_reduce(ops, tensors, opts):
     red = getattr(opts.reduceOp, "op", opts.reduceOp)
     if red != torch.distributed.ReduceOp.SUM:
         raise _dspark.InvalidArgumentError(
-            f"dspark: allreduce of a sparse tensor sums (as gloo's); {opts.reduceOp} is not "
+            f"dspark: allreduce of a sparse tensor sums (as gloo's); {_op_name(red)} is not "
             "supported"
         )
     timeout = _t._seconds(getattr(opts, "timeout", None))

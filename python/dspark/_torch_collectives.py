@@ -144,7 +144,9 @@ class _Collectives:
                     o.copy_(flat[i * k:(i + 1) * k].view(o.shape))
 
             fin.append(copy_out)
-        return self._go(opts, calls, keep, list(output_lists), fin)
+        # The Work's result and future value: the output tensors, as gloo's (a flat list).
+        result = [o for outs in output_lists for o in outs]
+        return self._go(opts, calls, keep, result, fin)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # output_lists[rank][j] receives input j of that rank (the transpose of allgather's
@@ -387,7 +389,7 @@ class _Collectives:
         root = self._root(opts.rootRank, "gather")
         t = _input(inputs[0], "gather input")
         if self._r != root:
-            return self._go(opts, [("send", t, None, None, None, root)], [t], [])
+            return self._go(opts, [("coll_send", t, None, None, None, root)], [t], [])
         outs = output_lists[0]
         if len(outs) != self._n or any(o.numel() != t.numel() or o.dtype != t.dtype for o in outs):
             raise InvalidArgumentError(
@@ -400,8 +402,8 @@ class _Collectives:
             if i == root:
                 fin.insert(0, lambda out=out: out.copy_(t.view(out.shape)))
             else:
-                calls.append(("recv", None, out, None, None, i))
-        return self._go(opts, calls, keep, [list(outs)], fin)
+                calls.append(("coll_recv", None, out, None, None, i))
+        return self._go(opts, calls, keep, list(outs), fin)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -409,7 +411,7 @@ class _Collectives:
         fin = []
         out = _output(outputs[0], "scatter output", fin)
         if self._r != root:
-            return self._go(opts, [("recv", None, out, None, None, root)], [out, outputs],
+            return self._go(opts, [("coll_recv", None, out, None, None, root)], [out, outputs],
                             list(outputs), fin)
         ins = input_lists[0]
         if len(ins) != self._n or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
@@ -423,7 +425,7 @@ class _Collectives:
             if i == root:
                 fin.insert(0, lambda src=src: out.copy_(src.view(out.shape)))
             else:
-                calls.append(("send", src, None, None, None, i))
+                calls.append(("coll_send", src, None, None, None, i))
         return self._go(opts, calls, keep, list(outputs), fin)
 
     # -- point to point ----------------------------------------------------------------
@@ -443,7 +445,10 @@ class _Collectives:
             out = _output(t, "recv tensor", fin)
             calls.append(("recv", None, out, None, None, src))
             keep.append(out)
-        return self._go(None, calls, keep, list(tensors), fin)
+        work = self._go(None, calls, keep, list(tensors), fin)
+        if work is not None:
+            work._src = src  # `source_rank()`, as gloo's: the rank it was posted for
+        return work
 
     def recv_anysource(self, tensors, tag=0):
         from ._anysource import recv_anysource  # its Work reports the sender

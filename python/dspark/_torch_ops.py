@@ -28,6 +28,10 @@ from ._torch_errors import _torch_class, _torch_error
 from ._torch_work import _async_work, _Completer, _Done
 
 
+# The sends and receives inside a collective (gather, scatter), named apart from a user's.
+_ON_COMM = {"coll_send": "send", "coll_recv": "recv"}
+
+
 def _lane(prepared):
     """The completer lane of prepared calls: the communicators they run on, in order."""
     return tuple(dict.fromkeys(id(p[0]) for p in prepared))
@@ -157,7 +161,15 @@ class _Ops(_Collectives):
                 storages.append(r.untyped_storage())
             if count is None:
                 count = (s if s is not None else r).numel()
-            c = self._p2p_comm(coll, peer) if coll in ("send", "recv") else self._comm
+            if coll in ("send", "recv"):
+                c = self._p2p_comm(coll, peer)
+            else:
+                # A collective's own sends and receives (gather, scatter: `_ON_COMM`) run on
+                # the collectives' communicator, in their order: on the point-to-point
+                # ones a user's isend still in flight took the scatter's place in the
+                # peer's recv (the two swapped data, or failed with a mismatch).
+                c = self._comm
+                coll = _ON_COMM.get(coll, coll)
             prepared.append((c, coll, dt, sp, rp, count, op, peer))
         keep = (keep, storages)
         cuda = [d for d in devices if d.type == "cuda"]

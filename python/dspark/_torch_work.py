@@ -476,8 +476,17 @@ class _AsyncWork(dist._Work):
             raise v.exc
         return v
 
+    _src = -1  # set by `recv` for its Work: the rank the receive was posted for
+
     def source_rank(self):
-        return -1
+        return self._src
+
+    def _source_rank(self):
+        if self._src < 0:
+            raise RuntimeError(
+                "dspark: sourceRank() may only be called on the Work of a recv (as torch's)"
+            )
+        return self._src
 
     def synchronize(self):
         pass
@@ -510,8 +519,17 @@ class _Done(dist._Work):
     def result(self):
         return self._result
 
+    _src = -1  # set by `recv` for its Work: the rank the receive was posted for
+
     def source_rank(self):
-        return -1
+        return self._src
+
+    def _source_rank(self):
+        if self._src < 0:
+            raise RuntimeError(
+                "dspark: sourceRank() may only be called on the Work of a recv (as torch's)"
+            )
+        return self._src
 
     def synchronize(self):
         pass

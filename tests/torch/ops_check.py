@@ -733,6 +733,63 @@ def check_gather_scatter():
                     run_check(lab, sca)
 
 
+def check_p2p_beside_collectives():
+    """A user's isend to rank 1 still in flight while a scatter from rank 0 and a gather to
+    rank 1 run, then its receive: each gets its own data (a gather and a scatter were sends
+    and receives on the user's point-to-point channel, and the scatter took the isend's
+    data); the irecv's Work names its source (`source_rank()`, gloo's 0); an asynchronous
+    list-form all_gather's future completes with the flat list of outputs, as gloo's."""
+    w, r = CK.world, CK.rank
+    with group("p2p beside collectives") as g:
+        if not g.on:
+            return
+        if w < 2:
+            CK.skip("p2p beside collectives", "one rank: nobody to send to")
+            return
+        n, i64 = 7, torch.int64
+        lab = f"op=isend+scatter+gather+recv rank={r}"
+
+        def mixed():
+            sq = dist.isend(torch.full((n,), 99, dtype=i64), 1) if r == 0 else None
+            out = torch.zeros(n, dtype=i64)
+            pieces = [torch.full((n,), 10 * j + 1, dtype=i64) for j in range(w)]
+            dist.scatter(out, pieces if r == 0 else None, src=0)
+            compare(lab + " scatter", out, torch.full((n,), 10 * r + 1, dtype=i64))
+            got = [torch.zeros(n, dtype=i64) for _ in range(w)] if r == 1 else None
+            dist.gather(torch.full((n,), 5 + r, dtype=i64), got, dst=1)
+            if r == 1:
+                for j in range(w):
+                    compare(f"{lab} gather from={j}", got[j], torch.full((n,), 5 + j, dtype=i64))
+                mine = torch.zeros(n, dtype=i64)
+                rq = dist.irecv(mine, 0)
+                rq.wait()
+                compare(lab + " recv", mine, torch.full((n,), 99, dtype=i64))
+                CK.count()
+                src = (rq.source_rank(), rq._source_rank())
+                if src != (0, 0):
+                    CK.fail(lab, f"the irecv's Work names source {src}, not (0, 0)")
+            if sq is not None:
+                sq.wait()
+
+        run_check(lab, mixed)
+        lab = f"op=all_gather[async, future value] rank={r}"
+
+        def future():
+            outs = [torch.zeros(3) for _ in range(w)]
+            wk = dist.all_gather(outs, torch.full((3,), float(r)), async_op=True)
+            wk.wait()
+            val = wk.get_future().value()
+            CK.count()
+            if not (isinstance(val, list) and len(val) == w
+                    and all(isinstance(t, torch.Tensor) for t in val)):
+                CK.fail(lab, f"the future's value is {val!r:.100}, not {w} tensors")
+                return
+            for j in range(w):
+                compare(f"{lab} from={j}", val[j], torch.full((3,), float(j)))
+
+        run_check(lab, future)
+
+
 def check_coalesced():
     w = CK.world
     for dtype in DTYPES:
@@ -1135,7 +1192,7 @@ def main():
     fatal = None
     for fn in (check_identity, check_all_reduce, check_reduce, check_broadcast, check_all_gather,
                check_reduce_scatter, check_all_to_all, check_send_recv, check_barrier,
-               check_gather_scatter, check_coalesced, check_non_contiguous, check_async,
+               check_gather_scatter, check_p2p_beside_collectives, check_coalesced, check_non_contiguous, check_async,
                check_sync_work, check_groups):
         try:
             fn()
