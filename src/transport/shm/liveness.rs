@@ -20,8 +20,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use super::seg;
 use super::{
     out_of_bounds, PeerState, ShmTransport, LINK_POLL, LIVENESS_POLL, MSG_CAP, OFF_BELL, OFF_CLASS,
-    OFF_DONE, OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, RING_TAIL, STATUS_ABORT,
-    STATUS_BYE, STATUS_OPEN,
+    OFF_DONE, OFF_MSG, OFF_MSG_LEN, OFF_ORIGIN, OFF_SLEEPING, OFF_STATUS, PROCESS_POLL, RING_TAIL,
+    STATUS_ABORT, STATUS_BYE, STATUS_OPEN,
 };
 use crate::error::{Error, Result};
 use crate::transport::{rdhup, AbortClass, Interest};
@@ -225,6 +225,7 @@ impl ShmTransport {
         for i in flagged {
             self.examine(i);
         }
+        self.look_at_processes();
         for i in 0..self.peers.len() {
             if let Some(e) = self.abort_of(i) {
                 return Err(e);
@@ -278,6 +279,26 @@ impl ShmTransport {
             }
         }
         false
+    }
+
+    /// Marks gone the peers whose liveness connection is made but whose process ended: a
+    /// child the peer forked without exec holds a copy of that socket, which the kernel
+    /// closes only with the last copy (a rank killed with DataLoader workers alive went
+    /// unnoticed until they ended, or until the deadline). At most every [`PROCESS_POLL`].
+    fn look_at_processes(&mut self) {
+        if self.procs_looked.elapsed() < PROCESS_POLL {
+            return;
+        }
+        self.procs_looked = Instant::now();
+        for p in self.peers.iter_mut().flatten() {
+            if p.stream.is_some() && p.state == PeerState::Open && !alive(p) {
+                p.state = PeerState::Gone(format!(
+                    "its process {} ended (its liveness connection stays open: a process it \
+                     forked holds it)",
+                    p.pid
+                ));
+            }
+        }
     }
 
     /// Marks gone the peers whose liveness connection is still in the making and whose

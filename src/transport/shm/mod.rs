@@ -158,6 +158,10 @@ pub const LIVENESS_POLL: Duration = Duration::from_millis(10);
 /// The longest a blocked wait sleeps while a liveness connection made on first use is in the
 /// making (its handshake advances when this rank looks at it).
 const LINK_POLL: Duration = Duration::from_millis(1);
+/// How often a blocked wait looks at the processes of peers whose liveness connection is
+/// made: a peer that forked (torch's DataLoader workers, a multiprocessing pool) shares
+/// that socket with its children, and its death closes it only once they end too.
+const PROCESS_POLL: Duration = Duration::from_millis(100);
 
 const MAGIC: u64 = 0x4453_504b_5f53_484d; // "DSPK_SHM"
 const VERSION: u32 = 4;
@@ -299,6 +303,8 @@ pub struct ShmTransport {
     done: bool,
     /// Liveness connections made on first use (None: every peer has one from init).
     lazy: Option<Lazy>,
+    /// When the linked peers' processes were last looked at ([`PROCESS_POLL`]).
+    procs_looked: Instant,
     /// The collective the engine runs and the last one it completed
     /// ([`Transport::collective_progress`]); an abort publishes `coll_done`.
     coll_running: Option<u64>,

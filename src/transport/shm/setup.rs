@@ -366,6 +366,7 @@ impl ShmTransport {
             desc: String::new(),
             done: false,
             lazy: None,
+            procs_looked: std::time::Instant::now(),
             coll_running: None,
             coll_done: 0,
             peer_aborted: false,
