@@ -200,13 +200,17 @@ impl Error {
 
     /// Names the call an error happened in: a transport reports `send` or `receive`; the
     /// engine knows it was `all_reduce #41`. Errors whose operation already carries a
-    /// sequence number (timeouts, mismatches) are left as they are.
+    /// sequence number (most timeouts and mismatches) are left as they are; a timeout or a
+    /// mismatch of a connection made on first use inside the call (`bootstrap`) is named
+    /// after the call too.
     pub fn in_op(mut self, call: &str) -> Self {
         let op = match &mut self {
             Error::PeerLost { op, .. }
             | Error::Io { op, .. }
             | Error::Transport { op, .. }
-            | Error::Aborted { op, .. } => op,
+            | Error::Aborted { op, .. }
+            | Error::Timeout { op, .. }
+            | Error::Mismatch { op, .. } => op,
             _ => return self,
         };
         if !op.contains('#') {
@@ -289,6 +293,38 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_first_use_connections_timeout_is_named_after_the_call_and_a_named_one_is_kept() {
+        let connect = Error::Timeout {
+            rank: 3,
+            peer: Some(5),
+            op: "bootstrap".into(),
+            waited: Duration::from_secs(5),
+            detail: "connecting to rank 5".into(),
+        };
+        let s = connect.in_op("all_to_all #3").to_string();
+        assert!(s.contains("all_to_all #3 (bootstrap)"), "{s}");
+        let named = Error::Timeout {
+            rank: 3,
+            peer: Some(5),
+            op: "all_reduce #9".into(),
+            waited: Duration::from_secs(5),
+            detail: String::new(),
+        };
+        let s = named.in_op("all_reduce #9").to_string();
+        assert!(s.contains("all_reduce #9") && !s.contains("#9 ("), "{s}");
+        let m = Error::Mismatch {
+            rank: Some(1),
+            peer: Some(0),
+            op: "bootstrap".into(),
+            what: "a bad proof".into(),
+        };
+        assert!(m
+            .in_op("recv #4")
+            .to_string()
+            .contains("recv #4 (bootstrap)"));
+    }
 
     #[test]
     fn display_names_rank_peer_and_operation() {

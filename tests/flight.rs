@@ -41,6 +41,9 @@ fn wait_for(dir: &Path, files: &[&str]) {
 fn run_scenario(s: &str) -> Result<i32, String> {
     let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
     let rank = comm.rank();
+    if s == "split_mismatch" {
+        return split_mismatch(&comm);
+    }
     say(&format!(
         "ALGO {}",
         comm.algorithm(dspark::Collective::AllReduce, COUNT * 4)
@@ -102,8 +105,29 @@ fn run_scenario(s: &str) -> Result<i32, String> {
     }
 }
 
+/// Four ranks split into two colour groups (even and odd ranks): each process's second
+/// communicator, rank 0 of its group on ranks 0 and 1. In each group the second rank calls
+/// an all_reduce of another size: both groups fail with a mismatch and dump.
+fn split_mismatch(comm: &Communicator) -> Result<i32, String> {
+    let rank = comm.rank();
+    let sub = comm
+        .split(Some((rank % 2) as i32), rank as i32)
+        .map_err(|e| format!("split: {e}"))?
+        .ok_or("no group")?;
+    let mut v = vec![1f32; COUNT + sub.rank()];
+    match sub.all_reduce(&mut v, ReduceOp::Sum) {
+        Err(Error::Mismatch { .. } | Error::Aborted { .. }) => Ok(FAILED_AS_EXPECTED),
+        other => Err(format!("the mismatched all_reduce gave {other:?}")),
+    }
+}
+
 /// Runs `scenario` on 3 ranks; returns the dump directory and each rank's outcome.
 fn run(scenario: &str) -> (PathBuf, Vec<procs::Outcome>) {
+    run_on(3, scenario)
+}
+
+/// Runs `scenario` on `world` ranks.
+fn run_on(world: usize, scenario: &str) -> (PathBuf, Vec<procs::Outcome>) {
     let dir = std::env::temp_dir().join(format!(
         "dspark-fr-{scenario}-{}-{}",
         std::process::id(),
@@ -112,7 +136,7 @@ fn run(scenario: &str) -> (PathBuf, Vec<procs::Outcome>) {
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.display().to_string();
     let ranks = procs::spawn(
-        3,
+        world,
         scenario,
         &|_| {
             procs::vars(&[
@@ -316,6 +340,48 @@ fn a_mismatch_leaves_dumps_that_show_the_first_disagreeing_call() {
         f = dspark::DataType::F32.name(),
     );
     assert!(report.contains(&want), "missing {want:?} in:\n{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The two colour groups of one split both have a rank 0 whose second communicator it is:
+/// their dumps are kept apart (each file names its communicator's id) and analyzed apart
+/// (before, one group's rank 0 overwrote the other's `rank0.c1.json`, and the analysis mixed
+/// the groups).
+#[test]
+fn the_dumps_of_two_colour_groups_of_one_split_stay_apart() {
+    let (dir, outs) = run_on(4, "split_mismatch");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
+    }
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .expect("dump directory")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 4, "one dump per rank of each group: {files:?}");
+    let mut ids = std::collections::BTreeSet::new();
+    for f in &files {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap())
+            .unwrap_or_else(|e| panic!("{f}: {e}"));
+        assert_eq!(v["communicator"], 1, "{f}");
+        let id = v["communicator_id"].as_str().unwrap_or("").to_string();
+        assert!(f.contains(&id) && id.len() == 16, "{f}: id {id:?}");
+        ids.insert(id);
+    }
+    assert_eq!(ids.len(), 2, "two communicators: {files:?}");
+    let report = analyze(&dir);
+    assert_eq!(
+        report.matches("communicator 1 (id ").count(),
+        2,
+        "two communicators analyzed apart:\n{report}"
+    );
+    assert_eq!(
+        report.matches("dumps from ranks 0, 1 of 2").count(),
+        2,
+        "{report}"
+    );
+    assert!(!report.contains("second dump"), "{report}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

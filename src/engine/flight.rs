@@ -25,7 +25,10 @@
 //! # The dump format (`"format": "dspark-flight-record"`, `"version": 1`)
 //!
 //! One JSON object per communicator and rank: `format`, `version`, `rank`, `world`,
-//! `communicator` (its index among this process's communicators), `pid`, `capacity` (N),
+//! `communicator` (its index among this process's communicators), `communicator_id` (16
+//! hex digits every rank of the communicator records alike: [`FlightRecord::communicator_id`];
+//! the file of a process's k-th further communicator is `rank<r>.c<k>.<id>.json`), `pid`,
+//! `capacity` (N),
 //! `recorded` (calls recorded since init; the first `recorded - entries.len()` were
 //! overwritten), `reason` (`timeout`, `peer_lost`, `mismatch`, `aborted`, `failed`,
 //! `on_demand`), `error` (the error that failed the communicator, or null),
@@ -248,6 +251,11 @@ pub struct FlightRecord {
     pub world: usize,
     /// The communicator's index among this process's communicators (0: the first).
     pub communicator: usize,
+    /// What every rank of this communicator, and no other communicator's, records
+    /// (`communicator_id`: a hash of where its ranks met; empty when unknown): the dumps of
+    /// two colour groups of one split, or of ranks that number their communicators
+    /// differently, are told apart by it, not by `communicator`.
+    pub communicator_id: String,
     /// Entries the ring holds (`DSPARK_FR_ENTRIES`).
     pub capacity: usize,
     /// Calls recorded since init (older ones than the ring holds were overwritten).
@@ -269,6 +277,8 @@ const W_FAIL: usize = 6;
 const W_STEPS: usize = 7;
 const W_BYTES: usize = 8;
 const W_OF: usize = 9;
+/// The largest `of_bytes` a slot holds (48 bits; `steps_done` has the other 16).
+const OF_BYTES_MAX: u64 = (1 << 48) - 1;
 const W_RSEQ: usize = 10;
 const W_INDEX: usize = 11;
 const WORDS: usize = 12;
@@ -323,6 +333,7 @@ pub struct Recorder {
     rank: usize,
     world: usize,
     communicator: usize,
+    communicator_id: String,
     transport: TransportKind,
     dump_dir: Option<PathBuf>,
     /// The communicator's error (set once, when it fails).
@@ -378,10 +389,18 @@ impl Recorder {
             } else {
                 0
             },
+            communicator_id: String::new(),
             transport,
             dump_dir,
             error: Mutex::new(None),
         }
+    }
+
+    /// This recorder with the communicator's id ([`FlightRecord::communicator_id`]).
+    #[must_use]
+    pub fn with_communicator_id(mut self, id: String) -> Self {
+        self.communicator_id = id;
+        self
     }
 
     /// Entries it holds.
@@ -531,7 +550,12 @@ impl Recorder {
                 (W_FAIL, u32s(f.peer.unwrap_or(0), p.peer)),
                 (W_STEPS, u32s(p.step, p.steps)),
                 (W_BYTES, p.bytes),
-                (W_OF, p.of_bytes | ((p.steps_done as u64) << 48)),
+                // 48 bits of bytes, 16 of steps done: each saturates (65 535 steps of a
+                // segment each: an 8 GiB ring all_reduce wrapped before).
+                (
+                    W_OF,
+                    p.of_bytes.min(OF_BYTES_MAX) | ((p.steps_done.min(0xffff) as u64) << 48),
+                ),
             ],
         );
     }
@@ -601,7 +625,7 @@ impl Recorder {
                 steps: (w[W_STEPS] >> 32) as usize,
                 steps_done: (w[W_OF] >> 48) as usize,
                 bytes: w[W_BYTES],
-                of_bytes: w[W_OF] & ((1 << 48) - 1),
+                of_bytes: w[W_OF] & OF_BYTES_MAX,
             });
             FlightFailure {
                 kind,
@@ -666,6 +690,7 @@ impl Recorder {
             rank: self.rank,
             world: self.world,
             communicator: self.communicator,
+            communicator_id: self.communicator_id.clone(),
             capacity: self.slots.len(),
             recorded: n,
             error: self.error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
@@ -697,12 +722,15 @@ impl Recorder {
     }
 }
 
-/// The dump file of `rank`'s communicator number `k` in `dir`.
-pub fn file_name(dir: &Path, rank: usize, k: usize) -> PathBuf {
-    if k == 0 {
-        dir.join(format!("rank{rank}.json"))
-    } else {
-        dir.join(format!("rank{rank}.c{k}.json"))
+/// The dump file of `rank`'s communicator number `k` (id `id`, see
+/// [`FlightRecord::communicator_id`]) in `dir`: `rank<r>.json` for a process's first,
+/// `rank<r>.c<k>.<id>.json` for the others (the two colour groups of one split both have a
+/// rank 0 whose second communicator it is: the id keeps their files apart).
+pub fn file_name(dir: &Path, rank: usize, k: usize, id: &str) -> PathBuf {
+    match (k, id) {
+        (0, _) => dir.join(format!("rank{rank}.json")),
+        (_, "") => dir.join(format!("rank{rank}.c{k}.json")),
+        _ => dir.join(format!("rank{rank}.c{k}.{id}.json")),
     }
 }
 
@@ -778,12 +806,13 @@ impl FlightRecord {
             write!(
             o,
             "{{\"format\":{},\"version\":{VERSION},\"rank\":{},\"world\":{},\"communicator\":{},\
-             \"pid\":{},\"capacity\":{},\"recorded\":{},\"reason\":{},\"error\":{},\
+             \"communicator_id\":{},\"pid\":{},\"capacity\":{},\"recorded\":{},\"reason\":{},\"error\":{},\
              \"dumped_at_unix_ns\":{},\"entries\":[",
             json_str(FORMAT),
             self.rank,
             self.world,
             self.communicator,
+            json_str(&self.communicator_id),
             std::process::id(),
             self.capacity,
             self.recorded,
@@ -804,14 +833,15 @@ impl FlightRecord {
         self.to_json_with_reason("on_demand")
     }
 
-    /// Writes the dump into `dir` (created if missing) as `rank<r>.json` (`rank<r>.c<k>.json`
-    /// for this process's k-th further communicator); returns the file.
+    /// Writes the dump into `dir` (created if missing) as `rank<r>.json`
+    /// (`rank<r>.c<k>.<id>.json` for this process's k-th further communicator: [`file_name`]);
+    /// returns the file.
     ///
     /// # Errors
     /// The I/O error.
     pub fn write_to(&self, dir: &Path, reason: &str) -> std::io::Result<PathBuf> {
         std::fs::create_dir_all(dir)?;
-        let path = file_name(dir, self.rank, self.communicator);
+        let path = file_name(dir, self.rank, self.communicator, &self.communicator_id);
         let tmp = path.with_extension("json.tmp");
         std::fs::write(&tmp, self.to_json_with_reason(reason))?;
         std::fs::rename(&tmp, &path)?;

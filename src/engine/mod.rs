@@ -304,16 +304,24 @@ impl Engine {
     /// Keeps the last `entries` operations in the flight recorder (0: none) and dumps them
     /// into `dump_dir` when this engine fails (`DSPARK_FR_ENTRIES`, `DSPARK_FR_DUMP`; see
     /// [`flight`]).
-    pub fn configure_flight(&mut self, entries: usize, dump_dir: Option<std::path::PathBuf>) {
+    pub fn configure_flight(
+        &mut self,
+        entries: usize,
+        dump_dir: Option<std::path::PathBuf>,
+        communicator_id: String,
+    ) {
         self.flight = (entries > 0).then(|| {
-            Arc::new(flight::Recorder::new(
-                entries,
-                self.rank,
-                self.world,
-                self.transport.kind(),
-                dump_dir,
-                true,
-            ))
+            Arc::new(
+                flight::Recorder::new(
+                    entries,
+                    self.rank,
+                    self.world,
+                    self.transport.kind(),
+                    dump_dir,
+                    true,
+                )
+                .with_communicator_id(communicator_id),
+            )
         });
     }
 

@@ -126,8 +126,35 @@ fn parse_call(v: &Value) -> Option<Call> {
     })
 }
 
+/// Which communicator a dump is of: its `communicator_id` where it has one (every rank of
+/// a communicator records the same), else its number in the writing process (older dumps).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct CommKey {
+    number: u64,
+    id: String,
+}
+
+impl CommKey {
+    /// What groups dumps: the id, or (without one) the number.
+    fn group(&self) -> String {
+        if self.id.is_empty() {
+            format!("#{}", self.number)
+        } else {
+            self.id.clone()
+        }
+    }
+
+    fn label(&self) -> String {
+        if self.id.is_empty() {
+            format!("communicator {}", self.number)
+        } else {
+            format!("communicator {} (id {})", self.number, self.id)
+        }
+    }
+}
+
 /// Reads one dump: `Ok((communicator, dump))`, or why it cannot be used.
-fn read_dump(path: &Path) -> Result<(u64, Dump), String> {
+fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
     if bytes.is_empty() {
         return Err("is empty (the rank may have died while writing it)".into());
@@ -158,6 +185,12 @@ fn read_dump(path: &Path) -> Result<(u64, Dump), String> {
             .ok_or_else(|| format!("has no {k:?}"))
     };
     let (rank, world) = (num("rank")?, num("world")?);
+    if world > dspark::config::MAX_WORLD_SIZE as u64 {
+        return Err(format!(
+            "says a world of {world} ranks, more than dspark allows ({})",
+            dspark::config::MAX_WORLD_SIZE
+        ));
+    }
     if rank >= world {
         return Err(format!("says rank {rank} of a world of {world}"));
     }
@@ -166,7 +199,10 @@ fn read_dump(path: &Path) -> Result<(u64, Dump), String> {
         .and_then(Value::as_array)
         .ok_or("has no \"entries\" list")?;
     let calls: Vec<Call> = entries.iter().filter_map(parse_call).collect();
-    let comm = v.get("communicator").and_then(Value::as_u64).unwrap_or(0);
+    let comm = CommKey {
+        number: v.get("communicator").and_then(Value::as_u64).unwrap_or(0),
+        id: text(&v, "communicator_id"),
+    };
     let error = v.get("error").and_then(Value::as_str).map(str::to_string);
     Ok((
         comm,
@@ -179,12 +215,57 @@ fn read_dump(path: &Path) -> Result<(u64, Dump), String> {
     ))
 }
 
+/// `rank 3`, `ranks 0, 2`, `ranks 0-36, 38-63`: runs of three or more as ranges, so that a
+/// 64-rank job's lists stay one short line.
 fn list(ranks: &BTreeSet<u64>) -> String {
-    let v: Vec<String> = ranks.iter().map(u64::to_string).collect();
-    match v.len() {
-        1 => format!("rank {}", v[0]),
-        _ => format!("ranks {}", v.join(", ")),
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((_, hi)) if *hi + 1 == r => *hi = r,
+            _ => runs.push((r, r)),
+        }
     }
+    let parts: Vec<String> = runs
+        .iter()
+        .flat_map(|&(lo, hi)| match hi - lo {
+            0 => vec![lo.to_string()],
+            1 => vec![lo.to_string(), hi.to_string()],
+            _ => vec![format!("{lo}-{hi}")],
+        })
+        .collect();
+    match (ranks.len(), parts.len()) {
+        (1, _) => format!("rank {}", parts[0]),
+        _ => format!("ranks {}", parts.join(", ")),
+    }
+}
+
+/// The first `MAX_SAID` of `items`, then how many more.
+fn some_of(items: &[String], sep: &str) -> String {
+    let mut s = items
+        .iter()
+        .take(MAX_SAID)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(sep);
+    if items.len() > MAX_SAID {
+        s += &format!("{sep}and {} more", items.len() - MAX_SAID);
+    }
+    s
+}
+
+/// How many of a kind of line (failed ranks, the reasons of a wait) are said in full.
+const MAX_SAID: usize = 4;
+
+/// Why a rank waits: whether it was aborted (a consequence, not a cause), and how.
+type Why = (bool, String);
+
+/// Where a rank's chain of waits ends ([`analyze`]).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum End {
+    /// A rank that waits for nobody (it hung, died, or left no dump).
+    Rank(u64),
+    /// Ranks that wait for one another: a cycle (send/recv order, a deadlock).
+    Cycle(BTreeSet<u64>),
 }
 
 /// The analysis of one communicator's dumps, as lines.
@@ -208,10 +289,20 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         );
     }
     out.push(head);
-    for d in dumps.values() {
-        if let Some(e) = &d.error {
-            out.push(format!("rank {} failed: {e}", d.rank));
-        }
+    let failed: Vec<&Dump> = dumps.values().filter(|d| d.error.is_some()).collect();
+    for d in failed.iter().take(MAX_SAID) {
+        out.push(format!(
+            "rank {} failed: {}",
+            d.rank,
+            d.error.as_deref().unwrap_or("")
+        ));
+    }
+    if failed.len() > MAX_SAID {
+        let rest: BTreeSet<u64> = failed[MAX_SAID..].iter().map(|d| d.rank).collect();
+        out.push(format!(
+            "{} failed too (their errors are in their dumps)",
+            list(&rest)
+        ));
     }
     // Collectives by sequence number, per rank.
     let colls: BTreeMap<u64, BTreeMap<u64, &Call>> = dumps
@@ -281,11 +372,34 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             c1.shape()
         )),
         None if !seqs.is_empty() => out.push(format!(
-            "no disagreement in the calls the dumps hold (#{}..#{})",
+            "no disagreement in the collectives the dumps hold (#{}..#{})",
             seqs.first().copied().unwrap_or(0),
             seqs.last().copied().unwrap_or(0)
         )),
         None => {}
+    }
+    // A mismatch a rank found where the dumps show none (a send against a receive of
+    // another size; a peer's dump missing): its error says which calls.
+    if disagreement.is_none() {
+        for (&r, d) in dumps {
+            let found = d
+                .calls
+                .iter()
+                .find(|c| c.failure.as_ref().is_some_and(|f| f.kind == "mismatch"));
+            if let Some(c) = found {
+                let with = c
+                    .failure
+                    .as_ref()
+                    .and_then(|f| f.peer)
+                    .map_or(String::new(), |p| format!(" with rank {p}"));
+                out.push(format!(
+                    "mismatch: rank {r} found one{with} in {} ({}): its error says which calls \
+                     disagree",
+                    c.name(),
+                    c.shape()
+                ));
+            }
+        }
     }
 
     // Which rank is behind: the ranks whose last call is older than the others'.
@@ -327,7 +441,9 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
     // for (without that, the peer its error names, unless an abort: that names the rank
     // that failed first, not a cause); follow the chain (rank 1 waits for rank 0, which
     // waits for rank 2) to the rank that waits for nobody.
-    let mut waits: BTreeMap<u64, (u64, String)> = BTreeMap::new();
+    // Per failed rank: the peer it waited for, how, and whether it was aborted (it failed
+    // because another rank did: what it waited for then is not the cause).
+    let mut waits: BTreeMap<u64, (u64, String, bool)> = BTreeMap::new();
     for (&r, d) in dumps {
         let Some((c, f)) = d
             .calls
@@ -372,36 +488,86 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             (_, "mismatch") => format!("rank {r} disagreed with rank {p} in {}", c.name()),
             (_, k) => format!("rank {r}: {k} with rank {p} in {}", c.name()),
         };
-        waits.insert(r, (p, how));
+        waits.insert(r, (p, how, f.kind == "aborted"));
     }
-    let root = |mut r: u64| {
-        let mut seen = BTreeSet::new();
-        while let Some((p, _)) = waits.get(&r) {
-            if !seen.insert(r) {
-                break;
+    // Where a chain of waits ends. The waits of ranks that timed out or lost a peer are
+    // followed (a rank met twice closes a cycle); an aborted rank's wait is not (it stopped
+    // because another failed): reached, it is the rank waited for, and a chain that starts
+    // at one goes on from the rank it waited for, through other aborted ranks, to where
+    // that chain ends (itself, if it comes back).
+    let primary = |start: u64| {
+        let mut path = vec![start];
+        let mut r = start;
+        while let Some(&(p, _, false)) = waits.get(&r) {
+            if let Some(i) = path.iter().position(|&x| x == p) {
+                return End::Cycle(path[i..].iter().copied().collect());
             }
-            r = *p;
+            r = p;
+            path.push(r);
         }
-        r
+        End::Rank(r)
     };
-    let mut roots: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
-    for (&r, (_, how)) in &waits {
-        roots.entry(root(r)).or_default().push(how);
+    let end = |start: u64| {
+        let mut seen = BTreeSet::from([start]);
+        let mut r = start;
+        loop {
+            match waits.get(&r) {
+                Some(&(p, _, true)) if seen.insert(p) => r = p,
+                Some(&(_, _, true)) => return End::Rank(start),
+                _ => return primary(r),
+            }
+        }
+    };
+    let mut ends: BTreeMap<End, (BTreeSet<u64>, Vec<Why>)> = BTreeMap::new();
+    for (&r, (_, how, aborted)) in &waits {
+        let e = ends.entry(end(r)).or_default();
+        e.0.insert(r);
+        e.1.push((*aborted, how.clone()));
     }
-    // The most waited-for; on a tie, one that is behind or left no dump.
-    if let Some((&peer, why)) = roots
-        .iter()
-        .max_by_key(|(p, v)| (v.len(), missing.contains(p) || !waits.contains_key(p)))
-    {
-        let note = if missing.contains(&peer) {
-            " (it left no dump)"
-        } else {
-            ""
-        };
+    // Every group, the largest first (on a tie, one that left no dump).
+    let mut groups: Vec<_> = ends.into_iter().collect();
+    groups.sort_by_key(|(e, (who, _))| {
+        let silent = matches!(e, End::Rank(p) if missing.contains(p) || !waits.contains_key(p));
+        (std::cmp::Reverse(who.len()), !silent)
+    });
+    let single = groups.len() == 1;
+    let mut silent = Vec::new();
+    for (e, (who, mut why)) in groups {
+        // The causes (timeouts, lost peers) before the waits of aborted ranks.
+        why.sort_by_key(|(aborted, _)| *aborted);
+        let why: Vec<String> = why.into_iter().map(|(_, how)| how).collect();
+        let why = some_of(&why, "; ");
+        out.push(match e {
+            End::Cycle(ring) => format!(
+                "{} wait for one another (a cycle: the order of their sends and receives, \
+                 or each waits in another call): {why}",
+                list(&ring)
+            ),
+            End::Rank(peer) => {
+                let note = if missing.contains(&peer) {
+                    silent.push(peer);
+                    " (it left no dump)"
+                } else {
+                    ""
+                };
+                if single {
+                    format!("everyone waits for rank {peer}{note}: {why}")
+                } else {
+                    format!("{} wait for rank {peer}{note}: {why}", list(&who))
+                }
+            }
+        });
+    }
+    if !silent.is_empty() {
+        let who: BTreeSet<u64> = silent.into_iter().collect();
         out.push(format!(
-            "everyone waits for rank {peer}{note}: {}",
-            why.join("; ")
+            "next: look at {}'s log or stack (py-spy dump, gdb -p): it hung, died, or wrote \
+             its dump on another host's DSPARK_FR_DUMP",
+            list(&who)
         ));
+    }
+    if out.iter().all(|l| !l.contains("wait")) && failed.is_empty() && missing.is_empty() {
+        out.push("no rank is stuck: no dump records a failure".into());
     }
     out
 }
@@ -431,7 +597,8 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
         .collect();
     files.sort();
     let mut lines = Vec::new();
-    let mut comms: BTreeMap<u64, BTreeMap<u64, Dump>> = BTreeMap::new();
+    // Per communicator (`CommKey::group`): its label and its dumps by rank.
+    let mut comms: BTreeMap<String, (String, BTreeMap<u64, Dump>)> = BTreeMap::new();
     for f in &files {
         let name = f.file_name().map_or_else(
             || f.display().to_string(),
@@ -440,13 +607,15 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
         match read_dump(f) {
             Ok((k, d)) => {
                 let rank = d.rank;
-                if let std::collections::btree_map::Entry::Vacant(v) =
-                    comms.entry(k).or_default().entry(rank)
-                {
+                let label = k.label();
+                let (_, of) = comms
+                    .entry(k.group())
+                    .or_insert_with(|| (label.clone(), BTreeMap::new()));
+                if let std::collections::btree_map::Entry::Vacant(v) = of.entry(rank) {
                     v.insert(d);
                 } else {
                     lines.push(format!(
-                        "warning: {name}: a second dump of rank {rank} of communicator {k}: ignored"
+                        "warning: {name}: a second dump of rank {rank} of {label}: ignored"
                     ));
                 }
             }
@@ -466,9 +635,9 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
         ));
     }
     let several = comms.len() > 1;
-    for (k, dumps) in &comms {
+    for (label, dumps) in comms.values() {
         if several {
-            lines.push(format!("communicator {k}:"));
+            lines.push(format!("{label}:"));
         }
         let indent = if several { "  " } else { "" };
         lines.extend(analyze(dumps).into_iter().map(|l| format!("{indent}{l}")));
@@ -535,5 +704,73 @@ mod tests {
             out.contains("last call every rank completed: all_reduce #2"),
             "{out}"
         );
+    }
+
+    /// Rank `r`'s dump of `world`, its last call failed with `kind` while it waited for
+    /// `peer` (receiving).
+    fn failed(r: u64, world: u64, kind: &str, peer: u64) -> Dump {
+        let mut last = call(3, 2, "failed");
+        last.failure = Some(Failure {
+            kind: kind.into(),
+            peer: Some(peer),
+            progress: Some((peer, "recv".into(), 1, 4, 0, 8)),
+        });
+        Dump {
+            rank: r,
+            world,
+            error: Some(format!("rank {r}: {kind}")),
+            calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
+        }
+    }
+
+    #[test]
+    fn ranks_waiting_for_one_another_are_a_cycle_not_one_rank() {
+        let dumps: BTreeMap<u64, Dump> = (0..3)
+            .map(|r| (r, failed(r, 3, "timeout", (r + 1) % 3)))
+            .collect();
+        let out = analyze(&dumps).join("\n");
+        assert!(out.contains("ranks 0-2 wait for one another"), "{out}");
+        assert!(!out.contains("everyone waits for rank"), "{out}");
+    }
+
+    #[test]
+    fn an_aborted_ranks_wait_leads_to_the_rank_the_timeout_waited_for() {
+        // Rank 1 came late: rank 2 timed out waiting for it and aborted the others, who
+        // were waiting for ranks 2 and 0 then.
+        let mut dumps = BTreeMap::new();
+        dumps.insert(0, failed(0, 3, "aborted", 2));
+        dumps.insert(1, failed(1, 3, "aborted", 0));
+        dumps.insert(2, failed(2, 3, "timeout", 1));
+        let out = analyze(&dumps).join("\n");
+        let verdict = out.lines().find(|l| l.contains("wait")).unwrap_or("");
+        assert!(
+            verdict.starts_with("everyone waits for rank 1: rank 2 timed out"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn two_dead_ranks_are_two_groups_and_long_lists_are_ranges() {
+        let mut dumps: BTreeMap<u64, Dump> = (0..4)
+            .map(|r| (r, failed(r, 70, "peer_lost", if r < 2 { 5 } else { 4 })))
+            .collect();
+        for r in 6..70 {
+            dumps.insert(r, failed(r, 70, "peer_lost", 5));
+        }
+        let out = analyze(&dumps).join("\n");
+        assert!(out.contains("dumps from ranks 0-3, 6-69 of 70"), "{out}");
+        assert!(out.contains("ranks 0, 1, 6-69 wait for rank 5"), "{out}");
+        assert!(out.contains("ranks 2, 3 wait for rank 4"), "{out}");
+        assert!(out.contains("and 62 more"), "{out}");
+        assert!(out.contains("ranks 6-69 failed too"), "{out}");
+        assert!(out.lines().all(|l| l.len() < 1000), "{out}");
+    }
+
+    #[test]
+    fn rank_lists_fold_runs_of_three_or_more() {
+        let l = |v: &[u64]| list(&v.iter().copied().collect());
+        assert_eq!(l(&[3]), "rank 3");
+        assert_eq!(l(&[0, 1]), "ranks 0, 1");
+        assert_eq!(l(&[0, 1, 2, 5, 7, 8]), "ranks 0-2, 5, 7, 8");
     }
 }

@@ -79,6 +79,23 @@ struct Facts {
     auth: crate::config::JobAuth,
 }
 
+/// The flight record's `communicator_id`: what every rank of a communicator knows alike
+/// and other communicators do not (where its ranks met: rank 0's address, which a split or
+/// shrink child gets from its leader's own listener; the job id; the size), hashed: 16 hex
+/// digits.
+fn communicator_id(config: &Config) -> String {
+    let text = format!(
+        "dspark flight communicator\0{}\0{}\0{}",
+        config.root_addr,
+        config.job_id.as_deref().unwrap_or(""),
+        config.world_size
+    );
+    bootstrap::auth::sha256(text.as_bytes())[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Whether this process warned that a job is open beyond loopback.
 static OPEN_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -564,7 +581,11 @@ impl Communicator {
         let direct_layout = direct.and_then(|d| d.direct_layout());
         let direct_host = direct.and_then(|d| d.direct_host_region());
         let mut engine = Engine::new(rank, world, transport, opts.clone());
-        engine.configure_flight(config.flight_entries, config.flight_dump.clone());
+        engine.configure_flight(
+            config.flight_entries,
+            config.flight_dump.clone(),
+            communicator_id(config),
+        );
         if let Some(prefix) = &config.trace {
             let path = engine.start_trace(prefix)?;
             tracing::info!(rank, "DSPARK_TRACE: tracing to {}", path.display());
