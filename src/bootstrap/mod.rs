@@ -55,7 +55,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -189,11 +189,9 @@ impl<'a> Ctx<'a> {
     }
 
     fn send(&self, s: &mut TcpStream, peer: Option<usize>, m: Msg) -> Result<()> {
-        let rem = self
-            .remaining()
-            .ok_or_else(|| self.timeout(peer, "sending a bootstrap message"))?;
-        s.set_write_timeout(Some(rem))
-            .map_err(|e| self.io(peer, "socket option", e))?;
+        if self.remaining().is_none() {
+            return Err(self.timeout(peer, "sending a bootstrap message"));
+        }
         // The length travels as a u32: a longer message is an error, never a wrapped length.
         let len = u32::try_from(m.0.len()).map_err(|_| Error::Transport {
             rank: Some(self.rank()),
@@ -207,7 +205,7 @@ impl<'a> Ctx<'a> {
         let mut buf = Vec::with_capacity(4 + m.0.len());
         buf.extend_from_slice(&len.to_le_bytes());
         buf.extend_from_slice(&m.0);
-        s.write_all(&buf)
+        net::write_by(s, &buf, self.deadline)
             .map_err(|e| self.io(peer, "sending a bootstrap message", e))
     }
 
@@ -229,10 +227,10 @@ impl<'a> Ctx<'a> {
             .remaining()
             .ok_or_else(|| self.timeout(peer, what.to_string()))?
             .min(limit);
-        s.set_read_timeout(Some(rem))
-            .map_err(|e| self.io(peer, "socket option", e))?;
+        // The whole message by then, not each read (a peer that stopped mid-message).
+        let by = Instant::now() + rem;
         let mut len = [0u8; 4];
-        s.read_exact(&mut len).map_err(|e| self.io(peer, what, e))?;
+        net::read_by(s, &mut len, by).map_err(|e| self.io(peer, what, e))?;
         let n = u32::from_le_bytes(len) as usize;
         if n == 0 || n > max {
             return Err(Error::Transport {
@@ -243,7 +241,7 @@ impl<'a> Ctx<'a> {
             });
         }
         let mut buf = vec![0u8; n];
-        s.read_exact(&mut buf).map_err(|e| self.io(peer, what, e))?;
+        net::read_by(s, &mut buf, by).map_err(|e| self.io(peer, what, e))?;
         Ok(buf)
     }
 

@@ -4,8 +4,9 @@
 
 #![forbid(unsafe_code)]
 
-use std::io;
-use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
@@ -54,4 +55,115 @@ pub(super) fn resolve(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
 /// Whether `ip` is one of this host's addresses (a listener can bind it).
 pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
     TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// The socket timeout for an I/O call now: what is left before `deadline` (at least 1 ms: a
+/// zero timeout would mean none), or `TimedOut` once it has passed.
+fn left(deadline: Instant) -> io::Result<Duration> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "nothing more before the deadline",
+        ));
+    }
+    Ok((deadline - now).max(Duration::from_millis(1)))
+}
+
+/// Whether an I/O error only says the call's time (or a signal) ran out.
+fn retry(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Reads exactly `buf.len()` bytes by `deadline`: each read gets what is left of it, so a
+/// peer that stops mid-message, or sends a byte now and then, fails at the deadline (a
+/// socket timeout applies to one read: `read_exact` under one could run past it as often
+/// as bytes came). Errors: `TimedOut` at the deadline, `UnexpectedEof` when the peer
+/// closes, or the OS error.
+pub(crate) fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        stream.set_read_timeout(Some(left(deadline)?))?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the peer closed the connection",
+                ))
+            }
+            Ok(n) => filled += n,
+            Err(e) if retry(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` by `deadline`, as [`read_by`] reads.
+pub(crate) fn write_by(stream: &mut TcpStream, buf: &[u8], deadline: Instant) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        stream.set_write_timeout(Some(left(deadline)?))?;
+        match stream.write(&buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if retry(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that sends a byte every 100 ms, forever: a read of 64 bytes by a deadline
+    /// 300 ms away fails at it (one socket timeout per read would have let it go on for as
+    /// long as the bytes came).
+    #[test]
+    fn a_trickling_peer_fails_a_read_at_its_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let feeder = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            for _ in 0..20 {
+                if s.write_all(&[7]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 64];
+        let e = read_by(&mut c, &mut buf, t0 + Duration::from_millis(300)).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(took < Duration::from_millis(1000), "{took:?}");
+        drop(c);
+        feeder.join().unwrap();
+    }
+
+    /// A peer that reads nothing: a write of more than the socket buffers hold fails at
+    /// the deadline.
+    #[test]
+    fn a_peer_that_reads_nothing_fails_a_write_at_its_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut c = TcpStream::connect(addr).unwrap();
+        let (_idle, _) = l.accept().unwrap();
+        let t0 = Instant::now();
+        let big = vec![0u8; 64 << 20];
+        let e = write_by(&mut c, &big, t0 + Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
 }

@@ -59,7 +59,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -450,38 +450,9 @@ fn encode_cancel_wait() -> Vec<u8> {
     vec![wire::CANCEL_WAIT]
 }
 
-/// Reads exactly `buf.len()` bytes before `deadline`. Errors: `TimedOut` at the deadline,
-/// `UnexpectedEof` when the server closes, or the OS error.
+/// Reads exactly `buf.len()` bytes before `deadline` ([`super::net::read_by`]).
 fn read_full(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no reply before the deadline",
-            ));
-        }
-        stream.set_read_timeout(Some((deadline - now).max(Duration::from_millis(1))))?;
-        match stream.read(&mut buf[filled..]) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the server closed the connection",
-                ))
-            }
-            Ok(n) => filled += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    super::net::read_by(stream, buf, deadline)
 }
 
 fn read_u8(stream: &mut TcpStream, deadline: Instant) -> io::Result<u8> {

@@ -204,18 +204,37 @@ pub(crate) fn token_from(
 /// The token in the file at `path`: its text without one trailing newline.
 ///
 /// # Errors
-/// [`Error::Config`] naming `DSPARK_JOB_TOKEN_FILE` when the file cannot be read, is not
-/// private to its owner (`chmod 600`), is empty, larger than 64 KiB or not UTF-8.
+/// [`Error::Config`] naming `DSPARK_JOB_TOKEN_FILE` when the file cannot be read, is not a
+/// regular file, belongs to another user, is not private to its owner (`chmod 600`), is
+/// empty, larger than 64 KiB or not UTF-8.
 pub(crate) fn read_token_file(path: &Path) -> Result<String> {
     use std::io::Read;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     let bad = |what: String| Error::config(TOKEN_FILE_ENV, format!("{}: {what}", path.display()));
-    let mut f = std::fs::File::open(path).map_err(|e| bad(format!("cannot be read: {e}")))?;
+    // Non-blocking: opening a FIFO with no writer (or a one-shot one another rank read
+    // already) must not wait forever before any deadline exists; a regular file reads the
+    // same either way.
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| bad(format!("cannot be read: {e}")))?;
     let meta = f
         .metadata()
         .map_err(|e| bad(format!("cannot be read: {e}")))?;
     if !meta.is_file() {
-        return Err(bad("is not a file".into()));
+        return Err(bad("is not a regular file".into()));
+    }
+    // Another user who owns the file (or can write it) knows the token.
+    // This process's user: the owner of its /proc entry (no check where that is unknown).
+    let me = std::fs::metadata("/proc/self").map_or(meta.uid(), |m| m.uid());
+    if meta.uid() != me {
+        return Err(bad(format!(
+            "belongs to user {} and this process runs as user {me}: its owner knows the \
+             token, so any job of theirs could join this one (a token file is the job owner's \
+             own, chmod 600)",
+            meta.uid()
+        )));
     }
     let mode = meta.permissions().mode();
     if mode & 0o077 != 0 {
@@ -309,6 +328,27 @@ mod tests {
             assert!(matches!(e, Error::Config { .. }), "{}: {e}", p.display());
             let s = e.to_string();
             assert!(s.contains(TOKEN_FILE_ENV) && s.contains(says), "{s}");
+        }
+        // A FIFO with no writer: refused at once (opening it waited forever).
+        let fifo = p_empty.parent().unwrap().join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let t0 = std::time::Instant::now();
+        let e = with_file(&fifo, &[]).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        // Another user's file: its owner knows the token (where this test may chown).
+        let theirs = token_file("theirs", b"tok\n", 0o600);
+        let me = std::fs::metadata("/proc/self").map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.uid()
+        });
+        let other = me.map_or(1, |u| u + 1);
+        if std::os::unix::fs::chown(&theirs, Some(other), None).is_ok() {
+            let e = with_file(&theirs, &[]).unwrap_err().to_string();
+            assert!(e.contains("belongs to user"), "{e}");
+        } else {
+            println!("skipped: another user's token file (this process cannot chown)");
         }
         // A directory is no token file.
         let dir = p_empty.parent().unwrap().to_path_buf();

@@ -1,6 +1,7 @@
 //! Tests of the stores: the in-process store, the prefix, and the TCPStore client against
 //! fake servers.
 use super::*;
+use std::io::Read;
 use std::net::TcpListener;
 use std::thread;
 

@@ -106,14 +106,23 @@ fn warn_if_open(
     ip: std::net::IpAddr,
     warned: &std::sync::atomic::AtomicBool,
 ) -> bool {
-    let warn = auth.is_open()
-        && !ip.is_loopback()
-        && !warned.swap(true, std::sync::atomic::Ordering::Relaxed);
-    if warn {
+    use crate::config::JobAuth;
+    let exposed = auth.is_open() || matches!(auth, JobAuth::Store);
+    let warn =
+        exposed && !ip.is_loopback() && !warned.swap(true, std::sync::atomic::Ordering::Relaxed);
+    const FIX: &str = "give every rank a secret with DSPARK_JOB_TOKEN_FILE (umask 077; head -c32 \
+                       /dev/urandom | base64 > ~/.dspark-token; \
+                       DSPARK_JOB_TOKEN_FILE=~/.dspark-token)";
+    if warn && matches!(auth, JobAuth::Store) {
+        tracing::warn!(
+            "this job's secret is published in torch's TCPStore, which has no authentication, \
+             and the job runs on {ip}: a client that reaches MASTER_PORT can read it and join, \
+             stall or kill the job; {FIX}"
+        );
+    } else if warn {
         tracing::warn!(
             "this job is {auth} on {ip}: a stranger that reaches it can join, stall or kill the \
-             job; give every rank a secret with DSPARK_JOB_TOKEN_FILE (umask 077; head -c32 \
-             /dev/urandom | base64 > ~/.dspark-token; DSPARK_JOB_TOKEN_FILE=~/.dspark-token)"
+             job; {FIX}"
         );
     }
     warn
@@ -754,9 +763,12 @@ mod tests {
         let lan: std::net::IpAddr = "10.0.0.7".parse().unwrap();
         assert!(!warn_if_open(&open, lo, &warned));
         assert!(!warn_if_open(&JobAuth::Spawner, lan, &warned));
-        assert!(!warn_if_open(&JobAuth::Store, lan, &warned));
+        assert!(!warn_if_open(&JobAuth::Store, lo, &warned));
         assert!(warn_if_open(&open, lan, &warned));
         assert!(!warn_if_open(&open, lan, &warned), "twice");
+        // A secret in torch's store, on a network: its clients can read it.
+        let fresh = std::sync::atomic::AtomicBool::new(false);
+        assert!(warn_if_open(&JobAuth::Store, lan, &fresh));
     }
 
     #[test]
