@@ -717,6 +717,66 @@ impl TcpTransport {
     }
 }
 
+/// How long an abort or a goodbye waits for peers whose sockets are full, all of them
+/// together.
+const FAREWELL: Duration = Duration::from_millis(200);
+
+impl TcpTransport {
+    /// Writes `frame` (an abort, a goodbye) to every open peer not inside a frame of its
+    /// own, within [`FAREWELL`] for them all: every peer is tried without blocking first (one
+    /// whose socket has room takes it at once, whatever the others do), then those that
+    /// blocked are waited for in turn until that one deadline. Each peer used to get 200 ms
+    /// of its own, one after another: 256 peers with full sockets held an abort for 51 s.
+    /// Returns, per peer in order (`peers.iter().flatten()`), whether it was written to.
+    fn farewell(&mut self, frame: &[u8]) -> Vec<bool> {
+        let deadline = Instant::now() + FAREWELL;
+        let mut told = Vec::new();
+        let mut blocked = Vec::new();
+        for (k, p) in self.peers.iter_mut().flatten().enumerate() {
+            let open = p.state == PeerState::Open && !p.tx_in_frame;
+            told.push(open);
+            if !open {
+                continue;
+            }
+            let _ = p.stream.set_nonblocking(true);
+            match p.stream.write(frame) {
+                Ok(n) if n == frame.len() => {}
+                Ok(n) => blocked.push((k, n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => blocked.push((k, 0)),
+                Err(_) => {}
+            }
+        }
+        for (k, mut done) in blocked {
+            let Some(p) = self.peers.iter_mut().flatten().nth(k) else {
+                continue;
+            };
+            let _ = p.stream.set_nonblocking(false);
+            while done < frame.len() {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                let _ = p
+                    .stream
+                    .set_write_timeout(Some((deadline - now).max(Duration::from_millis(1))));
+                match p.stream.write(&frame[done..]) {
+                    Ok(0) => break,
+                    Ok(n) => done += n,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::Interrupted
+                                | io::ErrorKind::WouldBlock
+                                | io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        told
+    }
+}
+
 impl Transport for TcpTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
@@ -1013,18 +1073,15 @@ impl Transport for TcpTransport {
         // How far this rank got: a peer still in a collective this rank completed finishes
         // it (`TcpTransport::abort_news`).
         head.seq = self.coll_done;
-        let head = head.encode();
-        for p in self.peers.iter_mut().flatten() {
-            if p.state == PeerState::Open && !p.tx_in_frame {
-                let _ = p.stream.set_nonblocking(false);
-                let _ = p.stream.set_write_timeout(Some(Duration::from_millis(200)));
-                let mut frame = head.to_vec();
-                frame.extend_from_slice(msg);
-                let _ = Write::write_all(&mut p.stream, &frame);
-                let _ = p.stream.shutdown(Shutdown::Write);
+        let mut frame = head.encode().to_vec();
+        frame.extend_from_slice(msg);
+        let told = self.farewell(&frame);
+        for (p, told) in self.peers.iter_mut().flatten().zip(told) {
+            let _ = p.stream.shutdown(if told {
+                Shutdown::Write
             } else {
-                let _ = p.stream.shutdown(Shutdown::Both);
-            }
+                Shutdown::Both
+            });
             p.state = PeerState::Lost("this rank aborted".into());
         }
     }
@@ -1033,13 +1090,8 @@ impl Transport for TcpTransport {
         if self.aborted {
             return;
         }
-        let head = FrameHeader::bye().encode();
+        self.farewell(&FrameHeader::bye().encode());
         for p in self.peers.iter_mut().flatten() {
-            if p.state == PeerState::Open && !p.tx_in_frame {
-                let _ = p.stream.set_nonblocking(false);
-                let _ = p.stream.set_write_timeout(Some(Duration::from_millis(200)));
-                let _ = Write::write_all(&mut p.stream, &head);
-            }
             let _ = p.stream.shutdown(Shutdown::Write);
         }
         self.aborted = true;
