@@ -68,7 +68,7 @@ mod leaf;
 mod links;
 mod mesh;
 pub(crate) mod msg;
-mod net;
+pub(crate) mod net;
 mod options;
 mod root;
 pub mod store;
@@ -369,14 +369,16 @@ fn bind_data(ctx: &Ctx<'_>, ip: IpAddr) -> Result<TcpListener> {
         IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
     };
     let at = SocketAddr::new(ip, 0);
-    TcpListener::bind(at).map_err(|e| {
+    let l = TcpListener::bind(at).map_err(|e| {
         Error::io(
             Some(ctx.rank()),
             None,
             format!("bootstrap: binding the data listener on {at}"),
             e,
         )
-    })
+    })?;
+    net::widen_backlog(&l);
+    Ok(l)
 }
 
 /// The connections to rank 0 (rank 0: to every rank) and the rank table.

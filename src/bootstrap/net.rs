@@ -57,6 +57,14 @@ pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
     TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
+/// Lets `l` queue as many connections as the system allows (`SOMAXCONN`: 4096 on current
+/// kernels) instead of std's 128: every rank dials rank 0 at init, and a rank busy outside
+/// dspark is dialled by every peer that first needs it, so a job of more than 128 ranks
+/// filled the queue and the kernel dropped the rest of the dials.
+pub(crate) fn widen_backlog(l: &TcpListener) {
+    let _ = nix::sys::socket::listen(l, nix::sys::socket::Backlog::MAXCONN);
+}
+
 /// The socket timeout for an I/O call now: what is left before `deadline` (at least 1 ms: a
 /// zero timeout would mean none), or `TimedOut` once it has passed.
 fn left(deadline: Instant) -> io::Result<Duration> {
@@ -165,5 +173,36 @@ mod tests {
             "{:?}",
             t0.elapsed()
         );
+    }
+}
+
+#[cfg(test)]
+mod backlog_tests {
+    use super::*;
+
+    /// 200 dials of a listener that accepts none of them yet (a rank busy outside dspark,
+    /// or rank 0 at the start of a large job): all are queued (std's queue of 128 dropped
+    /// the rest, which then waited for SYN retransmits or failed).
+    #[test]
+    fn a_widened_listener_queues_more_than_128_dials() {
+        let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        if somaxconn < 256 {
+            println!("skipped: net.core.somaxconn is {somaxconn}, below the 200 dials");
+            return;
+        }
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        widen_backlog(&l);
+        let at = l.local_addr().unwrap();
+        let mut held = Vec::new();
+        for i in 0..200 {
+            match TcpStream::connect_timeout(&at, Duration::from_secs(2)) {
+                Ok(s) => held.push(s),
+                Err(e) => panic!("dial {i} of a listener that accepts later: {e}"),
+            }
+        }
+        assert_eq!(held.len(), 200);
     }
 }

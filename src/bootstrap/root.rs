@@ -133,6 +133,7 @@ fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
             )
         }
     })?;
+    super::net::widen_backlog(&listener);
     Ok((listener, bind_addr))
 }
 

@@ -226,6 +226,7 @@ impl Communicator {
                     e,
                 )
             })?;
+            crate::bootstrap::net::widen_backlog(&listener);
             let port = listener
                 .local_addr()
                 .map_err(|e| Error::io(Some(0), None, "bootstrap: listener address", e))?

@@ -56,6 +56,7 @@ pub(crate) fn ephemeral_listener(
     let rank = Some(config.rank);
     let l = TcpListener::bind(SocketAddr::new(bind_ip, 0))
         .map_err(|e| Error::io(rank, None, format!("{what}: listening on {bind_ip}"), e))?;
+    crate::bootstrap::net::widen_backlog(&l);
     let port = l
         .local_addr()
         .map_err(|e| Error::io(rank, None, format!("{what}: listener address"), e))?
