@@ -65,6 +65,8 @@ const V_REFUSED: u8 = 2;
 const V_FAILED: u8 = 3;
 /// Connections the leader reads at once besides the survivors' (strangers, stale ones).
 const EXTRA_PENDING: usize = 64;
+/// Connections a leader accepts on its shrink door per round (as the bootstrap's gate).
+const ACCEPT_BATCH: usize = 16;
 /// Longest error text in a verdict.
 const MAX_TEXT: usize = 4096;
 
@@ -624,34 +626,8 @@ impl Plan<'_> {
                     detail: text,
                 });
             }
-            // New connections: greet each with a fresh nonce.
-            loop {
-                match l.accept() {
-                    Ok((mut s, from)) => {
-                        let nonce = auth::nonce()
-                            .map_err(|e| Error::io(Some(me), None, "shrink: reading a nonce", e))?;
-                        let mut g = GREETING.to_vec();
-                        g.extend_from_slice(&nonce);
-                        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
-                        if s.write_all(&frame(&g)).is_ok() && s.set_nonblocking(true).is_ok() {
-                            if pending.len() >= members.len() + EXTRA_PENDING {
-                                pending.remove(0);
-                            }
-                            pending.push(Conn {
-                                s,
-                                from,
-                                nonce,
-                                buf: Vec::new(),
-                            });
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
-                    Err(e) => return Err(Error::io(Some(me), None, "shrink: accepting", e)),
-                }
-            }
-            // Hellos.
+            // Hellos first: a survivor whose hello is here joins before any new connection
+            // can take its place.
             let mut i = 0;
             while i < pending.len() {
                 match pending[i].read(max) {
@@ -665,6 +641,49 @@ impl Plan<'_> {
                         let c = pending.swap_remove(i);
                         self.admit(c, m, joined, failed, next);
                     }
+                }
+            }
+            // New connections, at most ACCEPT_BATCH a round: greet each with a fresh nonce.
+            // One from an address that is no rank's door is closed unread (unless
+            // DSPARK_ACCEPT_ANY_SOURCE), and a full queue makes room by dropping the oldest
+            // connection that has sent nothing, never one whose hello has begun: a stranger
+            // dialling fast pushed out survivors whose hellos were on their way, and the
+            // shrink failed at its deadline.
+            for _ in 0..ACCEPT_BATCH {
+                match l.accept() {
+                    Ok((mut s, from)) => {
+                        let ip = from.ip().to_canonical();
+                        if !self.comm.config.accept_any_source
+                            && !self.door.addrs.iter().any(|a| a.ip().to_canonical() == ip)
+                        {
+                            continue;
+                        }
+                        if pending.len() >= members.len() + EXTRA_PENDING {
+                            match pending.iter().position(|c| c.buf.is_empty()) {
+                                Some(k) => {
+                                    pending.remove(k);
+                                }
+                                None => continue,
+                            }
+                        }
+                        let nonce = auth::nonce()
+                            .map_err(|e| Error::io(Some(me), None, "shrink: reading a nonce", e))?;
+                        let mut g = GREETING.to_vec();
+                        g.extend_from_slice(&nonce);
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                        if s.write_all(&frame(&g)).is_ok() && s.set_nonblocking(true).is_ok() {
+                            pending.push(Conn {
+                                s,
+                                from,
+                                nonce,
+                                buf: Vec::new(),
+                            });
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
+                    Err(e) => return Err(Error::io(Some(me), None, "shrink: accepting", e)),
                 }
             }
             let mut fds = vec![PollFd::new(l.as_fd(), PollFlags::POLLIN)];
