@@ -96,6 +96,15 @@ fn communicator_id(config: &Config) -> String {
         .collect()
 }
 
+/// Whether flight records can be written into `dir`: it is made if missing, and a file is
+/// written there and removed.
+fn dump_dir_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".dspark-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
 /// Whether this process warned that a job is open beyond loopback.
 static OPEN_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -595,6 +604,16 @@ impl Communicator {
             config.flight_dump.clone(),
             communicator_id(config),
         );
+        if let (Some(dir), true) = (&config.flight_dump, config.flight_entries > 0) {
+            // Found now, not after the hang whose record it was to keep.
+            if let Err(e) = dump_dir_writable(dir) {
+                let what = format!(
+                    "DSPARK_FR_DUMP={}: {e}: a failure's flight record cannot be written there",
+                    dir.display()
+                );
+                once::warn_once!(key: &what, rank, "{what}");
+            }
+        }
         if let Some(prefix) = &config.trace {
             let path = engine.start_trace(prefix)?;
             tracing::info!(rank, "DSPARK_TRACE: tracing to {}", path.display());
@@ -753,6 +772,24 @@ fn choose_transport(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dump_directory_is_checked_at_init() {
+        let base = std::env::temp_dir().join(format!("dspark-frdir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let made = base.join("made/here");
+        dump_dir_writable(&made).expect("made and writable");
+        assert!(made.is_dir());
+        assert_eq!(
+            std::fs::read_dir(&made).unwrap().count(),
+            0,
+            "the probe is removed"
+        );
+        let file = base.join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(dump_dir_writable(&file).is_err(), "a file is no directory");
+        let _ = std::fs::remove_dir_all(&base);
+    }
 
     #[test]
     fn an_open_job_beyond_loopback_warns_once_and_no_other_does() {
