@@ -91,6 +91,8 @@ struct Dump {
     world: u64,
     error: Option<String>,
     calls: Vec<Call>,
+    /// When it was written (`dumped_at_unix_ns`; 0: not said).
+    dumped_at_ns: u64,
 }
 
 fn text(v: &Value, k: &str) -> String {
@@ -211,6 +213,10 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
             world,
             error,
             calls,
+            dumped_at_ns: v
+                .get("dumped_at_unix_ns")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
         },
     ))
 }
@@ -253,6 +259,9 @@ fn some_of(items: &[String], sep: &str) -> String {
     s
 }
 
+/// Dumps written further apart than this (seconds) are said to be of different runs.
+const STALE_S: u64 = 3600;
+
 /// How many of a kind of line (failed ranks, the reasons of a wait) are said in full.
 const MAX_SAID: usize = 4;
 
@@ -277,6 +286,29 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             "warning: rank {} says the world has {} ranks, others {world}: dumps of different jobs?",
             d.rank, d.world
         ));
+    }
+    // Dumps of one failure are written within its deadline of one another; hours apart,
+    // they are of different runs (a directory reused).
+    let times: Vec<u64> = dumps
+        .values()
+        .map(|d| d.dumped_at_ns)
+        .filter(|&t| t > 0)
+        .collect();
+    if let (Some(&lo), Some(&hi)) = (times.iter().min(), times.iter().max()) {
+        let apart = (hi - lo) / 1_000_000_000;
+        if apart > STALE_S {
+            let old: BTreeSet<u64> = dumps
+                .values()
+                .filter(|d| d.dumped_at_ns > 0 && d.dumped_at_ns < hi - STALE_S * 1_000_000_000)
+                .map(|d| d.rank)
+                .collect();
+            out.push(format!(
+                "warning: the dumps were written {:.1} hours apart ({} older): of different \
+                 runs? empty DSPARK_FR_DUMP's directory between runs",
+                apart as f64 / 3600.0,
+                list(&old)
+            ));
+        }
     }
     let present: BTreeSet<u64> = dumps.keys().copied().collect();
     let missing: BTreeSet<u64> = (0..world).filter(|r| !present.contains(r)).collect();
@@ -593,10 +625,24 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
     let rd = std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     let mut files: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| p.extension().is_some_and(|x| x == "json" || x == "tmp"))
         .collect();
     files.sort();
     let mut lines = Vec::new();
+    // A dump cut short where it was written (`.json.tmp`: its writer stopped before the
+    // rename): the rank died or was killed while writing it.
+    files.retain(|p| {
+        let tmp = p.extension().is_some_and(|x| x == "tmp");
+        if tmp {
+            lines.push(format!(
+                "warning: {} is a dump whose writing never finished: its rank stopped while \
+                 writing it",
+                p.file_name()
+                    .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+            ));
+        }
+        !tmp
+    });
     // Per communicator (`CommKey::group`): its label and its dumps by rank.
     let mut comms: BTreeMap<String, (String, BTreeMap<u64, Dump>)> = BTreeMap::new();
     for f in &files {
@@ -681,6 +727,7 @@ mod tests {
                     world: 3,
                     error: None,
                     calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
+                    dumped_at_ns: 0,
                 },
             );
         }
@@ -691,6 +738,7 @@ mod tests {
                 world: 3,
                 error: None,
                 calls: vec![call(1, 2, "completed"), call(2, 5, "completed")],
+                dumped_at_ns: 0,
             },
         );
         let out = analyze(&dumps).join("\n");
@@ -720,6 +768,7 @@ mod tests {
             world,
             error: Some(format!("rank {r}: {kind}")),
             calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
+            dumped_at_ns: 0,
         }
     }
 
@@ -764,6 +813,22 @@ mod tests {
         assert!(out.contains("and 62 more"), "{out}");
         assert!(out.contains("ranks 6-69 failed too"), "{out}");
         assert!(out.lines().all(|l| l.len() < 1000), "{out}");
+    }
+
+    #[test]
+    fn dumps_written_a_day_apart_are_said_to_be_of_different_runs() {
+        let day = 86_400 * 1_000_000_000u64;
+        let mut dumps: BTreeMap<u64, Dump> =
+            (0..4).map(|r| (r, failed(r, 4, "timeout", 3))).collect();
+        for (r, d) in dumps.iter_mut() {
+            d.dumped_at_ns = if *r >= 2 { day } else { 2 * day };
+        }
+        let out = analyze(&dumps).join("\n");
+        assert!(out.contains("24.0 hours apart (ranks 2, 3 older)"), "{out}");
+        for d in dumps.values_mut() {
+            d.dumped_at_ns = day;
+        }
+        assert!(!analyze(&dumps).join("\n").contains("apart"));
     }
 
     #[test]
