@@ -641,41 +641,37 @@ fn killed_rank_makes_every_survivor_fail_within_the_deadline_and_leaves_no_share
 }
 
 /// Forks a child that keeps copies of this process's sockets (the liveness connections
-/// too) for 20 s after this process is gone, as torch's DataLoader workers (whose watchdog
-/// looks for the parent every 5 s) or a multiprocessing pool do. It closes every other
-/// descriptor: the test's pipes end with this process.
+/// too) for 20 s, as torch's DataLoader workers (whose watchdog looks for the parent every
+/// 5 s) or a multiprocessing pool do. It becomes `sleep 20` with only the sockets open: the
+/// exec drops this process's mappings (another test checks that no process maps a dspark
+/// segment) and every other descriptor (the test's pipes end with this process).
 fn fork_a_sleeper() {
-    let parent = nix::unistd::getpid().as_raw();
-    // SAFETY: the child calls only async-signal-safe functions (fstat, close, getppid,
-    // nanosleep, _exit) before it exits, as fork in a threaded process requires.
+    let argv = [c"sleep".as_ptr(), c"20".as_ptr(), std::ptr::null()];
+    // SAFETY: the child calls only async-signal-safe functions (fstat, fcntl, close, execv,
+    // _exit), as fork in a threaded process requires; `argv` was built before the fork.
     match unsafe { nix::unistd::fork() } {
         Ok(nix::unistd::ForkResult::Child) => {
             for fd in 0..1024 {
-                // SAFETY: a zeroed stat is a valid out-parameter; fstat and close accept any
-                // descriptor number.
+                // SAFETY: a zeroed stat is a valid out-parameter; fstat, fcntl and close
+                // accept any descriptor number.
                 unsafe {
                     let mut st: libc::stat = std::mem::zeroed();
-                    if libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT != libc::S_IFSOCK
-                    {
+                    if libc::fstat(fd, &mut st) != 0 {
+                        continue;
+                    }
+                    if st.st_mode & libc::S_IFMT == libc::S_IFSOCK {
+                        libc::fcntl(fd, libc::F_SETFD, 0); // kept across the exec
+                    } else {
                         libc::close(fd);
                     }
                 }
             }
-            let nap = |s: libc::time_t, ns: libc::c_long| {
-                let t = libc::timespec {
-                    tv_sec: s,
-                    tv_nsec: ns,
-                };
-                // SAFETY: a valid timespec; a null remainder is allowed.
-                unsafe { libc::nanosleep(&t, std::ptr::null_mut()) };
-            };
-            // SAFETY: getppid has no preconditions.
-            while unsafe { libc::getppid() } == parent {
-                nap(0, 100_000_000);
+            for path in [c"/bin/sleep", c"/usr/bin/sleep"] {
+                // SAFETY: a NUL-terminated path and a NULL-terminated argv of C strings.
+                unsafe { libc::execv(path.as_ptr(), argv.as_ptr()) };
             }
-            nap(20, 0);
             // SAFETY: _exit has no preconditions.
-            unsafe { libc::_exit(0) }
+            unsafe { libc::_exit(127) }
         }
         Ok(nix::unistd::ForkResult::Parent { .. }) => {}
         Err(e) => panic!("fork: {e}"),
@@ -687,32 +683,7 @@ fn fork_a_sleeper() {
 /// the killed rank's process, not at the 30 s deadline or when the child ends.
 #[test]
 fn a_killed_rank_whose_forked_child_lives_on_fails_every_survivor_within_seconds() {
-    let world = 3;
-    let mut ranks = spawn(
-        world,
-        "loop_forked",
-        &|_| shm_vars(&[("DSPARK_TIMEOUT", "30")]),
-        None,
-    );
-    ranks.wait_ready(world);
-    std::thread::sleep(Duration::from_millis(200));
-    ranks.children[1].kill().unwrap();
-    let outs = ranks.wait(Duration::from_secs(60));
-    for (r, o) in outs.iter().enumerate() {
-        if r == 1 {
-            continue;
-        }
-        assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
-        assert!(
-            o.elapsed < Duration::from_secs(10),
-            "rank {r} took {:?}",
-            o.elapsed
-        );
-    }
-    assert!(
-        outs.iter().any(|o| o.out.contains("rank 1")),
-        "no survivor names rank 1"
-    );
+    common::procs::kill_one_rank(3, "loop_forked", 1, &shm_vars(&[("DSPARK_TIMEOUT", "30")]));
 }
 
 #[test]

@@ -399,6 +399,20 @@ def _wait_timed_out(timeout):
     )
 
 
+def _source_rank_or_none(work):
+    """`Work.source_rank()`: the rank a recv's Work was posted for, else -1."""
+    return work._src
+
+
+def _source_rank_of_recv(work):
+    """`Work._source_rank()`: as torch's, an error for the Work of anything but a recv."""
+    if work._src < 0:
+        raise RuntimeError(
+            "dspark: sourceRank() may only be called on the Work of a recv (as torch's)"
+        )
+    return work._src
+
+
 class _AsyncWork(dist._Work):
     """A started operation: `wait`, `is_completed` and `get_future` answer from its future.
     `wait` raises the operation's own error (a `dspark.TimeoutError` that is also a
@@ -477,16 +491,8 @@ class _AsyncWork(dist._Work):
         return v
 
     _src = -1  # set by `recv` for its Work: the rank the receive was posted for
-
-    def source_rank(self):
-        return self._src
-
-    def _source_rank(self):
-        if self._src < 0:
-            raise RuntimeError(
-                "dspark: sourceRank() may only be called on the Work of a recv (as torch's)"
-            )
-        return self._src
+    source_rank = _source_rank_or_none
+    _source_rank = _source_rank_of_recv
 
     def synchronize(self):
         pass
@@ -520,16 +526,8 @@ class _Done(dist._Work):
         return self._result
 
     _src = -1  # set by `recv` for its Work: the rank the receive was posted for
-
-    def source_rank(self):
-        return self._src
-
-    def _source_rank(self):
-        if self._src < 0:
-            raise RuntimeError(
-                "dspark: sourceRank() may only be called on the Work of a recv (as torch's)"
-            )
-        return self._src
+    source_rank = _source_rank_or_none
+    _source_rank = _source_rank_of_recv
 
     def synchronize(self):
         pass

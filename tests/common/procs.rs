@@ -421,15 +421,25 @@ pub(crate) fn mismatched_count(comm: &dspark::Communicator) -> Result<i32, Strin
 /// (the dead rank directly, or inside the abort a survivor that noticed first sent).
 /// `env(timeout)` gives a rank's variables. Returns the outcomes for further checks.
 pub(crate) fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>) -> Vec<Outcome> {
-    let world = 4;
-    let vars = env("30");
-    let mut ranks = spawn(world, "loop", &|_| vars.clone(), None);
+    kill_one_rank(4, "loop", 2, &env("30"))
+}
+
+/// `world` ranks in `scenario` (which prints READY, then runs collectives until they
+/// fail), rank `victim` killed (SIGKILL) mid-collective: every survivor fails as expected
+/// within 10 s (the deadline in `vars` is 30 s), and one names the victim.
+pub(crate) fn kill_one_rank(
+    world: usize,
+    scenario: &str,
+    victim: usize,
+    vars: &[(String, String)],
+) -> Vec<Outcome> {
+    let mut ranks = spawn(world, scenario, &|_| vars.to_vec(), None);
     ranks.wait_ready(world);
     std::thread::sleep(Duration::from_millis(200));
-    ranks.children[2].kill().unwrap(); // SIGKILL mid-collective
+    ranks.children[victim].kill().unwrap(); // SIGKILL mid-collective
     let outs = ranks.wait(Duration::from_secs(60));
     for (r, o) in outs.iter().enumerate() {
-        if r == 2 {
+        if r == victim {
             continue;
         }
         assert_eq!(o.code, Some(FAILED_AS_EXPECTED), "rank {r}:\n{}", o.out);
@@ -440,12 +450,13 @@ pub(crate) fn killed_rank_fails_every_survivor_within_the_deadline(env: Env<'_>)
             o.elapsed
         );
     }
+    let named = format!("rank {victim}");
     assert!(
         outs.iter()
             .enumerate()
-            .filter(|(r, _)| *r != 2)
-            .any(|(_, o)| o.out.contains("rank 2")),
-        "no survivor names the killed rank 2:\n{}",
+            .filter(|(r, _)| *r != victim)
+            .any(|(_, o)| o.out.contains(&named)),
+        "no survivor names the killed {named}:\n{}",
         outs.iter()
             .map(|o| o.out.as_str())
             .collect::<Vec<_>>()
