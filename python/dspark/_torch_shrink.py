@@ -80,19 +80,16 @@ def shrink(group, ranks_to_exclude, shrink_flags=0, opts=None):
         )
     _register_as_custom()
     excluded = sorted(int(r) for r in ranks_to_exclude)
-    abort = bool(shrink_flags & SHRINK_ABORT)
-    try:
-        # The group's communicator is aborted once the excluded ranks were checked (a
-        # refused call leaves the group as it was); its point-to-point ones after it.
-        comm = group._comm.shrink(excluded, abort=abort)
-    except _dspark.InvalidArgumentError as e:
-        raise dt._torch_error(e, group._deadline) from None
-    except _dspark.Error as e:
-        if abort:
+    if shrink_flags & SHRINK_ABORT:
+        # Aborted first (what is in flight on any of the group's communicators fails at
+        # once), once the ranks are known good: a refused call leaves the group as it was.
+        n, me = group._comm.world_size, group._comm.rank
+        if all(0 <= r < n for r in excluded) and me not in excluded:
             group.abort()
+    try:
+        comm = group._comm.shrink(excluded)
+    except _dspark.Error as e:
         raise dt._torch_error(e, group._deadline) from None
-    if abort:
-        group.abort()
     # Each shrink of this group gets its own key space in the store (monitored_barrier).
     n = getattr(group, "_shrinks", 0)
     group._shrinks = n + 1

@@ -126,7 +126,7 @@ impl RawBuffers {
         };
         match self.prepare {
             Prepare::InPlaceOnCopy => {
-                let mut tmp = copy_of(eng, &self.call, src)?;
+                let mut tmp = copy_of(eng, &self.call, self.call.coll.name(), src)?;
                 eng.run(&self.call, &[], &mut tmp)
             }
             Prepare::CopyIntoDst => {
@@ -143,7 +143,7 @@ impl RawBuffers {
             Prepare::AsGiven if self.overlap() => {
                 // In-place all_gather / reduce_scatter / all_to_all (NCCL's convention: the
                 // send buffer is a part of the receive buffer): read a copy.
-                let tmp = copy_of(eng, &self.call, src)?;
+                let tmp = copy_of(eng, &self.call, self.call.coll.name(), src)?;
                 // SAFETY: as above; `src` is no longer used.
                 let dst = unsafe { dst_slice(self.dst, self.dst_len) };
                 eng.run(&self.call, &tmp, dst)
@@ -160,7 +160,7 @@ impl RawBuffers {
 
 /// A copy of `src` for `call` to read from (an in-place call), or, where the memory cannot
 /// be had, the call failed on every rank (`Unavailable`) instead of the process aborted.
-fn copy_of(eng: &mut Engine, call: &Call, src: &[u8]) -> Result<Vec<u8>> {
+fn copy_of(eng: &mut Engine, call: &Call, name: &str, src: &[u8]) -> Result<Vec<u8>> {
     let mut v = Vec::new();
     match v.try_reserve_exact(src.len()) {
         Ok(()) => {
@@ -170,7 +170,7 @@ fn copy_of(eng: &mut Engine, call: &Call, src: &[u8]) -> Result<Vec<u8>> {
         Err(e) => Err(eng.fail_before_start(
             call,
             Error::unavailable(
-                "memory",
+                format!("{name}: memory"),
                 format!(
                     "a {} copy of the send buffer, which an in-place call reads from: {e}",
                     crate::types::human_bytes(src.len() as u64, false)
@@ -624,7 +624,7 @@ impl VBuffers {
                 dtype: self.dtype,
                 ..Call::new(Collective::AllToAll, None, count, 0, false)
             };
-            Some(copy_of(eng, &call, src)?)
+            Some(copy_of(eng, &call, "all_to_all_v", src)?)
         } else {
             None
         };

@@ -226,8 +226,7 @@ pub(crate) fn read_token_file(path: &Path) -> Result<String> {
         return Err(bad("is not a regular file".into()));
     }
     // Another user who owns the file (or can write it) knows the token.
-    // This process's user: the owner of its /proc entry (no check where that is unknown).
-    let me = std::fs::metadata("/proc/self").map_or(meta.uid(), |m| m.uid());
+    let me = nix::unistd::geteuid().as_raw();
     if meta.uid() != me {
         return Err(bad(format!(
             "belongs to user {} and this process runs as user {me}: its owner knows the \
@@ -339,11 +338,7 @@ mod tests {
         assert!(t0.elapsed() < std::time::Duration::from_secs(5));
         // Another user's file: its owner knows the token (where this test may chown).
         let theirs = token_file("theirs", b"tok\n", 0o600);
-        let me = std::fs::metadata("/proc/self").map(|m| {
-            use std::os::unix::fs::MetadataExt;
-            m.uid()
-        });
-        let other = me.map_or(1, |u| u + 1);
+        let other = nix::unistd::geteuid().as_raw().wrapping_add(1);
         if std::os::unix::fs::chown(&theirs, Some(other), None).is_ok() {
             let e = with_file(&theirs, &[]).unwrap_err().to_string();
             assert!(e.contains("belongs to user"), "{e}");

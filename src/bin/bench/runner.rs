@@ -190,7 +190,7 @@ impl<T: BenchElem> Runner<T> {
             // A size whose buffers are empty (all_gather of 8 B on 4 ranks): CUDA allocates no
             // empty buffer, and the library skips an empty call on either memory without
             // touching memory or a peer (as NCCL does a count of 0), so it runs on host.
-            (_, Some(_)) if b.recv.is_empty() => Ok(Runner::Host(b)),
+            (_, Some(_)) if b.recv.is_empty() && b.send.is_empty() => Ok(Runner::Host(b)),
             (_, Some(g)) => {
                 let up = |v: &Vec<T>| -> Result<Option<CudaSlice<T>>, String> {
                     if v.is_empty() {

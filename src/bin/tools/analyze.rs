@@ -545,7 +545,9 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         loop {
             match waits.get(&r) {
                 Some(&(p, _, true)) if seen.insert(p) => r = p,
-                Some(&(_, _, true)) => return End::Rank(start),
+                // Aborted ranks that waited for one another: whoever aborted them left no
+                // wait to follow; they are a cycle of their own.
+                Some(&(_, _, true)) => return End::Cycle(seen),
                 _ => return primary(r),
             }
         }
@@ -585,7 +587,8 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
                 if single {
                     format!("everyone waits for rank {peer}{note}: {why}")
                 } else {
-                    format!("{} wait for rank {peer}{note}: {why}", list(&who))
+                    let verb = if who.len() == 1 { "waits" } else { "wait" };
+                    format!("{} {verb} for rank {peer}{note}: {why}", list(&who))
                 }
             }
         });

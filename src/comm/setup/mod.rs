@@ -62,6 +62,9 @@ struct Facts {
     /// The address of this rank's data listener (None for a world of one or a given
     /// transport).
     data_ip: Option<std::net::IpAddr>,
+    /// What every rank of this communicator knows alike: rank 0's data address as the rank
+    /// table carries it (None without one: the configured root address stands in).
+    rank0_addr: Option<std::net::SocketAddr>,
     hosts: Vec<String>,
     local_ranks: usize,
     /// The ranks that share this rank's CPUs, in words ([`crowd::Crowd::describe`]).
@@ -80,13 +83,14 @@ struct Facts {
 }
 
 /// The flight record's `communicator_id`: what every rank of a communicator knows alike
-/// and other communicators do not (where its ranks met: rank 0's address, which a split or
-/// shrink child gets from its leader's own listener; the job id; the size), hashed: 16 hex
-/// digits.
-fn communicator_id(config: &Config) -> String {
+/// and other communicators do not (rank 0's data address from the rank table, each
+/// communicator's own listener, else the configured root address; the job id; the size),
+/// hashed: 16 hex digits. The rank table's address, not each rank's spelling of the root
+/// (`localhost` here, `127.0.0.1` there).
+fn communicator_id(config: &Config, rank0: Option<std::net::SocketAddr>) -> String {
     let text = format!(
         "dspark flight communicator\0{}\0{}\0{}",
-        config.root_addr,
+        rank0.map_or_else(|| config.root_addr.clone(), |a| a.to_string()),
         config.job_id.as_deref().unwrap_or(""),
         config.world_size
     );
@@ -100,7 +104,10 @@ fn communicator_id(config: &Config) -> String {
 /// written there and removed.
 fn dump_dir_writable(dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let probe = dir.join(format!(".dspark-probe-{}", std::process::id()));
+    // Two communicators of one process may check at once: a name of each check's own.
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = dir.join(format!(".dspark-probe-{}-{k}", std::process::id()));
     std::fs::write(&probe, b"")?;
     std::fs::remove_file(&probe)
 }
@@ -406,6 +413,7 @@ impl Communicator {
         let facts = Facts {
             auth,
             data_ip,
+            rank0_addr: boot.peers.first().map(|p| p.addr),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             local_ranks: local,
             cpu_sharing: crowd.describe(),
@@ -517,6 +525,7 @@ impl Communicator {
         let facts = Facts {
             auth: crate::config::JobAuth::Alone,
             data_ip: None,
+            rank0_addr: None,
             hosts: vec![String::new(); world],
             local_ranks: world,
             cpu_sharing: "threads of one process (not counted)".into(),
@@ -602,7 +611,7 @@ impl Communicator {
         engine.configure_flight(
             config.flight_entries,
             config.flight_dump.clone(),
-            communicator_id(config),
+            communicator_id(config, facts.rank0_addr),
         );
         if let (Some(dir), true) = (&config.flight_dump, config.flight_entries > 0) {
             // Found now, not after the hang whose record it was to keep.

@@ -507,6 +507,53 @@ pub(super) mod tests {
         }
     }
 
+    /// A frame of a later collective behind a wrap marker is still seen by a one-shot peek:
+    /// rank 0's 20 KiB frame leaves its send position past the ring's hot window, so its
+    /// next small frame (a broadcast #2, where rank 1 runs #2 one-shot) goes to the ring's
+    /// start behind a marker. Rank 1's peek for rank 0's contribution to #2 is a mismatch
+    /// naming that frame; it read the marker as the frame and saw nothing (the mismatch was
+    /// left to rank 0 to find, or to the deadline).
+    #[test]
+    fn a_one_shot_peek_sees_a_frame_behind_a_wrap_marker() {
+        use crate::plan::Collective;
+        let mut ts = pair(None);
+        let frame = |coll: Collective, seq: u64, len: usize| FrameHeader {
+            kind: FrameKind::Data,
+            coll: coll.code(),
+            dtype: 0,
+            op: crate::transport::NO_OP,
+            root: 0,
+            len: len as u32,
+            seq,
+            count: len as u64,
+        };
+        let big = vec![1u8; 20 * 1024];
+        let mut sp = SendProgress::default();
+        assert!(ts[0]
+            .send(
+                1,
+                &frame(Collective::AllReduce, 1, big.len()),
+                &big,
+                &mut sp
+            )
+            .unwrap());
+        let mut sink = Take(Vec::new());
+        let mut rp = RecvProgress::default();
+        assert!(ts[1].recv(0, &mut rp, &mut sink).unwrap());
+        let small = [2u8; 16];
+        let mut sp = SendProgress::default();
+        assert!(ts[0]
+            .send(1, &frame(Collective::Broadcast, 2, 16), &small, &mut sp)
+            .unwrap());
+        let slots = ts[1].slots().expect("shm has slots");
+        match slots.peek(0, 2) {
+            Err(e @ Error::Mismatch { .. }) => {
+                assert!(e.to_string().contains("frame of collective #2"), "{e}");
+            }
+            other => panic!("expected a mismatch naming rank 0's frame, got {other:?}"),
+        }
+    }
+
     /// Three ranks in this process, of which only 0 and 1 are partners: each segment commits
     /// the header and its partners' rings at init, and a pair's rings on its first use.
     #[test]
