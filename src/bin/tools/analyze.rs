@@ -26,6 +26,8 @@ struct Call {
     count: u64,
     op: String,
     root: Option<u64>,
+    /// A send's or receive's peer.
+    peer: Option<u64>,
     algorithm: String,
     state: String,
     failure: Option<Failure>,
@@ -93,6 +95,9 @@ struct Dump {
     calls: Vec<Call>,
     /// When it was written (`dumped_at_unix_ns`; 0: not said).
     dumped_at_ns: u64,
+    /// Calls recorded since init (`recorded`; 0: not said): more than `calls` holds means
+    /// the ring overflowed and the oldest are gone.
+    recorded: u64,
 }
 
 fn text(v: &Value, k: &str) -> String {
@@ -122,6 +127,7 @@ fn parse_call(v: &Value) -> Option<Call> {
         count: v.get("count").and_then(Value::as_u64).unwrap_or(0),
         op: text(v, "op"),
         root: v.get("root").and_then(Value::as_u64),
+        peer: v.get("peer").and_then(Value::as_u64),
         algorithm: text(v, "algorithm"),
         state: text(v, "state"),
         failure,
@@ -217,6 +223,7 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
                 .get("dumped_at_unix_ns")
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
+            recorded: v.get("recorded").and_then(Value::as_u64).unwrap_or(0),
         },
     ))
 }
@@ -452,9 +459,15 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             .find_map(|m| m.get(&front))
             .map_or(format!("call #{front}"), |c| c.name());
         for &r in &behind {
-            let was = match last.get(&r).copied().flatten() {
-                Some(c) => format!("its last call is {} ({})", c.name(), c.state),
-                None => "it recorded no collective".into(),
+            let was = match (last.get(&r).copied().flatten(), dumps.get(&r)) {
+                (Some(c), _) => format!("its last call is {} ({})", c.name(), c.state),
+                (None, Some(d)) if d.recorded > d.calls.len() as u64 => format!(
+                    "its ring holds only its last {} of {} calls, none a collective \
+                     (DSPARK_FR_ENTRIES keeps more)",
+                    d.calls.len(),
+                    d.recorded
+                ),
+                _ => "it recorded no collective".into(),
             };
             out.push(format!(
                 "behind: rank {r}: {was}; it never started {at}, which {} reached",
@@ -465,6 +478,25 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             out.push(format!(
                 "behind: unknown: every dump reached {at}; {} left no dump",
                 list(&missing)
+            ));
+        }
+    }
+
+    // A rank inside a send or receive that never finished (its collective may be queued
+    // behind it): the calls the collectives' lines above do not show.
+    for (&r, d) in dumps {
+        let stuck = d
+            .calls
+            .iter()
+            .rev()
+            .find(|c| !c.is_collective() && c.state == "started");
+        if let Some(c) = stuck {
+            let with = c.peer.map_or(String::new(), |p| {
+                format!(" {} rank {p}", if c.coll == "recv" { "from" } else { "to" })
+            });
+            out.push(format!(
+                "rank {r} is inside {}{with}, started and not finished",
+                c.name()
             ));
         }
     }
@@ -601,7 +633,10 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             list(&who)
         ));
     }
-    if out.iter().all(|l| !l.contains("wait")) && failed.is_empty() && missing.is_empty() {
+    let said_stuck = out
+        .iter()
+        .any(|l| l.starts_with("behind:") || l.contains(" wait") || l.contains("is inside"));
+    if !said_stuck && failed.is_empty() && missing.is_empty() {
         out.push("no rank is stuck: no dump records a failure".into());
     }
     out
@@ -706,6 +741,7 @@ mod tests {
             count,
             op: "sum".into(),
             root: None,
+            peer: None,
             algorithm: "ring".into(),
             state: state.into(),
             failure: None,
@@ -731,6 +767,7 @@ mod tests {
                     error: None,
                     calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
                     dumped_at_ns: 0,
+                    recorded: 0,
                 },
             );
         }
@@ -742,6 +779,7 @@ mod tests {
                 error: None,
                 calls: vec![call(1, 2, "completed"), call(2, 5, "completed")],
                 dumped_at_ns: 0,
+                recorded: 0,
             },
         );
         let out = analyze(&dumps).join("\n");
@@ -772,6 +810,7 @@ mod tests {
             error: Some(format!("rank {r}: {kind}")),
             calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
             dumped_at_ns: 0,
+            recorded: 0,
         }
     }
 
@@ -832,6 +871,39 @@ mod tests {
             d.dumped_at_ns = day;
         }
         assert!(!analyze(&dumps).join("\n").contains("apart"));
+    }
+
+    #[test]
+    fn a_ring_of_sends_and_a_stuck_receive_are_said() {
+        let mut dumps: BTreeMap<u64, Dump> =
+            (0..2).map(|r| (r, failed(r, 3, "timeout", 2))).collect();
+        let mut send = call(115, 4, "completed");
+        send.coll = "send".into();
+        send.peer = Some(1);
+        let mut recv = call(3, 4, "started");
+        recv.coll = "recv".into();
+        recv.peer = Some(0);
+        dumps.insert(
+            2,
+            Dump {
+                rank: 2,
+                world: 3,
+                error: None,
+                calls: vec![send, recv],
+                dumped_at_ns: 0,
+                recorded: 135,
+            },
+        );
+        let out = analyze(&dumps).join("\n");
+        assert!(
+            out.contains("rank 2: its ring holds only its last 2 of 135 calls"),
+            "{out}"
+        );
+        assert!(
+            out.contains("rank 2 is inside recv #3 from rank 0, started and not finished"),
+            "{out}"
+        );
+        assert!(!out.contains("no rank is stuck"), "{out}");
     }
 
     #[test]
