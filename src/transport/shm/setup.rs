@@ -443,6 +443,20 @@ pub(super) mod tests {
         }
     }
 
+    /// The header of a data frame of collective code `coll`, call `seq`, `len` bytes.
+    fn data_frame(coll: u8, seq: u64, len: usize) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data,
+            coll,
+            dtype: 0,
+            op: crate::transport::NO_OP,
+            root: 0,
+            len: len as u32,
+            seq,
+            count: len as u64,
+        }
+    }
+
     /// Bytes of `file` the kernel has allocated.
     fn allocated(file: &std::fs::File) -> u64 {
         use std::os::unix::fs::MetadataExt;
@@ -517,16 +531,7 @@ pub(super) mod tests {
     fn a_one_shot_peek_sees_a_frame_behind_a_wrap_marker() {
         use crate::plan::Collective;
         let mut ts = pair(None);
-        let frame = |coll: Collective, seq: u64, len: usize| FrameHeader {
-            kind: FrameKind::Data,
-            coll: coll.code(),
-            dtype: 0,
-            op: crate::transport::NO_OP,
-            root: 0,
-            len: len as u32,
-            seq,
-            count: len as u64,
-        };
+        let frame = |coll: Collective, seq: u64, len: usize| data_frame(coll.code(), seq, len);
         let big = vec![1u8; 20 * 1024];
         let mut sp = SendProgress::default();
         assert!(ts[0]
@@ -628,16 +633,7 @@ pub(super) mod tests {
             ..ShmOptions::default()
         };
         let mut ts = group_in_process(2, &|r| vec![1 - r], &opts);
-        let hdr = |len: usize, seq: u64| FrameHeader {
-            kind: FrameKind::Data,
-            coll: 0,
-            dtype: 0,
-            op: crate::transport::NO_OP,
-            root: 0,
-            len: len as u32,
-            seq,
-            count: len as u64,
-        };
+        let hdr = |len: usize, seq: u64| data_frame(0, seq, len);
         // A 40-byte frame (one line), taken: the receiver's tail stops at byte 40, the next
         // frame starts at 64, so a frame of 4072 bytes ends where the ring is full.
         let small = [1u8; 8];
