@@ -547,6 +547,7 @@ fn hello_value(r: &mut dyn Rng) -> Hello {
         segment: edgy(r),
         token: r.below(2) == 0,
         nonce: nonce(r),
+        pid: edgy(r) as u32,
     }
 }
 
@@ -580,6 +581,7 @@ fn reply_value(r: &mut dyn Rng, world: usize) -> (Reply, Vec<u8>) {
                     rank,
                     host: text(r, 20),
                     addr: SocketAddr::new(ip(r), edgy(r) as u16),
+                    pid: edgy(r) as u32,
                 })
                 .collect();
             let tag = nonce(r);

@@ -52,6 +52,7 @@ pub mod flight {
         file_name, FailureKind, FlightEntry, FlightFailure, FlightPath, FlightProgress,
         FlightRecord, FlightState, DEFAULT_ENTRIES, FORMAT, VERSION,
     };
+    pub use crate::engine::places::{Place, FULL_PLACES};
 }
 
 /// CUDA helpers for the device collectives: opening a GPU's context without cudarc's panic

@@ -34,6 +34,8 @@ mod bind;
 mod distance;
 #[path = "doctor/mod.rs"]
 mod doctor;
+#[path = "tools/late.rs"]
+mod late;
 #[path = "tools/model.rs"]
 mod model;
 #[path = "tools/tune.rs"]

@@ -67,7 +67,7 @@ impl Bootstrap {
     /// contributes its own entry, gathered over the data connections (Bruck).
     pub(super) fn gather_table(&mut self, mesh: &mut [Option<TcpStream>]) -> Result<()> {
         let me = &self.peers[self.opts.rank];
-        let mine = format!("{}\n{}", me.addr, me.host);
+        let mine = format!("{}\n{}\n{}", me.addr, me.pid, me.host);
         let all = self.all_gather(mesh, mine.as_bytes())?;
         for (r, b) in all.iter().enumerate() {
             if r == 0 || r == self.opts.rank {
@@ -75,7 +75,10 @@ impl Bootstrap {
                 continue;
             }
             let text = String::from_utf8_lossy(b);
-            let (addr, host) = text.split_once('\n').unwrap_or((&text, ""));
+            let mut parts = text.splitn(3, '\n');
+            let addr = parts.next().unwrap_or("");
+            let pid = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+            let host = parts.next().unwrap_or("");
             let addr: SocketAddr = addr.parse().map_err(|_| Error::Transport {
                 rank: Some(self.opts.rank),
                 peer: Some(r),
@@ -86,6 +89,7 @@ impl Bootstrap {
                 rank: r,
                 host: host.to_string(),
                 addr,
+                pid,
             };
         }
         Ok(())

@@ -81,6 +81,7 @@ pub(super) fn leaf_rendezvous(
             segment: opts.segment_bytes as u64,
             token: sec.token,
             nonce: fresh_nonce(ctx)?,
+            pid: std::process::id(),
         }
         .encode();
         let got = ctx
@@ -149,6 +150,7 @@ pub(super) fn leaf_rendezvous(
                 rank,
                 host: String::new(),
                 addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+                pid: 0,
             })
             .collect();
         for p in known {

@@ -250,6 +250,7 @@ pub(super) mod tests {
             rank,
             host: "h".into(),
             addr,
+            pid: 0,
         }
     }
 

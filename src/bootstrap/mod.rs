@@ -32,7 +32,7 @@
 //! a stranger can reach the rendezvous port.
 //!
 //! A rank of another protocol version is refused with both versions named, in either
-//! direction: version 2's hello starts with version 1's fields.
+//! direction: every later version's hello starts with version 1's fields.
 //!
 //! Strangers cannot stall it: rank 0 and every data listener read all their pending
 //! connections side by side without waiting on any ([`door`]'s `Gate`), each with its own
@@ -103,6 +103,9 @@ pub struct PeerInfo {
     pub host: String,
     /// Its data listener.
     pub addr: SocketAddr,
+    /// Its process id on its host (what `py-spy dump --pid` and `gdb -p` take; 0 where
+    /// unknown).
+    pub pid: u32,
 }
 
 /// The rendezvous state kept during init.
@@ -296,6 +299,7 @@ pub fn rendezvous_with(
             rank: 0,
             host,
             addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            pid: std::process::id(),
         }];
         return Ok((
             Bootstrap {

@@ -8,7 +8,8 @@
 //!
 //! Version 2 (challenge-response) keeps version 1's hello as a prefix of its own, so that a
 //! rank 0 of version 1 still reads the version of a version 2 rank and refuses it with that
-//! reason, and the other way round.
+//! reason, and the other way round. Version 3 appends the rank's process id to the hello and
+//! to each rank table entry (the flight record says where a rank everyone waits for runs).
 
 #![forbid(unsafe_code)]
 
@@ -19,8 +20,9 @@ use super::PeerInfo;
 
 /// Magic number opening every hello.
 pub const MAGIC: u64 = 0x6473_7061_726b_0001; // "dspark" + 1
-/// Bootstrap protocol version: 2 proves the job token by challenge-response.
-pub const VERSION: u32 = 2;
+/// Bootstrap protocol version: 2 proves the job token by challenge-response; 3 carries each
+/// rank's process id in its hello and the rank table.
+pub const VERSION: u32 = 3;
 
 pub(crate) const MSG_HELLO: u8 = 1;
 pub(crate) const MSG_WELCOME: u8 = 2;
@@ -190,10 +192,13 @@ pub(crate) struct Hello {
     pub token: bool,
     /// The rank's nonce: rank 0's proof covers it.
     pub nonce: Nonce,
+    /// The rank's process id (version 3), for the rank table.
+    pub pid: u32,
 }
 
 impl Hello {
-    /// Version 1's fields in version 1's order, then the token flag and the nonce.
+    /// Version 1's fields in version 1's order, then the token flag and the nonce (version
+    /// 2), then the process id (version 3).
     pub(crate) fn encode(&self) -> Msg {
         Msg::new(MSG_HELLO)
             .u64(MAGIC)
@@ -206,6 +211,7 @@ impl Hello {
             .u64(self.segment)
             .u8(u8::from(self.token))
             .raw(&self.nonce)
+            .u32(self.pid)
     }
 
     pub(crate) fn decode(m: &[u8]) -> Result<Hello, HelloError> {
@@ -221,6 +227,7 @@ impl Hello {
             segment: r.u64().map_err(bad)?,
             token: r.flag().map_err(bad)?,
             nonce: r.array().map_err(bad)?,
+            pid: r.u32().map_err(bad)?,
         };
         r.end("hello").map_err(bad)?;
         Ok(h)
@@ -329,7 +336,8 @@ pub(crate) fn encode_welcome(peers: &[PeerInfo]) -> Msg {
             .u32(p.rank as u32)
             .str(&p.addr.ip().to_string())
             .u16(p.addr.port())
-            .str(&p.host);
+            .str(&p.host)
+            .u32(p.pid);
     }
     m
 }
@@ -363,9 +371,9 @@ impl Reply {
                 if n > world || (n == 0 && world > 0) {
                     return Err(format!("rank table has {n} entries, world size is {world}"));
                 }
-                // Each entry takes at least 14 bytes: a table longer than the message is
+                // Each entry takes at least 18 bytes: a table longer than the message is
                 // refused before anything is allocated for it.
-                if r.0.len() / 14 < n {
+                if r.0.len() / 18 < n {
                     return Err("truncated bootstrap message".into());
                 }
                 let mut peers: Vec<PeerInfo> = Vec::with_capacity(n);
@@ -381,10 +389,12 @@ impl Reply {
                         .map_err(|_| "bad address in rank table".to_string())?;
                     let port = r.u16()?;
                     let host = r.str()?;
+                    let pid = r.u32()?;
                     peers.push(PeerInfo {
                         rank,
                         host,
                         addr: SocketAddr::new(ip, port),
+                        pid,
                     });
                 }
                 r.end("rank table")?;

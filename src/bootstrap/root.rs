@@ -140,6 +140,7 @@ fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
 /// What rank 0 keeps of each rank that joined.
 struct Joined {
     host: String,
+    pid: u32,
     data_port: u16,
     ip: IpAddr,
     /// Its hello and the nonce rank 0 challenged it with: rank 0's proof in the welcome
@@ -368,13 +369,13 @@ impl Lobby {
         if r == 0 || r >= world || self.star[r].is_some() {
             let prev = self.info[r.min(world - 1)]
                 .as_ref()
-                .map_or("this process".to_string(), |j| {
-                    format!("{} ({})", j.host, j.ip)
+                .map_or(format!("this process (pid {})", std::process::id()), |j| {
+                    format!("{} ({}, pid {})", j.host, j.ip, j.pid)
                 });
             let why = format!(
-                "rank {r} joined twice: from {} ({from}) and earlier from {prev} — check \
-                 DSPARK_RANK / RANK on each process",
-                h.host
+                "rank {r} joined twice: from {} ({from}, pid {}) and earlier from {prev} — \
+                 check DSPARK_RANK / RANK on each process",
+                h.host, h.pid
             );
             send_reject_now(&s, REJECT_CONFIG, "DSPARK_RANK", &why);
             abort_all(ctx, &mut self.star, REJECT_CONFIG, "DSPARK_RANK", &why);
@@ -382,6 +383,7 @@ impl Lobby {
         }
         self.info[r] = Some(Joined {
             host: h.host,
+            pid: h.pid,
             data_port: h.data_port,
             ip: from.ip(),
             hello,
@@ -402,15 +404,16 @@ fn table(
 ) -> Result<Vec<PeerInfo>> {
     let mut peers = Vec::with_capacity(info.len());
     for (r, joined) in info.iter().enumerate() {
-        let (hn, addr) = match joined {
-            _ if r == 0 => (host.to_string(), own),
-            Some(j) => (j.host.clone(), SocketAddr::new(j.ip, j.data_port)),
+        let (hn, addr, pid) = match joined {
+            _ if r == 0 => (host.to_string(), own, std::process::id()),
+            Some(j) => (j.host.clone(), SocketAddr::new(j.ip, j.data_port), j.pid),
             None => return Err(ctx.bad(Some(r), "rank missing from the table".into())),
         };
         peers.push(PeerInfo {
             rank: r,
             host: hn,
             addr,
+            pid,
         });
     }
     Ok(peers)

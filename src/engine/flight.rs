@@ -28,7 +28,11 @@
 //! `communicator` (its index among this process's communicators), `communicator_id` (16
 //! hex digits every rank of the communicator records alike: [`FlightRecord::communicator_id`];
 //! the file of a process's k-th further communicator is `rank<r>.c<k>.<id>.json`), `pid`,
-//! `capacity` (N),
+//! `host` (this rank's host as the rank table has it: its name, or `DSPARK_HOST_ID`; null
+//! where unknown), `places` (where ranks run: `rank`, `host`, `addr` (the data listener) and
+//! `pid` where known; every rank of a communicator of up to
+//! [`FULL_PLACES`](super::places::FULL_PLACES) ranks, else this rank and those its entries
+//! name), `capacity` (N),
 //! `recorded` (calls recorded since init; the first `recorded - entries.len()` were
 //! overwritten), `reason` (`timeout`, `peer_lost`, `mismatch`, `aborted`, `failed`,
 //! `on_demand`), `error` (the error that failed the communicator, or null),
@@ -51,6 +55,7 @@ use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use super::places::Place;
 use super::scratch::Scratch;
 use super::trace::{json_opt as opt, json_opt_str, json_str};
 use super::Engine;
@@ -264,6 +269,10 @@ pub struct FlightRecord {
     pub error: Option<String>,
     /// The entries, oldest first; queued operations last.
     pub entries: Vec<FlightEntry>,
+    /// Where ranks run (the dump's `places`): every rank of a communicator of up to
+    /// [`FULL_PLACES`](super::places::FULL_PLACES), else this rank and those the entries
+    /// name; empty where unknown (a communicator over a given transport).
+    pub places: Vec<(usize, Place)>,
 }
 
 // Words of a slot.
@@ -338,6 +347,8 @@ pub struct Recorder {
     dump_dir: Option<PathBuf>,
     /// The communicator's error (set once, when it fails).
     error: Mutex<Option<String>>,
+    /// Where each rank runs (empty where unknown).
+    places: Vec<Place>,
 }
 
 /// `CLOCK_MONOTONIC` now, for a recorder's epoch, when both it and the coarse clock can be
@@ -393,7 +404,15 @@ impl Recorder {
             transport,
             dump_dir,
             error: Mutex::new(None),
+            places: Vec::new(),
         }
+    }
+
+    /// This recorder with where each rank runs (the dumps' `host` and `places`).
+    #[must_use]
+    pub fn with_places(mut self, places: Vec<Place>) -> Self {
+        self.places = places;
+        self
     }
 
     /// This recorder with the communicator's id ([`FlightRecord::communicator_id`]).
@@ -694,6 +713,7 @@ impl Recorder {
             capacity: self.slots.len(),
             recorded: n,
             error: self.error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            places: super::places::dumped(&self.places, self.rank, self.world, &entries),
             entries,
         }
     }
@@ -806,13 +826,14 @@ impl FlightRecord {
             write!(
             o,
             "{{\"format\":{},\"version\":{VERSION},\"rank\":{},\"world\":{},\"communicator\":{},\
-             \"communicator_id\":{},\"pid\":{},\"capacity\":{},\"recorded\":{},\"reason\":{},\"error\":{},\
-             \"dumped_at_unix_ns\":{},\"entries\":[",
+             \"communicator_id\":{},\"host\":{},\"pid\":{},\"capacity\":{},\"recorded\":{},\"reason\":{},\"error\":{},\
+             \"dumped_at_unix_ns\":{},",
             json_str(FORMAT),
             self.rank,
             self.world,
             self.communicator,
             json_str(&self.communicator_id),
+            self.host().map_or_else(|| "null".into(), json_str),
             std::process::id(),
             self.capacity,
             self.recorded,
@@ -820,12 +841,23 @@ impl FlightRecord {
             self.error.as_deref().map_or_else(|| "null".into(), json_str),
             unix_ns(),
         );
+        super::places::json(&mut o, &self.places);
+        o.push_str(",\"entries\":[");
         for (i, e) in self.entries.iter().enumerate() {
             o.push_str(if i == 0 { "\n" } else { ",\n" });
             e.json(&mut o);
         }
         o.push_str("\n]}\n");
         o
+    }
+
+    /// This rank's host, as the rank table has it (None where unknown).
+    pub fn host(&self) -> Option<&str> {
+        self.places
+            .iter()
+            .find(|(r, _)| *r == self.rank)
+            .map(|(_, p)| p.host.as_str())
+            .filter(|h| !h.is_empty())
     }
 
     /// The record in the dump format, taken on demand.

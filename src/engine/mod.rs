@@ -41,6 +41,7 @@ pub mod flight;
 mod frame;
 mod oneshot;
 mod pace;
+pub mod places;
 pub use pace::{spin_adapts, ADAPTED_SPIN_MAX};
 mod scratch;
 pub mod staged;
@@ -304,11 +305,13 @@ impl Engine {
     /// Keeps the last `entries` operations in the flight recorder (0: none) and dumps them
     /// into `dump_dir` when this engine fails (`DSPARK_FR_ENTRIES`, `DSPARK_FR_DUMP`; see
     /// [`flight`]).
+    /// `places`: where each rank runs (empty where unknown), for the dumps.
     pub fn configure_flight(
         &mut self,
         entries: usize,
         dump_dir: Option<std::path::PathBuf>,
         communicator_id: String,
+        places: Vec<places::Place>,
     ) {
         self.flight = (entries > 0).then(|| {
             Arc::new(
@@ -320,7 +323,8 @@ impl Engine {
                     dump_dir,
                     true,
                 )
-                .with_communicator_id(communicator_id),
+                .with_communicator_id(communicator_id)
+                .with_places(places),
             )
         });
     }

@@ -18,7 +18,7 @@ pub(crate) struct AnalyzeArgs {
 }
 
 /// One recorded call, as read from a dump.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Call {
     seq: Option<u64>,
     coll: String,
@@ -31,6 +31,9 @@ struct Call {
     algorithm: String,
     state: String,
     failure: Option<Failure>,
+    /// `started_unix_ns` and `ended_unix_ns` (0: not said).
+    started_ns: u64,
+    ended_ns: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -87,7 +90,7 @@ impl Call {
 }
 
 /// One rank's dump.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Dump {
     rank: u64,
     world: u64,
@@ -98,6 +101,27 @@ struct Dump {
     /// Calls recorded since init (`recorded`; 0: not said): more than `calls` holds means
     /// the ring overflowed and the oldest are gone.
     recorded: u64,
+    /// Where ranks run, as this dump says (its own `host` and `pid`, and its `places`).
+    places: BTreeMap<u64, Place>,
+}
+
+/// Where a rank runs: its host (empty: unknown) and process id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Place {
+    host: String,
+    pid: Option<u64>,
+}
+
+impl Place {
+    /// ` (on node02, pid 5151)`, or less where less is known.
+    fn said(&self) -> String {
+        match (self.host.is_empty(), self.pid) {
+            (false, Some(p)) => format!(" (on {}, pid {p})", self.host),
+            (false, None) => format!(" (on {})", self.host),
+            (true, Some(p)) => format!(" (pid {p})"),
+            (true, None) => String::new(),
+        }
+    }
 }
 
 fn text(v: &Value, k: &str) -> String {
@@ -131,6 +155,11 @@ fn parse_call(v: &Value) -> Option<Call> {
         algorithm: text(v, "algorithm"),
         state: text(v, "state"),
         failure,
+        started_ns: v
+            .get("started_unix_ns")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+        ended_ns: v.get("ended_unix_ns").and_then(Value::as_u64).unwrap_or(0),
     })
 }
 
@@ -212,6 +241,28 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
         id: text(&v, "communicator_id"),
     };
     let error = v.get("error").and_then(Value::as_str).map(str::to_string);
+    let mut places: BTreeMap<u64, Place> = v
+        .get("places")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            let r = p.get("rank")?.as_u64().filter(|&r| r < world)?;
+            Some((
+                r,
+                Place {
+                    host: text(p, "host"),
+                    pid: p.get("pid").and_then(Value::as_u64),
+                },
+            ))
+        })
+        .collect();
+    // Its own, as it wrote them.
+    let own = places.entry(rank).or_default();
+    if let Some(h) = v.get("host").and_then(Value::as_str) {
+        own.host = h.to_string();
+    }
+    own.pid = v.get("pid").and_then(Value::as_u64).or(own.pid);
     Ok((
         comm,
         Dump {
@@ -224,6 +275,7 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
             recorded: v.get("recorded").and_then(Value::as_u64).unwrap_or(0),
+            places,
         },
     ))
 }
@@ -328,6 +380,23 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         );
     }
     out.push(head);
+    // Where each rank runs: a dump's word on itself over the others' tables.
+    let mut places: BTreeMap<u64, Place> = BTreeMap::new();
+    for d in dumps.values() {
+        for (&r, p) in &d.places {
+            let e = places.entry(r).or_default();
+            if e.host.is_empty() || r == d.rank {
+                e.host.clone_from(&p.host);
+            }
+            if e.pid.is_none() || r == d.rank {
+                e.pid = p.pid.or(e.pid);
+            }
+        }
+    }
+    let at = |r: u64| places.get(&r).map_or(String::new(), Place::said);
+    if let Some(line) = hosts_line(&places) {
+        out.push(line);
+    }
     let failed: Vec<&Dump> = dumps.values().filter(|d| d.error.is_some()).collect();
     for d in failed.iter().take(MAX_SAID) {
         out.push(format!(
@@ -470,7 +539,8 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
                 _ => "it recorded no collective".into(),
             };
             out.push(format!(
-                "behind: rank {r}: {was}; it never started {at}, which {} reached",
+                "behind: rank {r}{}: {was}; it never started {at}, which {} reached",
+                places.get(&r).map_or(String::new(), Place::said),
                 list(&ahead)
             ));
         }
@@ -616,20 +686,48 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
                 } else {
                     ""
                 };
+                // ` (on node02, pid 5151; it left no dump)`
+                let place = match (at(peer), note) {
+                    (p, "") => p,
+                    (p, n) if p.is_empty() => n.to_string(),
+                    (p, n) => format!("{}; {})", &p[..p.len() - 1], &n[2..n.len() - 1]),
+                };
                 if single {
-                    format!("everyone waits for rank {peer}{note}: {why}")
+                    format!("everyone waits for rank {peer}{place}: {why}")
                 } else {
                     let verb = if who.len() == 1 { "waits" } else { "wait" };
-                    format!("{} {verb} for rank {peer}{note}: {why}", list(&who))
+                    format!("{} {verb} for rank {peer}{place}: {why}", list(&who))
                 }
             }
         });
     }
     if !silent.is_empty() {
         let who: BTreeSet<u64> = silent.into_iter().collect();
+        // Where each is, and the command that shows its stack there.
+        let how: Vec<String> = who
+            .iter()
+            .filter_map(|&r| {
+                let p = places.get(&r)?;
+                let on = if p.host.is_empty() {
+                    String::new()
+                } else {
+                    format!(" on {}", p.host)
+                };
+                Some(match p.pid {
+                    Some(pid) => format!("rank {r}: py-spy dump --pid {pid}{on} (or gdb -p {pid})"),
+                    None if !on.is_empty() => format!("rank {r}{on}"),
+                    None => return None,
+                })
+            })
+            .collect();
+        let how = if how.is_empty() {
+            " (py-spy dump, gdb -p)".to_string()
+        } else {
+            format!(": {}", some_of(&how, "; "))
+        };
         out.push(format!(
-            "next: look at {}'s log or stack (py-spy dump, gdb -p): it hung, died, or wrote \
-             its dump on another host's DSPARK_FR_DUMP",
+            "next: look at {}'s log or stack{how}; it hung, died, or wrote its dump on \
+             another host's DSPARK_FR_DUMP",
             list(&who)
         ));
     }
@@ -639,7 +737,80 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
     if !said_stuck && failed.is_empty() && missing.is_empty() {
         out.push("no rank is stuck: no dump records a failure".into());
     }
+    if let Some(line) = late_line(dumps, &places) {
+        out.push(line);
+    }
     out
+}
+
+/// `hosts: node01 (ranks 0-3), node02 (ranks 4-7)` where the dumps say which host each
+/// rank is on and there is more than one.
+fn hosts_line(places: &BTreeMap<u64, Place>) -> Option<String> {
+    let mut by_host: BTreeMap<&str, BTreeSet<u64>> = BTreeMap::new();
+    for (&r, p) in places.iter().filter(|(_, p)| !p.host.is_empty()) {
+        by_host.entry(&p.host).or_default().insert(r);
+    }
+    if by_host.len() < 2 {
+        return None;
+    }
+    let hosts: Vec<String> = by_host
+        .iter()
+        .map(|(h, ranks)| format!("{h} ({})", list(ranks)))
+        .collect();
+    Some(format!("hosts: {}", some_of(&hosts, ", ")))
+}
+
+/// The late-rank line ([`crate::late`]): from the collectives every dump holds completed,
+/// stamped by the precise clock (a one-shot call's start is the coarse clock's, up to a
+/// tick early).
+fn late_line(dumps: &BTreeMap<u64, Dump>, places: &BTreeMap<u64, Place>) -> Option<String> {
+    let spans: BTreeMap<u64, BTreeMap<u64, crate::late::Span>> = dumps
+        .iter()
+        .map(|(&r, d)| {
+            let m = d
+                .calls
+                .iter()
+                .filter(|c| c.is_collective() && c.state == "completed")
+                .filter(|c| c.algorithm != "one_shot" && c.started_ns > 0)
+                .filter_map(|c| {
+                    let span = crate::late::Span {
+                        start: c.started_ns,
+                        end: c.ended_ns.max(c.started_ns),
+                    };
+                    Some((c.seq?, span))
+                })
+                .collect();
+            (r, m)
+        })
+        .collect();
+    let l = crate::late::late(&spans)?;
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let host = |r: u64| places.get(&r).map(|p| p.host.as_str()).unwrap_or("");
+    let mine = host(l.rank);
+    let apart = mine.is_empty() || dumps.keys().any(|&r| host(r) != mine);
+    let clocks = match (apart, l.clock_ns) {
+        (false, _) => String::new(),
+        (true, 0) => "; its host's clock against theirs may add up to a call's length".into(),
+        (true, c) => format!(
+            "; its host's clock leads theirs by at least {:.1} ms (taken out; up to a call's \
+             length may remain)",
+            ms(c)
+        ),
+    };
+    Some(format!(
+        "late: rank {}{} started last in {} of the {} collectives every dump holds (#{}-#{}), \
+         a median {:.1} ms after the others (at most {:.1} ms){clocks}: they wait for it in \
+         those calls; look at what it does between calls (data loading, a slower device, its host's \
+         load)",
+        l.rank,
+        places.get(&l.rank).map_or(String::new(), Place::said),
+        l.last_in,
+        l.of,
+        l.first,
+        l.last,
+        ms(l.median_ns),
+        ms(l.max_ns),
+    ))
 }
 
 /// Runs `dspark analyze`.
@@ -745,6 +916,7 @@ mod tests {
             algorithm: "ring".into(),
             state: state.into(),
             failure: None,
+            ..Default::default()
         }
     }
 
@@ -768,6 +940,7 @@ mod tests {
                     calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
                     dumped_at_ns: 0,
                     recorded: 0,
+                    ..Default::default()
                 },
             );
         }
@@ -780,6 +953,7 @@ mod tests {
                 calls: vec![call(1, 2, "completed"), call(2, 5, "completed")],
                 dumped_at_ns: 0,
                 recorded: 0,
+                ..Default::default()
             },
         );
         let out = analyze(&dumps).join("\n");
@@ -811,6 +985,7 @@ mod tests {
             calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
             dumped_at_ns: 0,
             recorded: 0,
+            ..Default::default()
         }
     }
 
@@ -892,6 +1067,7 @@ mod tests {
                 calls: vec![send, recv],
                 dumped_at_ns: 0,
                 recorded: 135,
+                ..Default::default()
             },
         );
         let out = analyze(&dumps).join("\n");
@@ -904,6 +1080,90 @@ mod tests {
             "{out}"
         );
         assert!(!out.contains("no rank is stuck"), "{out}");
+    }
+
+    fn place(host: &str, pid: u64) -> Place {
+        Place {
+            host: host.into(),
+            pid: Some(pid),
+        }
+    }
+
+    #[test]
+    fn a_rank_that_left_no_dump_is_named_with_its_host_and_process() {
+        // Ranks 0 and 1 on host a lost rank 2 on host b, which left no dump; their tables
+        // say where it ran.
+        let table: BTreeMap<u64, Place> = [
+            (0, place("a", 10)),
+            (1, place("a", 11)),
+            (2, place("b", 12)),
+        ]
+        .into();
+        let dumps: BTreeMap<u64, Dump> = (0..2)
+            .map(|r| {
+                let mut d = failed(r, 3, "peer_lost", 2);
+                d.places = table.clone();
+                (r, d)
+            })
+            .collect();
+        let out = analyze(&dumps).join("\n");
+        for want in [
+            "hosts: a (ranks 0, 1), b (rank 2)",
+            "everyone waits for rank 2 (on b, pid 12; it left no dump)",
+            "next: look at rank 2's log or stack: rank 2: py-spy dump --pid 12 on b (or gdb -p 12)",
+        ] {
+            assert!(out.contains(want), "missing {want:?} in:\n{out}");
+        }
+        // A rank's word on itself wins over another's table (a pid reused, a stale table).
+        let mut dumps = dumps;
+        if let Some(d) = dumps.get_mut(&1) {
+            d.places.insert(1, place("a", 99));
+            d.places.insert(2, place("b", 77));
+        }
+        let out = analyze(&dumps).join("\n");
+        assert!(out.contains("rank 2: py-spy dump --pid 12 on b"), "{out}");
+    }
+
+    #[test]
+    fn a_rank_that_starts_its_collectives_late_is_named() {
+        const MS: u64 = 1_000_000;
+        let mut dumps: BTreeMap<u64, Dump> = BTreeMap::new();
+        for r in 0..3u64 {
+            let calls = (1..=8u64)
+                .map(|s| {
+                    let t0 = s * 1_000 * MS;
+                    let mut c = call(s, 2, "completed");
+                    c.started_ns = if r == 1 {
+                        t0 + 25 * MS
+                    } else {
+                        t0 + r * MS / 10
+                    };
+                    c.ended_ns = t0 + 26 * MS;
+                    c
+                })
+                .collect();
+            let mut d = Dump {
+                rank: r,
+                world: 3,
+                calls,
+                ..Default::default()
+            };
+            d.places.insert(r, place("a", 100 + r));
+            dumps.insert(r, d);
+        }
+        let out = analyze(&dumps).join("\n");
+        let want = "late: rank 1 (on a, pid 101) started last in 8 of the 8 collectives every \
+                    dump holds (#1-#8), a median 24.8 ms after the others (at most 24.8 ms): \
+                    they wait for it";
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+        assert!(out.contains("no rank is stuck"), "{out}");
+        // One-shot calls (coarse start stamps) are not counted.
+        for d in dumps.values_mut() {
+            for c in &mut d.calls {
+                c.algorithm = "one_shot".into();
+            }
+        }
+        assert!(!analyze(&dumps).join("\n").contains("late:"));
     }
 
     #[test]

@@ -66,6 +66,8 @@ struct Facts {
     /// table carries it (None without one: the configured root address stands in).
     rank0_addr: Option<std::net::SocketAddr>,
     hosts: Vec<String>,
+    /// Where each rank runs, from the rank table, for the flight record (empty without one).
+    places: Vec<crate::engine::places::Place>,
     local_ranks: usize,
     /// The ranks that share this rank's CPUs, in words ([`crowd::Crowd::describe`]).
     cpu_sharing: String,
@@ -415,6 +417,19 @@ impl Communicator {
             data_ip,
             rank0_addr: boot.peers.first().map(|p| p.addr),
             hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
+            places: boot
+                .peers
+                .iter()
+                .map(|p| crate::engine::places::Place {
+                    host: p.host.clone(),
+                    addr: if p.addr.port() == 0 {
+                        String::new()
+                    } else {
+                        p.addr.to_string()
+                    },
+                    pid: p.pid,
+                })
+                .collect(),
             local_ranks: local,
             cpu_sharing: crowd.describe(),
             intra_host,
@@ -527,6 +542,7 @@ impl Communicator {
             data_ip: None,
             rank0_addr: None,
             hosts: vec![String::new(); world],
+            places: Vec::new(),
             local_ranks: world,
             cpu_sharing: "threads of one process (not counted)".into(),
             intra_host: None,
@@ -612,6 +628,7 @@ impl Communicator {
             config.flight_entries,
             config.flight_dump.clone(),
             communicator_id(config, facts.rank0_addr),
+            facts.places,
         );
         if let (Some(dir), true) = (&config.flight_dump, config.flight_entries > 0) {
             // Found now, not after the hang whose record it was to keep.
