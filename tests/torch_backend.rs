@@ -709,6 +709,19 @@ fn torchfrtrace_reads_the_dumps_of_a_two_rank_timeout_and_names_the_all_reduce()
     }
 }
 
+/// A slow job, not a hung one: `dspark analyze` on records written on demand through torch
+/// names the rank that starts its collectives last, as the ranks' own notes of when they
+/// called do.
+#[test]
+fn dspark_analyze_names_a_straggler_from_records_written_through_torch() {
+    let _g = serial();
+    let Some(t) = torch_with_dspark() else { return };
+    let mut cmd = torchrun_standalone(&t, 3, "late_check.py", "dspark");
+    cmd.env("DSPARK_BIN", env!("CARGO_BIN_EXE_dspark"));
+    let r = run(cmd, Duration::from_secs(180));
+    assert_pass(&r, "LATE_CHECK world=3 ", "late_check.py");
+}
+
 #[test]
 fn killed_ranks_and_mismatched_collectives_make_every_survivor_raise_within_the_timeout() {
     let _g = serial();

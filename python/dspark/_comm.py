@@ -1,6 +1,7 @@
 """``dspark.Communicator``: dspark's collectives on numpy arrays and torch CPU tensors."""
 
 import json
+import os
 
 from . import _dspark
 from ._buffers import describe
@@ -300,6 +301,12 @@ class Communicator:
         a file ``dspark analyze dir`` reads."""
         text = self._c.flight_record_json()
         return None if text is None else json.loads(text)
+
+    def write_flight_record(self, directory):
+        """Writes :meth:`flight_record` into ``directory`` (made if missing) as
+        ``DSPARK_FR_DUMP`` does on a failure, for ``dspark analyze directory``; returns the
+        file's path, or ``None`` when the recorder is off. Never waits for an operation."""
+        return self._c.write_flight_record(os.fspath(directory))
 
     def abort(self):
         """Every operation in flight and every later one fails with ``AbortedError``; the

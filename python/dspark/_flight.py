@@ -251,6 +251,20 @@ def dump(path=None):
     return path
 
 
+def write_records(directory):
+    """Writes the dspark flight record of every communicator of every dspark group into
+    ``directory`` (dspark's own format, as ``DSPARK_FR_DUMP`` on a failure), for
+    ``dspark analyze directory``; returns the files."""
+    paths = []
+    for g, _, _, _ in _live():
+        for c in g._comms():
+            w = getattr(c, "write_flight_record", None) or c._c.write_flight_record
+            p = w(os.fspath(directory))
+            if p:
+                paths.append(p)
+    return paths
+
+
 def _dump_once(why):
     global _dumped
     with _lock:

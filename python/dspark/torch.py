@@ -118,6 +118,15 @@ def dump_flight_record(path=None):
     return _flight.dump(path)
 
 
+def write_flight_records(directory):
+    """Writes this rank's dspark flight records (every communicator of every dspark group,
+    dspark's own JSON format) into ``directory``; returns the files. With every rank's in one
+    directory, ``dspark analyze directory`` says which rank the others wait for: the one that
+    hung, or, in a job that is only slow, the one that starts its collectives last (a
+    straggler) and by how much. Any thread, any time: it never waits for an operation."""
+    return _flight.write_records(directory)
+
+
 def flight_record_bytes():
     """This rank's flight record in torch's format, pickled: what
     ``torch._C._distributed_c10d._dump_fr_trace()`` returns for torch's own backends."""

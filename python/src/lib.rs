@@ -923,6 +923,24 @@ impl PyComm {
         Ok(self.get()?.flight_record().map(|r| r.to_json()))
     }
 
+    /// Writes the flight record into `dir` (created if missing) as `DSPARK_FR_DUMP` does
+    /// (`rank<r>.json`, or `rank<r>.c<k>.<id>.json` for this process's further
+    /// communicators), for `dspark analyze dir`; returns the file, or `None` when the
+    /// recorder is off. Never waits for an operation.
+    fn write_flight_record(&self, dir: std::path::PathBuf) -> PyResult<Option<String>> {
+        let Some(rec) = self.get()?.flight_record() else {
+            return Ok(None);
+        };
+        rec.write_to(&dir, "on_demand")
+            .map(|p| Some(p.display().to_string()))
+            .map_err(|e| {
+                pyo3::exceptions::PyOSError::new_err(format!(
+                    "cannot write the flight record into {}: {e}",
+                    dir.display()
+                ))
+            })
+    }
+
     /// Makes every operation in flight and every later one fail with `AbortedError` on this
     /// rank, and tells the peers. Any thread, any time; returns at once.
     fn abort(&self) {

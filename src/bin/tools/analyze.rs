@@ -93,6 +93,8 @@ impl Call {
 #[derive(Debug, Default)]
 struct Dump {
     rank: u64,
+    /// Its communicator's number in the writing process (`communicator`).
+    communicator: u64,
     world: u64,
     error: Option<String>,
     calls: Vec<Call>,
@@ -241,6 +243,7 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
         id: text(&v, "communicator_id"),
     };
     let error = v.get("error").and_then(Value::as_str).map(str::to_string);
+    let number = comm.number;
     let mut places: BTreeMap<u64, Place> = v
         .get("places")
         .and_then(Value::as_array)
@@ -267,6 +270,7 @@ fn read_dump(path: &Path) -> Result<(CommKey, Dump), String> {
         comm,
         Dump {
             rank,
+            communicator: number,
             world,
             error,
             calls,
@@ -378,6 +382,13 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
              or died leaves none)",
             list(&missing)
         );
+    }
+    if dumps
+        .values()
+        .all(|d| d.calls.is_empty() && d.error.is_none())
+    {
+        out.push(head + "; no calls recorded");
+        return out;
     }
     out.push(head);
     // Where each rank runs: a dump's word on itself over the others' tables.
@@ -890,7 +901,10 @@ fn run(dir: &Path) -> Result<Vec<String>, String> {
         ));
     }
     let several = comms.len() > 1;
-    for (label, dumps) in comms.values() {
+    // In the order the processes opened them (the first process's numbering), not by id.
+    let mut comms: Vec<&(String, BTreeMap<u64, Dump>)> = comms.values().collect();
+    comms.sort_by_key(|(_, dumps)| dumps.values().next().map_or(u64::MAX, |d| d.communicator));
+    for (label, dumps) in comms {
         if several {
             lines.push(format!("{label}:"));
         }
@@ -1164,6 +1178,24 @@ mod tests {
             }
         }
         assert!(!analyze(&dumps).join("\n").contains("late:"));
+    }
+
+    #[test]
+    fn a_communicator_without_calls_is_one_line() {
+        let dumps: BTreeMap<u64, Dump> = (0..3)
+            .map(|r| {
+                let d = Dump {
+                    rank: r,
+                    world: 3,
+                    ..Default::default()
+                };
+                (r, d)
+            })
+            .collect();
+        assert_eq!(
+            analyze(&dumps),
+            ["dumps from ranks 0-2 of 3; no calls recorded"]
+        );
     }
 
     #[test]
