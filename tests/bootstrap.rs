@@ -623,12 +623,22 @@ fn tap_rank_1(
         let mut server = connect_retrying(root_port);
         let hello = read_frame(&mut client).unwrap();
         send_frame(&mut server, &hello);
-        // kind, magic, version, world, rank, job, data port, host, segment, token, nonce.
-        let n = hello.len();
+        // kind, magic, version, world, rank, job, data port, host (u32 length, bytes),
+        // segment, token, nonce (32), pid (4): read from the front, and the length checked,
+        // so that a field added later cannot shift what is read here unnoticed.
+        let host_len = u32::from_le_bytes(hello[31..35].try_into().unwrap()) as usize;
+        let token_at = 35 + host_len + 8;
+        assert_eq!(
+            hello.len(),
+            token_at + 1 + 32 + 4,
+            "the hello's layout changed"
+        );
+        let token = hello[token_at];
+        assert!(token <= 1, "the token flag reads {token}");
         tx.send(Overheard {
             data_port: u16::from_le_bytes([hello[29], hello[30]]),
             job: u64::from_le_bytes(hello[21..29].try_into().unwrap()),
-            token: hello[n - 33],
+            token,
         })
         .unwrap();
         client.set_read_timeout(None).unwrap();
@@ -685,6 +695,7 @@ fn a_stranger_on_a_data_listener_cannot_fail_the_init() {
     for (what, from, to, forge) in cases {
         let t0 = Instant::now();
         let (mut ranks, heard, root_port) = tap_rank_1(3, "s3cret", 60_000);
+        assert_eq!(heard.token, 1, "rank 1 has a token: the tap read its flag");
         let mut s = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
         send_frame(&mut s, &peer_hello(&heard, 3, from, to));
         if forge {
@@ -726,6 +737,7 @@ fn a_stranger_on_a_data_listener_cannot_fail_the_init() {
 fn a_silent_stranger_claiming_a_rank_does_not_hold_the_init_to_the_deadline() {
     let t0 = Instant::now();
     let (mut ranks, heard, root_port) = tap_rank_1(3, "s3cret", 60_000);
+    assert_eq!(heard.token, 1, "rank 1 has a token: the tap read its flag");
     let mut silent = std::net::TcpStream::connect(("127.0.0.1", heard.data_port)).unwrap();
     send_frame(&mut silent, &peer_hello(&heard, 3, 2, 1));
     let c2 = with_token(cfg(2, 3, root_port, 60_000), "s3cret");

@@ -3,7 +3,8 @@
 //! 1. Rank 0 listens on the root address; every other rank connects to it, retrying until the
 //!    deadline, and sends a hello: magic number, protocol version, world size, rank, a hash
 //!    of the launcher's job id, whether it has a job token, the address of its own data
-//!    listener, its host name and a fresh random nonce.
+//!    listener, its host name, a fresh random nonce and its process id (which the rank
+//!    table carries, for the flight record).
 //! 2. Rank 0 checks every hello. A connection that is not a dspark rank of this protocol, or
 //!    of another job, is refused with a reason (the refused side fails with that reason; rank
 //!    0 logs it and keeps waiting for the right rank). Otherwise rank 0 answers with a nonce

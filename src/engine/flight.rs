@@ -249,6 +249,7 @@ pub struct FlightEntry {
 /// A communicator's flight record: its last operations, oldest first
 /// (`Communicator::flight_record`); [`FlightRecord::to_json`] is the dump format.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FlightRecord {
     /// This rank.
     pub rank: usize,

@@ -16,6 +16,7 @@ pub const FULL_PLACES: usize = 1024;
 
 /// Where one rank runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Place {
     /// Its host, as the rank table has it (the host name, or `DSPARK_HOST_ID` where set).
     pub host: String,

@@ -391,19 +391,7 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         return out;
     }
     out.push(head);
-    // Where each rank runs: a dump's word on itself over the others' tables.
-    let mut places: BTreeMap<u64, Place> = BTreeMap::new();
-    for d in dumps.values() {
-        for (&r, p) in &d.places {
-            let e = places.entry(r).or_default();
-            if e.host.is_empty() || r == d.rank {
-                e.host.clone_from(&p.host);
-            }
-            if e.pid.is_none() || r == d.rank {
-                e.pid = p.pid.or(e.pid);
-            }
-        }
-    }
+    let places = merged_places(dumps);
     let at = |r: u64| places.get(&r).map_or(String::new(), Place::said);
     if let Some(line) = hosts_line(&places) {
         out.push(line);
@@ -742,8 +730,10 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
             list(&who)
         ));
     }
+    // (The hosts line names hosts, whatever they are called: not a wait.)
     let said_stuck = out
         .iter()
+        .filter(|l| !l.starts_with("hosts: "))
         .any(|l| l.starts_with("behind:") || l.contains(" wait") || l.contains("is inside"));
     if !said_stuck && failed.is_empty() && missing.is_empty() {
         out.push("no rank is stuck: no dump records a failure".into());
@@ -752,6 +742,23 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         out.push(line);
     }
     out
+}
+
+/// Where each rank runs, from every dump: a dump's word on itself over the others' tables.
+fn merged_places(dumps: &BTreeMap<u64, Dump>) -> BTreeMap<u64, Place> {
+    let mut places: BTreeMap<u64, Place> = BTreeMap::new();
+    for d in dumps.values() {
+        for (&r, p) in &d.places {
+            let e = places.entry(r).or_default();
+            if !p.host.is_empty() && (e.host.is_empty() || r == d.rank) {
+                e.host.clone_from(&p.host);
+            }
+            if e.pid.is_none() || r == d.rank {
+                e.pid = p.pid.or(e.pid);
+            }
+        }
+    }
+    places
 }
 
 /// `hosts: node01 (ranks 0-3), node02 (ranks 4-7)` where the dumps say which host each
@@ -771,17 +778,25 @@ fn hosts_line(places: &BTreeMap<u64, Place>) -> Option<String> {
     Some(format!("hosts: {}", some_of(&hosts, ", ")))
 }
 
-/// The late-rank line ([`crate::late`]): from the collectives every dump holds completed,
-/// stamped by the precise clock (a one-shot call's start is the coarse clock's, up to a
-/// tick early).
+/// The late-rank line ([`crate::late`]): from the collectives every dump holds completed
+/// whose every output needs every rank's input, with elements, stamped by the precise
+/// clock (a one-shot call's start is the coarse clock's, up to a tick early).
 fn late_line(dumps: &BTreeMap<u64, Dump>, places: &BTreeMap<u64, Place>) -> Option<String> {
+    const NEED_EVERY_RANK: [&str; 5] = [
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "barrier",
+    ];
     let spans: BTreeMap<u64, BTreeMap<u64, crate::late::Span>> = dumps
         .iter()
         .map(|(&r, d)| {
             let m = d
                 .calls
                 .iter()
-                .filter(|c| c.is_collective() && c.state == "completed")
+                .filter(|c| NEED_EVERY_RANK.contains(&c.coll.as_str()) && c.state == "completed")
+                .filter(|c| c.count > 0 || c.coll == "barrier")
                 .filter(|c| c.algorithm != "one_shot" && c.started_ns > 0)
                 .filter_map(|c| {
                     let span = crate::late::Span {
@@ -794,33 +809,41 @@ fn late_line(dumps: &BTreeMap<u64, Dump>, places: &BTreeMap<u64, Place>) -> Opti
             (r, m)
         })
         .collect();
-    let l = crate::late::late(&spans)?;
+    // One clock: every rank with a dump on one known host.
+    let host = |r: &u64| places.get(r).map_or("", |p| p.host.as_str());
+    let first = dumps.keys().next().map_or("", host);
+    let one_clock = !first.is_empty() && dumps.keys().all(|r| host(r) == first);
+    let l = crate::late::late(&spans, one_clock)?;
     let ms = |ns: u64| ns as f64 / 1e6;
-    let host = |r: u64| places.get(&r).map(|p| p.host.as_str()).unwrap_or("");
-    let mine = host(l.rank);
-    let apart = mine.is_empty() || dumps.keys().any(|&r| host(r) != mine);
-    let clocks = match (apart, l.clock_ns) {
-        (false, _) => String::new(),
-        (true, 0) => "; its host's clock against theirs may add up to a call's length".into(),
-        (true, c) => format!(
-            "; its host's clock leads theirs by at least {:.1} ms (taken out; up to a call's \
-             length may remain)",
-            ms(c)
-        ),
+    let how = if l.by_start {
+        format!(
+            "started last in {} of the {} collectives every dump holds (#{}-#{}), a median \
+             {:.1} ms after the others (at most {:.1} ms)",
+            l.last_in,
+            l.of,
+            l.first,
+            l.last,
+            ms(l.median_ns),
+            ms(l.max_ns)
+        )
+    } else {
+        format!(
+            "came last in {} of the {} collectives every dump holds (#{}-#{}): the others' \
+             calls lasted a median {:.1} ms longer than its own (at most {:.1} ms; each \
+             rank's own clock, as the ranks are on different hosts)",
+            l.last_in,
+            l.of,
+            l.first,
+            l.last,
+            ms(l.median_ns),
+            ms(l.max_ns)
+        )
     };
     Some(format!(
-        "late: rank {}{} started last in {} of the {} collectives every dump holds (#{}-#{}), \
-         a median {:.1} ms after the others (at most {:.1} ms){clocks}: they wait for it in \
-         those calls; look at what it does between calls (data loading, a slower device, its host's \
-         load)",
+        "late: rank {}{} {how}: they wait for it in those calls; look at what it does between \
+         calls (data loading, a slower device, its host's load)",
         l.rank,
         places.get(&l.rank).map_or(String::new(), Place::said),
-        l.last_in,
-        l.of,
-        l.first,
-        l.last,
-        ms(l.median_ns),
-        ms(l.max_ns),
     ))
 }
 
@@ -1128,14 +1151,21 @@ mod tests {
         ] {
             assert!(out.contains(want), "missing {want:?} in:\n{out}");
         }
-        // A rank's word on itself wins over another's table (a pid reused, a stale table).
+        // A rank's word on itself wins over another's table (a pid reused, a stale table),
+        // in whichever order the dumps come; an empty host of its own erases nothing.
         let mut dumps = dumps;
         if let Some(d) = dumps.get_mut(&1) {
-            d.places.insert(1, place("a", 99));
-            d.places.insert(2, place("b", 77));
+            d.places.insert(1, place("", 99));
+            d.places.insert(0, place("c", 98));
         }
-        let out = analyze(&dumps).join("\n");
-        assert!(out.contains("rank 2: py-spy dump --pid 12 on b"), "{out}");
+        let merged = merged_places(&dumps);
+        assert_eq!(merged[&0], place("a", 10), "rank 0's own word");
+        assert_eq!(
+            merged[&1],
+            place("a", 99),
+            "rank 1's own pid, rank 0's host"
+        );
+        assert_eq!(merged[&2], place("b", 12));
     }
 
     #[test]
@@ -1175,6 +1205,58 @@ mod tests {
         for d in dumps.values_mut() {
             for c in &mut d.calls {
                 c.algorithm = "one_shot".into();
+            }
+        }
+        assert!(!analyze(&dumps).join("\n").contains("late:"));
+    }
+
+    /// Ranks 0, 1 on host `h0`, rank 2 on `h2`; rank 2 comes 30 ms late to each of 8
+    /// all_reduces, and its clock is 500 ms ahead: its calls take 1 ms, the others' 31.
+    fn two_hosts(h0: &str, h2: &str) -> BTreeMap<u64, Dump> {
+        const MS: u64 = 1_000_000;
+        (0..3u64)
+            .map(|r| {
+                let skew = if r == 2 { 500 * MS } else { 0 };
+                let calls = (1..=8u64)
+                    .map(|s| {
+                        let t0 = s * 1_000 * MS;
+                        let mut c = call(s, 2, "completed");
+                        c.started_ns = skew + if r == 2 { t0 + 30 * MS } else { t0 };
+                        c.ended_ns = skew + t0 + 31 * MS;
+                        c
+                    })
+                    .collect();
+                let mut d = Dump {
+                    rank: r,
+                    world: 3,
+                    calls,
+                    ..Default::default()
+                };
+                d.places
+                    .insert(r, place(if r == 2 { h2 } else { h0 }, 100 + r));
+                (r, d)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn across_hosts_a_late_rank_is_found_by_how_long_the_others_calls_last() {
+        let out = analyze(&two_hosts("node01", "waitrose02")).join("\n");
+        let want = "late: rank 2 (on waitrose02, pid 102) came last in 8 of the 8 collectives \
+                    every dump holds (#1-#8): the others' calls lasted a median 30.0 ms \
+                    longer than its own";
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+        // A host named like a wait is no wait.
+        assert!(
+            out.contains("hosts: node01 (ranks 0, 1), waitrose02 (rank 2)"),
+            "{out}"
+        );
+        assert!(out.contains("no rank is stuck"), "{out}");
+        // A broadcast's root waits for nobody: broadcasts are not counted.
+        let mut dumps = two_hosts("node01", "node02");
+        for d in dumps.values_mut() {
+            for c in &mut d.calls {
+                c.coll = "broadcast".into();
             }
         }
         assert!(!analyze(&dumps).join("\n").contains("late:"));

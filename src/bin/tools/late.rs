@@ -2,12 +2,19 @@
 //! collectives last, and by how much. That is the rank the others wait for when nothing
 //! fails but the job is slow (a straggler: data loading, a slower device, a loaded host).
 //!
-//! Clocks: a dump's times are its host's wall clock, and hosts disagree by their NTP
-//! offset. A collective cannot end on any rank before every rank started it, so where the
-//! others' calls end (by their clocks) before the late rank's start (by its clock), its
-//! clock is ahead by at least the difference, and that much of its lateness is taken out.
-//! What is left can still be off by as much as one call lasts (the offset is known only to
-//! within it), so ranks on different hosts are said to be late with that caveat.
+//! Two measures, for two cases:
+//! - **One clock** (every rank on one host): start times compare directly. Per call, the
+//!   rank that started last, and by how much after the median of the others' starts.
+//! - **Several clocks** (ranks on different hosts, whose wall clocks differ by their NTP
+//!   offset, which no end time bounds: an eager send ends before its peer starts): each
+//!   rank's own clock only measures its own calls' lengths. A rank that comes late finds
+//!   everyone ready and its call is short, while the others' calls last as long as they
+//!   waited for it. Per call, the rank whose call was shortest, and by how much the median
+//!   of the others' calls was longer.
+//!
+//! Only collectives whose every output needs every rank's input are counted (all_reduce,
+//! all_gather, reduce_scatter, all_to_all, barrier; the caller filters): a broadcast's root
+//! or a reduce's leaf may finish before a late rank starts, and waits for nobody.
 
 use std::collections::BTreeMap;
 
@@ -18,10 +25,15 @@ pub(crate) struct Span {
     pub end: u64,
 }
 
-/// What [`late`] found: `rank` started last in `last_in` of the `of` collectives every
-/// dump holds completed (`first`..=`last`), a median `median_ns` (at most `max_ns`) after the
-/// median of the others' starts, clock offsets taken out; `clock_ns`: the median offset
-/// taken out (0: none seen).
+impl Span {
+    fn len(self) -> u64 {
+        self.end.saturating_sub(self.start)
+    }
+}
+
+/// What [`late`] found: `rank` came last in `last_in` of the `of` collectives every dump
+/// holds (`first`..=`last`), by a median `median_ns` (at most `max_ns`); `by_start`: measured
+/// by start times on one clock, else by how much longer the others' calls lasted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Late {
     pub rank: u64,
@@ -31,14 +43,12 @@ pub(crate) struct Late {
     pub last: u64,
     pub median_ns: u64,
     pub max_ns: u64,
-    pub clock_ns: u64,
+    pub by_start: bool,
 }
 
 /// Collectives needed before a rank is called late.
 pub(crate) const MIN_CALLS: usize = 5;
-/// The least lateness said: below it, scheduling noise, and where the hosts' clocks
-/// disagree by more than a call lasts, the call's length (what taking out the offset the
-/// end times show leaves of it).
+/// The least lateness said: below it, scheduling noise.
 pub(crate) const MIN_LATE_NS: u64 = 2_000_000;
 
 fn median(v: &mut [u64]) -> u64 {
@@ -46,11 +56,10 @@ fn median(v: &mut [u64]) -> u64 {
     v.get(v.len() / 2).copied().unwrap_or(0)
 }
 
-/// The rank that started last in most of the collectives every rank's dump holds
-/// completed (precisely stamped ones: `spans` leaves the one-shot calls out), where that
-/// is more than half of at least [`MIN_CALLS`] and its median lateness is at least
-/// [`MIN_LATE_NS`].
-pub(crate) fn late(spans: &BTreeMap<u64, BTreeMap<u64, Span>>) -> Option<Late> {
+/// The rank that came last in most of the collectives every rank's dump holds completed,
+/// where that is more than half of at least [`MIN_CALLS`] and its median lateness is at
+/// least [`MIN_LATE_NS`]; `one_clock`: every rank on one host (start times compare).
+pub(crate) fn late(spans: &BTreeMap<u64, BTreeMap<u64, Span>>, one_clock: bool) -> Option<Late> {
     if spans.len() < 2 {
         return None;
     }
@@ -63,51 +72,59 @@ pub(crate) fn late(spans: &BTreeMap<u64, BTreeMap<u64, Span>>) -> Option<Late> {
     if common.len() < MIN_CALLS {
         return None;
     }
-    // Per collective: the last rank to start, how late (after the others' median start),
-    // and how far the others' earliest end lies before its start (its clock's lead).
-    let mut lasts: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+    // Per collective: the rank that came last (a tie: nobody) and how late.
+    let mut lasts: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     for &s in &common {
-        let at: Vec<(u64, Span)> = spans.iter().map(|(&r, m)| (r, m[&s])).collect();
-        let Some(&(r, sp)) = at.iter().max_by_key(|(_, sp)| sp.start) else {
+        let at: Vec<(u64, Span)> = spans
+            .iter()
+            .filter_map(|(&r, m)| Some((r, *m.get(&s)?)))
+            .collect();
+        // The measure where larger is later: the start, or how much shorter the call was.
+        let key = |sp: Span| {
+            if one_clock {
+                sp.start
+            } else {
+                u64::MAX - sp.len()
+            }
+        };
+        let mut keys: Vec<u64> = at.iter().map(|&(_, sp)| key(sp)).collect();
+        keys.sort_unstable();
+        if keys.len() < 2 || keys[keys.len() - 1] == keys[keys.len() - 2] {
+            continue;
+        }
+        let Some(&(r, sp)) = at.iter().max_by_key(|(_, sp)| key(*sp)) else {
             continue;
         };
         let mut others: Vec<u64> = at
             .iter()
             .filter(|(q, _)| *q != r)
-            .map(|(_, o)| o.start)
+            .map(|&(_, o)| if one_clock { o.start } else { o.len() })
             .collect();
-        let first_end = at
-            .iter()
-            .filter(|(q, _)| *q != r)
-            .map(|(_, o)| o.end)
-            .min()
-            .unwrap_or(u64::MAX);
-        let lead = sp.start.saturating_sub(first_end);
-        let lateness = sp.start.saturating_sub(median(&mut others));
-        lasts.entry(r).or_default().push((lateness, lead));
+        let m = median(&mut others);
+        let lateness = if one_clock {
+            sp.start.saturating_sub(m)
+        } else {
+            m.saturating_sub(sp.len())
+        };
+        lasts.entry(r).or_default().push(lateness);
     }
-    let (rank, seen) = lasts.into_iter().max_by_key(|(_, v)| v.len())?;
-    if seen.len() * 2 <= common.len() {
+    let (rank, mut late) = lasts.into_iter().max_by_key(|(_, v)| v.len())?;
+    if late.len() * 2 <= common.len() {
         return None;
     }
-    let mut late: Vec<u64> = seen
-        .iter()
-        .map(|&(l, lead)| l.saturating_sub(lead))
-        .collect();
-    let mut leads: Vec<u64> = seen.iter().map(|&(_, lead)| lead).collect();
     let median_ns = median(&mut late);
     if median_ns < MIN_LATE_NS {
         return None;
     }
     Some(Late {
         rank,
-        last_in: seen.len(),
+        last_in: late.len(),
         of: common.len(),
         first: common[0],
         last: common[common.len() - 1],
         median_ns,
         max_ns: late.last().copied().unwrap_or(0),
-        clock_ns: median(&mut leads),
+        by_start: one_clock,
     })
 }
 
@@ -117,8 +134,9 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    /// `world` ranks, `n` collectives 100 ms apart, each taking 1 ms once every rank is in;
-    /// rank `slow` starts each `by` ns late; `skew(r)`: rank r's clock offset.
+    /// `world` ranks, `n` collectives 100 ms apart, each ending 1 ms after the last rank is
+    /// in; rank `slow` starts each `by` ns late (and, finding everyone ready, its call lasts
+    /// 1 ms); `skew(r)`: rank r's clock offset.
     fn job(
         world: u64,
         n: u64,
@@ -150,63 +168,90 @@ mod tests {
 
     #[test]
     fn the_rank_that_starts_last_is_named_with_its_lateness() {
-        let l = late(&job(4, 10, 2, 30 * MS, &|_| 0)).expect("a late rank");
-        assert_eq!(
-            (l.rank, l.last_in, l.of, l.first, l.last),
-            (2, 10, 10, 1, 10)
-        );
-        assert!((29 * MS..=30 * MS).contains(&l.median_ns), "{l:?}");
-        assert_eq!(l.clock_ns, 0);
+        for one_clock in [true, false] {
+            let l = late(&job(4, 10, 2, 30 * MS, &|_| 0), one_clock).expect("a late rank");
+            assert_eq!(
+                (l.rank, l.last_in, l.of, l.first, l.last),
+                (2, 10, 10, 1, 10)
+            );
+            assert!((29 * MS..=30 * MS).contains(&l.median_ns), "{l:?}");
+            assert_eq!(l.by_start, one_clock);
+        }
     }
 
     #[test]
-    fn a_clock_ahead_is_not_lateness() {
-        // Rank 3's clock runs 50 ms ahead; nobody is late: its starts look 50 ms late, but
-        // the others' calls end (by their clocks) before them.
+    fn a_clock_ahead_on_another_host_is_not_lateness() {
+        let ahead = |r: u64| if r == 3 { 50 * MS as i64 } else { 0 };
+        // Rank 3's clock runs 50 ms ahead and nobody is late: its starts look 50 ms late,
+        // its calls are no shorter than the others'.
+        assert_eq!(late(&job(4, 10, 9, 0, &ahead), false), None);
+        // Compared as one clock, that would be blamed: why several clocks are not.
         assert_eq!(
-            late(&job(4, 10, 9, 0, &|r| if r == 3 {
-                50 * MS as i64
-            } else {
-                0
-            })),
-            None
+            late(&job(4, 10, 9, 0, &ahead), true).map(|l| l.rank),
+            Some(3)
         );
-        // Rank 1 is 20 ms late and its clock 50 ms ahead: 20 ms is said, 50 taken out.
-        let l = late(&job(3, 8, 1, 20 * MS, &|r| {
-            if r == 1 {
-                50 * MS as i64
-            } else {
-                0
-            }
-        }))
-        .expect("a late rank");
-        assert_eq!(l.rank, 1);
+        // Rank 3 is 20 ms late and its clock 50 ms ahead: 20 ms is said.
+        let l = late(&job(4, 8, 3, 20 * MS, &ahead), false).expect("a late rank");
+        assert_eq!(l.rank, 3);
         assert!((19 * MS..=21 * MS).contains(&l.median_ns), "{l:?}");
-        assert!((49 * MS..=51 * MS).contains(&l.clock_ns), "{l:?}");
     }
 
     #[test]
     fn noise_few_calls_and_no_majority_are_not_a_late_rank() {
-        // Under MIN_LATE_NS.
-        assert_eq!(late(&job(3, 10, 1, MS, &|_| 0)), None);
-        // Fewer calls than MIN_CALLS.
-        assert_eq!(
-            late(&job(3, MIN_CALLS as u64 - 1, 1, 30 * MS, &|_| 0)),
-            None
-        );
-        // Last in turn: nobody most of the time.
-        let mut spans = job(2, 10, 9, 0, &|_| 0);
-        for s in 1..=10u64 {
-            let r = s % 2;
-            if let Some(sp) = spans.get_mut(&r).and_then(|m| m.get_mut(&s)) {
-                sp.start += 30 * MS;
-                sp.end += 30 * MS;
+        for one_clock in [true, false] {
+            // Under MIN_LATE_NS.
+            assert_eq!(late(&job(3, 10, 1, MS, &|_| 0), one_clock), None);
+            // Fewer calls than MIN_CALLS.
+            assert_eq!(
+                late(&job(3, MIN_CALLS as u64 - 1, 1, 30 * MS, &|_| 0), one_clock),
+                None
+            );
+            // Two ranks late in turn (each 30 ms late in its calls): nobody most of the time.
+            let turns: BTreeMap<u64, BTreeMap<u64, Span>> = (0..3u64)
+                .map(|r| {
+                    let m = (1..=10u64)
+                        .map(|s| {
+                            let t0 = s * 100 * MS;
+                            let start = if s % 2 == r {
+                                t0 + 30 * MS
+                            } else {
+                                t0 + r * 10_000
+                            };
+                            (
+                                s,
+                                Span {
+                                    start,
+                                    end: t0 + 31 * MS,
+                                },
+                            )
+                        })
+                        .collect();
+                    (r, m)
+                })
+                .collect();
+            assert_eq!(late(&turns, one_clock), None);
+            // With a majority (rank 0 late in 6 of 10), it is said.
+            let mut six = turns.clone();
+            for (r, m) in six.iter_mut() {
+                for s in [3u64, 9] {
+                    if let Some(sp) = m.get_mut(&s) {
+                        let t0 = s * 100 * MS;
+                        sp.start = if *r == 0 {
+                            t0 + 30 * MS
+                        } else {
+                            t0 + r * 10_000
+                        };
+                    }
+                }
             }
+            assert_eq!(
+                late(&six, one_clock).map(|l| (l.rank, l.last_in)),
+                Some((0, 7))
+            );
+            // One rank's dump alone.
+            let one: BTreeMap<u64, BTreeMap<u64, Span>> =
+                job(3, 10, 1, 30 * MS, &|_| 0).into_iter().take(1).collect();
+            assert_eq!(late(&one, one_clock), None);
         }
-        assert_eq!(late(&spans), None);
-        // One rank's dump alone.
-        let one: BTreeMap<u64, BTreeMap<u64, Span>> =
-            job(3, 10, 1, 30 * MS, &|_| 0).into_iter().take(1).collect();
-        assert_eq!(late(&one), None);
     }
 }
