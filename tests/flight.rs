@@ -45,7 +45,7 @@ fn run_scenario(s: &str) -> Result<i32, String> {
     if s == "split_mismatch" {
         return split_mismatch(&comm);
     }
-    if s == "late" {
+    if s == "late" || s == "late_hosts" {
         return late(&comm);
     }
     say(&format!(
@@ -159,13 +159,19 @@ fn run_on(world: usize, scenario: &str) -> (PathBuf, Vec<procs::Outcome>) {
     let ranks = procs::spawn(
         world,
         scenario,
-        &|_| {
-            procs::vars(&[
+        &|r| {
+            let mut v = procs::vars(&[
                 ("DSPARK_FR_DUMP", &d),
                 ("DSPARK_FR_ENTRIES", &ENTRIES.to_string()),
                 ("DSPARK_ALGO", "ring"),
                 ("DSPARK_TIMEOUT", "60"),
-            ])
+            ]);
+            if scenario == "late_hosts" {
+                // Ranks 0 and 1 on one host, rank 2 on another (as the link bed's hosts).
+                let host = if r == 2 { "host-b" } else { "host-a" };
+                v.push(("DSPARK_HOST_ID".into(), host.into()));
+            }
+            v
         },
         None,
     );
@@ -399,6 +405,40 @@ fn analyze_names_the_rank_that_starts_its_collectives_late() {
     assert!((20.0..=45.0).contains(&median), "{report}");
     assert!(!report.contains("clock"), "{report}");
     assert!(report.contains("no rank is stuck"), "{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same straggler with ranks on two hosts (`DSPARK_HOST_ID`), whose clocks `dspark
+/// analyze` does not compare: it goes by how much longer the others' calls lasted.
+#[test]
+fn analyze_names_a_late_rank_on_another_host_by_how_long_the_others_wait() {
+    let (dir, outs) = run("late_hosts");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(OK), "rank {r}:\n{}", o.out);
+    }
+    let pids = pids(&outs);
+    let report = analyze(&dir);
+    // (The sequence numbers are not GOOD's: init's link probe between the hosts ran
+    // collectives of its own.)
+    let want = format!(
+        "late: rank 1 (on host-a, pid {}) came last in {ENTRIES} of the {ENTRIES} collectives \
+         every dump holds (#",
+        pids[1],
+    );
+    assert!(report.contains(&want), "missing {want:?} in:\n{report}");
+    let then = "): the others' calls lasted a median ";
+    let median: f64 = report
+        .split(&want)
+        .nth(1)
+        .and_then(|t| t.split(then).nth(1))
+        .and_then(|t| t.split(" ms").next())
+        .and_then(|t| t.parse().ok())
+        .expect("the median lateness");
+    assert!((20.0..=45.0).contains(&median), "{report}");
+    assert!(
+        report.contains("hosts: host-a (ranks 0, 1), host-b (rank 2)"),
+        "{report}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
