@@ -44,9 +44,9 @@ fn peer_suffix(peer: &Option<usize>) -> String {
 pub enum Error {
     /// A blocking operation did not finish before its deadline; `peer` is the rank it was
     /// waiting for (a silent, stopped or overloaded process).
-    #[error("{}: {op} timed out after {waited:.1?} waiting for rank {}{}",
+    #[error("{}: {op} timed out after {waited:.1?}{}{}",
         RankName(Some(*rank)),
-        peer.map_or("?".to_string(), |p| p.to_string()),
+        peer.map_or(String::new(), |p| format!(" waiting for rank {p}")),
         if detail.is_empty() { String::new() } else { format!(": {detail}") })]
     Timeout {
         /// The rank that timed out.

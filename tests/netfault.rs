@@ -12,6 +12,10 @@
 //! result before the fault checked against the independent reference; the harness kills what
 //! still runs at a hard limit and fails.
 //!
+//! And before any of that, a nameserver that does not answer: every rank's init fails by
+//! its deadline, naming the resolver (the rank's /etc/resolv.conf bind-mounted in a mount
+//! namespace of its own, `unshare -m`).
+//!
 //! `tc netem` is not in this kernel, and neither are tc's `matchall` classifier and `gact`
 //! (drop) action, so the silent drop and the reset use nftables (Debian's `nftables` package;
 //! tests/run-all.sh installs it). Without root, `ip` or `nft` the tests skip with the reason;
@@ -45,6 +49,24 @@ fn rank_process() {
 }
 
 fn run_scenario(s: &str) -> Result<i32, String> {
+    if s == "resolver" {
+        // The init must fail by its deadline, saying the resolver did not answer.
+        return Ok(match Communicator::from_env() {
+            Ok(_) => {
+                say("init succeeded with no resolver");
+                WRONG
+            }
+            Err(e) => {
+                say(&format!("FAILED init: {e}"));
+                match e {
+                    Error::Timeout { .. } if e.to_string().contains("resolver did not answer") => {
+                        TIMED_OUT
+                    }
+                    _ => WRONG,
+                }
+            }
+        });
+    }
     let comm = Communicator::from_env().map_err(|e| format!("init: {e}"))?;
     let (r, n) = (comm.rank(), comm.world_size());
     let failed = |e: Error, what: &str| {
@@ -377,4 +399,79 @@ fn a_stopped_rank_whose_window_is_full_is_not_taken_for_a_dead_host() {
         "{test}: rank 0 gave up after {waited:.1?}, before its {deadline:?} deadline:\n{}",
         o.out
     );
+}
+
+/// A nameserver that does not answer: the root address is a name, and every rank's resolver
+/// asks a nameserver (127.83.0.53:53, a socket this test holds and never answers; each rank
+/// sees it as /etc/resolv.conf's only one, bind-mounted in a mount namespace of its own)
+/// that holds each lookup for 30 s × 3 attempts. Every rank must fail within its 3 s
+/// deadline, naming the resolver, not hang in init for 90 s (before: rank 0 in binding its
+/// listener, rank 1 in reaching rank 0).
+#[test]
+fn a_nameserver_that_does_not_answer_fails_the_init_by_its_deadline() {
+    let test = "a_nameserver_that_does_not_answer_fails_the_init_by_its_deadline";
+    let skip = |why: &str| {
+        assert!(
+            std::env::var("DSPARK_REQUIRE_NETFAULT").as_deref() != Ok("1"),
+            "{test}: {why}"
+        );
+        eprintln!("SKIPPED {test}: {why} (run as root with util-linux's unshare and mount)");
+    };
+    if let Some(why) = netns_unavailable(&["unshare", "mount"]) {
+        return skip(&why);
+    }
+    // An address of its own on loopback, so that a local resolver's port 53 is no matter.
+    let Ok(_silent) = std::net::UdpSocket::bind("127.83.0.53:53") else {
+        eprintln!("SKIPPED {test}: 127.83.0.53:53 cannot be bound (something listens on *:53)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("dspark-resolver-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    let conf = dir.join("resolv.conf");
+    std::fs::write(
+        &conf,
+        "nameserver 127.83.0.53\noptions timeout:30 attempts:3\n",
+    )
+    .expect("resolv.conf");
+    let mount = format!(
+        "mount --bind {} /etc/resolv.conf && exec \"$@\"",
+        conf.display()
+    );
+    let wrap = |_: usize| {
+        ["unshare", "-m", "sh", "-c", &mount, "sh"]
+            .map(String::from)
+            .to_vec()
+    };
+    let port = common::procs::free_port().to_string();
+    let t0 = Instant::now();
+    let outs = spawn(
+        2,
+        "resolver",
+        &|_| {
+            vars(&[
+                (
+                    "DSPARK_ROOT_ADDR",
+                    &format!("dspark-no-answer.invalid:{port}"),
+                ),
+                ("DSPARK_TIMEOUT", "3"),
+            ])
+        },
+        Some(&wrap),
+    )
+    .wait(Duration::from_secs(40));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(TIMED_OUT), "rank {r}:\n{}", o.out);
+        assert!(
+            o.elapsed < Duration::from_secs(20),
+            "rank {r} took {:?}",
+            o.elapsed
+        );
+    }
+    eprintln!("{test}: both ranks failed in {:?}", t0.elapsed());
+    for o in &outs {
+        if let Some(l) = o.out.lines().find(|l| l.contains("FAILED init")) {
+            eprintln!("  {l}");
+        }
+    }
 }

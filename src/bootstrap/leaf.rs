@@ -21,7 +21,11 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
     let (rhost, port) = (&opts.root.0, opts.root.1);
     let mut last_err = String::from("no attempt made");
     loop {
-        match resolve(rhost, port) {
+        match resolve(
+            rhost,
+            port,
+            ctx.remaining().unwrap_or(Duration::from_millis(1)),
+        ) {
             Ok(addrs) if !addrs.is_empty() => {
                 for a in addrs {
                     let rem = ctx.remaining().unwrap_or(Duration::from_millis(1));

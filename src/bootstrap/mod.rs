@@ -81,7 +81,7 @@ use door::Door;
 pub use links::LazyLinks;
 use msg::{HelloError, Msg};
 pub use msg::{MAGIC, VERSION};
-pub(crate) use net::{interface_ip, is_local_ip};
+pub(crate) use net::{interface_ip, is_local_ip, resolve};
 pub use options::BootstrapOptions;
 
 const MAX_MSG: usize = 64 << 20;

@@ -47,9 +47,47 @@ pub(crate) fn interface_ip(name: &str) -> Result<IpAddr> {
     ))
 }
 
-/// The addresses `host:port` resolves to.
-pub(super) fn resolve(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
-    Ok((host, port).to_socket_addrs()?.collect())
+/// The addresses `host:port` resolves to, within `within`: an address literal at once, a
+/// name through the system's resolver on a thread of its own, given up on (`TimedOut`) when
+/// the resolver has not answered by then. A nameserver that does not answer holds the
+/// resolver for its timeout times its attempts (`options timeout:30 attempts:5` in
+/// resolv.conf: minutes), and a rank must fail by its deadline, naming why; the thread is
+/// left to finish on its own.
+pub(crate) fn resolve(host: &str, port: u16, within: Duration) -> io::Result<Vec<SocketAddr>> {
+    resolve_with(host, port, within, |h, p| {
+        Ok((h, p).to_socket_addrs()?.collect())
+    })
+}
+
+/// [`resolve`] through `lookup` (the system's resolver, or a test's).
+fn resolve_with(
+    host: &str,
+    port: u16,
+    within: Duration,
+    lookup: fn(&str, u16) -> io::Result<Vec<SocketAddr>>,
+) -> io::Result<Vec<SocketAddr>> {
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = literal.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = host.to_string();
+    std::thread::Builder::new()
+        .name("dspark-resolve".into())
+        .spawn(move || {
+            let _ = tx.send(lookup(&name, port));
+        })?;
+    rx.recv_timeout(within).unwrap_or_else(|_| {
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the system's resolver did not answer for {host:?} within {:.1} s (a \
+                 nameserver in /etc/resolv.conf that does not answer? an address instead of \
+                 a name avoids the lookup)",
+                within.as_secs_f64()
+            ),
+        ))
+    })
 }
 
 /// Whether `ip` is one of this host's addresses (a listener can bind it).
@@ -204,5 +242,38 @@ mod backlog_tests {
             }
         }
         assert_eq!(held.len(), 200);
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    fn hangs(_: &str, _: u16) -> io::Result<Vec<SocketAddr>> {
+        std::thread::sleep(Duration::from_secs(30));
+        Ok(Vec::new())
+    }
+
+    #[test]
+    fn a_resolver_that_does_not_answer_is_given_up_on_by_the_deadline() {
+        let t0 = Instant::now();
+        let e = resolve_with("hangs.invalid", 1, Duration::from_millis(200), hangs)
+            .expect_err("no answer");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("\"hangs.invalid\""), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn addresses_need_no_resolver_and_names_get_its_answer() {
+        let a = resolve_with("10.1.2.3", 7, Duration::ZERO, hangs).expect("a literal");
+        assert_eq!(a, ["10.1.2.3:7".parse().expect("addr")]);
+        let a = resolve_with("[::1]", 7, Duration::ZERO, hangs).expect("a literal");
+        assert_eq!(a, ["[::1]:7".parse().expect("addr")]);
+        let a = resolve("localhost", 9, Duration::from_secs(10)).expect("localhost");
+        assert!(
+            a.iter().all(|a| a.ip().is_loopback() && a.port() == 9),
+            "{a:?}"
+        );
     }
 }

@@ -82,7 +82,21 @@ pub(super) fn root_rendezvous(
 fn bind_root(ctx: &Ctx<'_>) -> Result<(TcpListener, SocketAddr)> {
     let opts = ctx.opts;
     let (rhost, port) = (&opts.root.0, opts.root.1);
-    let resolved = resolve(rhost, port).unwrap_or_default();
+    // A name that does not resolve is judged below (not this host's); one the resolver
+    // does not answer for by the deadline fails here, saying so.
+    let resolved = match resolve(rhost, port, ctx.remaining().unwrap_or_default()) {
+        Ok(a) => a,
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+            return Err(ctx.timeout(
+                None,
+                format!(
+                    "cannot resolve the root address {} ({}): {e}",
+                    opts.root_addr, opts.root_source
+                ),
+            ))
+        }
+        Err(_) => Vec::new(),
+    };
     let local = resolved.iter().find(|a| is_local_ip(a.ip())).copied();
     let bind_addr = match local {
         _ if opts.listen_any => {

@@ -60,7 +60,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -536,7 +536,8 @@ fn nonce() -> u32 {
 
 /// One attempt to open a TCP connection to any address of `host:port` before `deadline`.
 fn connect_once(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
-    let addrs: Vec<_> = (host, port).to_socket_addrs()?.collect();
+    let left = deadline.saturating_duration_since(Instant::now());
+    let addrs = super::net::resolve(host, port, left)?;
     let mut last = io::Error::new(
         io::ErrorKind::NotFound,
         format!("'{host}' resolves to no address"),

@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 
 use super::Communicator;
 use crate::bootstrap::store::{PrefixStore, Store, TcpStore};
@@ -102,9 +102,9 @@ fn publish_ip(config: &Config, towards: Option<&str>) -> Result<IpAddr> {
         return crate::bootstrap::interface_ip(ifname);
     }
     let route = |host: &str, port: u16| -> Option<IpAddr> {
-        let target = (host, port)
-            .to_socket_addrs()
+        let target = crate::bootstrap::resolve(host, port, config.timeout)
             .ok()?
+            .into_iter()
             .find(SocketAddr::is_ipv4)?;
         let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
         s.connect(target).ok()?;
