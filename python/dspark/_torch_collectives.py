@@ -25,6 +25,19 @@ from ._torch_errors import _torch_error
 from ._torch_work import _async_work, _Done
 
 
+# Reducing a multi-tensor list here before the call (the ops gloo takes for it).
+_LOCAL_OPS = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum}
+
+
+def _same_shape(tensors, what):
+    t = tensors[0]
+    if any(x.numel() != t.numel() or x.dtype != t.dtype for x in tensors[1:]):
+        raise InvalidArgumentError(
+            f"dspark: {what} of a list of {len(tensors)} tensors: they must all have "
+            f"{t.numel()} {t.dtype} elements, as the first (as gloo)"
+        )
+
+
 class _Collectives:
     """torch's collective methods (a part of :class:`~dspark._torch_ops._Ops`)."""
 
@@ -60,6 +73,12 @@ class _Collectives:
             from ._sparse import all_reduce as sparse_all_reduce  # as gloo's
 
             return sparse_all_reduce(self, tensors, opts)
+        if len(tensors) > 1:
+            return self._allreduce_list(tensors, opts)
+        return self._allreduce_each(tensors, opts)
+
+    def _allreduce_each(self, tensors, opts):
+        """Each tensor reduced across the ranks on its own (a coalesced call's tensors)."""
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             op, factor = self._op(opts.reduceOp, t.dtype, "allreduce")
@@ -72,14 +91,55 @@ class _Collectives:
             keep.append(out)
         return self._go(opts, calls, keep, list(tensors), fin)
 
+    def _allreduce_list(self, tensors, opts):
+        """torch's multi-tensor form (one tensor per device, as gloo takes it on CPU): every
+        tensor of the list, on every rank, is reduced into one result that each of them
+        receives. Reduced here first, then across the ranks in one call."""
+        _same_shape(tensors, "allreduce")
+        op, factor = self._op(opts.reduceOp, tensors[0].dtype, "allreduce")
+        local = _LOCAL_OPS.get(op)
+        if factor is not None or local is None:
+            raise InvalidArgumentError(
+                f"dspark: allreduce of a list of {len(tensors)} tensors (torch's multi-tensor "
+                "form, reduced across the list as gloo does) takes SUM, PRODUCT, MIN or MAX"
+            )
+        acc = _input(tensors[0], "allreduce tensor").clone()
+        for t in tensors[1:]:
+            acc = local(acc, t.reshape(acc.shape))
+        acc = acc.contiguous()
+
+        def copy_out():
+            for t in tensors:
+                t.copy_(acc.view(t.shape))
+
+        return self._go(opts, [("all_reduce", acc, acc, None, op, 0)], [acc, *tensors],
+                        list(tensors), [copy_out])
+
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self.allreduce(tensors, opts)
+        return self._allreduce_each(tensors, opts)
 
     # -- broadcast ---------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
         root = self._root(opts.rootRank, "broadcast")
+        if len(tensors) > 1:
+            # torch's multi-tensor form, as gloo: the root's tensors[rootTensor] reaches every
+            # tensor of the list on every rank (the root's other tensors too).
+            _same_shape(tensors, "broadcast")
+            k = int(opts.rootTensor)
+            if not 0 <= k < len(tensors):
+                raise InvalidArgumentError(
+                    f"dspark: broadcast: rootTensor {k} of a list of {len(tensors)} tensors"
+                )
+            buf = _input(tensors[k], "broadcast tensor").clone().contiguous()
+
+            def copy_out():
+                for t in tensors:
+                    t.copy_(buf.view(t.shape))
+
+            return self._go(opts, [("broadcast", buf, buf, None, None, root)],
+                            [buf, *tensors], list(tensors), [copy_out])
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             out = _output(t, "broadcast tensor", fin)
@@ -91,6 +151,11 @@ class _Collectives:
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
         root = self._root(opts.rootRank, "reduce")
+        if len(tensors) != 1:
+            raise InvalidArgumentError(
+                f"dspark: reduce takes a single-element tensor list, not {len(tensors)} "
+                "(as gloo)"
+            )
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             op, factor = self._op(opts.reduceOp, t.dtype, "reduce")
@@ -123,6 +188,42 @@ class _Collectives:
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()
+        if len(inputs) > 1:
+            return self._allgather_list(output_lists, inputs, opts)
+        return self._allgather_each(output_lists, inputs, opts)
+
+    def _allgather_list(self, output_lists, inputs, opts):
+        """torch's multi-tensor form, as gloo: each rank gives its m inputs, and every output
+        list (one per input) receives all n x m of them, rank by rank: ``outputs[i][r * m +
+        j]`` is rank r's input j."""
+        m = len(inputs)
+        _same_shape(inputs, "allgather")
+        t = inputs[0]
+        if len(output_lists) != m or any(
+            len(outs) != self._n * m or any(o.numel() != t.numel() or o.dtype != t.dtype
+                                            for o in outs)
+            for outs in output_lists
+        ):
+            raise InvalidArgumentError(
+                f"dspark: allgather of a list of {m} inputs: expected {m} output lists of "
+                f"{self._n * m} tensors of {t.numel()} {t.dtype} elements each (as gloo)"
+            )
+        inp = torch.cat([_input(x, "all_gather input").reshape(-1) for x in inputs])
+        flat = torch.empty(inp.numel() * self._n, dtype=t.dtype, device=inp.device)
+        k = t.numel()
+
+        def copy_out():
+            for outs in output_lists:
+                for i, o in enumerate(outs):
+                    o.copy_(flat[i * k:(i + 1) * k].view(o.shape))
+
+        result = [o for outs in output_lists for o in outs]
+        return self._go(opts, [("all_gather", inp, flat, self._elems(inp), None, 0)],
+                        [output_lists, inputs, inp, flat], result, [copy_out])
+
+    def _allgather_each(self, output_lists, inputs, opts):
+        """Each input gathered on its own into its output list of n tensors (a coalesced
+        call's inputs)."""
         calls, keep, fin = [], [output_lists, inputs], []
         for outs, t in zip(output_lists, inputs):
             if len(outs) != self._n or any(
@@ -158,7 +259,7 @@ class _Collectives:
             )
         per_input = [[output_lists[r][j] for r in range(self._n)] for j in range(len(inputs))]
         return self._coalesced(opts, list(output_lists),
-                               lambda: self.allgather(per_input, inputs, opts))
+                               lambda: self._allgather_each(per_input, inputs, opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()

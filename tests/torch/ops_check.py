@@ -790,6 +790,73 @@ def check_p2p_beside_collectives():
         run_check(lab, future)
 
 
+def check_tensor_lists():
+    """torch's multi-tensor form (a list of tensors in one ProcessGroup call, one per device
+    in the old multi-GPU API), called on the ProcessGroup objects themselves: gloo reduces
+    all_reduce across the list, broadcasts the root's `rootTensor` into every tensor, lays
+    an allgather of m inputs out as `outputs[i][r * m + j]`, and refuses a reduce of more
+    than one tensor. The backend under test must do the same."""
+    w = CK.world
+    pg, ref = dist.group.WORLD, CK.ref
+    lists = [torch.float32, torch.int64, torch.bfloat16]
+    for dtype in lists:
+        with group(f"tensor_lists {dname(dtype)}") as g:
+            if not g.on:
+                continue
+            for n in SMALL + [1000]:
+                for opname in ("SUM", "PRODUCT", "MIN", "MAX"):
+                    lab = label_of(f"allreduce[list of 3]/{opname}", dtype, n)
+                    xs = [make(dtype, n, f"tl/ar/{opname}/{n}/{i}", kind_of(opname))
+                          for i in range(3)]
+
+                    def ar(xs=xs, opname=opname, lab=lab):
+                        o = dist.AllreduceOptions()
+                        o.reduceOp = getattr(dist.ReduceOp, opname)
+                        want = [x.clone() for x in xs]
+                        ref.allreduce(want, o).wait()
+                        got = [x.clone() for x in xs]
+                        pg.allreduce(got, o).wait()
+                        for i, (a, b) in enumerate(zip(got, want)):
+                            compare(f"{lab} tensor={i}", a, b, opname)
+                    run_check(lab, ar)
+                for root in range(w):
+                    for k in (0, 1):
+                        lab = label_of("broadcast[list of 2]", dtype, n, f"root={root} rootTensor={k}")
+                        xs = [make(dtype, n, f"tl/bc/{n}/{root}/{i}") for i in range(2)]
+
+                        def bc(xs=xs, root=root, k=k, lab=lab):
+                            o = dist.BroadcastOptions()
+                            o.rootRank, o.rootTensor = root, k
+                            want = [x.clone() for x in xs]
+                            ref.broadcast(want, o).wait()
+                            got = [x.clone() for x in xs]
+                            pg.broadcast(got, o).wait()
+                            for i, (a, b) in enumerate(zip(got, want)):
+                                compare(f"{lab} tensor={i}", a, b)
+                        run_check(lab, bc)
+                lab = label_of("allgather[2 inputs]", dtype, n)
+                xs = [make(dtype, n, f"tl/ag/{n}/{i}") for i in range(2)]
+
+                def ag(xs=xs, n=n, dtype=dtype, lab=lab):
+                    def outs():
+                        return [[torch.zeros(n, dtype=dtype) for _ in range(2 * w)]
+                                for _ in range(2)]
+                    want, got = outs(), outs()
+                    ref.allgather(want, [x.clone() for x in xs]).wait()
+                    pg.allgather(got, [x.clone() for x in xs]).wait()
+                    for i in range(2):
+                        for j in range(2 * w):
+                            compare(f"{lab} output={i}/{j}", got[i][j], want[i][j])
+                run_check(lab, ag)
+            lab = label_of("reduce[list of 2]", dtype, 7)
+
+            def rd(dtype=dtype):
+                o = dist.ReduceOptions()
+                o.rootRank = 0
+                pg.reduce([make(dtype, 7, "tl/rd/0"), make(dtype, 7, "tl/rd/1")], o).wait()
+            must_raise(lab, rd, "gloo refuses a reduce of more than one tensor")
+
+
 def check_coalesced():
     w = CK.world
     for dtype in DTYPES:
@@ -1192,7 +1259,7 @@ def main():
     fatal = None
     for fn in (check_identity, check_all_reduce, check_reduce, check_broadcast, check_all_gather,
                check_reduce_scatter, check_all_to_all, check_send_recv, check_barrier,
-               check_gather_scatter, check_p2p_beside_collectives, check_coalesced, check_non_contiguous, check_async,
+               check_gather_scatter, check_p2p_beside_collectives, check_tensor_lists, check_coalesced, check_non_contiguous, check_async,
                check_sync_work, check_groups):
         try:
             fn()
