@@ -38,6 +38,15 @@ def _same_shape(tensors, what):
         )
 
 
+def _single(items, what, of):
+    """gloo's rule for gather and scatter: one tensor (or list) per call, not a list of
+    several (their first alone was used, the rest ignored)."""
+    if len(items) != 1:
+        raise InvalidArgumentError(
+            f"dspark: {what} takes a single-element {of} list, not {len(items)} (as gloo)"
+        )
+
+
 class _Collectives:
     """torch's collective methods (a part of :class:`~dspark._torch_ops._Ops`)."""
 
@@ -488,6 +497,9 @@ class _Collectives:
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
         root = self._root(opts.rootRank, "gather")
+        _single(inputs, "gather", "input")
+        if self._r == root:
+            _single(output_lists, "gather", "output list")
         t = _input(inputs[0], "gather input")
         if self._r != root:
             return self._go(opts, [("coll_send", t, None, None, None, root)], [t], [])
@@ -509,6 +521,9 @@ class _Collectives:
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
         root = self._root(opts.rootRank, "scatter")
+        _single(outputs, "scatter", "output")
+        if self._r == root:
+            _single(input_lists, "scatter", "input list")
         fin = []
         out = _output(outputs[0], "scatter output", fin)
         if self._r != root:

@@ -794,8 +794,8 @@ def check_tensor_lists():
     """torch's multi-tensor form (a list of tensors in one ProcessGroup call, one per device
     in the old multi-GPU API), called on the ProcessGroup objects themselves: gloo reduces
     all_reduce across the list, broadcasts the root's `rootTensor` into every tensor, lays
-    an allgather of m inputs out as `outputs[i][r * m + j]`, and refuses a reduce of more
-    than one tensor. The backend under test must do the same."""
+    an allgather of m inputs out as `outputs[i][r * m + j]`, and refuses a reduce, gather or
+    scatter of more than one tensor. The backend under test must do the same."""
     w = CK.world
     pg, ref = dist.group.WORLD, CK.ref
     lists = [torch.float32, torch.int64, torch.bfloat16]
@@ -855,6 +855,24 @@ def check_tensor_lists():
                 o.rootRank = 0
                 pg.reduce([make(dtype, 7, "tl/rd/0"), make(dtype, 7, "tl/rd/1")], o).wait()
             must_raise(lab, rd, "gloo refuses a reduce of more than one tensor")
+            lab = label_of("gather[2 inputs]", dtype, 7)
+
+            def ga(dtype=dtype):
+                o = dist.GatherOptions()
+                o.rootRank = 0
+                outs = [[torch.zeros(7, dtype=dtype) for _ in range(w)] for _ in range(2)]
+                pg.gather(outs if CK.rank == 0 else [],
+                          [make(dtype, 7, "tl/ga/0"), make(dtype, 7, "tl/ga/1")], o).wait()
+            must_raise(lab, ga, "gloo refuses a gather of more than one input")
+            lab = label_of("scatter[2 outputs]", dtype, 7)
+
+            def sc(dtype=dtype):
+                o = dist.ScatterOptions()
+                o.rootRank = 0
+                ins = [[make(dtype, 7, f"tl/sc/{i}/{r}") for r in range(w)] for i in range(2)]
+                pg.scatter([torch.zeros(7, dtype=dtype), torch.zeros(7, dtype=dtype)],
+                           ins if CK.rank == 0 else [], o).wait()
+            must_raise(lab, sc, "gloo refuses a scatter into more than one output")
 
 
 def check_coalesced():
