@@ -30,17 +30,26 @@ _LOCAL_OPS = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": 
 
 
 def _same_shape(tensors, what):
+    """gloo's rule for a multi-tensor list: every tensor of the first's shape and dtype;
+    and dspark's: on its device (the list is reduced or copied in one place)."""
     t = tensors[0]
-    if any(x.numel() != t.numel() or x.dtype != t.dtype for x in tensors[1:]):
+    if any(x.shape != t.shape or x.dtype != t.dtype for x in tensors[1:]):
         raise InvalidArgumentError(
-            f"dspark: {what} of a list of {len(tensors)} tensors: they must all have "
-            f"{t.numel()} {t.dtype} elements, as the first (as gloo)"
+            f"dspark: {what} of a list of {len(tensors)} tensors: they must all be "
+            f"{t.dtype} of shape {tuple(t.shape)}, as the first (as gloo)"
+        )
+    if any(x.device != t.device for x in tensors[1:]):
+        raise InvalidArgumentError(
+            f"dspark: {what} of a list of {len(tensors)} tensors: they must all be on "
+            f"{t.device}, as the first (dspark runs one device per process)"
         )
 
 
 def _single(items, what, of):
     """gloo's rule for gather and scatter: one tensor (or list) per call, not a list of
-    several (their first alone was used, the rest ignored)."""
+    several (their first alone was used, the rest ignored). The root's output (gather) or
+    input (scatter) lists are checked on the root only, as gloo does (the other ranks pass
+    none): a root that refuses them leaves the others' sends or receives to time out."""
     if len(items) != 1:
         raise InvalidArgumentError(
             f"dspark: {what} takes a single-element {of} list, not {len(items)} (as gloo)"
@@ -113,8 +122,14 @@ class _Collectives:
                 "form, reduced across the list as gloo does) takes SUM, PRODUCT, MIN or MAX"
             )
         acc = _input(tensors[0], "allreduce tensor").clone()
-        for t in tensors[1:]:
-            acc = local(acc, t.reshape(acc.shape))
+        try:
+            for t in tensors[1:]:
+                acc = local(acc, t.reshape(acc.shape))
+        except RuntimeError as e:  # a dtype torch cannot reduce here (uint32, ...)
+            raise InvalidArgumentError(
+                f"dspark: allreduce of a list of {len(tensors)} {acc.dtype} tensors: the "
+                f"reduction across the list failed: {e}"
+            ) from None
         acc = acc.contiguous()
 
         def copy_out():

@@ -38,7 +38,10 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
             Ok(_) => last_err = format!("{rhost} resolves to no address"),
             Err(e) => last_err = format!("cannot resolve {rhost}: {e}"),
         }
-        if ctx.remaining().is_none() {
+        // Another try only with time left after the pause: one with none would only find
+        // the resolver out of time, hiding the error above.
+        const PAUSE: Duration = Duration::from_millis(50);
+        if ctx.remaining().is_none_or(|left| left <= PAUSE) {
             return Err(ctx.timeout(
                 Some(0),
                 format!(
@@ -48,7 +51,7 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
                 ),
             ));
         }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(PAUSE);
     }
 }
 

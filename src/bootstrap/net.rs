@@ -66,8 +66,12 @@ fn resolve_with(
     within: Duration,
     lookup: fn(&str, u16) -> io::Result<Vec<SocketAddr>>,
 ) -> io::Result<Vec<SocketAddr>> {
-    let literal = host.trim_start_matches('[').trim_end_matches(']');
-    if let Ok(ip) = literal.parse::<IpAddr>() {
+    // `[::1]` as `::1` (a scoped `[fe80::1%eth0]` goes to the resolver unbracketed).
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
     let (tx, rx) = std::sync::mpsc::channel();
@@ -77,8 +81,9 @@ fn resolve_with(
         .spawn(move || {
             let _ = tx.send(lookup(&name, port));
         })?;
-    rx.recv_timeout(within).unwrap_or_else(|_| {
-        Err(io::Error::new(
+    match rx.recv_timeout(within) {
+        Ok(answer) => answer,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
             format!(
                 "the system's resolver did not answer for {host:?} within {:.1} s (a \
@@ -86,8 +91,11 @@ fn resolve_with(
                  a name avoids the lookup)",
                 within.as_secs_f64()
             ),
-        ))
-    })
+        )),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(io::Error::other(format!(
+            "the lookup of {host:?} ended without an answer"
+        ))),
+    }
 }
 
 /// Whether `ip` is one of this host's addresses (a listener can bind it).

@@ -579,8 +579,10 @@ impl TcpStore {
                 Ok(s) => break s,
                 Err(e) => e,
             };
-            let now = Instant::now();
-            if now >= deadline {
+            // A try after a sleep that ends at the deadline would have no time left (a
+            // name's lookup would only find the resolver out of time, hiding this error).
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left <= backoff {
                 return Err(Error::io(
                     None,
                     None,
@@ -591,7 +593,7 @@ impl TcpStore {
                     err,
                 ));
             }
-            std::thread::sleep(backoff.min(deadline - now));
+            std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(500));
         };
         let store = TcpStore {

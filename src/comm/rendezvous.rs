@@ -101,18 +101,36 @@ fn publish_ip(config: &Config, towards: Option<&str>) -> Result<IpAddr> {
     if let Some(ifname) = config.socket_ifname.as_deref() {
         return crate::bootstrap::interface_ip(ifname);
     }
-    let route = |host: &str, port: u16| -> Option<IpAddr> {
-        let target = crate::bootstrap::resolve(host, port, config.timeout)
-            .ok()?
-            .into_iter()
-            .find(SocketAddr::is_ipv4)?;
-        let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
-        s.connect(target).ok()?;
-        Some(s.local_addr().ok()?.ip())
+    let route = |host: &str, port: u16| -> Result<Option<IpAddr>> {
+        let t0 = std::time::Instant::now();
+        let addrs = match crate::bootstrap::resolve(host, port, config.timeout) {
+            Ok(a) => a,
+            // A resolver that does not answer is said, not taken for "no route" (which
+            // publishes loopback, and the ranks elsewhere time out without a word of it).
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(Error::Timeout {
+                    rank: config.rank,
+                    peer: None,
+                    op: "rendezvous".into(),
+                    waited: t0.elapsed(),
+                    detail: format!(
+                        "rank 0 looks up {host} to choose the address it publishes: {e}"
+                    ),
+                })
+            }
+            Err(_) => return Ok(None),
+        };
+        let Some(target) = addrs.into_iter().find(SocketAddr::is_ipv4) else {
+            return Ok(None);
+        };
+        let routed = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+            .and_then(|s| s.connect(target).and_then(|()| s.local_addr()));
+        Ok(routed.ok().map(|a| a.ip()))
     };
-    let routed = towards
-        .and_then(|a| split_host_port(a).ok())
-        .and_then(|(h, p)| route(&h, p));
+    let routed = match towards.and_then(|a| split_host_port(a).ok()) {
+        Some((h, p)) => route(&h, p)?,
+        None => None,
+    };
     Ok(match routed {
         Some(ip) => ip,
         None => {

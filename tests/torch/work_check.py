@@ -271,7 +271,10 @@ if BACKEND == "dspark":
     impl = dist.group.WORLD
     if not hasattr(impl, "_coalesced"):
         impl = impl._get_backend(torch.device("cpu"))
-    plain = impl.allgather
+    # all_gather_coalesced issues each input's gather through `_allgather_each` (the list
+    # form of `allgather` is torch's multi-tensor form); older packages through `allgather`.
+    hook = "_allgather_each" if hasattr(impl, "_allgather_each") else "allgather"
+    plain = getattr(impl, hook)
     other = torch.full((3,), float(RANK + 1))
     between = []
 
@@ -289,7 +292,7 @@ if BACKEND == "dspark":
         between.append(th.is_alive())
         return plain(outs, ins, opts)
 
-    impl.allgather = allgather_with_another_thread
+    setattr(impl, hook, allgather_with_another_thread)
     try:
         done = watchdog("all_gather_coalesced with another thread's all_reduce", 90)
         ins = [torch.arange(2.0 + j) + 10 * RANK for j in range(3)]
@@ -297,7 +300,7 @@ if BACKEND == "dspark":
         dist.all_gather_coalesced(outs, ins)
         done.set()
     finally:
-        del impl.allgather
+        delattr(impl, hook)
     check(len(between) == 2 and between[1] is False
           and torch.equal(between[0], torch.full((3,), 3.0)),
           f"the other thread's all_reduce, when it returned and whether its thread was still "

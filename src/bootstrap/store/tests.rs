@@ -205,3 +205,21 @@ fn tcp_store_refuses_keys_and_values_the_server_would_drop_the_connection_for() 
     drop(store);
     server.join().unwrap();
 }
+
+/// A store that is not up, reached by name: the error is the refusal, never a resolver with
+/// no time left (the last try used to come at the deadline, where a name's lookup could
+/// only time out and hide it).
+#[test]
+fn a_store_that_is_not_up_reached_by_name_says_it_refused() {
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    for _ in 0..3 {
+        let e = TcpStore::connect("localhost", port, Duration::from_millis(700))
+            .expect_err("nothing listens there");
+        let text = e.to_string();
+        assert!(text.contains("refused"), "{text}");
+        assert!(!text.contains("resolver"), "{text}");
+    }
+}
