@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::auth;
 use super::msg::{self, Reject, Reply, MSG_PROOF, REJECT_CONFIG};
-use super::net::resolve;
+use super::net::{resolve, RESOLVE_FLOOR};
 use super::{fresh_nonce, BootstrapOptions, Ctx, PeerInfo, Star, HELLO_WAIT};
 use crate::error::{Error, Result};
 
@@ -21,11 +21,11 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
     let (rhost, port) = (&opts.root.0, opts.root.1);
     let mut last_err = String::from("no attempt made");
     loop {
-        match resolve(
-            rhost,
-            port,
-            ctx.remaining().unwrap_or(Duration::from_millis(1)),
-        ) {
+        // The last try may come at the deadline: its lookup gets `RESOLVE_FLOOR` all the
+        // same, or a name's lookup could only run out of time there and hide the error of
+        // the tries before it.
+        let within = ctx.remaining().unwrap_or_default().max(RESOLVE_FLOOR);
+        match resolve(rhost, port, within) {
             Ok(addrs) if !addrs.is_empty() => {
                 for a in addrs {
                     let rem = ctx.remaining().unwrap_or(Duration::from_millis(1));
@@ -38,10 +38,7 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
             Ok(_) => last_err = format!("{rhost} resolves to no address"),
             Err(e) => last_err = format!("cannot resolve {rhost}: {e}"),
         }
-        // Another try only with time left after the pause: one with none would only find
-        // the resolver out of time, hiding the error above.
-        const PAUSE: Duration = Duration::from_millis(50);
-        if ctx.remaining().is_none_or(|left| left <= PAUSE) {
+        if ctx.remaining().is_none() {
             return Err(ctx.timeout(
                 Some(0),
                 format!(
@@ -51,7 +48,7 @@ pub(super) fn reach_root(ctx: &Ctx<'_>) -> Result<TcpStream> {
                 ),
             ));
         }
-        std::thread::sleep(PAUSE);
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -47,6 +47,11 @@ pub(crate) fn interface_ip(name: &str) -> Result<IpAddr> {
     ))
 }
 
+/// The least time a lookup is given, even at a deadline: a name in /etc/hosts or a healthy
+/// nameserver answers well within it, so a last try at the deadline says why it failed
+/// (refused, unreachable) instead of only that the lookup ran out of time.
+pub(crate) const RESOLVE_FLOOR: Duration = Duration::from_millis(250);
+
 /// The addresses `host:port` resolves to, within `within`: an address literal at once, a
 /// name through the system's resolver on a thread of its own, given up on (`TimedOut`) when
 /// the resolver has not answered by then. A nameserver that does not answer holds the

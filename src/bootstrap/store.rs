@@ -536,8 +536,10 @@ fn nonce() -> u32 {
 
 /// One attempt to open a TCP connection to any address of `host:port` before `deadline`.
 fn connect_once(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
+    // The last try comes at the deadline: its lookup gets `RESOLVE_FLOOR` all the same, or
+    // a name's lookup could only run out of time there and hide why the tries failed.
     let left = deadline.saturating_duration_since(Instant::now());
-    let addrs = super::net::resolve(host, port, left)?;
+    let addrs = super::net::resolve(host, port, left.max(super::net::RESOLVE_FLOOR))?;
     let mut last = io::Error::new(
         io::ErrorKind::NotFound,
         format!("'{host}' resolves to no address"),
@@ -579,10 +581,8 @@ impl TcpStore {
                 Ok(s) => break s,
                 Err(e) => e,
             };
-            // A try after a sleep that ends at the deadline would have no time left (a
-            // name's lookup would only find the resolver out of time, hiding this error).
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left <= backoff {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(Error::io(
                     None,
                     None,
@@ -593,7 +593,7 @@ impl TcpStore {
                     err,
                 ));
             }
-            std::thread::sleep(backoff);
+            std::thread::sleep(backoff.min(deadline - now));
             backoff = (backoff * 2).min(Duration::from_millis(500));
         };
         let store = TcpStore {

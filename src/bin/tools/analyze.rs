@@ -815,28 +815,16 @@ fn late_line(dumps: &BTreeMap<u64, Dump>, places: &BTreeMap<u64, Place>) -> Opti
     let one_clock = !first.is_empty() && dumps.keys().all(|r| host(r) == first);
     let l = crate::late::late(&spans, one_clock)?;
     let ms = |ns: u64| ns as f64 / 1e6;
+    let (last_in, of, first, last) = (l.last_in, l.of, l.first, l.last);
+    let (med, max) = (ms(l.median_ns), ms(l.max_ns));
+    let came = format!("in {last_in} of the {of} collectives every dump holds (#{first}-#{last})");
     let how = if l.by_start {
-        format!(
-            "started last in {} of the {} collectives every dump holds (#{}-#{}), a median \
-             {:.1} ms after the others (at most {:.1} ms)",
-            l.last_in,
-            l.of,
-            l.first,
-            l.last,
-            ms(l.median_ns),
-            ms(l.max_ns)
-        )
+        format!("started last {came}, a median {med:.1} ms after the others (at most {max:.1} ms)")
     } else {
         format!(
-            "came last in {} of the {} collectives every dump holds (#{}-#{}): the others' \
-             calls lasted a median {:.1} ms longer than its own (at most {:.1} ms; each \
-             rank's own clock, as the ranks are on different hosts)",
-            l.last_in,
-            l.of,
-            l.first,
-            l.last,
-            ms(l.median_ns),
-            ms(l.max_ns)
+            "came last {came}: the others' calls lasted a median {med:.1} ms longer than its \
+             own (at most {max:.1} ms; each rank's own clock, as the ranks are on different \
+             hosts)"
         )
     };
     Some(format!(
