@@ -393,7 +393,7 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
     out.push(head);
     let places = merged_places(dumps);
     let at = |r: u64| places.get(&r).map_or(String::new(), Place::said);
-    if let Some(line) = hosts_line(&places) {
+    if let Some(line) = hosts_line(&places, world) {
         out.push(line);
     }
     let failed: Vec<&Dump> = dumps.values().filter(|d| d.error.is_some()).collect();
@@ -762,8 +762,9 @@ fn merged_places(dumps: &BTreeMap<u64, Dump>) -> BTreeMap<u64, Place> {
 }
 
 /// `hosts: node01 (ranks 0-3), node02 (ranks 4-7)` where the dumps say which host each
-/// rank is on and there is more than one.
-fn hosts_line(places: &BTreeMap<u64, Place>) -> Option<String> {
+/// rank is on and there is more than one (with how many ranks' places are known, where not
+/// all of the `world`'s: above `FULL_PLACES` a dump lists only the ranks it names).
+fn hosts_line(places: &BTreeMap<u64, Place>, world: u64) -> Option<String> {
     let mut by_host: BTreeMap<&str, BTreeSet<u64>> = BTreeMap::new();
     for (&r, p) in places.iter().filter(|(_, p)| !p.host.is_empty()) {
         by_host.entry(&p.host).or_default().insert(r);
@@ -775,7 +776,13 @@ fn hosts_line(places: &BTreeMap<u64, Place>) -> Option<String> {
         .iter()
         .map(|(h, ranks)| format!("{h} ({})", list(ranks)))
         .collect();
-    Some(format!("hosts: {}", some_of(&hosts, ", ")))
+    let known: usize = by_host.values().map(BTreeSet::len).sum();
+    let note = if (known as u64) < world {
+        format!(" ({known} ranks' places known)")
+    } else {
+        String::new()
+    };
+    Some(format!("hosts: {}{note}", some_of(&hosts, ", ")))
 }
 
 /// The late-rank line ([`crate::late`]): from the collectives every dump holds completed
@@ -1107,6 +1114,18 @@ mod tests {
         assert!(!out.contains("no rank is stuck"), "{out}");
     }
 
+    /// Rank `r`'s dump of a world of 3 holding `calls`, on `host` with pid 100 + r.
+    fn placed(r: u64, calls: Vec<Call>, host: &str) -> Dump {
+        let mut d = Dump {
+            rank: r,
+            world: 3,
+            calls,
+            ..Default::default()
+        };
+        d.places.insert(r, place(host, 100 + r));
+        d
+    }
+
     fn place(host: &str, pid: u64) -> Place {
         Place {
             host: host.into(),
@@ -1146,6 +1165,11 @@ mod tests {
             d.places.insert(1, place("", 99));
             d.places.insert(0, place("c", 98));
         }
+        // Above FULL_PLACES a dump lists only the ranks it names: the line says how many.
+        assert_eq!(
+            hosts_line(&table, 2000).as_deref(),
+            Some("hosts: a (ranks 0, 1), b (rank 2) (3 ranks' places known)")
+        );
         let merged = merged_places(&dumps);
         assert_eq!(merged[&0], place("a", 10), "rank 0's own word");
         assert_eq!(
@@ -1174,14 +1198,7 @@ mod tests {
                     c
                 })
                 .collect();
-            let mut d = Dump {
-                rank: r,
-                world: 3,
-                calls,
-                ..Default::default()
-            };
-            d.places.insert(r, place("a", 100 + r));
-            dumps.insert(r, d);
+            dumps.insert(r, placed(r, calls, "a"));
         }
         let out = analyze(&dumps).join("\n");
         let want = "late: rank 1 (on a, pid 101) started last in 8 of the 8 collectives every \
@@ -1214,15 +1231,7 @@ mod tests {
                         c
                     })
                     .collect();
-                let mut d = Dump {
-                    rank: r,
-                    world: 3,
-                    calls,
-                    ..Default::default()
-                };
-                d.places
-                    .insert(r, place(if r == 2 { h2 } else { h0 }, 100 + r));
-                (r, d)
+                (r, placed(r, calls, if r == 2 { h2 } else { h0 }))
             })
             .collect()
     }
