@@ -378,15 +378,36 @@ fn a_lost_peer_leaves_dumps_on_the_survivors() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn analyze_names_the_rank_that_starts_its_collectives_late() {
-    let (dir, outs) = run("late");
+/// Runs a straggler scenario (`late`, `late_hosts`): every rank must end well; returns
+/// the dump directory, the ranks' pids and `dspark analyze`'s report.
+fn run_late(scenario: &str) -> (PathBuf, Vec<u64>, String) {
+    let (dir, outs) = run(scenario);
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(o.code, Some(OK), "rank {r}:\n{}", o.out);
     }
-    let pids = pids(&outs);
-    let host = check_places(&load(&dir, 0), &pids);
     let report = analyze(&dir);
+    (dir, pids(&outs), report)
+}
+
+/// The number of milliseconds the report's late line says right after `want` (and then,
+/// if given, after `then`): rank 1 came 40 ms late, less what the others spend reaching
+/// the call, within 20–45 ms on a loaded machine.
+fn late_ms(report: &str, want: &str, then: Option<&str>) -> f64 {
+    assert!(report.contains(want), "missing {want:?} in:\n{report}");
+    let rest = report.split(want).nth(1).unwrap_or("");
+    let rest = then.map_or(Some(rest), |t| rest.split(t).nth(1));
+    let ms: f64 = rest
+        .and_then(|t| t.split(" ms").next())
+        .and_then(|t| t.parse().ok())
+        .expect("the median lateness");
+    assert!((20.0..=45.0).contains(&ms), "{report}");
+    ms
+}
+
+#[test]
+fn analyze_names_the_rank_that_starts_its_collectives_late() {
+    let (dir, pids, report) = run_late("late");
+    let host = check_places(&load(&dir, 0), &pids);
     // The ring keeps the last ENTRIES calls, every one of them 40 ms late on rank 1 (less
     // what the others spend reaching the call); its host is theirs: no clock caveat.
     let want = format!(
@@ -395,14 +416,7 @@ fn analyze_names_the_rank_that_starts_its_collectives_late() {
         pids[1],
         GOOD + 1 - ENTRIES as u64
     );
-    assert!(report.contains(&want), "missing {want:?} in:\n{report}");
-    let median: f64 = report
-        .split(&want)
-        .nth(1)
-        .and_then(|t| t.split(" ms").next())
-        .and_then(|t| t.parse().ok())
-        .expect("the median lateness");
-    assert!((20.0..=45.0).contains(&median), "{report}");
+    late_ms(&report, &want, None);
     assert!(!report.contains("clock"), "{report}");
     assert!(report.contains("no rank is stuck"), "{report}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -412,12 +426,7 @@ fn analyze_names_the_rank_that_starts_its_collectives_late() {
 /// analyze` does not compare: it goes by how much longer the others' calls lasted.
 #[test]
 fn analyze_names_a_late_rank_on_another_host_by_how_long_the_others_wait() {
-    let (dir, outs) = run("late_hosts");
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(o.code, Some(OK), "rank {r}:\n{}", o.out);
-    }
-    let pids = pids(&outs);
-    let report = analyze(&dir);
+    let (dir, pids, report) = run_late("late_hosts");
     // (The sequence numbers are not GOOD's: init's link probe between the hosts ran
     // collectives of its own.)
     let want = format!(
@@ -425,16 +434,11 @@ fn analyze_names_a_late_rank_on_another_host_by_how_long_the_others_wait() {
          every dump holds (#",
         pids[1],
     );
-    assert!(report.contains(&want), "missing {want:?} in:\n{report}");
-    let then = "): the others' calls lasted a median ";
-    let median: f64 = report
-        .split(&want)
-        .nth(1)
-        .and_then(|t| t.split(then).nth(1))
-        .and_then(|t| t.split(" ms").next())
-        .and_then(|t| t.parse().ok())
-        .expect("the median lateness");
-    assert!((20.0..=45.0).contains(&median), "{report}");
+    late_ms(
+        &report,
+        &want,
+        Some("): the others' calls lasted a median "),
+    );
     assert!(
         report.contains("hosts: host-a (ranks 0, 1), host-b (rank 2)"),
         "{report}"

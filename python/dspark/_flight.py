@@ -257,9 +257,8 @@ def write_records(directory):
     ``dspark analyze directory``; returns the files."""
     paths = []
     for g, _, _, _ in _live():
-        for c in g._comms():
-            w = getattr(c, "write_flight_record", None) or c._c.write_flight_record
-            p = w(os.fspath(directory))
+        for c in g._comms():  # dspark.Communicator or the native one: both write
+            p = c.write_flight_record(os.fspath(directory))
             if p:
                 paths.append(p)
     return paths

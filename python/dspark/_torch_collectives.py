@@ -45,6 +45,16 @@ def _same_shape(tensors, what):
         )
 
 
+def _copy_into(tensors, buf):
+    """A completion step: `buf`'s elements into each of `tensors` (a multi-tensor list's
+    one result)."""
+    def copy_out():
+        for t in tensors:
+            t.copy_(buf.view(t.shape))
+
+    return copy_out
+
+
 def _single(items, what, of):
     """gloo's rule for gather and scatter: one tensor (or list) per call, not a list of
     several (their first alone was used, the rest ignored). The root's output (gather) or
@@ -131,13 +141,8 @@ class _Collectives:
                 f"reduction across the list failed: {e}"
             ) from None
         acc = acc.contiguous()
-
-        def copy_out():
-            for t in tensors:
-                t.copy_(acc.view(t.shape))
-
         return self._go(opts, [("all_reduce", acc, acc, None, op, 0)], [acc, *tensors],
-                        list(tensors), [copy_out])
+                        list(tensors), [_copy_into(tensors, acc)])
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -157,13 +162,8 @@ class _Collectives:
                     f"dspark: broadcast: rootTensor {k} of a list of {len(tensors)} tensors"
                 )
             buf = _input(tensors[k], "broadcast tensor").clone().contiguous()
-
-            def copy_out():
-                for t in tensors:
-                    t.copy_(buf.view(t.shape))
-
             return self._go(opts, [("broadcast", buf, buf, None, None, root)],
-                            [buf, *tensors], list(tensors), [copy_out])
+                            [buf, *tensors], list(tensors), [_copy_into(tensors, buf)])
         calls, keep, fin = [], list(tensors), []
         for t in tensors:
             out = _output(t, "broadcast tensor", fin)

@@ -65,8 +65,8 @@ struct Facts {
     /// What every rank of this communicator knows alike: rank 0's data address as the rank
     /// table carries it (None without one: the configured root address stands in).
     rank0_addr: Option<std::net::SocketAddr>,
-    hosts: Vec<String>,
-    /// Where each rank runs, from the rank table, for the flight record (empty without one).
+    /// Where each rank runs, from the rank table (its host for `CommInfo::hosts`, and the
+    /// flight record's places; default entries without a table).
     places: Vec<crate::engine::places::Place>,
     local_ranks: usize,
     /// The ranks that share this rank's CPUs, in words ([`crowd::Crowd::describe`]).
@@ -416,7 +416,6 @@ impl Communicator {
             auth,
             data_ip,
             rank0_addr: boot.peers.first().map(|p| p.addr),
-            hosts: boot.peers.iter().map(|p| p.host.clone()).collect(),
             places: boot
                 .peers
                 .iter()
@@ -541,8 +540,7 @@ impl Communicator {
             auth: crate::config::JobAuth::Alone,
             data_ip: None,
             rank0_addr: None,
-            hosts: vec![String::new(); world],
-            places: Vec::new(),
+            places: vec![crate::engine::places::Place::default(); world],
             local_ranks: world,
             cpu_sharing: "threads of one process (not counted)".into(),
             intra_host: None,
@@ -592,7 +590,7 @@ impl Communicator {
             transport_detail: transport.describe(),
             transport_reason: facts.transport_reason,
             cost_model: format!("{} ({})", opts.model, facts.model_source),
-            hosts: facts.hosts,
+            hosts: facts.places.iter().map(|p| p.host.clone()).collect(),
             local_ranks: facts.local_ranks,
             cpu_sharing: facts.cpu_sharing,
             spin: opts.spin,

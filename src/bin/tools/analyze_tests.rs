@@ -1,0 +1,338 @@
+//! `dspark analyze`'s tests: the analysis of dumps made here, each case the lines it must say.
+
+use super::*;
+
+fn call(seq: u64, count: u64, state: &str) -> Call {
+    Call {
+        seq: Some(seq),
+        coll: "all_reduce".into(),
+        dtype: "f32".into(),
+        count,
+        op: "sum".into(),
+        root: None,
+        algorithm: "ring".into(),
+        state: state.into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_late_rank_and_a_disagreement_are_named() {
+    let mut dumps = BTreeMap::new();
+    let timeout = Failure {
+        kind: "timeout".into(),
+        peer: Some(2),
+        progress: Some((2, "recv".into(), 1, 4, 0, 8)),
+    };
+    for r in 0..2 {
+        let mut last = call(3, 2, "failed");
+        last.failure = Some(timeout.clone());
+        dumps.insert(
+            r,
+            Dump {
+                rank: r,
+                world: 3,
+                calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
+                ..Default::default()
+            },
+        );
+    }
+    dumps.insert(
+        2,
+        Dump {
+            rank: 2,
+            world: 3,
+            calls: vec![call(1, 2, "completed"), call(2, 5, "completed")],
+            ..Default::default()
+        },
+    );
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains("behind: rank 2: its last call is all_reduce #2"),
+        "{out}"
+    );
+    assert!(out.contains("first disagreement: call #2"), "{out}");
+    assert!(out.contains("everyone waits for rank 2"), "{out}");
+    assert!(
+        out.contains("last call every rank completed: all_reduce #2"),
+        "{out}"
+    );
+}
+
+/// Rank `r`'s dump of `world`, its last call failed with `kind` while it waited for
+/// `peer` (receiving).
+fn failed(r: u64, world: u64, kind: &str, peer: u64) -> Dump {
+    let mut last = call(3, 2, "failed");
+    last.failure = Some(Failure {
+        kind: kind.into(),
+        peer: Some(peer),
+        progress: Some((peer, "recv".into(), 1, 4, 0, 8)),
+    });
+    Dump {
+        rank: r,
+        world,
+        error: Some(format!("rank {r}: {kind}")),
+        calls: vec![call(1, 2, "completed"), call(2, 2, "completed"), last],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn ranks_waiting_for_one_another_are_a_cycle_not_one_rank() {
+    let dumps: BTreeMap<u64, Dump> = (0..3)
+        .map(|r| (r, failed(r, 3, "timeout", (r + 1) % 3)))
+        .collect();
+    let out = analyze(&dumps).join("\n");
+    assert!(out.contains("ranks 0-2 wait for one another"), "{out}");
+    assert!(!out.contains("everyone waits for rank"), "{out}");
+}
+
+#[test]
+fn an_aborted_ranks_wait_leads_to_the_rank_the_timeout_waited_for() {
+    // Rank 1 came late: rank 2 timed out waiting for it and aborted the others, who
+    // were waiting for ranks 2 and 0 then.
+    let mut dumps = BTreeMap::new();
+    dumps.insert(0, failed(0, 3, "aborted", 2));
+    dumps.insert(1, failed(1, 3, "aborted", 0));
+    dumps.insert(2, failed(2, 3, "timeout", 1));
+    let out = analyze(&dumps).join("\n");
+    let verdict = out.lines().find(|l| l.contains("wait")).unwrap_or("");
+    assert!(
+        verdict.starts_with("everyone waits for rank 1: rank 2 timed out"),
+        "{out}"
+    );
+}
+
+#[test]
+fn two_dead_ranks_are_two_groups_and_long_lists_are_ranges() {
+    let mut dumps: BTreeMap<u64, Dump> = (0..4)
+        .map(|r| (r, failed(r, 70, "peer_lost", if r < 2 { 5 } else { 4 })))
+        .collect();
+    for r in 6..70 {
+        dumps.insert(r, failed(r, 70, "peer_lost", 5));
+    }
+    let out = analyze(&dumps).join("\n");
+    assert!(out.contains("dumps from ranks 0-3, 6-69 of 70"), "{out}");
+    assert!(out.contains("ranks 0, 1, 6-69 wait for rank 5"), "{out}");
+    assert!(out.contains("ranks 2, 3 wait for rank 4"), "{out}");
+    assert!(out.contains("and 62 more"), "{out}");
+    assert!(out.contains("ranks 6-69 failed too"), "{out}");
+    assert!(out.lines().all(|l| l.len() < 1000), "{out}");
+}
+
+#[test]
+fn dumps_written_a_day_apart_are_said_to_be_of_different_runs() {
+    let day = 86_400 * 1_000_000_000u64;
+    let mut dumps: BTreeMap<u64, Dump> = (0..4).map(|r| (r, failed(r, 4, "timeout", 3))).collect();
+    for (r, d) in dumps.iter_mut() {
+        d.dumped_at_ns = if *r >= 2 { day } else { 2 * day };
+    }
+    let out = analyze(&dumps).join("\n");
+    assert!(out.contains("24.0 hours apart (ranks 2, 3 older)"), "{out}");
+    for d in dumps.values_mut() {
+        d.dumped_at_ns = day;
+    }
+    assert!(!analyze(&dumps).join("\n").contains("apart"));
+}
+
+#[test]
+fn a_ring_of_sends_and_a_stuck_receive_are_said() {
+    let mut dumps: BTreeMap<u64, Dump> = (0..2).map(|r| (r, failed(r, 3, "timeout", 2))).collect();
+    let mut send = call(115, 4, "completed");
+    send.coll = "send".into();
+    send.peer = Some(1);
+    let mut recv = call(3, 4, "started");
+    recv.coll = "recv".into();
+    recv.peer = Some(0);
+    dumps.insert(
+        2,
+        Dump {
+            rank: 2,
+            world: 3,
+            calls: vec![send, recv],
+            recorded: 135,
+            ..Default::default()
+        },
+    );
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains("rank 2: its ring holds only its last 2 of 135 calls"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rank 2 is inside recv #3 from rank 0, started and not finished"),
+        "{out}"
+    );
+    assert!(!out.contains("no rank is stuck"), "{out}");
+}
+
+/// Rank `r`'s dump of a world of 3 holding `calls`, on `host` with pid 100 + r.
+fn placed(r: u64, calls: Vec<Call>, host: &str) -> Dump {
+    let mut d = Dump {
+        rank: r,
+        world: 3,
+        calls,
+        ..Default::default()
+    };
+    d.places.insert(r, place(host, 100 + r));
+    d
+}
+
+fn place(host: &str, pid: u64) -> Place {
+    Place {
+        host: host.into(),
+        pid: Some(pid),
+    }
+}
+
+#[test]
+fn a_rank_that_left_no_dump_is_named_with_its_host_and_process() {
+    // Ranks 0 and 1 on host a lost rank 2 on host b, which left no dump; their tables
+    // say where it ran.
+    let table: BTreeMap<u64, Place> = [
+        (0, place("a", 10)),
+        (1, place("a", 11)),
+        (2, place("b", 12)),
+    ]
+    .into();
+    let dumps: BTreeMap<u64, Dump> = (0..2)
+        .map(|r| {
+            let mut d = failed(r, 3, "peer_lost", 2);
+            d.places = table.clone();
+            (r, d)
+        })
+        .collect();
+    let out = analyze(&dumps).join("\n");
+    for want in [
+        "hosts: a (ranks 0, 1), b (rank 2)",
+        "everyone waits for rank 2 (on b, pid 12; it left no dump)",
+        "next: look at rank 2's log or stack: rank 2: py-spy dump --pid 12 on b (or gdb -p 12)",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+    // A rank's word on itself wins over another's table (a pid reused, a stale table),
+    // in whichever order the dumps come; an empty host of its own erases nothing.
+    let mut dumps = dumps;
+    if let Some(d) = dumps.get_mut(&1) {
+        d.places.insert(1, place("", 99));
+        d.places.insert(0, place("c", 98));
+    }
+    // Above FULL_PLACES a dump lists only the ranks it names: the line says how many.
+    assert_eq!(
+        hosts_line(&table, 2000).as_deref(),
+        Some("hosts: a (ranks 0, 1), b (rank 2) (3 ranks' places known)")
+    );
+    let merged = merged_places(&dumps);
+    assert_eq!(merged[&0], place("a", 10), "rank 0's own word");
+    assert_eq!(
+        merged[&1],
+        place("a", 99),
+        "rank 1's own pid, rank 0's host"
+    );
+    assert_eq!(merged[&2], place("b", 12));
+}
+
+#[test]
+fn a_rank_that_starts_its_collectives_late_is_named() {
+    const MS: u64 = 1_000_000;
+    let mut dumps: BTreeMap<u64, Dump> = BTreeMap::new();
+    for r in 0..3u64 {
+        let calls = (1..=8u64)
+            .map(|s| {
+                let t0 = s * 1_000 * MS;
+                let mut c = call(s, 2, "completed");
+                c.started_ns = if r == 1 {
+                    t0 + 25 * MS
+                } else {
+                    t0 + r * MS / 10
+                };
+                c.ended_ns = t0 + 26 * MS;
+                c
+            })
+            .collect();
+        dumps.insert(r, placed(r, calls, "a"));
+    }
+    let out = analyze(&dumps).join("\n");
+    let want = "late: rank 1 (on a, pid 101) started last in 8 of the 8 collectives every \
+                dump holds (#1-#8), a median 24.8 ms after the others (at most 24.8 ms): \
+                they wait for it";
+    assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    assert!(out.contains("no rank is stuck"), "{out}");
+    // One-shot calls (coarse start stamps) are not counted.
+    for d in dumps.values_mut() {
+        for c in &mut d.calls {
+            c.algorithm = "one_shot".into();
+        }
+    }
+    assert!(!analyze(&dumps).join("\n").contains("late:"));
+}
+
+/// Ranks 0, 1 on host `h0`, rank 2 on `h2`; rank 2 comes 30 ms late to each of 8
+/// all_reduces, and its clock is 500 ms ahead: its calls take 1 ms, the others' 31.
+fn two_hosts(h0: &str, h2: &str) -> BTreeMap<u64, Dump> {
+    const MS: u64 = 1_000_000;
+    (0..3u64)
+        .map(|r| {
+            let skew = if r == 2 { 500 * MS } else { 0 };
+            let calls = (1..=8u64)
+                .map(|s| {
+                    let t0 = s * 1_000 * MS;
+                    let mut c = call(s, 2, "completed");
+                    c.started_ns = skew + if r == 2 { t0 + 30 * MS } else { t0 };
+                    c.ended_ns = skew + t0 + 31 * MS;
+                    c
+                })
+                .collect();
+            (r, placed(r, calls, if r == 2 { h2 } else { h0 }))
+        })
+        .collect()
+}
+
+#[test]
+fn across_hosts_a_late_rank_is_found_by_how_long_the_others_calls_last() {
+    let out = analyze(&two_hosts("node01", "waitrose02")).join("\n");
+    let want = "late: rank 2 (on waitrose02, pid 102) came last in 8 of the 8 collectives \
+                every dump holds (#1-#8): the others' calls lasted a median 30.0 ms \
+                longer than its own";
+    assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    // A host named like a wait is no wait.
+    assert!(
+        out.contains("hosts: node01 (ranks 0, 1), waitrose02 (rank 2)"),
+        "{out}"
+    );
+    assert!(out.contains("no rank is stuck"), "{out}");
+    // A broadcast's root waits for nobody: broadcasts are not counted.
+    let mut dumps = two_hosts("node01", "node02");
+    for d in dumps.values_mut() {
+        for c in &mut d.calls {
+            c.coll = "broadcast".into();
+        }
+    }
+    assert!(!analyze(&dumps).join("\n").contains("late:"));
+}
+
+#[test]
+fn a_communicator_without_calls_is_one_line() {
+    let dumps: BTreeMap<u64, Dump> = (0..3)
+        .map(|r| {
+            let d = Dump {
+                rank: r,
+                world: 3,
+                ..Default::default()
+            };
+            (r, d)
+        })
+        .collect();
+    assert_eq!(
+        analyze(&dumps),
+        ["dumps from ranks 0-2 of 3; no calls recorded"]
+    );
+}
+
+#[test]
+fn rank_lists_fold_runs_of_three_or_more() {
+    let l = |v: &[u64]| list(&v.iter().copied().collect());
+    assert_eq!(l(&[3]), "rank 3");
+    assert_eq!(l(&[0, 1]), "ranks 0, 1");
+    assert_eq!(l(&[0, 1, 2, 5, 7, 8]), "ranks 0-2, 5, 7, 8");
+}
