@@ -142,3 +142,134 @@ fn all_to_all_v_refuses_a_skew_it_cannot_make() {
         assert!(text.contains(why), "{args:?}: {text}");
     }
 }
+
+/// Combinations that would measure something other than what they name are refused before
+/// any rank starts, saying why: each of these ran before and printed numbers of another
+/// case (the blocking device calls under "api: non-blocking", host all_reduce f32 rows for
+/// all_gather or the GPU, an empty send_recv read as 10^7 GB/s).
+#[test]
+fn combinations_that_would_measure_another_thing_are_refused() {
+    for (args, why) in [
+        (
+            &["all_reduce", "--mem", "emulated", "--api", "nonblocking"][..],
+            "--api nonblocking times host buffers only",
+        ),
+        (
+            &["all_reduce", "--mem", "device", "--api", "nonblocking"],
+            "--api nonblocking times host buffers only",
+        ),
+        (
+            &["all_gather", "--peer-rows", "x"],
+            "cannot take a collective other than all_reduce",
+        ),
+        (
+            &["--mem", "device", "--peer-rows", "x"],
+            "cannot take device or emulated memory",
+        ),
+        (&["-d", "half", "--peer-rows", "x"], "a data type other"),
+        (&["--algo", "all", "--peer-rows", "x"], "--algo all"),
+        (
+            &["send_recv", "--ranks", "1"],
+            "send_recv needs 2 ranks or more",
+        ),
+    ] {
+        let (got, text) = bench(args);
+        assert_eq!(got, Some(2), "{args:?}: {text}");
+        assert!(text.contains(why), "{args:?}: {text}");
+        assert!(!text.contains("panicked"), "{args:?}: {text}");
+    }
+}
+
+/// `--peer-rows` skips sizes under one float as the peers do (a size of 0 divided by zero
+/// on every rank), and runs the rest.
+#[test]
+fn peer_rows_skip_a_size_under_one_element() {
+    let (code, text) = bench(&["--ranks", "2", "--peer-rows", "x", "--sizes", "0,3,8"]);
+    assert_eq!(code, Some(0), "{text}");
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("x,")).collect();
+    assert_eq!(rows.len(), 1, "{text}");
+    assert!(rows[0].starts_with("x,2,8,"), "{text}");
+}
+
+/// `--algo all --csv` is CSV: the header, then every algorithm's rows named in the collective
+/// column, and nothing else on stdout (it printed the human tables).
+#[test]
+fn algo_all_with_csv_prints_a_row_per_algorithm_and_size() {
+    let out = Command::new(BENCH)
+        .args([
+            "all_reduce",
+            "--ranks",
+            "2",
+            "--algo",
+            "all",
+            "--csv",
+            "-b",
+            "8",
+            "-e",
+            "1K",
+            "-f",
+            "32",
+            "-n",
+            "5",
+            "-w",
+            "1",
+        ])
+        .env("DSPARK_TIMEOUT", "60")
+        .output()
+        .expect("dspark-bench starts");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let all = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    let mut lines = stdout.lines();
+    let head = lines.next().unwrap_or_default();
+    assert!(
+        head.starts_with("collective,dtype,op,ranks,bytes,"),
+        "{all}"
+    );
+    let rows: Vec<&str> = lines.collect();
+    let width = head.split(',').count();
+    assert!(rows.iter().all(|r| r.split(',').count() == width), "{all}");
+    for algo in ["ring", "recursive_doubling"] {
+        let of: Vec<&&str> = rows
+            .iter()
+            .filter(|r| r.starts_with(&format!("all_reduce/algo={algo},float,sum,2,")))
+            .collect();
+        // 8 B, 256 B (-f 32) and the largest, 1 KiB, each checked: wrong column 0.
+        assert_eq!(of.len(), 3, "{algo}: {all}");
+        assert!(of.iter().all(|r| r.split(',').nth(9) == Some("0")), "{all}");
+    }
+}
+
+/// A flag given beats the environment and the environment beats the default, in the ranks
+/// the bench spawns as in a launcher's (the spawned ranks had every variable overwritten
+/// with the flags' defaults: DSPARK_TRANSPORT=tcp ran shared memory).
+#[test]
+fn the_transport_flag_beats_the_environment_which_beats_the_default() {
+    for (env, flag, want) in [
+        (Some("tcp"), None, "tcp"),
+        (Some("tcp"), Some("shm"), "shm"),
+        (None, Some("tcp"), "tcp"),
+    ] {
+        let mut cmd = Command::new(BENCH);
+        cmd.args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "5", "-w", "1"])
+            .env("DSPARK_TIMEOUT", "60")
+            .env_remove("DSPARK_TRANSPORT");
+        if let Some(t) = flag {
+            cmd.args(["--transport", t]);
+        }
+        if let Some(t) = env {
+            cmd.env("DSPARK_TRANSPORT", t);
+        }
+        let out = cmd.output().expect("dspark-bench starts");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        let row = text
+            .lines()
+            .find(|l| !l.starts_with('#') && l.contains(" 8 "))
+            .unwrap_or_else(|| panic!("no row: {text}"));
+        assert!(
+            row.split_whitespace().nth(10) == Some(want),
+            "env {env:?} flag {flag:?}: {row}\n{text}"
+        );
+    }
+}

@@ -180,18 +180,20 @@ struct Args {
     /// (torchrun, srun, mpirun) when its variables are set, else 2 local ranks.
     #[arg(long)]
     ranks: Option<usize>,
-    /// Transport: auto (shm when every rank is on one host), tcp, verbs, shm.
-    #[arg(long, default_value = "auto")]
-    transport: String,
+    /// Transport: auto (shm when every rank is on one host), tcp, verbs, shm. Given, it beats
+    /// DSPARK_TRANSPORT; not given, DSPARK_TRANSPORT applies, else auto.
+    #[arg(long)]
+    transport: Option<String>,
     /// Where the buffers live: host (RAM), device (CUDA GPU memory, through the data path
     /// reported in the header), or emulated (host memory driven through the host-staged
     /// device pipeline — tests the pipeline on machines without a GPU; needs a build with
     /// `--features testing`).
     #[arg(long, value_enum, default_value = "host")]
     mem: Mem,
-    /// Data path for device memory: auto, gpu-direct, host-staged (DSPARK_DATA_PATH).
-    #[arg(long, default_value = "auto")]
-    path: PathPolicy,
+    /// Data path for device memory: auto, gpu-direct, host-staged. Given, it beats
+    /// DSPARK_DATA_PATH; not given, DSPARK_DATA_PATH applies, else auto.
+    #[arg(long)]
+    path: Option<PathPolicy>,
     /// Run the sweep on device memory over both data paths (gpu-direct and host-staged) and
     /// print them side by side with their ratio.
     #[arg(long)]
@@ -258,11 +260,16 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    if TransportChoice::parse(&args.transport).is_none() {
-        eprintln!(
-            "dspark-bench: --transport {:?}: expected auto, tcp, verbs or shm",
-            args.transport
-        );
+    if let Some(t) = args
+        .transport
+        .as_deref()
+        .filter(|t| TransportChoice::parse(t).is_none())
+    {
+        eprintln!("dspark-bench: --transport {t:?}: expected auto, tcp, verbs or shm");
+        return ExitCode::from(2);
+    }
+    if let Err(why) = refused(&args) {
+        eprintln!("dspark-bench: {why}");
         return ExitCode::from(2);
     }
     if args.mem == Mem::Emulated && !cfg!(feature = "testing") {
@@ -289,16 +296,53 @@ fn main() -> ExitCode {
     }
 }
 
+/// Combinations of flags that would measure something other than what they name, refused
+/// before any rank starts (exit 2): a header or a row must never claim what did not run.
+fn refused(args: &Args) -> Result<(), String> {
+    if args.api == CallApi::Nonblocking && (args.mem != Mem::Host || args.compare_paths) {
+        return Err(
+            "--api nonblocking times host buffers only: device and emulated memory \
+                    go through the blocking device calls"
+                .into(),
+        );
+    }
+    if args.peer_rows.is_some() {
+        // The peers' method and rows are of one thing (../shared/peers): say so rather than
+        // print host all_reduce f32 numbers under another collective's or the GPU's name.
+        let other = [
+            (
+                args.collective != Coll::AllReduce,
+                "a collective other than all_reduce",
+            ),
+            (args.dtype != DataType::F32, "a data type other than float"),
+            (args.op != ReduceOp::Sum, "an op other than sum"),
+            (args.mem != Mem::Host, "device or emulated memory"),
+            (args.api != CallApi::Blocking, "--api nonblocking"),
+            (args.compare_paths, "--compare-paths"),
+            (args.algo.as_deref() == Some("all"), "--algo all"),
+        ];
+        if let Some((_, what)) = other.iter().find(|(on, _)| *on) {
+            return Err(format!(
+                "--peer-rows measures the peers' case, a host all_reduce of float with sum, \
+                 through the blocking calls: it cannot take {what}"
+            ));
+        }
+    }
+    if args.collective == Coll::SendRecv && args.ranks == Some(1) {
+        return Err("send_recv needs 2 ranks or more (rank r sends to r + 1)".into());
+    }
+    Ok(())
+}
+
 fn run_rank(args: &Args) -> Result<ExitCode, String> {
     let how = apply_binding(args);
     let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
-    if let Some(t) = TransportChoice::parse(&args.transport) {
-        if std::env::var_os("DSPARK_TRANSPORT").is_none() {
-            cfg.transport = t;
-        }
+    // A flag given beats the environment, as it does in the ranks `spawn_local` starts.
+    if let Some(t) = args.transport.as_deref().and_then(TransportChoice::parse) {
+        cfg.transport = t;
     }
-    if std::env::var_os("DSPARK_DATA_PATH").is_none() {
-        cfg.data_path = args.path;
+    if let Some(p) = args.path {
+        cfg.data_path = p;
     }
     if args.compare_paths {
         // Both paths are measured on one communicator; the policy only decides the report.
@@ -314,16 +358,16 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
             comm.world_size()
         ));
     }
+    if args.collective == Coll::SendRecv && comm.world_size() < 2 {
+        // Rank 0 would neither send nor receive: a timed empty call, read as bandwidth.
+        return Err("send_recv needs 2 ranks or more (rank r sends to r + 1)".into());
+    }
     if args.root >= comm.world_size() {
         return Err(format!(
             "--root {} is not a rank (world size {})",
             args.root,
             comm.world_size()
         ));
-    }
-    if let Some(peer) = &args.peer_rows {
-        peer::peer_rows(args, &comm, peer)?;
-        return Ok(ExitCode::SUCCESS);
     }
     let gpu = if args.mem == Mem::Device || args.compare_paths {
         Some(Gpu::open(&comm)?)
@@ -350,6 +394,10 @@ fn run_rank(args: &Args) -> Result<ExitCode, String> {
     };
     if all_algos && args.compare_paths {
         return Err("--algo all and --compare-paths cannot be combined".into());
+    }
+    if let Some(peer) = &args.peer_rows {
+        peer::peer_rows(args, &comm, peer)?;
+        return Ok(ExitCode::SUCCESS);
     }
     macro_rules! go {
         ($t:ty) => {

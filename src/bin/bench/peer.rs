@@ -27,7 +27,11 @@ pub(crate) fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<
         eprintln!("# model     : {}", comm.info().cost_model);
     }
     for &bytes in &list {
-        let count = (bytes / 4).max(1);
+        // As the peers: a size under one element is no row (it divided by zero here).
+        let count = bytes / 4;
+        if count == 0 {
+            continue;
+        }
         let fill = |buf: &mut Vec<f32>| {
             for (i, x) in buf.iter_mut().enumerate() {
                 *x = ((r + 1) * (i % 97 + 1)) as f32;

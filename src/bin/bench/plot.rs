@@ -3,7 +3,8 @@
 //!
 //! A plain SVG written by hand: log₂ size axis, linear GB/s axis, a legend that names every
 //! curve. The CSV may be the peers' own (`../shared/peers`: `peer,ranks,bytes,...,busbw_GBps`,
-//! one curve per `peer`) or `dspark-bench --csv` output (one curve per transport and path);
+//! one curve per `peer`) or `dspark-bench --csv` output (one curve per transport and path,
+//! and per algorithm for `--algo all --csv`);
 //! rows of another world size than this run's are left out.
 
 use std::fmt::Write as _;
@@ -202,6 +203,7 @@ pub(crate) fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> 
         ));
     };
     let (peer, ranks, transport, path) = (col("peer"), col("ranks"), col("transport"), col("path"));
+    let collective = col("collective");
     let mut out: Vec<Series> = Vec::new();
     for line in lines {
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
@@ -220,12 +222,16 @@ pub(crate) fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> 
         let (Some(b), Some(v)) = (num(bytes), num(busbw)) else {
             continue;
         };
-        let label = match (get(peer), get(transport), get(path)) {
+        let mut label = match (get(peer), get(transport), get(path)) {
             (Some(p), _, _) => p.to_string(),
             (None, Some(t), Some(p)) => format!("dspark {t} {p}"),
             (None, Some(t), None) => format!("dspark {t}"),
             _ => "csv".to_string(),
         };
+        // `--algo all --csv`'s rows: a curve per algorithm.
+        if let Some((_, algo)) = get(collective).and_then(|c| c.split_once("/algo=")) {
+            label = format!("{label} {algo}");
+        }
         match out.iter_mut().find(|s| s.label == label) {
             Some(s) => s.points.push((b, v)),
             None => out.push(Series {
@@ -265,6 +271,28 @@ mod tests {
             vec![(8.0, 0.0008), (1024.0, 0.09)],
             "the 4-rank row is left out, a repeated header skipped"
         );
+    }
+
+    /// dspark-bench's own CSV: a curve per transport and path, and per algorithm where the
+    /// collective column names one (`--algo all --csv`).
+    #[test]
+    fn dspark_csv_gives_a_curve_per_path_and_algorithm() {
+        let csv = "collective,dtype,op,ranks,bytes,count,time_us,algbw_GBps,busbw_GBps,wrong,transport,path\n\
+                   all_reduce/algo=ring,float,sum,2,8,2,1.0,0.008,0.008,0,shm,host\n\
+                   all_reduce/algo=tree,float,sum,2,8,2,2.0,0.004,0.004,0,shm,host\n\
+                   all_reduce/algo=ring,float,sum,2,64,16,1.0,0.064,0.064,0,shm,host\n\
+                   all_reduce,float,sum,2,8,2,1.0,0.008,0.008,0,tcp,host\n";
+        let s = read_csv(csv, 2).unwrap();
+        let labels: Vec<&str> = s.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "dspark shm host ring",
+                "dspark shm host tree",
+                "dspark tcp host"
+            ]
+        );
+        assert_eq!(s[0].points, vec![(8.0, 0.008), (64.0, 0.064)]);
     }
 
     #[test]

@@ -73,8 +73,6 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             .env("DSPARK_RANK", r.to_string())
             .env("DSPARK_WORLD_SIZE", n.to_string())
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
-            .env("DSPARK_TRANSPORT", &args.transport)
-            .env("DSPARK_DATA_PATH", args.path.name())
             .env(dspark::internals::trust::SPAWNER_SECRET_ENV, &secret)
             .env(DISTANCE_ENV, distances.as_deref().unwrap_or(""))
             .stdin(Stdio::null())
@@ -86,6 +84,14 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             .stderr(Stdio::inherit());
         for v in bind::LAUNCHER_VARS {
             cmd.env_remove(v);
+        }
+        // A flag given beats the environment (the children inherit DSPARK_TRANSPORT and
+        // DSPARK_DATA_PATH otherwise), as in a launcher's ranks (`run_rank`).
+        if let Some(t) = &args.transport {
+            cmd.env("DSPARK_TRANSPORT", t);
+        }
+        if let Some(p) = args.path {
+            cmd.env("DSPARK_DATA_PATH", p.name());
         }
         match cmd.spawn() {
             Ok(c) => children.push(c),

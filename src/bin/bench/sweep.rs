@@ -49,11 +49,16 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         let runs_as = comm.algorithm(c, 1 << 20);
         if runs_as != a {
             comm.set_algorithm(before).map_err(|e| e.to_string())?;
-            let why = if a == Algorithm::Hierarchical {
-                "; the hierarchical all_reduce needs every host to hold as many ranks, \
-                 numbered contiguously"
-            } else {
-                ""
+            let why = match a {
+                Algorithm::Hierarchical => {
+                    "; the hierarchical all_reduce needs every host to hold as many ranks, \
+                     numbered contiguously"
+                }
+                Algorithm::OneShot => {
+                    "; with 3 ranks or more, one_shot gives every rank the same result only \
+                     through shared-memory slots, which 1 MiB exceeds"
+                }
+                _ => "",
             };
             not_here.push(format!(
                 "# {a}: runs as {runs_as} on this job's layout (not swept{why})"
@@ -66,7 +71,21 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
     }
     let sharing = gather_sharing(comm);
     let throttled = watch.finish(comm);
-    if comm.rank() == 0 {
+    let transport = comm.info().transport;
+    if comm.rank() == 0 && args.csv {
+        let pv = path_view(args, comm, gpu)?;
+        let label = |a: &Algorithm| format!("{}/algo={a}", args.label());
+        let rows = runs
+            .iter()
+            .map(|(a, r)| (label(a), pv.column.as_str(), r.as_slice()));
+        for l in table::side_csv(args, comm.world_size(), transport, rows) {
+            println!("{l}");
+        }
+        // stdout stays CSV.
+        for l in not_here.iter().chain(&throttled) {
+            eprintln!("{l}");
+        }
+    } else if comm.rank() == 0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
         table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
@@ -74,7 +93,6 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
             println!("{l}");
         }
     }
-    let transport = comm.info().transport;
     Ok(runs
         .into_iter()
         .map(|(a, rows)| (format!("dspark {transport} {a}"), rows))
@@ -375,10 +393,31 @@ pub(crate) fn compare_paths<T: BenchElem>(
     }
     let sharing = gather_sharing(comm);
     let throttled = watch.finish(comm);
-    if rank0 {
+    if rank0 && args.csv {
+        let names: Vec<String> = results.iter().map(|(p, _)| p.to_string()).collect();
+        let rows = results.iter().zip(&names).filter_map(|((_, r), name)| {
+            r.as_ref()
+                .ok()
+                .map(|r| (args.label(), name.as_str(), r.as_slice()))
+        });
+        for l in table::side_csv(args, n, comm.info().transport, rows) {
+            println!("{l}");
+        }
+        // stdout stays CSV.
+        for (policy, res) in &results {
+            if let Err(e) = res {
+                eprintln!("# {policy}: UNAVAILABLE — {e}");
+            }
+        }
+        for l in &throttled {
+            eprintln!("{l}");
+        }
+    } else if rank0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
-        table::print_path_table(factor, &results);
+        for l in table::path_table(factor, &results) {
+            println!("{l}");
+        }
         for l in &throttled {
             println!("{l}");
         }

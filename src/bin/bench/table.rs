@@ -57,9 +57,11 @@ fn wrong_column(args: &Args, row: &Row) -> String {
     }
 }
 
-/// One `--csv` line of a world of `n` ranks.
+/// One `--csv` line of a world of `n` ranks, its collective column `label` (`args.label()`,
+/// or an algorithm's: [`side_csv`]).
 pub(crate) fn csv_row(
     args: &Args,
+    label: &str,
     n: usize,
     row: &Row,
     transport: TransportKind,
@@ -69,7 +71,7 @@ pub(crate) fn csv_row(
     let (algbw, busbw) = bandwidths(row, coll.bus_factor(n));
     format!(
         "{},{},{},{},{},{},{:.4},{:.4},{:.4},{},{},{}",
-        args.label(),
+        label,
         args.dtype.name(),
         op_column(args),
         n,
@@ -146,7 +148,7 @@ pub(crate) fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str)
     let n = comm.world_size();
     let transport = comm.info().transport;
     if args.csv {
-        println!("{}", csv_row(args, n, row, transport, path));
+        println!("{}", csv_row(args, &args.label(), n, row, transport, path));
     } else {
         let algo = comm.algorithm(args.collective.collective(), row.bytes);
         println!("{}", human_row(args, n, row, algo.name(), transport, path));
@@ -154,25 +156,65 @@ pub(crate) fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str)
     let _ = std::io::stdout().flush();
 }
 
+/// A side-by-side table's cells for one row: time and bus bandwidth, or what was wrong with
+/// it (a wrong result's time is no measure of anything, and is never the fastest).
+fn side_cells(r: &Row, factor: f64) -> (String, String) {
+    if r.wrong > 0 {
+        (format!("{} wrong", r.wrong), "-".into())
+    } else {
+        (
+            format!("{:.2}", r.time_us),
+            format!("{:.3}", bandwidths(r, factor).1),
+        )
+    }
+}
+
+/// nccl-tests' footer line for the wrong values of side-by-side sweeps, and which sweep and
+/// sizes had them.
+fn wrong_footer<'a>(runs: impl Iterator<Item = (String, &'a [Row])>) -> Vec<String> {
+    let mut total = 0u64;
+    let mut which = Vec::new();
+    for (name, rows) in runs {
+        let bad: Vec<String> = rows
+            .iter()
+            .filter(|r| r.wrong > 0)
+            .map(|r| r.bytes.to_string())
+            .collect();
+        total += rows.iter().map(|r| r.wrong).sum::<u64>();
+        if !bad.is_empty() {
+            which.push(format!("# wrong results: {name} at {} B", bad.join(", ")));
+        }
+    }
+    let mut out = vec![format!(
+        "# Out of bounds values : {total} {}",
+        if total == 0 { "OK" } else { "FAILED" }
+    )];
+    out.extend(which);
+    out
+}
+
 /// `--algo all`'s table: per size each algorithm's time, bus bandwidth and the model's
-/// prediction, then the fastest and the one the choice by size picks.
-pub(crate) fn print_algorithm_table(
+/// prediction (`predict(algorithm, bytes the engine chooses by)`), then the fastest of those
+/// that computed right and the one the choice by size picks (`default(bytes shown)`); then
+/// the wrong values' footer.
+pub(crate) fn algorithm_table(
     args: &Args,
-    comm: &Communicator,
+    n: usize,
     esz: usize,
     runs: &[(Algorithm, Vec<Row>)],
-) {
-    let c = args.collective.collective();
-    let factor = args.collective.bus_factor(comm.world_size());
-    println!(
+    predict: impl Fn(Algorithm, usize) -> Option<f64>,
+    default: impl Fn(usize) -> &'static str,
+) -> Vec<String> {
+    let factor = args.collective.bus_factor(n);
+    let mut out = vec![format!(
         "# --algo all: the same sweep with each algorithm of {} (time in us, busbw in GB/s)",
         args.label()
-    );
+    )];
     let mut head = format!("# {:>12}", "size");
     for (a, _) in runs {
         head += &format!(" {:>20} {:>8} {:>10}", a.name(), "busbw", "model");
     }
-    println!("{head} {:>20} {:>20}", "fastest", "default");
+    out.push(format!("{head} {:>20} {:>20}", "fastest", "default"));
     for i in 0..runs.first().map_or(0, |r| r.1.len()) {
         let bytes = runs[0].1[i].bytes;
         let mut line = format!("  {bytes:>12}");
@@ -180,65 +222,110 @@ pub(crate) fn print_algorithm_table(
         for (a, rows) in runs {
             match rows.get(i) {
                 Some(r) => {
-                    let call =
-                        engine_bytes(args.collective, bytes_of(args, i), esz, comm.world_size());
-                    let model = comm
-                        .predict(c, *a, call)
-                        .map_or("-".to_string(), |t| format!("{t:.1}"));
-                    line += &format!(
-                        " {:>20.2} {:>8.3} {:>10}",
-                        r.time_us,
-                        bandwidths(r, factor).1,
-                        model
-                    );
-                    if best.is_none_or(|(_, t)| r.time_us < t) {
+                    let call = engine_bytes(args.collective, bytes_of(args, i), esz, n);
+                    let model = predict(*a, call).map_or("-".to_string(), |t| format!("{t:.1}"));
+                    let (time, busbw) = side_cells(r, factor);
+                    line += &format!(" {time:>20} {busbw:>8} {model:>10}");
+                    if r.wrong == 0 && best.is_none_or(|(_, t)| r.time_us < t) {
                         best = Some((*a, r.time_us));
                     }
                 }
                 None => line += &format!(" {:>20} {:>8} {:>10}", "-", "-", "-"),
             }
         }
-        let default = default_algorithm(comm, c, bytes);
         let fastest = best.map_or("-".to_string(), |(a, _)| a.name().to_string());
-        println!("{line} {fastest:>20} {default:>20}");
+        out.push(format!("{line} {fastest:>20} {:>20}", default(bytes)));
+    }
+    out.extend(wrong_footer(
+        runs.iter()
+            .map(|(a, rows)| (a.name().to_string(), rows.as_slice())),
+    ));
+    out
+}
+
+/// [`algorithm_table`] printed, with the communicator's model and choice by size.
+pub(crate) fn print_algorithm_table(
+    args: &Args,
+    comm: &Communicator,
+    esz: usize,
+    runs: &[(Algorithm, Vec<Row>)],
+) {
+    let c = args.collective.collective();
+    let lines = algorithm_table(
+        args,
+        comm.world_size(),
+        esz,
+        runs,
+        |a, bytes| comm.predict(c, a, bytes),
+        |bytes| default_algorithm(comm, c, bytes),
+    );
+    for l in lines {
+        println!("{l}");
     }
 }
 
 /// `--compare-paths`' table: per size the time and bus bandwidth over GPUDirect RDMA and
-/// host-staged (`results` in that order), and their ratio.
-pub(crate) fn print_path_table(factor: f64, results: &[(PathPolicy, Result<Vec<Row>, String>)]) {
-    println!("# --compare-paths: the same sweep on each data path (time in us, busbw in GB/s)");
+/// host-staged (`results` in that order), and their ratio (only where both computed right);
+/// then the wrong values' footer.
+pub(crate) fn path_table(
+    factor: f64,
+    results: &[(PathPolicy, Result<Vec<Row>, String>)],
+) -> Vec<String> {
+    let mut out = vec![
+        "# --compare-paths: the same sweep on each data path (time in us, busbw in GB/s)"
+            .to_string(),
+    ];
     for (policy, res) in results {
         if let Err(e) = res {
-            println!("# {policy}: UNAVAILABLE — {e}");
+            out.push(format!("# {policy}: UNAVAILABLE — {e}"));
         }
     }
-    println!(
+    out.push(format!(
         "# {:>12} {:>12} {:>9} {:>12} {:>9} {:>14}",
         "size", "gpu-direct", "busbw", "host-staged", "busbw", "staged/direct"
-    );
-    let staged = results[1].1.as_ref().ok();
-    let direct = results[0].1.as_ref().ok();
-    let list = staged.or(direct).map(|v| v.len()).unwrap_or(0);
+    ));
+    let rows_of = |k: usize| results.get(k).and_then(|(_, r)| r.as_ref().ok());
+    let (direct, staged) = (rows_of(0), rows_of(1));
+    let list = staged.or(direct).map_or(0, Vec::len);
     for i in 0..list {
         let d = direct.and_then(|v| v.get(i));
         let h = staged.and_then(|v| v.get(i));
         let bytes = d.or(h).map_or(0, |r| r.bytes);
-        let cell = |r: Option<&Row>| match r {
-            Some(r) => (
-                format!("{:.2}", r.time_us),
-                format!("{:.3}", bandwidths(r, factor).1),
-            ),
-            None => ("-".into(), "-".into()),
-        };
+        let cell = |r: Option<&Row>| r.map_or(("-".into(), "-".into()), |r| side_cells(r, factor));
         let (dt, db) = cell(d);
         let (ht, hb) = cell(h);
         let ratio = match (d, h) {
-            (Some(d), Some(h)) if d.time_us > 0.0 => format!("{:.2}x", h.time_us / d.time_us),
+            (Some(d), Some(h)) if d.time_us > 0.0 && d.wrong == 0 && h.wrong == 0 => {
+                format!("{:.2}x", h.time_us / d.time_us)
+            }
             _ => "-".into(),
         };
-        println!("  {bytes:>12} {dt:>12} {db:>9} {ht:>12} {hb:>9} {ratio:>14}");
+        out.push(format!(
+            "  {bytes:>12} {dt:>12} {db:>9} {ht:>12} {hb:>9} {ratio:>14}"
+        ));
     }
+    out.extend(wrong_footer(results.iter().filter_map(|(p, r)| {
+        r.as_ref().ok().map(|rows| (p.to_string(), rows.as_slice()))
+    })));
+    out
+}
+
+/// `--csv` for the side-by-side sweeps: the header, then each sweep's rows, an algorithm's
+/// named in the collective column (`all_reduce/algo=ring`), a data path's in the path column.
+pub(crate) fn side_csv<'a>(
+    args: &Args,
+    n: usize,
+    transport: TransportKind,
+    runs: impl Iterator<Item = (String, &'a str, &'a [Row])>,
+) -> Vec<String> {
+    let mut out = vec![CSV_HEADER.to_string()];
+    for (label, path, rows) in runs {
+        out.extend(
+            rows.iter()
+                .map(|r| csv_row(args, &label, n, r, transport, path)),
+        );
+    }
+    out
 }
 
 #[cfg(test)]
@@ -294,7 +381,14 @@ mod tests {
             time_us: 100.0,
             wrong: 0,
         };
-        let line = csv_row(&args(&[]), 4, &row, TransportKind::Tcp, "host");
+        let line = csv_row(
+            &args(&[]),
+            "all_reduce",
+            4,
+            &row,
+            TransportKind::Tcp,
+            "host",
+        );
         assert_eq!(
             line,
             "all_reduce,float,sum,4,1048576,262144,100.0000,10.4858,15.7286,0,tcp,host"
@@ -310,7 +404,7 @@ mod tests {
         };
         let a = args(&["all_gather", "-d", "half", "-o", "max", "-c", "0"]);
         assert_eq!(
-            csv_row(&a, 2, &row, TransportKind::Shm, "staged"),
+            csv_row(&a, &a.label(), 2, &row, TransportKind::Shm, "staged"),
             "all_gather,half,none,2,4096,2048,2.5000,1.6384,0.8192,N/A,shm,staged"
         );
     }
@@ -336,7 +430,7 @@ mod tests {
                 let (algbw, busbw) = bandwidths(&row, a.collective.bus_factor(n));
                 assert!((algbw - 1.0).abs() < 1e-12, "{name}: algbw {algbw}");
                 assert!((busbw - want).abs() < 1e-12, "{name}: busbw {busbw}");
-                let line = csv_row(&a, n, &row, TransportKind::Tcp, "host");
+                let line = csv_row(&a, &a.label(), n, &row, TransportKind::Tcp, "host");
                 let cols: Vec<&str> = line.split(',').collect();
                 assert_eq!(cols[0], name, "{line}");
                 assert_eq!(cols[7], "1.0000", "{name} algbw: {line}");
@@ -431,5 +525,130 @@ mod tests {
         // Unrooted collectives show root -1.
         let line = human_row(&args(&[]), 4, &row, "ring", TransportKind::Tcp, "host");
         assert!(line.contains("  float    sum    -1 "), "{line}");
+    }
+
+    fn row(bytes: usize, time_us: f64, wrong: u64) -> Row {
+        Row {
+            bytes,
+            count: bytes / 4,
+            time_us,
+            wrong,
+        }
+    }
+
+    /// `--algo all`: an algorithm that computed wrong shows how many elements in place of its
+    /// time, is never the fastest however quick, and the footer says FAILED and where (the
+    /// table showed clean times, and the run's exit code 2 was the only sign).
+    #[test]
+    fn algo_all_table_shows_wrong_results_and_never_calls_them_fastest() {
+        let a = args(&["all_reduce", "-b", "8", "-e", "32", "-f", "4"]);
+        let runs = vec![
+            (Algorithm::Ring, vec![row(8, 5.0, 0), row(32, 6.0, 0)]),
+            (
+                Algorithm::RecursiveDoubling,
+                vec![row(8, 1.0, 3), row(32, 2.0, 0)],
+            ),
+        ];
+        let lines = algorithm_table(&a, 2, 4, &runs, |_, _| None, |_| "ring");
+        let body = lines.join("\n");
+        let at = |b: &str| {
+            lines
+                .iter()
+                .find(|l| l.split_whitespace().next() == Some(b))
+                .unwrap_or_else(|| panic!("no row {b}:\n{body}"))
+                .clone()
+        };
+        let r8 = at("8");
+        assert!(r8.contains("3 wrong"), "{body}");
+        assert_eq!(
+            r8.split_whitespace().nth_back(1),
+            Some("ring"),
+            "fastest: {body}"
+        );
+        assert_eq!(
+            at("32").split_whitespace().nth_back(1),
+            Some("recursive_doubling"),
+            "{body}"
+        );
+        assert!(body.contains("# Out of bounds values : 3 FAILED"), "{body}");
+        assert!(
+            body.contains("# wrong results: recursive_doubling at 8 B"),
+            "{body}"
+        );
+        let clean = vec![(Algorithm::Ring, vec![row(8, 5.0, 0)])];
+        let lines = algorithm_table(&a, 2, 4, &clean, |_, _| None, |_| "ring");
+        assert!(
+            lines.iter().any(|l| l == "# Out of bounds values : 0 OK"),
+            "{lines:?}"
+        );
+    }
+
+    /// `--compare-paths`: a path's wrong result shows as such, no ratio is taken from it, and
+    /// the footer says FAILED naming the path; an unavailable path is said.
+    #[test]
+    fn path_table_shows_wrong_results_and_takes_no_ratio_from_them() {
+        let results = vec![
+            (
+                PathPolicy::GpuDirect,
+                Ok(vec![row(1024, 10.0, 0), row(4096, 12.0, 7)]),
+            ),
+            (
+                PathPolicy::HostStaged,
+                Ok(vec![row(1024, 50.0, 0), row(4096, 60.0, 0)]),
+            ),
+        ];
+        let lines = path_table(1.0, &results);
+        let body = lines.join("\n");
+        let r1 = lines
+            .iter()
+            .find(|l| l.trim_start().starts_with("1024 "))
+            .unwrap();
+        assert!(r1.ends_with("5.00x"), "{body}");
+        let r4 = lines
+            .iter()
+            .find(|l| l.trim_start().starts_with("4096 "))
+            .unwrap();
+        assert!(r4.contains("7 wrong") && r4.ends_with(" -"), "{body}");
+        assert!(body.contains("# Out of bounds values : 7 FAILED"), "{body}");
+        assert!(body.contains("gpu-direct at 4096 B"), "{body}");
+        let results = vec![
+            (PathPolicy::GpuDirect, Err("no RDMA device".to_string())),
+            (PathPolicy::HostStaged, Ok(vec![row(1024, 50.0, 0)])),
+        ];
+        let body = path_table(1.0, &results).join("\n");
+        assert!(
+            body.contains("gpu-direct: UNAVAILABLE — no RDMA device"),
+            "{body}"
+        );
+        assert!(body.contains("# Out of bounds values : 0 OK"), "{body}");
+    }
+
+    /// The side-by-side sweeps' CSV: the header, then one well-formed row per sweep and size,
+    /// each named by its label and path.
+    #[test]
+    fn side_by_side_csv_names_each_sweep_in_its_rows() {
+        let a = args(&[]);
+        let r = [row(8, 2.0, 0)];
+        let lines = side_csv(
+            &a,
+            2,
+            TransportKind::Shm,
+            [
+                ("all_reduce/algo=ring".to_string(), "host", &r[..]),
+                ("all_reduce/algo=tree".to_string(), "host", &r[..]),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(lines[0], CSV_HEADER);
+        assert_eq!(lines.len(), 3);
+        assert!(
+            lines[1].starts_with("all_reduce/algo=ring,float,sum,2,8,2,2.0000,"),
+            "{lines:?}"
+        );
+        assert!(lines[2].starts_with("all_reduce/algo=tree,"), "{lines:?}");
+        assert!(
+            lines.iter().all(|l| l.split(',').count() == 12),
+            "{lines:?}"
+        );
     }
 }
