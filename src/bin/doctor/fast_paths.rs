@@ -8,7 +8,8 @@ use dspark::internals::gpu::sysfs::PeermemStatus;
 use serde::Serialize;
 
 use super::fixes::{
-    FIX_DMABUF, FIX_LIBCUDA, FIX_MEMLOCK, FIX_NIC_DMABUF, FIX_NO_DEVICE, FIX_NVRTC, FIX_PEERMEM,
+    FIX_DMABUF, FIX_GPU_RDMA, FIX_LIBCUDA, FIX_MEMLOCK, FIX_NIC_DMABUF, FIX_NO_DEVICE, FIX_NVRTC,
+    FIX_PEERMEM,
 };
 use super::gpu::{CudaSection, NvrtcSection};
 use super::rdma::{verbs_usable, MemlockSection, RdmaSection};
@@ -33,7 +34,21 @@ pub(super) fn fast_paths(
     nvrtc: &NvrtcSection,
 ) -> Vec<FastPath> {
     let mut fast = Vec::new();
-    let verbs = verbs_usable(rdma);
+    let mut verbs = verbs_usable(rdma);
+    // The transport refuses to start where it cannot pin one peer's buffers (transport::
+    // verbs::prepare): a blocker like the hardware's, for `--require verbs` too.
+    if let Some(why) = memlock.verbs_shortfall() {
+        let blocker = (format!("one peer's pinned buffers: {why}"), FIX_MEMLOCK);
+        match &mut verbs {
+            Ok(_) => verbs = Err(vec![blocker]),
+            Err(b) => b.push(blocker),
+        }
+    } else if let (Ok(d), Some(peers)) = (&mut verbs, memlock.verbs_peers()) {
+        d.push_str(&format!(
+            "; RLIMIT_MEMLOCK holds {peers} peers' pinned buffers ({} each)",
+            rounded_bytes(memlock.verbs_bytes_per_peer)
+        ));
+    }
     fast.push(verbs_path(&verbs));
     fast.push(memlock_path(memlock));
     let cuda_fp = cuda_path(cuda, devices);
@@ -51,7 +66,7 @@ pub(super) fn fast_paths(
         common.push((format!("CUDA: {why}"), FIX_LIBCUDA.to_string()));
     }
     fast.push(dma_buf_path(&common, rdma, devices));
-    fast.push(peermem_path(&common, peermem));
+    fast.push(peermem_path(&common, peermem, devices));
     fast.push(nvrtc_path(nvrtc));
     fast
 }
@@ -80,7 +95,17 @@ fn verbs_path(verbs: &Result<String, Vec<(String, &'static str)>>) -> FastPath {
 
 /// Locked memory: the soft limit, or why registering buffers will fail.
 fn memlock_path(memlock: &MemlockSection) -> FastPath {
-    if memlock.sufficient {
+    if memlock.cap_ipc_lock {
+        FastPath {
+            name: "locked memory (RLIMIT_MEMLOCK)",
+            ok: true,
+            detail: format!(
+                "CAP_IPC_LOCK: the soft limit ({}) does not apply",
+                limit_text(memlock.limit.and_then(|l| l.soft))
+            ),
+            fixes: vec![],
+        }
+    } else if memlock.sufficient {
         FastPath {
             name: "locked memory (RLIMIT_MEMLOCK)",
             ok: true,
@@ -244,9 +269,14 @@ fn dma_buf_path(common: &[(String, String)], rdma: &RdmaSection, devices: &[GpuI
     )
 }
 
-/// GPUDirect RDMA via nvidia-peermem: the module loaded.
-fn peermem_path(common: &[(String, String)], peermem: &PeermemStatus) -> FastPath {
-    let peermem_own: Vec<(String, String)> = (!peermem.loaded)
+/// GPUDirect RDMA via nvidia-peermem: the module loaded, and a GPU that does not report
+/// GPUDirect RDMA off (the library refuses peermem on one that does: `path::decide`).
+fn peermem_path(
+    common: &[(String, String)],
+    peermem: &PeermemStatus,
+    devices: &[GpuInfo],
+) -> FastPath {
+    let mut peermem_own: Vec<(String, String)> = (!peermem.loaded)
         .then(|| {
             (
                 "nvidia-peermem is not loaded (none of NCCL's three sysfs files exists)"
@@ -256,6 +286,18 @@ fn peermem_path(common: &[(String, String)], peermem: &PeermemStatus) -> FastPat
         })
         .into_iter()
         .collect();
+    if !devices.is_empty()
+        && devices
+            .iter()
+            .all(|d| d.gpu_direct_rdma_supported == Some(false))
+    {
+        peermem_own.push((
+            "no GPU reports GPUDirect RDMA support \
+             (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED=0)"
+                .to_string(),
+            FIX_GPU_RDMA.to_string(),
+        ));
+    }
     gdr(
         "GPUDirect RDMA via nvidia-peermem",
         common,
@@ -306,5 +348,180 @@ pub(super) fn render_fast_paths(o: &mut String, fast_paths: &[FastPath]) {
                 o.push_str(&format!("      -> {fix}\n"));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dspark::internals::gpu::probe::{CudaProbe, MemlockLimit, VerbsLibrary};
+    use dspark::internals::gpu::sysfs::{RdmaDevice, RdmaPort};
+
+    use super::super::rdma::memlock_section;
+    use super::*;
+
+    /// A NIC with libibverbs and one ACTIVE port.
+    fn rdma_ok() -> RdmaSection {
+        RdmaSection {
+            libibverbs: VerbsLibrary {
+                path: Some("/usr/lib/libibverbs.so.1".into()),
+                searched: vec![],
+            },
+            devices: vec![RdmaDevice {
+                name: "mlx5_0".into(),
+                node_type: None,
+                fw_ver: None,
+                pci: None,
+                ports: vec![RdmaPort {
+                    port: 1,
+                    state: Some("4: ACTIVE".into()),
+                    phys_state: None,
+                    link_layer: None,
+                    rate: None,
+                    gids: vec![],
+                    active_mtu: None,
+                    mtu_note: String::new(),
+                }],
+            }],
+            dma_buf: vec![],
+        }
+    }
+
+    fn limit(soft: u64) -> dspark::Result<MemlockLimit> {
+        Ok(MemlockLimit {
+            soft: Some(soft),
+            hard: Some(soft),
+        })
+    }
+
+    fn no_gpu() -> (CudaSection, NvrtcSection) {
+        (
+            CudaSection {
+                libcuda_loadable: false,
+                probe: None,
+                error: Some("no libcuda".into()),
+                pci_gpus: vec![],
+            },
+            NvrtcSection {
+                loadable: false,
+                version: None,
+                supported_archs: vec![],
+                cache_dir: None,
+                cache_writable: None,
+                compile: vec![],
+            },
+        )
+    }
+
+    fn path<'a>(fast: &'a [FastPath], name: &str) -> &'a FastPath {
+        fast.iter().find(|f| f.name == name).unwrap()
+    }
+
+    /// A process with CAP_IPC_LOCK (an RDMA container's usual set-up) under docker's 64 KiB
+    /// default: no limit applies, as the verbs transport itself decides; without the
+    /// capability, a limit that cannot hold one peer's buffers blocks the verbs transport
+    /// (and so `--require verbs`), which was MET while the transport refused to start.
+    #[test]
+    fn memlock_follows_cap_ipc_lock_and_blocks_verbs_below_one_peer() {
+        let (cuda, nvrtc) = no_gpu();
+        let peermem = PeermemStatus {
+            loaded: false,
+            found: None,
+            version: None,
+            checked: vec![],
+        };
+        let capped = memlock_section(limit(64 << 10), true);
+        let fast = fast_paths(&rdma_ok(), &capped, &cuda, &[], &peermem, &nvrtc);
+        let m = path(&fast, "locked memory (RLIMIT_MEMLOCK)");
+        assert!(m.ok && m.detail.contains("CAP_IPC_LOCK"), "{m:?}");
+        assert!(path(&fast, "RDMA verbs transport").ok, "{fast:?}");
+
+        let plain = memlock_section(limit(64 << 10), false);
+        assert!(plain.verbs_bytes_per_peer > 64 << 10, "{plain:?}");
+        let fast = fast_paths(&rdma_ok(), &plain, &cuda, &[], &peermem, &nvrtc);
+        assert!(!path(&fast, "locked memory (RLIMIT_MEMLOCK)").ok);
+        let v = path(&fast, "RDMA verbs transport");
+        assert!(
+            !v.ok && v.detail.contains("one peer's pinned buffers"),
+            "{v:?}"
+        );
+        assert!(v.fixes.iter().any(|f| f.contains("ulimit -l")), "{v:?}");
+        let met =
+            super::super::summary::requirements(&[super::super::Requirement::Verbs], &fast, &[]);
+        assert!(!met[0].met, "{:?}", met[0].reason);
+
+        // Enough for some peers, not the 1 GiB the GPU paths want: verbs says how many.
+        let some = memlock_section(limit(64 << 20), false);
+        let fast = fast_paths(&rdma_ok(), &some, &cuda, &[], &peermem, &nvrtc);
+        let v = path(&fast, "RDMA verbs transport");
+        let peers = (64u64 << 20) / some.verbs_bytes_per_peer;
+        assert!(
+            v.ok && v.detail.contains(&format!("holds {peers} peers'")),
+            "{v:?}"
+        );
+    }
+
+    /// nvidia-peermem loaded, but every GPU reports GPUDirect RDMA off (a GeForce): the
+    /// library stages every pair, so the fast path is not "ready".
+    #[test]
+    fn peermem_is_unavailable_where_no_gpu_reports_gpudirect_rdma() {
+        let (_, nvrtc) = no_gpu();
+        let gpu = |rdma: Option<bool>| GpuInfo {
+            ordinal: 0,
+            name: "GPU".into(),
+            compute_capability: (8, 6),
+            pci: None,
+            total_mem: None,
+            sm_count: None,
+            dma_buf_supported: Some(false),
+            gpu_direct_rdma_supported: rdma,
+        };
+        let cuda = CudaSection {
+            libcuda_loadable: true,
+            probe: Some(CudaProbe {
+                driver_version: Some((12, 8)),
+                devices: vec![gpu(Some(false))],
+                init_error: None,
+            }),
+            error: None,
+            pci_gpus: vec![],
+        };
+        let peermem = PeermemStatus {
+            loaded: true,
+            found: Some("/sys/module/nvidia_peermem/version".into()),
+            version: Some("1".into()),
+            checked: vec![],
+        };
+        let memlock = memlock_section(
+            Ok(MemlockLimit {
+                soft: None,
+                hard: None,
+            }),
+            false,
+        );
+        let fast = fast_paths(
+            &rdma_ok(),
+            &memlock,
+            &cuda,
+            &[gpu(Some(false))],
+            &peermem,
+            &nvrtc,
+        );
+        let p = path(&fast, "GPUDirect RDMA via nvidia-peermem");
+        assert!(
+            !p.ok && p.detail.contains("GPU_DIRECT_RDMA_SUPPORTED=0"),
+            "{p:?}"
+        );
+        let fast = fast_paths(
+            &rdma_ok(),
+            &memlock,
+            &cuda,
+            &[gpu(Some(true))],
+            &peermem,
+            &nvrtc,
+        );
+        assert!(
+            path(&fast, "GPUDirect RDMA via nvidia-peermem").ok,
+            "{fast:?}"
+        );
     }
 }

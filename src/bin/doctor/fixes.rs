@@ -16,6 +16,9 @@ pub(super) const FIX_NO_DEVICE: &str = "check `nvidia-smi` and CUDA_VISIBLE_DEVI
 pub(super) const FIX_PEERMEM: &str =
     "modprobe nvidia-peermem (ships with the NVIDIA driver; persist it in /etc/modules-load.d); \
      it must exist as /sys/module/nvidia_peermem/version";
+pub(super) const FIX_GPU_RDMA: &str =
+    "GPUDirect RDMA is a data-center GPU's feature (GeForce-class GPUs report it off): run on \
+     such a GPU, or use dma-buf where the GPU supports it";
 pub(super) const FIX_DMABUF: &str =
     "dma-buf needs the NVIDIA open kernel modules (driver >= 515) on Turing or newer, \
      Linux >= 5.12 and rdma-core >= 34";

@@ -7,7 +7,9 @@ use std::path::Path;
 
 use dspark::internals::gpu::probe::{self, MemlockLimit, VerbsLibrary, MEMLOCK_MIN_BYTES};
 use dspark::internals::gpu::sysfs::{RdmaDevice, Sysfs};
-use dspark::internals::transport::verbs::{probe_nic_dmabuf, NicDmaBuf};
+use dspark::internals::transport::verbs::{
+    cap_ipc_lock_in, memlock_shortfall, probe_nic_dmabuf, NicDmaBuf, VerbsOptions,
+};
 use serde::Serialize;
 
 use super::fixes::{FIX_NO_NIC, FIX_PORT, FIX_RDMA_CORE};
@@ -33,7 +35,28 @@ pub(super) struct MemlockSection {
     pub(super) limit: Option<MemlockLimit>,
     pub(super) error: Option<String>,
     pub(super) minimum_bytes: u64,
+    /// At least `minimum_bytes`, unlimited, or not applying (`cap_ipc_lock`).
     pub(super) sufficient: bool,
+    /// Whether this process has CAP_IPC_LOCK: then no memlock limit applies to it (nor to
+    /// the ranks a launcher starts with the same capabilities).
+    pub(super) cap_ipc_lock: bool,
+    /// What the verbs transport pins per connected peer with the default options (it
+    /// refuses to start where the limit holds less than its peers' total).
+    pub(super) verbs_bytes_per_peer: u64,
+}
+
+impl MemlockSection {
+    /// Why the verbs transport could not pin one peer's buffers here, if it could not.
+    pub(super) fn verbs_shortfall(&self) -> Option<String> {
+        let soft = self.limit.and_then(|l| l.soft);
+        memlock_shortfall(soft, self.verbs_bytes_per_peer, self.cap_ipc_lock)
+    }
+
+    /// How many peers' verbs buffers the limit holds (`None`: no limit applies).
+    pub(super) fn verbs_peers(&self) -> Option<u64> {
+        let soft = self.limit.and_then(|l| l.soft)?;
+        (!self.cap_ipc_lock).then(|| soft / self.verbs_bytes_per_peer.max(1))
+    }
 }
 
 /// The RDMA section: libibverbs (searched below `root` unless it is the real root, where the
@@ -58,20 +81,37 @@ pub(super) fn probe_rdma(sysfs: &Sysfs, root: &Path, on_real_root: bool) -> Rdma
     }
 }
 
-/// The locked-memory section: this process's RLIMIT_MEMLOCK against [`MEMLOCK_MIN_BYTES`].
+/// The locked-memory section: this process's RLIMIT_MEMLOCK against [`MEMLOCK_MIN_BYTES`],
+/// and whether CAP_IPC_LOCK lifts it (`/proc/self/status`).
 pub(super) fn probe_memlock() -> MemlockSection {
-    match probe::memlock_limit() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    memlock_section(probe::memlock_limit(), cap_ipc_lock_in(&status))
+}
+
+/// [`probe_memlock`] from what it read.
+pub(super) fn memlock_section(
+    limit: dspark::Result<MemlockLimit>,
+    cap_ipc_lock: bool,
+) -> MemlockSection {
+    // The library's default options (DSPARK_IB_SLOTS and DSPARK_CHUNK_BYTES change them).
+    let verbs_bytes_per_peer = VerbsOptions::from_config(&dspark::Config::new(0, 2, "127.0.0.1:1"))
+        .map_or(0, |o| o.pinned_per_peer() as u64);
+    match limit {
         Ok(l) => MemlockSection {
-            sufficient: l.sufficient(),
+            sufficient: cap_ipc_lock || l.sufficient(),
             limit: Some(l),
             error: None,
             minimum_bytes: MEMLOCK_MIN_BYTES,
+            cap_ipc_lock,
+            verbs_bytes_per_peer,
         },
         Err(e) => MemlockSection {
             limit: None,
             error: Some(e.to_string()),
             minimum_bytes: MEMLOCK_MIN_BYTES,
-            sufficient: false,
+            sufficient: cap_ipc_lock,
+            cap_ipc_lock,
+            verbs_bytes_per_peer,
         },
     }
 }
@@ -246,7 +286,9 @@ pub(super) fn render_memlock(o: &mut String, memlock: &MemlockSection) {
                 "soft {}, hard {}{}",
                 limit_text(l.soft),
                 limit_text(l.hard),
-                if memlock.sufficient {
+                if memlock.cap_ipc_lock {
+                    " (CAP_IPC_LOCK: no limit applies)".to_string()
+                } else if memlock.sufficient {
                     String::new()
                 } else {
                     format!(": below {}", rounded_bytes(memlock.minimum_bytes))

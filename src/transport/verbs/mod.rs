@@ -147,9 +147,9 @@ use crate::error::Error;
 pub use self::connect::{prepare, why_not_connectable, Prepared};
 pub use self::device::{probe_nic_dmabuf, NicDmaBuf};
 pub use self::memory::DirectSpec;
-#[cfg(feature = "testing")]
-pub(crate) use self::options::cap_ipc_lock_in;
-pub use self::options::{direct_layout, memlock_shortfall, parse_device, VerbsOptions};
+pub use self::options::{
+    cap_ipc_lock_in, direct_layout, memlock_shortfall, parse_device, VerbsOptions,
+};
 pub use crate::gpu::MemoryKind;
 
 #[derive(Debug, Clone)]

@@ -119,7 +119,7 @@ fn has_cap_ipc_lock() -> bool {
 }
 
 /// Whether the text of a `/proc/<pid>/status` file gives `CAP_IPC_LOCK` in `CapEff`.
-pub(crate) fn cap_ipc_lock_in(s: &str) -> bool {
+pub fn cap_ipc_lock_in(s: &str) -> bool {
     s.lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
