@@ -176,6 +176,44 @@ fn one_shot_as_frames_matches_the_reference_for_every_type_and_op_on_worlds_1_to
     );
 }
 
+/// A forced one-shot all_reduce gives every rank the same bits. Without shared slots its
+/// frames had each rank add its own contribution first, then the others: with 1e8, 1 and
+/// -1e8 (f32, whose step at 1e8 is 8) ranks 0 and 1 got 0 and rank 2 got 1. With 3 ranks or
+/// more it now runs recursive doubling there (and says so through `algorithm`); 2 ranks
+/// keep the one-shot, whose two additions are the same in either order.
+#[test]
+fn a_forced_one_shot_gives_every_rank_the_same_bits() {
+    use dspark::internals::plan::{Algorithm, Collective};
+    for world in 2..=5 {
+        let fabric = MemFabric::new(world, 3);
+        let mut cfg = config(Duration::from_secs(30), 4096);
+        cfg.algo = Some(Algorithm::OneShot);
+        let got = run_ranks(&fabric, world, &cfg, |c| {
+            let runs = c.algorithm(Collective::AllReduce, 12);
+            let mine = |i: usize| match (c.rank() + i) % 3 {
+                0 => 1.0e8f32,
+                1 => 1.0 + i as f32,
+                _ => -1.0e8,
+            };
+            let mut b: Vec<f32> = (0..3).map(mine).collect();
+            c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+            let mut avg: Vec<f32> = (0..3).map(mine).collect();
+            c.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+            let bits: Vec<u32> = b.iter().chain(&avg).map(|x| x.to_bits()).collect();
+            (runs, bits)
+        });
+        let want = if world == 2 {
+            Algorithm::OneShot
+        } else {
+            Algorithm::RecursiveDoubling
+        };
+        for (r, (runs, bits)) in got.iter().enumerate() {
+            assert_eq!(*runs, want, "world {world} rank {r}");
+            assert_eq!(bits, &got[0].1, "world {world}: rank {r} against rank 0");
+        }
+    }
+}
+
 /// Every type, operator and the counts below (0, below the world size, odd, primes) on worlds
 /// 1..=9 with `algo` forced, segments of 40 bytes and of 4 KiB, links of one and of three
 /// frames, checked against the reference.

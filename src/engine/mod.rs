@@ -81,6 +81,9 @@ pub struct EngineOptions {
     /// transport's shared slots ([`crate::transport::Slots`]) when no algorithm is forced;
     /// 0 where the transport has none. Set at init from the transport.
     pub one_shot_bytes: usize,
+    /// The largest all_reduce, in bytes, the transport's shared slots hold (0 where it has
+    /// none): a forced [`Algorithm::OneShot`] runs through them up to this size. Set at init.
+    pub one_shot_slot_bytes: usize,
 }
 
 /// The pipeline segment of an all_reduce under [`PAIR_SEGMENT_BELOW`] bytes between exactly two
@@ -136,8 +139,26 @@ impl EngineOptions {
             && self.per_host == 0
     }
 
+    /// Whether a forced one-shot all_reduce of `bytes` runs recursive doubling instead: with
+    /// 3 ranks or more beyond what the shared slots hold. Its frames would have each rank
+    /// add its own contribution first and the others after, a different order on each rank,
+    /// so that float sums differed in their last bits from rank to rank (two ranks add the
+    /// same two values, in either order alike).
+    pub(crate) fn forced_one_shot_is_doubling(
+        &self,
+        world: usize,
+        coll: Collective,
+        bytes: usize,
+    ) -> bool {
+        self.force_algo == Some(Algorithm::OneShot)
+            && coll == Collective::AllReduce
+            && world > 2
+            && bytes > self.one_shot_slot_bytes
+    }
+
     /// The algorithm when no model is asked: a forced one that implements `coll` (the ring
-    /// for a forced hierarchical all_reduce without its layout), or the
+    /// for a forced hierarchical all_reduce without its layout; recursive doubling for a
+    /// forced one-shot all_reduce its slots cannot hold among 3 ranks or more), or the
     /// one-shot all_reduce for the sizes the transport's slots hold. The model never picks
     /// the one-shot all_reduce ([`plan::choose`]), so a call runs one-shot exactly when this
     /// says so.
@@ -150,6 +171,9 @@ impl EngineOptions {
     ) -> Option<Algorithm> {
         match self.force_algo {
             _ if self.forced_hier_is_ring(coll) => Some(Algorithm::Ring),
+            _ if self.forced_one_shot_is_doubling(world, coll, bytes) => {
+                Some(Algorithm::RecursiveDoubling)
+            }
             Some(a) if a.supports(coll) => Some(a),
             _ if coll == Collective::AllReduce
                 && world > 1
@@ -174,6 +198,7 @@ impl Default for EngineOptions {
             force_algo: None,
             per_host: 0,
             one_shot_bytes: 0,
+            one_shot_slot_bytes: 0,
         }
     }
 }
@@ -596,6 +621,22 @@ impl Engine {
                      to hold as many ranks, numbered contiguously (ranks 0..k on one host, k..2k \
                      on the next, ...): this job's hosts differ in size or interleave their \
                      ranks, so all_reduce runs the ring"
+                );
+            }
+            if self
+                .opts
+                .forced_one_shot_is_doubling(self.world, call.coll, bytes)
+                && self.forced_warned & bit == 0
+            {
+                self.forced_warned |= bit;
+                tracing::warn!(
+                    rank = self.rank,
+                    "the forced algorithm one_shot (DSPARK_ALGO or set_algorithm) gives every \
+                     rank the same result only through shared-memory slots (up to {} bytes \
+                     here): beyond them, with {} ranks, each rank would add the contributions \
+                     in its own order, so all_reduce runs recursive_doubling",
+                    self.opts.one_shot_slot_bytes,
+                    self.world
                 );
             }
             if has_choice && !f.supports(call.coll) && self.forced_warned & bit == 0 {

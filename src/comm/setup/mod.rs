@@ -173,6 +173,7 @@ fn engine_options(
         force_algo: cfg.algo,
         per_host,
         one_shot_bytes: 0,
+        one_shot_slot_bytes: 0,
     }
 }
 
@@ -571,9 +572,8 @@ impl Communicator {
     ) -> Result<Self> {
         let (rank, world) = (config.rank, config.world_size);
         // Small all_reduces go one-shot through shared slots where the transport has them.
-        opts.one_shot_bytes = transport
-            .slots()
-            .map_or(0, |s| s.capacity().min(ONE_SHOT_MAX_BYTES));
+        opts.one_shot_slot_bytes = transport.slots().map_or(0, |s| s.capacity());
+        opts.one_shot_bytes = opts.one_shot_slot_bytes.min(ONE_SHOT_MAX_BYTES);
         let peer_transports: Vec<TransportKind> =
             (0..world).map(|p| transport.peer_kind(p)).collect();
         let inter_host = match transport.kind() {
