@@ -356,13 +356,15 @@ impl Communicator {
             once::warn_once!(key: &what, rank = config.rank, "CPU sharing: {what}");
         }
         // Every rank agrees on the transport through the bootstrap (see `choose_transport`).
+        // `region` first: a pattern's bindings drop last to first, and the GPU memory must
+        // outlive the transport that registered it, should init fail before `assemble`.
         let Chosen {
+            region,
             transport,
             reason,
             intra_host,
             gpu_direct,
             direct_region,
-            region,
         } = choose_transport(&mut boot, &config, streams)?;
         let hosts: Vec<String> = boot.peers.iter().map(|p| p.host.clone()).collect();
         // The cost model: this transport's constants, and how crowded the cores are. Every

@@ -21,6 +21,9 @@ use crate::transport::verbs::wire::{self, Blob};
 use crate::transport::verbs::{self, Prepared, VerbsOptions, VerbsTransport};
 use crate::transport::{Transport, HEADER_LEN};
 
+// Every rank of the largest world must be a peer a work request's id can name.
+const _: () = assert!(crate::config::MAX_WORLD_SIZE <= wire::MAX_PEERS);
+
 fn unavailable(reason: &str) -> Error {
     Error::unavailable("the verbs transport (DSPARK_TRANSPORT=verbs)", reason)
 }

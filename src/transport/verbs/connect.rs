@@ -137,15 +137,21 @@ pub(super) fn cq_entries(slots: usize, peers: usize) -> i32 {
 /// This rank's verbs resources, created by [`prepare`] before the connection round: the
 /// device, protection domain, completion queue, one queue pair (in INIT, receives posted) and
 /// the slot memory for every peer connected at init, and the direct region.
+///
+/// Field order is drop order, which verbs needs (`ibv_close_device` requires every object of
+/// the context released first): the queue pairs and their memory, the direct region, the
+/// completion queue, the protection domain, then the device and the library. A set that is
+/// dropped unbuilt (a fall-back to TCP, a refused or failed connection round) released the
+/// context first, and the rest through freed memory.
 pub struct Prepared {
-    lib: Lib,
-    local: Local,
-    pd: Pd,
-    cq: Cq,
     halves: Vec<Option<Half>>,
+    direct: Option<DirectOwn>,
+    cq: Cq,
+    pd: Pd,
+    local: Local,
+    lib: Lib,
     opts: VerbsOptions,
     world: usize,
-    direct: Option<DirectOwn>,
     direct_info: DirectInfo,
     /// Why the completion queue could not be sized for the peers of init only, if it could
     /// not.

@@ -155,16 +155,49 @@ impl SendQueue {
         i
     }
 
-    /// Records the completion of signalled request `index`: it and everything before it are
-    /// retired.
+    /// Records the completion of signalled request `index` (its low
+    /// [`INDEX_BITS`](super::wire::INDEX_BITS), as a `wr_id` carries it): it and everything
+    /// before it are retired. The full index is the latest posted one with those low bits
+    /// (a completion is of a request within the queue's depth of the last post).
     pub fn complete(&mut self, index: u64) {
-        self.retired = self.retired.max(index + 1);
+        let mask = (1u64 << super::wire::INDEX_BITS) - 1;
+        let last = self.posted.saturating_sub(1);
+        let mut full = (last & !mask) | (index & mask);
+        if full > last {
+            full = full.saturating_sub(mask + 1);
+        }
+        self.retired = self.retired.max(full + 1);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A completion carries the low bits of its index: across the point where they wrap,
+    /// the queue still retires up to the right request (it kept the smaller, older count and
+    /// stopped with a full queue).
+    #[test]
+    fn a_completion_past_the_index_bits_retires_the_right_request() {
+        let wrap = 1u64 << super::super::wire::INDEX_BITS;
+        let mut q = SendQueue::new(8);
+        q.posted = wrap - 2;
+        q.retired = wrap - 4;
+        for _ in 0..4 {
+            q.post(false);
+        }
+        // Posted: wrap - 2, wrap - 1, wrap, wrap + 1; the last completes as low bits 1.
+        q.complete((wrap + 1) & (wrap - 1));
+        assert_eq!(q.retired, wrap + 2);
+        assert!(q.has_room_for(8));
+        // An older completion, from before the wrap, moves nothing back.
+        q.complete((wrap - 1) & (wrap - 1));
+        assert_eq!(q.retired, wrap + 2);
+        let mut q = SendQueue::new(4);
+        let i = q.post(true);
+        q.complete(i);
+        assert_eq!(q.retired, 1);
+    }
 
     #[test]
     fn a_fresh_connection_has_every_slot_free_and_no_more() {

@@ -583,7 +583,17 @@ impl WrKind {
     }
 }
 
-/// Packs (peer, kind, send-queue index) into a `wr_id`: 16 bits of peer, 4 of kind, 44 of index.
+/// Bits of a `wr_id` that carry the peer: every rank of the largest world dspark accepts
+/// (2^20; 16 bits sent the completions of peer r + 65 536 to peer r).
+pub const PEER_BITS: u32 = 20;
+/// Bits that carry the send-queue index: its low bits, which [`SendQueue::complete`]
+/// (super::slots) widens again from the queue's own count.
+pub const INDEX_BITS: u32 = 64 - PEER_BITS - 2;
+/// The most peers a `wr_id` can name.
+pub const MAX_PEERS: usize = 1 << PEER_BITS;
+
+/// Packs (peer, kind, send-queue index) into a `wr_id`: [`PEER_BITS`] of peer, 2 of kind,
+/// the low [`INDEX_BITS`] of the index.
 pub fn wr_id(peer: usize, kind: WrKind, index: u64) -> u64 {
     let k = match kind {
         WrKind::Data => 0,
@@ -591,18 +601,23 @@ pub fn wr_id(peer: usize, kind: WrKind, index: u64) -> u64 {
         WrKind::Ctrl => 2,
         WrKind::Recv => 3,
     };
-    ((peer as u64 & 0xffff) << 48) | (k << 44) | (index & ((1 << 44) - 1))
+    let peer = peer as u64 & (MAX_PEERS as u64 - 1);
+    (peer << (64 - PEER_BITS)) | (k << INDEX_BITS) | (index & ((1 << INDEX_BITS) - 1))
 }
 
-/// Unpacks a `wr_id` made by [`wr_id`].
+/// Unpacks a `wr_id` made by [`wr_id`]: the index is its low [`INDEX_BITS`].
 pub fn split_wr_id(id: u64) -> (usize, WrKind, u64) {
-    let kind = match (id >> 44) & 0xf {
+    let kind = match (id >> INDEX_BITS) & 0b11 {
         0 => WrKind::Data,
         1 => WrKind::Cts,
         2 => WrKind::Ctrl,
         _ => WrKind::Recv,
     };
-    ((id >> 48) as usize, kind, id & ((1 << 44) - 1))
+    (
+        (id >> (64 - PEER_BITS)) as usize,
+        kind,
+        id & ((1 << INDEX_BITS) - 1),
+    )
 }
 
 #[cfg(test)]
@@ -791,12 +806,17 @@ mod tests {
     fn work_request_ids_round_trip() {
         for (p, k, i) in [
             (0, WrKind::Data, 0),
-            (65535, WrKind::Recv, (1 << 44) - 1),
+            (65535, WrKind::Recv, (1 << INDEX_BITS) - 1),
+            (65536, WrKind::Data, 7),
+            (MAX_PEERS - 1, WrKind::Ctrl, 1 << 40),
             (3, WrKind::Cts, 99),
             (9, WrKind::Ctrl, 5),
         ] {
             assert_eq!(split_wr_id(wr_id(p, k, i)), (p, k, i));
         }
+        // The index keeps its low bits only; the send queue widens them again.
+        let (_, _, low) = split_wr_id(wr_id(1, WrKind::Data, (1 << INDEX_BITS) + 5));
+        assert_eq!(low, 5);
     }
 
     #[test]
