@@ -318,3 +318,36 @@ fn a_peer_already_in_a_collective_is_left_alone_while_another_sends_over_mem() {
         assert_eq!(o, Ok(()), "rank {r}");
     }
 }
+
+/// A peer that sent an empty message (its number taken, no frame) and then a real one: a
+/// receive from any source fails at once with a mismatch naming both numbers, as a named
+/// receive does, where it passed over the later frame until its deadline and then said that
+/// no message came.
+#[test]
+fn a_send_after_an_empty_one_is_a_prompt_mismatch_for_a_receive_from_any_source() {
+    let fabric = MemFabric::new(2, 8);
+    let cfg = common::mem_config(Duration::from_secs(10), 4096);
+    let out = common::run_mem_ranks(&fabric, 2, &cfg, |comm| -> Result<(), String> {
+        if comm.rank() == 1 {
+            comm.send(&[] as &[u32], 0).map_err(|e| e.to_string())?;
+            // The peer's failure may reach this send or not: either is fine.
+            let _ = comm.send(&[7u32; 4], 0);
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let got = comm.recv_any(&mut [0u32; 4]);
+        let took = t0.elapsed();
+        match got {
+            Err(e @ Error::Mismatch { .. }) if took < Duration::from_secs(5) => {
+                let text = e.to_string();
+                if text.contains("#1") && text.contains("#2") {
+                    Ok(())
+                } else {
+                    Err(format!("the mismatch names no numbers: {text}"))
+                }
+            }
+            other => Err(format!("after {took:?}: {other:?}")),
+        }
+    });
+    assert_eq!(out[0], Ok(()), "rank 0");
+}

@@ -144,12 +144,16 @@ impl Engine {
         }
     }
 
-    /// Whether `h`, the next frame from `q`, is the next send this rank has to receive from
-    /// `q` (a collective's frame, or anything else, waits for its own call).
+    /// Whether `h`, the next frame from `q`, is a send this rank has to take now: the next
+    /// one from `q`, or a later one, which says that `q` sent a message this rank never
+    /// received (an empty send takes its number but travels as no frame): the receive from
+    /// `q` then fails at once naming both numbers, as a named receive does, where passing
+    /// over it waited for the deadline. A collective's frame, or anything else, waits for its
+    /// own call.
     fn next_send_from(&self, q: usize, h: &FrameHeader) -> bool {
         h.kind == FrameKind::Data
             && h.coll & 0x0f == Collective::SendRecv.code()
-            && h.seq == self.p2p_received[q] + 1
+            && h.seq > self.p2p_received[q]
     }
 
     /// The timeout of a receive from any source that found no message.
