@@ -198,8 +198,8 @@ impl Error {
         }
     }
 
-    /// Names the call an error happened in: a transport reports `send` or `receive`; the
-    /// engine knows it was `all_reduce #41`. Errors whose operation already carries a
+    /// Names the call an error happened in: a transport reports `send` or `receive`, a GPU
+    /// stream `cuMemcpyHtoDAsync`; the engine knows it was `all_reduce #41`. Errors whose operation already carries a
     /// sequence number (most timeouts and mismatches) are left as they are; a timeout or a
     /// mismatch of a connection made on first use inside the call (`bootstrap`) is named
     /// after the call too.
@@ -210,7 +210,9 @@ impl Error {
             | Error::Transport { op, .. }
             | Error::Aborted { op, .. }
             | Error::Timeout { op, .. }
-            | Error::Mismatch { op, .. } => op,
+            | Error::Mismatch { op, .. }
+            // A device call inside a collective (`cuMemcpyHtoDAsync`): which collective.
+            | Error::Cuda { op, .. } => op,
             _ => return self,
         };
         if !op.contains('#') {
@@ -324,6 +326,21 @@ mod tests {
             .in_op("recv #4")
             .to_string()
             .contains("recv #4 (bootstrap)"));
+    }
+
+    /// A device call that failed inside a collective is named after the collective (it said
+    /// only "CUDA error in cuMemcpyHtoDAsync"); a compile or probe outside any call keeps
+    /// its own name.
+    #[test]
+    fn a_cuda_error_inside_a_call_names_the_call() {
+        let e = Error::cuda("cuMemcpyHtoDAsync", "injected").in_op("all_reduce #12");
+        let s = e.at_rank(3).to_string();
+        assert!(
+            s.contains("rank 3") && s.contains("all_reduce #12 (cuMemcpyHtoDAsync)"),
+            "{s}"
+        );
+        let s = Error::cuda("nvrtcCompileProgram", "log").to_string();
+        assert!(s.contains("CUDA error in nvrtcCompileProgram"), "{s}");
     }
 
     #[test]

@@ -804,7 +804,16 @@ impl Engine {
         if let Some(p) = &self.poison {
             return p.clone();
         }
-        let e = e.in_op(call.coll.name()).at_rank(self.rank);
+        // The number the call would have taken: the peers are in it under that number.
+        let seq = match call.coll {
+            Collective::SendRecv if call.is_send => self.p2p_sent.get(call.root),
+            Collective::SendRecv => self.p2p_received.get(call.root),
+            _ => Some(&self.seq),
+        };
+        let name = seq.map_or(call.coll.name().to_string(), |s| {
+            format!("{} #{}", call.coll.name(), s + 1)
+        });
+        let e = e.in_op(&name).at_rank(self.rank);
         self.fail(e.clone());
         e
     }

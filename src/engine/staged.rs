@@ -1153,6 +1153,23 @@ mod tests {
         assert!(d.h2d(0, 0..8).is_err(), "a direct device has no host slots");
     }
 
+    /// A device that cannot run a call fails it before it starts, named with the number the
+    /// peers know it by (they are in it already): the error said `all_reduce (engine)`.
+    #[test]
+    fn a_device_refused_before_the_start_is_named_with_the_calls_number() {
+        let opts = super::super::EngineOptions {
+            segment_bytes: 1 << 16,
+            ..Default::default()
+        };
+        let mut eng = Engine::new(0, 1, Box::new(MemFabric::new(1, 4).transport(0)), opts);
+        let mut call = Call::new(Collective::AllReduce, Some(ReduceOp::Sum), 8, 0, false);
+        call.dtype = DataType::F32;
+        // Slots of 16 bytes, smaller than a segment.
+        let mut d = EmulatedDevice::new(vec![0; 32], vec![0; 32], 1, 1, 16, 7);
+        let e = eng.run_staged(&call, &mut d).unwrap_err().to_string();
+        assert!(e.contains("all_reduce #1"), "{e}");
+    }
+
     #[test]
     fn a_direct_device_on_a_transport_without_a_region_is_told_so() {
         let other = MemFabric::with_direct(1, 4, 2, 1 << 16, 2).transport(0);
