@@ -140,9 +140,6 @@ impl Communicator {
     /// those of [`Communicator::init`] for the new one.
     pub fn split(&self, colour: Option<i32>, key: i32) -> Result<Option<Communicator>> {
         let colour = colour.filter(|&c| c >= 0).map(i64::from);
-        let seq = self
-            .splits
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let salt = auth::nonce().map_err(|e| {
             Error::io(
                 Some(self.rank()),
@@ -165,6 +162,13 @@ impl Communicator {
         mine[RECORD..].copy_from_slice(&salt);
         let mut all = vec![0u8; ENTRY * self.world_size()];
         self.all_gather(&mine, &mut all)?;
+        // The split's number, counted once the exchange succeeded: every rank past it counts
+        // it. Counted before the salt and the listener, a rank whose read or bind failed
+        // counted a split the others never saw, so that its retry (paired with their first
+        // exchange) proved another secret to the new group, and every later split too.
+        let seq = self
+            .splits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Some(colour) = colour else {
             return Ok(None);
         };

@@ -364,17 +364,22 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Config`] when the file cannot be created.
-    pub(crate) fn start_trace(&mut self, prefix: &std::path::Path) -> Result<std::path::PathBuf> {
-        let t = trace::Trace::open(prefix, self.rank, self.world).map_err(|e| {
-            Error::config(
-                "DSPARK_TRACE",
-                format!(
-                    "cannot create the trace file of rank {} under {}: {e}",
-                    self.rank,
-                    prefix.display()
-                ),
-            )
-        })?;
+    pub(crate) fn start_trace(
+        &mut self,
+        prefix: &std::path::Path,
+        communicator_id: &str,
+    ) -> Result<std::path::PathBuf> {
+        let t =
+            trace::Trace::open(prefix, self.rank, self.world, communicator_id).map_err(|e| {
+                Error::config(
+                    "DSPARK_TRACE",
+                    format!(
+                        "cannot create the trace file of rank {} under {}: {e}",
+                        self.rank,
+                        prefix.display()
+                    ),
+                )
+            })?;
         let path = t.path().to_path_buf();
         self.trace = Some(t);
         Ok(path)

@@ -1,8 +1,9 @@
 //! `DSPARK_TRACE`: a Chrome / Perfetto trace of what each rank's engine did.
 //!
-//! One JSON file per communicator (`<prefix>.rank<r>.json`, and `<prefix>.rank<r>.c<k>.json`
-//! for the k-th further communicator of the process: a split, a torch group, or ranks run as
-//! threads), in the Trace Event Format that `chrome://tracing` and <https://ui.perfetto.dev>
+//! One JSON file per communicator (`<prefix>.rank<r>.json`, and
+//! `<prefix>.rank<r>.c<k>.<id>.json` for the k-th further communicator of the process, `id`
+//! the flight recorder's communicator id: a split, a torch group, or ranks run as threads),
+//! in the Trace Event Format that `chrome://tracing` and <https://ui.perfetto.dev>
 //! open. The process is the rank; its lanes ("threads") are:
 //!
 //! * `calls`: every collective and point-to-point call, from its start to its return, named
@@ -81,22 +82,30 @@ pub(crate) struct Trace {
     broken: bool,
 }
 
-/// The file of the communicator of `rank` that is the process's `k`-th with a trace.
-pub(crate) fn file_name(prefix: &Path, rank: usize, k: usize) -> PathBuf {
+/// The file of the communicator of `rank` that is the process's `k`-th with a trace, its
+/// id `id` (the flight recorder's `communicator_id`; empty when unknown): the id keeps apart
+/// the files of the two colour groups of one split, each of which has a rank 0 whose second
+/// communicator it is (two processes wrote one file), as it does the flight dumps.
+pub(crate) fn file_name(prefix: &Path, rank: usize, k: usize, id: &str) -> PathBuf {
     let mut s = prefix.as_os_str().to_owned();
-    if k == 0 {
-        s.push(format!(".rank{rank}.json"));
-    } else {
-        s.push(format!(".rank{rank}.c{k}.json"));
+    match (k, id) {
+        (0, _) => s.push(format!(".rank{rank}.json")),
+        (_, "") => s.push(format!(".rank{rank}.c{k}.json")),
+        _ => s.push(format!(".rank{rank}.c{k}.{id}.json")),
     }
     PathBuf::from(s)
 }
 
 impl Trace {
     /// Opens this communicator's trace file under `prefix` (see the module docs).
-    pub(crate) fn open(prefix: &Path, rank: usize, world: usize) -> std::io::Result<Self> {
+    pub(crate) fn open(
+        prefix: &Path,
+        rank: usize,
+        world: usize,
+        id: &str,
+    ) -> std::io::Result<Self> {
         let k = OPENED.fetch_add(1, Ordering::Relaxed);
-        let path = file_name(prefix, rank, k);
+        let path = file_name(prefix, rank, k, id);
         let file = File::create(&path)?;
         let epoch = Instant::now();
         let epoch_us = SystemTime::now()
@@ -112,10 +121,10 @@ impl Trace {
             first: true,
             broken: false,
         };
-        let label = if k == 0 {
-            format!("rank {rank} of {world}")
-        } else {
-            format!("rank {rank} of {world} (communicator {k} of this process)")
+        let label = match (k, id) {
+            (0, _) => format!("rank {rank} of {world}"),
+            (_, "") => format!("rank {rank} of {world} (communicator {k} of this process)"),
+            _ => format!("rank {rank} of {world} (communicator {k} of this process, id {id})"),
         };
         t.line(&format!(
             r#"{{"ph":"M","name":"process_name","pid":{rank},"tid":0,"args":{{"name":{}}}}}"#,
@@ -289,7 +298,19 @@ mod tests {
     #[test]
     fn the_first_communicator_of_a_process_has_the_plain_name() {
         let p = Path::new("/tmp/run");
-        assert_eq!(file_name(p, 3, 0), PathBuf::from("/tmp/run.rank3.json"));
-        assert_eq!(file_name(p, 3, 2), PathBuf::from("/tmp/run.rank3.c2.json"));
+        assert_eq!(
+            file_name(p, 3, 0, "ab"),
+            PathBuf::from("/tmp/run.rank3.json")
+        );
+        assert_eq!(
+            file_name(p, 3, 2, ""),
+            PathBuf::from("/tmp/run.rank3.c2.json")
+        );
+        // Two groups of one split: the same rank and count, apart by their ids.
+        assert_eq!(
+            file_name(p, 0, 1, "00ff"),
+            PathBuf::from("/tmp/run.rank0.c1.00ff.json")
+        );
+        assert_ne!(file_name(p, 0, 1, "00ff"), file_name(p, 0, 1, "1234"));
     }
 }

@@ -624,10 +624,11 @@ impl Communicator {
         let direct_layout = direct.and_then(|d| d.direct_layout());
         let direct_host = direct.and_then(|d| d.direct_host_region());
         let mut engine = Engine::new(rank, world, transport, opts.clone());
+        let comm_id = communicator_id(config, facts.rank0_addr);
         engine.configure_flight(
             config.flight_entries,
             config.flight_dump.clone(),
-            communicator_id(config, facts.rank0_addr),
+            comm_id.clone(),
             facts.places,
         );
         if let (Some(dir), true) = (&config.flight_dump, config.flight_entries > 0) {
@@ -641,7 +642,7 @@ impl Communicator {
             }
         }
         if let Some(prefix) = &config.trace {
-            let path = engine.start_trace(prefix)?;
+            let path = engine.start_trace(prefix, &comm_id)?;
             tracing::info!(rank, "DSPARK_TRACE: tracing to {}", path.display());
         }
         let shared = work::Shared::new(engine);
