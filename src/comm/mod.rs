@@ -377,6 +377,8 @@ impl Communicator {
 
     /// The blocking collectives with a deadline of their own, overriding the communicator's
     /// ([`Config::timeout`]) for one call: `comm.with_timeout(d).all_reduce(&mut buf, op)`.
+    /// It bounds the call from its start; earlier operations run first to their own
+    /// deadlines ([`Timed`]).
     pub fn with_timeout(&self, timeout: Duration) -> Timed<'_> {
         Timed {
             comm: self,
@@ -959,7 +961,10 @@ impl<'a> HostOp<'a> {
 
 /// The blocking collectives with a deadline of their own ([`Communicator::with_timeout`]).
 /// Each behaves as the [`Communicator`] method of the same name, except that it fails with
-/// [`Error::Timeout`] after this deadline instead of the communicator's.
+/// [`Error::Timeout`] after this deadline instead of the communicator's. The deadline is the
+/// call's own, from its start: operations issued before it (non-blocking ones, or another
+/// thread's call) run first, each to its own deadline, so the caller may wait longer than
+/// this one behind a stuck earlier operation (and then gets that operation's error).
 #[derive(Clone, Copy, Debug)]
 pub struct Timed<'c> {
     comm: &'c Communicator,
