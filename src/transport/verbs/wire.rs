@@ -586,8 +586,9 @@ impl WrKind {
 /// Bits of a `wr_id` that carry the peer: every rank of the largest world dspark accepts
 /// (2^20; 16 bits sent the completions of peer r + 65 536 to peer r).
 pub const PEER_BITS: u32 = 20;
-/// Bits that carry the send-queue index: its low bits, which [`SendQueue::complete`]
-/// (super::slots) widens again from the queue's own count.
+/// Bits that carry the send-queue index: its low bits, which
+/// [`SendQueue::complete`](super::slots::SendQueue::complete) widens again from the queue's
+/// own count.
 pub const INDEX_BITS: u32 = 64 - PEER_BITS - 2;
 /// The most peers a `wr_id` can name.
 pub const MAX_PEERS: usize = 1 << PEER_BITS;
