@@ -28,7 +28,7 @@ for rep in $(seq 1 "$REPS"); do
                 awk -v rep="$rep" -v n="$n" -v load="$load" '
                 /--algo all:/ { on = 1; next }
                 on && $2 == "size" { na = 0; for (i = 3; i <= NF; i++) if ($i != "busbw" && $i != "model" && $i != "fastest" && $i != "default") algos[na++] = $i; next }
-                on && $1 ~ /^[0-9]+$/ { for (k = 0; k < na; k++) printf "%s,%s,%s,%s,%s,%s,%s,%s\n", rep, n, $1, algos[k], $(2 + 3 * k), $(4 + 3 * k), $NF, load }'
+                on && $1 ~ /^[0-9]+$/ { for (k = 0; k < na; k++) if ($(2 + 3 * k) ~ /^[0-9.]+$/) printf "%s,%s,%s,%s,%s,%s,%s,%s\n", rep, n, $1, algos[k], $(2 + 3 * k), $(4 + 3 * k), $NF, load }'
         done
     done
 done

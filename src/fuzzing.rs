@@ -268,7 +268,8 @@ pub fn verbs_words(data: &[u8]) {
     assert_eq!(imm.encode(), read);
     let id = u64::from_le_bytes(w);
     let (peer, kind, index) = split_wr_id(id);
-    assert!(peer <= 0xffff && index < 1 << 44);
+    use crate::transport::verbs::wire::{INDEX_BITS, MAX_PEERS};
+    assert!(peer < MAX_PEERS && index < 1 << INDEX_BITS);
     assert_eq!(split_wr_id(wr_id(peer, kind, index)), (peer, kind, index));
 }
 
@@ -822,7 +823,12 @@ pub fn round_trip(name: &str, r: &mut dyn Rng) -> Vec<u8> {
                 crate::transport::verbs::wire::WrKind::Ctrl,
                 crate::transport::verbs::wire::WrKind::Recv,
             ];
-            let (p, k, i) = (r.below(1 << 16), kinds[r.below(4)], r.next_u64() >> 20);
+            use crate::transport::verbs::wire::{INDEX_BITS, MAX_PEERS};
+            let (p, k, i) = (
+                r.below(MAX_PEERS),
+                kinds[r.below(4)],
+                r.next_u64() >> (64 - INDEX_BITS),
+            );
             assert_eq!(split_wr_id(wr_id(p, k, i)), (p, k, i));
             let mut out = b.to_vec();
             if r.below(2) == 0 {

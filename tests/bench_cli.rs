@@ -273,3 +273,56 @@ fn the_transport_flag_beats_the_environment_which_beats_the_default() {
         );
     }
 }
+
+/// Under a launcher (ranks started by hand, as torchrun or srun start them) the same rule: a
+/// flag given beats DSPARK_TRANSPORT, which beats the default (the launcher's ranks let the
+/// variable win over the flag).
+#[test]
+fn under_a_launcher_the_transport_flag_beats_the_environment_too() {
+    for (flag, want) in [(Some("shm"), "shm"), (None, "tcp")] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let children: Vec<_> = (0..2)
+            .map(|r| {
+                let mut cmd = Command::new(BENCH);
+                cmd.args(["-b", "8", "-e", "8", "-n", "5", "-w", "1"])
+                    .env("DSPARK_TIMEOUT", "60")
+                    .env("DSPARK_RANK", r.to_string())
+                    .env("DSPARK_WORLD_SIZE", "2")
+                    .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
+                    .env("DSPARK_JOB_TOKEN", "bench-cli-launcher-test")
+                    .env("DSPARK_TRANSPORT", "tcp")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                if let Some(t) = flag {
+                    cmd.args(["--transport", t]);
+                }
+                cmd.spawn().expect("dspark-bench starts")
+            })
+            .collect();
+        let outs: Vec<_> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().expect("rank ends"))
+            .collect();
+        let text = String::from_utf8_lossy(&outs[0].stdout).to_string();
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                o.status.success(),
+                "flag {flag:?} rank {r}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let row = text
+            .lines()
+            .find(|l| !l.starts_with('#') && l.contains(" 8 "))
+            .unwrap_or_else(|| panic!("no row: {text}"));
+        assert_eq!(
+            row.split_whitespace().nth(10),
+            Some(want),
+            "flag {flag:?}: {row}\n{text}"
+        );
+    }
+}

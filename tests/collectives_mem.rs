@@ -167,10 +167,12 @@ fn rabenseifner_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
     );
 }
 
-/// `DSPARK_ALGO=one_shot` over `mem`, which has no shared slots: the frame schedule (the
-/// buffer to every peer, each reduced in) for every type and operator, as the tree above.
+/// `DSPARK_ALGO=one_shot` over `mem`, which has no shared slots: on worlds 1 and 2 the frame
+/// schedule (the buffer to the peer, reduced in), on worlds 3 to 9 what it runs as there,
+/// recursive doubling (`a_forced_one_shot_gives_every_rank_the_same_bits`), for every type
+/// and operator, as the tree above.
 #[test]
-fn one_shot_as_frames_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
+fn a_forced_one_shot_matches_the_reference_for_every_type_and_op_on_worlds_1_to_9() {
     forced_all_reduce_matches_the_reference_on_worlds_1_to_9(
         dspark::internals::plan::Algorithm::OneShot,
     );
@@ -199,6 +201,26 @@ fn a_forced_one_shot_gives_every_rank_the_same_bits() {
             c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
             let mut avg: Vec<f32> = (0..3).map(mine).collect();
             c.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+            // Against the exact sum (f64): within a rounding of 1e8 (its f32 step is 8),
+            // whatever the order.
+            let exact: Vec<f64> = (0..3)
+                .map(|i| {
+                    (0..c.world_size())
+                        .map(|r| match (r + i) % 3 {
+                            0 => 1.0e8,
+                            1 => 1.0 + i as f64,
+                            _ => -1.0e8,
+                        })
+                        .sum()
+                })
+                .collect();
+            for (i, (&got, &want)) in b.iter().zip(&exact).enumerate() {
+                assert!(
+                    (f64::from(got) - want).abs() <= 16.0,
+                    "rank {} element {i}: {got} against {want}",
+                    c.rank()
+                );
+            }
             let bits: Vec<u32> = b.iter().chain(&avg).map(|x| x.to_bits()).collect();
             (runs, bits)
         });

@@ -6,7 +6,9 @@
 //! later collective rather than to a send (a peer that is already further on), so the receive
 //! looks at every peer's next frame without taking it ([`Transport::peek`]) and commits to
 //! the first peer whose next frame is the next send this rank has to receive from it (its
-//! per-pair sequence number is the next one). From there it is an ordinary receive from that
+//! per-pair sequence number is the next one, or a later one: the peer sent a message this
+//! rank never received, an empty one, and the receive fails at once naming both numbers).
+//! From there it is an ordinary receive from that
 //! peer: the frame's descriptor is checked against the call (a sender of a different count or
 //! type is a mismatch), and its sequence number is that pair's. The scan starts at a
 //! different peer every time, so that a peer that sends without pause does not starve the

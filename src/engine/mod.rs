@@ -634,13 +634,16 @@ impl Engine {
                 && self.forced_warned & bit == 0
             {
                 self.forced_warned |= bit;
+                let slots = match self.opts.one_shot_slot_bytes {
+                    0 => "which this transport has none of".to_string(),
+                    b => format!("up to {b} bytes here"),
+                };
                 tracing::warn!(
                     rank = self.rank,
                     "the forced algorithm one_shot (DSPARK_ALGO or set_algorithm) gives every \
-                     rank the same result only through shared-memory slots (up to {} bytes \
-                     here): beyond them, with {} ranks, each rank would add the contributions \
-                     in its own order, so all_reduce runs recursive_doubling",
-                    self.opts.one_shot_slot_bytes,
+                     rank the same result only through shared-memory slots ({slots}): beyond \
+                     them, with {} ranks, each rank would add the contributions in its own \
+                     order, so all_reduce runs recursive_doubling",
                     self.world
                 );
             }

@@ -203,7 +203,7 @@ pub(crate) fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> 
         ));
     };
     let (peer, ranks, transport, path) = (col("peer"), col("ranks"), col("transport"), col("path"));
-    let collective = col("collective");
+    let (collective, wrong) = (col("collective"), col("wrong"));
     let mut out: Vec<Series> = Vec::new();
     for line in lines {
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
@@ -218,6 +218,10 @@ pub(crate) fn read_csv(text: &str, world: usize) -> Result<Vec<Series>, String> 
             continue;
         }
         let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+        // dspark-bench's rows whose result was wrong: their time is no bandwidth.
+        if wrong.and_then(num).is_some_and(|w| w > 0.0) {
+            continue;
+        }
         // Rows without a size (iperf3's "stream") are not points of a curve.
         let (Some(b), Some(v)) = (num(bytes), num(busbw)) else {
             continue;
@@ -281,6 +285,7 @@ mod tests {
                    all_reduce/algo=ring,float,sum,2,8,2,1.0,0.008,0.008,0,shm,host\n\
                    all_reduce/algo=tree,float,sum,2,8,2,2.0,0.004,0.004,0,shm,host\n\
                    all_reduce/algo=ring,float,sum,2,64,16,1.0,0.064,0.064,0,shm,host\n\
+                   all_reduce/algo=tree,float,sum,2,64,16,1.0,9.999,9.999,3,shm,host\n\
                    all_reduce,float,sum,2,8,2,1.0,0.008,0.008,0,tcp,host\n";
         let s = read_csv(csv, 2).unwrap();
         let labels: Vec<&str> = s.iter().map(|s| s.label.as_str()).collect();
@@ -293,6 +298,7 @@ mod tests {
             ]
         );
         assert_eq!(s[0].points, vec![(8.0, 0.008), (64.0, 0.064)]);
+        assert_eq!(s[1].points, vec![(8.0, 0.004)], "a wrong row is no point");
     }
 
     #[test]

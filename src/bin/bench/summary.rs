@@ -25,8 +25,10 @@ pub(crate) fn write_plot(
         .iter()
         .map(|(label, rows)| plot::Series {
             label: label.clone(),
+            // A wrong result's time is no bandwidth.
             points: rows
                 .iter()
+                .filter(|r| r.wrong == 0)
                 .map(|r| (r.bytes as f64, bandwidths(r, factor).1))
                 .collect(),
         })

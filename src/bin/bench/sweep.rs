@@ -14,7 +14,7 @@ use dspark::Communicator;
 use crate::data::{prepare, verify, BenchElem};
 use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
-use crate::sizes::{counts, sizes};
+use crate::sizes::{bytes_of, counts, engine_bytes, sizes};
 use crate::summary::{footer, unsteady_lines, ThrottleWatch};
 use crate::table::{self, Row};
 use crate::Args;
@@ -36,17 +36,32 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
     gpu: Option<&Gpu>,
 ) -> Result<Vec<(String, Vec<Row>)>, String> {
     let c = args.collective.collective();
+    let n = comm.world_size();
     let before = comm.forced_algorithm();
     let watch = ThrottleWatch::start();
     let mut runs: Vec<(Algorithm, Vec<Row>)> = Vec::new();
+    // Per swept algorithm and size, the algorithm that ran (itself, or another it runs as
+    // there), read while it was forced.
+    let mut ran_as: Vec<Vec<Algorithm>> = Vec::new();
     let mut not_here = Vec::new();
     for &a in Algorithm::ALL.iter().filter(|a| a.supports(c)) {
         // Every rank switches together: the same list in the same order.
         comm.set_algorithm(Some(a)).map_err(|e| e.to_string())?;
         // Forced, an algorithm can still run as another (the hierarchical all_reduce as the
-        // ring where hosts differ in size or interleave): a column under its name would be
-        // the other's again. Every rank computes the same (the layout is the job's).
-        let runs_as = comm.algorithm(c, 1 << 20);
+        // ring where hosts differ in size or interleave; one_shot with 3 ranks or more beyond
+        // the shared slots): a column under its name would be the other's again. Swept when
+        // it runs as itself at some size (the table marks the sizes it does not); every rank
+        // computes the same (the layout is the job's).
+        let ran: Vec<Algorithm> = (0..sizes(args).len())
+            .map(|i| engine_bytes(args.collective, bytes_of(args, i), T::DATA_TYPE.size(), n))
+            .map(|b| comm.algorithm(c, b))
+            .collect();
+        let runs_as = ran
+            .iter()
+            .copied()
+            .find(|&r| r == a)
+            .or(ran.last().copied())
+            .unwrap_or(a);
         if runs_as != a {
             comm.set_algorithm(before).map_err(|e| e.to_string())?;
             let why = match a {
@@ -56,7 +71,7 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
                 }
                 Algorithm::OneShot => {
                     "; with 3 ranks or more, one_shot gives every rank the same result only \
-                     through shared-memory slots, which 1 MiB exceeds"
+                     through shared-memory slots, which no size of this sweep fits"
                 }
                 _ => "",
             };
@@ -68,6 +83,7 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         let rows = bench::<T>(args, comm, gpu, false);
         comm.set_algorithm(before).map_err(|e| e.to_string())?;
         runs.push((a, rows?));
+        ran_as.push(ran);
     }
     let sharing = gather_sharing(comm);
     let throttled = watch.finish(comm);
@@ -75,10 +91,24 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
     if comm.rank() == 0 && args.csv {
         let pv = path_view(args, comm, gpu)?;
         let label = |a: &Algorithm| format!("{}/algo={a}", args.label());
-        let rows = runs
+        // Only the sizes each algorithm ran as itself: another's time under its name is not.
+        let own: Vec<(Algorithm, Vec<Row>)> = runs
+            .iter()
+            .zip(&ran_as)
+            .map(|((a, rows), ran)| {
+                let rows = rows
+                    .iter()
+                    .zip(ran)
+                    .filter(|&(_, r)| r == a)
+                    .map(|(row, _)| *row)
+                    .collect();
+                (*a, rows)
+            })
+            .collect();
+        let rows = own
             .iter()
             .map(|(a, r)| (label(a), pv.column.as_str(), r.as_slice()));
-        for l in table::side_csv(args, comm.world_size(), transport, rows) {
+        for l in table::side_csv(args, n, transport, rows) {
             println!("{l}");
         }
         // stdout stays CSV.
@@ -88,7 +118,7 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
     } else if comm.rank() == 0 {
         let pv = path_view(args, comm, gpu)?;
         header(args, comm, T::DATA_TYPE.size(), &pv, &sharing);
-        table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs);
+        table::print_algorithm_table(args, comm, T::DATA_TYPE.size(), &runs, &ran_as);
         for l in not_here.iter().chain(&throttled) {
             println!("{l}");
         }
@@ -380,13 +410,20 @@ pub(crate) fn compare_paths<T: BenchElem>(
     let rank0 = comm.rank() == 0;
     let watch = ThrottleWatch::start();
     let mut results: Vec<(PathPolicy, Result<Vec<Row>, String>)> = Vec::new();
+    // Per policy, the data path its calls took (the path column of `--csv`: which GPUDirect
+    // mechanism, not the policy asked for).
+    let mut columns: Vec<String> = Vec::new();
     for policy in [PathPolicy::GpuDirect, PathPolicy::HostStaged] {
         // Whether this path can be had is decided the same way init decides it.
         let before = comm.data_path();
-        let res = match comm.set_data_path(policy) {
-            Err(e) => Err(e.to_string()),
-            Ok(()) => bench::<T>(args, comm, gpu, false),
+        let (res, column) = match comm.set_data_path(policy) {
+            Err(e) => (Err(e.to_string()), policy.to_string()),
+            Ok(()) => {
+                let column = path_view(args, comm, gpu).map_or(policy.to_string(), |v| v.column);
+                (bench::<T>(args, comm, gpu, false), column)
+            }
         };
+        columns.push(column);
         // Every rank switches together (the same decision from the same facts).
         let _ = comm.set_data_path(before);
         results.push((policy, res));
@@ -394,8 +431,7 @@ pub(crate) fn compare_paths<T: BenchElem>(
     let sharing = gather_sharing(comm);
     let throttled = watch.finish(comm);
     if rank0 && args.csv {
-        let names: Vec<String> = results.iter().map(|(p, _)| p.to_string()).collect();
-        let rows = results.iter().zip(&names).filter_map(|((_, r), name)| {
+        let rows = results.iter().zip(&columns).filter_map(|((_, r), name)| {
             r.as_ref()
                 .ok()
                 .map(|r| (args.label(), name.as_str(), r.as_slice()))

@@ -156,11 +156,12 @@ pub(crate) fn print_row(args: &Args, comm: &Communicator, row: &Row, path: &str)
     let _ = std::io::stdout().flush();
 }
 
-/// A side-by-side table's cells for one row: time and bus bandwidth, or what was wrong with
-/// it (a wrong result's time is no measure of anything, and is never the fastest).
+/// A side-by-side table's cells for one row: time and bus bandwidth, or how many elements
+/// were wrong (a wrong result's time is no measure of anything, and is never the fastest),
+/// one word (`WRONG(3)`) so that a cell stays one column for scripts that read the table.
 fn side_cells(r: &Row, factor: f64) -> (String, String) {
     if r.wrong > 0 {
-        (format!("{} wrong", r.wrong), "-".into())
+        (format!("WRONG({})", r.wrong), "-".into())
     } else {
         (
             format!("{:.2}", r.time_us),
@@ -194,14 +195,16 @@ fn wrong_footer<'a>(runs: impl Iterator<Item = (String, &'a [Row])>) -> Vec<Stri
 }
 
 /// `--algo all`'s table: per size each algorithm's time, bus bandwidth and the model's
-/// prediction (`predict(algorithm, bytes the engine chooses by)`), then the fastest of those
-/// that computed right and the one the choice by size picks (`default(bytes shown)`); then
-/// the wrong values' footer.
+/// prediction (`predict(algorithm, bytes the engine chooses by)`), or, where it ran as
+/// another (`ran_as[k][i]`, per run and size), that one's name in parentheses; then the
+/// fastest of those that computed right as themselves and the one the choice by size picks
+/// (`default(bytes shown)`); then the wrong values' footer.
 pub(crate) fn algorithm_table(
     args: &Args,
     n: usize,
     esz: usize,
     runs: &[(Algorithm, Vec<Row>)],
+    ran_as: &[Vec<Algorithm>],
     predict: impl Fn(Algorithm, usize) -> Option<f64>,
     default: impl Fn(usize) -> &'static str,
 ) -> Vec<String> {
@@ -215,14 +218,21 @@ pub(crate) fn algorithm_table(
         head += &format!(" {:>20} {:>8} {:>10}", a.name(), "busbw", "model");
     }
     out.push(format!("{head} {:>20} {:>20}", "fastest", "default"));
+    let mut ran_as_another = false;
     for i in 0..runs.first().map_or(0, |r| r.1.len()) {
         let bytes = runs[0].1[i].bytes;
         let mut line = format!("  {bytes:>12}");
         let mut best: Option<(Algorithm, f64)> = None;
-        for (a, rows) in runs {
+        for (k, (a, rows)) in runs.iter().enumerate() {
             match rows.get(i) {
                 Some(r) => {
                     let call = engine_bytes(args.collective, bytes_of(args, i), esz, n);
+                    let ran = ran_as.get(k).and_then(|v| v.get(i)).copied().unwrap_or(*a);
+                    if ran != *a {
+                        ran_as_another = true;
+                        line += &format!(" {:>20} {:>8} {:>10}", format!("({ran})"), "-", "-");
+                        continue;
+                    }
                     let model = predict(*a, call).map_or("-".to_string(), |t| format!("{t:.1}"));
                     let (time, busbw) = side_cells(r, factor);
                     line += &format!(" {time:>20} {busbw:>8} {model:>10}");
@@ -235,6 +245,12 @@ pub(crate) fn algorithm_table(
         }
         let fastest = best.map_or("-".to_string(), |(a, _)| a.name().to_string());
         out.push(format!("{line} {fastest:>20} {:>20}", default(bytes)));
+    }
+    if ran_as_another {
+        out.push(
+            "# (name): the forced algorithm ran as that one at this size: not its own time"
+                .to_string(),
+        );
     }
     out.extend(wrong_footer(
         runs.iter()
@@ -249,6 +265,7 @@ pub(crate) fn print_algorithm_table(
     comm: &Communicator,
     esz: usize,
     runs: &[(Algorithm, Vec<Row>)],
+    ran_as: &[Vec<Algorithm>],
 ) {
     let c = args.collective.collective();
     let lines = algorithm_table(
@@ -256,6 +273,7 @@ pub(crate) fn print_algorithm_table(
         comm.world_size(),
         esz,
         runs,
+        ran_as,
         |a, bytes| comm.predict(c, a, bytes),
         |bytes| default_algorithm(comm, c, bytes),
     );
@@ -549,7 +567,7 @@ mod tests {
                 vec![row(8, 1.0, 3), row(32, 2.0, 0)],
             ),
         ];
-        let lines = algorithm_table(&a, 2, 4, &runs, |_, _| None, |_| "ring");
+        let lines = algorithm_table(&a, 2, 4, &runs, &[], |_, _| None, |_| "ring");
         let body = lines.join("\n");
         let at = |b: &str| {
             lines
@@ -559,7 +577,7 @@ mod tests {
                 .clone()
         };
         let r8 = at("8");
-        assert!(r8.contains("3 wrong"), "{body}");
+        assert!(r8.contains(" WRONG(3) "), "{body}");
         assert_eq!(
             r8.split_whitespace().nth_back(1),
             Some("ring"),
@@ -575,8 +593,30 @@ mod tests {
             body.contains("# wrong results: recursive_doubling at 8 B"),
             "{body}"
         );
+        // One_shot ran as itself at 8 B and as recursive doubling at 32 B (3 ranks beyond
+        // the slots): that cell names it, and its time is no one_shot's.
+        let runs = vec![
+            (Algorithm::Ring, vec![row(8, 5.0, 0), row(32, 6.0, 0)]),
+            (Algorithm::OneShot, vec![row(8, 1.0, 0), row(32, 2.0, 0)]),
+        ];
+        let ran = vec![
+            vec![Algorithm::Ring; 2],
+            vec![Algorithm::OneShot, Algorithm::RecursiveDoubling],
+        ];
+        let lines = algorithm_table(&a, 3, 4, &runs, &ran, |_, _| None, |_| "ring");
+        let body = lines.join("\n");
+        let r32 = lines
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some("32"))
+            .unwrap();
+        assert!(r32.contains("(recursive_doubling)"), "{body}");
+        assert_eq!(r32.split_whitespace().nth_back(1), Some("ring"), "{body}");
+        assert!(
+            body.contains("# (name): the forced algorithm ran as"),
+            "{body}"
+        );
         let clean = vec![(Algorithm::Ring, vec![row(8, 5.0, 0)])];
-        let lines = algorithm_table(&a, 2, 4, &clean, |_, _| None, |_| "ring");
+        let lines = algorithm_table(&a, 2, 4, &clean, &[], |_, _| None, |_| "ring");
         assert!(
             lines.iter().any(|l| l == "# Out of bounds values : 0 OK"),
             "{lines:?}"
@@ -608,7 +648,7 @@ mod tests {
             .iter()
             .find(|l| l.trim_start().starts_with("4096 "))
             .unwrap();
-        assert!(r4.contains("7 wrong") && r4.ends_with(" -"), "{body}");
+        assert!(r4.contains(" WRONG(7) ") && r4.ends_with(" -"), "{body}");
         assert!(body.contains("# Out of bounds values : 7 FAILED"), "{body}");
         assert!(body.contains("gpu-direct at 4096 B"), "{body}");
         let results = vec![

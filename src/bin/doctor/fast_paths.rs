@@ -449,6 +449,15 @@ mod tests {
             super::super::summary::requirements(&[super::super::Requirement::Verbs], &fast, &[]);
         assert!(!met[0].met, "{:?}", met[0].reason);
 
+        // The slots the advice says to shrink count: fewer, smaller slots pin less.
+        let default = super::super::rdma::verbs_bytes_per_peer(|_| None);
+        let fewer = super::super::rdma::verbs_bytes_per_peer(|k| match k {
+            "DSPARK_IB_SLOTS" => Some("2".into()),
+            "DSPARK_CHUNK_BYTES" => Some("64K".into()),
+            _ => None,
+        });
+        assert!(0 < fewer && fewer < default, "{fewer} against {default}");
+
         // Enough for some peers, not the 1 GiB the GPU paths want: verbs says how many.
         let some = memlock_section(limit(64 << 20), false);
         let fast = fast_paths(&rdma_ok(), &some, &cuda, &[], &peermem, &nvrtc);

@@ -88,14 +88,30 @@ pub(super) fn probe_memlock() -> MemlockSection {
     memlock_section(probe::memlock_limit(), cap_ipc_lock_in(&status))
 }
 
+/// What the verbs transport pins per connected peer under the slot and segment settings
+/// `env` gives (`DSPARK_IB_*`, `DSPARK_CHUNK_BYTES`: what the doctor's advice says to
+/// change), the library's defaults where it gives none or they do not parse.
+pub(super) fn verbs_bytes_per_peer(env: impl Fn(&str) -> Option<String>) -> u64 {
+    let fixed = |k: &str| match k {
+        "DSPARK_RANK" => Some("0".to_string()),
+        "DSPARK_WORLD_SIZE" => Some("2".to_string()),
+        "DSPARK_ROOT_ADDR" => Some("127.0.0.1:1".to_string()),
+        k if k.starts_with("DSPARK_IB_") || k == "DSPARK_CHUNK_BYTES" => env(k),
+        _ => None,
+    };
+    let cfg = dspark::Config::from_lookup(fixed)
+        .unwrap_or_else(|_| dspark::Config::new(0, 2, "127.0.0.1:1"));
+    VerbsOptions::from_config(&cfg)
+        .or_else(|_| VerbsOptions::from_config(&dspark::Config::new(0, 2, "127.0.0.1:1")))
+        .map_or(0, |o| o.pinned_per_peer() as u64)
+}
+
 /// [`probe_memlock`] from what it read.
 pub(super) fn memlock_section(
     limit: dspark::Result<MemlockLimit>,
     cap_ipc_lock: bool,
 ) -> MemlockSection {
-    // The library's default options (DSPARK_IB_SLOTS and DSPARK_CHUNK_BYTES change them).
-    let verbs_bytes_per_peer = VerbsOptions::from_config(&dspark::Config::new(0, 2, "127.0.0.1:1"))
-        .map_or(0, |o| o.pinned_per_peer() as u64);
+    let verbs_bytes_per_peer = verbs_bytes_per_peer(|k| std::env::var(k).ok());
     match limit {
         Ok(l) => MemlockSection {
             sufficient: cap_ipc_lock || l.sufficient(),
