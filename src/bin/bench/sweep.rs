@@ -14,7 +14,7 @@ use dspark::Communicator;
 use crate::data::{prepare, verify, BenchElem};
 use crate::header::{gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
-use crate::sizes::{bytes_of, counts, engine_bytes, sizes};
+use crate::sizes::{counts, engine_bytes, sizes};
 use crate::summary::{footer, unsteady_lines, ThrottleWatch};
 use crate::table::{self, Row};
 use crate::Args;
@@ -52,9 +52,9 @@ pub(crate) fn compare_algorithms<T: BenchElem>(
         // the shared slots): a column under its name would be the other's again. Swept when
         // it runs as itself at some size (the table marks the sizes it does not); every rank
         // computes the same (the layout is the job's).
-        let ran: Vec<Algorithm> = (0..sizes(args).len())
-            .map(|i| engine_bytes(args.collective, bytes_of(args, i), T::DATA_TYPE.size(), n))
-            .map(|b| comm.algorithm(c, b))
+        let ran: Vec<Algorithm> = sizes(args)
+            .into_iter()
+            .map(|b| comm.algorithm(c, engine_bytes(args.collective, b, T::DATA_TYPE.size(), n)))
             .collect();
         let runs_as = ran
             .iter()

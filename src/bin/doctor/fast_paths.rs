@@ -450,13 +450,21 @@ mod tests {
         assert!(!met[0].met, "{:?}", met[0].reason);
 
         // The slots the advice says to shrink count: fewer, smaller slots pin less.
-        let default = super::super::rdma::verbs_bytes_per_peer(|_| None);
-        let fewer = super::super::rdma::verbs_bytes_per_peer(|k| match k {
+        use super::super::rdma::verbs_bytes_per_peer as per_peer;
+        let default = per_peer(|_| None).unwrap();
+        let fewer = per_peer(|k| match k {
             "DSPARK_IB_SLOTS" => Some("2".into()),
             "DSPARK_CHUNK_BYTES" => Some("64K".into()),
             _ => None,
-        });
+        })
+        .unwrap();
         assert!(0 < fewer && fewer < default, "{fewer} against {default}");
+        // Settings init would refuse are said, not replaced by the defaults.
+        let bad = per_peer(|k| (k == "DSPARK_IB_SLOTS").then(|| "1".into()));
+        assert!(
+            bad.as_ref().is_err_and(|e| e.contains("DSPARK_IB_SLOTS")),
+            "{bad:?}"
+        );
 
         // Enough for some peers, not the 1 GiB the GPU paths want: verbs says how many.
         let some = memlock_section(limit(64 << 20), false);
@@ -507,30 +515,15 @@ mod tests {
             }),
             false,
         );
-        let fast = fast_paths(
-            &rdma_ok(),
-            &memlock,
-            &cuda,
-            &[gpu(Some(false))],
-            &peermem,
-            &nvrtc,
-        );
-        let p = path(&fast, "GPUDirect RDMA via nvidia-peermem");
+        let with = |rdma: Option<bool>| {
+            let fast = fast_paths(&rdma_ok(), &memlock, &cuda, &[gpu(rdma)], &peermem, &nvrtc);
+            path(&fast, "GPUDirect RDMA via nvidia-peermem").clone()
+        };
+        let p = with(Some(false));
         assert!(
             !p.ok && p.detail.contains("GPU_DIRECT_RDMA_SUPPORTED=0"),
             "{p:?}"
         );
-        let fast = fast_paths(
-            &rdma_ok(),
-            &memlock,
-            &cuda,
-            &[gpu(Some(true))],
-            &peermem,
-            &nvrtc,
-        );
-        assert!(
-            path(&fast, "GPUDirect RDMA via nvidia-peermem").ok,
-            "{fast:?}"
-        );
+        assert!(with(Some(true)).ok, "{:?}", with(Some(true)));
     }
 }

@@ -43,11 +43,17 @@ pub(super) struct MemlockSection {
     /// What the verbs transport pins per connected peer with the default options (it
     /// refuses to start where the limit holds less than its peers' total).
     pub(super) verbs_bytes_per_peer: u64,
+    /// Why the verbs settings in the environment (`DSPARK_IB_*`, `DSPARK_CHUNK_BYTES`) would
+    /// fail init, if they would (then `verbs_bytes_per_peer` is 0: unknown).
+    pub(super) verbs_settings_error: Option<String>,
 }
 
 impl MemlockSection {
     /// Why the verbs transport could not pin one peer's buffers here, if it could not.
     pub(super) fn verbs_shortfall(&self) -> Option<String> {
+        if let Some(e) = &self.verbs_settings_error {
+            return Some(format!("the verbs settings would fail init: {e}"));
+        }
         let soft = self.limit.and_then(|l| l.soft);
         memlock_shortfall(soft, self.verbs_bytes_per_peer, self.cap_ipc_lock)
     }
@@ -90,8 +96,9 @@ pub(super) fn probe_memlock() -> MemlockSection {
 
 /// What the verbs transport pins per connected peer under the slot and segment settings
 /// `env` gives (`DSPARK_IB_*`, `DSPARK_CHUNK_BYTES`: what the doctor's advice says to
-/// change), the library's defaults where it gives none or they do not parse.
-pub(super) fn verbs_bytes_per_peer(env: impl Fn(&str) -> Option<String>) -> u64 {
+/// change), the library's defaults where it gives none; the error init would give where
+/// they do not parse.
+pub(super) fn verbs_bytes_per_peer(env: impl Fn(&str) -> Option<String>) -> Result<u64, String> {
     let fixed = |k: &str| match k {
         "DSPARK_RANK" => Some("0".to_string()),
         "DSPARK_WORLD_SIZE" => Some("2".to_string()),
@@ -99,11 +106,10 @@ pub(super) fn verbs_bytes_per_peer(env: impl Fn(&str) -> Option<String>) -> u64 
         k if k.starts_with("DSPARK_IB_") || k == "DSPARK_CHUNK_BYTES" => env(k),
         _ => None,
     };
-    let cfg = dspark::Config::from_lookup(fixed)
-        .unwrap_or_else(|_| dspark::Config::new(0, 2, "127.0.0.1:1"));
-    VerbsOptions::from_config(&cfg)
-        .or_else(|_| VerbsOptions::from_config(&dspark::Config::new(0, 2, "127.0.0.1:1")))
-        .map_or(0, |o| o.pinned_per_peer() as u64)
+    dspark::Config::from_lookup(fixed)
+        .and_then(|cfg| VerbsOptions::from_config(&cfg))
+        .map(|o| o.pinned_per_peer() as u64)
+        .map_err(|e| e.to_string())
 }
 
 /// [`probe_memlock`] from what it read.
@@ -111,7 +117,11 @@ pub(super) fn memlock_section(
     limit: dspark::Result<MemlockLimit>,
     cap_ipc_lock: bool,
 ) -> MemlockSection {
-    let verbs_bytes_per_peer = verbs_bytes_per_peer(|k| std::env::var(k).ok());
+    let (verbs_bytes_per_peer, verbs_settings_error) =
+        match verbs_bytes_per_peer(|k| std::env::var(k).ok()) {
+            Ok(b) => (b, None),
+            Err(e) => (0, Some(e)),
+        };
     match limit {
         Ok(l) => MemlockSection {
             sufficient: cap_ipc_lock || l.sufficient(),
@@ -120,6 +130,7 @@ pub(super) fn memlock_section(
             minimum_bytes: MEMLOCK_MIN_BYTES,
             cap_ipc_lock,
             verbs_bytes_per_peer,
+            verbs_settings_error: verbs_settings_error.clone(),
         },
         Err(e) => MemlockSection {
             limit: None,
@@ -128,6 +139,7 @@ pub(super) fn memlock_section(
             sufficient: cap_ipc_lock,
             cap_ipc_lock,
             verbs_bytes_per_peer,
+            verbs_settings_error,
         },
     }
 }
