@@ -49,3 +49,9 @@ pub mod cpus {
 pub mod trust {
     pub use crate::config::trust::{spawner_secret, SPAWNER_SECRET_ENV, TOKEN_ENV, TOKEN_FILE_ENV};
 }
+
+/// Fault-injection hooks for the project's tests (`testing` feature only).
+#[cfg(feature = "testing")]
+pub mod testing {
+    pub use crate::comm::split::fail_next_split_on_this_thread;
+}

@@ -88,6 +88,42 @@ pub(crate) fn child_config(
 
 /// The colour of a rank that opts out.
 const NO_COLOUR: i64 = i64::MIN;
+/// The colour of a rank that could not take part (its listener or salt failed); its record's
+/// key holds the OS error number, if one (0: none).
+const FAILED_COLOUR: i64 = i64::MIN + 1;
+
+/// The record of a rank that could not take part because of `e`.
+fn encode_failed(e: &Error) -> [u8; RECORD] {
+    let errno = match e {
+        Error::Io { source, .. } => source.raw_os_error().unwrap_or(0),
+        _ => 0,
+    };
+    encode(FAILED_COLOUR, i64::from(errno), None)
+}
+
+/// The error split number `seq` returns on rank `me` when a rank of the exchange `all` could
+/// not take part (the first such rank is named; `None` when every rank could). The failed rank
+/// itself returns its own error before it looks.
+fn failed_member(all: &[u8], me: usize, seq: u64) -> Option<Error> {
+    let (r, (_, errno, _)) = all
+        .chunks_exact(ENTRY)
+        .map(decode)
+        .enumerate()
+        .find(|(_, (c, _, _))| *c == FAILED_COLOUR)?;
+    let why = match i32::try_from(errno) {
+        Ok(n) if n > 0 => format!(": {}", std::io::Error::from_raw_os_error(n)),
+        _ => String::new(),
+    };
+    Some(Error::Aborted {
+        rank: me,
+        by: r,
+        op: format!("split #{}", seq + 1),
+        reason: format!(
+            "rank {r} could not take part (it could not listen on a port or read a salt{why}); \
+             no rank gets a new communicator, and this one stays usable"
+        ),
+    })
+}
 
 pub(crate) fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
     let mut b = [0u8; RECORD];
@@ -140,35 +176,39 @@ impl Communicator {
     /// those of [`Communicator::init`] for the new one.
     pub fn split(&self, colour: Option<i32>, key: i32) -> Result<Option<Communicator>> {
         let colour = colour.filter(|&c| c >= 0).map(i64::from);
-        let salt = auth::nonce().map_err(|e| {
-            Error::io(
-                Some(self.rank()),
-                None,
-                "split: reading a salt from /dev/urandom",
-                e,
-            )
-        })?;
-        // The address peers reach this rank at, never a wildcard (unless DSPARK_LISTEN_ANY
-        // asks).
-        let (listener, addr) = match colour {
-            Some(_) => {
-                let (l, a) = ephemeral_listener(&self.config, self.data_ip, "split")?;
-                (Some(l), Some(a))
-            }
-            None => (None, None),
-        };
+        // What this rank needs before the exchange: a salt, and where it has a colour, a
+        // listener at the address peers reach it at (never a wildcard unless
+        // DSPARK_LISTEN_ANY asks). A rank that cannot have them still takes part in the
+        // exchange, marked as failed: every rank then returns an error at once (this one its
+        // own, the others one naming it), rather than the others waiting for it until
+        // their deadline; and this communicator stays as usable on every rank as before.
+        let prepared = self.prepare_split(colour.is_some());
         let mut mine = [0u8; ENTRY];
-        mine[..RECORD].copy_from_slice(&encode(colour.unwrap_or(NO_COLOUR), i64::from(key), addr));
-        mine[RECORD..].copy_from_slice(&salt);
+        match &prepared {
+            Ok((salt, listener)) => {
+                let addr = listener.as_ref().map(|(_, a)| *a);
+                mine[..RECORD].copy_from_slice(&encode(
+                    colour.unwrap_or(NO_COLOUR),
+                    i64::from(key),
+                    addr,
+                ));
+                mine[RECORD..].copy_from_slice(salt);
+            }
+            Err(e) => mine[..RECORD].copy_from_slice(&encode_failed(e)),
+        }
         let mut all = vec![0u8; ENTRY * self.world_size()];
         self.all_gather(&mine, &mut all)?;
         // The split's number, counted once the exchange succeeded: every rank past it counts
-        // it. Counted before the salt and the listener, a rank whose read or bind failed
-        // counted a split the others never saw, so that its retry (paired with their first
-        // exchange) proved another secret to the new group, and every later split too.
+        // it, a failed one included. Counted before it, a rank that failed alone counted a
+        // split the others never saw, so that its retry (paired with their first exchange)
+        // proved another secret to the new group, and every later split too.
         let seq = self
             .splits
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (_, listener) = prepared?;
+        if let Some(e) = failed_member(&all, self.rank(), seq) {
+            return Err(e);
+        }
         let Some(colour) = colour else {
             return Ok(None);
         };
@@ -204,7 +244,54 @@ impl Communicator {
                 self.rank()
             ),
         );
-        let root = if new_rank == 0 { listener } else { None };
+        let root = match listener {
+            Some((l, _)) if new_rank == 0 => Some(l),
+            _ => None,
+        };
         Communicator::init_inner(config, root).map(Some)
     }
+
+    /// A split's salt and, for a rank with a colour, its listener and the address peers are
+    /// to reach it at.
+    fn prepare_split(
+        &self,
+        listen: bool,
+    ) -> Result<(auth::Nonce, Option<(TcpListener, SocketAddr)>)> {
+        #[cfg(feature = "testing")]
+        if FAIL_NEXT_SPLIT.with(|f| f.replace(false)) {
+            return Err(Error::io(
+                Some(self.rank()),
+                None,
+                "split: listening (a failure injected by the test hook)",
+                std::io::Error::from_raw_os_error(24),
+            ));
+        }
+        let salt = auth::nonce().map_err(|e| {
+            Error::io(
+                Some(self.rank()),
+                None,
+                "split: reading a salt from /dev/urandom",
+                e,
+            )
+        })?;
+        let listener = if listen {
+            Some(ephemeral_listener(&self.config, self.data_ip, "split")?)
+        } else {
+            None
+        };
+        Ok((salt, listener))
+    }
+}
+
+#[cfg(feature = "testing")]
+thread_local! {
+    /// [`fail_next_split_on_this_thread`]'s flag.
+    static FAIL_NEXT_SPLIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the next [`Communicator::split`] on this thread fail before its exchange, as a rank
+/// whose listener or salt cannot be had (EMFILE) fails: a test hook (`testing` feature).
+#[cfg(feature = "testing")]
+pub fn fail_next_split_on_this_thread() {
+    FAIL_NEXT_SPLIT.with(|f| f.set(true));
 }
