@@ -60,12 +60,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The error a communicator fails with after a panic inside one of its operations.
-fn panicked(rank: usize) -> Error {
+/// The error a communicator fails with after a panic inside one of its operations; `call`:
+/// the call in progress, as the flight recorder has it ([`Shared::in_progress`]).
+fn panicked(rank: usize, call: Option<(String, Duration)>) -> Error {
     Error::Transport {
         rank: Some(rank),
         peer: None,
-        op: "collective".into(),
+        op: call.map_or_else(|| "collective".into(), |(c, _)| c),
         what: "internal error: a panic inside the operation (a dspark bug; please report it); \
                the communicator is unusable"
             .into(),
@@ -217,7 +218,7 @@ impl fmt::Debug for Shared {
 
 impl Shared {
     pub(crate) fn new(engine: Engine) -> Arc<Self> {
-        Arc::new(Shared {
+        let shared = Arc::new(Shared {
             rank: engine.rank(),
             abort: engine.abort_flag(),
             flight: engine.flight_recorder(),
@@ -227,7 +228,20 @@ impl Shared {
             wake_progress: Condvar::new(),
             role_free: Condvar::new(),
             poison: Mutex::new(None),
-        })
+        });
+        if let Some(r) = &shared.flight {
+            // A dump on failure lists what waits behind the failed call. Weak: the recorder
+            // must not keep its communicator alive. `try_lock`: the dump runs inside the
+            // engine, and a thread that fails it while holding the queue's lock must not
+            // wait for itself.
+            let weak = Arc::downgrade(&shared);
+            r.set_queued_source(Box::new(move || {
+                let s = weak.upgrade()?;
+                let q = s.q.try_lock().ok()?;
+                Some(q.jobs.iter().map(|j| (j.what, j.issued)).collect())
+            }));
+        }
+        shared
     }
 
     /// Takes the driver role without the queue's lock: only when nobody holds it and
@@ -282,6 +296,65 @@ impl Shared {
             .map(|j| (j.what, j.issued))
             .collect();
         Some(r.snapshot(&queued))
+    }
+
+    /// The call in progress as the flight recorder has it (`all_reduce #17`, `send #3 to
+    /// rank 1`) and how long it has run; `None` when the recorder is off or no call runs.
+    /// Never waits for the engine.
+    fn in_progress(&self) -> Option<(String, Duration)> {
+        let r = self.flight.as_ref()?;
+        let e = r.latest()?;
+        if e.state != crate::engine::flight::FlightState::Started {
+            return None;
+        }
+        let mut name = match e.seq {
+            Some(s) => format!("{} #{s}", e.collective),
+            None => e.collective.to_string(),
+        };
+        match (e.collective, e.peer) {
+            ("send", Some(p)) => name.push_str(&format!(" to rank {p}")),
+            ("recv", Some(p)) => name.push_str(&format!(" from rank {p}")),
+            _ => {}
+        }
+        let ran = Duration::from_nanos(r.unix_now_ns().saturating_sub(e.started_unix_ns));
+        Some((name, ran))
+    }
+
+    /// Where the operation of `done` stands, for an error of a bounded wait: queued (behind
+    /// how many, and what runs meanwhile) or running (as which call, for how long).
+    fn whereabouts(&self, done: &Arc<Completion>) -> String {
+        let ahead = lock(&self.q)
+            .jobs
+            .iter()
+            .position(|j| Arc::ptr_eq(&j.done, done));
+        let running = self.in_progress();
+        match (ahead, running) {
+            (Some(k), run) => {
+                let mut behind = Vec::new();
+                if let Some((c, t)) = run {
+                    behind.push(format!("{c}, which has run for {t:.1?}"));
+                }
+                if k > 0 {
+                    behind.push(format!(
+                        "{k} {}operation{} issued before it",
+                        if behind.is_empty() { "" } else { "more " },
+                        if k == 1 { "" } else { "s" }
+                    ));
+                }
+                if behind.is_empty() {
+                    "it has not started: it is the next to run".into()
+                } else {
+                    format!("it has not started: it waits for {}", behind.join(" and "))
+                }
+            }
+            (None, Some((c, t))) => format!(
+                "it runs as {c} (for {t:.1?}); it goes on until it completes or its own \
+                 deadline passes"
+            ),
+            (None, None) => "it is still in flight; it goes on until it completes or its own \
+                             deadline passes"
+                .into(),
+        }
     }
 
     /// Queues `task`; it runs after every operation issued before it.
@@ -374,7 +447,7 @@ impl Shared {
                 // Half-sent frames and an advanced sequence number: this rank can no longer
                 // agree with its peers. Fail for good, and tell them (contained: the role
                 // must still be given up).
-                let e = panicked(self.rank);
+                let e = panicked(self.rank, self.in_progress());
                 let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(e.clone())));
                 Err(e)
             }
@@ -452,7 +525,8 @@ impl Shared {
                 // Runs from `Role`'s drop, maybe while unwinding: a panic here must not
                 // abort the process, and the role must be given up all the same.
                 if catch_unwind(AssertUnwindSafe(|| eng.honour_abort())).is_err() {
-                    let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(self.rank))));
+                    let call = self.in_progress();
+                    let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(self.rank, call))));
                 }
                 self.mirror_poison(&eng);
                 q = lock(&self.q);
@@ -610,7 +684,8 @@ impl Drop for EngineHold<'_> {
             // after a panic inside an operation. Contained: a panic here would abort.
             let (shared, eng) = (self.shared, &mut *self.guard);
             if eng.poisoned().is_none() {
-                let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(shared.rank))));
+                let call = shared.in_progress();
+                let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(shared.rank, call))));
             }
             shared.mirror_poison(eng);
         }
@@ -737,9 +812,10 @@ impl Work {
                 peer: None,
                 op: format!("waiting for {}", self.what),
                 waited: start.elapsed(),
-                detail: "the operation is still in flight; it goes on until it completes or \
-                         its own deadline passes"
-                    .into(),
+                detail: self.shared.upgrade().map_or_else(
+                    || "the operation is still in flight".into(),
+                    |s| s.whereabouts(&self.done),
+                ),
             }),
         }
     }

@@ -36,7 +36,8 @@
 //! `recorded` (calls recorded since init; the first `recorded - entries.len()` were
 //! overwritten), `reason` (`timeout`, `peer_lost`, `mismatch`, `aborted`, `failed`,
 //! `on_demand`), `error` (the error that failed the communicator, or null),
-//! `dumped_at_unix_ns`, and `entries`, oldest first: `seq` (collectives count from 1 across
+//! `dumped_at_unix_ns`, and `entries`, oldest first (the calls the ring holds, then the
+//! operations issued and not started, `queued`, in a dump on failure as on demand): `seq` (collectives count from 1 across
 //! the communicator; a send or receive counts per peer and direction; null for a queued
 //! call), `collective` (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `reduce`,
 //! `all_to_all`, `barrier`, `send`, `recv`, `send_recv`), `dtype`, `count` (elements, as
@@ -350,7 +351,28 @@ pub struct Recorder {
     error: Mutex<Option<String>>,
     /// Where each rank runs (empty where unknown).
     places: Vec<Place>,
+    /// The operations issued and not started, for a dump on failure (set by the owner of
+    /// the queue in front of the engine: [`Recorder::set_queued_source`]).
+    queued: Queued,
 }
+
+/// [`Recorder::set_queued_source`]'s source, once set.
+#[derive(Default)]
+struct Queued(std::sync::OnceLock<QueuedSource>);
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "Queued(set)"
+        } else {
+            "Queued(unset)"
+        })
+    }
+}
+
+/// What [`Recorder::set_queued_source`] takes: the operations issued and not started (their
+/// names and when each was issued), or `None` when they cannot be had without waiting.
+pub type QueuedSource = Box<dyn Fn() -> Option<Vec<(&'static str, Instant)>> + Send + Sync>;
 
 /// `CLOCK_MONOTONIC` now, for a recorder's epoch, when both it and the coarse clock can be
 /// read; else `None`, said as a warning (its one-shot calls are then stamped by the precise
@@ -406,7 +428,16 @@ impl Recorder {
             dump_dir,
             error: Mutex::new(None),
             places: Vec::new(),
+            queued: Queued::default(),
         }
+    }
+
+    /// Where a dump on failure finds the operations queued behind the engine (the
+    /// communicator's queue; the engine itself knows nothing of them). Set once; never
+    /// waited for: a source that cannot answer at once answers `None`, and the dump goes
+    /// without them.
+    pub fn set_queued_source(&self, f: QueuedSource) {
+        let _ = self.queued.0.set(f);
     }
 
     /// This recorder with where each rank runs (the dumps' `host` and `places`).
@@ -679,6 +710,19 @@ impl Recorder {
         }
     }
 
+    /// The entry of the last call started (`None` before the first, or while the writer laps
+    /// its slot).
+    pub(crate) fn latest(&self) -> Option<FlightEntry> {
+        let n = self.next.load(Ordering::Acquire);
+        let w = self.read(n.checked_sub(1)?)?;
+        Some(self.entry(&w))
+    }
+
+    /// Nanoseconds since the Unix epoch now, on the clock the entries' times are on.
+    pub(crate) fn unix_now_ns(&self) -> u64 {
+        self.epoch_unix_ns.saturating_add(self.ns(Instant::now()))
+    }
+
     /// The record now: every entry the ring holds, oldest first, then `queued` (operations
     /// issued and not started: their collective names and when they were issued).
     pub fn snapshot(&self, queued: &[(&'static str, Instant)]) -> FlightRecord {
@@ -725,7 +769,8 @@ impl Recorder {
         let Some(dir) = &self.dump_dir else {
             return;
         };
-        let rec = self.snapshot(&[]);
+        let queued = self.queued.0.get().and_then(|f| f()).unwrap_or_default();
+        let rec = self.snapshot(&queued);
         let reason = FailureKind::of(e).0.name();
         match rec.write_to(dir, reason) {
             Ok(p) => tracing::warn!(
