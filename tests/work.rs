@@ -408,24 +408,127 @@ fn wait_timeout_reports_an_operation_still_in_flight_and_a_later_wait_gets_its_r
     let cfg = config(Duration::from_secs(60), 4096);
     let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
         let data = inputs::<i32>(ReduceOp::Sum, 4, 1, 77);
+        let mut total = vec![comm.rank() as i64 + 1; 5];
         if comm.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(500));
-            return comm.send(&data, 0).map_err(|e| e.to_string());
+            std::thread::sleep(Duration::from_millis(1500));
+            comm.send(&data, 0).map_err(|e| e.to_string())?;
+            comm.all_reduce(&mut total, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            return check("all_reduce after the receive", &total, &[3i64; 5]);
         }
         let mut got = vec![0i32; 77];
         comm.scope(|s| -> Result<(), String> {
             let w = s.recv(&mut got, 1).map_err(|e| e.to_string())?;
-            match w.wait_timeout(Duration::from_millis(50)) {
-                Err(Error::Timeout { .. }) => {}
-                other => return Err(format!("expected a wait timeout, got {other:?}")),
+            let later = s
+                .all_reduce(&mut total, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            // The wait's error says where the operation stands: the receive runs (once the
+            // progress thread took it, within a millisecond or so), named as the flight
+            // recorder names it; the all_reduce waits behind it.
+            let t0 = Instant::now();
+            loop {
+                match w.wait_timeout(Duration::from_millis(50)) {
+                    Err(Error::Timeout { ref detail, .. })
+                        if detail.starts_with("it runs as recv #1 from rank 1 (for ") =>
+                    {
+                        break
+                    }
+                    Err(Error::Timeout { ref detail, .. })
+                        if detail.starts_with("it has not started")
+                            && t0.elapsed().as_millis() < 1000 => {}
+                    other => return Err(format!("expected a wait timeout, got {other:?}")),
+                }
+            }
+            match later.wait_timeout(Duration::from_millis(20)) {
+                Err(Error::Timeout { ref detail, .. })
+                    if detail.starts_with(
+                        "it has not started: it waits for recv #1 from rank 1, which has run \
+                         for ",
+                    ) => {}
+                other => return Err(format!("expected a queued all_reduce, got {other:?}")),
             }
             w.wait().map_err(|e| e.to_string())?;
             // `wait` borrows: waiting again returns the same result.
-            w.wait().map_err(|e| format!("a second wait: {e}"))
+            w.wait().map_err(|e| format!("a second wait: {e}"))?;
+            later.wait().map_err(|e| e.to_string())
         })?;
-        check("late receive", &got, &data)
+        check("late receive", &got, &data)?;
+        check("all_reduce after the receive", &total, &[3i64; 5])
     });
     all_ok(res, "wait_timeout");
+}
+
+#[test]
+fn a_failures_dump_lists_the_operations_queued_behind_the_failed_call() {
+    let dir = std::env::temp_dir().join(format!("dspark-work-fr-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg = config(Duration::from_secs(60), 4096);
+    cfg.flight_dump = Some(dir.clone());
+    let res = run_ranks(2, &cfg, |comm| -> Result<(), String> {
+        if comm.rank() == 1 {
+            // Late and disagreeing: rank 0's broadcast and barrier are queued behind its
+            // all_reduce by the time the mismatch fails it.
+            std::thread::sleep(Duration::from_millis(300));
+            let mut v = vec![1f32; 11];
+            return match comm.all_reduce(&mut v, ReduceOp::Sum) {
+                Err(Error::Mismatch { .. }) => Ok(()),
+                other => Err(format!("expected a mismatch, got {other:?}")),
+            };
+        }
+        let (mut v, mut b) = (vec![1f32; 10], vec![0u8; 3]);
+        comm.scope(|s| -> Result<(), String> {
+            let ws = [
+                s.all_reduce(&mut v, ReduceOp::Sum),
+                s.broadcast(&mut b, 1),
+                s.barrier(),
+            ];
+            match ws.iter().map(|w| w.as_ref().map(|w| w.wait())).next() {
+                Some(Ok(Err(Error::Mismatch { .. }))) => Ok(()),
+                other => Err(format!("expected a mismatch, got {other:?}")),
+            }
+        })
+    });
+    all_ok(res, "a failure with operations queued");
+    // Rank 0's dump, the first of this process's communicators to fail there.
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("rank0")
+        })
+        .unwrap_or_else(|| panic!("no dump of rank 0 in {}", dir.display()));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let entries = v["entries"].as_array().unwrap();
+    let tail: Vec<(String, String, bool)> = entries
+        .iter()
+        .rev()
+        .take(3)
+        .rev()
+        .map(|e| {
+            (
+                e["collective"].as_str().unwrap_or("?").to_string(),
+                e["state"].as_str().unwrap_or("?").to_string(),
+                e["seq"].is_null(),
+            )
+        })
+        .collect();
+    let want = |c: &str, s: &str, null: bool| (c.to_string(), s.to_string(), null);
+    assert_eq!(
+        tail,
+        [
+            want("all_reduce", "failed", false),
+            want("broadcast", "queued", true),
+            want("barrier", "queued", true)
+        ],
+        "{v}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -495,6 +598,59 @@ fn split_into_two_colours_runs_both_groups_at_once_with_their_own_mismatch_check
         Ok(())
     });
     all_ok(res, "split");
+}
+
+#[test]
+fn a_rank_that_cannot_take_part_in_a_split_fails_it_on_every_rank_at_once() {
+    // Rank 2 of 4 fails before the exchange (as when it cannot listen: EMFILE). With a
+    // 60 s deadline, the others must hear it from the exchange, not wait for it.
+    let cfg = config(Duration::from_secs(60), 4096);
+    let res = run_ranks(4, &cfg, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let t0 = Instant::now();
+        if r == 2 {
+            dspark::internals::testing::fail_next_split_on_this_thread();
+        }
+        // Rank 3 opts out: it hears of the failure all the same.
+        let colour = (r != 3).then_some(1);
+        let got = comm.split(colour, 0);
+        let took = t0.elapsed();
+        match (r, &got) {
+            (2, Err(Error::Io { op, .. })) if op.contains("injected") => {}
+            (2, other) => return Err(format!("rank 2's own error expected, got {other:?}")),
+            (
+                _,
+                Err(Error::Aborted {
+                    by: 2, op, reason, ..
+                }),
+            ) if op == "split #1" && reason.contains("Too many open files") => {}
+            (_, other) => return Err(format!("Aborted by rank 2 in split #1, got {other:?}")),
+        }
+        if took > Duration::from_secs(20) {
+            return Err(format!("the split failed only after {took:?}"));
+        }
+        // This communicator is as usable as before, and the next split pairs every rank's
+        // second exchange (the failed one counted everywhere): it works.
+        let mut x = vec![r as i32 + 1; 13];
+        comm.all_reduce(&mut x, ReduceOp::Sum)
+            .map_err(|e| format!("after the failed split: {e}"))?;
+        if x != [10; 13] {
+            return Err(format!("sum {x:?}"));
+        }
+        let sub = comm
+            .split(Some((r % 2) as i32), 0)
+            .map_err(|e| format!("the next split: {e}"))?
+            .ok_or("no group")?;
+        let mut y = vec![r as u64; 7];
+        sub.all_reduce(&mut y, ReduceOp::Sum)
+            .map_err(|e| format!("group: {e}"))?;
+        let want = if r % 2 == 0 { 2 } else { 4 };
+        if y != [want; 7] {
+            return Err(format!("group sum {y:?}, want {want}"));
+        }
+        Ok(())
+    });
+    all_ok(res, "split with a failed rank");
 }
 
 #[test]
