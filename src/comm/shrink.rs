@@ -304,7 +304,7 @@ impl Communicator {
             let token = split::derived_secret(&self.config, &[LABEL_SECRET, b"alone"]);
             let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             let cfg = split::child_config(&self.config, 0, 1, loopback, token, how(me));
-            return Communicator::init_inner(cfg, None).map_err(|e| e.at_rank(me));
+            return Communicator::init_inner(cfg, None).map_err(|e| in_new_numbering(e, 0, &[me]));
         }
         let door = self.shrink_door.as_ref().ok_or_else(|| {
             Error::unavailable(
@@ -361,7 +361,8 @@ impl Communicator {
             token,
             how(leader),
         );
-        let new = Communicator::init_inner(cfg, listener).map_err(|e| e.at_rank(new_rank))?;
+        let new = Communicator::init_inner(cfg, listener)
+            .map_err(|e| in_new_numbering(e, new_rank, &plan.survivors))?;
         tracing::info!(
             rank = me,
             new_rank,
@@ -371,6 +372,25 @@ impl Communicator {
         );
         Ok(new)
     }
+}
+
+/// An error of the new communicator's init on its rank `new_rank`: its ranks are the
+/// survivors renumbered (`survivors[k]` is new rank k), and it says so, with the map, so that
+/// a reader who knows the job by its old numbers can tell which process it names.
+fn in_new_numbering(e: Error, new_rank: usize, survivors: &[usize]) -> Error {
+    let mut map: Vec<String> = survivors
+        .iter()
+        .enumerate()
+        .take(16)
+        .map(|(new, old)| format!("{new}←{old}"))
+        .collect();
+    if survivors.len() > 16 {
+        map.push(format!("… and {} more", survivors.len() - 16));
+    }
+    e.at_rank(new_rank).in_op(&format!(
+        "shrink: the new communicator's init (its ranks, new←old: {})",
+        map.join(", ")
+    ))
 }
 
 /// `[2, 5, 7]`, at most 16 named.
@@ -936,5 +956,36 @@ mod tests {
         assert_eq!(ranks(&[1, 3]), "ranks 1, 3");
         let many: Vec<usize> = (0..20).collect();
         assert!(ranks(&many).ends_with("… and 4 more"));
+    }
+
+    #[test]
+    fn an_error_of_the_new_communicators_init_says_its_ranks_are_renumbered() {
+        // Survivors 0, 2, 3 of 4: old rank 3 is new rank 2, and the bootstrap's timeout
+        // names new rank 1 (old rank 2).
+        let e = Error::Timeout {
+            rank: 0,
+            peer: Some(1),
+            op: "bootstrap".into(),
+            waited: Duration::from_secs(1),
+            detail: String::new(),
+        };
+        let e = in_new_numbering(e, 2, &[0, 2, 3]);
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "rank 2: shrink: the new communicator's init (its ranks, new←old: \
+                              0←0, 1←2, 2←3) (bootstrap) timed out"
+            ) && text.contains("waiting for rank 1"),
+            "{text}"
+        );
+        let many: Vec<usize> = (0..40).collect();
+        let text = in_new_numbering(Error::invalid(None, "init", "x"), 0, &many).to_string();
+        assert!(text.starts_with("rank 0: "), "{text}");
+        let e = in_new_numbering(
+            Error::io(None, None, "listening", io::Error::other("x")),
+            5,
+            &many,
+        );
+        assert!(e.to_string().contains("15←15, … and 24 more)"), "{e}");
     }
 }
