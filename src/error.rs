@@ -272,8 +272,11 @@ impl Error {
         self
     }
 
-    /// Whether this error leaves the communicator unusable (every later call fails with it).
-    /// Argument errors are local and do not.
+    /// Whether this error, returned by a collective or point-to-point operation, leaves the
+    /// communicator unusable (every later call fails with it). Argument errors are local and
+    /// do not. The calls that make a communicator from it (`split`, `shrink`) leave it as it
+    /// was when they fail, whatever the error (as `include/dspark.h` says), except
+    /// `shrink_aborting` past its argument checks.
     pub fn is_fatal(&self) -> bool {
         !matches!(self, Error::InvalidArgument { .. })
     }

@@ -387,10 +387,32 @@ fn in_new_numbering(e: Error, new_rank: usize, survivors: &[usize]) -> Error {
     if survivors.len() > 16 {
         map.push(format!("… and {} more", survivors.len() - 16));
     }
-    e.at_rank(new_rank).in_op(&format!(
+    let what = format!(
         "shrink: the new communicator's init (its ranks, new←old: {})",
         map.join(", ")
-    ))
+    );
+    match e.at_rank(new_rank) {
+        // Errors that `in_op` leaves as they are carry the map in their own words.
+        Error::InvalidArgument { rank, op, what: w } => Error::InvalidArgument {
+            rank,
+            op: format!("{what} ({op})"),
+            what: w,
+        },
+        Error::Unavailable {
+            rank,
+            what: w,
+            reason,
+        } => Error::Unavailable {
+            rank,
+            what: format!("{what}: {w}"),
+            reason,
+        },
+        Error::Config { var, what: w } => Error::Config {
+            var,
+            what: format!("{w} [{what}]"),
+        },
+        e => e.in_op(&what),
+    }
 }
 
 /// `[2, 5, 7]`, at most 16 named.
@@ -980,7 +1002,18 @@ mod tests {
         );
         let many: Vec<usize> = (0..40).collect();
         let text = in_new_numbering(Error::invalid(None, "init", "x"), 0, &many).to_string();
-        assert!(text.starts_with("rank 0: "), "{text}");
+        assert!(
+            text.starts_with(
+                "rank 0: invalid argument to shrink: the new communicator's init \
+                              (its ranks, new←old: 0←0, 1←1,"
+            ) && text.ends_with("(init): x"),
+            "{text}"
+        );
+        let text = in_new_numbering(Error::config("DSPARK_X", "bad"), 0, &[3]).to_string();
+        assert!(
+            text.ends_with("bad [shrink: the new communicator's init (its ranks, new←old: 0←3)]"),
+            "{text}"
+        );
         let e = in_new_numbering(
             Error::io(None, None, "listening", io::Error::other("x")),
             5,

@@ -110,19 +110,22 @@ fn failed_member(all: &[u8], me: usize, seq: u64) -> Option<Error> {
         .map(decode)
         .enumerate()
         .find(|(_, (c, _, _))| *c == FAILED_COLOUR)?;
-    let why = match i32::try_from(errno) {
-        Ok(n) if n > 0 => format!(": {}", std::io::Error::from_raw_os_error(n)),
-        _ => String::new(),
+    let source = match i32::try_from(errno) {
+        Ok(n) if n > 0 => std::io::Error::from_raw_os_error(n),
+        _ => std::io::Error::other("its error has no OS error number"),
     };
-    Some(Error::Aborted {
-        rank: me,
-        by: r,
-        op: format!("split #{}", seq + 1),
-        reason: format!(
-            "rank {r} could not take part (it could not listen on a port or read a salt{why}); \
-             no rank gets a new communicator, and this one stays usable"
+    // An I/O error of that rank's, named as such: not `Aborted`, which would tell a caller
+    // (and the C and Python bindings) that this communicator is dead, when it stays usable.
+    Some(Error::io(
+        Some(me),
+        Some(r),
+        format!(
+            "split #{} (rank {r} could not take part: it could not listen on a port or read a \
+             salt; no rank gets a new communicator, and this one stays usable)",
+            seq + 1
         ),
-    })
+        source,
+    ))
 }
 
 pub(crate) fn encode(colour: i64, key: i64, addr: Option<SocketAddr>) -> [u8; RECORD] {
@@ -173,7 +176,11 @@ impl Communicator {
     ///
     /// # Errors
     /// The errors of a collective on this communicator (then no rank gets a new one), and
-    /// those of [`Communicator::init`] for the new one.
+    /// those of [`Communicator::init`] for the new one. A rank that cannot take part (it
+    /// cannot listen on a port or read a salt: EMFILE, say) still joins the exchange, so
+    /// that no rank waits for it: it returns its own [`Error::Io`], every other rank an
+    /// [`Error::Io`] naming it as the peer (with its OS error), no rank gets a new
+    /// communicator, and this one stays usable on every rank.
     pub fn split(&self, colour: Option<i32>, key: i32) -> Result<Option<Communicator>> {
         let colour = colour.filter(|&c| c >= 0).map(i64::from);
         // What this rank needs before the exchange: a salt, and where it has a colour, a
@@ -197,7 +204,14 @@ impl Communicator {
             Err(e) => mine[..RECORD].copy_from_slice(&encode_failed(e)),
         }
         let mut all = vec![0u8; ENTRY * self.world_size()];
-        self.all_gather(&mine, &mut all)?;
+        if let Err(e) = self.all_gather(&mine, &mut all) {
+            if let Err(own) = &prepared {
+                // The exchange's error is what the caller gets (the communicator failed);
+                // the reason this rank could not have taken part anyway is said here.
+                tracing::warn!(rank = self.rank(), "split: {own}");
+            }
+            return Err(e);
+        }
         // The split's number, counted once the exchange succeeded: every rank past it counts
         // it, a failed one included. Counted before it, a rank that failed alone counted a
         // split the others never saw, so that its retry (paired with their first exchange)

@@ -232,12 +232,26 @@ impl Shared {
         if let Some(r) = &shared.flight {
             // A dump on failure lists what waits behind the failed call. Weak: the recorder
             // must not keep its communicator alive. `try_lock`: the dump runs inside the
-            // engine, and a thread that fails it while holding the queue's lock must not
-            // wait for itself.
+            // engine; no path fails the engine with the queue's lock held, and should one
+            // come to, it must not wait for itself.
             let weak = Arc::downgrade(&shared);
             r.set_queued_source(Box::new(move || {
                 let s = weak.upgrade()?;
-                let q = s.q.try_lock().ok()?;
+                // Held only for moments by others (a submit, a waiter, the progress
+                // thread's look): retried for at most a millisecond.
+                let start = Instant::now();
+                let q = loop {
+                    match s.q.try_lock() {
+                        Ok(q) => break q,
+                        Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                        Err(std::sync::TryLockError::WouldBlock) => {
+                            if start.elapsed() > Duration::from_millis(1) {
+                                return None;
+                            }
+                            std::thread::yield_now();
+                        }
+                    }
+                };
                 Some(q.jobs.iter().map(|j| (j.what, j.issued)).collect())
             }));
         }
@@ -525,8 +539,9 @@ impl Shared {
                 // Runs from `Role`'s drop, maybe while unwinding: a panic here must not
                 // abort the process, and the role must be given up all the same.
                 if catch_unwind(AssertUnwindSafe(|| eng.honour_abort())).is_err() {
-                    let call = self.in_progress();
-                    let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(self.rank, call))));
+                    let _ = catch_unwind(AssertUnwindSafe(|| {
+                        eng.fail(panicked(self.rank, self.in_progress()))
+                    }));
                 }
                 self.mirror_poison(&eng);
                 q = lock(&self.q);
@@ -684,8 +699,9 @@ impl Drop for EngineHold<'_> {
             // after a panic inside an operation. Contained: a panic here would abort.
             let (shared, eng) = (self.shared, &mut *self.guard);
             if eng.poisoned().is_none() {
-                let call = shared.in_progress();
-                let _ = catch_unwind(AssertUnwindSafe(|| eng.fail(panicked(shared.rank, call))));
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    eng.fail(panicked(shared.rank, shared.in_progress()))
+                }));
             }
             shared.mirror_poison(eng);
         }
@@ -805,7 +821,8 @@ impl Work {
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let until = crate::time::deadline(start, timeout);
-        match self.wait_for(Some(until)) {
+        // Completed between the deadline and now: its result, not a stale whereabouts.
+        match self.wait_for(Some(until)).or_else(|| self.done.get()) {
             Some(r) => r,
             None => Err(Error::Timeout {
                 rank: self.rank,
