@@ -11,6 +11,12 @@
 //!   its 64 KiB into its own half of a shared buffer (two slots, by iteration parity), raises
 //!   its flag, waits for the other's, and adds the other's 64 KiB into its result; a second
 //!   flag says "read", so a slot is rewritten only after the peer read it. Reported per call.
+//! * `tcp8` (only when named): not shared memory, the same shape over TCP: the two processes
+//!   hold the two ends of one loopback connection (`TCP_NODELAY`, non-blocking); each sends 8
+//!   bytes, then reads until the other's 8 bytes are in, spinning on `recv` (as a 2-rank
+//!   8-byte all_reduce over TCP does, with no library around it). Reported per exchange: the
+//!   floor of dspark's TCP 8-byte all_reduce on this machine at this minute, for
+//!   `benches/fresh_runs.sh` to divide by.
 //! * `lines` (only when named): `pingpong` on each of the 64 lines of one fresh page in turn,
 //!   `samples` rounds over the page, `k` round trips per line and round; one row per line
 //!   (`line<i>`), then `lines` with the median, fastest and slowest line's median. Where the
@@ -27,6 +33,7 @@
 //! cargo bench --bench cacheline_floor -- 101 5000    # samples, k
 //! cargo bench --bench cacheline_floor -- 31 2000 pin # parent on CPU 0, child on CPU 1
 //! cargo bench --bench cacheline_floor -- 31 200 pin oneshot64k   # only the modes named
+//! cargo bench --bench cacheline_floor -- 31 500 pin tcp8          # the TCP exchange
 //! cargo bench --bench cacheline_floor -- 5 4000 pin lines         # each line of a page
 //! ```
 
@@ -238,6 +245,73 @@ fn run(mode: &str, samples: usize, k: usize, pinned: bool) -> Vec<f64> {
     forked(pinned, child, parent)
 }
 
+/// Reads exactly `buf.len()` bytes from the non-blocking `s`, spinning on `recv`.
+fn spin_read(s: &mut std::net::TcpStream, buf: &mut [u8]) {
+    use std::io::Read;
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => panic!("tcp8: the other process closed the connection"),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => panic!("tcp8: recv: {e}"),
+        }
+    }
+}
+
+/// One exchange of the `tcp8` mode (number `iter`): send 8 bytes, then read the other's 8.
+fn tcp8_exchange(s: &mut std::net::TcpStream, iter: u64) {
+    use std::io::Write;
+    let out = iter.to_le_bytes();
+    let mut sent = 0;
+    while sent < out.len() {
+        match s.write(&out[sent..]) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => panic!("tcp8: send: {e}"),
+        }
+    }
+    let mut back = [0u8; 8];
+    spin_read(s, &mut back);
+    assert_eq!(u64::from_le_bytes(back), iter, "tcp8: out of step");
+}
+
+/// The `tcp8` mode: the per-exchange times of the parent's `samples` samples of `k`.
+fn run_tcp8(samples: usize, k: usize, pinned: bool) -> Vec<f64> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp8: bind");
+    let addr = listener.local_addr().expect("tcp8: address");
+    let total = (samples * k) as u64;
+    let ready = |s: &std::net::TcpStream| {
+        s.set_nodelay(true).expect("tcp8: TCP_NODELAY");
+        s.set_nonblocking(true).expect("tcp8: non-blocking");
+    };
+    let child = || {
+        let mut s = std::net::TcpStream::connect(addr).expect("tcp8: connect");
+        ready(&s);
+        for i in 0..total {
+            tcp8_exchange(&mut s, i);
+        }
+    };
+    let parent = || {
+        let (mut s, _) = listener.accept().expect("tcp8: accept");
+        ready(&s);
+        let mut times = Vec::with_capacity(samples);
+        let mut i = 0u64;
+        for _ in 0..samples {
+            let t0 = Instant::now();
+            for _ in 0..k {
+                tcp8_exchange(&mut s, i);
+                i += 1;
+            }
+            times.push(t0.elapsed().as_secs_f64() * 1e6 / k as f64);
+        }
+        times
+    };
+    forked(pinned, child, parent)
+}
+
 /// Lines of the page the `lines` mode walks.
 const PAGE_LINES: usize = 64;
 
@@ -311,7 +385,8 @@ fn main() {
         .filter(|m| args.iter().any(|a| a == m))
         .collect();
     let lines = args.iter().any(|a| a == "lines");
-    for mode in if asked.is_empty() && !lines {
+    let tcp8 = args.iter().any(|a| a == "tcp8");
+    for mode in if asked.is_empty() && !lines && !tcp8 {
         MODES.to_vec()
     } else {
         asked
@@ -321,6 +396,13 @@ fn main() {
             .iter()
             .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
         println!("{mode},{:.3},{lo:.3},{hi:.3}", median(t));
+    }
+    if tcp8 {
+        let t = run_tcp8(samples, k, pinned);
+        let (lo, hi) = t
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        println!("tcp8,{:.3},{lo:.3},{hi:.3}", median(t));
     }
     if lines {
         let mut medians = Vec::with_capacity(PAGE_LINES);

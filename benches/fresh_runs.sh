@@ -5,18 +5,21 @@
 # into OUT/rows with the 1-minute load, then per cell: n, median, min, max, slowest / median.
 #
 # With FLOOR set to the cache-line floor's binary (`cargo bench --bench cacheline_floor
-# --no-run` prints it), two library-free floors run fresh right before and right after every
+# --no-run` prints it), three library-free floors run fresh right before and right after every
 # dspark run, in the same hold of the lock: the ping-pong round trip of one cache line between
-# two forked processes pinned to CPUs 0 and 1, and a one-shot 64 KiB f32 all_reduce between
-# them. On a VM the host decides where the two vCPUs run and moves them: on one 2-vCPU machine
+# two forked processes pinned to CPUs 0 and 1, a one-shot 64 KiB f32 all_reduce between them,
+# and an 8-byte exchange between them over one loopback TCP connection (`tcp8`: each sends 8
+# bytes, then spins on recv for the other's). The TCP floor moves by itself: on 2026-12-06 a
+# fresh pair of processes exchanged in 3.1-3.5 µs or in 4.5-4.8 µs, a mode per pair, and
+# dspark's TCP 8 B runs were 3.7-4.3 or 5.4-6.4 µs beside it. On a VM the host decides where the two vCPUs run and moves them: on one 2-vCPU machine
 # the round trip was 0.045 µs (cores sharing a cache) or 0.35 µs (cores apart) from one minute
 # to the next, and dspark's times moved with it (shm 64 KiB 2.0 vs 4.5 µs, TCP 64 KiB 13 vs
 # 19 µs). The summary then adds, per cell:
 # * the runs grouped by placement: near (the round trip before and after under 0.2 µs), far
 #   (both 0.2 µs or more), moved (one each): per group n, median, slowest / median — dspark's
 #   steadiness within one placement;
-# * dspark's time over the reference of its size (8 B: the round trip, 64 KiB: the one-shot;
-#   the mean of before and after): what is left when the machine's state of the moment is
+# * dspark's time over the reference of its size (shm 8 B: the round trip, TCP 8 B: the TCP
+#   exchange, 64 KiB: the one-shot; the mean of before and after): what is left when the machine's state of the moment is
 #   divided out. (dspark beats the naive one-shot at 64 KiB: a reference, not a floor.)
 # Each row also keeps the bench header's own `# distance` (rank 0's CPU to rank 1's, measured
 # by the bench's parent just before its ranks start).
@@ -26,14 +29,15 @@
 set -euo pipefail
 BIN=$1; OUT=$2; N=${N:-12}; LOCK=${LOCK:-/work/measure.lock}; FLOOR=${FLOOR:-}
 mkdir -p "$OUT"; : > "$OUT/rows"
-floor() { # "pingpong_µs oneshot64k_µs" of one fresh run of the floor, or "nan nan"
-  [ -n "$FLOOR" ] || { echo nan nan; return; }
-  local p o
+floor() { # "pingpong_µs oneshot64k_µs tcp8_µs" of one fresh run of the floor, or "nan nan nan"
+  [ -n "$FLOOR" ] || { echo nan nan nan; return; }
+  local p o t
   p=$(timeout 120 "$FLOOR" 31 2000 pin pingpong 2>/dev/null | awk -F, '$1=="pingpong"{print $2}') || p=
   o=$(timeout 120 "$FLOOR" 15 200 pin oneshot64k 2>/dev/null | awk -F, '$1=="oneshot64k"{print $2}') || o=
-  echo "${p:-nan} ${o:-nan}"
+  t=$(timeout 120 "$FLOOR" 15 300 pin tcp8 2>/dev/null | awk -F, '$1=="tcp8"{print $2}') || t=
+  echo "${p:-nan} ${o:-nan} ${t:-nan}"
 }
-one() { # transport size: "time floor_before(2) floor_after(2) distance" in one hold of the lock
+one() { # transport size: "time floor_before(3) floor_after(3) distance" in one hold of the lock
   local b o v d a
   b=$(floor)
   o=$(timeout 300 "$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" 2>/dev/null) || o=
@@ -61,10 +65,12 @@ for l in open(sys.argv[1]):
     f = l.split()
     if len(f) == 8:  # rows of the version before the distance column
         f.insert(7, "nan")
-    t, s, v, pb, ob, pa, oa, dist, ld = f; loads.append(float(ld))
+    if len(f) == 9:  # rows of the version before the TCP floor
+        f[5:5] = ["nan"]; f[8:8] = ["nan"]
+    t, s, v, pb, ob, tb, pa, oa, ta, dist, ld = f; loads.append(float(ld))
     if v == "nan":
         print(f"{t} {s}: a run failed (no time)"); continue
-    d[(t, s)].append(tuple(map(float, (v, pb, pa, ob, oa))))
+    d[(t, s)].append(tuple(map(float, (v, pb, pa, ob, oa, tb, ta))))
 def line(name, v):
     m = statistics.median(v)
     return f"{name} {len(v)} {m:.3f} {min(v):.3f} {max(v):.3f} {max(v)/m:.2f}"
@@ -72,13 +78,13 @@ print("transport size n median min max slowest/median")
 for k in sorted(d):
     print(line(" ".join(k), [x[0] for x in d[k]]))
 ok = lambda *f: not any(math.isnan(x) for x in f)
-for i, name in ((1, "ping-pong round trip"), (3, "one-shot 64 KiB")):
+for i, name in ((1, "ping-pong round trip"), (3, "one-shot 64 KiB"), (5, "TCP 8 B exchange")):
     f = [x[j] for k in d for x in d[k] for j in (i, i + 1) if ok(x[j])]
     if f:
         m = statistics.median(f)
         print(f"floor {name}, before and after every run: n {len(f)} median {m:.3f} "
               f"min {min(f):.3f} max {max(f):.3f} µs, slowest/median {max(f)/m:.2f}")
-if any(ok(*x[1:]) for k in d for x in d[k]):
+if any(ok(x[1], x[2]) for k in d for x in d[k]):
     # Near or far by the round trip before and after (FAR_US of src/bin/bench/distance.rs):
     # both under 0.2 µs near, both at or over it far, else the vCPUs moved during the run.
     FAR = 0.2
@@ -90,10 +96,10 @@ if any(ok(*x[1:]) for k in d for x in d[k]):
             v = [x[0] for x in d[k] if ok(x[1], x[2]) and place(x[1], x[2]) == p]
             if v:
                 print(line(f"{' '.join(k)} | {p} |", v))
-    print("dspark / the reference of its size (8 B: ping-pong, 64K: one-shot 64 KiB; mean of before "
-          "and after): transport size n median min max slowest/median")
+    print("dspark / the reference of its size (shm 8 B: ping-pong, TCP 8 B: the TCP exchange, 64K: "
+          "one-shot 64 KiB; mean of before and after): transport size n median min max slowest/median")
     for k in sorted(d):
-        i = 1 if k[1] == "8" else 3
+        i = 3 if k[1] != "8" else (5 if k[0] == "tcp" else 1)
         r = [x[0] / ((x[i] + x[i + 1]) / 2) for x in d[k] if ok(x[i], x[i + 1])]
         if r:
             print(line(" ".join(k), r))
