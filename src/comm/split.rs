@@ -277,7 +277,7 @@ impl Communicator {
                 Some(self.rank()),
                 None,
                 "split: listening (a failure injected by the test hook)",
-                std::io::Error::from_raw_os_error(24),
+                std::io::Error::from_raw_os_error(libc::EMFILE),
             ));
         }
         let salt = auth::nonce().map_err(|e| {

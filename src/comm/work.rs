@@ -66,7 +66,7 @@ fn panicked(rank: usize, call: Option<(String, Duration)>) -> Error {
     Error::Transport {
         rank: Some(rank),
         peer: None,
-        op: call.map_or_else(|| "collective".into(), |(c, _)| c),
+        op: call.map_or_else(|| "collective".into(), |(name, _)| name),
         what: "internal error: a panic inside the operation (a dspark bug; please report it); \
                the communicator is unusable"
             .into(),
@@ -184,6 +184,14 @@ struct Queue {
     shutdown: bool,
 }
 
+impl Queue {
+    /// The operations queued (not started): what each is and when it was issued, for the
+    /// flight record.
+    fn queued(&self) -> Vec<(&'static str, Instant)> {
+        self.jobs.iter().map(|j| (j.what, j.issued)).collect()
+    }
+}
+
 /// A communicator's engine, the queue in front of it and the driver role.
 pub(crate) struct Shared {
     rank: usize,
@@ -252,7 +260,7 @@ impl Shared {
                         }
                     }
                 };
-                Some(q.jobs.iter().map(|j| (j.what, j.issued)).collect())
+                Some(q.queued())
             }));
         }
         shared
@@ -304,12 +312,7 @@ impl Shared {
     /// off). Never waits for the engine.
     pub(crate) fn flight_record(&self) -> Option<crate::engine::flight::FlightRecord> {
         let r = self.flight.as_ref()?;
-        let queued: Vec<(&'static str, Instant)> = lock(&self.q)
-            .jobs
-            .iter()
-            .map(|j| (j.what, j.issued))
-            .collect();
-        Some(r.snapshot(&queued))
+        Some(r.snapshot(&lock(&self.q).queued()))
     }
 
     /// The call in progress as the flight recorder has it (`all_reduce #17`, `send #3 to

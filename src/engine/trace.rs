@@ -88,11 +88,8 @@ pub(crate) struct Trace {
 /// communicator it is (two processes wrote one file), as it does the flight dumps.
 pub(crate) fn file_name(prefix: &Path, rank: usize, k: usize, id: &str) -> PathBuf {
     let mut s = prefix.as_os_str().to_owned();
-    match (k, id) {
-        (0, _) => s.push(format!(".rank{rank}.json")),
-        (_, "") => s.push(format!(".rank{rank}.c{k}.json")),
-        _ => s.push(format!(".rank{rank}.c{k}.{id}.json")),
-    }
+    s.push(".");
+    s.push(super::flight::leaf_name(rank, k, id));
     PathBuf::from(s)
 }
 
