@@ -450,10 +450,22 @@ fn wait_timeout_reports_an_operation_still_in_flight_and_a_later_wait_gets_its_r
                     ) => {}
                 other => return Err(format!("expected a queued all_reduce, got {other:?}")),
             }
+            // The same words without waiting, while in flight; none once it ended.
+            match later.whereabouts() {
+                Some(w) if w.starts_with("it has not started: it waits for recv #1") => {}
+                other => return Err(format!("the queued all_reduce's whereabouts: {other:?}")),
+            }
             w.wait().map_err(|e| e.to_string())?;
             // `wait` borrows: waiting again returns the same result.
             w.wait().map_err(|e| format!("a second wait: {e}"))?;
-            later.wait().map_err(|e| e.to_string())
+            if let Some(x) = w.whereabouts() {
+                return Err(format!("a completed receive's whereabouts: {x}"));
+            }
+            later.wait().map_err(|e| e.to_string())?;
+            match later.whereabouts() {
+                None => Ok(()),
+                Some(x) => Err(format!("a completed all_reduce's whereabouts: {x}")),
+            }
         })?;
         check("late receive", &got, &data)?;
         check("all_reduce after the receive", &total, &[3i64; 5])

@@ -57,6 +57,12 @@ class Work:
         """Whether it finished, successfully or not. Never raises."""
         return self._w.is_completed()
 
+    def whereabouts(self):
+        """Where it stands while in flight (``None`` once it ended): queued behind which
+        running call and how many more, or running as which call (``all_reduce #17``) and for
+        how long. Never blocks; ``wait(timeout)``'s ``TimeoutError`` says the same."""
+        return self._w.whereabouts()
+
     def __repr__(self):
         return repr(self._w)
 

@@ -387,16 +387,32 @@ def _wait_seconds(timeout):
     return None if s == 0 else max(s, 0.0)
 
 
-def _wait_timed_out(timeout):
+def _wait_timed_out(timeout, pending=None):
     """What `Work.wait(timeout)` raises when the operation is still in flight: dspark's
     TimeoutError, also torch's DistBackendError, with torch's wording and the timeout as
-    given."""
+    given, then where the operation stands (`_whereabouts`) when `pending` tells."""
     secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     cls = _torch_class(_dspark.TimeoutError, False)
+    where = _whereabouts(pending)
     return cls(
         f"dspark: Timed out waiting {int(secs * 1000)}ms for the operation to complete "
         "(Work.wait's timeout; the operation goes on, a later wait may still complete it)"
+        + (f": {where}" if where else "")
     )
+
+
+def _whereabouts(pending):
+    """Where the first unfinished part of `pending` stands, as its dspark Work says ("it runs
+    as all_reduce #17 (for 2.1s); ..."), or None when none tells (all done, or no parts)."""
+    raws = pending.raws if pending is not None else None  # None once settled
+    for w in raws or ():
+        try:
+            where = w.whereabouts()
+        except Exception:  # noqa: BLE001 - only words for a message; the timeout is the error
+            continue
+        if where:
+            return where
+    return None
 
 
 def _source_rank_or_none(work):
@@ -427,6 +443,8 @@ class _AsyncWork(dist._Work):
         self._outer = outer
         # Kept only for an operation issued after the exit handler, which this Work completes.
         self._lazy = pending if pending is not None and pending.lazy else None
+        # For a timed-out wait's message: where the operation stands (`_whereabouts`).
+        self._pending = pending
 
     def _drive(self):
         if self._lazy is not None:
@@ -456,13 +474,13 @@ class _AsyncWork(dist._Work):
         # leaves the operation in flight.
         secs = _wait_seconds(timeout)
         if self._lazy is not None and secs is not None and not self._lazy.wait_for(secs):
-            raise _wait_timed_out(timeout)
+            raise _wait_timed_out(timeout, self._pending)
         self._drive()  # (after the exit handler: on this thread, within the op's deadline)
         if secs is not None and not self._outer.done():
             done = threading.Event()
             self._outer.add_done_callback(lambda _f: done.set())
             if not done.wait(secs):
-                raise _wait_timed_out(timeout)
+                raise _wait_timed_out(timeout, self._pending)
         v = self._settled()
         if isinstance(v, _Failure):
             raise v.exc

@@ -1044,6 +1044,13 @@ impl PyWork {
         .map_err(py_err)
     }
 
+    /// Where the operation stands while in flight (`None` once it ended): queued behind
+    /// which running call and how many more, or running as which call (`all_reduce #17`) and
+    /// for how long. Never blocks; `wait(timeout)`'s `TimeoutError` carries the same words.
+    fn whereabouts(&self) -> Option<String> {
+        self.w.whereabouts()
+    }
+
     fn __repr__(&self) -> String {
         let state = match self.w.test() {
             Ok(false) => "in flight",

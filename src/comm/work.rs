@@ -832,12 +832,26 @@ impl Work {
                 peer: None,
                 op: format!("waiting for {}", self.what),
                 waited: start.elapsed(),
-                detail: self.shared.upgrade().map_or_else(
-                    || "the operation is still in flight".into(),
-                    |s| s.whereabouts(&self.done),
-                ),
+                detail: self
+                    .whereabouts()
+                    .unwrap_or_else(|| "the operation is still in flight".into()),
             }),
         }
+    }
+
+    /// Where the operation stands while it is in flight, in the words of
+    /// [`wait_timeout`](Self::wait_timeout)'s error: queued (behind which running call, for
+    /// how long, and how many more) or running (as which call, e.g. `all_reduce #17`, and for
+    /// how long). `None` once it has completed or failed. Never blocks on the operation; for
+    /// a watchdog, or a caller's own timeout message (the torch backend's `Work.wait`).
+    pub fn whereabouts(&self) -> Option<String> {
+        if self.done.get().is_some() {
+            return None;
+        }
+        Some(self.shared.upgrade().map_or_else(
+            || "the operation is still in flight".into(),
+            |s| s.whereabouts(&self.done),
+        ))
     }
 
     fn lost(&self) -> Error {

@@ -181,6 +181,10 @@ if RANK == 0:
         if BACKEND == "dspark":
             check("Timed out waiting 500ms" in str(e) and isinstance(e, dist.DistBackendError),
                   f"wait(timeout=0.5 s) raised {type(e).__mro__}: {e}")
+            # ... and where the receive stands, as dspark's Work says (the flight recorder's
+            # name for the running call: "it runs as recv #1 from rank 1 (for 500ms)").
+            check("it runs as recv #" in str(e) and "from rank 1" in str(e),
+                  f"wait(timeout=0.5 s) does not say where the receive stands: {e}")
     else:
         fail(f"wait(timeout=0.5 s) returned after {time.monotonic() - t0:.2f} s, the sender "
              "sleeping 3 s")
