@@ -9,9 +9,11 @@
 # dspark run, in the same hold of the lock: the ping-pong round trip of one cache line between
 # two forked processes pinned to CPUs 0 and 1, a one-shot 64 KiB f32 all_reduce between them,
 # and an 8-byte exchange between them over one loopback TCP connection (`tcp8`: each sends 8
-# bytes, then spins on recv for the other's). The TCP floor moves by itself: on 2026-12-06 a
-# fresh pair of processes exchanged in 3.1-3.5 µs or in 4.5-4.8 µs, a mode per pair, and
-# dspark's TCP 8 B runs were 3.7-4.3 or 5.4-6.4 µs beside it. On a VM the host decides where the two vCPUs run and moves them: on one 2-vCPU machine
+# bytes, then spins on recv for the other's). The TCP floor moves by itself: on 2026-12-06 it
+# exchanged in 3.1-3.5 µs or in 4.5-4.8 µs, and dspark's TCP 8 B runs were 3.7-4.3 or
+# 5.4-6.4 µs beside it. The slow mode is the machine's for seconds at a time: it spans fresh
+# process pairs and starts or ends in the middle of one connection, whatever the receive does
+# (spinning on recv or poll, blocking, ping-pong instead of exchange). On a VM the host decides where the two vCPUs run and moves them: on one 2-vCPU machine
 # the round trip was 0.045 µs (cores sharing a cache) or 0.35 µs (cores apart) from one minute
 # to the next, and dspark's times moved with it (shm 64 KiB 2.0 vs 4.5 µs, TCP 64 KiB 13 vs
 # 19 µs). The summary then adds, per cell:
@@ -40,11 +42,13 @@ floor() { # "pingpong_µs oneshot64k_µs tcp8_µs" of one fresh run of the floor
 one() { # transport size: "time floor_before(3) floor_after(3) distance" in one hold of the lock
   local b o v d a
   b=$(floor)
-  o=$(timeout 300 "$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" 2>/dev/null) || o=
-  # Under 1 µs the time from the size and algbw (3 decimals of GB/s): the table's time column
-  # has 2 decimals of µs, a tenth of an 8-byte call, too coarse for a ratio of runs.
-  v=$(grep -v '^#' <<<"$o" | awk 'NF>6{if ($6 < 1 && $7 > 0) printf "%.4f\n", $1 / $7 / 1000; else print $6; exit}')
-  # The bench's own header: rank 0's CPU to rank 1's, measured by its parent just before.
+  # `--csv`: its time_us has 4 decimals. (The table's time has 2, a tenth of an 8-byte call,
+  # and the time from its algbw's 3 decimals of GB/s moved in steps of 3.5-7% at 8 B: one
+  # step more on one run of 12 read as a slowest / median of up to 1.07 that was not there.)
+  o=$(timeout 300 "$BIN" --ranks 2 --transport "$1" -b "$2" -e "$2" --csv 2>&1) || o=
+  v=$(awk -F, '$1 !~ /^#/ && $7 ~ /^[0-9.]+$/ {print $7; exit}' <<<"$o")
+  # The bench's own note (stderr under --csv): rank 0's CPU to rank 1's, measured by its
+  # parent just before.
   d=$(awk '/^# distance/{for(i=1;i<=NF;i++) if($i=="µs"){print $(i-1); exit}}' <<<"$o")
   a=$(floor)
   echo "${v:-nan} $b $a ${d:-nan}"

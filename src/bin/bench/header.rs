@@ -188,6 +188,14 @@ fn sharing_groups(sharing: &[String]) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Prints the `#` lines above the table, ending with the column headings.
+/// The header's `# distance` line's value: rank 0's CPU to rank 1's, as the spawning parent
+/// measured it just before the ranks started (`spawn::DISTANCE_ENV`); `None` when it did not.
+pub(crate) fn distance() -> Option<String> {
+    std::env::var(crate::spawn::DISTANCE_ENV)
+        .ok()
+        .filter(|d| !d.is_empty())
+}
+
 pub(crate) fn header(
     args: &Args,
     comm: &Communicator,
@@ -265,10 +273,7 @@ pub(crate) fn header(
     if let Some(b) = BINDING.get() {
         println!("# binding   : {b}");
     }
-    if let Some(d) = std::env::var(crate::spawn::DISTANCE_ENV)
-        .ok()
-        .filter(|d| !d.is_empty())
-    {
+    if let Some(d) = distance() {
         println!("# distance  : {d}");
     }
     if args.api == CallApi::Nonblocking {

@@ -12,7 +12,7 @@ use dspark::types::human_bytes;
 use dspark::Communicator;
 
 use crate::data::{prepare, verify, BenchElem};
-use crate::header::{gather_sharing, header, path_view};
+use crate::header::{distance, gather_sharing, header, path_view};
 use crate::runner::{Gpu, Runner};
 use crate::sizes::{counts, engine_bytes, sizes};
 use crate::summary::{footer, unsteady_lines, ThrottleWatch};
@@ -283,6 +283,10 @@ pub(crate) fn bench<T: BenchElem>(
     if rank0 {
         if args.csv {
             println!("{}", table::CSV_HEADER);
+            // The one header fact a script cannot get afterwards, on stderr (stdout stays CSV).
+            if let Some(d) = distance() {
+                eprintln!("# distance  : {d}");
+            }
         } else {
             header(args, comm, esz, &pv, &sharing);
         }
