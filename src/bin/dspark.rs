@@ -40,6 +40,8 @@ mod late;
 mod model;
 #[path = "tools/tune.rs"]
 mod tune;
+#[path = "tools/waits.rs"]
+mod waits;
 
 #[derive(Parser, Debug)]
 #[command(

@@ -10,6 +10,8 @@ use std::process::ExitCode;
 
 use serde_json::Value;
 
+use crate::waits::{aborters_wait, behind_note, end, End, Wait};
+
 /// Arguments of `dspark analyze`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct AnalyzeArgs {
@@ -40,8 +42,20 @@ struct Call {
 struct Failure {
     kind: String,
     peer: Option<u64>,
-    /// (peer, direction, step, steps, bytes, of_bytes)
-    progress: Option<(u64, String, u64, u64, u64, u64)>,
+    progress: Option<Progress>,
+}
+
+/// Where a failed call's schedule stood (`failure.progress`).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Progress {
+    peer: u64,
+    /// `recv` or `send`.
+    direction: String,
+    step: u64,
+    steps: u64,
+    steps_done: u64,
+    bytes: u64,
+    of_bytes: u64,
 }
 
 impl Call {
@@ -156,14 +170,15 @@ fn parse_call(v: &Value) -> Option<Call> {
         peer: f.get("peer").and_then(Value::as_u64),
         progress: f.get("progress").filter(|p| p.is_object()).map(|p| {
             let n = |k: &str| p.get(k).and_then(Value::as_u64).unwrap_or(0);
-            (
-                n("peer"),
-                text(p, "direction"),
-                n("step"),
-                n("steps"),
-                n("bytes"),
-                n("of_bytes"),
-            )
+            Progress {
+                peer: n("peer"),
+                direction: text(p, "direction"),
+                step: n("step"),
+                steps: n("steps"),
+                steps_done: n("steps_done"),
+                bytes: n("bytes"),
+                of_bytes: n("of_bytes"),
+            }
         }),
     });
     Some(Call {
@@ -350,15 +365,6 @@ const MAX_SAID: usize = 4;
 
 /// Why a rank waits: whether it was aborted (a consequence, not a cause), and how.
 type Why = (bool, String);
-
-/// Where a rank's chain of waits ends ([`analyze`]).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum End {
-    /// A rank that waits for nobody (it hung, died, or left no dump).
-    Rank(u64),
-    /// Ranks that wait for one another: a cycle (send/recv order, a deadlock).
-    Cycle(BTreeSet<u64>),
-}
 
 /// The analysis of one communicator's dumps, as lines.
 fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
@@ -595,13 +601,12 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         }
     }
 
-    // Which peer everyone waits for: each failed rank names the peer its schedule waited
-    // for (without that, the peer its error names, unless an abort: that names the rank
-    // that failed first, not a cause); follow the chain (rank 1 waits for rank 0, which
-    // waits for rank 2) to the rank that waits for nobody.
-    // Per failed rank: the peer it waited for, how, and whether it was aborted (it failed
-    // because another rank did: what it waited for then is not the cause).
-    let mut waits: BTreeMap<u64, (u64, String, bool)> = BTreeMap::new();
+    // Which peer everyone waits for: each failed rank's wait (`waits`: the rank it lost, the
+    // peer its schedule timed out on, or, aborted, the peer it was waiting for then), and
+    // where the chain of waits ends.
+    let mut waits: BTreeMap<u64, Wait> = BTreeMap::new();
+    // The call each wait is in, by rank, for the words of a rank found behind.
+    let mut in_call: BTreeMap<u64, String> = BTreeMap::new();
     for (&r, d) in dumps {
         let Some((c, f)) = d
             .calls
@@ -612,77 +617,109 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
         else {
             continue;
         };
-        let named = f.peer.filter(|_| f.kind != "aborted");
-        let Some(p) = f.progress.as_ref().map(|p| p.0).or(named) else {
-            continue;
+        // A lost rank is the wait, whatever the schedule was waiting on when it was noticed;
+        // an abort names the rank that failed first, not a cause.
+        let schedule = f.progress.as_ref().map(|p| p.peer);
+        let p = if f.kind == "peer_lost" {
+            f.peer.or(schedule)
+        } else {
+            schedule.or(f.peer.filter(|_| f.kind != "aborted"))
         };
+        let Some(p) = p else { continue };
         let how = match (&f.progress, f.kind.as_str()) {
-            (Some((_, dir, step, steps, got, of)), "timeout") if dir == "recv" => format!(
-                "rank {r} timed out in {} receiving from rank {p} (step {step} of {steps}, \
-                 {got} of {of} bytes)",
-                c.name()
+            (_, "peer_lost") => format!("rank {r} lost rank {p} in {}", c.name()),
+            (Some(g), "timeout") if g.direction == "recv" => format!(
+                "rank {r} timed out in {} receiving from rank {p} (step {} of {}, {} of {} \
+                 bytes)",
+                c.name(),
+                g.step,
+                g.steps,
+                g.bytes,
+                g.of_bytes
             ),
-            (Some((_, _, step, steps, ..)), "timeout") => format!(
-                "rank {r} timed out in {} sending to rank {p} (step {step} of {steps})",
-                c.name()
+            (Some(g), "timeout") => format!(
+                "rank {r} timed out in {} sending to rank {p} (step {} of {})",
+                c.name(),
+                g.step,
+                g.steps
             ),
-            (Some((_, dir, step, steps, got, of)), "aborted") => format!(
-                "rank {r} was {} rank {p} in {} (step {step} of {steps}{}) when rank {} \
-                 aborted",
-                if dir == "recv" {
+            (Some(g), "aborted") => format!(
+                "rank {r} was {} rank {p} in {} (step {} of {}{}) when rank {} aborted",
+                if g.direction == "recv" {
                     "receiving from"
                 } else {
                     "sending to"
                 },
                 c.name(),
-                if dir == "recv" {
-                    format!(", {got} of {of} bytes")
+                g.step,
+                g.steps,
+                if g.direction == "recv" {
+                    format!(", {} of {} bytes", g.bytes, g.of_bytes)
                 } else {
                     String::new()
                 },
                 f.peer.map_or("?".into(), |a| a.to_string()),
             ),
-            (_, "peer_lost") => format!("rank {r} lost rank {p} in {}", c.name()),
-            (_, "mismatch") => format!("rank {r} disagreed with rank {p} in {}", c.name()),
             (_, k) => format!("rank {r}: {k} with rank {p} in {}", c.name()),
         };
-        waits.insert(r, (p, how, f.kind == "aborted"));
+        let progress = f.progress.as_ref().map(|g| (c.seq, g.steps, g.steps_done));
+        in_call.insert(r, c.name());
+        waits.insert(
+            r,
+            Wait {
+                to: p,
+                how,
+                aborted: f.kind == "aborted",
+                progress,
+            },
+        );
     }
-    // Where a chain of waits ends. The waits of ranks that timed out or lost a peer are
-    // followed (a rank met twice closes a cycle); an aborted rank's wait is not (it stopped
-    // because another failed): reached, it is the rank waited for, and a chain that starts
-    // at one goes on from the rank it waited for, through other aborted ranks, to where
-    // that chain ends (itself, if it comes back).
-    let primary = |start: u64| {
-        let mut path = vec![start];
-        let mut r = start;
-        while let Some(&(p, _, false)) = waits.get(&r) {
-            if let Some(i) = path.iter().position(|&x| x == p) {
-                return End::Cycle(path[i..].iter().copied().collect());
-            }
-            r = p;
-            path.push(r);
+    // A rank that aborted others and left no dump: its wait, from their errors (the rank it
+    // lost, or timed out waiting for), so that the chain goes on to the cause.
+    let mut told: Vec<(u64, Wait)> = Vec::new();
+    for (&r, d) in dumps {
+        let Some((by, to, lost)) = d.error.as_deref().and_then(aborters_wait) else {
+            continue;
+        };
+        if dumps.contains_key(&by) || waits.contains_key(&by) || told.iter().any(|t| t.0 == by) {
+            continue;
         }
-        End::Rank(r)
-    };
-    let end = |start: u64| {
-        let mut seen = BTreeSet::from([start]);
-        let mut r = start;
-        loop {
-            match waits.get(&r) {
-                Some(&(p, _, true)) if seen.insert(p) => r = p,
-                // Aborted ranks that waited for one another: whoever aborted them left no
-                // wait to follow; they are a cycle of their own.
-                Some(&(_, _, true)) => return End::Cycle(seen),
-                _ => return primary(r),
-            }
-        }
-    };
+        let call = in_call
+            .get(&r)
+            .cloned()
+            .unwrap_or_else(|| "its call".into());
+        let how = if lost {
+            format!("rank {by} lost rank {to} in {call} (as rank {r}'s error says)")
+        } else {
+            format!(
+                "rank {by} timed out waiting for rank {to} in {call} (as rank {r}'s error says)"
+            )
+        };
+        told.push((
+            by,
+            Wait {
+                to,
+                how,
+                aborted: false,
+                progress: None,
+            },
+        ));
+    }
+    waits.extend(told);
     let mut ends: BTreeMap<End, (BTreeSet<u64>, Vec<Why>)> = BTreeMap::new();
-    for (&r, (_, how, aborted)) in &waits {
-        let e = ends.entry(end(r)).or_default();
+    for (&r, w) in &waits {
+        let e = ends.entry(end(&waits, &missing, r)).or_default();
         e.0.insert(r);
-        e.1.push((*aborted, how.clone()));
+        e.1.push((w.aborted, w.how.clone()));
+    }
+    // A chain that ended at a rank because its peer was ahead of it: say so, first.
+    for (e, (_, why)) in ends.iter_mut() {
+        if let End::Rank(p) = e {
+            let call = in_call.get(p).map_or("its call", String::as_str);
+            if let Some(note) = behind_note(&waits, *p, call) {
+                why.insert(0, (false, note));
+            }
+        }
     }
     // Every group, the largest first (on a tie, one that left no dump).
     let mut groups: Vec<_> = ends.into_iter().collect();

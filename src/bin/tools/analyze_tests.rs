@@ -2,6 +2,18 @@
 
 use super::*;
 
+/// Where a schedule of 4 steps waits, on its first, to receive 8 bytes from `peer`.
+fn recv_from(peer: u64) -> Progress {
+    Progress {
+        peer,
+        direction: "recv".into(),
+        step: 1,
+        steps: 4,
+        of_bytes: 8,
+        ..Default::default()
+    }
+}
+
 fn call(seq: u64, count: u64, state: &str) -> Call {
     Call {
         seq: Some(seq),
@@ -22,7 +34,7 @@ fn a_late_rank_and_a_disagreement_are_named() {
     let timeout = Failure {
         kind: "timeout".into(),
         peer: Some(2),
-        progress: Some((2, "recv".into(), 1, 4, 0, 8)),
+        progress: Some(recv_from(2)),
     };
     for r in 0..2 {
         let mut last = call(3, 2, "failed");
@@ -66,7 +78,7 @@ fn failed(r: u64, world: u64, kind: &str, peer: u64) -> Dump {
     last.failure = Some(Failure {
         kind: kind.into(),
         peer: Some(peer),
-        progress: Some((peer, "recv".into(), 1, 4, 0, 8)),
+        progress: Some(recv_from(peer)),
     });
     Dump {
         rank: r,
@@ -101,6 +113,95 @@ fn an_aborted_ranks_wait_leads_to_the_rank_the_timeout_waited_for() {
         verdict.starts_with("everyone waits for rank 1: rank 2 timed out"),
         "{out}"
     );
+}
+
+/// Rank `r`'s dump of a world of 3 whose all_reduce #474 (88 steps, `done` of them done)
+/// failed with `kind` (`peer`: the rank lost, or the aborting rank), its schedule waiting to
+/// receive from `waiting`.
+fn ring_failure(r: u64, kind: &str, peer: u64, waiting: u64, done: u64) -> Dump {
+    let mut d = failed(r, 3, kind, peer);
+    let last = d.calls.last_mut().unwrap();
+    last.seq = Some(474);
+    last.failure = Some(Failure {
+        kind: kind.into(),
+        peer: Some(peer),
+        progress: Some(Progress {
+            steps: 88,
+            steps_done: done,
+            ..recv_from(waiting)
+        }),
+    });
+    d
+}
+
+/// Rank 2 killed in a ring all_reduce: rank 1 lost it while its schedule was receiving from
+/// rank 0 (the lost rank is the wait, not the schedule's peer); rank 0, aborted by rank 1,
+/// was receiving from rank 2. Once said "everyone waits for rank 0 ... rank 1 lost rank 0".
+#[test]
+fn a_lost_rank_is_the_wait_whatever_the_schedule_waited_on() {
+    let mut dumps = BTreeMap::new();
+    dumps.insert(0, ring_failure(0, "aborted", 1, 2, 13));
+    dumps.insert(1, ring_failure(1, "peer_lost", 2, 0, 17));
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains("everyone waits for rank 2 (it left no dump): rank 1 lost rank 2"),
+        "{out}"
+    );
+    assert!(!out.contains("lost rank 0"), "{out}");
+}
+
+/// Rank 2 SIGSTOPped, then resumed (so it dumped too): the waits close a cycle (1 on 0, 0
+/// on 2, 2 on 1), and rank 2's progress, far behind, says it is the one. Once said
+/// "everyone waits for rank 0".
+#[test]
+fn a_stopped_rank_is_found_behind_the_cycle_of_waits() {
+    let mut dumps = BTreeMap::new();
+    dumps.insert(0, ring_failure(0, "aborted", 1, 2, 75));
+    dumps.insert(1, ring_failure(1, "timeout", 0, 0, 77));
+    dumps.insert(2, ring_failure(2, "aborted", 1, 1, 61));
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains(
+            "everyone waits for rank 2: rank 2 is behind, not waiting: it had done 61 of 88"
+        ),
+        "{out}"
+    );
+    // Before it dumped: rank 0 waited for it, silent.
+    dumps.remove(&2);
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains("everyone waits for rank 2 (it left no dump)"),
+        "{out}"
+    );
+}
+
+/// Only the aborted rank's dump: the rank that aborted it lost another, as its error says;
+/// that one is the wait, not the aborting rank. Once said "everyone waits for rank 2".
+#[test]
+fn the_aborting_ranks_cause_is_read_from_the_error_when_it_left_no_dump() {
+    let mut d = ring_failure(0, "aborted", 2, 2, 52);
+    d.error = Some(
+        dspark::Error::Aborted {
+            rank: 0,
+            by: 2,
+            op: "all_reduce #474 (communicator)".into(),
+            reason: dspark::Error::PeerLost {
+                rank: 2,
+                peer: 1,
+                op: "all_reduce #474 (receive)".into(),
+                detail: "its process died".into(),
+            }
+            .to_string(),
+        }
+        .to_string(),
+    );
+    let dumps = BTreeMap::from([(0, d)]);
+    let out = analyze(&dumps).join("\n");
+    assert!(
+        out.contains("everyone waits for rank 1 (it left no dump): rank 2 lost rank 1 in all_reduce #474 (as rank 0's error says)"),
+        "{out}"
+    );
+    assert!(out.contains("next: look at rank 1's log"), "{out}");
 }
 
 #[test]
