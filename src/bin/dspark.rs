@@ -36,6 +36,8 @@ mod distance;
 mod doctor;
 #[path = "tools/late.rs"]
 mod late;
+#[path = "tools/logging.rs"]
+mod logging;
 #[path = "tools/model.rs"]
 mod model;
 #[path = "tools/tune.rs"]
@@ -75,13 +77,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .try_init();
+    logging::init("dspark");
     let cli = Cli::parse();
     match &cli.command {
         Command::Doctor(args) => doctor::run(args),
