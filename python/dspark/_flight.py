@@ -13,7 +13,10 @@ honours torch's variables:
   of a dspark group fails (timeout, lost peer, mismatch, abort) this rank writes its dump and
   asks every other rank, through the world group's store, to write theirs; each rank looks
   for that signal every second (as NCCL's heartbeat monitor does), so a rank that never
-  joined the call — the one the dumps are for — writes its dump too.
+  joined the call — the one the dumps are for — writes its dump too. The failing rank's
+  error waits until every rank has written its own, at most
+  ``TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC`` (or ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``; 15 s):
+  otherwise the launcher, ending the job on that error, ended the other ranks first.
 * ``TORCH_FR_DUMP_TEMP_FILE``: the files' prefix (default ``/tmp/nccl_trace_rank_``).
 
 On demand: :func:`dump` (``dspark.torch.dump_flight_record()``) writes this rank's file, and
@@ -35,6 +38,7 @@ import weakref
 
 VERSION = "2.10"
 _SIGNAL_KEY = "dspark_fr_dump_signal"
+_DONE_KEY = "dspark_fr_dumped_"
 _POLL_S = 1.0
 
 _DTYPES = {
@@ -276,7 +280,59 @@ def _dump_once(why):
         print(f"dspark: flight record dump ({why}) failed: {e}", flush=True)
         return None
     print(f"dspark: flight record ({why}) written to {p}", flush=True)
+    # Said to the rank that asked, which waits for every rank's (`_wait_for_the_others`).
+    store = _signal_store()
+    if store is not None:
+        try:
+            store.set(_DONE_KEY + str(_global_rank()), p)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody waits
+            pass
     return p
+
+
+def dump_wait_s():
+    """How long the rank whose operation failed waits for the other ranks' records before
+    its error goes on (``TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC``, or torch's older
+    ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``; 15 s by default, as torch's). It goes on as soon
+    as every rank has written its own."""
+    ms = _env_int("TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+                  default=15000)
+    return max(ms, 0) / 1000.0
+
+
+def _world():
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # noqa: BLE001 - outside torch: the largest group's ranks
+        pass
+    return max((max(r) + 1 for _, _, _, r in _live() if r), default=1)
+
+
+def _wait_for_the_others(store):
+    """Waits (at most `dump_wait_s`) until every rank has written its record: the rank that
+    never joined the call looks for the signal once a second, and a launcher ends it once
+    this rank's error ends this process (torchrun does within a second), so without the
+    wait its record (the one `torchfrtrace` needs) was never written."""
+    limit = dump_wait_s()
+    keys = [_DONE_KEY + str(r) for r in range(_world())]
+    end = time.monotonic() + limit
+    while True:
+        try:
+            if store.check(keys):  # every one of them
+                return
+            if time.monotonic() >= end:
+                missing = [int(k[len(_DONE_KEY):]) for k in keys if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store went away: nobody will say more
+            return
+        if time.monotonic() >= end:
+            print(f"dspark: flight record: rank(s) {missing} wrote no record within "
+                  f"{limit:g} s (TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC): dead, or stuck where "
+                  "Python cannot run", flush=True)
+            return
+        time.sleep(0.05)
 
 
 def _signal_store():
@@ -306,6 +362,8 @@ def on_error(e):
         except Exception as err:  # noqa: BLE001 - the store is gone: the others are on their own
             print(f"dspark: flight record: could not ask the other ranks to dump through the "
                   f"store ({err}); only this rank's record was written", flush=True)
+            return
+        _wait_for_the_others(store)
 
 
 def _watch():

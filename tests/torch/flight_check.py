@@ -8,7 +8,9 @@ times out (init_process_group(timeout=3 s)). With TORCH_FR_BUFFER_SIZE, TORCH_FR
 and TORCH_FR_DUMP_TEMP_FILE=<dir>/trace_ set (by this script, before the group exists):
 
 * dspark: rank 0 writes its dump when the call fails and signals rank 1 through the store;
-  rank 1, which never called anything, writes its own within about a second;
+  rank 1, which never called anything, writes its own within about a second, and rank 0's
+  error waits for it (under a launcher that ends the job on that error, it is never written
+  otherwise);
 * gloo (the reference): each rank writes its dump on demand
   (torch._C._distributed_c10d._dump_fr_trace_file), rank 1 once rank 0 has failed.
 
@@ -83,6 +85,11 @@ def main():
             ok = False
         except Exception as e:  # noqa: BLE001 - the timeout, whichever class
             say(f"FLIGHT rank 0 raised after {time.monotonic() - t0:.1f}s: {type(e).__name__}")
+            if BACKEND == "dspark" and not os.path.exists(other):
+                # The error waits for every rank's record: a launcher ends the job on it
+                # (torchrun within a second), and rank 1's was then never written.
+                say("FLIGHT rank 0's error came before rank 1's record was written")
+                ok = False
         if BACKEND != "dspark":
             torch._C._distributed_c10d._dump_fr_trace_file(RANK, backend=BACKEND)
     else:
