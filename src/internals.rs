@@ -45,6 +45,12 @@ pub mod cpus {
     };
 }
 
+/// What a communicator decides before its cost model: the sizes its all_reduce runs
+/// one-shot through shared slots (`dspark model` shows them beside the model's choice).
+pub mod choice {
+    pub use crate::comm::setup::one_shot_max_bytes;
+}
+
 /// The job's secret: the per-job secret a spawner gives its children, and the variables.
 pub mod trust {
     pub use crate::config::trust::{spawner_secret, SPAWNER_SECRET_ENV, TOKEN_ENV, TOKEN_FILE_ENV};

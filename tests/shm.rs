@@ -251,6 +251,16 @@ fn one_shot(comm: &Communicator) -> Result<i32, String> {
     if comm.algorithm(Collective::AllReduce, 4100) == Algorithm::OneShot {
         return Err("4100 bytes run one_shot, above its 4 KiB".into());
     }
+    // The bound `dspark model` shows is this communicator's (it takes its own from the
+    // transport it built).
+    let shown = dspark::internals::choice::one_shot_max_bytes(TransportKind::Shm);
+    if comm.algorithm(Collective::AllReduce, shown) != Algorithm::OneShot
+        || comm.algorithm(Collective::AllReduce, shown + 1) == Algorithm::OneShot
+    {
+        return Err(format!(
+            "dspark model's one-shot bound, {shown} bytes, is not the communicator's"
+        ));
+    }
     let e = |e: Error| e.to_string();
     common::run_matrix(comm, &[1, 3, 5, 127, 507], 0x0e5)?;
     let ops = [

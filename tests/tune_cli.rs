@@ -165,6 +165,52 @@ fn tune_says_why_it_cannot_write_and_writes_nothing() {
     assert!(!se.contains("panicked"), "{se}");
 }
 
+/// Over shared memory the smallest all_reduces run one-shot through the slots, a choice made
+/// before the cost model: the table's choice says so up to the communicator's bound
+/// (`tests/shm.rs` checks that bound against a communicator's), and the model's choice above.
+#[test]
+fn model_over_shm_shows_the_one_shot_sizes_the_library_runs() {
+    let o = run(
+        env!("CARGO_BIN_EXE_dspark"),
+        &[
+            "model",
+            "--transport",
+            "shm",
+            "--ranks",
+            "1,2",
+            "-b",
+            "8",
+            "-e",
+            "16K",
+            "-f",
+            "2",
+        ],
+        &[],
+    );
+    let (so, se) = text(&o);
+    assert!(o.status.success(), "{so}\n{se}");
+    let bound = dspark::internals::choice::one_shot_max_bytes(dspark::TransportKind::Shm);
+    assert_eq!(bound, 4096);
+    let (tab, _) = so.split_once("# crossovers").expect("a crossover section");
+    let rows: Vec<Vec<&str>> = tab
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    // 8 B .. 16 KiB by 2: 12 sizes, for 1 rank then 2.
+    assert_eq!(rows.len(), 24, "{so}");
+    for (i, row) in rows.iter().enumerate() {
+        let bytes = 8usize << (i % 12);
+        let one_shot = i >= 12 && bytes <= bound;
+        assert_eq!(
+            row.last() == Some(&"one_shot"),
+            one_shot,
+            "row {i} ({bytes} B): {row:?}"
+        );
+    }
+    assert!(so.contains("one_shot 8–4K | "), "{so}");
+}
+
 #[test]
 fn model_prints_the_choice_the_library_makes_at_every_size() {
     let dir = TempDir::new("model");

@@ -7,9 +7,11 @@ use std::process::ExitCode;
 
 use clap::Args;
 use dspark::config::parse_size;
+use dspark::internals::choice::one_shot_max_bytes;
 use dspark::internals::plan::model::{self, CostModel, Costs, Medium};
 use dspark::internals::plan::{hierarchical_fits, Algorithm, Collective};
 use dspark::types::human_bytes;
+use dspark::TransportKind;
 
 /// `dspark model`'s arguments.
 #[derive(Args, Debug)]
@@ -117,17 +119,19 @@ fn time_text(us: f64) -> String {
 
 /// The algorithm the model chooses at every power of two from `min` to `max`, as ranges:
 /// `(algorithm, first size, last size)`.
+/// Sizes up to `one_shot` bytes go one-shot ([`chosen`]).
 pub(crate) fn crossovers(
     m: &CostModel,
     world: usize,
     per_host: usize,
     min: usize,
     max: usize,
+    one_shot: usize,
 ) -> Vec<(Algorithm, usize, usize)> {
     let mut out: Vec<(Algorithm, usize, usize)> = Vec::new();
     let mut b = min.max(1).next_power_of_two();
     while b <= max {
-        let a = m.choose(Collective::AllReduce, b, world, per_host);
+        let a = chosen(m, b, world, per_host, one_shot);
         match out.last_mut() {
             Some(last) if last.0 == a => last.2 = b,
             _ => out.push((a, b, b)),
@@ -138,6 +142,23 @@ pub(crate) fn crossovers(
         }
     }
     out
+}
+
+/// The algorithm a call of `bytes` runs with: one-shot through shared slots up to
+/// `one_shot` bytes among 2 ranks or more (decided before the model, which never picks it:
+/// `dspark::internals::choice::one_shot_max_bytes`), else the model's choice.
+fn chosen(
+    m: &CostModel,
+    bytes: usize,
+    world: usize,
+    per_host: usize,
+    one_shot: usize,
+) -> Algorithm {
+    if world > 1 && bytes <= one_shot {
+        Algorithm::OneShot
+    } else {
+        m.choose(Collective::AllReduce, bytes, world, per_host)
+    }
 }
 
 /// Runs `dspark model`.
@@ -181,8 +202,27 @@ pub(crate) fn model_main(args: &ModelArgs) -> ExitCode {
         }
         m.link = Some(link);
     }
+    // Over shared memory the smallest calls go one-shot through the slots, before the model.
+    let one_shot = match medium {
+        Medium::Shm => one_shot_max_bytes(TransportKind::Shm),
+        _ => 0,
+    };
     println!("# dspark model: allreduce, predicted time per algorithm (µs) and the choice");
     println!("# model   : {m} ({source})");
+    println!(
+        "# choice  : the cheapest; one later in the preference (recursive_doubling, \
+         binomial_tree, tree, ring, rabenseifner, ...) must be cheaper by more than half a \
+         hop's latency ({:.2} µs, the model's resolution) to displace one with fewer hops{}",
+        0.5 * m.costs.alpha_us,
+        if one_shot > 0 {
+            format!(
+                "; up to {} the all_reduce runs one_shot through shared slots (no model)",
+                size_text(one_shot)
+            )
+        } else {
+            String::new()
+        }
+    );
     println!(
         "# segment : {}; {}",
         size_text(m.segment_bytes),
@@ -222,10 +262,7 @@ pub(crate) fn model_main(args: &ModelArgs) -> ExitCode {
                     let t = m.predict(Collective::AllReduce, a, b, n, per_host);
                     row += &format!(" {:>20}", t.map_or("-".into(), time_text));
                 }
-                row += &format!(
-                    "  {:<20}",
-                    m.choose(Collective::AllReduce, b, n, per_host).name()
-                );
+                row += &format!("  {:<20}", chosen(&m, b, n, per_host, one_shot).name());
                 println!("{row}");
                 match b.checked_mul(args.factor) {
                     Some(x) => b = x,
@@ -238,7 +275,7 @@ pub(crate) fn model_main(args: &ModelArgs) -> ExitCode {
     println!("# crossovers: the algorithm chosen at each power of two");
     println!("# {:>6}  ranges", "ranks");
     for &n in &args.ranks {
-        let ranges = crossovers(&m, n, args.per_host, args.min, args.max)
+        let ranges = crossovers(&m, n, args.per_host, args.min, args.max, one_shot)
             .into_iter()
             .map(|(a, lo, hi)| {
                 if lo == hi {

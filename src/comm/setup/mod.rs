@@ -152,6 +152,17 @@ const SPIN: Duration = Duration::from_micros(50);
 /// ([`crate::plan::Algorithm::OneShot`]): measured against recursive doubling over the rings
 /// on 2 and 4 ranks (benches/RESULTS.md).
 const ONE_SHOT_MAX_BYTES: usize = 4096;
+
+/// The largest all_reduce a communicator whose every peer is over `kind` runs one-shot
+/// through its shared slots (0: the transport has none): the choice made before the cost
+/// model, which never picks it. For tools that explain the choice (`dspark model`); init
+/// takes the same bound from the transport it built.
+pub fn one_shot_max_bytes(kind: TransportKind) -> usize {
+    match kind {
+        TransportKind::Shm => crate::transport::shm::SLOT_CAPACITY.min(ONE_SHOT_MAX_BYTES),
+        _ => 0,
+    }
+}
 const SPIN_OVERSUBSCRIBED: Duration = Duration::from_micros(100);
 
 fn engine_options(

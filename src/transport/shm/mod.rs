@@ -137,6 +137,7 @@ mod seg;
 mod setup;
 mod sizing;
 mod slots;
+pub(crate) use self::slots::SLOT_CAPACITY;
 
 use self::lazy::Lazy;
 pub use self::seg::Seg;
