@@ -40,6 +40,8 @@ mod sizes;
 mod spawn;
 #[path = "bench/summary.rs"]
 mod summary;
+#[path = "bench/supervise.rs"]
+mod supervise;
 #[path = "bench/sweep.rs"]
 mod sweep;
 #[path = "bench/table.rs"]
@@ -260,6 +262,13 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
+    let is_child = std::env::var_os(CHILD).is_some();
+    if is_child {
+        if let Err(e) = supervise::die_with_parent() {
+            eprintln!("dspark-bench: {e}");
+            return ExitCode::from(1);
+        }
+    }
     if let Some(t) = args
         .transport
         .as_deref()
@@ -283,7 +292,6 @@ fn main() -> ExitCode {
         eprintln!("dspark-bench: --skew is all_to_all_v's (blocks of a size per pair)");
         return ExitCode::from(2);
     }
-    let is_child = std::env::var_os(CHILD).is_some();
     if !is_child && (args.ranks.is_some() || !spawn::launcher_present()) {
         return spawn::spawn_local(&args, args.ranks.unwrap_or(2));
     }

@@ -1,7 +1,8 @@
 //! How dspark-bench's ranks start: spawned here as local copies of this program on
 //! 127.0.0.1 (`--ranks`, or no launcher around), each with the CPU binding the parent planned,
 //! or as one rank of a launcher (torchrun, srun, mpirun); and the header's binding line, every
-//! rank's CPUs gathered right after init.
+//! rank's CPUs gathered right after init. How the spawner waits for its ranks, and ends them
+//! when one fails: `supervise`.
 
 use std::process::{Command, ExitCode, Stdio};
 
@@ -9,6 +10,7 @@ use dspark::Communicator;
 
 use crate::bind::{self, Bind};
 use crate::distance;
+use crate::supervise;
 use crate::Args;
 
 /// Whether a launcher started this process as one rank (its rank variable is set).
@@ -59,6 +61,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let plan = bind::plan(args.bind, n, &bind::allowed(), std::path::Path::new("/sys"));
     let distances = plan.as_deref().map(distances_from_rank0);
+    let parent = std::process::id().to_string();
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
@@ -70,6 +73,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
         };
         cmd.args(&argv)
             .env(CHILD, "1")
+            .env(supervise::PARENT_ENV, &parent)
             .env("DSPARK_RANK", r.to_string())
             .env("DSPARK_WORLD_SIZE", n.to_string())
             .env("DSPARK_ROOT_ADDR", format!("127.0.0.1:{port}"))
@@ -104,24 +108,7 @@ pub(crate) fn spawn_local(args: &Args, n: usize) -> ExitCode {
             }
         }
     }
-    let mut worst = 0u8;
-    for (r, mut c) in children.into_iter().enumerate() {
-        match c.wait() {
-            Ok(st) if st.success() => {}
-            Ok(st) => {
-                let code = st.code().unwrap_or(1).clamp(1, 255) as u8;
-                if code != 2 {
-                    eprintln!("dspark-bench: rank {r} exited with {st}");
-                }
-                worst = worst.max(code);
-            }
-            Err(e) => {
-                eprintln!("dspark-bench: waiting for rank {r}: {e}");
-                worst = worst.max(1);
-            }
-        }
-    }
-    ExitCode::from(worst)
+    ExitCode::from(supervise::supervise(children))
 }
 
 /// Carries the header's distance line from the spawning parent to its ranks (empty: none).
