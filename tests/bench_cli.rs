@@ -180,6 +180,103 @@ fn combinations_that_would_measure_another_thing_are_refused() {
     }
 }
 
+/// Under a launcher, each process is one rank: `--ranks` there would make every rank spawn a
+/// job of its own (`mpirun -np 2 dspark-bench --ranks 2` ran two unrelated 2-rank jobs), so
+/// it is refused, naming the launcher's variables; a launcher's job of one rank may spawn.
+#[test]
+fn ranks_under_a_launcher_are_refused() {
+    let run = |env: &[(&str, &str)]| {
+        let out = Command::new(BENCH)
+            .args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"])
+            .env("DSPARK_TIMEOUT", "60")
+            .envs(env.iter().copied())
+            .output()
+            .expect("dspark-bench starts");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+    for (env, names) in [
+        (
+            &[
+                ("OMPI_COMM_WORLD_RANK", "1"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ("DSPARK_ROOT_ADDR", "127.0.0.1:29561"),
+            ][..],
+            "OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2",
+        ),
+        (
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+            ],
+            "RANK=0, WORLD_SIZE=2",
+        ),
+        (
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "4"),
+                ("SLURM_STEP_ID", "0"),
+            ],
+            "SLURM_PROCID=0, SLURM_NTASKS=4",
+        ),
+    ] {
+        let (code, text) = run(env);
+        assert_eq!(code, Some(2), "{env:?}: {text}");
+        assert!(
+            text.contains(&format!(
+                "--ranks 2: a launcher started this process as one of its ranks ({names})"
+            )),
+            "{env:?}: {text}"
+        );
+        assert!(!text.contains("# dspark-bench"), "{env:?}: {text}");
+    }
+    // srun -n 1 (and a batch script's SLURM_PROCID=0 outside any step): the spawner's job.
+    for env in [
+        &[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_STEP_ID", "0"),
+        ][..],
+        &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3")],
+    ] {
+        let (code, text) = run(env);
+        assert_eq!(code, Some(0), "{env:?}: {text}");
+        assert!(
+            text.contains("# dspark-bench all_reduce: 2 ranks"),
+            "{text}"
+        );
+    }
+}
+
+/// The header's rendezvous line of the ranks the bench spawns names the spawner, which
+/// picked the address and set DSPARK_ROOT_ADDR over the user's, not the user's variable.
+#[test]
+fn the_rendezvous_line_of_spawned_ranks_names_the_spawner() {
+    let out = Command::new(BENCH)
+        .args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"])
+        .env("DSPARK_TIMEOUT", "60")
+        .env("DSPARK_ROOT_ADDR", "127.0.0.1:1")
+        .output()
+        .expect("dspark-bench starts");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("# rendezvous:"))
+        .unwrap_or_else(|| panic!("no rendezvous line: {text}"));
+    assert!(
+        line.starts_with("# rendezvous: rank 0 at 127.0.0.1:")
+            && line.ends_with(" from dspark-bench's spawner (a free port it picked)")
+            && !line.contains("127.0.0.1:1 "),
+        "{line}"
+    );
+}
+
 /// `--peer-rows` skips sizes under one float as the peers do (a size of 0 divided by zero
 /// on every rank), and runs the rest.
 #[test]

@@ -178,8 +178,10 @@ struct Args {
     /// Check results (1) or not (0).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     check: u8,
-    /// Spawn this many local ranks on 127.0.0.1. Without it, run as one rank of a launcher
-    /// (torchrun, srun, mpirun) when its variables are set, else 2 local ranks.
+    /// Spawn this many local ranks on 127.0.0.1 (refused where a launcher started this
+    /// process as one of several ranks). Without it, run as one rank of a launcher (torchrun,
+    /// srun, mpirun) when its variables are set, else 2 local ranks. A rank that fails gets
+    /// the others ended within seconds (SIGTERM, then SIGKILL), and none outlives the spawner.
     #[arg(long)]
     ranks: Option<usize>,
     /// Transport: auto (shm when every rank is on one host), tcp, verbs, shm. Given, it beats
@@ -292,8 +294,17 @@ fn main() -> ExitCode {
         eprintln!("dspark-bench: --skew is all_to_all_v's (blocks of a size per pair)");
         return ExitCode::from(2);
     }
-    if !is_child && (args.ranks.is_some() || !spawn::launcher_present()) {
-        return spawn::spawn_local(&args, args.ranks.unwrap_or(2));
+    if !is_child {
+        if let Some(n) = args.ranks {
+            if let Some(why) = spawn::ranks_refused(n, |k| std::env::var(k).ok()) {
+                eprintln!("dspark-bench: {why}");
+                return ExitCode::from(2);
+            }
+            return spawn::spawn_local(&args, n);
+        }
+        if spawn::launched().is_none() {
+            return spawn::spawn_local(&args, 2);
+        }
     }
     match run_rank(&args) {
         Ok(code) => code,
@@ -345,6 +356,15 @@ fn refused(args: &Args) -> Result<(), String> {
 fn run_rank(args: &Args) -> Result<ExitCode, String> {
     let how = apply_binding(args);
     let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
+    if std::env::var_os(CHILD).is_some() {
+        // The spawner picked the address and set DSPARK_ROOT_ADDR itself (over the user's):
+        // the header's rendezvous line says so rather than name the user's variable.
+        cfg.sources.retain(|(k, _)| k != "root address");
+        cfg.sources.push((
+            "root address".into(),
+            "dspark-bench's spawner (a free port it picked)".into(),
+        ));
+    }
     // A flag given beats the environment, as it does in the ranks `spawn_local` starts.
     if let Some(t) = args.transport.as_deref().and_then(TransportChoice::parse) {
         cfg.transport = t;

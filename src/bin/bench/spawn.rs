@@ -13,17 +13,95 @@ use crate::distance;
 use crate::supervise;
 use crate::Args;
 
-/// Whether a launcher started this process as one rank (its rank variable is set).
-pub(crate) fn launcher_present() -> bool {
-    [
-        "DSPARK_RANK",
-        "RANK",
-        "OMPI_COMM_WORLD_RANK",
-        "PMI_RANK",
-        "SLURM_PROCID",
-    ]
-    .iter()
-    .any(|v| std::env::var_os(v).is_some())
+/// The launchers' rank and world-size variables, in the order `Config::from_env` takes them
+/// (the first set wins): this process's rank and the number of ranks a launcher started.
+const RANK_VARS: [(&str, &str); 5] = [
+    ("DSPARK_RANK", "DSPARK_WORLD_SIZE"),
+    ("RANK", "WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+];
+
+/// A launcher's word that it started this process as one rank of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Launched {
+    /// The rank variable that says so, and its value.
+    pub(crate) rank: (&'static str, String),
+    /// The world-size variable and its value, when one is set.
+    pub(crate) world: Option<(&'static str, String)>,
+}
+
+impl Launched {
+    /// The number of ranks the launcher started, when its variable says.
+    pub(crate) fn world_size(&self) -> Option<usize> {
+        self.world.as_ref().and_then(|(_, v)| v.trim().parse().ok())
+    }
+
+    /// `OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2`.
+    pub(crate) fn vars(&self) -> String {
+        let mut s = format!("{}={}", self.rank.0, self.rank.1.trim());
+        if let Some((k, v)) = &self.world {
+            s += &format!(", {k}={}", v.trim());
+        }
+        s
+    }
+
+    /// Every launcher variable set, to clear for a job of one's own (`RANK WORLD_SIZE`).
+    pub(crate) fn set_names(get: impl Fn(&str) -> Option<String>) -> Vec<&'static str> {
+        RANK_VARS
+            .iter()
+            .flat_map(|(r, w)| [*r, *w])
+            .filter(|v| get(v).is_some())
+            .collect()
+    }
+}
+
+/// Whether a launcher (torchrun, mpirun, srun, or DSPARK_RANK by hand) started this process
+/// as one rank, read through `get` (the environment): the rank variable `Config::from_env`
+/// would take, with the world size beside it. Slurm's count only inside a job step (srun
+/// sets `SLURM_STEP_ID`): an allocation's shell has `SLURM_NTASKS`, and a batch script
+/// `SLURM_PROCID=0` as well, without being one of the tasks.
+pub(crate) fn launched_by(get: impl Fn(&str) -> Option<String>) -> Option<Launched> {
+    let set = |v: &str| get(v).filter(|x| !x.trim().is_empty());
+    let in_step = set("SLURM_STEP_ID").is_some() || set("SLURM_STEPID").is_some();
+    let usable = |v: &&(&str, &str)| in_step || !v.0.starts_with("SLURM_");
+    let (rank_var, _) = RANK_VARS
+        .iter()
+        .filter(usable)
+        .find(|(r, _)| set(r).is_some())?;
+    let world = RANK_VARS
+        .iter()
+        .filter(usable)
+        .find_map(|(_, w)| set(w).map(|v| (*w, v)));
+    Some(Launched {
+        rank: (rank_var, set(rank_var).unwrap_or_default()),
+        world,
+    })
+}
+
+/// [`launched_by`] over this process's environment.
+pub(crate) fn launched() -> Option<Launched> {
+    launched_by(|k| std::env::var(k).ok())
+}
+
+/// Why `--ranks` is refused here, if it is: a launcher started this process as one of
+/// several ranks, so every rank would spawn a job of its own (`mpirun -np 2 dspark-bench
+/// --ranks 2` ran two unrelated 2-rank jobs). A launcher's job of one rank (`srun -n 1`)
+/// may spawn local ranks: nothing else runs them.
+pub(crate) fn ranks_refused(ranks: usize, get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let l = launched_by(&get)?;
+    if l.world_size() == Some(1) {
+        return None;
+    }
+    Some(format!(
+        "--ranks {ranks}: a launcher started this process as one of its ranks ({}), and \
+         every rank would spawn a job of its own: under a launcher, run without --ranks (its \
+         -np, --nproc-per-node or --ntasks sets the ranks); for a local job from inside a \
+         rank, clear its variables: env -u {} dspark-bench --ranks {ranks} ...",
+        l.vars(),
+        Launched::set_names(&get).join(" -u ")
+    ))
 }
 
 /// Set in the ranks [`spawn_local`] starts, so they run as ranks rather than spawn again.
@@ -193,4 +271,126 @@ pub(crate) fn gather_binding(comm: &Communicator, how: &str) -> Result<String, S
         .collect();
     let more = if comm.world_size() > 8 { ", …" } else { "" };
     Ok(format!("{how}: {}{more}", per.join(", ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    /// What each launcher sets for its ranks is one rank of a job, and `--ranks` is refused
+    /// there (each rank spawned a job of its own); where nothing started this process as one
+    /// of several ranks, `--ranks` spawns.
+    #[test]
+    fn launchers_ranks_are_recognised_and_refuse_ranks() {
+        let refused = [
+            // torchrun
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ][..],
+            // Open MPI
+            &[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")],
+            // MPICH, Intel MPI
+            &[("PMI_RANK", "3"), ("PMI_SIZE", "4")],
+            // srun
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_JOB_ID", "7"),
+            ],
+            // by hand
+            &[("DSPARK_RANK", "0"), ("DSPARK_WORLD_SIZE", "2")],
+            // A rank without a size: a job of several, as far as anyone can tell.
+            &[("DSPARK_RANK", "0")],
+        ];
+        for vars in refused {
+            let get = env(vars);
+            let l = launched_by(&get).unwrap_or_else(|| panic!("{vars:?}"));
+            assert_eq!(l.rank.0, vars[0].0, "{vars:?}");
+            let why = ranks_refused(2, &get).unwrap_or_else(|| panic!("{vars:?}"));
+            assert!(
+                why.contains(&format!("{}={}", vars[0].0, vars[0].1)),
+                "{why}"
+            );
+            assert!(why.contains("run without --ranks"), "{why}");
+            assert!(why.contains(&format!("env -u {}", vars[0].0)), "{why}");
+        }
+        let spawn = [
+            &[][..],
+            // An allocation's shell (salloc), a batch script (sbatch): no job step, so not
+            // one of the tasks (both measured on Slurm 22.05).
+            &[("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", "4")],
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "0"),
+            ],
+            // Set but empty: as Config::from_env, not set.
+            &[("RANK", " "), ("WORLD_SIZE", "")],
+        ];
+        for vars in spawn {
+            assert_eq!(launched_by(env(vars)), None, "{vars:?}");
+            assert_eq!(ranks_refused(2, env(vars)), None, "{vars:?}");
+        }
+        // A launcher's job of one rank (`srun -n 1 dspark-bench --ranks 4`) spawns: nothing
+        // else would start the ranks.
+        let one = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_STEPID", "2"),
+        ];
+        assert!(launched_by(env(&one)).is_some());
+        assert_eq!(ranks_refused(4, env(&one)), None);
+    }
+
+    /// The rank and world-size variables taken are the ones `Config::from_env` takes, in the
+    /// same order, where several launchers' are set at once.
+    #[test]
+    fn the_variables_taken_are_the_librarys() {
+        let cases = [
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "3"),
+            ][..],
+            &[("DSPARK_RANK", "1"), ("WORLD_SIZE", "4"), ("PMI_SIZE", "5")],
+            &[("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("SLURM_NTASKS", "9")],
+            &[
+                ("SLURM_PROCID", "2"),
+                ("SLURM_NTASKS", "3"),
+                ("SLURM_STEP_ID", "0"),
+            ],
+        ];
+        for vars in cases {
+            let mut with_root = vars.to_vec();
+            with_root.push(("DSPARK_ROOT_ADDR", "127.0.0.1:1"));
+            let cfg = dspark::Config::from_lookup(env(&with_root)).expect("a configuration");
+            let source = |k: &str| {
+                cfg.sources
+                    .iter()
+                    .find(|(n, _)| n == k)
+                    .map(|(_, v)| v.clone())
+            };
+            let l = launched_by(env(vars)).expect("launched");
+            assert_eq!(source("rank").as_deref(), Some(l.rank.0), "{vars:?}");
+            assert_eq!(
+                source("world size").as_deref(),
+                l.world.as_ref().map(|w| w.0),
+                "{vars:?}"
+            );
+            assert_eq!(l.world_size(), Some(cfg.world_size), "{vars:?}");
+        }
+    }
 }
