@@ -180,6 +180,69 @@ fn combinations_that_would_measure_another_thing_are_refused() {
     }
 }
 
+/// A size range or an iteration count under which nothing would be measured is refused,
+/// saying which flag (a swapped range printed an empty table with a garbled header and
+/// exited 0; `-n 0` timed one unwarmed call per size under "0 iterations"), and so is a flag
+/// that `--peer-rows` or `--sizes` would ignore (`--peer-rows x -b 8 -e 4K` timed 8 B to
+/// 256 MiB).
+#[test]
+fn ranges_and_counts_that_measure_nothing_or_would_be_ignored_are_refused() {
+    for (args, why) in [
+        (
+            &["--ranks", "2", "-b", "1M", "-e", "8"][..],
+            "-b 1M is larger than -e 8: no size to measure",
+        ),
+        (&["-b", "64K", "-e", "1K"], "-b 64K is larger than -e 1K"),
+        (&["--ranks", "2", "-n", "0"], "-n 0 times no call"),
+        (
+            &["--ranks", "2", "--peer-rows", "x", "-b", "9", "-e", "1000"],
+            "none of theirs (8, 1K, 64K, 1M, 16M, 64M, 256M) lies between -b 9 and -e 1000",
+        ),
+        (
+            &["--ranks", "2", "--peer-rows", "x", "-f", "2"],
+            "'--peer-rows <NAME>' cannot be used with '--stepfactor",
+        ),
+        (
+            &["--ranks", "2", "--peer-rows", "x", "-n", "5"],
+            "cannot be used with '--iters",
+        ),
+        (
+            &["--ranks", "2", "--peer-rows", "x", "-w", "0"],
+            "cannot be used with '--warmup_iters",
+        ),
+        (
+            &["--ranks", "2", "--sizes", "8,64", "-e", "1K"],
+            "'--sizes <SIZES>' cannot be used with '--maxbytes",
+        ),
+    ] {
+        let (got, text) = bench(args);
+        assert_eq!(got, Some(2), "{args:?}: {text}");
+        assert!(text.contains(why), "{args:?}: {text}");
+        assert!(!text.contains("panicked"), "{args:?}: {text}");
+    }
+    // No warm-up is a run like any other.
+    let (got, text) = bench(&["--ranks", "2", "-b", "8", "-e", "8", "-w", "0", "-n", "3"]);
+    assert_eq!(got, Some(0), "{text}");
+    assert!(
+        text.contains("3 iterations timed in 3 windows, 0 warm-up"),
+        "{text}"
+    );
+}
+
+/// `--peer-rows` times the peers' sizes from `-b` to `-e` (it ignored them and timed all
+/// seven, up to 256 MiB).
+#[test]
+fn peer_rows_take_the_peers_sizes_from_b_to_e() {
+    let (code, text) = bench(&["--ranks", "2", "--peer-rows", "x", "-b", "8", "-e", "4K"]);
+    assert_eq!(code, Some(0), "{text}");
+    let sizes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("x,"))
+        .filter_map(|l| l.split(',').nth(2))
+        .collect();
+    assert_eq!(sizes, ["8", "1024"], "{text}");
+}
+
 /// Under a launcher, each process is one rank: `--ranks` there would make every rank spawn a
 /// job of its own (`mpirun -np 2 dspark-bench --ranks 2` ran two unrelated 2-rank jobs), so
 /// it is refused, naming the launcher's variables; a launcher's job of one rank may spawn.

@@ -51,6 +51,7 @@ use bind::Bind;
 use dspark::config::{parse_size, TransportChoice};
 use dspark::internals::plan::{Algorithm, Collective};
 use dspark::path::PathPolicy;
+use dspark::types::human_bytes;
 use dspark::{Communicator, Config, DataType, ReduceOp};
 use half::{bf16, f16};
 
@@ -148,7 +149,12 @@ struct Args {
     #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = parse_bytes)]
     max_bytes: usize,
     /// Multiplication factor between sizes.
-    #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
+    #[arg(
+        short = 'f',
+        long = "stepfactor",
+        default_value_t = 4,
+        conflicts_with = "peer_rows"
+    )]
     step_factor: usize,
     /// Data type: float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
@@ -170,10 +176,15 @@ struct Args {
     /// which a single interruption of the machine (50–130 µs seen on a VM) would double, and
     /// a VM's slow stretches last milliseconds. The calls are timed in 5 windows; the row's
     /// time is the median window's.
-    #[arg(short = 'n', long = "iters")]
+    #[arg(short = 'n', long = "iters", conflicts_with = "peer_rows")]
     iters: Option<usize>,
     /// Warm-up iterations per size.
-    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    #[arg(
+        short = 'w',
+        long = "warmup_iters",
+        default_value_t = 5,
+        conflicts_with = "peer_rows"
+    )]
     warmup: usize,
     /// Check results (1) or not (0).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
@@ -216,7 +227,8 @@ struct Args {
     #[arg(long)]
     csv: bool,
     /// Print rows in the format of ../shared/peers (allreduce timing method of the peer
-    /// benchmarks: median of samples of K back-to-back calls), labelled with this peer name.
+    /// benchmarks: median of samples of K back-to-back calls), labelled with this peer name,
+    /// for the peers' sizes (8, 1K, 64K, 1M, 16M, 64M, 256M) from -b to -e, or --sizes.
     #[arg(long, value_name = "NAME")]
     peer_rows: Option<String>,
     /// Force the algorithm of the timed collective (a `DSPARK_ALGO` name such as `ring`), or
@@ -233,8 +245,14 @@ struct Args {
     /// size are left out.
     #[arg(long, value_name = "CSV", requires = "plot")]
     plot_peers: Option<std::path::PathBuf>,
-    /// Explicit size list for --peer-rows (comma-separated bytes).
-    #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+    /// Explicit size list (comma-separated, K/M/G suffixes), instead of -b/-e/-f's sweep or
+    /// --peer-rows' list.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = parse_bytes,
+        conflicts_with_all = ["min_bytes", "max_bytes", "step_factor"]
+    )]
     sizes: Vec<usize>,
 }
 
@@ -349,6 +367,32 @@ fn refused(args: &Args) -> Result<(), String> {
     }
     if args.collective == Coll::SendRecv && args.ranks == Some(1) {
         return Err("send_recv needs 2 ranks or more (rank r sends to r + 1)".into());
+    }
+    if args.iters == Some(0) {
+        return Err(
+            "-n 0 times no call: give 1 or more timed iterations (or leave -n out: as many as \
+             fill 10 ms per size, at least 20)"
+                .into(),
+        );
+    }
+    let short = |b: usize| human_bytes(b as u64, true);
+    if args.sizes.is_empty() && args.min_bytes > args.max_bytes {
+        return Err(format!(
+            "-b {} is larger than -e {}: no size to measure (the sweep runs from -b, the \
+             smallest, up to -e, the largest)",
+            short(args.min_bytes),
+            short(args.max_bytes)
+        ));
+    }
+    if args.peer_rows.is_some() && peer::sizes(args).is_empty() {
+        let list: Vec<String> = peer::PEER_SIZES.iter().map(|&b| short(b)).collect();
+        return Err(format!(
+            "--peer-rows times the peers' sizes from -b to -e, and none of theirs ({}) lies \
+             between -b {} and -e {}: widen the range or name the sizes with --sizes",
+            list.join(", "),
+            short(args.min_bytes),
+            short(args.max_bytes)
+        ));
     }
     Ok(())
 }

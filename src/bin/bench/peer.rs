@@ -9,6 +9,21 @@ use dspark::{Communicator, ReduceOp};
 use crate::sweep::{max_over_ranks, median, sum_over_ranks};
 use crate::Args;
 
+/// The peer benchmarks' sizes (../shared/peers/README.md).
+pub(crate) const PEER_SIZES: [usize; 7] = [8, 1024, 65536, 1 << 20, 16 << 20, 64 << 20, 256 << 20];
+
+/// The sizes `--peer-rows` times: `--sizes`, else those of the peers' list from `-b` to `-e`
+/// (the defaults, 8 B to 256 MiB, take the whole list).
+pub(crate) fn sizes(args: &Args) -> Vec<usize> {
+    if !args.sizes.is_empty() {
+        return args.sizes.clone();
+    }
+    PEER_SIZES
+        .into_iter()
+        .filter(|b| (args.min_bytes..=args.max_bytes).contains(b))
+        .collect()
+}
+
 /// The peer benchmarks' method (../shared/peers/README.md): allreduce f32 sum, rank r's input
 /// (r+1)*(i%97+1); per size 2 verified warm-up batches, then S samples (50 up to 64 KiB, 30 at
 /// 1 MiB, 20 at 16 MiB, 10 above); a sample = barrier, K back-to-back allreduces
@@ -16,11 +31,7 @@ use crate::Args;
 pub(crate) fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<(), String> {
     let n = comm.world_size();
     let r = comm.rank();
-    let list = if args.sizes.is_empty() {
-        vec![8, 1024, 65536, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
-    } else {
-        args.sizes.clone()
-    };
+    let list = sizes(args);
     let e = |err: dspark::Error| err.to_string();
     if r == 0 {
         // What the model believed (the rows on stdout stay the peers' format).
