@@ -875,7 +875,31 @@ fn late_line(dumps: &BTreeMap<u64, Dump>, places: &BTreeMap<u64, Place>) -> Opti
     let host = |r: &u64| places.get(r).map_or("", |p| p.host.as_str());
     let first = dumps.keys().next().map_or("", host);
     let one_clock = !first.is_empty() && dumps.keys().all(|r| host(r) == first);
-    let l = crate::late::late(&spans, one_clock)?;
+    let Some(l) = crate::late::late(&spans, one_clock) else {
+        // Too few calls compared: say so where one-shot calls were left out, rather than
+        // let "no rank is stuck" read as "none is late".
+        let compared = spans.values().map(BTreeMap::len).min().unwrap_or(0);
+        let one_shot = dumps
+            .values()
+            .map(|d| {
+                d.calls
+                    .iter()
+                    .filter(|c| c.algorithm == "one_shot" && c.state == "completed")
+                    .count()
+            })
+            .min()
+            .unwrap_or(0);
+        return (compared < crate::late::MIN_CALLS && one_shot >= crate::late::MIN_CALLS).then(
+            || {
+                format!(
+                    "late: not judged: {one_shot} of the calls ran one_shot (small all_reduces, \
+                 their start stamped by a coarse clock), and {compared} other collectives are \
+                 too few to tell a straggler (it takes {})",
+                    crate::late::MIN_CALLS
+                )
+            },
+        );
+    };
     let ms = |ns: u64| ns as f64 / 1e6;
     let (last_in, of, first, last) = (l.last_in, l.of, l.first, l.last);
     let (med, max) = (ms(l.median_ns), ms(l.max_ns));

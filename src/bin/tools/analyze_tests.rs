@@ -365,7 +365,9 @@ fn a_rank_that_starts_its_collectives_late_is_named() {
             c.algorithm = "one_shot".into();
         }
     }
-    assert!(!analyze(&dumps).join("\n").contains("late:"));
+    let out = analyze(&dumps).join("\n");
+    assert!(!out.contains("late: rank"), "{out}");
+    assert!(out.contains("late: not judged"), "{out}");
 }
 
 /// Ranks 0, 1 on host `h0`, rank 2 on `h2`; rank 2 comes 30 ms late to each of 8
@@ -436,4 +438,37 @@ fn rank_lists_fold_runs_of_three_or_more() {
     assert_eq!(l(&[3]), "rank 3");
     assert_eq!(l(&[0, 1]), "ranks 0, 1");
     assert_eq!(l(&[0, 1, 2, 5, 7, 8]), "ranks 0-2, 5, 7, 8");
+}
+
+/// Small all_reduces run one-shot are not compared for a late rank (their start is coarse):
+/// when they are all there is, the report says it did not judge, not only "no rank is stuck".
+#[test]
+fn a_job_of_one_shot_calls_is_said_not_judged_for_lateness() {
+    let dumps: BTreeMap<u64, Dump> = (0..2)
+        .map(|r| {
+            let calls = (1..=12)
+                .map(|s| Call {
+                    algorithm: "one_shot".into(),
+                    started_ns: 1_000_000 * s + r * 40_000_000,
+                    ended_ns: 1_000_000 * s + 40_000_000,
+                    ..call(s, 1000, "completed")
+                })
+                .collect();
+            (
+                r,
+                Dump {
+                    rank: r,
+                    world: 2,
+                    calls,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    let out = analyze(&dumps).join("\n");
+    assert!(out.contains("no rank is stuck"), "{out}");
+    assert!(
+        out.contains("late: not judged: 12 of the calls ran one_shot"),
+        "{out}"
+    );
 }
