@@ -148,14 +148,22 @@ def backend_of(group):
 # ---------------------------------------------------------------------------- the bench
 
 
+# A rank's own place in its launcher's job: `dspark-bench --ranks` refuses to spawn a local job
+# from inside one (src/bin/bench/spawn.rs's RANK_VARS), and this script runs under torchrun.
+_LAUNCHER_VARS = ("DSPARK_RANK", "DSPARK_WORLD_SIZE", "RANK", "WORLD_SIZE",
+                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+
+
 def run_bench(path, nbytes):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     out = subprocess.run(
         [path, "--ranks", "2", "-b", str(nbytes), "-e", str(nbytes), "--csv"]
         # The transport the torch ranks use (DSPARK_TRANSPORT), which the bench would
         # otherwise choose for itself.
         + (["--transport", os.environ["DSPARK_TRANSPORT"]]
            if os.environ.get("DSPARK_TRANSPORT") else []),
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )
     for line in out.stdout.splitlines():
         f = line.split(",")

@@ -28,6 +28,8 @@ mod data;
 mod distance;
 #[path = "bench/header.rs"]
 mod header;
+#[path = "tools/logging.rs"]
+mod logging;
 #[path = "bench/peer.rs"]
 mod peer;
 #[path = "bench/plot.rs"]
@@ -275,13 +277,7 @@ enum Mem {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    logging::init("dspark-bench");
     let is_child = std::env::var_os(CHILD).is_some();
     if is_child {
         if let Err(e) = supervise::die_with_parent() {
