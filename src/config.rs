@@ -6,7 +6,7 @@
 //!
 //! | variable | meaning | fallbacks |
 //! | --- | --- | --- |
-//! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks (at most [`MAX_WORLD_SIZE`], 2^20) | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` |
+//! | `DSPARK_RANK`, `DSPARK_WORLD_SIZE` | this process's rank, number of ranks (at most [`MAX_WORLD_SIZE`], 2^20) | `RANK`/`WORLD_SIZE` (torchrun), `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS` (inside an srun step) |
 //! | `DSPARK_ROOT_ADDR` | `host:port` where rank 0 listens for the rendezvous | `MASTER_ADDR` + `MASTER_PORT` |
 //! | `DSPARK_TIMEOUT` | deadline of any blocking operation, seconds | 300 |
 //! | `DSPARK_TRANSPORT` | `auto`, `tcp`, `verbs`, `shm` | `auto` (`shm` when every rank is on one host) |
@@ -417,6 +417,25 @@ impl Config {
         })?;
         let rank = parse_usize(rank_var, &rank_s)?;
         let world_size = parse_usize(size_var, &size_s)?;
+        // Slurm sets SLURM_PROCID=0 and SLURM_NTASKS=N in the batch script itself, outside
+        // any step: a process the script runs is one process, not one of the job's N tasks,
+        // and rank 0 of N would wait its whole deadline for ranks that never start.
+        if rank_var == "SLURM_PROCID"
+            && world_size > 1
+            && pick(&["SLURM_STEP_ID", "SLURM_STEPID"]).is_none()
+        {
+            return Err(Error::config(
+                "SLURM_PROCID",
+                format!(
+                    "SLURM_PROCID={} and SLURM_NTASKS={world_size} are the batch script's, not \
+                     a task's (no SLURM_STEP_ID: this process is not inside an srun step), so \
+                     it is one process, not rank {} of the job's {world_size}: start the ranks \
+                     with srun (one per task), or set DSPARK_RANK and DSPARK_WORLD_SIZE",
+                    rank_s.trim(),
+                    rank
+                ),
+            ));
+        }
         sources.push(("rank".to_string(), rank_var.to_string()));
         sources.push(("world size".to_string(), size_var.to_string()));
         // Rank and world size first: they are the most common mistake.

@@ -136,12 +136,42 @@ fn torchrun_slurm_and_mpirun_variables_are_understood() {
     let c = Config::from_lookup(env(&[
         ("SLURM_PROCID", "5"),
         ("SLURM_NTASKS", "6"),
+        ("SLURM_STEP_ID", "0"),
         ("SLURM_JOB_ID", "4242"),
         ("DSPARK_ROOT_ADDR", "n0:1"),
     ]))
     .unwrap();
     assert_eq!((c.rank, c.world_size), (5, 6));
     assert_ne!(c.job_hash(), 0);
+    // A batch script's own SLURM_PROCID=0 / SLURM_NTASKS (Slurm 22.05, `sbatch -n 2`: no
+    // SLURM_STEP_ID outside srun): refused at once, not rank 0 of 2 waiting its deadline.
+    let batch = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_ID", "13"),
+        ("DSPARK_ROOT_ADDR", "n0:1"),
+    ];
+    match Config::from_lookup(env(&batch)) {
+        Err(Error::Config { var, what }) => {
+            assert_eq!(var, "SLURM_PROCID");
+            assert!(what.contains("start the ranks with srun"), "{what}");
+        }
+        other => panic!("a batch script's variables taken as a rank: {other:?}"),
+    }
+    // ... but a one-task batch job is one rank, and an older srun's SLURM_STEPID is a step.
+    let one = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("DSPARK_ROOT_ADDR", "n0:1"),
+    ];
+    assert_eq!(Config::from_lookup(env(&one)).unwrap().world_size, 1);
+    let older = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_STEPID", "3"),
+        ("DSPARK_ROOT_ADDR", "n0:1"),
+    ];
+    assert_eq!(Config::from_lookup(env(&older)).unwrap().rank, 1);
     let c = Config::from_lookup(env(&[
         ("OMPI_COMM_WORLD_RANK", "0"),
         ("OMPI_COMM_WORLD_SIZE", "2"),
