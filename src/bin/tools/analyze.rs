@@ -708,7 +708,7 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
     waits.extend(told);
     let mut ends: BTreeMap<End, (BTreeSet<u64>, Vec<Why>)> = BTreeMap::new();
     for (&r, w) in &waits {
-        let e = ends.entry(end(&waits, &missing, r)).or_default();
+        let e = ends.entry(end(&waits, r)).or_default();
         e.0.insert(r);
         e.1.push((w.aborted, w.how.clone()));
     }
@@ -751,7 +751,10 @@ fn analyze(dumps: &BTreeMap<u64, Dump>) -> Vec<String> {
                     .cloned()
                     .unwrap_or_default()
                     .said_with(note);
-                if single {
+                // The rank found behind is in its own group, not waiting for itself.
+                let mut who = who;
+                who.remove(&peer);
+                if single || who.is_empty() {
                     format!("everyone waits for rank {peer}{place}: {why}")
                 } else {
                     let verb = if who.len() == 1 { "waits" } else { "wait" };

@@ -204,6 +204,36 @@ fn the_aborting_ranks_cause_is_read_from_the_error_when_it_left_no_dump() {
     assert!(out.contains("next: look at rank 1's log"), "{out}");
 }
 
+/// Only the late rank's dump (the other host's directory not there): rank 1 timed out
+/// waiting for rank 0 and aborted it, as rank 0's error says. The verdict is rank 0, not a
+/// cycle of the two (a review's case: the aborting rank counted as silent).
+#[test]
+fn the_late_ranks_own_dump_names_it_from_the_timeout_in_its_error() {
+    let mut d = ring_failure(0, "aborted", 1, 1, 0);
+    d.error = Some(
+        dspark::Error::Aborted {
+            rank: 0,
+            by: 1,
+            op: "all_reduce #474 (communicator)".into(),
+            reason: dspark::Error::Timeout {
+                rank: 1,
+                peer: Some(0),
+                op: "all_reduce #474".into(),
+                waited: std::time::Duration::from_secs(300),
+                detail: "waiting to receive from rank 0 (step 1 of 2)".into(),
+            }
+            .to_string(),
+        }
+        .to_string(),
+    );
+    let out = analyze(&BTreeMap::from([(0, d)])).join("\n");
+    assert!(
+        out.contains("everyone waits for rank 0: rank 1 timed out waiting for rank 0"),
+        "{out}"
+    );
+    assert!(!out.contains("one another"), "{out}");
+}
+
 #[test]
 fn two_dead_ranks_are_two_groups_and_long_lists_are_ranges() {
     let mut dumps: BTreeMap<u64, Dump> = (0..4)

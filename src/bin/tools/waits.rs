@@ -6,7 +6,8 @@
 //! receiving from or sending to, or, for a rank aborted by another's failure, the peer it
 //! was waiting for at that moment. An aborted rank's wait is weak evidence (a snapshot of a
 //! rank that may have been making progress), so a chain that reaches one ends there unless
-//! the two schedules' progress shows its peer behind it. Conversely, a rank whose peer had
+//! the aborted ranks' waits from it lead to the cause: a rank without a wait (no dump, or no
+//! failure: it never reached the call) or one behind its peer. Conversely, a rank whose peer had
 //! done clearly more of the same schedule is not blocked by that peer: it is behind itself
 //! (stopped, descheduled), and the chain ends at it. That is what finds a SIGSTOPped rank in
 //! a ring, where the waits otherwise close a cycle.
@@ -42,25 +43,53 @@ fn slack(steps: u64) -> u64 {
     (steps / 16).max(2)
 }
 
-/// Steps done by `a` and by `b`, where both failed in the same call of the same schedule.
+/// Steps done by `a` and by `b`, where both failed in the same call of the same schedule
+/// (a dump's numbers, which may be anything: a `steps_done` above `steps` is not progress).
 fn both_done(waits: &BTreeMap<u64, Wait>, a: u64, b: u64) -> Option<(u64, u64, u64)> {
     let (sa, na, da) = waits.get(&a)?.progress?;
     let (sb, nb, db) = waits.get(&b)?.progress?;
-    (sa.is_some() && sa == sb && na == nb && na > 0).then_some((na, da, db))
+    (sa.is_some() && sa == sb && na == nb && na > 0 && da <= na && db <= nb).then_some((na, da, db))
 }
 
 /// Whether `to` had done clearly more of the schedule than `r`, which waits for it: it has
 /// sent what `r` needed, so `r` is not blocked by it.
 fn ahead(waits: &BTreeMap<u64, Wait>, r: u64, to: u64) -> bool {
-    both_done(waits, r, to).is_some_and(|(n, dr, dt)| dt > dr + slack(n))
+    both_done(waits, r, to).is_some_and(|(n, dr, dt)| dt > dr.saturating_add(slack(n)))
 }
 
-/// Where the chain of waits that starts at `start` (a rank with a wait) ends. From the
-/// start, aborted ranks' waits are followed to the first rank that failed on its own; from
-/// there the waits of such ranks are, and an aborted rank reached is the end unless its
-/// peer is behind it or is one of the `silent` ranks (that left no dump: hung, died, or
-/// dumped elsewhere). A rank whose peer is ahead of it ends the chain, itself.
-pub(crate) fn end(waits: &BTreeMap<u64, Wait>, silent: &BTreeSet<u64>, start: u64) -> End {
+/// Where following aborted ranks' waits from aborted rank `from` finds the cause: a rank
+/// that waits for nothing (silent: it left no dump, or its dump has no failure: it never
+/// reached the call or went on), or one behind its peer; `None` when the aborted ranks lead
+/// back to a rank that failed on its own, or around, without saying.
+fn aborted_root(waits: &BTreeMap<u64, Wait>, from: u64) -> Option<u64> {
+    let mut seen = vec![from];
+    let mut a = from;
+    loop {
+        let w = waits.get(&a).filter(|w| w.aborted)?;
+        if ahead(waits, a, w.to) {
+            return Some(a);
+        }
+        match waits.get(&w.to) {
+            None => return Some(w.to),
+            Some(n) if n.aborted && !seen.contains(&w.to) => {
+                a = w.to;
+                seen.push(a);
+            }
+            Some(_) => return None,
+        }
+    }
+}
+
+/// Where the chain of waits that starts at `start` (a rank with a wait) ends.
+///
+/// From an aborted start, aborted ranks' waits are followed to the first rank that failed on
+/// its own (or to a rank without a wait, or one behind its peer: the end). From there the
+/// waits of ranks that failed on their own (timed out, lost a peer) are followed; an aborted
+/// rank reached is the end, unless following the aborted ranks' waits from it finds the
+/// cause ([`aborted_root`]): its wait is a snapshot of a rank that may have been making
+/// progress, but one that leads to a silent or stopped rank is evidence. A rank without a
+/// wait ends the chain, itself, and so does a rank whose peer is ahead of it (it is behind).
+pub(crate) fn end(waits: &BTreeMap<u64, Wait>, start: u64) -> End {
     let mut seen = vec![start];
     let mut r = start;
     while let Some(w) = waits.get(&r).filter(|w| w.aborted) {
@@ -81,14 +110,8 @@ pub(crate) fn end(waits: &BTreeMap<u64, Wait>, silent: &BTreeSet<u64>, start: u6
             return End::Rank(r);
         }
         let next = w.to;
-        if let Some(n) = waits.get(&next).filter(|n| n.aborted) {
-            // Reached an aborted rank: the rank waited for, unless its own peer is behind it
-            // or silent.
-            let behind =
-                both_done(waits, next, n.to).is_some_and(|(steps, dn, dp)| dn > dp + slack(steps));
-            if !behind && !silent.contains(&n.to) {
-                return End::Rank(next);
-            }
+        if waits.get(&next).is_some_and(|n| n.aborted) {
+            return End::Rank(aborted_root(waits, next).unwrap_or(next));
         }
         if let Some(i) = path.iter().position(|&x| x == next) {
             return End::Cycle(path[i..].iter().copied().collect());
@@ -104,7 +127,7 @@ pub(crate) fn end(waits: &BTreeMap<u64, Wait>, silent: &BTreeSet<u64>, start: u6
 pub(crate) fn behind_note(waits: &BTreeMap<u64, Wait>, r: u64, call: &str) -> Option<String> {
     let w = waits.get(&r)?;
     let (n, dr, dt) = both_done(waits, r, w.to)?;
-    (dt > dr + slack(n)).then(|| {
+    (dt > dr.saturating_add(slack(n))).then(|| {
         format!(
             "rank {r} is behind, not waiting: it had done {dr} of {n} steps of {call}, rank {} \
              {dt}",
@@ -145,8 +168,6 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    const NONE: BTreeSet<u64> = BTreeSet::new();
-
     fn wait(to: u64, aborted: bool, done: u64) -> Wait {
         Wait {
             to,
@@ -168,7 +189,7 @@ mod tests {
             (2, wait(1, true, 61)),
         ]);
         for r in 0..3 {
-            assert_eq!(end(&waits, &NONE, r), End::Rank(2), "from rank {r}");
+            assert_eq!(end(&waits, r), End::Rank(2), "from rank {r}");
         }
         let note = behind_note(&waits, 2, "all_reduce #474").unwrap();
         assert!(note.contains("61 of 88 steps"), "{note}");
@@ -188,7 +209,7 @@ mod tests {
             w.progress = None;
         }
         for r in 0..3 {
-            assert_eq!(end(&waits, &NONE, r), End::Rank(1), "from rank {r}");
+            assert_eq!(end(&waits, r), End::Rank(1), "from rank {r}");
         }
     }
 
@@ -197,8 +218,8 @@ mod tests {
     #[test]
     fn an_aborted_rank_follows_to_the_lost_one() {
         let waits = BTreeMap::from([(0, wait(1, true, 83)), (1, wait(2, false, 80))]);
-        assert_eq!(end(&waits, &NONE, 0), End::Rank(2));
-        assert_eq!(end(&waits, &NONE, 1), End::Rank(2));
+        assert_eq!(end(&waits, 0), End::Rank(2));
+        assert_eq!(end(&waits, 1), End::Rank(2));
     }
 
     /// Rank 2 stopped and has not dumped yet: rank 1 timed out on rank 0, which was waiting
@@ -206,16 +227,51 @@ mod tests {
     #[test]
     fn an_aborted_ranks_wait_for_a_silent_rank_is_followed() {
         let waits = BTreeMap::from([(0, wait(2, true, 75)), (1, wait(0, false, 77))]);
-        assert_eq!(end(&waits, &NONE, 1), End::Rank(0));
-        let silent = BTreeSet::from([2]);
-        assert_eq!(end(&waits, &silent, 1), End::Rank(2));
-        assert_eq!(end(&waits, &silent, 0), End::Rank(2));
+        assert_eq!(end(&waits, 1), End::Rank(2));
+        assert_eq!(end(&waits, 0), End::Rank(2));
+    }
+
+    /// A ring of 4, rank 2 SIGSTOPped, rank 1 (two hops on) timing out first: each hop is a
+    /// couple of steps apart, only rank 2's own neighbour clearly ahead of it. The chain
+    /// goes through the aborted ranks 0 and 3 to rank 2, silent or dumped (a review's case:
+    /// it once stopped at rank 0).
+    #[test]
+    fn a_timeout_two_hops_from_a_stopped_rank_reaches_it_through_aborted_ranks() {
+        let mut waits = BTreeMap::from([
+            (0, wait(3, true, 77)),
+            (1, wait(0, false, 79)),
+            (3, wait(2, true, 75)),
+        ]);
+        for r in [0, 1, 3] {
+            assert_eq!(end(&waits, r), End::Rank(2), "silent, from rank {r}");
+        }
+        waits.insert(2, wait(1, true, 61));
+        for r in 0..4 {
+            assert_eq!(end(&waits, r), End::Rank(2), "dumped, from rank {r}");
+        }
+    }
+
+    /// Rank 1 never started the call (its dump has no failure): rank 0 timed out on rank 2,
+    /// which was aborted receiving from rank 1. The verdict is rank 1, not rank 2.
+    #[test]
+    fn a_rank_that_never_reached_the_call_is_the_end() {
+        let waits = BTreeMap::from([(0, wait(2, false, 5)), (2, wait(1, true, 4))]);
+        assert_eq!(end(&waits, 0), End::Rank(1));
+        assert_eq!(end(&waits, 2), End::Rank(1));
+    }
+
+    /// A dump's numbers are untrusted: huge ones neither panic nor count as progress.
+    #[test]
+    fn absurd_progress_is_ignored() {
+        let waits = BTreeMap::from([(0, wait(1, false, u64::MAX)), (1, wait(0, false, 3))]);
+        assert_eq!(end(&waits, 0), End::Cycle(BTreeSet::from([0, 1])));
+        assert_eq!(behind_note(&waits, 1, "x"), None);
     }
 
     #[test]
     fn timeouts_in_a_circle_are_a_cycle() {
         let waits: BTreeMap<u64, Wait> = (0..3).map(|r| (r, wait((r + 1) % 3, false, 5))).collect();
-        assert_eq!(end(&waits, &NONE, 0), End::Cycle(BTreeSet::from([0, 1, 2])));
+        assert_eq!(end(&waits, 0), End::Cycle(BTreeSet::from([0, 1, 2])));
     }
 
     /// The library's own words, as a survivor's error carries them.
