@@ -35,6 +35,7 @@ import pickle
 import threading
 import time
 import weakref
+from datetime import timedelta
 
 VERSION = "2.10"
 _SIGNAL_KEY = "dspark_fr_dump_signal"
@@ -300,39 +301,40 @@ def dump_wait_s():
     return max(ms, 0) / 1000.0
 
 
-def _world():
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # noqa: BLE001 - outside torch: the largest group's ranks
-        pass
-    return max((max(r) + 1 for _, _, _, r in _live() if r), default=1)
+def _dumping_ranks():
+    """The global ranks that look for the signal: those of this rank's dspark groups (a rank
+    in none, a gloo-only rank, never writes a record)."""
+    ranks = set()
+    for _, _, _, r in _live():
+        ranks.update(r)
+    return sorted(ranks) or [_global_rank()]
 
 
 def _wait_for_the_others(store):
     """Waits (at most `dump_wait_s`) until every rank has written its record: the rank that
     never joined the call looks for the signal once a second, and a launcher ends it once
     this rank's error ends this process (torchrun does within a second), so without the
-    wait its record (the one `torchfrtrace` needs) was never written."""
+    wait its record (the one `torchfrtrace` needs) was never written. One wait on the store
+    for all the keys (every failing rank waits, and a poll of N keys by N ranks would load
+    the store the job shares), then one look at which are missing."""
     limit = dump_wait_s()
-    keys = [_DONE_KEY + str(r) for r in range(_world())]
-    end = time.monotonic() + limit
-    while True:
-        try:
-            if store.check(keys):  # every one of them
-                return
-            if time.monotonic() >= end:
-                missing = [int(k[len(_DONE_KEY):]) for k in keys if not store.check([k])]
-        except Exception:  # noqa: BLE001 - the store went away: nobody will say more
-            return
-        if time.monotonic() >= end:
-            print(f"dspark: flight record: rank(s) {missing} wrote no record within "
-                  f"{limit:g} s (TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC): dead, or stuck where "
-                  "Python cannot run", flush=True)
-            return
-        time.sleep(0.05)
+    if limit <= 0:
+        return
+    ranks = _dumping_ranks()
+    keys = [_DONE_KEY + str(r) for r in ranks]
+    try:
+        store.wait(keys, timedelta(seconds=limit))
+        return
+    except Exception:  # noqa: BLE001 - timed out (or the store is gone: the check says)
+        pass
+    try:
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+    except Exception:  # noqa: BLE001 - the store went away: nobody will say more
+        return
+    if missing:
+        print(f"dspark: flight record: rank(s) {missing} wrote no record within {limit:g} s "
+              "(TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC): dead, or stuck where Python cannot run",
+              flush=True)
 
 
 def _signal_store():
