@@ -8,9 +8,35 @@ use std::process::Command;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
 
+/// The launchers' rank variables (src/bin/bench/spawn.rs), and Slurm's step.
+const LAUNCHER_VARS: [&str; 12] = [
+    "DSPARK_RANK",
+    "DSPARK_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+];
+
+/// The bench as these tests run it: without the launcher variables of whatever runs the
+/// tests (inside an srun step or a torchrun rank, every `--ranks` call would be refused).
+fn bench_cmd() -> Command {
+    let mut c = Command::new(BENCH);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    c
+}
+
 /// Runs the bench with `args`; returns its exit code and its output, both streams.
 fn bench(args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(BENCH)
+    let out = bench_cmd()
         .args(args)
         // A rank that hangs fails its run at this deadline instead of hanging the test.
         .env("DSPARK_TIMEOUT", "60")
@@ -249,7 +275,7 @@ fn peer_rows_take_the_peers_sizes_from_b_to_e() {
 #[test]
 fn ranks_under_a_launcher_are_refused() {
     let run = |env: &[(&str, &str)]| {
-        let out = Command::new(BENCH)
+        let out = bench_cmd()
             .args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"])
             .env("DSPARK_TIMEOUT", "60")
             .envs(env.iter().copied())
@@ -320,7 +346,7 @@ fn ranks_under_a_launcher_are_refused() {
 /// picked the address and set DSPARK_ROOT_ADDR over the user's, not the user's variable.
 #[test]
 fn the_rendezvous_line_of_spawned_ranks_names_the_spawner() {
-    let out = Command::new(BENCH)
+    let out = bench_cmd()
         .args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"])
         .env("DSPARK_TIMEOUT", "60")
         .env("DSPARK_ROOT_ADDR", "127.0.0.1:1")
@@ -355,7 +381,7 @@ fn peer_rows_skip_a_size_under_one_element() {
 /// column, and nothing else on stdout (it printed the human tables).
 #[test]
 fn algo_all_with_csv_prints_a_row_per_algorithm_and_size() {
-    let out = Command::new(BENCH)
+    let out = bench_cmd()
         .args([
             "all_reduce",
             "--ranks",
@@ -410,7 +436,7 @@ fn the_transport_flag_beats_the_environment_which_beats_the_default() {
         (Some("tcp"), Some("shm"), "shm"),
         (None, Some("tcp"), "tcp"),
     ] {
-        let mut cmd = Command::new(BENCH);
+        let mut cmd = bench_cmd();
         cmd.args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "5", "-w", "1"])
             .env("DSPARK_TIMEOUT", "60")
             .env_remove("DSPARK_TRANSPORT");
@@ -446,7 +472,7 @@ fn under_a_launcher_the_transport_flag_beats_the_environment_too() {
             .port();
         let children: Vec<_> = (0..2)
             .map(|r| {
-                let mut cmd = Command::new(BENCH);
+                let mut cmd = bench_cmd();
                 cmd.args(["-b", "8", "-e", "8", "-n", "5", "-w", "1"])
                     .env("DSPARK_TIMEOUT", "60")
                     .env("DSPARK_RANK", r.to_string())

@@ -14,6 +14,32 @@ use nix::unistd::Pid;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
 
+/// The launchers' rank variables (src/bin/bench/spawn.rs), and Slurm's step.
+const LAUNCHER_VARS: [&str; 12] = [
+    "DSPARK_RANK",
+    "DSPARK_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+];
+
+/// The bench as these tests run it: without the launcher variables of whatever runs the
+/// tests (inside an srun step or a torchrun rank, every `--ranks` call would be refused).
+fn bench_cmd() -> Command {
+    let mut c = Command::new(BENCH);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    c
+}
+
 /// The ranks' deadline: how long rank 0 waits for a stopped peer before it fails.
 const TIMEOUT_S: u64 = 3;
 
@@ -36,7 +62,7 @@ impl Job {
     /// `dspark-bench --ranks 2` timing 8-byte all_reduces for far longer than a test runs,
     /// once rank 0 has printed the column header (both ranks are up and in the timed loop).
     fn start() -> Job {
-        let mut spawner = Command::new(BENCH)
+        let mut spawner = bench_cmd()
             .args(["--ranks", "2", "-b", "8", "-e", "8", "-w", "1", "-c", "0"])
             .args(["-n", "1000000000", "--transport", "shm"])
             .env("DSPARK_TIMEOUT", TIMEOUT_S.to_string())

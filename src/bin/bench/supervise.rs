@@ -171,14 +171,18 @@ pub(crate) fn supervise(mut children: Vec<Child>) -> u8 {
             },
         };
         let mut ended = Vec::new();
+        // A rank whose status cannot be had (ECHILD: the spawner inherited SIGCHLD ignored,
+        // and the kernel reaped its ranks itself) has ended, as a failure: polling it again
+        // would never end.
+        let unknown = |r: usize, e: std::io::Error| {
+            eprintln!("dspark-bench: rank {r} ended, its status unknown ({e}): taken as failed");
+            ExitStatus::from_raw(1 << 8)
+        };
         if let Some(r) = got {
             match children[r].try_wait() {
                 Ok(Some(st)) => ended.push((r, st)),
                 Ok(None) => polled.push(r),
-                Err(e) => {
-                    eprintln!("dspark-bench: waiting for rank {r}: {e}");
-                    polled.push(r);
-                }
+                Err(e) => ended.push((r, unknown(r, e))),
             }
         }
         polled.retain(|&r| match children[r].try_wait() {
@@ -186,7 +190,11 @@ pub(crate) fn supervise(mut children: Vec<Child>) -> u8 {
                 ended.push((r, st));
                 false
             }
-            _ => true,
+            Ok(None) => true,
+            Err(e) => {
+                ended.push((r, unknown(r, e)));
+                false
+            }
         });
         for (r, st) in ended {
             let failed = !st.success();
