@@ -386,29 +386,17 @@ impl Config {
                 .parse::<usize>()
                 .map_err(|_| Error::config(name, format!("{v:?} is not a non-negative integer")))
         };
-        const RANK_VARS: [&str; 5] = [
-            "DSPARK_RANK",
-            "RANK",
-            "OMPI_COMM_WORLD_RANK",
-            "PMI_RANK",
-            "SLURM_PROCID",
-        ];
-        const SIZE_VARS: [&str; 5] = [
-            "DSPARK_WORLD_SIZE",
-            "WORLD_SIZE",
-            "OMPI_COMM_WORLD_SIZE",
-            "PMI_SIZE",
-            "SLURM_NTASKS",
-        ];
+        let rank_vars = LAUNCHER_RANK_VARS.map(|(r, _)| r);
+        let size_vars = LAUNCHER_RANK_VARS.map(|(_, w)| w);
         let mut sources = Vec::new();
-        let (rank_var, rank_s) = pick(&RANK_VARS).ok_or_else(|| {
+        let (rank_var, rank_s) = pick(&rank_vars).ok_or_else(|| {
             Error::config(
                 "DSPARK_RANK",
                 "no rank given: set DSPARK_RANK (or run under torchrun, mpirun or srun, which \
                  set RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID)",
             )
         })?;
-        let (size_var, size_s) = pick(&SIZE_VARS).ok_or_else(|| {
+        let (size_var, size_s) = pick(&size_vars).ok_or_else(|| {
             Error::config(
                 "DSPARK_WORLD_SIZE",
                 "no world size given: set DSPARK_WORLD_SIZE (or WORLD_SIZE, \
@@ -420,10 +408,7 @@ impl Config {
         // Slurm sets SLURM_PROCID=0 and SLURM_NTASKS=N in the batch script itself, outside
         // any step: a process the script runs is one process, not one of the job's N tasks,
         // and rank 0 of N would wait its whole deadline for ranks that never start.
-        if rank_var == "SLURM_PROCID"
-            && world_size > 1
-            && pick(&["SLURM_STEP_ID", "SLURM_STEPID"]).is_none()
-        {
+        if rank_var == "SLURM_PROCID" && world_size > 1 && pick(&SLURM_STEP_VARS).is_none() {
             return Err(Error::config(
                 "SLURM_PROCID",
                 format!(
@@ -783,6 +768,21 @@ pub fn tune_file_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Optio
 }
 
 /// Bounds of the segment size (`DSPARK_CHUNK_BYTES`).
+/// The launchers' rank and world-size variables, in the order [`Config::from_env`] takes them
+/// (the first set wins): dspark's own, torchrun's, Open MPI's, MPICH's and Intel MPI's (PMI),
+/// Slurm's (only inside an srun step: [`SLURM_STEP_VARS`]).
+pub const LAUNCHER_RANK_VARS: [(&str, &str); 5] = [
+    ("DSPARK_RANK", "DSPARK_WORLD_SIZE"),
+    ("RANK", "WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+];
+
+/// Slurm's variables that say a process runs inside an srun step (a batch script has
+/// `SLURM_PROCID` and `SLURM_NTASKS` for itself, and neither of these).
+pub const SLURM_STEP_VARS: [&str; 2] = ["SLURM_STEP_ID", "SLURM_STEPID"];
+
 /// The largest world size (`DSPARK_WORLD_SIZE`) dspark accepts: 2^20 ranks. A larger one is a
 /// [`Error::Config`] at once (ranks and world sizes travel as 32-bit numbers at the
 /// rendezvous, and every rank holds per-peer state).

@@ -317,6 +317,8 @@ pub const ENV_NAMES: &[&str] = &[
     "PMI_SIZE",
     "SLURM_PROCID",
     "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
     "DSPARK_ROOT_ADDR",
     "MASTER_ADDR",
     "MASTER_PORT",

@@ -14,27 +14,14 @@ use nix::unistd::Pid;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
 
-/// The launchers' rank variables (src/bin/bench/spawn.rs), and Slurm's step.
-const LAUNCHER_VARS: [&str; 12] = [
-    "DSPARK_RANK",
-    "DSPARK_WORLD_SIZE",
-    "RANK",
-    "WORLD_SIZE",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_STEP_ID",
-    "SLURM_STEPID",
-];
-
 /// The bench as these tests run it: without the launcher variables of whatever runs the
 /// tests (inside an srun step or a torchrun rank, every `--ranks` call would be refused).
 fn bench_cmd() -> Command {
     let mut c = Command::new(BENCH);
-    for v in LAUNCHER_VARS {
+    let vars = dspark::config::LAUNCHER_RANK_VARS
+        .iter()
+        .flat_map(|(r, w)| [*r, *w]);
+    for v in vars.chain(dspark::config::SLURM_STEP_VARS) {
         c.env_remove(v);
     }
     c

@@ -6,22 +6,13 @@
 
 use std::process::{Command, ExitCode, Stdio};
 
+use dspark::config::{LAUNCHER_RANK_VARS as RANK_VARS, SLURM_STEP_VARS};
 use dspark::Communicator;
 
 use crate::bind::{self, Bind};
 use crate::distance;
 use crate::supervise;
 use crate::Args;
-
-/// The launchers' rank and world-size variables, in the order `Config::from_env` takes them
-/// (the first set wins): this process's rank and the number of ranks a launcher started.
-const RANK_VARS: [(&str, &str); 5] = [
-    ("DSPARK_RANK", "DSPARK_WORLD_SIZE"),
-    ("RANK", "WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("PMI_RANK", "PMI_SIZE"),
-    ("SLURM_PROCID", "SLURM_NTASKS"),
-];
 
 /// A launcher's word that it started this process as one rank of a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,7 +55,7 @@ impl Launched {
 /// `SLURM_PROCID=0` as well, without being one of the tasks.
 pub(crate) fn launched_by(get: impl Fn(&str) -> Option<String>) -> Option<Launched> {
     let set = |v: &str| get(v).filter(|x| !x.trim().is_empty());
-    let in_step = set("SLURM_STEP_ID").is_some() || set("SLURM_STEPID").is_some();
+    let in_step = SLURM_STEP_VARS.iter().any(|v| set(v).is_some());
     let usable = |v: &&(&str, &str)| in_step || !v.0.starts_with("SLURM_");
     let (rank_var, _) = RANK_VARS
         .iter()
