@@ -137,6 +137,16 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
     parse_size(s).ok_or_else(|| format!("{s:?} is not a size (e.g. 8, 64K, 16M, 1G)"))
 }
 
+/// `-f`: 2 or more (1 and 0 were taken as 2 without a word).
+fn parse_factor(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(f) if f >= 2 => Ok(f),
+        _ => Err(format!(
+            "{s:?}: the step factor is a whole number of 2 or more"
+        )),
+    }
+}
+
 /// nccl-tests-style collective benchmark over dspark.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "dspark-bench", version, about, long_about = None)]
@@ -150,11 +160,12 @@ struct Args {
     /// Largest size in bytes.
     #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = parse_bytes)]
     max_bytes: usize,
-    /// Multiplication factor between sizes.
+    /// Multiplication factor between sizes (2 or more).
     #[arg(
         short = 'f',
         long = "stepfactor",
         default_value_t = 4,
+        value_parser = parse_factor,
         conflicts_with = "peer_rows"
     )]
     step_factor: usize,
