@@ -6,12 +6,13 @@ use std::time::{Duration, Instant};
 
 use dspark::{Communicator, Config, Error, ReduceOp};
 
+mod common;
+
+/// A port free a moment later: below the kernel's ephemeral range (`common::procs`). One
+/// found by binding port 0 was taken by another test's outgoing connection before rank 0
+/// listened on it (CI, stop 49: "port 41395 is already in use").
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    common::procs::free_port()
 }
 
 fn cfg(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Config {
