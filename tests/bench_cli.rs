@@ -4,29 +4,22 @@
 //! against the blocks each sender's counts say it sent (`Out of bounds values : 0 OK`), and
 //! the arguments it refuses.
 
-use std::process::Command;
-
-const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
-
-/// The bench as these tests run it: without the launcher variables of whatever runs the
-/// tests (inside an srun step or a torchrun rank, every `--ranks` call would be refused).
-fn bench_cmd() -> Command {
-    let mut c = Command::new(BENCH);
-    let vars = dspark::config::LAUNCHER_RANK_VARS
-        .iter()
-        .flat_map(|(r, w)| [*r, *w]);
-    for v in vars.chain(dspark::config::SLURM_STEP_VARS) {
-        c.env_remove(v);
-    }
-    c
-}
+#[path = "common/bench.rs"]
+mod bench;
+use bench::bench_cmd;
 
 /// Runs the bench with `args`; returns its exit code and its output, both streams.
 fn bench(args: &[&str]) -> (Option<i32>, String) {
+    bench_with(args, &[])
+}
+
+/// [`bench`] with `env` set as well.
+fn bench_with(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let out = bench_cmd()
         .args(args)
         // A rank that hangs fails its run at this deadline instead of hanging the test.
         .env("DSPARK_TIMEOUT", "60")
+        .envs(env.iter().copied())
         .output()
         .expect("dspark-bench starts");
     let text = format!(
@@ -274,18 +267,10 @@ fn peer_rows_take_the_peers_sizes_from_b_to_e() {
 #[test]
 fn ranks_under_a_launcher_are_refused() {
     let run = |env: &[(&str, &str)]| {
-        let out = bench_cmd()
-            .args(["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"])
-            .env("DSPARK_TIMEOUT", "60")
-            .envs(env.iter().copied())
-            .output()
-            .expect("dspark-bench starts");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.code(), text)
+        bench_with(
+            &["--ranks", "2", "-b", "8", "-e", "8", "-n", "3", "-w", "1"],
+            env,
+        )
     };
     for (env, names) in [
         (

@@ -5,27 +5,16 @@
 //! spawner, whatever ends it.
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-const BENCH: &str = env!("CARGO_BIN_EXE_dspark-bench");
-
-/// The bench as these tests run it: without the launcher variables of whatever runs the
-/// tests (inside an srun step or a torchrun rank, every `--ranks` call would be refused).
-fn bench_cmd() -> Command {
-    let mut c = Command::new(BENCH);
-    let vars = dspark::config::LAUNCHER_RANK_VARS
-        .iter()
-        .flat_map(|(r, w)| [*r, *w]);
-    for v in vars.chain(dspark::config::SLURM_STEP_VARS) {
-        c.env_remove(v);
-    }
-    c
-}
+#[path = "common/bench.rs"]
+mod bench;
+use bench::bench_cmd;
 
 /// The ranks' deadline: how long rank 0 waits for a stopped peer before it fails.
 const TIMEOUT_S: u64 = 3;
