@@ -17,6 +17,17 @@
 //!   8-byte all_reduce over TCP does, with no library around it). Reported per exchange: the
 //!   floor of dspark's TCP 8-byte all_reduce on this machine at this minute, for
 //!   `benches/fresh_runs.sh` to divide by.
+//! * `paired-<cell>` (only when named; cell `tcp8`, `tcp64k`, `shm8`, `shm64k`): dspark beside
+//!   its floor in one process pair, interleaved. Both processes open a dspark communicator of
+//!   2 ranks over the cell's transport (`tcp` or `shm`) and the floor's own channel, then each
+//!   sample times `k` dspark all_reduces (f32 sum, 8 B or 64 KiB) and right after `k` floor
+//!   iterations: `tcp8` or a 64 KiB exchange over one loopback connection for `tcp`, the
+//!   two-line `exchange` or `oneshot64k` for `shm`. The row: dspark's median µs per call, the
+//!   floor's, and the median, lowest and highest of the per-sample ratio dspark ÷ floor. The
+//!   ratio divides out what the machine does at that moment: on this project's VM the raw TCP
+//!   exchange itself sits at one of two levels ~1.5 µs apart for 20 ms to a second at a time
+//!   (`benches/data/issue25-stop50-2026-12-07/`), so a fresh run's time alone says more about
+//!   the second it ran in than about dspark.
 //! * `lines` (only when named): `pingpong` on each of the 64 lines of one fresh page in turn,
 //!   `samples` rounds over the page, `k` round trips per line and round; one row per line
 //!   (`line<i>`), then `lines` with the median, fastest and slowest line's median. Where the
@@ -35,6 +46,7 @@
 //! cargo bench --bench cacheline_floor -- 31 200 pin oneshot64k   # only the modes named
 //! cargo bench --bench cacheline_floor -- 31 500 pin tcp8          # the TCP exchange
 //! cargo bench --bench cacheline_floor -- 5 4000 pin lines         # each line of a page
+//! cargo bench --bench cacheline_floor -- 15 500 pin paired-tcp8    # dspark beside tcp8
 //! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -312,6 +324,125 @@ fn run_tcp8(samples: usize, k: usize, pinned: bool) -> Vec<f64> {
     forked(pinned, child, parent)
 }
 
+/// One exchange of `out.len()` bytes each way over the non-blocking `s` (both ends send and
+/// receive at once, so neither blocks the other however large): the floor of a 2-rank
+/// all_reduce of that many bytes over TCP, which moves at least as much each way.
+fn tcp_exchange(s: &mut std::net::TcpStream, out: &[u8], back: &mut [u8]) {
+    use std::io::{Read, Write};
+    let (mut sent, mut got) = (0, 0);
+    while sent < out.len() || got < back.len() {
+        if sent < out.len() {
+            match s.write(&out[sent..]) {
+                Ok(n) => sent += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => panic!("tcp exchange: send: {e}"),
+            }
+        }
+        if got < back.len() {
+            match s.read(&mut back[got..]) {
+                Ok(0) => panic!("tcp exchange: the other process closed the connection"),
+                Ok(n) => got += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => panic!("tcp exchange: recv: {e}"),
+            }
+        }
+    }
+}
+
+/// The `paired-<cell>` mode: per sample of the parent's, (dspark µs per call, floor µs per
+/// iteration), timed back to back.
+fn run_paired(cell: &str, samples: usize, k: usize, pinned: bool) -> Vec<(f64, f64)> {
+    let (tcp, bytes) = match cell {
+        "tcp8" => (true, 8),
+        "tcp64k" => (true, ONESHOT),
+        "shm8" => (false, 8),
+        "shm64k" => (false, ONESHOT),
+        _ => panic!("paired: no cell {cell:?} (tcp8, tcp64k, shm8, shm64k)"),
+    };
+    let base = shared(4096 + 4 * ONESHOT);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("paired: bind");
+    let addr = listener.local_addr().expect("paired: address");
+    // dspark's rank 0 listens on a port found free here (a benchmark, not a test: a port
+    // taken in between fails the run loudly).
+    let root = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("paired: a port for dspark")
+        .to_string();
+    let side = |me: usize| {
+        let mut c = dspark::Config::new(me, 2, root.clone());
+        c.transport = if tcp {
+            dspark::config::TransportChoice::Tcp
+        } else {
+            dspark::config::TransportChoice::Shm
+        };
+        c.timeout = std::time::Duration::from_secs(30);
+        let comm = dspark::Communicator::init(c).expect("paired: dspark init");
+        let mut s = tcp.then(|| {
+            let s = if me == 0 {
+                listener.accept().expect("paired: accept").0
+            } else {
+                std::net::TcpStream::connect(addr).expect("paired: connect")
+            };
+            s.set_nodelay(true).expect("paired: TCP_NODELAY");
+            s.set_nonblocking(true).expect("paired: non-blocking");
+            s
+        });
+        let mut buf = vec![0f32; bytes / 4];
+        let out = vec![me as u8; bytes];
+        let mut back = vec![0u8; bytes];
+        let mut oneshot = OneShot::new(base, me);
+        let mut i = 0u64;
+        let mut floor = || {
+            i += 1;
+            match (&mut s, bytes) {
+                (Some(s), 8) => tcp8_exchange(s, i),
+                (Some(s), _) => tcp_exchange(s, &out, &mut back),
+                (None, 8) => {
+                    word(base, me).store(i, Ordering::Release);
+                    wait_for(word(base, 1 - me), i);
+                }
+                (None, _) => oneshot.call(i),
+            }
+        };
+        let mut times = Vec::with_capacity(samples);
+        // One sample's worth of each first (the first calls of a fresh process are its own
+        // question: `dspark-bench`'s fresh runs ask it), then the timed samples.
+        for sample in 0..=samples {
+            let t0 = Instant::now();
+            for _ in 0..k {
+                comm.all_reduce(&mut buf, dspark::ReduceOp::Sum)
+                    .expect("paired: all_reduce");
+            }
+            let d = t0.elapsed().as_secs_f64() * 1e6 / k as f64;
+            let t1 = Instant::now();
+            for _ in 0..k {
+                floor();
+            }
+            let f = t1.elapsed().as_secs_f64() * 1e6 / k as f64;
+            if sample > 0 {
+                times.push((d, f));
+            }
+        }
+        std::hint::black_box(&buf);
+        times
+    };
+    forked(
+        pinned,
+        || {
+            side(1);
+        },
+        || side(0),
+    )
+}
+
 /// Lines of the page the `lines` mode walks.
 const PAGE_LINES: usize = 64;
 
@@ -386,11 +517,13 @@ fn main() {
         .collect();
     let lines = args.iter().any(|a| a == "lines");
     let tcp8 = args.iter().any(|a| a == "tcp8");
-    for mode in if asked.is_empty() && !lines && !tcp8 {
-        MODES.to_vec()
-    } else {
-        asked
-    } {
+    for mode in
+        if asked.is_empty() && !lines && !tcp8 && !args.iter().any(|a| a.starts_with("paired-")) {
+            MODES.to_vec()
+        } else {
+            asked
+        }
+    {
         let t = run(mode, samples, k, pinned);
         let (lo, hi) = t
             .iter()
@@ -403,6 +536,26 @@ fn main() {
             .iter()
             .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
         println!("tcp8,{:.3},{lo:.3},{hi:.3}", median(t));
+    }
+    let paired: Vec<&str> = args
+        .iter()
+        .filter_map(|a| a.strip_prefix("paired-"))
+        .collect();
+    if !paired.is_empty() {
+        println!("mode,dspark_us,floor_us,ratio_median,ratio_min,ratio_max");
+    }
+    for cell in &paired {
+        let t = run_paired(cell, samples, k, pinned);
+        let r: Vec<f64> = t.iter().map(|(d, f)| d / f).collect();
+        let (lo, hi) = r
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        println!(
+            "paired-{cell},{:.4},{:.4},{:.3},{lo:.3},{hi:.3}",
+            median(t.iter().map(|x| x.0).collect()),
+            median(t.iter().map(|x| x.1).collect()),
+            median(r)
+        );
     }
     if lines {
         let mut medians = Vec::with_capacity(PAGE_LINES);
