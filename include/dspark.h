@@ -536,40 +536,6 @@ dspark_result_t dspark_all_to_all_v(const dspark_comm_t *comm,
 dspark_result_t dspark_barrier(const dspark_comm_t *comm, dspark_work_t **work);
 
 /**
- * Waits for the operation of `work` and returns its result. It cannot wait forever: the
- * operation fails by its deadline. May be called again (and `dspark_work_test` after it):
- * it returns the same result. The handle must still be freed with `dspark_work_free`.
- *
- * # Safety
- * `work` is NULL (refused) or a live handle that no other thread is using.
- */
-dspark_result_t dspark_work_wait(dspark_work_t *work);
-
-/**
- * Polls the operation of `work` without blocking: `*done` is 1 once it is complete (then its
- * buffers are free again), 0 while it is in flight. When it completed with an error, `*done`
- * is 1 and the error is returned.
- *
- * # Safety
- * `work` is NULL (refused) or a live handle that no other thread is using; `done` is NULL
- * (refused) or valid for a write.
- */
-dspark_result_t dspark_work_test(dspark_work_t *work, int *done);
-
-/**
- * Frees a work handle; NULL is ignored. It leaves `dspark_last_error` as it was (wait, free,
- * then read the wait's error). Freeing the handle of an operation still in flight
- * does not cancel it: the operation runs to completion in issue order, and its buffers must
- * stay valid and untouched until then. So free a handle once `dspark_work_wait` returned
- * or `dspark_work_test` reported it done, unless the buffers outlive the communicator's
- * operations anyway (they are complete once `dspark_comm_destroy` returns).
- *
- * # Safety
- * `work` is NULL or a live handle that no other thread is using; it is invalid afterwards.
- */
-void dspark_work_free(dspark_work_t *work);
-
-/**
  * Copies `comm`'s flight record — its last operations (`DSPARK_FR_ENTRIES`), in the JSON
  * dump format that `DSPARK_FR_DUMP` writes and `dspark analyze` reads — into `buf` as a
  * NUL-terminated string. `*needed` (never NULL) is set to the bytes the record takes with
@@ -609,6 +575,68 @@ dspark_result_t dspark_comm_describe(const dspark_comm_t *comm,
                                      char *buf,
                                      size_t len,
                                      size_t *needed);
+
+/**
+ * Waits for the operation of `work` and returns its result. It cannot wait forever: the
+ * operation fails by its deadline. May be called again (and `dspark_work_test` after it):
+ * it returns the same result. The handle must still be freed with `dspark_work_free`.
+ *
+ * # Safety
+ * `work` is NULL (refused) or a live handle that no other thread is using.
+ */
+dspark_result_t dspark_work_wait(dspark_work_t *work);
+
+/**
+ * Polls the operation of `work` without blocking: `*done` is 1 once it is complete (then its
+ * buffers are free again), 0 while it is in flight. When it completed with an error, `*done`
+ * is 1 and the error is returned.
+ *
+ * # Safety
+ * `work` is NULL (refused) or a live handle that no other thread is using; `done` is NULL
+ * (refused) or valid for a write.
+ */
+dspark_result_t dspark_work_test(dspark_work_t *work, int *done);
+
+/**
+ * Frees a work handle; NULL is ignored. It leaves `dspark_last_error` as it was (wait, free,
+ * then read the wait's error). Freeing the handle of an operation still in flight
+ * does not cancel it: the operation runs to completion in issue order, and its buffers must
+ * stay valid and untouched until then. So free a handle once `dspark_work_wait` returned
+ * or `dspark_work_test` reported it done, unless the buffers outlive the communicator's
+ * operations anyway (they are complete once `dspark_comm_destroy` returns).
+ *
+ * # Safety
+ * `work` is NULL or a live handle that no other thread is using; it is invalid afterwards.
+ */
+void dspark_work_free(dspark_work_t *work);
+
+/**
+ * Waits at most `timeout_ms` milliseconds for the operation of `work`. Once it is complete
+ * this returns its result, as `dspark_work_wait` does (and both may be asked again). When it
+ * is still in flight at the end, this returns `DSPARK_ERR_TIMEOUT` and `dspark_last_error`
+ * says where the operation is (what it waits for, as `dspark_work_whereabouts` tells); the
+ * operation is not cancelled and the handle stays in flight: wait again, poll, or free it
+ * (its buffers stay the operation's until it completes). This is torch's `Work.wait(timeout)`;
+ * `timeout_ms` 0 polls once.
+ *
+ * # Safety
+ * `work` is NULL (refused) or a live handle that no other thread is using.
+ */
+dspark_result_t dspark_work_wait_timeout(dspark_work_t *work, uint64_t timeout_ms);
+
+/**
+ * Copies where the operation of `work` is — what it waits for, which operation ahead of it
+ * holds it back and for how long (the text `dspark_work_wait_timeout`'s error carries) —
+ * into `buf` as a NUL-terminated string; an empty string once the operation is complete.
+ * `*needed` and `len` as for `dspark_comm_flight_record`: call once with `len` 0 to size the
+ * buffer. Never waits.
+ *
+ * # Safety
+ * `work` is NULL (refused) or a live handle that no other thread is using; `needed` is NULL
+ * (refused) or valid for a write; `buf` is valid for writes of `len` bytes (or NULL with
+ * `len` 0).
+ */
+dspark_result_t dspark_work_whereabouts(dspark_work_t *work, char *buf, size_t len, size_t *needed);
 
 #ifdef __cplusplus
 }  // extern "C"

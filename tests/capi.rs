@@ -15,7 +15,6 @@
 //! compiler (`cc`) is required; CI installs gcc.
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -239,12 +238,10 @@ fn build_c(src: &str, name: &str, link_static: bool) -> PathBuf {
     exe
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
+#[allow(dead_code)]
+#[path = "common/procs.rs"]
+mod procs;
+use procs::free_port;
 
 /// How one rank process ended.
 struct Outcome {
@@ -387,6 +384,17 @@ fn the_c_abi_works_from_an_atexit_handler() {
     let exe = build_c("tests/c/atexit.c", "atexit", false);
     let outs = run_ranks(&exe, 2);
     assert_ranks_passed(&outs, "tests/c/atexit.c", true);
+}
+
+/// A bounded wait from C (`tests/c/wait_timeout.c`, 2 ranks, rank 1 joining 1.5 s late):
+/// `dspark_work_wait_timeout` gives up with `DSPARK_ERR_TIMEOUT` and the operation's
+/// whereabouts, leaves the handle in flight, and completes it on a later wait;
+/// `dspark_work_whereabouts` says the same, and nothing once the operation is complete.
+#[test]
+fn a_bounded_wait_from_c_times_out_says_where_and_completes_later() {
+    let exe = build_c("tests/c/wait_timeout.c", "wait_timeout", false);
+    let outs = run_ranks(&exe, 2);
+    assert_ranks_passed(&outs, "tests/c/wait_timeout.c", true);
 }
 
 /// dspark's warnings reach a C program's stderr, and `DSPARK_LOG=off` silences them: with

@@ -40,7 +40,9 @@ use crate::types::{DataType, ReduceOp};
 use crate::Communicator;
 
 mod boundary;
-use boundary::{copy_out, guard, guard_keeping, invalid, log_to_stderr};
+mod work;
+use boundary::{copy_out, guard, invalid, log_to_stderr};
+pub use work::*;
 
 /// A communicator: one rank's membership of a group of ranks.
 ///
@@ -974,104 +976,6 @@ pub unsafe extern "C" fn dspark_barrier(
             work,
         )
     }
-}
-
-/// The work handle behind `work`, or an argument error.
-///
-/// # Safety
-/// `work` is NULL or a live handle used by no other thread.
-unsafe fn work_mut<'a>(
-    work: *mut dspark_work_t,
-    func: &str,
-) -> Result<&'a mut dspark_work_t, Error> {
-    // SAFETY: NULL or live and not shared (contract).
-    unsafe { work.as_mut() }.ok_or_else(|| invalid(None, func, "work is NULL"))
-}
-
-/// Waits for the operation of `work` and returns its result. It cannot wait forever: the
-/// operation fails by its deadline. May be called again (and `dspark_work_test` after it):
-/// it returns the same result. The handle must still be freed with `dspark_work_free`.
-///
-/// # Safety
-/// `work` is NULL (refused) or a live handle that no other thread is using.
-#[no_mangle]
-pub unsafe extern "C" fn dspark_work_wait(work: *mut dspark_work_t) -> dspark_result_t {
-    const F: &str = "dspark_work_wait";
-    guard(F, || {
-        // SAFETY: NULL or live, used by this thread only (contract).
-        let h = unsafe { work_mut(work, F) }?;
-        // (If waiting panicked, the handle would keep this placeholder.)
-        let placeholder = WorkState::Done(Err(Error::Transport {
-            rank: None,
-            peer: None,
-            op: F.into(),
-            what: "internal error: waiting for the operation panicked".into(),
-        }));
-        let state = std::mem::replace(&mut h.state, placeholder);
-        let r = match state {
-            WorkState::Pending(w) => w.wait(),
-            WorkState::Done(r) => r,
-        };
-        h.state = WorkState::Done(r.clone());
-        r
-    })
-}
-
-/// Polls the operation of `work` without blocking: `*done` is 1 once it is complete (then its
-/// buffers are free again), 0 while it is in flight. When it completed with an error, `*done`
-/// is 1 and the error is returned.
-///
-/// # Safety
-/// `work` is NULL (refused) or a live handle that no other thread is using; `done` is NULL
-/// (refused) or valid for a write.
-#[no_mangle]
-pub unsafe extern "C" fn dspark_work_test(
-    work: *mut dspark_work_t,
-    done: *mut c_int,
-) -> dspark_result_t {
-    const F: &str = "dspark_work_test";
-    guard(F, || {
-        // SAFETY: NULL or live, used by this thread only (contract).
-        let h = unsafe { work_mut(work, F) }?;
-        if done.is_null() {
-            return Err(invalid(None, F, "done is NULL"));
-        }
-        let r = match &h.state {
-            WorkState::Done(r) => Some(r.clone()),
-            WorkState::Pending(w) => match w.test() {
-                Ok(false) => None,
-                Ok(true) => Some(Ok(())),
-                Err(e) => Some(Err(e)),
-            },
-        };
-        if let Some(r) = &r {
-            h.state = WorkState::Done(r.clone());
-        }
-        // SAFETY: non-null (checked above) and valid for a write (contract).
-        unsafe { done.write(c_int::from(r.is_some())) };
-        r.unwrap_or(Ok(()))
-    })
-}
-
-/// Frees a work handle; NULL is ignored. It leaves `dspark_last_error` as it was (wait, free,
-/// then read the wait's error). Freeing the handle of an operation still in flight
-/// does not cancel it: the operation runs to completion in issue order, and its buffers must
-/// stay valid and untouched until then. So free a handle once `dspark_work_wait` returned
-/// or `dspark_work_test` reported it done, unless the buffers outlive the communicator's
-/// operations anyway (they are complete once `dspark_comm_destroy` returns).
-///
-/// # Safety
-/// `work` is NULL or a live handle that no other thread is using; it is invalid afterwards.
-#[no_mangle]
-pub unsafe extern "C" fn dspark_work_free(work: *mut dspark_work_t) {
-    let _ = guard_keeping("dspark_work_free", || {
-        if !work.is_null() {
-            // SAFETY: a pointer from `Box::into_raw` in this ABI, not yet freed, used by
-            // nobody else (contract).
-            drop(unsafe { Box::from_raw(work) });
-        }
-        Ok(())
-    });
 }
 
 /// Copies `comm`'s flight record — its last operations (`DSPARK_FR_ENTRIES`), in the JSON
