@@ -6,6 +6,9 @@
 
 #[path = "common/bench.rs"]
 mod bench;
+#[allow(dead_code)]
+#[path = "common/procs.rs"]
+mod procs;
 use bench::bench_cmd;
 
 /// Runs the bench with `args`; returns its exit code and its output, both streams.
@@ -450,10 +453,7 @@ fn the_transport_flag_beats_the_environment_which_beats_the_default() {
 #[test]
 fn under_a_launcher_the_transport_flag_beats_the_environment_too() {
     for (flag, want) in [(Some("shm"), "shm"), (None, "tcp")] {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port();
+        let port = procs::free_port();
         let children: Vec<_> = (0..2)
             .map(|r| {
                 let mut cmd = bench_cmd();

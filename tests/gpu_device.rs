@@ -11,6 +11,9 @@
 //! Run everything with `bash tests/gpu/run_all.sh` (build and run here, or build here and run the
 //! prebuilt binaries on the GPU machine: see the script).
 
+#[allow(dead_code)]
+#[path = "common/procs.rs"]
+mod procs;
 #[path = "gpu/reference.rs"]
 mod reference;
 
@@ -560,11 +563,7 @@ fn staged_all_reduce_over_tcp_between_two_ranks_on_one_gpu_overlaps_its_stages()
     let mut worst: f64 = 0.0;
     for mib in [16usize, 256] {
         let count = (mib << 20) / 4;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = procs::free_port();
         let results: Vec<Result<(f64, f64, f64, f64), String>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|rank| {
@@ -866,11 +865,7 @@ fn two_ranks_on_one_gpu_over(
     transport: dspark::config::TransportChoice,
     f: impl Fn(&dspark::Communicator, &Arc<CudaContext>) -> Result<String, String> + Sync,
 ) -> Vec<Result<String, String>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = procs::free_port();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {

@@ -20,7 +20,7 @@ pub(crate) const FAILED_AS_EXPECTED: i32 = 3;
 /// kernel's ephemeral range (`ip_local_port_range`), which no `connect` or `bind(0)` is given
 /// meanwhile. (A port of that range, found free by binding port 0, was taken by another
 /// socket before rank 0 listened on it, twice in CI.) Tried from a start that differs per
-/// process and call, so that parallel tests rarely try the same one.
+/// process and call, and never one this process was given before.
 pub(crate) fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static CALLS: AtomicU32 = AtomicU32::new(0);
@@ -42,10 +42,17 @@ pub(crate) fn free_port() -> u16 {
     let seed = nanos
         ^ std::process::id().wrapping_mul(2_654_435_761)
         ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(40_503);
+    // Never the same port twice in one test process: two tests running in parallel that
+    // drew the same free port (each before its rank 0 listened) would fail one of them.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for k in 0..span {
-        let port = base + (seed.wrapping_add(k.wrapping_mul(7919))) % span;
-        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
-            return port as u16;
+        let port = (base + (seed.wrapping_add(k.wrapping_mul(7919))) % span) as u16;
+        if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            return port;
         }
     }
     panic!("no free port in {base}..{low}");
