@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::Instant;
 
-use dspark::{Communicator, ReduceOp};
+use dspark::{Collective, Communicator, ReduceOp};
 
 use crate::sweep::{max_over_ranks, median, sum_over_ranks};
 use crate::Args;
@@ -36,6 +36,15 @@ pub(crate) fn peer_rows(args: &Args, comm: &Communicator, peer: &str) -> Result<
     if r == 0 {
         // What the model believed (the rows on stdout stay the peers' format).
         eprintln!("# model     : {}", comm.info().cost_model);
+        // And what each size runs with (the choice, or what DSPARK_ALGO forces), so a row
+        // can be read against the forced algorithms' rows: two runs of one algorithm can
+        // differ by more than two algorithms do.
+        let runs: Vec<String> = list
+            .iter()
+            .filter(|&&b| b >= 4)
+            .map(|&b| format!("{b}={}", comm.algorithm(Collective::AllReduce, b).name()))
+            .collect();
+        eprintln!("# algorithm : {}", runs.join(" "));
     }
     for &bytes in &list {
         // As the peers: a size under one element is no row (it divided by zero here).
