@@ -25,9 +25,9 @@
 //!   two-line `exchange` or `oneshot64k` for `shm`. The row: dspark's median µs per call, the
 //!   floor's, and the median, lowest and highest of the per-sample ratio dspark ÷ floor. The
 //!   ratio divides out what the machine does at that moment: on this project's VM the raw TCP
-//!   exchange itself sits at one of two levels ~1.5 µs apart for 20 ms to a second at a time
-//!   (`benches/data/issue25-stop50-2026-12-07/`), so a fresh run's time alone says more about
-//!   the second it ran in than about dspark.
+//!   exchange itself sits at one of two levels ~1.5 µs apart, the slow one in stretches of
+//!   2 ms to nearly a second (`benches/data/issue25-stop50-2026-12-07/`), so a fresh run's
+//!   time alone says more about the second it ran in than about dspark.
 //! * `lines` (only when named): `pingpong` on each of the 64 lines of one fresh page in turn,
 //!   `samples` rounds over the page, `k` round trips per line and round; one row per line
 //!   (`line<i>`), then `lines` with the median, fastest and slowest line's median. Where the
@@ -177,27 +177,36 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Forks: the child (on CPU 1 when `pinned`) runs `child` and exits, the parent (on CPU 0)
-/// runs `parent`, waits for the child and returns what `parent` did. The two may share only
-/// memory mapped shared before the call.
+/// runs `parent`, waits for the child and returns what `parent` did; a child that failed (a
+/// panic: exit status 1) fails the run. The two may share only memory mapped shared and
+/// sockets opened before the call.
 fn forked<R>(pinned: bool, child: impl FnOnce(), parent: impl FnOnce() -> R) -> R {
-    // SAFETY: fork in a single-threaded benchmark process; the child only touches the shared
-    // mapping and exits with _exit.
+    // SAFETY: fork in a process that is single-threaded here: no mode has started a thread
+    // before forking (a `paired-` cell's communicator, with its threads, is opened after the
+    // fork in each process, and dropped, its threads joined, before the next cell forks).
+    // The child leaves with _exit.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
         if pinned {
             pin(1);
         }
-        child();
-        // SAFETY: leave the forked child without running the parent's destructors.
-        unsafe { libc::_exit(0) };
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).is_ok();
+        // SAFETY: leave the forked child without running the parent's destructors (nor, on
+        // a panic, going on with the parent's code).
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
     }
     if pinned {
         pin(0);
     }
     let r = parent();
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+    let mut status = 0;
+    // SAFETY: waiting for our own child, its status into a local.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        eprintln!("cacheline_floor: the child process failed (wait status {status})");
+        std::process::exit(1);
+    }
     r
 }
 
@@ -370,6 +379,9 @@ fn run_paired(cell: &str, samples: usize, k: usize, pinned: bool) -> Vec<(f64, f
     let base = shared(4096 + 4 * ONESHOT);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("paired: bind");
     let addr = listener.local_addr().expect("paired: address");
+    listener
+        .set_nonblocking(true)
+        .expect("paired: non-blocking listener");
     // dspark's rank 0 listens on a port found free here (a benchmark, not a test: a port
     // taken in between fails the run loudly).
     let root = std::net::TcpListener::bind("127.0.0.1:0")
@@ -387,7 +399,18 @@ fn run_paired(cell: &str, samples: usize, k: usize, pinned: bool) -> Vec<(f64, f
         let comm = dspark::Communicator::init(c).expect("paired: dspark init");
         let mut s = tcp.then(|| {
             let s = if me == 0 {
-                listener.accept().expect("paired: accept").0
+                // Not forever: a child that failed before connecting is not waited for.
+                let since = Instant::now();
+                loop {
+                    match listener.accept() {
+                        Ok((s, _)) => break s,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            assert!(since.elapsed() < GIVE_UP, "paired: nobody connected");
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                        Err(e) => panic!("paired: accept: {e}"),
+                    }
+                }
             } else {
                 std::net::TcpStream::connect(addr).expect("paired: connect")
             };

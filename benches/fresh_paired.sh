@@ -11,7 +11,8 @@
 # time, of the floor's, and of the ratio.
 #
 # Why: on this project's 2-vCPU VM the raw loopback TCP exchange (no dspark) sits at one of
-# two levels ~1.5 µs apart for 20 ms to a second at a time, so fresh `dspark-bench` runs at
+# two levels ~1.5 µs apart, the slow one in stretches of 2 ms to nearly a second (most a
+# few ms, some of 0.2-0.9 s, whole seconds mostly slow), so fresh `dspark-bench` runs at
 # TCP 8 B spread as the machine does (benches/data/issue25-stop50-2026-12-07/). The ratio to
 # a floor timed milliseconds apart in the same processes is dspark's own steadiness.
 #

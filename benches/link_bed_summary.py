@@ -37,7 +37,7 @@ for rate in rates:
         print(f"| {who} | " + " | ".join(cells) + " |")
     # What the default ran at each size (`# algorithm` on rank 0's stderr, dspark-bench
     # --peer-rows) against the forced algorithms' own rows: the choice's forced time over the
-    # best forced time. Two fresh jobs of one algorithm on this bed differ by up to ~1.3x at
+    # best forced time. Two fresh jobs of one algorithm on this bed differ by up to ~1.7x at
     # the small sizes (4 ranks sharing 2 cores), more than the choice's 10% allows, so the
     # default's own row can miss what its choice does not.
     d = os.path.dirname(os.path.abspath(sys.argv[1]))

@@ -10,10 +10,12 @@
  *    rank, the peer and the operation), until the next dspark call on the same thread.
  *  - Collectives follow NCCL: argument order, counts, out of place, in place when the send and
  *    receive buffers coincide. Pass work == NULL to block; otherwise the call returns at once
- *    and *work receives a handle (dspark_work_wait, dspark_work_test, dspark_work_free).
+ *    and *work receives a handle (dspark_work_wait, dspark_work_wait_timeout,
+ *    dspark_work_test, dspark_work_whereabouts, dspark_work_free).
  *  - Buffers are host memory. A buffer must stay valid, and must not be written (send) or
  *    accessed (receive) by the caller, until its operation has completed: until the blocking
- *    call returns, or until dspark_work_wait returns / dspark_work_test sets *done = 1.
+ *    call returns, or until dspark_work_wait returns / dspark_work_test sets *done = 1 (a
+ *    DSPARK_ERR_TIMEOUT from dspark_work_wait_timeout's own wait does not release them).
  *    Freeing a work handle does not cancel its operation.
  *  - Threads: a communicator may be used from several threads at once; its operations run one
  *    at a time in issue order. dspark_comm_abort may be called from any thread.
@@ -66,7 +68,10 @@ typedef enum {
     DSPARK_SUCCESS = 0,
     /**
      * A blocking operation did not finish by its deadline (`DSPARK_TIMEOUT`, default 300 s):
-     * a silent, stopped or overloaded peer. The communicator is unusable.
+     * a silent, stopped or overloaded peer. The communicator is unusable. Also what
+     * `dspark_work_wait_timeout` returns when its own wait runs out while the operation is
+     * still in flight: then nothing is broken and the operation goes on (`dspark_work_test`
+     * says which of the two: `*done` 0 for a wait that ran out, 1 for a failed operation).
      */
     DSPARK_ERR_TIMEOUT = 1,
     /**
@@ -616,8 +621,10 @@ void dspark_work_free(dspark_work_t *work);
  * is still in flight at the end, this returns `DSPARK_ERR_TIMEOUT` and `dspark_last_error`
  * says where the operation is (what it waits for, as `dspark_work_whereabouts` tells); the
  * operation is not cancelled and the handle stays in flight: wait again, poll, or free it
- * (its buffers stay the operation's until it completes). This is torch's `Work.wait(timeout)`;
- * `timeout_ms` 0 polls once.
+ * (its buffers stay the operation's until it completes). An operation that failed by its
+ * own deadline (`DSPARK_TIMEOUT`) returns `DSPARK_ERR_TIMEOUT` too, complete: after that
+ * code, `dspark_work_test`'s `*done` (1: complete, the buffers free again) tells the two
+ * apart. This is torch's `Work.wait(timeout)`; `timeout_ms` 0 polls once.
  *
  * # Safety
  * `work` is NULL (refused) or a live handle that no other thread is using.

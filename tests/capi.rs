@@ -397,6 +397,21 @@ fn a_bounded_wait_from_c_times_out_says_where_and_completes_later() {
     assert_ranks_passed(&outs, "tests/c/wait_timeout.c", true);
 }
 
+/// The other `DSPARK_ERR_TIMEOUT` of a bounded wait (`tests/c/wait_timeout.c`, case
+/// `own_deadline`): the operation fails by its own deadline (`DSPARK_TIMEOUT=1`, the peer 3 s
+/// late) inside a 30 s wait. Same code, but complete: `dspark_work_test` says done, so the
+/// caller knows its buffers are free again.
+#[test]
+fn a_bounded_wait_on_an_operation_past_its_own_deadline_reports_it_complete() {
+    let exe = build_c("tests/c/wait_timeout.c", "wait_timeout_own", false);
+    let env = [
+        ("WAIT_TIMEOUT_CASE", "own_deadline"),
+        ("DSPARK_TIMEOUT", "1"),
+    ];
+    let outs = run_ranks_with(&exe, 2, &env);
+    assert_ranks_passed(&outs, "tests/c/wait_timeout.c own_deadline", true);
+}
+
 /// dspark's warnings reach a C program's stderr, and `DSPARK_LOG=off` silences them: with
 /// `DSPARK_ALGO=pairwise` (which all_reduce and broadcast do not implement) over TCP, each
 /// rank warns for `tests/c/atexit.c`'s all_reduce and again for its broadcast, which runs in

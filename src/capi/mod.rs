@@ -79,7 +79,10 @@ pub enum dspark_result_t {
     /// The call succeeded.
     DSPARK_SUCCESS = 0,
     /// A blocking operation did not finish by its deadline (`DSPARK_TIMEOUT`, default 300 s):
-    /// a silent, stopped or overloaded peer. The communicator is unusable.
+    /// a silent, stopped or overloaded peer. The communicator is unusable. Also what
+    /// `dspark_work_wait_timeout` returns when its own wait runs out while the operation is
+    /// still in flight: then nothing is broken and the operation goes on (`dspark_work_test`
+    /// says which of the two: `*done` 0 for a wait that ran out, 1 for a failed operation).
     DSPARK_ERR_TIMEOUT = 1,
     /// A peer closed its connection or died. The communicator is unusable.
     DSPARK_ERR_PEER_LOST = 2,

@@ -111,8 +111,10 @@ pub unsafe extern "C" fn dspark_work_free(work: *mut dspark_work_t) {
 /// is still in flight at the end, this returns `DSPARK_ERR_TIMEOUT` and `dspark_last_error`
 /// says where the operation is (what it waits for, as `dspark_work_whereabouts` tells); the
 /// operation is not cancelled and the handle stays in flight: wait again, poll, or free it
-/// (its buffers stay the operation's until it completes). This is torch's `Work.wait(timeout)`;
-/// `timeout_ms` 0 polls once.
+/// (its buffers stay the operation's until it completes). An operation that failed by its
+/// own deadline (`DSPARK_TIMEOUT`) returns `DSPARK_ERR_TIMEOUT` too, complete: after that
+/// code, `dspark_work_test`'s `*done` (1: complete, the buffers free again) tells the two
+/// apart. This is torch's `Work.wait(timeout)`; `timeout_ms` 0 polls once.
 ///
 /// # Safety
 /// `work` is NULL (refused) or a live handle that no other thread is using.

@@ -8,14 +8,21 @@
  * for rank 1: dspark_work_wait_timeout(200 ms) fails with DSPARK_ERR_TIMEOUT, its error names
  * the all_reduce and where it is, and the handle stays in flight; dspark_work_whereabouts
  * sizes and fills the same text; a second bounded wait long enough completes it, with the
- * right sums; then the whereabouts are empty and the wait answers again. Prints
- * "N passed, M failed"; exits 1 on a failure.
+ * right sums; then the whereabouts are empty and the wait answers again.
+ *
+ * With WAIT_TIMEOUT_CASE=own_deadline (and DSPARK_TIMEOUT=1), rank 1 joins 3 s late: the
+ * operation fails by its own 1 s deadline inside rank 0's 30 s bounded wait, which returns
+ * DSPARK_ERR_TIMEOUT too, but complete: dspark_work_test says *done = 1, the whereabouts are
+ * empty, and the wait answers the same again. Rank 1's next call after its late one fails.
+ *
+ * Prints "N passed, M failed"; exits 1 on a failure.
  */
 #define _POSIX_C_SOURCE 200809L
 
 #include <dspark.h>
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -30,8 +37,10 @@ int main(void)
     float buf[N];
     char text[1024];
     size_t needed = 0;
-    int i, size = 0;
+    int i, size = 0, done = 0;
     dspark_result_t r;
+    const char *c = getenv("WAIT_TIMEOUT_CASE");
+    int own_deadline = c != NULL && strcmp(c, "own_deadline") == 0;
     if (dspark_comm_init_from_env(&comm) != DSPARK_SUCCESS) {
         printf("init: %s\n", dspark_last_error());
         return 1;
@@ -40,6 +49,36 @@ int main(void)
     dspark_comm_size(comm, &size);
     for (i = 0; i < N; i++)
         buf[i] = (float)(i * (g_rank + 1));
+    if (own_deadline) {
+        if (g_rank == 1) {
+            struct timespec late = {3, 0};
+            nanosleep(&late, NULL);
+            /* It may even succeed: rank 0's contribution was sent before its deadline, and
+             * a 2-rank all_reduce needs nothing more from it. The next call cannot. */
+            (void)dspark_all_reduce(comm, buf, buf, N, DSPARK_F32, DSPARK_SUM, NULL);
+            CHECK(dspark_barrier(comm, NULL) != DSPARK_SUCCESS,
+                  "a barrier with rank 0 failed and gone succeeded");
+        } else {
+            CHECK(dspark_all_reduce(comm, buf, buf, N, DSPARK_F32, DSPARK_SUM, &w) ==
+                      DSPARK_SUCCESS,
+                  "rank 0's non-blocking all_reduce");
+            r = dspark_work_wait_timeout(w, 30000);
+            CHECK(r == DSPARK_ERR_TIMEOUT, "a 30 s wait for an operation with a 1 s deadline "
+                                           "and a peer 3 s late gave %d", (int)r);
+            r = dspark_work_test(w, &done);
+            CHECK(r == DSPARK_ERR_TIMEOUT && done == 1,
+                  "after the operation's own deadline: test gave %d, done %d", (int)r, done);
+            r = dspark_work_whereabouts(w, text, sizeof text, &needed);
+            CHECK(r == DSPARK_SUCCESS && needed == 1,
+                  "a failed operation's whereabouts: %d, needed %zu", (int)r, needed);
+            CHECK(dspark_work_wait_timeout(w, 0) == DSPARK_ERR_TIMEOUT, "the wait asked again");
+            dspark_work_free(w);
+        }
+        dspark_comm_destroy(comm);
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        fflush(stdout);
+        return g_fail ? 1 : 0;
+    }
     if (g_rank == 1) {
         struct timespec late = {1, 500000000};
         nanosleep(&late, NULL);

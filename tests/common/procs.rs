@@ -29,11 +29,25 @@ pub(crate) fn free_port() -> u16 {
         .and_then(|t| t.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32768);
     let base = 10_000u32;
+    // Never the same port twice in one test process: two tests running in parallel that
+    // drew the same free port (each before its rank 0 listened) would fail one of them.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if low <= base + 1000 {
-        return TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        // No room below the ephemeral range: one the kernel finds free, never one given.
+        for _ in 0..1000 {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            if !given.contains(&port) {
+                given.push(port);
+                return port;
+            }
+        }
+        panic!("no free port not given before");
     }
     let span = low - base;
     let nanos = std::time::SystemTime::now()
@@ -42,12 +56,6 @@ pub(crate) fn free_port() -> u16 {
     let seed = nanos
         ^ std::process::id().wrapping_mul(2_654_435_761)
         ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(40_503);
-    // Never the same port twice in one test process: two tests running in parallel that
-    // drew the same free port (each before its rank 0 listened) would fail one of them.
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for k in 0..span {
         let port = (base + (seed.wrapping_add(k.wrapping_mul(7919))) % span) as u16;
         if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
