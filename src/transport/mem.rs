@@ -412,16 +412,25 @@ impl Transport for MemTransport {
             let fabric = self.fabric.clone();
             let mut st = fabric.lock();
             let now = Instant::now();
-            if let Some(f) = st.link(peer, self.rank).front() {
-                if f.visible_at.is_some_and(|t| t > now) {
-                    return Ok(None);
-                }
-                if f.hdr.kind == FrameKind::Data {
-                    return Ok(Some(f.hdr));
+            match st.link(peer, self.rank).front() {
+                Some(f) if f.visible_at.is_some_and(|t| t > now) => return Ok(None),
+                Some(f) if f.hdr.kind == FrameKind::Data => return Ok(Some(f.hdr)),
+                Some(_) => {}
+                // Nothing: what `recv` would report, judged under the same lock. (Judged after
+                // it, by `pop_frame`, a data frame pushed in between was taken and dropped
+                // here: a receive from any source that saw its header then found the link
+                // empty and its sender closed, "peer closed its communicator", once in a
+                // CI run.)
+                None => {
+                    return match self.peer_error(&st, peer, "receive") {
+                        Some(e) => Err(e),
+                        None => Ok(None),
+                    }
                 }
             }
         }
-        // Nothing, or an abort or a goodbye: what `recv` would report.
+        // An abort or a goodbye at the front (only this rank takes from its links, so it is
+        // still there): what `recv` would report.
         self.pop_frame(peer).map(|f| f.map(|f| f.hdr))
     }
 
@@ -681,5 +690,51 @@ impl DirectTransport for MemTransport {
     fn direct_send_done(&mut self, _peer: usize, _token: u64) -> Result<bool> {
         // `send_direct` copies the payload into the peer's region before it returns.
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data frame that lands (and its sender closes) while `peek` looks at an empty link is
+    /// still there for the receive: `peek` once judged "empty" under one lock and took the
+    /// front frame under the next, dropping it, so a receive from any source that saw its
+    /// header found "peer closed its communicator" (a CI failure of tests/recv_any.rs).
+    #[test]
+    fn peek_never_takes_a_data_frame_that_lands_while_it_looks() {
+        let hdr = FrameHeader {
+            kind: FrameKind::Data,
+            coll: 7,
+            dtype: 0,
+            op: 0,
+            root: 0,
+            len: 4,
+            seq: 2,
+            count: 1,
+        };
+        for round in 0..500 {
+            let fabric = MemFabric::new(2, 8);
+            let mut rx = fabric.transport(0);
+            let mut tx = fabric.transport(1);
+            let sender = std::thread::spawn(move || {
+                let mut p = SendProgress::default();
+                assert_eq!(tx.send(0, &hdr, &[1, 2, 3, 4], &mut p).ok(), Some(true));
+                tx.close();
+            });
+            let seen = loop {
+                match rx.peek(1) {
+                    Ok(Some(h)) => break h,
+                    Ok(None) => std::hint::spin_loop(),
+                    Err(e) => panic!("round {round}: before any frame: {e}"),
+                }
+            };
+            sender.join().expect("the sender");
+            assert_eq!(seen, hdr, "round {round}");
+            match rx.peek(1) {
+                Ok(Some(h)) => assert_eq!(h, hdr, "round {round}"),
+                other => panic!("round {round}: the peeked frame is gone: {other:?}"),
+            }
+        }
     }
 }
