@@ -337,17 +337,16 @@ fn run_tcp8(samples: usize, k: usize, pinned: bool) -> Vec<f64> {
 /// receive at once, so neither blocks the other however large): the floor of a 2-rank
 /// all_reduce of that many bytes over TCP, which moves at least as much each way.
 fn tcp_exchange(s: &mut std::net::TcpStream, out: &[u8], back: &mut [u8]) {
-    use std::io::{Read, Write};
+    use std::io::{ErrorKind, Read, Write};
+    // Nothing to do this turn, or a signal: try again.
+    let again =
+        |e: &std::io::Error| matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted);
     let (mut sent, mut got) = (0, 0);
     while sent < out.len() || got < back.len() {
         if sent < out.len() {
             match s.write(&out[sent..]) {
                 Ok(n) => sent += n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                    ) => {}
+                Err(e) if again(&e) => {}
                 Err(e) => panic!("tcp exchange: send: {e}"),
             }
         }
@@ -355,11 +354,7 @@ fn tcp_exchange(s: &mut std::net::TcpStream, out: &[u8], back: &mut [u8]) {
             match s.read(&mut back[got..]) {
                 Ok(0) => panic!("tcp exchange: the other process closed the connection"),
                 Ok(n) => got += n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                    ) => {}
+                Err(e) if again(&e) => {}
                 Err(e) => panic!("tcp exchange: recv: {e}"),
             }
         }
@@ -540,13 +535,15 @@ fn main() {
         .collect();
     let lines = args.iter().any(|a| a == "lines");
     let tcp8 = args.iter().any(|a| a == "tcp8");
-    for mode in
-        if asked.is_empty() && !lines && !tcp8 && !args.iter().any(|a| a.starts_with("paired-")) {
-            MODES.to_vec()
-        } else {
-            asked
-        }
-    {
+    let paired: Vec<&str> = args
+        .iter()
+        .filter_map(|a| a.strip_prefix("paired-"))
+        .collect();
+    for mode in if asked.is_empty() && !lines && !tcp8 && paired.is_empty() {
+        MODES.to_vec()
+    } else {
+        asked
+    } {
         let t = run(mode, samples, k, pinned);
         let (lo, hi) = t
             .iter()
@@ -560,10 +557,6 @@ fn main() {
             .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
         println!("tcp8,{:.3},{lo:.3},{hi:.3}", median(t));
     }
-    let paired: Vec<&str> = args
-        .iter()
-        .filter_map(|a| a.strip_prefix("paired-"))
-        .collect();
     if !paired.is_empty() {
         println!("mode,dspark_us,floor_us,ratio_median,ratio_min,ratio_max");
     }

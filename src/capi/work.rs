@@ -20,6 +20,21 @@ unsafe fn work_mut<'a>(
     unsafe { work.as_mut() }.ok_or_else(|| invalid(None, func, "work is NULL"))
 }
 
+/// Polls the operation behind `h` once: its result once it is complete (then kept in `h`, so
+/// that later calls answer the same), `None` while it is in flight.
+fn settle(h: &mut dspark_work_t) -> Option<Result<(), Error>> {
+    let r = match &h.state {
+        WorkState::Done(r) => return Some(r.clone()),
+        WorkState::Pending(w) => match w.test() {
+            Ok(false) => return None,
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        },
+    };
+    h.state = WorkState::Done(r.clone());
+    Some(r)
+}
+
 /// Waits for the operation of `work` and returns its result. It cannot wait forever: the
 /// operation fails by its deadline. May be called again (and `dspark_work_test` after it):
 /// it returns the same result. The handle must still be freed with `dspark_work_free`.
@@ -68,17 +83,7 @@ pub unsafe extern "C" fn dspark_work_test(
         if done.is_null() {
             return Err(invalid(None, F, "done is NULL"));
         }
-        let r = match &h.state {
-            WorkState::Done(r) => Some(r.clone()),
-            WorkState::Pending(w) => match w.test() {
-                Ok(false) => None,
-                Ok(true) => Some(Ok(())),
-                Err(e) => Some(Err(e)),
-            },
-        };
-        if let Some(r) = &r {
-            h.state = WorkState::Done(r.clone());
-        }
+        let r = settle(h);
         // SAFETY: non-null (checked above) and valid for a write (contract).
         unsafe { done.write(c_int::from(r.is_some())) };
         r.unwrap_or(Ok(()))
@@ -127,29 +132,22 @@ pub unsafe extern "C" fn dspark_work_wait_timeout(
     guard(F, || {
         // SAFETY: NULL or live, used by this thread only (contract).
         let h = unsafe { work_mut(work, F) }?;
-        let w = match &h.state {
+        let waited = match &h.state {
             WorkState::Done(r) => return r.clone(),
-            WorkState::Pending(w) => w,
+            WorkState::Pending(w) => w.wait_timeout(Duration::from_millis(timeout_ms)),
         };
-        let waited = w.wait_timeout(Duration::from_millis(timeout_ms));
         // Complete or not is the operation's own state, not the wait's error: an operation
         // that failed by its own deadline is done, a wait that ran out is not.
-        let r = match w.test() {
+        settle(h).unwrap_or_else(|| {
             // Still in flight: the wait's own error, which names the operation and says
             // where it is.
-            Ok(false) => {
-                return Err(waited.err().unwrap_or_else(|| Error::Transport {
-                    rank: None,
-                    peer: None,
-                    op: F.into(),
-                    what: "internal error: the wait returned, the operation is in flight".into(),
-                }))
-            }
-            Ok(true) => Ok(()),
-            Err(e) => Err(e),
-        };
-        h.state = WorkState::Done(r.clone());
-        r
+            Err(waited.err().unwrap_or_else(|| Error::Transport {
+                rank: None,
+                peer: None,
+                op: F.into(),
+                what: "internal error: the wait returned, the operation is in flight".into(),
+            }))
+        })
     })
 }
 

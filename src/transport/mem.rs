@@ -722,10 +722,17 @@ mod tests {
                 assert_eq!(tx.send(0, &hdr, &[1, 2, 3, 4], &mut p).ok(), Some(true));
                 tx.close();
             });
+            let since = Instant::now();
             let seen = loop {
                 match rx.peek(1) {
                     Ok(Some(h)) => break h,
-                    Ok(None) => std::hint::spin_loop(),
+                    Ok(None) => {
+                        assert!(
+                            since.elapsed() < Duration::from_secs(10),
+                            "round {round}: no frame came"
+                        );
+                        std::hint::spin_loop();
+                    }
                     Err(e) => panic!("round {round}: before any frame: {e}"),
                 }
             };
